@@ -1,0 +1,31 @@
+"""``vllm-lora fetch SOURCE...``: download adapters into the Hugging Face cache and print the pinned sources."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from vllm_lora_ext.sources import resolve_source
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("fetch", help="pre-download adapters into the HF cache (for offline serving)")
+    p.add_argument("sources", nargs="+", help="hf:org/repo[@rev][:path] sources")
+    p.add_argument("--cache-dir", default=None, help="HF cache folder (default: huggingface_hub's)")
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for source in args.sources:
+        r = resolve_source(source, cache_dir=args.cache_dir, local_files_only=False)
+        record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
+                  "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
+                  "config_rule": r.config_rule}
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
+                  f"[{record['config_rule']}]")
+    return 0

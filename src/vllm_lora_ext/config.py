@@ -1,0 +1,219 @@
+"""AdapterConfig: a typed, validated view of a PEFT ``adapter_config.json`` (or one inferred from tensors).
+
+Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``. Per-module
+``rank_pattern`` / ``alpha_pattern`` use PEFT's key rule: a pattern matches a module name if the
+name equals it or ends with ``.`` + pattern, or the pattern (a regex) fully matches a ``.``-suffix of
+the name; the longest-listed first match wins as in PEFT (first key in dict order that matches).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_lora_ext.constants import METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
+from vllm_lora_ext.errors import AdapterFormatError
+
+__all__ = ["AdapterConfig", "read_config", "infer_config"]
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What the loader needs from an adapter's config, checked on construction.
+
+    Attributes:
+        r: default rank.
+        lora_alpha: default alpha.
+        use_rslora: scale by ``alpha / sqrt(r)`` instead of ``alpha / r``.
+        rank_pattern / alpha_pattern: per-module overrides (PEFT semantics).
+        target_modules / target_parameters: as written (informational; layout comes from the keys).
+        peft_version: the PEFT version that wrote the adapter, if recorded.
+        inferred: the config was built from tensors and metadata, not read from a file.
+        raw: the original mapping (passed on to vLLM's own config parser).
+    """
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    target_modules: tuple[str, ...] | str | None = None
+    target_parameters: tuple[str, ...] | None = None
+    peft_version: str | None = None
+    base_model_name_or_path: str | None = None
+    inferred: bool = False
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    name: str = "adapter"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r < 1:
+            raise AdapterFormatError(f"Adapter {self.name!r}: rank r={self.r!r} must be a positive integer. Fix 'r' in its config.",
+                                     adapter=self.name, key="r")
+        if not math.isfinite(self.lora_alpha):
+            raise AdapterFormatError(f"Adapter {self.name!r}: lora_alpha={self.lora_alpha!r} is not finite. Fix 'lora_alpha'.",
+                                     adapter=self.name, key="lora_alpha")
+        for k, v in self.rank_pattern.items():
+            if not isinstance(v, int) or v < 1:
+                raise AdapterFormatError(f"Adapter {self.name!r}: rank_pattern[{k!r}]={v!r} must be a positive integer.",
+                                         adapter=self.name, key=k)
+
+    def rank_for(self, module: str) -> int:
+        """Return the rank PEFT gives ``module`` (``rank_pattern`` first, else ``r``)."""
+        key = _pattern_key(self.rank_pattern, module)
+        return int(self.rank_pattern[key]) if key is not None else self.r
+
+    def alpha_for(self, module: str) -> float:
+        """Return the alpha PEFT gives ``module`` (``alpha_pattern`` first, else ``lora_alpha``)."""
+        key = _pattern_key(self.alpha_pattern, module)
+        return float(self.alpha_pattern[key]) if key is not None else float(self.lora_alpha)
+
+    def scaling_for(self, module: str, rank: int | None = None) -> float:
+        """Return the scaling of ``module``'s delta: ``alpha/r`` or ``alpha/sqrt(r)`` (rsLoRA)."""
+        r = self.rank_for(module) if rank is None else rank
+        alpha = self.alpha_for(module)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    @property
+    def has_patterns(self) -> bool:
+        """Whether any per-module rank or alpha override exists."""
+        return bool(self.rank_pattern) or bool(self.alpha_pattern)
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    # PEFT's get_pattern_key: exact suffix match on '.'-boundaries, else a regex that matches a suffix.
+    for key in patterns:
+        if module == key or module.endswith("." + key):
+            return key
+    for key in patterns:
+        try:
+            if re.fullmatch(rf"(.*\.)?{key}", module):
+                return key
+        except re.error:
+            continue
+    return None
+
+
+_REJECT = (
+    ("use_dora", lambda v: bool(v), "DoRA (use_dora=true) is not supported by vLLM's LoRA kernels",
+     "Merge the magnitude vector into the base model, or retrain without DoRA."),
+    ("bias", lambda v: v not in (None, "none"), "LoRA bias training (bias != 'none') has no place in vLLM's LoRA layers",
+     "Retrain with bias='none', or merge the biases into the base model."),
+    ("lora_bias", lambda v: bool(v), "lora_bias=true adds bias terms vLLM cannot apply",
+     "Retrain with lora_bias=false."),
+    ("modules_to_save", lambda v: bool(v), "modules_to_save holds fully trained modules, which a LoRA slot cannot carry",
+     "Merge those modules into the base model and serve the rest as LoRA."),
+    ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out=true (Conv1D-style weights) is not supported",
+     "Re-save the adapter from an nn.Linear model."),
+)
+
+
+def _check_supported(raw: Mapping[str, Any], name: str) -> None:
+    problems: list[str] = []
+    peft_type = raw.get("peft_type", "LORA")
+    if isinstance(peft_type, str) and peft_type.upper() != "LORA":
+        problems.append(f"peft_type={peft_type!r} is not LoRA (only LoRA adapters can be served); use a LoRA adapter")
+    for key, bad, what, fix in _REJECT:
+        if key in raw and bad(raw[key]):
+            problems.append(f"{what}; {fix}")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().split("_")[0] in {"pissa", "olora", "corda", "loftq"}:
+        problems.append(f"init_lora_weights={init!r} changes the base weights, so the adapter alone is wrong on the "
+                        f"original base model; convert it to a plain LoRA with PEFT first")
+    if problems:
+        raise AdapterFormatError(f"Adapter {name!r} cannot be served: " + "; ".join(problems) + ".", adapter=name,
+                                 key=None)
+
+
+def config_from_dict(raw: Mapping[str, Any], *, name: str = "adapter", inferred: bool = False) -> AdapterConfig:
+    """Build an [`AdapterConfig`] from a parsed config mapping, rejecting what vLLM cannot serve."""
+    _check_supported(raw, name)
+    if "r" not in raw:
+        raise AdapterFormatError(f"Adapter {name!r}: config has no rank 'r'. Add \"r\": <rank> to its config.",
+                                 adapter=name, key="r")
+    r = raw["r"]
+    alpha = raw.get("lora_alpha", r)
+    tm = raw.get("target_modules")
+    tp = raw.get("target_parameters")
+    return AdapterConfig(
+        r=int(r) if isinstance(r, (int, float)) and float(r).is_integer() else r,
+        lora_alpha=float(alpha),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern={k: float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+        target_modules=tuple(tm) if isinstance(tm, (list, tuple)) else tm,
+        target_parameters=tuple(tp) if tp else None,
+        peft_version=raw.get("peft_version"),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+        inferred=inferred,
+        raw=dict(raw),
+        name=name,
+    )
+
+
+def read_config(path: str | os.PathLike[str], *, name: str = "adapter") -> AdapterConfig:
+    """Read and validate an ``adapter_config.json``.
+
+    Raises:
+        [`AdapterFormatError`]: the file is not JSON, not an object, or asks for an unsupported feature.
+    """
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is not valid JSON ({err}). Fix or replace it.",
+                                 adapter=name, key=None) from err
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} must be a JSON object.", adapter=name, key=None)
+    return config_from_dict(raw, name=name)
+
+
+def infer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str] | None, *,
+                 name: str = "adapter") -> AdapterConfig:
+    """Infer a config for a bare weight file: rank from ``lora_A`` shapes, alpha from the file's metadata.
+
+    Raises:
+        [`AdapterFormatError`]: ranks differ between modules with no metadata to settle them, or no alpha is
+            recorded in the metadata.
+    """
+    meta = dict(metadata or {})
+    ranks = sorted({s[0] for k, s in shapes.items() if k.endswith("lora_A.weight") and len(s) == 2})
+    meta_rank = next((meta[k] for k in METADATA_RANK_KEYS if k in meta), None)
+    if meta_rank is not None:
+        r = int(float(meta_rank))
+    elif len(ranks) == 1:
+        r = ranks[0]
+    elif not ranks:
+        raise AdapterFormatError(f"Adapter {name!r}: no config file and no lora_A tensors to infer the rank from. "
+                                 f"Add an adapter_config.json beside the weight file.", adapter=name, key=None)
+    else:
+        raise AdapterFormatError(f"Adapter {name!r}: no config file and the lora_A ranks differ ({ranks}). "
+                                 f"Add an adapter_config.json with r and rank_pattern beside the weight file.",
+                                 adapter=name, key=None)
+    alpha_s = next((meta[k] for k in METADATA_ALPHA_KEYS if k in meta), None)
+    if alpha_s is None:
+        raise AdapterFormatError(
+            f"Adapter {name!r}: no config file beside the weight file and no 'lora_alpha' in its safetensors metadata, "
+            f"so its scaling is unknown (rank {r} was inferred from the shapes). Add an adapter_config.json "
+            f"(or '<stem>_config.json') with \"r\" and \"lora_alpha\", or save the file with metadata "
+            f"{{'lora_alpha': '<alpha>'}}.", adapter=name, key="lora_alpha")
+    modules = sorted({k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in shapes if ".lora_A." in k})
+    raw = {"peft_type": "LORA", "r": r, "lora_alpha": float(alpha_s), "target_modules": modules,
+           "use_rslora": meta.get("use_rslora", "false").lower() == "true"}
+    return config_from_dict(raw, name=name, inferred=True)
+
+
+def module_names(keys: Iterable[str]) -> list[str]:
+    """Return the module names (key without ``.lora_A.weight`` etc.) in first-seen order."""
+    seen: dict[str, None] = {}
+    for k in keys:
+        for frag in (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B"):
+            if frag in k:
+                seen.setdefault(k.split(frag)[0], None)
+                break
+    return list(seen)

@@ -1,0 +1,105 @@
+"""Every exception this package raises, and nothing else.
+
+Each class also inherits from a builtin so that callers' existing ``except ValueError`` /
+``except FileNotFoundError`` clauses keep working. Messages follow one template: what failed,
+for which adapter, which source part or key (with the value seen), then the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AdapterCompatibilityError",
+    "AdapterDownloadError",
+    "AdapterFormatError",
+    "AdapterNotFoundError",
+    "AdapterSourceError",
+    "ExpertLayoutError",
+    "MixError",
+    "UnmatchedKeysError",
+    "UnsafeFormatError",
+    "UnsupportedVLLMError",
+    "VllmLoraExtError",
+]
+
+
+class VllmLoraExtError(Exception):
+    """Base class of every error raised by `vllm_lora_ext`."""
+
+
+class AdapterSourceError(VllmLoraExtError, ValueError):
+    """A source string is malformed (raised before any disk or network access).
+
+    Example message: ``Invalid source 'hf:acme/sql@:a.safetensors': empty revision after '@'.
+    Remove '@' or give a branch, tag or commit, e.g. 'hf:acme/sql@main'.``
+    """
+
+    def __init__(self, message: str, *, source: str, part: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.part = part
+
+
+class UnsafeFormatError(AdapterSourceError):
+    """A pickle weight file (``.bin``/``.pt``) was named without the explicit opt-in."""
+
+
+class AdapterNotFoundError(VllmLoraExtError, FileNotFoundError):
+    """A well-formed source points at nothing: no such folder, file, repo, revision or file in repo."""
+
+    def __init__(self, message: str, *, source: str, revision: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.revision = revision
+
+    def __str__(self) -> str:  # FileNotFoundError would otherwise print "[Errno None]"
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterDownloadError(VllmLoraExtError, OSError):
+    """The hub was reachable but the download failed (network cut, server error); retrying may work."""
+
+    def __init__(self, message: str, *, source: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterFormatError(VllmLoraExtError, ValueError):
+    """The adapter's config, keys or shapes fit no supported layout."""
+
+    def __init__(self, message: str, *, adapter: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.adapter = adapter
+        self.key = key
+
+
+class UnmatchedKeysError(AdapterFormatError):
+    """Keys that map to no LoRA module of the base model; ``keys`` holds all of them."""
+
+    def __init__(self, message: str, *, adapter: str | None = None, keys: Sequence[str] = ()) -> None:
+        super().__init__(message, adapter=adapter, key=keys[0] if keys else None)
+        self.keys = list(keys)
+
+
+class ExpertLayoutError(AdapterFormatError):
+    """Expert count, orientation or fused/per-expert layout does not fit the base model."""
+
+
+class AdapterCompatibilityError(VllmLoraExtError, ValueError):
+    """A valid adapter that the running model or vLLM's limits cannot serve (e.g. rank > max_lora_rank)."""
+
+    def __init__(self, message: str, *, adapter: str | None = None) -> None:
+        super().__init__(message)
+        self.adapter = adapter
+
+
+class MixError(VllmLoraExtError, ValueError):
+    """Weights, ranks or targets that cannot be mixed exactly."""
+
+
+class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):
+    """The installed vLLM is outside the tested range (raised only by `vllm_lora_ext.integration`)."""

@@ -1,0 +1,109 @@
+"""Adapter layouts, detected from keys *and* shapes.
+
+Key grammar after the optional ``base_model.model.`` prefix (PEFT):
+
+- dense: ``<module>.lora_A.weight`` ``(r, in)`` and ``<module>.lora_B.weight`` ``(out, r)``;
+  embeddings ``<module>.lora_embedding_A`` ``(r, vocab)`` / ``lora_embedding_B`` ``(dim, r)``.
+- MoE per-expert (2D): ``<prefix>.experts.<e>.<proj>.lora_{A,B}.weight``, one pair per expert.
+- MoE fused (3D, PEFT ``target_parameters``): ``<prefix>.experts[.base_layer]*.lora_{A,B}.weight``,
+  A ``(r·E, in)`` expert-major, B ``(out, r·E)`` expert-minor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "strip_peft_prefix"]
+
+Layout = Literal["dense", "moe_2d", "moe_3d", "moe_mixed", "empty"]
+KeyKind = Literal["dense", "moe_2d", "moe_3d", "other"]
+
+PEFT_PREFIX = "base_model.model."
+_LORA_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.weight$|\.(lora_embedding_A|lora_embedding_B)$")
+_EXPERT_2D = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+_EXPERT_3D = re.compile(r"^(?P<prefix>.*\.experts)(?P<nest>(\.base_layer)*)$")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What one checkpoint key is.
+
+    Attributes:
+        key: the key as stored.
+        module: the module path without the PEFT prefix and the ``lora_*`` suffix.
+        which: ``"A"`` or ``"B"`` (embeddings too).
+        kind: dense, moe_2d, moe_3d, or other (not a LoRA weight).
+        experts_prefix: ``...experts`` for MoE keys.
+        expert: the expert index for 2D keys.
+        proj: the projection name for 2D keys (``gate_proj``, ``w1``, ...).
+        nesting: the number of ``.base_layer`` levels for 3D keys.
+    """
+
+    key: str
+    module: str
+    which: Literal["A", "B", ""]
+    kind: KeyKind
+    experts_prefix: str | None = None
+    expert: int | None = None
+    proj: str | None = None
+    nesting: int = 0
+
+
+def strip_peft_prefix(key: str) -> str:
+    """Remove PEFT's ``base_model.model.`` prefix if present."""
+    return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+
+
+def classify_key(key: str) -> KeyInfo:
+    """Classify one checkpoint key by its name (shapes are checked later against the model)."""
+    bare = strip_peft_prefix(key)
+    m = _LORA_SUFFIX.search(bare)
+    if not m:
+        return KeyInfo(key, bare, "", "other")
+    tag = m.group(1) or m.group(2)
+    which: Literal["A", "B"] = "A" if tag.endswith("A") else "B"
+    module = bare[: m.start()]
+    m2 = _EXPERT_2D.match(module)
+    if m2:
+        return KeyInfo(key, module, which, "moe_2d", m2["prefix"], int(m2["expert"]), m2["proj"])
+    m3 = _EXPERT_3D.match(module)
+    if m3:
+        return KeyInfo(key, module, which, "moe_3d", m3["prefix"], nesting=m3["nest"].count(".base_layer"))
+    return KeyInfo(key, module, which, "dense")
+
+
+def detect_layout(keys: Iterable[str]) -> Layout:
+    """Return the adapter's overall layout from its keys."""
+    kinds = {classify_key(k).kind for k in keys} - {"other"}
+    moe = kinds & {"moe_2d", "moe_3d"}
+    if not kinds:
+        return "empty"
+    if moe == {"moe_2d", "moe_3d"}:
+        return "moe_mixed"
+    if moe:
+        return "moe_2d" if "moe_2d" in moe else "moe_3d"
+    return "dense"
+
+
+def group_modules(keys: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Group LoRA keys by module: ``{module: {"A": key, "B": key}}`` in first-seen order."""
+    out: dict[str, dict[str, str]] = {}
+    for k in keys:
+        info = classify_key(k)
+        if info.kind == "other":
+            continue
+        out.setdefault(info.module, {})[info.which] = k
+    return out
+
+
+def layout_by_layer(keys: Iterable[str]) -> Mapping[str, str]:
+    """Return ``{experts_prefix: "2d"|"3d"|"2d+3d"}`` for every MoE block that has keys."""
+    seen: dict[str, set[str]] = {}
+    for k in keys:
+        info = classify_key(k)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix:
+            seen.setdefault(info.experts_prefix, set()).add(info.kind[-2:])
+    return {p: "+".join(sorted(v)) for p, v in seen.items()}

@@ -1,0 +1,125 @@
+"""vLLM version gate and post-import hooks (the only knowledge of *where* things live in vLLM)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from vllm_lora_ext.constants import (
+    ENV_ALLOW_UNSUPPORTED_VLLM,
+    SUPPORTED_VLLM_MAX_EXCLUSIVE,
+    SUPPORTED_VLLM_MIN,
+    allow_unsupported_vllm,
+)
+from vllm_lora_ext.errors import UnsupportedVLLMError
+
+logger = logging.getLogger(__name__)
+
+# Modules the plugin patches once they are imported (imports stay lazy in every process).
+WORKER_MANAGER_MODULE = "vllm.lora.worker_manager"
+LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
+SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
+
+
+def installed_vllm_version() -> str | None:
+    """Return the installed vLLM version string, read from package metadata (no import of vLLM)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Refuse a vLLM outside the tested range, unless the user opted in.
+
+    Raises:
+        [`UnsupportedVLLMError`]: vLLM is missing, unparsable, or outside the tested range.
+    """
+    have = installed_vllm_version() if version is None else version
+    supported = f">={SUPPORTED_VLLM_MIN},<{SUPPORTED_VLLM_MAX_EXCLUSIVE}"
+    if have is None:
+        raise UnsupportedVLLMError(f"vllm_lora_ext needs vLLM ({supported}), but vLLM is not installed. "
+                                   f"Install it with: pip install 'vllm-lora-ext[vllm]'.")
+    try:
+        v = Version(have)
+    except InvalidVersion as err:
+        raise UnsupportedVLLMError(f"vllm_lora_ext cannot parse the installed vLLM version {have!r}.") from err
+    # Local/dev builds of a supported release (0.26.0+cu130, 0.26.1.dev3) count as that release.
+    base = Version(v.base_version)
+    if Version(SUPPORTED_VLLM_MIN) <= base < Version(SUPPORTED_VLLM_MAX_EXCLUSIVE):
+        return have
+    if allow_unsupported_vllm():
+        logger.warning("vLLM %s is outside the tested range %s; running anyway because %s is set.",
+                       have, supported, ENV_ALLOW_UNSUPPORTED_VLLM)
+        return have
+    raise UnsupportedVLLMError(
+        f"vllm_lora_ext supports vLLM {supported} (tested: {SUPPORTED_VLLM_MIN}), but vLLM {have} is installed. "
+        f"Install a supported vLLM (pip install 'vllm==0.26.0'), uninstall vllm-lora-ext, or set "
+        f"{ENV_ALLOW_UNSUPPORTED_VLLM}=1 to try this version anyway."
+    )
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, callbacks: list[Callable[[ModuleType], None]]) -> None:
+        self._inner = inner
+        self._callbacks = callbacks
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        for cb in self._callbacks:
+            cb(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module is executed, without importing it early."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.hooks or getattr(self._busy, "name", None) == fullname:
+            return None
+        self._busy.name = fullname
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.name = None
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PostImportLoader(spec.loader, self.hooks[fullname])
+        return spec
+
+
+_FINDER: _PostImportFinder | None = None
+
+
+def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Run ``callback(module)`` now if ``module_name`` is imported, else right after it is."""
+    global _FINDER
+    mod = sys.modules.get(module_name)
+    if mod is not None:
+        callback(mod)
+        return
+    if _FINDER is None:
+        _FINDER = _PostImportFinder()
+        sys.meta_path.insert(0, _FINDER)
+    _FINDER.hooks.setdefault(module_name, []).append(callback)
+
+
+import importlib.util  # noqa: E402  (used by _PostImportFinder; kept last to stay cheap at import)

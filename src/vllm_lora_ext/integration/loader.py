@@ -1,0 +1,183 @@
+"""The worker-side loader: one LoRA request -> a vLLM ``LoRAModel``, through the plugin's core.
+
+This replaces ``WorkerLoRAManager._load_adapter`` (the single place where vLLM 0.20–0.33 turns a
+path into tensors). Every adapter source goes through here: the source is resolved by
+`vllm_lora_ext.sources`, the config is validated by `vllm_lora_ext.config`, tensors are read by
+`vllm_lora_ext.reader`, and every key must map to a LoRA module of the running model before
+anything reaches vLLM (vLLM itself silently skips modules it does not find).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from vllm_lora_ext.config import AdapterConfig
+from vllm_lora_ext.constants import allow_unmatched_keys
+from vllm_lora_ext.errors import (
+    AdapterCompatibilityError,
+    AdapterNotFoundError,
+    UnmatchedKeysError,
+)
+from vllm_lora_ext.formats import classify_key
+from vllm_lora_ext.reader import ReadStats, load_pickle_tensors, read_header, read_tensors
+from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
+from vllm_lora_ext.summary import load_config
+
+logger = logging.getLogger(__name__)
+
+# Tensors vLLM itself drops on purpose (the base embedding copies PEFT saves with trainable tokens).
+_BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
+
+
+def expected_module_names(manager: Any) -> set[str]:
+    """Return every full module name the running model accepts LoRA weights for.
+
+    That is each LoRA-wrapped module, each constituent of a packed module (``q_proj`` of
+    ``qkv_proj``, ``experts.3.gate_proj`` of ``experts``), and the ``experts.base_layer`` name of a
+    fused 3D MoE module.
+    """
+    adapter_manager = manager._adapter_manager
+    names: set[str] = set(adapter_manager.modules)
+    for parts in adapter_manager.packed_modules.values():
+        names.update(parts)
+    for name in list(adapter_manager.modules):
+        if name.endswith(".experts"):
+            names.add(name + ".base_layer")
+    return names
+
+
+def find_unmatched(module_names: Iterable[str], accepted: set[str], *, pooling: bool = False) -> list[str]:
+    """Return the module names that match no accepted module, in order."""
+    out = []
+    for m in module_names:
+        if m in accepted:
+            continue
+        if pooling and ("model." + m) in accepted:
+            continue
+        out.append(m)
+    return out
+
+
+def _read_tensors(resolved: ResolvedAdapter, stats: ReadStats) -> dict[str, torch.Tensor]:
+    if resolved.is_pickle:
+        return load_pickle_tensors(resolved.weights_path)
+    return read_tensors(resolved.weights_path, stats=stats, header=read_header(resolved.weights_path))
+
+
+def _check_ranks(config: AdapterConfig, tensors: Mapping[str, torch.Tensor], max_rank: int, name: str) -> None:
+    worst: tuple[int, str] | None = None
+    for key, t in tensors.items():
+        info = classify_key(key)
+        if info.which != "A" or info.kind == "moe_3d" or t.dim() != 2:
+            continue
+        r = int(t.shape[0])
+        if r > max_rank and (worst is None or r > worst[0]):
+            worst = (r, info.module)
+    declared = max([config.r, *config.rank_pattern.values()])
+    if worst is None and declared > max_rank:
+        worst = (declared, "(config r / rank_pattern)")
+    if worst is not None:
+        choices = [c for c in (8, 16, 32, 64, 128, 256, 320, 512) if c >= worst[0]]
+        fix = f"Start vLLM with --max-lora-rank {choices[0]}" if choices else "Use an adapter of rank <= 512"
+        raise AdapterCompatibilityError(
+            f"Adapter {name!r} has rank {worst[0]} (module {worst[1]!r}) but max_lora_rank is {max_rank}. {fix}.",
+            adapter=name)
+
+
+def load_lora_model(manager: Any, lora_request: Any) -> Any:
+    """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
+
+    Raises:
+        vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
+        [`AdapterSourceError`], [`AdapterFormatError`], [`UnmatchedKeysError`], [`AdapterCompatibilityError`]:
+            the adapter cannot be served on this model, with the reason and the fix.
+    """
+    from vllm.exceptions import LoRAAdapterNotFoundError
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+
+    t0 = time.perf_counter()
+    name = lora_request.lora_name
+    try:
+        resolved = resolve_source(lora_request.lora_path)
+    except AdapterNotFoundError as err:
+        raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
+
+    config = load_config(resolved, name=name)
+    raw = dict(config.raw)
+    raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
+    peft_helper = PEFTHelper.from_dict(raw)
+
+    stats = ReadStats()
+    tensors = _read_tensors(resolved, stats)
+    _check_ranks(config, tensors, manager.lora_config.max_lora_rank, name)
+    peft_helper.validate_legal(manager.lora_config)
+
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None:
+        mapper = mapper.get_unstacked_mapper()
+    skip_prefixes = getattr(model, "lora_skip_prefixes", None)
+
+    # Map every key to the module vLLM will look it up under, and refuse keys that land nowhere.
+    accepted = expected_module_names(manager)
+    kept: dict[str, torch.Tensor] = {}
+    modules: dict[str, list[str]] = {}
+    not_lora: list[str] = []
+    for key, tensor in tensors.items():
+        if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
+            continue
+        if skip_prefixes and _skipped(key, skip_prefixes):
+            continue
+        try:
+            module, _ = parse_fine_tuned_lora_name(key, mapper)
+        except ValueError:
+            not_lora.append(key)
+            continue
+        modules.setdefault(module, []).append(key)
+        kept[key] = tensor
+    unmatched_modules = find_unmatched(modules, accepted, pooling=bool(getattr(manager._adapter_manager,
+                                                                               "is_pooling_model", False)))
+    unmatched = not_lora + [k for m in unmatched_modules for k in modules[m]]
+    if unmatched:
+        msg = (f"Adapter {name!r} ({resolved.identity}) has {len(unmatched)} keys that match no LoRA module of the "
+               f"base model (first: {unmatched[:3]}). Check that the adapter was trained for this base model and that "
+               f"vLLM wraps those modules (--lora-target-modules, --enable-lora for MoE); run 'vllm-lora inspect' on it.")
+        if not allow_unmatched_keys():
+            raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
+        logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
+        for k in unmatched:
+            kept.pop(k, None)
+
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=lora_request.lora_int_id,
+        tensors=kept,
+        peft_helper=peft_helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper,
+        skip_prefixes=skip_prefixes,
+    )
+    lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    logger.info("loaded adapter %r from %s: rank %d, %d tensors, %.1f MiB read, %.2f s", name, resolved.identity,
+                config.r, len(kept), stats.bytes_read / 2**20, time.perf_counter() - t0)
+    return lora
+
+
+def _skipped(key: str, prefixes: list[str]) -> bool:
+    bare = key.removeprefix("base_model.model.")
+    return any(f".{p}" in bare or bare.startswith(p) for p in prefixes)
+
+
+def _not_found(exc_type: type[Exception], lora_request: Any, err: Exception) -> Exception:
+    # vLLM's server maps an error whose text contains its own not-found message to HTTP 404;
+    # keep that text and add ours, which names the fix.
+    base = exc_type(lora_request.lora_name, lora_request.lora_path)
+    base.message = f"{base}. {err}"  # type: ignore[attr-defined]
+    return base

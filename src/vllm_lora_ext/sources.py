@@ -1,0 +1,497 @@
+"""Adapter sources: the grammar, its parser, and resolution to files on local disk.
+
+Grammar (everything a LoRA path may be)::
+
+    hf:ORG/REPO[@REVISION][:PATH]     an adapter on the Hugging Face Hub
+    LOCAL_DIR                         a folder holding adapter_config.json + adapter_model.safetensors
+    LOCAL_FILE.safetensors            one weight file (its config is looked up beside it, see below)
+
+- ``ORG/REPO`` follows the Hub's repo-id rules: one or two names of ``[A-Za-z0-9_.-]``, no ``--``/``..``,
+  not starting or ending with ``-`` or ``.``, at most 96 characters.
+- ``REVISION`` is a branch, tag or commit sha (``refs/pr/N`` allowed); no ``:`` or ``..``. A 40-hex
+  sha is a *pinned* source: once cached it resolves with no HTTP request at all.
+- ``PATH`` is relative and POSIX: no leading ``/``, no ``..``, ``\\`` or NUL, no empty component.
+  Ending in ``.safetensors`` it names one weight file; ending in ``.bin``/``.pt``/``.pth``/``.ckpt``
+  it names a pickle file, refused unless pickle is explicitly allowed; anything else names a
+  subfolder holding an adapter.
+
+Config lookup for a weight file ``DIR/STEM.safetensors`` (first hit wins):
+``DIR/STEM_config.json``, ``DIR/STEM.json``, ``DIR/adapter_config.json``; else the config is
+*inferred* (rank from the ``lora_A`` shapes, ``lora_alpha`` from the safetensors metadata). The
+per-file names come first because a repo holding several adapters side by side may also hold one
+shared ``adapter_config.json`` that describes only one of them.
+
+A bare ``ORG/REPO`` that is not an existing local path is read as ``hf:ORG/REPO`` (vLLM's own
+behaviour), with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from vllm_lora_ext.constants import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    HF_PREFIX,
+    PICKLE_SUFFIXES,
+    PICKLE_WEIGHTS_NAMES,
+    SAFETENSORS_SUFFIX,
+    SourceKind,
+    allow_pickle as _env_allow_pickle,
+    hf_offline,
+)
+from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
+
+__all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source"]
+
+logger = logging.getLogger(__name__)
+
+ConfigRule = Literal["adapter_config.json", "<stem>_config.json", "<stem>.json", "inferred"]
+
+_REPO_PART = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
+_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+_REVISION = re.compile(r"^[A-Za-z0-9_.\-/+]{1,255}$")
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """A parsed, validated adapter source. Build it with [`parse_source`].
+
+    Attributes:
+        raw: the string as given.
+        kind: ``"hf"`` or ``"local"``.
+        repo_id: ``org/repo`` for hub sources.
+        revision: branch, tag or sha for hub sources (``None`` = the default branch).
+        path_in_repo: subfolder or weight file inside the repo (``None`` = repo root).
+        local_path: the expanded local path for local sources.
+    """
+
+    raw: str
+    kind: SourceKind
+    repo_id: str | None = None
+    revision: str | None = None
+    path_in_repo: str | None = None
+    local_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "hf" and not self.repo_id:
+            raise AdapterSourceError(f"Hub source {self.raw!r} has no repo id.", source=self.raw, part="repo")
+        if self.kind == "local" and self.local_path is None:
+            raise AdapterSourceError(f"Local source {self.raw!r} has no path.", source=self.raw, part="path")
+
+    @property
+    def names_file(self) -> bool:
+        """Whether the source names one weight file (rather than an adapter folder)."""
+        if self.kind == "hf":
+            return self.path_in_repo is not None and _is_weight_file_name(self.path_in_repo)
+        assert self.local_path is not None  # guaranteed by __post_init__
+        return _is_weight_file_name(self.local_path.name)
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the revision is a full commit sha (resolvable from cache with no HTTP request)."""
+        return self.revision is not None and bool(_COMMIT_SHA.match(self.revision))
+
+    def with_revision(self, revision: str) -> AdapterSource:
+        """Return the same hub source at another revision (e.g. pinned to the resolved commit)."""
+        if self.kind != "hf":
+            raise AdapterSourceError(f"Local source {self.raw!r} has no revision.", source=self.raw, part="revision")
+        pinned = replace(self, revision=revision)
+        return replace(pinned, raw=pinned.canonical())
+
+    def canonical(self) -> str:
+        """Return the normalized source string (``hf:org/repo@rev:path`` or an absolute path)."""
+        if self.kind == "hf":
+            out = f"{HF_PREFIX}{self.repo_id}"
+            if self.revision:
+                out += f"@{self.revision}"
+            if self.path_in_repo:
+                out += f":{self.path_in_repo}"
+            return out
+        assert self.local_path is not None
+        return str(self.local_path)
+
+    def __str__(self) -> str:
+        return self.canonical()
+
+
+@dataclass(frozen=True)
+class ResolvedAdapter:
+    """An adapter source resolved to files on local disk.
+
+    Attributes:
+        source: the source as parsed (hub sources carry the resolved commit in ``revision``).
+        weights_path: the weight file to read.
+        config_path: the config file used, or ``None`` when the config is inferred.
+        config_rule: which lookup rule found the config.
+        commit: the resolved commit sha (hub sources only).
+    """
+
+    source: AdapterSource
+    weights_path: Path
+    config_path: Path | None
+    config_rule: ConfigRule
+    commit: str | None = None
+
+    @property
+    def identity(self) -> str:
+        """A string that changes whenever the served bytes may change (pinned source or local path)."""
+        return self.source.canonical()
+
+    @property
+    def is_pickle(self) -> bool:
+        """Whether the weight file is a pickle file (read only with ``weights_only=True``)."""
+        return self.weights_path.suffix in PICKLE_SUFFIXES
+
+
+def _is_weight_file_name(name: str) -> bool:
+    return name.endswith(SAFETENSORS_SUFFIX) or name.endswith(PICKLE_SUFFIXES)
+
+
+def _fail(source: str, part: str, what: str, fix: str) -> AdapterSourceError:
+    return AdapterSourceError(f"Invalid adapter source {source!r}: {what}. {fix}", source=source, part=part)
+
+
+def _check_repo_id(source: str, repo_id: str) -> None:
+    if not repo_id:
+        raise _fail(source, "repo", "empty repo id after 'hf:'", "Write it as 'hf:org/repo'.")
+    parts = repo_id.split("/")
+    if len(parts) > 2 or any(not p for p in parts):
+        raise _fail(source, "repo", f"repo id {repo_id!r} must be 'org/repo'", "Use exactly one '/' between org and repo.")
+    for p in parts:
+        if not _REPO_PART.match(p) or "--" in p or ".." in p or p[0] in "-." or p[-1] in "-.":
+            raise _fail(
+                source, "repo", f"repo id {repo_id!r} has an invalid name {p!r}",
+                "Use letters, digits, '_', '-' and '.', not starting or ending with '-' or '.', without '--' or '..'.",
+            )
+
+
+def _check_revision(source: str, revision: str) -> None:
+    if not revision:
+        raise _fail(source, "revision", "empty revision after '@'",
+                    "Remove '@' or give a branch, tag or commit, e.g. '@main'.")
+    if not _REVISION.match(revision) or ".." in revision or revision.startswith("/") or revision.endswith("/"):
+        raise _fail(source, "revision", f"revision {revision!r} is not a valid branch, tag or commit",
+                    "Use a branch or tag name, 'refs/pr/N', or a 40-character commit sha.")
+
+
+def _check_relative_path(source: str, path: str, part: str) -> None:
+    if not path:
+        raise _fail(source, part, "empty path after ':'", "Remove the trailing ':' or name a file or folder in the repo.")
+    if "\x00" in path:
+        raise _fail(source, part, "NUL byte in path", "Remove it.")
+    if "\\" in path:
+        raise _fail(source, part, f"backslash in path {path!r}", "Use '/' to separate folders.")
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
+        raise _fail(source, part, f"absolute path {path!r}", "Give the path relative to the repo root.")
+    components = path.split("/")
+    if any(c == ".." for c in components):
+        raise _fail(source, part, f"'..' in path {path!r}", "Paths may not leave the repo; name the file from the repo root.")
+    if any(c in ("", ".") for c in components):
+        raise _fail(source, part, f"empty or '.' component in path {path!r}", "Remove the doubled or trailing '/'.")
+
+
+def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
+    if name.endswith(PICKLE_SUFFIXES) and not allow_pickle:
+        raise UnsafeFormatError(
+            f"Adapter source {source!r} names a pickle weight file {name!r}, which can run code when loaded. "
+            f"Convert it to .safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1 "
+            f"(it is then read with torch.load(weights_only=True)).",
+            source=source, part="path",
+        )
+
+
+def parse_source(source: str | os.PathLike[str], *, allow_pickle: bool | None = None) -> AdapterSource:
+    """Parse an adapter source string without touching disk or network.
+
+    Args:
+        source (`str` or `os.PathLike`):
+            ``hf:org/repo[@rev][:path]``, or a local folder or ``.safetensors`` file (``~`` is expanded).
+        allow_pickle (`bool`, *optional*):
+            Accept ``.bin``/``.pt`` weight files. Defaults to ``VLLM_LORA_EXT_ALLOW_PICKLE``.
+
+    Returns:
+        [`AdapterSource`]: the parsed source, already validated.
+
+    Raises:
+        [`AdapterSourceError`]: the repo id, revision or path part is empty or malformed, absolute,
+            or contains ``..``, a backslash or NUL.
+        [`UnsafeFormatError`]: a pickle weight file is named without the opt-in.
+
+    Example:
+        >>> parse_source("hf:acme/sql-lora@v2:adapter.safetensors").revision
+        'v2'
+        >>> parse_source("hf:acme/loras:sql").path_in_repo
+        'sql'
+    """
+    raw = os.fspath(source)
+    pickle_ok = _env_allow_pickle() if allow_pickle is None else allow_pickle
+    if not isinstance(raw, str) or not raw.strip():
+        raise AdapterSourceError("Empty adapter source. Give 'hf:org/repo' or a local path.", source=str(raw), part="source")
+    if raw != raw.strip():
+        raise _fail(raw, "source", "leading or trailing whitespace", "Remove the spaces around the source.")
+    if "\x00" in raw:
+        raise _fail(raw, "source", "NUL byte in source", "Remove it.")
+    if raw.lower().startswith(("hf://", "huggingface:", "huggingface://")):
+        raise _fail(raw, "source", "unknown scheme",
+                    f"Write hub sources as 'hf:org/repo[@rev][:path]', e.g. 'hf:{raw.split('//', 1)[-1].split(':', 1)[-1]}'.")
+    if not raw.startswith(HF_PREFIX):
+        path = Path(raw).expanduser()
+        if _is_weight_file_name(path.name):
+            _check_weight_suffix(raw, path.name, pickle_ok)
+        return AdapterSource(raw=raw, kind="local", local_path=path.absolute())
+
+    body = raw[len(HF_PREFIX):]
+    repo_rev, sep, path_part = body.partition(":")
+    repo_id, at, revision = repo_rev.partition("@")
+    _check_repo_id(raw, repo_id)
+    if at:
+        _check_revision(raw, revision)
+    path_in_repo: str | None = None
+    if sep:
+        _check_relative_path(raw, path_part, "path")
+        path_in_repo = path_part
+        last = path_part.rsplit("/", 1)[-1]
+        if last.endswith(".json"):
+            raise _fail(raw, "path", f"{path_part!r} is a config file",
+                        "Name the weight file (.safetensors) or the adapter's folder; its config is found beside it.")
+        if _is_weight_file_name(last):
+            _check_weight_suffix(raw, last, pickle_ok)
+    return AdapterSource(raw=raw, kind="hf", repo_id=repo_id, revision=revision if at else None, path_in_repo=path_in_repo)
+
+
+# --------------------------------------------------------------------------------------------
+# resolution
+
+
+def _config_candidates(weights_name: str) -> list[tuple[str, ConfigRule]]:
+    stem = weights_name[: -len(SAFETENSORS_SUFFIX)] if weights_name.endswith(SAFETENSORS_SUFFIX) else Path(weights_name).stem
+    out: list[tuple[str, ConfigRule]] = []
+    if weights_name not in (ADAPTER_WEIGHTS_NAME, *PICKLE_WEIGHTS_NAMES):
+        out += [(f"{stem}_config.json", "<stem>_config.json"), (f"{stem}.json", "<stem>.json")]
+    out.append((ADAPTER_CONFIG_NAME, "adapter_config.json"))
+    return out
+
+
+def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
+    assert src.local_path is not None
+    path = src.local_path
+    if src.names_file:
+        if not path.is_file():
+            raise AdapterNotFoundError(
+                f"Adapter weight file {str(path)!r} does not exist (source {src.raw!r}). Check the path.", source=src.raw
+            )
+        weights = path
+    else:
+        if not path.exists():
+            raise AdapterNotFoundError(
+                f"Adapter folder {str(path)!r} does not exist (source {src.raw!r}). "
+                f"Check the path, or write hub sources as 'hf:org/repo'.",
+                source=src.raw,
+            )
+        if path.is_file():
+            raise AdapterSourceError(
+                f"Invalid adapter source {src.raw!r}: {path.name!r} is neither a folder nor a .safetensors file. "
+                f"Name the adapter's folder or its .safetensors weight file.",
+                source=src.raw, part="path",
+            )
+        weights = path / ADAPTER_WEIGHTS_NAME
+        if not weights.is_file():
+            pickles = [path / n for n in PICKLE_WEIGHTS_NAMES if (path / n).is_file()]
+            if pickles and pickle_ok:
+                weights = pickles[0]
+            elif pickles:
+                raise UnsafeFormatError(
+                    f"Adapter folder {str(path)!r} holds only the pickle file {pickles[0].name!r}, which can run code "
+                    f"when loaded. Convert it to adapter_model.safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1.",
+                    source=src.raw, part="path",
+                )
+            else:
+                found = sorted(p.name for p in path.glob("*.safetensors"))
+                hint = (f" It holds {found}: name one of them, e.g. '{path / found[0]}'." if found
+                        else " Save the adapter with PEFT's save_pretrained().")
+                raise AdapterNotFoundError(
+                    f"Adapter folder {str(path)!r} has no {ADAPTER_WEIGHTS_NAME} (source {src.raw!r}).{hint}",
+                    source=src.raw,
+                )
+    for name, rule in _config_candidates(weights.name):
+        cand = weights.parent / name
+        if cand.is_file():
+            return ResolvedAdapter(src, weights, cand, rule)
+    return ResolvedAdapter(src, weights, None, "inferred")
+
+
+class _HubClient:
+    """The only code that talks to huggingface_hub: one call per file, errors mapped to ours."""
+
+    def __init__(self, src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None,
+                 local_files_only: bool) -> None:
+        self.src = src
+        self.cache_dir = cache_dir
+        self.token = token
+        self.local_only = local_files_only
+
+    def fetch(self, filename: str, revision: str | None) -> Path | None:
+        """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+        from huggingface_hub import errors as hf_errors
+
+        if revision is not None and _COMMIT_SHA.match(revision):
+            hit = try_to_load_from_cache(self.src.repo_id or "", filename, cache_dir=self.cache_dir, revision=revision)
+            if isinstance(hit, str):
+                return Path(hit)
+            if hit is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
+                return None
+        try:
+            return Path(hf_hub_download(
+                self.src.repo_id or "", filename, revision=revision, cache_dir=self.cache_dir,
+                token=self.token, local_files_only=self.local_only,
+            ))
+        except hf_errors.GatedRepoError as err:
+            raise AdapterNotFoundError(
+                f"Repo {self.src.repo_id!r} of adapter source {self.src.raw!r} is gated and this token has no access. "
+                f"Accept its terms on the Hub and set HF_TOKEN.", source=self.src.raw, revision=revision) from err
+        except hf_errors.RepositoryNotFoundError as err:
+            raise AdapterNotFoundError(
+                f"Repo {self.src.repo_id!r} of adapter source {self.src.raw!r} was not found (or is private). "
+                f"Check the repo id, or set HF_TOKEN for a private repo.", source=self.src.raw, revision=revision) from err
+        except hf_errors.RevisionNotFoundError as err:
+            raise AdapterNotFoundError(
+                f"Revision {revision!r} of adapter source {self.src.raw!r} was not found in repo {self.src.repo_id!r}. "
+                f"Give an existing branch, tag or commit sha.", source=self.src.raw, revision=revision) from err
+        except hf_errors.LocalEntryNotFoundError as err:
+            if self.local_only:
+                raise AdapterNotFoundError(
+                    f"Adapter source {self.src.raw!r} is not in the local Hugging Face cache ({filename!r} at revision "
+                    f"{revision or 'main'!r}) and the hub may not be contacted (HF_HUB_OFFLINE). Run "
+                    f"'vllm-lora fetch {self.src.raw}' on a machine with network access to fill the cache.",
+                    source=self.src.raw, revision=revision) from err
+            raise AdapterNotFoundError(
+                f"Could not reach the Hub for adapter source {self.src.raw!r} ({filename!r}) and it is not cached: "
+                f"{err}. Check the network or HF_ENDPOINT, or pre-fetch it with 'vllm-lora fetch'.",
+                source=self.src.raw, revision=revision) from err
+        except hf_errors.EntryNotFoundError:
+            return None
+        except (hf_errors.HfHubHTTPError, OSError, ConnectionError) as err:
+            raise AdapterDownloadError(
+                f"Downloading {filename!r} of adapter source {self.src.raw!r} failed: {err}. Retry; a partial file is "
+                f"not kept in the cache.", source=self.src.raw) from err
+        except Exception as err:  # httpx transport errors have no common base with the above
+            if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
+                raise AdapterDownloadError(
+                    f"Downloading {filename!r} of adapter source {self.src.raw!r} failed: {err!r}. Retry; a partial "
+                    f"file is not kept in the cache.", source=self.src.raw) from err
+            raise
+
+
+def _commit_of(path: Path) -> str | None:
+    parts = path.parts
+    for i, part in enumerate(parts[:-1]):
+        if part == "snapshots" and _COMMIT_SHA.match(parts[i + 1]):
+            return parts[i + 1]
+    return None
+
+
+def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: _HubClient) -> ResolvedAdapter:
+    if src.names_file:
+        assert src.path_in_repo is not None
+        weight_candidates = [src.path_in_repo]
+    else:
+        base = f"{src.path_in_repo}/" if src.path_in_repo else ""
+        weight_candidates = [base + ADAPTER_WEIGHTS_NAME] + ([base + n for n in PICKLE_WEIGHTS_NAMES] if pickle_ok else [])
+    weights: Path | None = None
+    for cand in weight_candidates:
+        weights = client.fetch(cand, src.revision)
+        if weights is not None:
+            weight_name = cand
+            break
+    if weights is None:
+        where = f"folder {src.path_in_repo!r}" if src.path_in_repo and not src.names_file else "repo root"
+        what = repr(src.path_in_repo) if src.names_file else f"{ADAPTER_WEIGHTS_NAME} in the {where}"
+        raise AdapterNotFoundError(
+            f"Adapter source {src.raw!r}: {what} not found in repo {src.repo_id!r} at revision "
+            f"{src.revision or 'main'!r}. Name the weight file explicitly, e.g. 'hf:{src.repo_id}:path/to/x.safetensors'.",
+            source=src.raw, revision=src.revision,
+        )
+    commit = _commit_of(weights) or src.revision
+    folder = weight_name.rsplit("/", 1)[0] + "/" if "/" in weight_name else ""
+    basename = weight_name.rsplit("/", 1)[-1]
+    pinned = src.with_revision(commit) if commit else src
+    for name, rule in _config_candidates(basename):
+        cfg = client.fetch(folder + name, commit)
+        if cfg is not None:
+            return ResolvedAdapter(pinned, weights, cfg, rule, commit)
+    return ResolvedAdapter(pinned, weights, None, "inferred", commit)
+
+
+def resolve_source(
+    source: str | os.PathLike[str] | AdapterSource,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool | None = None,
+    allow_pickle: bool | None = None,
+) -> ResolvedAdapter:
+    """Resolve an adapter source to its weight file and config on local disk, downloading only those.
+
+    Hub sources download the weight file and the first config that exists (see the module docstring)
+    with ``hf_hub_download`` into the standard cache, pinned to the commit the weight file came from.
+    A source pinned to a commit sha that is already cached resolves with no HTTP request.
+
+    Args:
+        source (`str`, `os.PathLike` or [`AdapterSource`]):
+            The source; strings are parsed with [`parse_source`].
+        cache_dir (`str` or `os.PathLike`, *optional*):
+            The hub cache (default: huggingface_hub's, from ``HF_HOME``/``HF_HUB_CACHE``).
+        token (`str` or `bool`, *optional*):
+            Hub token (default: ``HF_TOKEN`` / the stored login).
+        local_files_only (`bool`, *optional*):
+            Never contact the hub. Defaults to ``HF_HUB_OFFLINE``.
+        allow_pickle (`bool`, *optional*):
+            Accept ``.bin``/``.pt`` weights. Defaults to ``VLLM_LORA_EXT_ALLOW_PICKLE``.
+
+    Returns:
+        [`ResolvedAdapter`]: the weight file, the config file (or ``None`` if inferred) and the commit.
+
+    Raises:
+        [`AdapterSourceError`]: the source string is malformed.
+        [`AdapterNotFoundError`]: the folder, file, repo, revision or file in repo does not exist,
+            or is not cached while offline.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "adapter_model.safetensors").write_bytes(b"")
+        0
+        >>> resolve_source(str(d)).config_rule
+        'inferred'
+    """
+    pickle_ok = _env_allow_pickle() if allow_pickle is None else allow_pickle
+    src = source if isinstance(source, AdapterSource) else parse_source(source, allow_pickle=pickle_ok)
+    if src.kind == "local":
+        assert src.local_path is not None
+        if not src.local_path.exists() and _looks_like_repo_id(src.raw):
+            logger.info("adapter source %r is no local path; reading it as 'hf:%s'", src.raw, src.raw)
+            src = parse_source(HF_PREFIX + src.raw, allow_pickle=pickle_ok)
+        else:
+            return _resolve_local(src, pickle_ok)
+    offline = hf_offline() if local_files_only is None else local_files_only
+    client = _HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline)
+    resolved = _resolve_hub(src, pickle_ok, client)
+    logger.info("resolved adapter source %r to commit %s (%s, config: %s)", src.raw, resolved.commit,
+                resolved.weights_path.name, resolved.config_rule)
+    return resolved
+
+
+def _looks_like_repo_id(raw: str) -> bool:
+    if raw.startswith((".", "/", "~")) or raw.count("/") != 1:
+        return False
+    try:
+        _check_repo_id(raw, raw)
+    except AdapterSourceError:
+        return False
+    return True

@@ -1,0 +1,62 @@
+"""Shared fixtures: an isolated, offline-by-default HF cache per test, and the local Hub server."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = _has_gpu()
+    for item in items:
+        if "vllm" in item.keywords and not HAS_VLLM:
+            item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "hub" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="real-Hub tests are opt-in"))
+
+
+@pytest.fixture(autouse=True)
+def isolated_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Give every test its own HF cache and start it offline (HF_HUB_OFFLINE=1)."""
+    import huggingface_hub.constants as hc
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("VLLM_LORA_EXT_ALLOW_PICKLE", "VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM", "VLLM_LORA_EXT_DISABLE",
+                "VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+    return cache
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """The local Hub server, online (HF_HUB_OFFLINE=0), with a clean request log and no repos."""
+    from hubserver import SERVER as HUB
+
+    assert HUB is not None
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    HUB.repos.clear()
+    HUB.requests.clear()
+    HUB.drop_once.clear()
+    yield HUB
+    HUB.repos.clear()

@@ -1,0 +1,86 @@
+"""Tiny adapters and models, built in code (seeded) for tests. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+PREFIX = "base_model.model."
+
+
+def write_adapter(folder: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None, *,
+                  weights_name: str = "adapter_model.safetensors", config_name: str = "adapter_config.json",
+                  metadata: Mapping[str, str] | None = None) -> Path:
+    """Write a weight file (and a config unless ``config`` is None); return the weight file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / weights_name
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=dict(metadata) if metadata else None)
+    if config is not None:
+        (folder / config_name).write_text(json.dumps(dict(config)))
+    return path
+
+
+def lora_config(r: int = 4, alpha: float = 8, targets: Sequence[str] = ("q_proj", "v_proj"), **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
+                           "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    cfg.update(extra)
+    return cfg
+
+
+def dense_tensors(shapes: Mapping[str, tuple[int, int]], *, rank: int = 4, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """``{module: (in, out)}`` -> PEFT keys with random A ``(r, in)`` and B ``(out, r)``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for module, (d_in, d_out) in shapes.items():
+        out[f"{PREFIX}{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=g).to(dtype)
+        out[f"{PREFIX}{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=g).to(dtype)
+    return out
+
+
+def llama_shapes(num_layers: int = 2, hidden: int = 16, kv: int = 8, inter: int = 32,
+                 targets: Sequence[str] = ("q_proj", "v_proj")) -> dict[str, tuple[int, int]]:
+    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    out = {}
+    for i in range(num_layers):
+        for t in targets:
+            block = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out[f"model.layers.{i}.{block}.{t}"] = dims[t]
+    return out
+
+
+def make_dense_adapter(folder: Path, *, rank: int = 4, alpha: float = 8, seed: int = 0,
+                       targets: Sequence[str] = ("q_proj", "v_proj"), **cfg: Any) -> Path:
+    tensors = dense_tensors(llama_shapes(targets=targets), rank=rank, seed=seed)
+    write_adapter(folder, tensors, lora_config(rank, alpha, targets, **cfg))
+    return folder
+
+
+def tiny_llama(seed: int = 0, *, hidden: int = 64, layers: int = 2, vocab: int = 256) -> Any:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def make_peft_adapter(model: Any, folder: Path, *, targets: Sequence[str], rank: int = 8, alpha: float = 16,
+                      seed: int = 0, **kwargs: Any) -> Path:
+    """Train nothing: wrap ``model`` with real PEFT (non-zero init) and save the adapter."""
+    import peft
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **kwargs)
+    pm = peft.get_peft_model(model, cfg)
+    pm.save_pretrained(str(folder))
+    return folder

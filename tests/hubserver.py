@@ -1,0 +1,169 @@
+"""A local HTTP server that speaks the Hugging Face Hub's file-download API, for tests.
+
+Routes (what huggingface_hub's ``hf_hub_download`` uses):
+
+- ``HEAD|GET /{org}/{repo}/resolve/{revision}/{path}`` -> 200 with ``X-Repo-Commit``, ``ETag``,
+  ``Content-Length`` (GET: the bytes, ``Range`` honoured); 404 with ``X-Error-Code`` ``RepoNotFound``,
+  ``RevisionNotFound`` or ``EntryNotFound`` (the last with ``X-Repo-Commit``, as the Hub does).
+- ``GET /api/models/{org}/{repo}/revision/{revision}`` -> ``{"id", "sha", "siblings"}``.
+
+Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` makes the next GETs of
+that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+
+@dataclass
+class Repo:
+    refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit
+    commits: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit -> {path: bytes}
+
+    def commit(self, files: dict[str, bytes], *, branch: str = "main", parent: str | None = None,
+               tags: tuple[str, ...] = ()) -> str:
+        base = dict(self.commits[parent]) if parent else (dict(self.commits[self.refs[branch]]) if branch in self.refs else {})
+        base.update(files)
+        sha = hashlib.sha1(json.dumps(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in base.items())).encode()
+                           + str(len(self.commits)).encode()).hexdigest()
+        self.commits[sha] = base
+        self.refs[branch] = sha
+        for t in tags:
+            self.refs[t] = sha
+        return sha
+
+
+class HubServer:
+    """The server; ``repos[repo_id]`` holds the content. Start with ``start()``, stop with ``stop()``."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, Repo] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.drop_once: dict[str, list[int]] = {}
+        self.lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._httpd is not None
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def repo(self, repo_id: str) -> Repo:
+        return self.repos.setdefault(repo_id, Repo())
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.requests)
+
+    def start(self) -> HubServer:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(head=True)
+
+            def do_GET(self) -> None:
+                self._serve(head=False)
+
+            def _error(self, code: int, error_code: str, commit: str | None = None) -> None:
+                body = json.dumps({"error": error_code}).encode()
+                self.send_response(code)
+                self.send_header("X-Error-Code", error_code)
+                self.send_header("X-Error-Message", error_code)
+                if commit:
+                    self.send_header("X-Repo-Commit", commit)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _serve(self, head: bool) -> None:
+                path = self.path.split("?", 1)[0]
+                with server.lock:
+                    server.requests.append((self.command, path))
+                parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "revision":
+                    return self._api_revision(parts[2] + "/" + parts[3], unquote("/".join(parts[5:])))
+                if len(parts) < 5 or parts[2] != "resolve":
+                    return self._error(404, "RepoNotFound")
+                repo_id = parts[0] + "/" + parts[1]
+                revision = unquote(parts[3])
+                filename = unquote("/".join(parts[4:]))
+                repo = server.repos.get(repo_id)
+                if repo is None:
+                    return self._error(401, "RepoNotFound")
+                commit = repo.refs.get(revision, revision if revision in repo.commits else None)
+                if commit is None:
+                    return self._error(404, "RevisionNotFound")
+                data = repo.commits[commit].get(filename)
+                if data is None:
+                    return self._error(404, "EntryNotFound", commit)
+                start, end = 0, len(data)
+                rng = self.headers.get("Range")
+                status = 200
+                if rng and rng.startswith("bytes="):
+                    a, _, b = rng[6:].partition("-")
+                    start = int(a or 0)
+                    end = int(b) + 1 if b else len(data)
+                    status = 206
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("Content-Length", str(end - start))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.send_header("Content-Type", "application/octet-stream")
+                self.end_headers()
+                if head:
+                    return
+                with server.lock:
+                    cuts = server.drop_once.get(filename)
+                    cut = cuts.pop(0) if cuts else None
+                payload = data[start:end]
+                if cut is not None:
+                    self.wfile.write(payload[:cut])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(payload)
+
+            def _api_revision(self, repo_id: str, revision: str) -> None:
+                repo = server.repos.get(repo_id)
+                if repo is None:
+                    return self._error(401, "RepoNotFound")
+                commit = repo.refs.get(revision, revision if revision in repo.commits else None)
+                if commit is None:
+                    return self._error(404, "RevisionNotFound")
+                body = json.dumps({"id": repo_id, "sha": commit,
+                                   "siblings": [{"rfilename": f} for f in sorted(repo.commits[commit])]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+
+SERVER: HubServer | None = None  # the running server, set by the root conftest
