@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Run the GPU tests on the lent GPU machine (no network, no vLLM there): see scripts/gpu/README.md.
+#
+#   bash scripts/gpu/run.sh stage            # copy the carried bundle chunk(s) (.gpu/p*/) to /tmp/b
+#   bash scripts/gpu/run.sh test [ARGS...]   # stage, install the bundle once, install this repo, run pytest tests/gpu
+#   bash scripts/gpu/run.sh bench SCRIPT [ARGS...]   # same set-up, then run a bench/ script
+#
+# Results land in $OUT: pytest.log, gpu-results.json (numbers the tests recorded), serve.log, gpu.txt.
+set -uo pipefail
+what=${1:-test}
+shift || true
+mkdir -p /tmp/b
+for d in .gpu/p0 .gpu/p1 .gpu/p2; do
+  if [ -d "$d" ]; then cp -r "$d"/. /tmp/b/; fi
+done
+if [ "$what" = stage ]; then ls -la /tmp/b; exit 0; fi
+
+if [ ! -f /tmp/site/vllm-env.sh ]; then
+  bash /tmp/b/install-bundle.sh /tmp/b /tmp/site || { echo "bundle install failed"; exit 1; }
+fi
+if [ ! -d /tmp/site-test ] && ls /tmp/b/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-test /tmp/b/wheels/*.whl
+fi
+# shellcheck disable=SC1091
+source /tmp/site/vllm-env.sh
+export PYTHONPATH=/tmp/site-test:$PYTHONPATH
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip-e.log 2>&1 \
+  || { cat /tmp/pip-e.log; exit 1; }
+
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_LORA_EXT_RESULTS="$OUT/gpu-results.json" VLLM_LORA_EXT_SERVE_LOG="$OUT/serve.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import vllm, torch, transformers, peft; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+case "$what" in
+  test) python3 -m pytest -p no:cacheprovider -o addopts="-ra" --import-mode=importlib tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log" ;;
+  bench) script=$1; shift; python3 "$script" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+esac

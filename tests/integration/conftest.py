@@ -1,0 +1,64 @@
+"""Fixtures for tests that use real vLLM modules on the CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.26 believes it can pin memory on a machine without a driver; tell it the truth."""
+    import vllm.lora.lora_model as lora_model
+    import vllm.lora.lora_weights as lora_weights
+    import vllm.lora.model_manager as model_manager
+    import vllm.utils.torch_utils as torch_utils
+
+    for mod in (lora_model, lora_weights, model_manager, torch_utils):
+        monkeypatch.setattr(mod, "PIN_MEMORY", False, raising=False)
+
+
+def llama_adapter_manager(num_layers: int = 2) -> Any:
+    """The part of vLLM's LoRAModelManager that loading reads, for a Llama model: the wrapped
+    module names and vLLM's own packing table (LlamaForCausalLM.packed_modules_mapping)."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    mapping = LlamaForCausalLM.packed_modules_mapping
+    modules: dict[str, object] = {}
+    packed: dict[str, list[str]] = {}
+    for i in range(num_layers):
+        for block, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj"))):
+            for n in names:
+                full = f"model.layers.{i}.{block}.{n}"
+                modules[full] = object()
+                if n in mapping:
+                    packed[full] = [f"model.layers.{i}.{block}.{m}" for m in mapping[n]]
+    return SimpleNamespace(
+        supported_lora_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        packed_modules_mapping=dict(mapping), modules=modules, packed_modules=packed,
+        model=SimpleNamespace(), moe_ep_load_spec=None, is_pooling_model=False,
+    )
+
+
+@pytest.fixture
+def worker_manager(no_pin_memory: None) -> Any:
+    """A real vLLM WorkerLoRAManager object (its __init__ needs a full engine config, so the
+    fields it sets are filled in directly) around the adapter-manager view above."""
+    import torch
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    mgr = object.__new__(WorkerLoRAManager)
+    mgr._lora_model_cls = LoRAModel
+    mgr.embedding_modules = {}
+    mgr.vocab_size = 256
+    mgr.max_position_embeddings = 256
+    mgr.lora_config = LoRAConfig(max_lora_rank=16, max_loras=2, lora_dtype=torch.float32)
+    mgr.device = torch.device("cpu")
+    mgr._adapter_manager = llama_adapter_manager()
+    return mgr

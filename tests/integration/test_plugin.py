@@ -1,0 +1,98 @@
+"""register(): the entry point, idempotence, the version gate, the patches it installs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from vllm_lora_ext.errors import UnsupportedVLLMError
+from vllm_lora_ext.integration._compat import check_vllm_version
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_is_listed_in_vllm_general_plugins() -> None:
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps["vllm_lora_ext"] == "vllm_lora_ext.integration.plugin:register"
+
+
+def test_register_twice_installs_one_patch() -> None:
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    plugin.register()
+    import vllm.lora.worker_manager as wm
+
+    patched = wm.WorkerLoRAManager._load_adapter
+    assert getattr(patched, plugin.PATCH_MARK)
+    assert not getattr(patched.__wrapped__, plugin.PATCH_MARK, False)  # wrapped once, not twice
+    plugin._patch_worker_manager(wm)
+    assert wm.WorkerLoRAManager._load_adapter is patched
+
+
+def test_load_general_plugins_installs_the_hooks_lazily_in_a_fresh_process() -> None:
+    code = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+load_general_plugins()
+heavy = 'vllm.lora.worker_manager' in sys.modules
+import vllm.lora.worker_manager as wm
+import vllm.v1.engine.llm_engine as le
+from vllm_lora_ext.integration.plugin import PATCH_MARK, is_registered
+print(heavy, is_registered(), getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False),
+      getattr(le.LLMEngine.add_request, PATCH_MARK, False))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-4:] == ["False", "True", "True", "True"]
+    assert "vllm_lora_ext 0.1.0 active in process" in out.stderr
+
+
+def test_plugin_disabled_by_env_stays_inert() -> None:
+    code = ("import os; os.environ['VLLM_LORA_EXT_DISABLE']='1'\n"
+            "from vllm_lora_ext.integration import plugin; plugin.register()\n"
+            "import vllm.lora.worker_manager as wm\n"
+            "print(getattr(wm.WorkerLoRAManager._load_adapter, plugin.PATCH_MARK, False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-1] == "False" and "disabled" in out.stderr
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.3", "0.26.0+cu130", "0.26.1.dev4+g1234"])
+def test_version_gate_accepts_the_tested_release_line(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.27.0", "0.33.0", "1.0.0"])
+def test_version_gate_refuses_other_versions_naming_both(version: str) -> None:
+    with pytest.raises(UnsupportedVLLMError) as e:
+        check_vllm_version(version)
+    msg = str(e.value)
+    assert version in msg and ">=0.26.0,<0.27.0" in msg and "VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1" in msg
+
+
+def test_version_gate_can_be_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM", "1")
+    assert check_vllm_version("0.33.0") == "0.33.0"
+
+
+def test_unsupported_vllm_stops_register_in_a_fresh_process() -> None:
+    code = ("import vllm_lora_ext.integration._compat as c\n"
+            "c.installed_vllm_version = lambda: '0.25.0'\n"
+            "from vllm_lora_ext.integration import plugin\n"
+            "plugin.register()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "UnsupportedVLLMError" in out.stderr and "0.25.0" in out.stderr
+
+
+def test_core_imports_without_vllm() -> None:
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import vllm_lora_ext, vllm_lora_ext.cli, vllm_lora_ext.sources, vllm_lora_ext.summary\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vllm') and sys.modules[m] is not None "
+            "and not m.startswith('vllm_lora_ext')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
