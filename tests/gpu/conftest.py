@@ -9,7 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+# The test process touches CUDA (reference models) before engines start: engines must spawn, not fork.
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 RESULTS: dict[str, Any] = {}
 

@@ -141,3 +141,12 @@ def _patch_serving_models(module: ModuleType) -> None:
 
     cls.load_lora_adapter = _mark(load_lora_adapter, original)
     logger.debug("patched %s.OpenAIServingModels.load_lora_adapter", module.__name__)
+
+
+def worker_state(worker: Any = None) -> dict[str, Any]:
+    """Report the plugin's state in this process; use ``llm.collective_rpc(worker_state)`` to ask every worker."""
+    import sys
+
+    wm = sys.modules.get(WORKER_MANAGER_MODULE)
+    patched = bool(wm is not None and getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False))
+    return {"pid": os.getpid(), "registered": _REGISTERED, "version": __version__, "load_adapter_patched": patched}
