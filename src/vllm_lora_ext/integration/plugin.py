@@ -140,7 +140,17 @@ def _patch_serving_models(module: ModuleType) -> None:
         return await original(self, request_or_error, base_model_name)
 
     cls.load_lora_adapter = _mark(load_lora_adapter, original)
-    logger.debug("patched %s.OpenAIServingModels.load_lora_adapter", module.__name__)
+
+    original_init = cls.init_static_loras
+
+    async def init_static_loras(self: Any) -> None:
+        from vllm_lora_ext.integration.server import load_deployment_adapters
+
+        await original_init(self)
+        await load_deployment_adapters(self)
+
+    cls.init_static_loras = _mark(init_static_loras, original_init)
+    logger.debug("patched %s.OpenAIServingModels.load_lora_adapter and init_static_loras", module.__name__)
 
 
 def worker_state(worker: Any = None) -> dict[str, Any]:

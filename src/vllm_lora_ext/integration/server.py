@@ -47,3 +47,31 @@ async def pre_resolve(request: Any) -> Any:
         logger.info("adapter %r: source %r pinned to %r", name, path, pinned)
         request = request.model_copy(update={"lora_path": pinned})
     return request
+
+
+async def load_deployment_adapters(serving_models: Any) -> None:
+    """Register every adapter of the deployment config (``VLLM_LORA_EXT_CONFIG``) at server start-up.
+
+    Raises:
+        ValueError: an adapter fails to load; the server does not start (as with ``--lora-modules``).
+    """
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    from vllm_lora_ext.constants import deployment_config_path
+    from vllm_lora_ext.deployment import read_deployment_config
+
+    path = deployment_config_path()
+    if path is None:
+        return
+    config = read_deployment_config(path)
+    serving_models.vllm_lora_ext_deployment = config
+    for name, adapter in config.adapters.items():
+        if name in serving_models.lora_requests:
+            raise ValueError(f"Adapter {name!r} is defined both by --lora-modules and by the deployment config "
+                             f"{path!r}. Keep one.")
+        result = await serving_models.load_lora_adapter(
+            LoadLoRAAdapterRequest(lora_name=name, lora_path=adapter.source.canonical()))
+        if not isinstance(result, str):
+            raise ValueError(f"Deployment config {path!r}: adapter {name!r} failed to load: {result.error.message}")
+    logger.info("deployment config %s: registered %d adapters%s", path, len(config.adapters),
+                f", default {config.default!r}" if config.default else "")

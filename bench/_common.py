@@ -1,0 +1,73 @@
+"""Shared helpers for bench/ scripts: timing, table printing, JSON output with versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def timeit(fn: Callable[[], Any], *, runs: int = 5, warmup: int = 1, setup: Callable[[], Any] | None = None) -> list[float]:
+    """Run ``fn`` ``warmup`` + ``runs`` times (``setup`` before each, untimed); return the timed seconds."""
+    out = []
+    for i in range(warmup + runs):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def env_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": sys.version.split()[0], "machine": platform.machine(), "cpus": os.cpu_count()}
+    for mod in ("torch", "safetensors", "huggingface_hub", "vllm"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:
+            info[mod] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True).stdout.strip()
+    except OSError:
+        info["commit"] = None
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:
+        info["gpu"] = None
+    return info
+
+
+def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    cells = [[str(c) for c in header]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for j, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, payload: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": env_info(), **payload}, indent=2, default=str))
+    print(f"wrote {path}")
+    return path
