@@ -1,0 +1,430 @@
+"""MoE expert adapters: every on-disk layout -> one normalized form, validated by shape against the model.
+
+On-disk layouts (after the ``base_model.model.`` prefix), for a block ``<prefix> = ...mlp.experts``
+with ``E`` experts, hidden size ``H`` and expert intermediate size ``I``:
+
+- **2D, per expert**: ``<prefix>.<e>.<proj>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``
+  with ``<proj>`` the model's checkpoint names (``gate_proj/up_proj/down_proj``, Mixtral ``w1/w3/w2``).
+- **3D, fused** (PEFT ``target_parameters``): ``<prefix>[.base_layer]*.lora_A.weight`` ``(r·E, in)``, rows
+  expert-major (row ``e·r + i``), and ``.lora_B.weight`` ``(out, r·E)``, columns expert-minor (column
+  ``i·E + e``). Per expert ``ΔW_e = B[:, i·E+e] · A[e·r+i, :]`` summed over ``i``.
+  - gate_up: standard ``in = H, out = 2I`` (B rows: gate ``[0, I)`` then up ``[I, 2I)``; GPT-OSS interleaves:
+    gate rows ``0::2``, up rows ``1::2``); *transposed* (PEFT 0.17–0.18 on transformers-v5 experts)
+    ``in = 2I, out = H``, i.e. ``ΔW_e`` stored as its transpose.
+  - down: standard ``in = I, out = H``; transposed ``in = H, out = I``.
+  - Which tensor is gate_up and which is down is decided **by shape**, never by the nesting
+    (``base_layer``) of its name; shapes that fit two readings (``H == 2I`` or ``H == I``) are settled
+    by the adapter config (``peft_version``: < 0.19.1 wrote the transposed form; or an explicit
+    ``"moe_3d_orientation": "standard" | "transposed"``), else refused.
+- Both forms may be mixed in one adapter: per layer, and per projection inside a layer (a fused
+  gate_up with per-expert down, or the reverse).
+
+The normalized form ([`ExpertsLoRA`]) holds, for the experts this rank keeps, ``A (E', r, in)`` and
+``B (E', out, r)`` per projection with the adapter's scaling folded into ``B`` (computed in float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from vllm_lora_ext.config import AdapterConfig
+from vllm_lora_ext.errors import ExpertLayoutError
+from vllm_lora_ext.formats import classify_key
+
+__all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "ExpertsPlan", "plan_experts", "read_experts",
+           "ExpertRead"]
+
+Orientation = Literal["standard", "transposed"]
+Role = Literal["gate_up", "down"]
+
+GATE_NAMES = ("gate_proj", "w1")
+UP_NAMES = ("up_proj", "w3")
+DOWN_NAMES = ("down_proj", "w2")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What the running model says about one MoE block (shapes are full, not TP-sliced).
+
+    Attributes:
+        prefix: module path of the experts, e.g. ``model.layers.0.mlp.experts``.
+        num_experts: global expert count ``E``.
+        hidden: ``H``.
+        intermediate: ``I`` (per expert).
+        gate / up / down: the checkpoint projection names of 2D keys.
+        interleaved: fused gate_up rows are interleaved (GPT-OSS) rather than concatenated.
+    """
+
+    prefix: str
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.num_experts, self.hidden, self.intermediate) < 1:
+            raise ValueError(f"MoESpec {self.prefix!r} needs positive sizes")
+
+    def proj_role(self, proj: str) -> str | None:
+        """Map a 2D projection name to ``gate``/``up``/``down`` (model names first, then the common aliases)."""
+        if proj == self.gate or (proj in GATE_NAMES and self.gate in GATE_NAMES):
+            return "gate"
+        if proj == self.up or (proj in UP_NAMES and self.up in UP_NAMES):
+            return "up"
+        if proj == self.down or (proj in DOWN_NAMES and self.down in DOWN_NAMES):
+            return "down"
+        return None
+
+
+@dataclass
+class ExpertFactors:
+    """One projection for the kept experts: ``a (E', r, in)``, ``b (E', out, r)``, scaling folded into ``b``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[1])
+
+
+@dataclass
+class ExpertsLoRA:
+    """A normalized MoE block: per-projection factors for ``experts`` (global ids, in local order).
+
+    ``gate_up`` (fused, B rows gate then up, or interleaved if ``interleaved``) and ``gate``/``up``
+    are alternatives; ``down`` is always separate.
+    """
+
+    prefix: str
+    experts: tuple[int, ...]
+    intermediate: int
+    gate: ExpertFactors | None = None
+    up: ExpertFactors | None = None
+    down: ExpertFactors | None = None
+    gate_up: ExpertFactors | None = None
+    interleaved: bool = False
+
+    def _split_gate_up(self) -> tuple[ExpertFactors | None, ExpertFactors | None]:
+        if self.gate_up is None:
+            return self.gate, self.up
+        b = self.gate_up.b
+        if self.interleaved:
+            gb, ub = b[:, 0::2], b[:, 1::2]
+        else:
+            gb, ub = b[:, : self.intermediate], b[:, self.intermediate:]
+        return ExpertFactors(self.gate_up.a, gb.contiguous()), ExpertFactors(self.gate_up.a, ub.contiguous())
+
+    def as_2d(self, *, num_experts: int, hidden: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return vLLM's 2D-wrapper lists ``[w1, w2, w3]`` (gate, down, up); absent projections are zeros."""
+        gate, up = self._split_gate_up()
+        e, i, dt = len(self.experts), self.intermediate, self.dtype
+        return ([_a(gate, e, hidden, dt), _a(self.down, e, i, dt), _a(up, e, hidden, dt)],
+                [_b(gate, e, i, dt), _b(self.down, e, hidden, dt), _b(up, e, i, dt)])
+
+    def as_3d(self, *, hidden: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return vLLM's 3D-wrapper lists ``[w13, w2]``; separate gate/up become one rank ``r_g + r_u`` factor."""
+        e, i, dt = len(self.experts), self.intermediate, self.dtype
+        if self.gate_up is not None:
+            w13_a, w13_b = self.gate_up.a, self.gate_up.b
+        else:
+            g, u = self.gate, self.up
+            ref = g or u or self.down
+            assert ref is not None
+            rg, ru = (g.rank if g else 0), (u.rank if u else 0)
+            w13_a = torch.cat([_a(g, e, hidden, dt, rg), _a(u, e, hidden, dt, ru)], dim=1)
+            w13_b = ref.b.new_zeros(e, 2 * i, rg + ru)
+            gate_rows = slice(0, 2 * i, 2) if self.interleaved else slice(0, i)
+            up_rows = slice(1, 2 * i, 2) if self.interleaved else slice(i, 2 * i)
+            if g is not None:
+                w13_b[:, gate_rows, :rg] = g.b
+            if u is not None:
+                w13_b[:, up_rows, rg:] = u.b
+        return [w13_a, _a(self.down, e, i, dt)], [w13_b, _b(self.down, e, hidden, dt)]
+
+    def dense_delta(self, local_index: int) -> dict[str, torch.Tensor]:
+        """Return ``{"gate","up","down": ΔW (out, in)}`` for one kept expert, in float32 (for tests and mixing)."""
+        gate, up = self._split_gate_up()
+        out = {}
+        for name, f in (("gate", gate), ("up", up), ("down", self.down)):
+            if f is not None:
+                out[name] = f.b[local_index].float() @ f.a[local_index].float()
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(f.a.dtype for f in (self.gate, self.up, self.down, self.gate_up) if f is not None)
+
+    @property
+    def max_rank(self) -> int:
+        return max(f.rank for f in (self.gate, self.up, self.down, self.gate_up) if f is not None)
+
+
+def _a(f: ExpertFactors | None, e: int, d_in: int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:
+    if f is not None:
+        return f.a
+    return torch.zeros(e, rank if rank is not None else 1, d_in, dtype=dtype)
+
+
+def _b(f: ExpertFactors | None, e: int, d_out: int, dtype: torch.dtype) -> torch.Tensor:
+    if f is not None:
+        return f.b
+    return torch.zeros(e, d_out, 1, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# planning (shapes only)
+
+
+@dataclass(frozen=True)
+class Key2D:
+    key_a: str
+    key_b: str
+    expert: int
+    role: str  # gate / up / down
+    rank: int
+
+
+@dataclass(frozen=True)
+class Key3D:
+    key_a: str
+    key_b: str
+    role: Role
+    orientation: Orientation
+    rank: int
+
+
+@dataclass
+class ExpertsPlan:
+    """How to read one MoE block: which keys play which role, oriented how, at which rank."""
+
+    spec: MoESpec
+    keys_2d: list[Key2D] = field(default_factory=list)
+    keys_3d: list[Key3D] = field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        kinds = {"2d"} if self.keys_2d else set()
+        if self.keys_3d:
+            kinds.add("3d")
+        return "+".join(sorted(kinds))
+
+
+def _orientation_hint(config: AdapterConfig | None) -> Orientation | None:
+    if config is None:
+        return None
+    explicit = config.raw.get("moe_3d_orientation")
+    if explicit in ("standard", "transposed"):
+        return explicit  # type: ignore[return-value]
+    if config.peft_version:
+        try:
+            from packaging.version import Version
+
+            return "transposed" if Version(config.peft_version.split("+")[0]) < Version("0.19.1") else "standard"
+        except Exception:
+            return None
+    return None
+
+
+def _readings_3d(shape_a: tuple[int, ...], shape_b: tuple[int, ...], spec: MoESpec) -> list[tuple[Role, Orientation]]:
+    h, i = spec.hidden, spec.intermediate
+    d_in, d_out = shape_a[1], shape_b[0]
+    table: list[tuple[Role, Orientation, int, int]] = [
+        ("gate_up", "standard", h, 2 * i), ("gate_up", "transposed", 2 * i, h),
+        ("down", "standard", i, h), ("down", "transposed", h, i),
+    ]
+    return [(role, o) for role, o, a_in, b_out in table if (d_in, d_out) == (a_in, b_out)]
+
+
+def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config: AdapterConfig | None = None,
+                 adapter: str = "adapter") -> ExpertsPlan:
+    """Assign every key of one MoE block a role and orientation, checking all shapes against ``spec``.
+
+    Args:
+        shapes: ``{key: shape}`` of the block's keys only (both 2D and 3D).
+        spec: the block as the model has it.
+        config: the adapter's config (orientation hints).
+
+    Raises:
+        [`ExpertLayoutError`]: a key fits no role, ranks do not divide, expert ids are out of range,
+            a projection is given twice, or the orientation is ambiguous and nothing settles it.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    for key in shapes:
+        info = classify_key(key)
+        pairs.setdefault(info.module, {})[info.which] = key
+    plan = ExpertsPlan(spec)
+    problems: list[str] = []
+    seen_roles: dict[str, str] = {}
+    hint = _orientation_hint(config)
+    threed: list[tuple[str, str, str]] = []
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            problems.append(f"{module}: lora_{'A' if 'A' in pair else 'B'} without its partner")
+            continue
+        sa, sb = tuple(shapes[pair["A"]]), tuple(shapes[pair["B"]])
+        info = classify_key(pair["A"])
+        if len(sa) != 2 or len(sb) != 2:
+            problems.append(f"{module}: lora tensors must be 2-D, got {sa} and {sb}")
+            continue
+        if info.kind == "moe_2d":
+            assert info.expert is not None and info.proj is not None
+            role = spec.proj_role(info.proj)
+            if role is None:
+                problems.append(f"{module}: projection {info.proj!r} is not one of the model's "
+                                f"({spec.gate}, {spec.up}, {spec.down})")
+                continue
+            if not 0 <= info.expert < spec.num_experts:
+                problems.append(f"{module}: expert {info.expert} out of range (the model has {spec.num_experts})")
+                continue
+            d_in = spec.intermediate if role == "down" else spec.hidden
+            d_out = spec.hidden if role == "down" else spec.intermediate
+            r = sa[0]
+            if sa != (r, d_in) or sb != (d_out, r):
+                problems.append(f"{module}: shapes A{sa} B{sb}, expected A(r, {d_in}) B({d_out}, r) for {role}")
+                continue
+            plan.keys_2d.append(Key2D(pair["A"], pair["B"], info.expert, role, r))
+            seen_roles.setdefault(role, "2d")
+        else:
+            threed.append((module, pair["A"], pair["B"]))
+    # 3D: decide roles by shape; with two tensors, each must take a different role.
+    readings = {m: _readings_3d(tuple(shapes[a]), tuple(shapes[b]), spec) for m, a, b in threed}
+    for module, ka, kb in threed:
+        sa, sb = tuple(shapes[ka]), tuple(shapes[kb])
+        options = readings[module]
+        if not options:
+            problems.append(f"{module}: 3D shapes A{sa} B{sb} fit neither gate_up (A(r·E, {spec.hidden}) "
+                            f"B({2 * spec.intermediate}, r·E)) nor down (A(r·E, {spec.intermediate}) "
+                            f"B({spec.hidden}, r·E)), standard or transposed")
+            continue
+        others = {r for m, *_ in threed if m != module for r, _ in readings[m]}
+        roles = {r for r, _ in options}
+        if len(roles) > 1 and len(others) == 1:
+            roles -= others  # the other tensor's role settles this one
+        if len(roles) > 1:
+            problems.append(f"{module}: 3D shapes A{sa} B{sb} fit both gate_up and down; the model's H={spec.hidden}, "
+                            f"I={spec.intermediate} cannot tell them apart")
+            continue
+        (role,) = roles
+        orients = {o for r, o in options if r == role}
+        if len(orients) > 1:
+            if hint is None:
+                problems.append(
+                    f"{module}: 3D {role} shapes A{sa} B{sb} read the same in standard and transposed orientation "
+                    f"(H={spec.hidden}, I={spec.intermediate}); add \"moe_3d_orientation\": \"standard\" or "
+                    f"\"transposed\" (or the PEFT \"peft_version\" that wrote it) to the adapter config")
+                continue
+            orients = {hint}
+        (orient,) = orients
+        rows = sa[0]
+        if rows % spec.num_experts or sb[1] != rows:
+            problems.append(f"{module}: 3D A has {rows} rows and B {sb[1]} columns; both must be r·E with "
+                            f"E={spec.num_experts}")
+            continue
+        if role in seen_roles or (role == "gate_up" and ({"gate", "up"} & set(seen_roles))):
+            problems.append(f"{module}: {role} is given twice (as 3D and as {seen_roles.get(role, '2d')})")
+            continue
+        seen_roles[role] = "3d"
+        plan.keys_3d.append(Key3D(ka, kb, role, orient, rows // spec.num_experts))
+    if any(k.role in ("gate", "up") for k in plan.keys_2d) and any(k.role == "gate_up" for k in plan.keys_3d):
+        problems.append(f"{spec.prefix}: gate/up given both per expert (2D) and fused (3D)")
+    if problems:
+        raise ExpertLayoutError(
+            f"Adapter {adapter!r}: MoE block {spec.prefix!r} does not fit the model "
+            f"({spec.num_experts} experts, H={spec.hidden}, I={spec.intermediate}): " + "; ".join(problems[:5])
+            + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
+            + ". Check that the adapter was trained for this base model.",
+            adapter=adapter, key=spec.prefix)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+
+
+ExpertRead = Callable[[str, Sequence[tuple[int, int, int]] | None], torch.Tensor]
+"""``read(key, ranges)``: the tensor, or with ``ranges = [(dim, start, stop), ...]`` only those slices
+concatenated along ``dim`` (the reader touches no other rows/columns)."""
+
+
+def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for e in ids:
+        if out and out[-1][1] == e:
+            out[-1] = (out[-1][0], e + 1)
+        else:
+            out.append((e, e + 1))
+    return out
+
+
+def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
+                 dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
+                 ) -> ExpertsLoRA:
+    """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
+
+    2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
+    ranges of B for the kept experts only. Scaling (``alpha/r`` or rsLoRA, rank/alpha patterns per
+    projection) is folded into B in float32, then cast to ``dtype``.
+    """
+    spec = plan.spec
+    keep = tuple(range(spec.num_experts)) if experts is None else tuple(experts)
+    pos = {e: j for j, e in enumerate(keep)}
+    n = len(keep)
+    out = ExpertsLoRA(prefix=spec.prefix, experts=keep, intermediate=spec.intermediate, interleaved=spec.interleaved)
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+
+    # 2D: stack per role; only kept experts' keys are read.
+    by_role: dict[str, list[Key2D]] = {}
+    for k in plan.keys_2d:
+        if k.expert in pos:
+            by_role.setdefault(k.role, []).append(k)
+    wanted = [key for ks in by_role.values() for k in ks for key in (k.key_a, k.key_b)]
+    loaded = dict(read_many(wanted)) if read_many is not None else {key: read(key, None) for key in wanted}
+    for role, ks in by_role.items():
+        ranks = {k.rank for k in ks}
+        r = max(ranks)
+        d_in = spec.intermediate if role == "down" else spec.hidden
+        d_out = spec.hidden if role == "down" else spec.intermediate
+        a = torch.zeros(n, r, d_in, dtype=torch.float32)
+        b = torch.zeros(n, d_out, r, dtype=torch.float32)
+        for k in ks:
+            j = pos[k.expert]
+            s = config.scaling_for(f"{spec.prefix}.{k.expert}.{_proj_name(spec, role)}", k.rank)
+            a[j, : k.rank] = loaded[k.key_a].float()
+            b[j, :, : k.rank] = loaded[k.key_b].float() * s
+        setattr(out, role, ExpertFactors(cast(a), cast(b)))
+
+    # 3D: A rows [e·r, (e+1)·r) per kept expert, B columns {i·E + e}.
+    e_all = spec.num_experts
+    for k in plan.keys_3d:
+        r = k.rank
+        exp_ranges = _ranges(keep)
+        a_ranges = [(0, s * r, t * r) for s, t in exp_ranges]
+        b_ranges = [(1, i * e_all + s, i * e_all + t) for i in range(r) for s, t in exp_ranges]
+        full = n == e_all
+        a_raw = read(k.key_a, None if full else a_ranges).float()  # (n·r, in)
+        b_raw = read(k.key_b, None if full else b_ranges).float()  # (out, r·n) ordered (i, e)
+        a3 = a_raw.reshape(n, r, a_raw.shape[1])
+        b3 = b_raw.reshape(b_raw.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
+        if k.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
+            a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
+        name = "gate_up_proj" if k.role == "gate_up" else "down_proj"
+        s = config.scaling_for(f"{spec.prefix}.{name}", r)
+        setattr(out, k.role, ExpertFactors(cast(a3.contiguous()), cast((b3 * s).contiguous())))
+    return out
+
+
+def _proj_name(spec: MoESpec, role: str) -> str:
+    return {"gate": spec.gate, "up": spec.up, "down": spec.down}[role]
+
+
+def scaling_is_uniform(values: Sequence[float]) -> bool:
+    return all(math.isclose(v, values[0]) for v in values)

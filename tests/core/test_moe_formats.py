@@ -1,0 +1,189 @@
+"""MoE layouts: every on-disk form normalizes to the same per-expert deltas; shapes are checked against the model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_factories import (Truth, block_tensors, make_truth, oracle_deltas, peft_3d_delta, to_3d, write_moe_adapter)
+from factories import lora_config, write_adapter
+from vllm_lora_ext.config import config_from_dict
+from vllm_lora_ext.errors import ExpertLayoutError
+from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+from vllm_lora_ext.reader import ReadStats, SafetensorsReader, read_header
+
+E, H, I, R, ALPHA = 8, 32, 12, 4, 16
+SCALING = ALPHA / R
+SPEC0 = MoESpec("model.layers.0.mlp.experts", E, H, I)
+FORMS = ["2d", "3d", "3d_t", "3d_gu+2d_down", "2d_gu+3d_down"]
+
+
+def _load(folder: Path, spec: MoESpec = SPEC0, experts=None, cfg_extra=None, stats=None):  # type: ignore[no-untyped-def]
+    cfg = config_from_dict({**json.loads((folder / "adapter_config.json").read_text()), **(cfg_extra or {})})
+    header = read_header(folder / "adapter_model.safetensors")
+    mine = {k: v.shape for k, v in header.tensors.items() if f".{spec.prefix}." in f".{k[len('base_model.model.'):]}"}
+    plan = plan_experts(mine, spec, config=cfg)
+    reader = SafetensorsReader(folder / "adapter_model.safetensors", header=header, stats=stats)
+    return plan, read_experts(plan, reader.read, config=cfg, experts=experts, read_many=reader.read_many)
+
+
+@pytest.fixture(scope="module")
+def truth() -> Truth:
+    return make_truth(E, H, I, R, seed=0)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_layout_gives_the_oracle_delta(tmp_path: Path, truth: Truth, form: str) -> None:
+    write_moe_adapter(tmp_path, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+    plan, ex = _load(tmp_path)
+    oracle = oracle_deltas(truth, SCALING)
+    for e in range(E):
+        d = ex.dense_delta(e)
+        for proj in ("gate", "up", "down"):
+            torch.testing.assert_close(d[proj], oracle[proj][e], rtol=1e-5, atol=1e-6)
+    assert plan.layout == {"2d": "2d", "3d": "3d", "3d_t": "3d"}.get(form, "2d+3d")
+
+
+def test_the_same_delta_in_different_layouts_matches_exactly(tmp_path: Path, truth: Truth) -> None:
+    deltas = []
+    for form in FORMS:
+        write_moe_adapter(tmp_path / form, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+        _, ex = _load(tmp_path / form)
+        deltas.append([ex.dense_delta(e) for e in range(E)])
+    for other in deltas[1:]:
+        for e in range(E):
+            for proj in ("gate", "up", "down"):
+                assert torch.equal(deltas[0][e][proj], other[e][proj])
+
+
+def test_3d_file_matches_peft_formula(tmp_path: Path, truth: Truth) -> None:
+    tensors = block_tensors("model.layers.0.mlp", truth, "3d")
+    a = tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"]
+    write_moe_adapter(tmp_path, [truth], ["3d"], rank=R, alpha=ALPHA)
+    _, ex = _load(tmp_path)
+    peft = peft_3d_delta(a, b, E, SCALING)  # (E, 2I, H)
+    for e in range(E):
+        d = ex.dense_delta(e)
+        torch.testing.assert_close(torch.cat([d["gate"], d["up"]]), peft[e], rtol=1e-5, atol=1e-6)
+
+
+def test_as_2d_and_as_3d_carry_the_same_delta(tmp_path: Path, truth: Truth) -> None:
+    write_moe_adapter(tmp_path, [truth], ["2d"], rank=R, alpha=ALPHA)
+    _, ex = _load(tmp_path)
+    a2, b2 = ex.as_2d(num_experts=E, hidden=H)
+    a3, b3 = ex.as_3d(hidden=H)
+    assert [t.shape for t in a2] == [(E, R, H), (E, R, I), (E, R, H)]
+    assert [t.shape for t in b3] == [(E, 2 * I, 2 * R), (E, H, R)]
+    for e in range(E):
+        w13 = b3[0][e] @ a3[0][e]
+        torch.testing.assert_close(w13, torch.cat([b2[0][e] @ a2[0][e], b2[2][e] @ a2[2][e]]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b3[1][e] @ a3[1][e], b2[1][e] @ a2[1][e])
+
+
+def test_interleaved_gate_up_for_gpt_oss_style_models(tmp_path: Path, truth: Truth) -> None:
+    write_moe_adapter(tmp_path, [truth], ["2d"], rank=R, alpha=ALPHA)
+    spec = MoESpec(SPEC0.prefix, E, H, I, interleaved=True)
+    _, ex = _load(tmp_path, spec)
+    a3, b3 = ex.as_3d(hidden=H)
+    oracle = oracle_deltas(truth, SCALING)
+    w13 = b3[0][2] @ a3[0][2]
+    torch.testing.assert_close(w13[0::2], oracle["gate"][2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w13[1::2], oracle["up"][2], rtol=1e-5, atol=1e-6)
+
+
+def test_mixtral_w1_w3_w2_names(tmp_path: Path, truth: Truth) -> None:
+    write_moe_adapter(tmp_path, [truth], ["2d"], rank=R, alpha=ALPHA, names=("w1", "w3", "w2"),
+                      block="block_sparse_moe")
+    spec = MoESpec("model.layers.0.block_sparse_moe.experts", E, H, I, gate="w1", up="w3", down="w2")
+    _, ex = _load(tmp_path, spec)
+    torch.testing.assert_close(ex.dense_delta(5)["up"], oracle_deltas(truth, SCALING)["up"][5], rtol=1e-5, atol=1e-6)
+
+
+def test_single_3d_parameter_is_placed_by_shape_not_by_name(tmp_path: Path, truth: Truth) -> None:
+    a, b = to_3d(truth.a13, truth.b13)  # a gate_up tensor stored under the *outer* name, where vLLM assumes down
+    write_adapter(tmp_path, {"base_model.model.model.layers.0.mlp.experts.lora_A.weight": a,
+                             "base_model.model.model.layers.0.mlp.experts.lora_B.weight": b}, lora_config(R, ALPHA))
+    plan, ex = _load(tmp_path)
+    assert [k.role for k in plan.keys_3d] == ["gate_up"] and ex.down is None
+    torch.testing.assert_close(ex.dense_delta(1)["gate"], oracle_deltas(truth, SCALING)["gate"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_swapped_nesting_is_read_by_shape(tmp_path: Path, truth: Truth) -> None:
+    ga, gb = to_3d(truth.a13, truth.b13)
+    da, db = to_3d(truth.ad, truth.bd)
+    p = "base_model.model.model.layers.0.mlp.experts"
+    write_adapter(tmp_path, {f"{p}.lora_A.weight": ga, f"{p}.lora_B.weight": gb,
+                             f"{p}.base_layer.lora_A.weight": da, f"{p}.base_layer.lora_B.weight": db},
+                  lora_config(R, ALPHA))
+    _, ex = _load(tmp_path)
+    torch.testing.assert_close(ex.dense_delta(0)["down"], oracle_deltas(truth, SCALING)["down"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_ambiguous_orientation_needs_the_config_to_settle_it(tmp_path: Path) -> None:
+    h, i = 24, 12  # H == 2I: a gate_up tensor reads the same standard or transposed
+    t = make_truth(E, h, i, R, seed=3)
+    spec = MoESpec(SPEC0.prefix, E, h, i)
+    write_moe_adapter(tmp_path, [t], ["3d_t"], rank=R, alpha=ALPHA)
+    with pytest.raises(ExpertLayoutError, match="moe_3d_orientation"):
+        _load(tmp_path, spec)
+    for extra in ({"peft_version": "0.18.0"}, {"moe_3d_orientation": "transposed"}):
+        _, ex = _load(tmp_path, spec, cfg_extra=extra)
+        torch.testing.assert_close(ex.dense_delta(4)["up"], oracle_deltas(t, SCALING)["up"][4], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("mutate", "fragment"), [
+    (lambda ts: ts.update({"base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(R, H + 1)}),
+     "expected A(r, 32)"),
+    (lambda ts: ts.update({"base_model.model.model.layers.0.mlp.experts.9.gate_proj.lora_A.weight": torch.zeros(R, H),
+                           "base_model.model.model.layers.0.mlp.experts.9.gate_proj.lora_B.weight": torch.zeros(I, R)}),
+     "expert 9 out of range"),
+    (lambda ts: ts.pop("base_model.model.model.layers.0.mlp.experts.2.up_proj.lora_B.weight"), "without its partner"),
+    (lambda ts: ts.update({"base_model.model.model.layers.0.mlp.experts.1.router.lora_A.weight": torch.zeros(R, H),
+                           "base_model.model.model.layers.0.mlp.experts.1.router.lora_B.weight": torch.zeros(E, R)}),
+     "projection 'router'"),
+])
+def test_shape_and_name_problems_are_errors_naming_the_module(tmp_path: Path, truth: Truth, mutate, fragment: str) -> None:  # type: ignore[no-untyped-def]
+    ts = block_tensors("model.layers.0.mlp", truth, "2d")
+    mutate(ts)
+    write_adapter(tmp_path, ts, lora_config(R, ALPHA))
+    with pytest.raises(ExpertLayoutError, match=re.escape(fragment)):
+        _load(tmp_path)
+
+
+def test_3d_rows_that_do_not_divide_by_experts_are_refused(tmp_path: Path, truth: Truth) -> None:
+    a, b = to_3d(truth.ad, truth.bd)
+    p = "base_model.model.model.layers.0.mlp.experts"
+    write_adapter(tmp_path, {f"{p}.lora_A.weight": a[:-1], f"{p}.lora_B.weight": b[:, :-1]}, lora_config(R, ALPHA))
+    with pytest.raises(ExpertLayoutError, match="r·E with E=8"):
+        _load(tmp_path)
+
+
+def test_rslora_and_alpha_pattern_are_applied_per_projection(tmp_path: Path, truth: Truth) -> None:
+    write_moe_adapter(tmp_path, [truth], ["3d_gu+2d_down"], rank=R, alpha=ALPHA, use_rslora=True,
+                      alpha_pattern={"down_proj": 2.0})
+    _, ex = _load(tmp_path)
+    o = oracle_deltas(truth, 1.0)
+    torch.testing.assert_close(ex.dense_delta(0)["gate"], o["gate"][0] * ALPHA / R**0.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ex.dense_delta(0)["down"], o["down"][0] * 2.0 / R**0.5, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("experts", [[4, 5, 6, 7], [1, 3, 5, 7], [0], [2, 3]])
+def test_reading_some_experts_equals_full_read_then_index_bitwise(tmp_path: Path, truth: Truth, form: str,
+                                                                 experts: list[int]) -> None:
+    write_moe_adapter(tmp_path, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+    _, full = _load(tmp_path)
+    stats = ReadStats()
+    _, part = _load(tmp_path, experts=experts, stats=stats)
+    fa, fb = full.as_2d(num_experts=E, hidden=H)
+    pa, pb = part.as_2d(num_experts=E, hidden=H)
+    for x, y in zip(fa + fb, pa + pb):
+        assert torch.equal(x[experts], y)
+    header = read_header(tmp_path / "adapter_model.safetensors")
+    share = len(experts) / E
+    assert stats.bytes_read == header.header_bytes + round(header.total_bytes * share)

@@ -1,0 +1,109 @@
+"""MoE adapters in every on-disk layout, all written from one ground truth (so their deltas must match).
+
+Ground truth per layer: A13 (E, r, H), B13 (E, 2I, r) for gate_up (gate rows then up rows; the 3D
+format shares one A for gate and up), Ad (E, r, I), Bd (E, H, r) for down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from factories import lora_config, write_adapter
+
+PREFIX = "base_model.model."
+Form = Literal["2d", "3d", "3d_t", "3d_gu+2d_down", "2d_gu+3d_down"]
+
+
+@dataclass
+class Truth:
+    a13: torch.Tensor
+    b13: torch.Tensor
+    ad: torch.Tensor
+    bd: torch.Tensor
+
+
+def make_truth(num_experts: int, hidden: int, inter: int, rank: int, seed: int, dtype: torch.dtype = torch.float32) -> Truth:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.1).to(dtype)  # noqa: E731
+    return Truth(r(num_experts, rank, hidden), r(num_experts, 2 * inter, rank), r(num_experts, rank, inter),
+                 r(num_experts, hidden, rank))
+
+
+def to_3d(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, r, in), (E, out, r) -> PEFT target_parameters tensors A (r·E, in) expert-major, B (out, r·E) expert-minor."""
+    e, r, d_in = a.shape
+    return a.reshape(e * r, d_in).contiguous(), b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
+
+
+def to_3d_transposed(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PEFT 0.17-0.18 form: the transposed delta, i.e. A' = Bᵀ, B' = Aᵀ per expert, then fused."""
+    return to_3d(b.transpose(1, 2), a.transpose(1, 2))
+
+
+def block_tensors(layer_prefix: str, t: Truth, form: Form, *, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")
+                  ) -> dict[str, torch.Tensor]:
+    gate, up, down = names
+    experts = f"{PREFIX}{layer_prefix}.experts"
+    inter = t.b13.shape[1] // 2
+    out: dict[str, torch.Tensor] = {}
+
+    def two_d(roles: Sequence[str]) -> None:
+        for e in range(t.a13.shape[0]):
+            if "gate" in roles:
+                out[f"{experts}.{e}.{gate}.lora_A.weight"] = t.a13[e].clone()
+                out[f"{experts}.{e}.{gate}.lora_B.weight"] = t.b13[e, :inter].clone()
+            if "up" in roles:
+                out[f"{experts}.{e}.{up}.lora_A.weight"] = t.a13[e].clone()
+                out[f"{experts}.{e}.{up}.lora_B.weight"] = t.b13[e, inter:].clone()
+            if "down" in roles:
+                out[f"{experts}.{e}.{down}.lora_A.weight"] = t.ad[e].clone()
+                out[f"{experts}.{e}.{down}.lora_B.weight"] = t.bd[e].clone()
+
+    def three_d(role: str, key: str, transposed: bool) -> None:
+        a, b = (t.a13, t.b13) if role == "gate_up" else (t.ad, t.bd)
+        fa, fb = (to_3d_transposed if transposed else to_3d)(a, b)
+        out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = fa, fb
+
+    if form == "2d":
+        two_d(["gate", "up", "down"])
+    elif form in ("3d", "3d_t"):
+        three_d("gate_up", f"{experts}.base_layer", form == "3d_t")
+        three_d("down", experts, form == "3d_t")
+    elif form == "3d_gu+2d_down":
+        three_d("gate_up", experts, False)
+        two_d(["down"])
+    elif form == "2d_gu+3d_down":
+        two_d(["gate", "up"])
+        three_d("down", experts, False)
+    return out
+
+
+def write_moe_adapter(folder: Path, truths: Sequence[Truth], forms: Sequence[Form], *, rank: int, alpha: float = 16,
+                      names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"), block: str = "mlp",
+                      extra: dict[str, torch.Tensor] | None = None, **cfg: object) -> Path:
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, (t, form) in enumerate(zip(truths, forms)):
+        tensors.update(block_tensors(f"model.layers.{layer}.{block}", t, form, names=names))
+    tensors.update(extra or {})
+    write_adapter(folder, tensors, lora_config(rank, alpha, ["gate_proj", "up_proj", "down_proj"], **cfg))
+    return folder
+
+
+def oracle_deltas(t: Truth, scaling: float) -> dict[str, torch.Tensor]:
+    """Dense per-expert ΔW (E, out, in) computed straight from the truth, independent of the code under test."""
+    inter = t.b13.shape[1] // 2
+    return {"gate": torch.einsum("eor,eri->eoi", t.b13[:, :inter].float(), t.a13.float()) * scaling,
+            "up": torch.einsum("eor,eri->eoi", t.b13[:, inter:].float(), t.a13.float()) * scaling,
+            "down": torch.einsum("eor,eri->eoi", t.bd.float(), t.ad.float()) * scaling}
+
+
+def peft_3d_delta(a_file: torch.Tensor, b_file: torch.Tensor, num_experts: int, scaling: float) -> torch.Tensor:
+    """PEFT's own formula for a target_parameters delta: einsum('o r e, e r i -> e o i')."""
+    rank = a_file.shape[0] // num_experts
+    return torch.einsum("ore,eri->eoi", b_file.float().reshape(b_file.shape[0], rank, num_experts),
+                        a_file.float().reshape(num_experts, rank, a_file.shape[1])) * scaling
