@@ -182,7 +182,10 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
                                                                         record: Any) -> None:
     _publish_dense_adapter(hub, dense)
     port = _free_port()
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="0")
+    deploy = gpu_workdir / "deployment.yaml"
+    deploy.write_text("adapters:\n  cfg-hub:\n    source: 'hf:acme/tiny-loras:dense/weights.safetensors'\n"
+                      "    weight: 1.0\ndefault: cfg-hub\n")
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="0", VLLM_LORA_EXT_CONFIG=str(deploy))
     log = (gpu_workdir / "serve.log").open("w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(dense["model"]), "--enable-lora",
            "--lora-modules", f"dense-local={dense['adapter']}", "dense-hub=hf:acme/tiny-loras:dense/weights.safetensors",
@@ -207,6 +210,7 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
         offline = vllm_greedy(llm_dense, ps, N_TOKENS, _req("dense", 1, str(dense["adapter"])))
         local = [_completion_ids(base, "dense-local", p) for p in ps]
         remote = [_completion_ids(base, "dense-hub", p) for p in ps]
+        from_config = [_completion_ids(base, "cfg-hub", p) for p in ps]
         # runtime loading with an hf: path, then a bad one (4xx with our message; server stays up)
         status, body = _post(f"{base}/v1/load_lora_adapter",
                              {"lora_name": "dense-rt", "lora_path": "hf:acme/tiny-loras:dense/weights.safetensors"})
@@ -217,11 +221,12 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
                                        {"lora_name": "trav", "lora_path": "hf:acme/tiny-loras:../x.safetensors"})
         after = _completion_ids(base, "dense-local", ps[0])
         record("serve", {"local_equals_offline": local == offline, "hub_equals_offline": remote == offline,
+                         "deployment_config_equals_offline": from_config == offline,
                          "runtime_load_status": status, "runtime_equals_offline": runtime == offline[:1],
                          "missing_status": bad_status, "missing_message": str(bad_body)[:400],
                          "traversal_status": trav_status, "traversal_message": str(trav_body)[:400],
                          "alive_after_errors": after == offline[0]})
-        assert local == offline and remote == offline
+        assert local == offline and remote == offline and from_config == offline
         assert status == 200 and runtime == offline[:1]
         assert bad_status == 404 and "missing.safetensors" in str(bad_body)
         assert trav_status == 400 and "'..' in path" in str(trav_body)

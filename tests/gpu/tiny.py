@@ -59,12 +59,25 @@ def build_qwen3_moe(folder: Path, seed: int = 0, *, num_experts: int = 8) -> Pat
 
     torch.manual_seed(seed)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=num_experts, num_experts_per_tok=2,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=512,
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
     )
     return _save(transformers.Qwen3MoeForCausalLM(cfg), folder)
+
+
+def build_mixtral(folder: Path, seed: int = 0, *, num_experts: int = 8) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=num_experts, num_experts_per_tok=2,
+        max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    return _save(transformers.MixtralForCausalLM(cfg), folder)
 
 
 def build_peft_adapter(model_dir: Path, folder: Path, *, seed: int, rank: int = 8, alpha: float = 16,

@@ -10,8 +10,9 @@ anything reaches vLLM (vLLM itself silently skips modules it does not find).
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,9 @@ from vllm_lora_ext.errors import (
     UnmatchedKeysError,
 )
 from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.reader import ReadStats, load_pickle_tensors, read_header, read_tensors
+from vllm_lora_ext.integration.moe import moe_targets, packed_weights
+from vllm_lora_ext.formats.moe import plan_experts, read_experts
+from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors, read_header
 from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
 from vllm_lora_ext.summary import load_config
 
@@ -63,19 +66,29 @@ def find_unmatched(module_names: Iterable[str], accepted: set[str], *, pooling: 
     return out
 
 
-def _read_tensors(resolved: ResolvedAdapter, stats: ReadStats) -> dict[str, torch.Tensor]:
-    if resolved.is_pickle:
-        return load_pickle_tensors(resolved.weights_path)
-    return read_tensors(resolved.weights_path, stats=stats, header=read_header(resolved.weights_path))
+class _DictSource:
+    """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read(self, key: str, ranges: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        t = self.tensors[key]
+        if not ranges:
+            return t
+        return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
+
+    def read_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {k: self.tensors[k] for k in keys}
 
 
-def _check_ranks(config: AdapterConfig, tensors: Mapping[str, torch.Tensor], max_rank: int, name: str) -> None:
+def _check_ranks(config: AdapterConfig, shapes: Mapping[str, tuple[int, ...]], max_rank: int, name: str) -> None:
     worst: tuple[int, str] | None = None
-    for key, t in tensors.items():
+    for key, shape in shapes.items():
         info = classify_key(key)
-        if info.which != "A" or info.kind == "moe_3d" or t.dim() != 2:
+        if info.which != "A" or info.kind == "moe_3d" or len(shape) != 2:
             continue
-        r = int(t.shape[0])
+        r = int(shape[0])
         if r > max_rank and (worst is None or r > worst[0]):
             worst = (r, info.module)
     declared = max([config.r, *config.rank_pattern.values()])
@@ -114,8 +127,14 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     peft_helper = PEFTHelper.from_dict(raw)
 
     stats = ReadStats()
-    tensors = _read_tensors(resolved, stats)
-    _check_ranks(config, tensors, manager.lora_config.max_lora_rank, name)
+    source: Any
+    if resolved.is_pickle:
+        source = _DictSource(load_pickle_tensors(resolved.weights_path))
+        shapes = {k: tuple(v.shape) for k, v in source.tensors.items()}
+    else:
+        source = SafetensorsReader(resolved.weights_path, stats=stats)
+        shapes = source.header.shapes
+    _check_ranks(config, shapes, manager.lora_config.max_lora_rank, name)
     peft_helper.validate_legal(manager.lora_config)
 
     model = manager._adapter_manager.model
@@ -124,12 +143,16 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         mapper = mapper.get_unstacked_mapper()
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
 
-    # Map every key to the module vLLM will look it up under, and refuse keys that land nowhere.
+    # Map every key to the module vLLM will look it up under; MoE keys go to their experts block.
     accepted = expected_module_names(manager)
-    kept: dict[str, torch.Tensor] = {}
+    has_moe = any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes)
+    targets = moe_targets(manager) if has_moe else {}
+    dense_keys: list[str] = []
     modules: dict[str, list[str]] = {}
+    moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
     not_lora: list[str] = []
-    for key, tensor in tensors.items():
+    moe_unmatched: list[str] = []
+    for key in shapes:
         if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
             continue
         if skip_prefixes and _skipped(key, skip_prefixes):
@@ -139,11 +162,20 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         except ValueError:
             not_lora.append(key)
             continue
+        info = classify_key(key)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
+            prefix, _ = parse_fine_tuned_lora_name(f"{info.experts_prefix}.lora_A.weight", mapper)
+            prefix = same_layer_block(prefix, targets)
+            if prefix in targets:
+                moe_groups.setdefault(prefix, {})[key] = tuple(shapes[key])
+            else:
+                moe_unmatched.append(key)
+            continue
         modules.setdefault(module, []).append(key)
-        kept[key] = tensor
+        dense_keys.append(key)
     unmatched_modules = find_unmatched(modules, accepted, pooling=bool(getattr(manager._adapter_manager,
                                                                                "is_pooling_model", False)))
-    unmatched = not_lora + [k for m in unmatched_modules for k in modules[m]]
+    unmatched = not_lora + moe_unmatched + [k for m in unmatched_modules for k in modules[m]]
     if unmatched:
         msg = (f"Adapter {name!r} ({resolved.identity}) has {len(unmatched)} keys that match no LoRA module of the "
                f"base model (first: {unmatched[:3]}). Check that the adapter was trained for this base model and that "
@@ -151,9 +183,14 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         if not allow_unmatched_keys():
             raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
         logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
-        for k in unmatched:
-            kept.pop(k, None)
+        bad = set(unmatched)
+        dense_keys = [k for k in dense_keys if k not in bad]
 
+    # Plan every MoE block before reading anything big: shape errors surface first.
+    plans = {prefix: plan_experts(group, targets[prefix].spec, config=config, adapter=name)
+             for prefix, group in moe_groups.items()}
+
+    kept = source.read_many(dense_keys)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
         tensors=kept,
@@ -164,10 +201,46 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         weights_mapper=mapper,
         skip_prefixes=skip_prefixes,
     )
+    if config.has_patterns:  # vLLM 0.26 gives every module the global r/alpha: apply PEFT's per-module rules
+        for module_name, weights in lora.loras.items():
+            rank = int(weights.lora_a.shape[0])
+            weights.rank, weights.scaling = rank, config.scaling_for(module_name, rank)
+    dtype = manager.lora_config.lora_dtype
+    dtype = dtype if isinstance(dtype, torch.dtype) else None
+    for prefix, plan in plans.items():
+        target = targets[prefix]
+        experts = read_experts(plan, source.read, config=config, experts=target.local_experts, dtype=dtype,
+                               read_many=source.read_many)
+        lora.loras[prefix] = packed_weights(experts, target, max_rank=manager.lora_config.max_lora_rank, adapter=name)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
-    logger.info("loaded adapter %r from %s: rank %d, %d tensors, %.1f MiB read, %.2f s", name, resolved.identity,
-                config.r, len(kept), stats.bytes_read / 2**20, time.perf_counter() - t0)
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
+                resolved.identity, config.r, len(lora.loras), len(plans),
+                ",".join(sorted({p.layout for p in plans.values()})) or "-", stats.bytes_read / 2**20,
+                time.perf_counter() - t0)
     return lora
+
+
+_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def same_layer_block(prefix: str, blocks: Iterable[str]) -> str:
+    """Map an experts block the model does not have to the model's only MoE block in the same layer.
+
+    transformers v5 renamed some MoE blocks (Mixtral ``block_sparse_moe`` -> ``mlp``), so PEFT adapters
+    trained on v5 name ``model.layers.N.mlp.experts`` where vLLM has ``...block_sparse_moe.experts``.
+    Shapes are still checked against that block, so a wrong match fails loudly.
+    """
+    blocks = list(blocks)
+    if prefix in blocks:
+        return prefix
+    m = _LAYER.match(prefix)
+    if not m:
+        return prefix
+    same = [b for b in blocks if b.startswith(m.group(1) + ".")]
+    if len(same) == 1:
+        logger.debug("experts block %r mapped to the model's %r", prefix, same[0])
+        return same[0]
+    return prefix
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:
