@@ -45,8 +45,9 @@ def to_3d_transposed(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, to
     return to_3d(b.transpose(1, 2), a.transpose(1, 2))
 
 
-def block_tensors(layer_prefix: str, t: Truth, form: Form, *, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")
-                  ) -> dict[str, torch.Tensor]:
+def block_tensors(layer_prefix: str, t: Truth, form: Form, *, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+                  interleaved: bool = False) -> dict[str, torch.Tensor]:
+    """One MoE block's keys in ``form``; ``interleaved``: the fused B rows alternate gate/up (GPT-OSS)."""
     gate, up, down = names
     experts = f"{PREFIX}{layer_prefix}.experts"
     inter = t.b13.shape[1] // 2
@@ -54,12 +55,14 @@ def block_tensors(layer_prefix: str, t: Truth, form: Form, *, names: Sequence[st
 
     def two_d(roles: Sequence[str]) -> None:
         for e in range(t.a13.shape[0]):
+            gate_rows = slice(0, 2 * inter, 2) if interleaved else slice(0, inter)
+            up_rows = slice(1, 2 * inter, 2) if interleaved else slice(inter, 2 * inter)
             if "gate" in roles:
                 out[f"{experts}.{e}.{gate}.lora_A.weight"] = t.a13[e].clone()
-                out[f"{experts}.{e}.{gate}.lora_B.weight"] = t.b13[e, :inter].clone()
+                out[f"{experts}.{e}.{gate}.lora_B.weight"] = t.b13[e, gate_rows].clone()
             if "up" in roles:
                 out[f"{experts}.{e}.{up}.lora_A.weight"] = t.a13[e].clone()
-                out[f"{experts}.{e}.{up}.lora_B.weight"] = t.b13[e, inter:].clone()
+                out[f"{experts}.{e}.{up}.lora_B.weight"] = t.b13[e, up_rows].clone()
             if "down" in roles:
                 out[f"{experts}.{e}.{down}.lora_A.weight"] = t.ad[e].clone()
                 out[f"{experts}.{e}.{down}.lora_B.weight"] = t.bd[e].clone()

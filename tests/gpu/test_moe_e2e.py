@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny import HFReference, build_mixtral, build_peft_adapter, build_qwen3_moe, prompts, vllm_token_logprobs
+from tiny import HFReference, build_gpt_oss, build_mixtral, build_peft_adapter, build_qwen3_moe, prompts, vllm_token_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factories import write_adapter  # noqa: E402
@@ -48,13 +48,14 @@ def _truths_from_peft(folder: Path, num_layers: int, num_experts: int, block: st
 
 
 def _write_forms(src: Path, dest: Path, truths: list[Truth], rest: dict[str, torch.Tensor], block: str,
-                 names: tuple[str, str, str]) -> dict[str, Path]:
+                 names: tuple[str, str, str], interleaved: bool = False) -> dict[str, Path]:
     cfg = json.loads((src / "adapter_config.json").read_text())
     out = {"peft": src}  # the file PEFT wrote, as is
     for form in FORMS:
         tensors = dict(rest)
         for layer, t in enumerate(truths):
-            tensors.update(block_tensors(f"model.layers.{layer}.{block}", t, form, names=names))  # type: ignore[arg-type]
+            tensors.update(block_tensors(f"model.layers.{layer}.{block}", t, form, names=names,  # type: ignore[arg-type]
+                                         interleaved=interleaved))
         write_adapter(dest / form, tensors, cfg)
         out[form] = dest / form
     return out
@@ -77,15 +78,18 @@ def _req(name: str, lora_id: int, path: Path | str) -> Any:
     ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
     # transformers-v5 PEFT writes Mixtral experts as mlp.experts (3D); older tools as block_sparse_moe.experts.<e>.w1
     ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+    # vLLM's 3D MoE wrapper (is_3d_moe_weight) with interleaved gate/up rows
+    ("gpt_oss", "mlp", ("gate_proj", "up_proj", "down_proj")),
 ])
 def test_moe_expert_adapter_in_every_layout(arch: str, block: str, names: tuple[str, str, str], gpu_workdir: Path,
                                             record: Any) -> None:
-    build = build_qwen3_moe if arch == "qwen3_moe" else build_mixtral
+    build = {"qwen3_moe": build_qwen3_moe, "mixtral": build_mixtral, "gpt_oss": build_gpt_oss}[arch]
     model = build(gpu_workdir / f"{arch}-model")
     peft_dir = build_peft_adapter(model, gpu_workdir / f"{arch}-3d", seed=5, rank=8, alpha=16, targets=["q_proj", "v_proj"],
                                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     truths, rest = _truths_from_peft(peft_dir, 2, 8, "mlp")
-    forms = _write_forms(peft_dir, gpu_workdir / f"{arch}-forms", truths, rest, block, names)
+    forms = _write_forms(peft_dir, gpu_workdir / f"{arch}-forms", truths, rest, block, names,
+                         interleaved=arch == "gpt_oss")
     ref = HFReference(model, peft_dir)
     base_ref = HFReference(model)
     llm = _llm(model)

@@ -80,6 +80,21 @@ def build_mixtral(folder: Path, seed: int = 0, *, num_experts: int = 8) -> Path:
     return _save(transformers.MixtralForCausalLM(cfg), folder)
 
 
+def build_gpt_oss(folder: Path, seed: int = 0, *, num_experts: int = 8) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=num_experts, num_experts_per_tok=2, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512, initializer_range=0.1,
+        rope_parameters={"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "rope_theta": 150000.0, "truncate": False},
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    return _save(transformers.GptOssForCausalLM(cfg), folder)
+
+
 def build_peft_adapter(model_dir: Path, folder: Path, *, seed: int, rank: int = 8, alpha: float = 16,
                        targets: Sequence[str] | None = None, target_parameters: Sequence[str] | None = None) -> Path:
     import peft
