@@ -21,8 +21,12 @@ from moe_factories import Truth, block_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-TOL = 0.2
 N_TOKENS = 8
+# MoE routing picks top-k experts; where two experts' scores tie to bf16 precision, vLLM (bf16) and the
+# fp32 reference may route differently and that position diverges whatever LoRA does. So MoE parity is
+# judged on the mean |Δ logprob| over all positions (plus the base model's own gap as the noise floor);
+# the max is reported too.
+MEAN_TOL = 0.05
 FORMS = ["3d", "2d", "3d_t", "3d_gu+2d_down", "2d_gu+3d_down"]
 ALL = ["peft", *FORMS]
 
@@ -101,13 +105,21 @@ def test_moe_expert_adapter_in_every_layout(arch: str, block: str, names: tuple[
     for i, form in enumerate(ALL):
         lp = [vllm_token_logprobs(llm, p, c, _req(f"{arch}-{form}", i + 1, forms[form])) for p, c in zip(ps, conts)]
         per_form[form] = lp
-        results[form] = max(abs(a - b) for x, y in zip(lp, ref_lp) for a, b in zip(x, y))
-    base_lp = [vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)]
-    control = max(abs(a - b) for x, y in zip(base_lp, ref_lp) for a, b in zip(x, y))
+        results[form] = _gap(lp, ref_lp)
+    control = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)], ref_lp)
+    # noise floor: vLLM vs HF on the base model alone, on the base model's own greedy continuations
+    base_conts = [base_ref.greedy(p, N_TOKENS) for p in ps]
+    base_gap = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, base_conts)],
+                    [base_ref.token_logprobs(p, c) for p, c in zip(ps, base_conts)])
     identical = all(per_form[f] == per_form["3d"] for f in ALL)
-    hf_base_gap = max(abs(a - b) for p, c, y in zip(ps, conts, ref_lp) for a, b in zip(base_ref.token_logprobs(p, c), y))
-    record(f"moe_{arch}", {"max_abs_logprob_diff_per_layout": results, "layouts_identical": identical,
-                           "control_vllm_base_vs_hf_adapter": control, "hf_adapter_effect": hf_base_gap})
-    assert all(v < TOL for v in results.values()), results
+    record(f"moe_{arch}", {"logprob_gap_per_layout": results, "layouts_identical": identical,
+                           "control_adapter_not_applied": control, "base_model_gap": base_gap})
     assert identical
-    assert control > 10 * TOL
+    for form, gap in results.items():
+        assert gap["mean"] < max(MEAN_TOL, base_gap["mean"] + 0.02), (form, gap, base_gap)
+    assert control["mean"] > 20 * MEAN_TOL
+
+
+def _gap(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
+    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}

@@ -36,7 +36,16 @@ def build_tokenizer(folder: Path, vocab: int = 400) -> Any:
     return fast
 
 
+ROUTER_SCALE = 8.0
+
+
 def _save(model: Any, folder: Path) -> Path:
+    # Random routers give near-tied expert scores; bf16 vs fp32 then picks different experts and the
+    # comparison measures tie-breaking, not LoRA. Scaled routers make the top-k choice decisive.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
+                p.mul_(ROUTER_SCALE)
     model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
     build_tokenizer(folder)
     return folder
