@@ -12,6 +12,7 @@ Key grammar after the optional ``base_model.model.`` prefix (PEFT):
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -57,6 +58,7 @@ def strip_peft_prefix(key: str) -> str:
     return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
 
 
+@lru_cache(maxsize=262144)
 def classify_key(key: str) -> KeyInfo:
     """Classify one checkpoint key by its name (shapes are checked later against the model)."""
     bare = strip_peft_prefix(key)

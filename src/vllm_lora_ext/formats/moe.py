@@ -379,28 +379,38 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     pos = {e: j for j, e in enumerate(keep)}
     n = len(keep)
     out = ExpertsLoRA(prefix=spec.prefix, experts=keep, intermediate=spec.intermediate, interleaved=spec.interleaved)
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
 
-    # 2D: stack per role; only kept experts' keys are read.
+    # 2D: stack per role; only kept experts' keys are read. Views are stacked straight out of the
+    # reader (one copy), then scaled per block in float32.
     by_role: dict[str, list[Key2D]] = {}
     for k in plan.keys_2d:
         if k.expert in pos:
             by_role.setdefault(k.role, []).append(k)
     wanted = [key for ks in by_role.values() for k in ks for key in (k.key_a, k.key_b)]
     loaded = dict(read_many(wanted)) if read_many is not None else {key: read(key, None) for key in wanted}
+    # (read_many may hand out views into a memory map: everything below copies out of them)
+    uniform = not config.has_patterns
     for role, ks in by_role.items():
-        ranks = {k.rank for k in ks}
-        r = max(ranks)
-        d_in = spec.intermediate if role == "down" else spec.hidden
-        d_out = spec.hidden if role == "down" else spec.intermediate
-        a = torch.zeros(n, r, d_in, dtype=torch.float32)
-        b = torch.zeros(n, d_out, r, dtype=torch.float32)
-        for k in ks:
-            j = pos[k.expert]
-            s = config.scaling_for(f"{spec.prefix}.{k.expert}.{_proj_name(spec, role)}", k.rank)
-            a[j, : k.rank] = loaded[k.key_a].float()
-            b[j, :, : k.rank] = loaded[k.key_b].float() * s
-        setattr(out, role, ExpertFactors(cast(a), cast(b)))
+        ks = sorted(ks, key=lambda k: pos[k.expert])
+        r = max(k.rank for k in ks)
+        name = _proj_name(spec, role)
+        if uniform and len(ks) == n and all(k.rank == r for k in ks):
+            s = config.scaling_for(f"{spec.prefix}.0.{name}", r)
+            a = torch.stack([loaded[k.key_a] for k in ks])
+            b = torch.stack([loaded[k.key_b] for k in ks]).float().mul_(s)
+        else:  # missing experts (no delta), mixed ranks or per-module patterns
+            d_in = spec.intermediate if role == "down" else spec.hidden
+            d_out = spec.hidden if role == "down" else spec.intermediate
+            a = torch.zeros(n, r, d_in, dtype=torch.float32)
+            b = torch.zeros(n, d_out, r, dtype=torch.float32)
+            for k in ks:
+                j = pos[k.expert]
+                s = config.scaling_for(f"{spec.prefix}.{k.expert}.{name}", k.rank)
+                a[j, : k.rank] = loaded[k.key_a]
+                b[j, :, : k.rank] = loaded[k.key_b].float() * s
+        target = dtype if dtype is not None else a.dtype
+        setattr(out, role, ExpertFactors(a.to(target).contiguous(), b.to(target)))
+    del loaded
 
     # 3D: A rows [e·r, (e+1)·r) per kept expert, B columns {i·E + e}.
     e_all = spec.num_experts
@@ -410,15 +420,17 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         a_ranges = [(0, s * r, t * r) for s, t in exp_ranges]
         b_ranges = [(1, i * e_all + s, i * e_all + t) for i in range(r) for s, t in exp_ranges]
         full = n == e_all
-        a_raw = read(k.key_a, None if full else a_ranges).float()  # (n·r, in)
-        b_raw = read(k.key_b, None if full else b_ranges).float()  # (out, r·n) ordered (i, e)
-        a3 = a_raw.reshape(n, r, a_raw.shape[1])
-        b3 = b_raw.reshape(b_raw.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
+        a_file = read(k.key_a, None if full else a_ranges)  # (n·r, in)
+        b_file = read(k.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
+        target = dtype if dtype is not None else a_file.dtype
+        a3 = a_file.reshape(n, r, a_file.shape[1])
+        b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
         if k.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r)
-        setattr(out, k.role, ExpertFactors(cast(a3.contiguous()), cast((b3 * s).contiguous())))
+        setattr(out, k.role, ExpertFactors(a3.to(target).contiguous(), (b3.float() * s).to(target).contiguous()))
+        del a_file, b_file, a3, b3
     return out
 
 

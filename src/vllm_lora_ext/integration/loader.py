@@ -78,8 +78,11 @@ class _DictSource:
             return t
         return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
 
-    def read_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    def read_many(self, keys: Sequence[str], *, copy: bool = True) -> dict[str, torch.Tensor]:
         return {k: self.tensors[k] for k in keys}
+
+    def close(self) -> None:
+        pass
 
 
 def _check_ranks(config: AdapterConfig, shapes: Mapping[str, tuple[int, ...]], max_rank: int, name: str) -> None:
@@ -190,7 +193,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     plans = {prefix: plan_experts(group, targets[prefix].spec, config=config, adapter=name)
              for prefix, group in moe_groups.items()}
 
-    kept = source.read_many(dense_keys)
+    kept = source.read_many(dense_keys, copy=True)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
         tensors=kept,
@@ -210,8 +213,9 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     for prefix, plan in plans.items():
         target = targets[prefix]
         experts = read_experts(plan, source.read, config=config, experts=target.local_experts, dtype=dtype,
-                               read_many=source.read_many)
+                               read_many=lambda keys: source.read_many(keys, copy=False))
         lora.loras[prefix] = packed_weights(experts, target, max_rank=manager.lora_config.max_lora_rank, adapter=name)
+    source.close()
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),

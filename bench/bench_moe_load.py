@@ -1,0 +1,325 @@
+"""Benchmark MoE expert-adapter loading: stock vLLM 0.26 vs vllm_lora_ext, on Qwen3-30B-A3B shapes.
+
+Synthetic adapter: 48 layers x 128 experts, H=2048, I=768, r=16, bf16 (about 1.7 GB), saved as
+2D per-expert keys (36,864 tensors) and as PEFT 3D target_parameters keys (192 tensors).
+
+CPU mode (default): time until the adapter is fully materialized in the form handed to the GPU
+(stock: ``LoRAModel.from_local_checkpoint`` + ``pack_moe`` / the 3D reshape; plugin: plan + read +
+normalize), peak RSS of a fresh process per case, bytes read, against a raw read of the file.
+Each case runs in its own subprocess; the page cache is warm (the file was just written) and the
+raw read is timed the same way.
+
+GPU mode (``--gpu``): real Qwen3-30B-A3B config with ``load_format="dummy"``; time from
+``add_lora`` to the first generated token with that adapter, stock (plugin disabled) vs plugin, in
+two engine processes.
+
+Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+
+E, H, I, R, ALPHA = 128, 2048, 768, 16, 32
+
+
+def make_adapter(folder: Path, layers: int, form: str) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    t: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        p = f"base_model.model.model.layers.{layer}.mlp.experts"
+        a13 = (torch.randn(E, R, H, generator=g) * 0.01).bfloat16()
+        b13 = (torch.randn(E, 2 * I, R, generator=g) * 0.01).bfloat16()
+        ad = (torch.randn(E, R, I, generator=g) * 0.01).bfloat16()
+        bd = (torch.randn(E, H, R, generator=g) * 0.01).bfloat16()
+        if form == "2d":
+            for e in range(E):
+                t[f"{p}.{e}.gate_proj.lora_A.weight"] = a13[e].clone()
+                t[f"{p}.{e}.gate_proj.lora_B.weight"] = b13[e, :I].clone()
+                t[f"{p}.{e}.up_proj.lora_A.weight"] = a13[e].clone()
+                t[f"{p}.{e}.up_proj.lora_B.weight"] = b13[e, I:].clone()
+                t[f"{p}.{e}.down_proj.lora_A.weight"] = ad[e].clone()
+                t[f"{p}.{e}.down_proj.lora_B.weight"] = bd[e].clone()
+        else:
+            t[f"{p}.base_layer.lora_A.weight"] = a13.reshape(E * R, H).contiguous()
+            t[f"{p}.base_layer.lora_B.weight"] = b13.permute(1, 2, 0).reshape(2 * I, R * E).contiguous()
+            t[f"{p}.lora_A.weight"] = ad.reshape(E * R, I).contiguous()
+            t[f"{p}.lora_B.weight"] = bd.permute(1, 2, 0).reshape(H, R * E).contiguous()
+    save_file(t, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": ["gate_proj", "up_proj", "down_proj"],
+           "bias": "none", "peft_version": "0.21.0"}
+    if form == "3d":
+        cfg["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------- CPU cases
+
+
+def _case_raw(folder: Path, layers: int) -> dict:
+    import torch
+
+    t0 = time.perf_counter()
+    path = folder / "adapter_model.safetensors"
+    buf = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    with path.open("rb", buffering=0) as f:
+        f.readinto(memoryview(buf.numpy()))  # one copy from the page cache into memory we own
+    return {"seconds": time.perf_counter() - t0, "bytes_read": buf.numel(), "kept_bytes": buf.numel()}
+
+
+def _no_pin() -> None:
+    import vllm.lora.lora_model as lm
+    import vllm.lora.lora_weights as lw
+    import vllm.utils.torch_utils as tu
+
+    for m in (lm, lw, tu):
+        m.PIN_MEMORY = False
+
+
+def _case_stock(folder: Path, layers: int, form: str) -> dict:
+    import torch
+
+    _no_pin()
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    from vllm.lora.peft_helper import PEFTHelper
+
+    expected = {"experts", "gate_proj", "up_proj", "down_proj"}
+    expected |= {f"experts.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    t0 = time.perf_counter()
+    helper = PEFTHelper.from_local_dir(str(folder), 4096)
+    lora = LoRAModel.from_local_checkpoint(str(folder), expected, helper, lora_model_id=1, device="cpu",
+                                           dtype=torch.bfloat16)
+    kept = 0
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        if form == "2d":  # what LoRAModelManager._create_merged_loras_inplace does for a 2D MoE block
+            subs = [lora.loras.pop(f"{p}.{e}.{n}") for e in range(E) for n in ("gate_proj", "down_proj", "up_proj")]
+            packed = PackedLoRALayerWeights.pack_moe(subs, p)
+            packed.optimize()
+        else:  # what _convert_3d_to_2d_moe_lora does (mixed mode, the stock path for 3D on this model)
+            gu, dn = lora.loras.pop(f"{p}.base_layer"), lora.loras.pop(p)
+            for w in (gu, dn):
+                w.optimize()
+            a13 = gu.lora_a.reshape(E, -1, H).contiguous()
+            b13 = gu.lora_b.reshape(2 * I, -1, E).permute(2, 0, 1).contiguous()
+            ad = dn.lora_a.reshape(E, -1, I).contiguous()
+            bd = dn.lora_b.reshape(H, -1, E).permute(2, 0, 1).contiguous()
+            packed = PackedLoRALayerWeights(p, R, [1, 1, 1], [a13, ad, a13], [b13[:, :I].contiguous(), bd,
+                                                                             b13[:, I:].contiguous()], [1.0] * 3)
+        lora.loras[p] = packed
+        kept += sum(t.numel() * t.element_size() for t in packed.lora_a + packed.lora_b
+                    if t is not None and not (form == "3d" and t is packed.lora_a[2]))
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "bytes_read": (folder / "adapter_model.safetensors").stat().st_size, "kept_bytes": kept}
+
+
+def _case_plugin(folder: Path, layers: int, form: str) -> dict:
+    import torch
+
+    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+    from vllm_lora_ext.reader import ReadStats, SafetensorsReader
+    from vllm_lora_ext.summary import load_config
+    from vllm_lora_ext.sources import resolve_source
+
+    t0 = time.perf_counter()
+    resolved = resolve_source(str(folder))
+    config = load_config(resolved)
+    stats = ReadStats()
+    reader = SafetensorsReader(resolved.weights_path, stats=stats)
+    groups: dict[str, dict] = {}
+    for k, s in reader.header.shapes.items():
+        info = classify_key(k)
+        groups.setdefault(info.experts_prefix or "", {})[k] = s
+    kept = 0
+    out = []
+    for prefix, shapes in groups.items():
+        plan = plan_experts(shapes, MoESpec(prefix, E, H, I), config=config)
+        ex = read_experts(plan, reader.read, config=config, dtype=torch.bfloat16,
+                          read_many=lambda keys: reader.read_many(keys, copy=False))
+        a, b = ex.as_2d(num_experts=E, hidden=H)
+        seen: set[int] = set()
+        for t in a + b:
+            if id(t) not in seen:
+                seen.add(id(t))
+                kept += t.numel() * t.element_size()
+        out.append((a, b))
+    reader.close()
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "bytes_read": stats.bytes_read, "kept_bytes": kept}
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _run_case(case: str, folder: Path, layers: int, form: str) -> dict:
+    import torch  # noqa: F401  (import cost outside the measurement)
+
+    if case == "stock":
+        import vllm.lora.lora_model  # noqa: F401
+        import vllm.lora.lora_weights  # noqa: F401
+        import vllm.lora.peft_helper  # noqa: F401
+    else:
+        import vllm_lora_ext.formats.moe  # noqa: F401
+        import vllm_lora_ext.summary  # noqa: F401
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = _rss("VmRSS")
+    fn = {"raw": lambda: _case_raw(folder, layers), "stock": lambda: _case_stock(folder, layers, form),
+          "plugin": lambda: _case_plugin(folder, layers, form)}[case]
+    res = fn()
+    res["peak_extra_rss"] = _rss("VmHWM") - before
+    return res
+
+
+def cpu_bench(args: argparse.Namespace) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-moe-"))
+    rows, payload = [], {}
+    for form in ("2d", "3d"):
+        folder = make_adapter(tmp / form, args.layers, form)
+        size = (folder / "adapter_model.safetensors").stat().st_size
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+            ntensors = len(list(f.keys()))
+        res: dict[str, list[dict]] = {}
+        for case in ("raw", "stock", "plugin"):
+            res[case] = []
+            for _ in range(args.runs):
+                out = subprocess.run([sys.executable, __file__, "--_case", case, "--_folder", str(folder), "--_form", form,
+                                      "--layers", str(args.layers)], capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise RuntimeError(out.stderr[-3000:])
+                res[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        raw_t = median([r["seconds"] for r in res["raw"]])
+        for case in ("raw", "stock", "plugin"):
+            t = median([r["seconds"] for r in res[case]])
+            kept = res[case][0]["kept_bytes"]
+            peak = median([r["peak_extra_rss"] for r in res[case]])
+            rows.append([form, case, t, t / raw_t, size / t / 1e9, res[case][0]["bytes_read"] / 2**20, peak / 2**20,
+                         peak / kept])
+        payload[form] = {"file_bytes": size, "tensors": ntensors, "runs": res}
+        print(f"{form}: {size / 2**30:.2f} GiB, {ntensors} tensors")
+    print_table(rows, ["layout", "case", "seconds", "x raw read", "GB/s", "MiB read", "peak extra RSS MiB",
+                       "peak / kept bytes"])
+    return {"mode": "cpu", "layers": args.layers, "shape": {"E": E, "H": H, "I": I, "r": R}, "results": payload,
+            "table": rows}
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False, "attention_dropout": 0.0,
+    "sliding_window": None, "use_sliding_window": False, "initializer_range": 0.02,
+}
+
+
+def gpu_engine(args: argparse.Namespace) -> None:
+    """One engine process: add each adapter, then generate one token with it; print timings as JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=args._model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16,
+              max_loras=1, max_cpu_loras=8, enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.85,
+              enable_mixed_moe_lora_format=True, seed=0)
+    out = {}
+    i = 0
+    for rep in range(args.runs):
+        for form in ("2d", "3d"):
+            i += 1
+            req = LoRARequest(lora_name=f"{form}-{rep}", lora_int_id=i, lora_path=str(Path(args._adapters) / form),
+                              is_3d_lora_weight=form == "3d")
+            t0 = time.perf_counter()
+            llm.llm_engine.add_lora(req)
+            t1 = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(max_tokens=1, detokenize=False),
+                         lora_request=req, use_tqdm=False)
+            t2 = time.perf_counter()
+            out.setdefault(form, []).append({"add_lora": t1 - t0, "first_step": t2 - t1, "total": t2 - t0})
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def gpu_bench(args: argparse.Namespace) -> dict:
+    tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-moe-gpu-"))
+    model = tmp / "qwen3-30b-a3b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    adapters = tmp / "adapters"
+    for form in ("2d", "3d"):
+        if not (adapters / form / "adapter_model.safetensors").exists():
+            make_adapter(adapters / form, 48, form)
+    results = {}
+    for mode in ("stock", "plugin"):
+        env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
+        out = subprocess.run([sys.executable, __file__, "--_engine", "--_model", str(model), "--_adapters", str(adapters),
+                              "--runs", str(args.runs)], capture_output=True, text=True, env=env)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not line:
+            raise RuntimeError(f"{mode} engine failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+        results[mode] = json.loads(line[-1][len("RESULT "):])
+    rows = []
+    for form in ("2d", "3d"):
+        s = {k: median([r[k] for r in results["stock"][form][1:] or results["stock"][form]]) for k in ("add_lora", "first_step", "total")}
+        p = {k: median([r[k] for r in results["plugin"][form][1:] or results["plugin"][form]]) for k in ("add_lora", "first_step", "total")}
+        rows.append([form, s["add_lora"], s["first_step"], s["total"], p["add_lora"], p["first_step"], p["total"],
+                     s["total"] / p["total"]])
+    print_table(rows, ["layout", "stock add_lora", "stock 1st step", "stock total", "plugin add_lora", "plugin 1st step",
+                       "plugin total", "speed-up"])
+    return {"mode": "gpu", "model": "Qwen3-30B-A3B config, load_format=dummy", "results": results, "table": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--_case")
+    ap.add_argument("--_folder")
+    ap.add_argument("--_form")
+    ap.add_argument("--_engine", action="store_true")
+    ap.add_argument("--_model")
+    ap.add_argument("--_adapters")
+    args = ap.parse_args()
+    if args._case:
+        print(json.dumps(_run_case(args._case, Path(args._folder), args.layers, args._form)))
+        return
+    if args._engine:
+        gpu_engine(args)
+        return
+    payload = gpu_bench(args) if args.gpu else cpu_bench(args)
+    write_json("moe_load_gpu" if args.gpu else "moe_load_cpu", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
