@@ -133,7 +133,7 @@ def _case_plugin(folder: Path, layers: int, form: str) -> dict:
     import torch
 
     from vllm_lora_ext.formats import classify_key
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
     from vllm_lora_ext.reader import ReadStats, SafetensorsReader
     from vllm_lora_ext.summary import load_config
     from vllm_lora_ext.sources import resolve_source
@@ -149,10 +149,10 @@ def _case_plugin(folder: Path, layers: int, form: str) -> dict:
         groups.setdefault(info.experts_prefix or "", {})[k] = s
     kept = 0
     out = []
-    for prefix, shapes in groups.items():
-        plan = plan_experts(shapes, MoESpec(prefix, E, H, I), config=config)
-        ex = read_experts(plan, reader.read, config=config, dtype=torch.bfloat16,
-                          read_many=lambda keys: reader.read_many(keys, copy=False))
+    plans = {prefix: plan_experts(shapes, MoESpec(prefix, E, H, I), config=config) for prefix, shapes in groups.items()}
+    blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
+                         read_many=lambda keys: reader.read_many(keys, copy=False))
+    for ex in blocks.values():
         a, b = ex.as_2d(num_experts=E, hidden=H)
         seen: set[int] = set()
         for t in a + b:
@@ -175,6 +175,7 @@ def _rss(field: str) -> int:
 def _run_case(case: str, folder: Path, layers: int, form: str) -> dict:
     import torch  # noqa: F401  (import cost outside the measurement)
 
+    torch.set_num_threads(1)  # as in vLLM's worker processes
     if case == "stock":
         import vllm.lora.lora_model  # noqa: F401
         import vllm.lora.lora_weights  # noqa: F401

@@ -37,7 +37,7 @@ from vllm_lora_ext.errors import ExpertLayoutError
 from vllm_lora_ext.formats import classify_key
 
 __all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "ExpertsPlan", "plan_experts", "read_experts",
-           "ExpertRead"]
+           "read_blocks", "ExpertRead"]
 
 Orientation = Literal["standard", "transposed"]
 Role = Literal["gate_up", "down"]
@@ -440,3 +440,29 @@ def _proj_name(spec: MoESpec, role: str) -> str:
 
 def scaling_is_uniform(values: Sequence[float]) -> bool:
     return all(math.isclose(v, values[0]) for v in values)
+
+
+def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: AdapterConfig,
+                experts: Mapping[str, Sequence[int] | None] | None = None, dtype: torch.dtype | None = None,
+                read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
+                workers: int | None = None) -> dict[str, ExpertsLoRA]:
+    """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
+
+    Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
+    uses the host's cores. Results are in the order of ``plans``.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = list(plans.items())
+    n = workers if workers is not None else min(8, os.cpu_count() or 1, max(1, len(items)))
+
+    def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
+        prefix, plan = item
+        return read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
+                            read_many=read_many)
+
+    if n <= 1 or len(items) <= 1:
+        return {p: one((p, pl)) for p, pl in items}
+    with ThreadPoolExecutor(n, thread_name_prefix="vllm-lora-ext-read") as pool:
+        return dict(zip((p for p, _ in items), pool.map(one, items)))

@@ -26,7 +26,7 @@ from vllm_lora_ext.errors import (
 )
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
-from vllm_lora_ext.formats.moe import plan_experts, read_experts
+from vllm_lora_ext.formats.moe import plan_experts, read_blocks
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors, read_header
 from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
 from vllm_lora_ext.summary import load_config
@@ -210,11 +210,13 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
             weights.rank, weights.scaling = rank, config.scaling_for(module_name, rank)
     dtype = manager.lora_config.lora_dtype
     dtype = dtype if isinstance(dtype, torch.dtype) else None
-    for prefix, plan in plans.items():
-        target = targets[prefix]
-        experts = read_experts(plan, source.read, config=config, experts=target.local_experts, dtype=dtype,
-                               read_many=lambda keys: source.read_many(keys, copy=False))
-        lora.loras[prefix] = packed_weights(experts, target, max_rank=manager.lora_config.max_lora_rank, adapter=name)
+    blocks = read_blocks(plans, source.read, config=config, dtype=dtype,
+                         experts={p: targets[p].local_experts for p in plans},
+                         read_many=lambda keys: source.read_many(keys, copy=False))
+    for prefix, experts in blocks.items():
+        lora.loras[prefix] = packed_weights(experts, targets[prefix], max_rank=manager.lora_config.max_lora_rank,
+                                            adapter=name)
+    del blocks
     source.close()
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
