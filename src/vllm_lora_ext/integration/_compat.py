@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 WORKER_MANAGER_MODULE = "vllm.lora.worker_manager"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
+BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"
 
 
 def installed_vllm_version() -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import allow_unmatched_keys
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
 from vllm_lora_ext.errors import (
     AdapterCompatibilityError,
     AdapterNotFoundError,
@@ -117,6 +117,10 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
 
+    if lora_request.lora_path.startswith(MIX_PREFIX):
+        from vllm_lora_ext.integration.composite import build_composite
+
+        return build_composite(manager, lora_request)
     t0 = time.perf_counter()
     name = lora_request.lora_name
     try:

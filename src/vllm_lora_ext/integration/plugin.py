@@ -29,6 +29,7 @@ from vllm_lora_ext import __version__
 from vllm_lora_ext._logging import attach_handler_once
 from vllm_lora_ext.constants import plugin_disabled
 from vllm_lora_ext.integration._compat import (
+    BASE_SERVING_MODULE,
     LLM_ENGINE_MODULE,
     SERVING_MODELS_MODULE,
     WORKER_MANAGER_MODULE,
@@ -67,6 +68,7 @@ def register() -> None:
     when_imported(WORKER_MANAGER_MODULE, _patch_worker_manager)
     when_imported(LLM_ENGINE_MODULE, _patch_llm_engine)
     when_imported(SERVING_MODELS_MODULE, _patch_serving_models)
+    when_imported(BASE_SERVING_MODULE, _patch_base_serving)
     _REGISTERED = True
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
 
@@ -113,13 +115,12 @@ def _preload_offline(engine: Any, lora_request: Any) -> None:
     # engine. Loading it once through add_lora first raises here, in the caller, instead.
     # Source and config problems raise our typed errors right here; the source is pinned to the
     # resolved commit so that the worker (and any reload after eviction) reads exactly these bytes.
-    from vllm_lora_ext.integration.server import resolve_and_check
+    from vllm_lora_ext.integration.server import pin_path
 
     loaded: dict[int, str] = engine.__dict__.setdefault("_vllm_lora_ext_loaded", {})
     if loaded.get(lora_request.lora_int_id) == lora_request.lora_path:
         return
-    resolved = resolve_and_check(lora_request.lora_path, name=lora_request.lora_name)
-    lora_request.lora_path = resolved.source.canonical()
+    lora_request.lora_path = pin_path(lora_request.lora_path, name=lora_request.lora_name)
     if loaded.get(lora_request.lora_int_id) != lora_request.lora_path:
         engine.add_lora(lora_request)
     loaded[lora_request.lora_int_id] = lora_request.lora_path
@@ -160,3 +161,21 @@ def worker_state(worker: Any = None) -> dict[str, Any]:
     wm = sys.modules.get(WORKER_MANAGER_MODULE)
     patched = bool(wm is not None and getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False))
     return {"pid": os.getpid(), "registered": _REGISTERED, "version": __version__, "load_adapter_patched": patched}
+
+
+def _patch_base_serving(module: ModuleType) -> None:
+    cls = module.BaseServing
+    if getattr(cls._check_model, PATCH_MARK, False):
+        return
+    original = cls._check_model
+
+    async def _check_model(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.server import route_adapters
+
+        error = await route_adapters(self, request)
+        if error is not None:
+            return error
+        return await original(self, request)
+
+    cls._check_model = _mark(_check_model, original)
+    logger.debug("patched %s.BaseServing._check_model", module.__name__)

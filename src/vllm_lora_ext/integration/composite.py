@@ -1,0 +1,120 @@
+"""Worker side of weighted mixes: a ``mix:`` LoRA path -> one composite ``LoRAModel`` (exact, rank-concatenated).
+
+Components are loaded through the plugin's normal loader (every source form and MoE layout) and kept
+in a small per-process LRU keyed by pinned source, so several mixes of the same adapters read each
+adapter once and a composite costs no disk writes. Components are never handed to vLLM (vLLM mutates
+the LoRAModel it registers), only the composite built from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from vllm_lora_ext.errors import AdapterCompatibilityError
+from vllm_lora_ext.mixing import MixSpec, concat_factors
+
+logger = logging.getLogger(__name__)
+
+ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"
+_CACHE: OrderedDict[tuple[int, str], Any] = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _cache_size() -> int:
+    try:
+        return max(0, int(os.environ.get(ENV_COMPONENT_CACHE, "8")))
+    except ValueError:
+        return 8
+
+
+def _component(manager: Any, name: str, source: str) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration.loader import load_lora_model
+
+    key = (id(manager), source)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    model = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=source))
+    size = _cache_size()
+    if size:
+        with _LOCK:
+            _CACHE[key] = model
+            while len(_CACHE) > size:
+                _CACHE.popitem(last=False)
+    return model
+
+
+def build_composite(manager: Any, lora_request: Any) -> Any:
+    """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
+
+    Raises:
+        [`MixError`]: a malformed mix path.
+        [`AdapterCompatibilityError`]: a module's summed rank exceeds ``max_lora_rank`` (names the ranks).
+    """
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+    t0 = time.perf_counter()
+    spec = MixSpec.from_path(lora_request.lora_path)
+    comps = [(c, _component(manager, c.name, c.source)) for c in spec.components]
+    dtype = manager.lora_config.lora_dtype if isinstance(manager.lora_config.lora_dtype, torch.dtype) else None
+    max_rank = int(manager.lora_config.max_lora_rank)
+    names: dict[str, None] = {}
+    for _, model in comps:
+        names.update(dict.fromkeys(model.loras))
+    loras: dict[str, Any] = {}
+    too_big: list[str] = []
+    for name in names:
+        present = [(c, m.loras[name]) for c, m in comps if name in m.loras]
+        first = present[0][1]
+        if isinstance(first.lora_a, list):  # a pre-packed MoE block (scaling already folded)
+            a_list, b_list = [], []
+            for j in range(len(first.lora_a)):
+                a, b = concat_factors([(w.lora_a[j], w.lora_b[j], c.weight) for c, w in present],
+                                      rank_dim_a=1, rank_dim_b=2, dtype=dtype)
+                a_list.append(a)
+                b_list.append(b)
+            rank = max(int(a.shape[1]) for a in a_list)
+            loras[name] = PackedLoRALayerWeights(name, rank, [1] * len(a_list), a_list, b_list,
+                                                 scaling=[1.0] * len(a_list))
+        else:
+            a, b = concat_factors([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], dtype=dtype)
+            rank = int(a.shape[0])
+            loras[name] = LoRALayerWeights(name, rank, 1, a, b, scaling=1.0)
+        if rank > max_rank:
+            parts = ", ".join(f"{c.name} r={_rank(w)}" for c, w in present)
+            too_big.append(f"{name} needs {rank} ({parts})")
+    if too_big:
+        need = max(int(s.split(" needs ")[1].split(" ")[0]) for s in too_big)
+        choices = [c for c in (8, 16, 32, 64, 128, 256, 320, 512) if c >= need]
+        raise AdapterCompatibilityError(
+            f"Mix {spec.lora_name!r} needs rank {need} (the sum of its adapters' ranks) but max_lora_rank is "
+            f"{max_rank}: {too_big[0]}. Start vLLM with --max-lora-rank {choices[0] if choices else need} or mix "
+            f"fewer adapters.", adapter=spec.lora_name)
+    model_cls = manager._lora_model_cls
+    composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)
+    composite.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    logger.info("built mix %r from %d adapters: %d modules, %.2f s", spec.lora_name, len(comps), len(loras),
+                time.perf_counter() - t0)
+    return composite
+
+
+def _rank(w: Any) -> int:
+    a = w.lora_a
+    return int(max(t.shape[1] for t in a)) if isinstance(a, list) else int(a.shape[0])
+
+
+def clear_component_cache() -> None:
+    """Forget every cached component (tests; memory pressure)."""
+    with _LOCK:
+        _CACHE.clear()

@@ -1,0 +1,72 @@
+"""Offline (``LLM``) helpers: a weighted mix, a deployment name or a source -> a pre-loaded ``LoRARequest``.
+
+    from vllm_lora_ext.integration.offline import lora_request
+    req = lora_request({"style": 0.7, "domain": 0.3}, deployment="deploy.yaml", llm=llm)
+    llm.generate(prompts, params, lora_request=req)
+
+Names are looked up in the deployment config (``deployment=`` or ``VLLM_LORA_EXT_CONFIG``); without
+one, each name is itself a source (``hf:...`` or a path). Sources are resolved and pinned here, and
+with ``llm=`` the composite is loaded at once through ``add_lora``: a bad mix raises at this call,
+never inside the engine step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vllm_lora_ext.constants import deployment_config_path
+from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
+from vllm_lora_ext.integration.server import resolve_and_check
+from vllm_lora_ext.mixing import MixComponent, MixSpec, resolve_mix
+
+__all__ = ["lora_request"]
+
+
+def _deployment(deployment: DeploymentConfig | str | os.PathLike[str] | None) -> DeploymentConfig | None:
+    if isinstance(deployment, DeploymentConfig):
+        return deployment
+    path = deployment if deployment is not None else deployment_config_path()
+    return read_deployment_config(path) if path else None
+
+
+def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
+                 weights: Sequence[float] | None = None, deployment: DeploymentConfig | str | None = None,
+                 llm: Any = None) -> Any:
+    """Return the ``LoRARequest`` for a mix (or one adapter, or the deployment default), or ``None`` for the base model.
+
+    Raises:
+        [`MixError`]: unknown names, length mismatch, non-finite weights.
+        [`AdapterSourceError`], [`AdapterNotFoundError`], [`AdapterFormatError`]: a source is bad.
+        Exception from ``add_lora`` (with ``llm=``): the engine refused the composite (e.g. rank too big).
+    """
+    from vllm.lora.request import LoRARequest
+
+    dep = _deployment(deployment)
+    if isinstance(adapters, Mapping):
+        if weights is not None:
+            raise ValueError("Give weights either in the mapping or as weights=, not both.")
+        names, weights = list(adapters), [float(w) for w in adapters.values()]
+    else:
+        names = list(adapters) if adapters is not None else None
+    if dep is not None:
+        sources = {n: a.source.canonical() for n, a in dep.adapters.items()}
+        defaults = {n: a.weight for n, a in dep.adapters.items()}
+        default = dep.default
+    else:
+        sources = {n: n for n in names or []}
+        defaults, default = {}, None
+    spec = resolve_mix(names, weights, sources=sources, default_weights=defaults, default=default)
+    if spec is None:
+        return None
+    pinned = MixSpec(tuple(MixComponent(c.name, resolve_and_check(c.source, name=c.name).source.canonical(), c.weight)
+                           for c in spec.components))
+    if len(pinned.components) == 1 and pinned.components[0].weight == 1.0:
+        c = pinned.components[0]
+        req = LoRARequest(lora_name=c.name, lora_int_id=pinned.lora_int_id, lora_path=c.source)
+    else:
+        req = LoRARequest(lora_name=pinned.lora_name, lora_int_id=pinned.lora_int_id, lora_path=pinned.lora_path)
+    if llm is not None:
+        llm.llm_engine.add_lora(req)
+    return req

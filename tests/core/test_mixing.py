@@ -1,0 +1,94 @@
+"""Mix grammar, resolution rules, canonical keys and the rank-concatenation math (no vLLM)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_factories import make_truth
+from vllm_lora_ext.errors import MixError
+from vllm_lora_ext.mixing import MixComponent, MixSpec, concat_factors, parse_mix_expression, resolve_mix
+
+SOURCES = {"style": "hf:acme/style@" + "a" * 40, "domain": "hf:acme/domain@" + "b" * 40, "x": "/m/x"}
+DEFAULTS = {"style": 0.7, "domain": 0.3}
+
+
+def test_concatenation_equals_the_weighted_sum_of_deltas_mixed_ranks_and_negative_weights() -> None:
+    g = torch.Generator().manual_seed(0)
+    parts = [(torch.randn(r, 12, generator=g), torch.randn(9, r, generator=g), c) for r, c in ((2, 0.7 * 4.0),
+                                                                                                (5, -0.3 * 0.5),
+                                                                                                (3, 1.25))]
+    a, b = concat_factors(parts)
+    dense = sum(c * (bi @ ai) for ai, bi, c in parts)
+    assert a.shape == (10, 12) and b.shape == (9, 10)
+    torch.testing.assert_close(b @ a, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_concatenation_is_exact_per_expert() -> None:
+    t1, t2 = make_truth(4, 8, 6, 2, seed=1), make_truth(4, 8, 6, 3, seed=2)
+    a, b = concat_factors([(t1.ad, t1.bd, 0.7), (t2.ad, t2.bd, 0.3)], rank_dim_a=1, rank_dim_b=2)
+    for e in range(4):
+        torch.testing.assert_close(b[e] @ a[e], 0.7 * t1.bd[e] @ t1.ad[e] + 0.3 * t2.bd[e] @ t2.ad[e], rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_concatenation_in_bf16_stays_within_bf16_rounding() -> None:
+    g = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(4, 64, generator=g), torch.randn(32, 4, generator=g), 0.5),
+             (torch.randn(8, 64, generator=g), torch.randn(32, 8, generator=g), 2.0)]
+    a, b = concat_factors(parts, dtype=torch.bfloat16)
+    dense = sum(c * (bi @ ai) for ai, bi, c in parts)
+    err = ((b.float() @ a.float()) - dense).abs().max() / dense.abs().max()
+    assert a.dtype == b.dtype == torch.bfloat16 and err < 2e-2
+
+
+@pytest.mark.parametrize(("expr", "parsed"), [
+    ("style=0.7+domain=0.3", [("style", 0.7), ("domain", 0.3)]),
+    ("style+domain", [("style", None), ("domain", None)]),
+    ("a/b=-1.5", [("a/b", -1.5)]),
+])
+def test_parse_mix_expression(expr: str, parsed: list) -> None:
+    assert parse_mix_expression(expr) == parsed
+
+
+@pytest.mark.parametrize(("expr", "fragment"), [("a=0.7+", "empty adapter name"), ("a=x", "not a number"),
+                                                ("a=nan", "finite"), ("a=inf+b", "finite")])
+def test_bad_mix_expressions_are_refused(expr: str, fragment: str) -> None:
+    with pytest.raises(MixError, match=fragment):
+        parse_mix_expression(expr)
+
+
+def test_resolution_rules() -> None:
+    kw = {"sources": SOURCES, "default_weights": DEFAULTS}
+    s = resolve_mix(["style", "domain"], [0.5, 0.5], **kw)
+    assert s is not None and [c.weight for c in s.components] == [0.5, 0.5]
+    s = resolve_mix(["style", "domain"], None, **kw)
+    assert s is not None and [c.weight for c in s.components] == [0.7, 0.3]  # configured defaults
+    assert resolve_mix(None, None, **kw) is None  # base model
+    s = resolve_mix(None, None, default="style", **kw)
+    assert s is not None and [(c.name, c.weight) for c in s.components] == [("style", 0.7)]
+    s = resolve_mix(["x"], None, **kw)
+    assert s is not None and s.components[0].weight == 1.0
+
+
+@pytest.mark.parametrize(("adapters", "weights", "fragment"), [
+    (["nope"], None, "Unknown adapter"), (["style"], [0.5, 0.5], "1 adapters but 2"),
+    (["style"], [math.nan], "finite"), (None, [1.0], "without adapters"), (["style", "style"], None, "more than once"),
+])
+def test_resolution_errors(adapters: list | None, weights: list | None, fragment: str) -> None:
+    with pytest.raises(MixError, match=fragment):
+        resolve_mix(adapters, weights, sources=SOURCES, default_weights=DEFAULTS)
+
+
+def test_equal_mixes_share_one_canonical_key_name_and_id() -> None:
+    a = MixSpec((MixComponent("style", SOURCES["style"], 0.7), MixComponent("domain", SOURCES["domain"], 0.3)))
+    b = resolve_mix(["style", "domain"], [0.70, 0.30], sources=SOURCES, default_weights={})
+    assert b is not None and a.key == b.key and a.lora_name == b.lora_name and a.lora_int_id == b.lora_int_id
+    c = resolve_mix(["style", "domain"], [0.7, 0.31], sources=SOURCES, default_weights={})
+    assert c is not None and c.lora_name != a.lora_name and c.lora_int_id != a.lora_int_id
+    assert (1 << 30) <= a.lora_int_id < (1 << 31)
+    assert MixSpec.from_path(a.lora_path) == a
+    moved = MixSpec((MixComponent("style", "hf:acme/style@" + "c" * 40, 0.7), MixComponent("domain", SOURCES["domain"], 0.3)))
+    assert moved.lora_name != a.lora_name  # a new commit is a new composite (and a new prefix-cache key)

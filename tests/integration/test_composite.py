@@ -1,0 +1,101 @@
+"""Weighted mixes built by the worker loader: exact against a dense oracle, and through vLLM's CPU punica wrapper."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from factories import make_peft_adapter, tiny_llama
+from vllm_lora_ext.errors import AdapterCompatibilityError
+from vllm_lora_ext.mixing import MixComponent, MixSpec
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("mix")
+    return {
+        "a": make_peft_adapter(tiny_llama(), d / "a", targets=["q_proj", "o_proj", "down_proj"], rank=4, alpha=8, seed=1),
+        "b": make_peft_adapter(tiny_llama(), d / "b", targets=["q_proj", "v_proj"], rank=8, alpha=8, seed=2,
+                               use_rslora=True),
+    }
+
+
+def _dense_oracle(folder: Path) -> dict[str, torch.Tensor]:
+    """ΔW = s·B·A per module, straight from the files (an independent code path)."""
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    t = load_file(str(folder / "adapter_model.safetensors"))
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    s = alpha / r**0.5 if cfg.get("use_rslora") else alpha / r
+    out = {}
+    for k, a in t.items():
+        if k.endswith("lora_A.weight"):
+            mod = k[len("base_model.model."):-len(".lora_A.weight")]
+            out[mod] = s * t[k.replace("lora_A", "lora_B")].float() @ a.float()
+    return out
+
+
+def _load(worker_manager: Any, spec: MixSpec) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.composite import clear_component_cache
+
+    plugin.register()
+    import vllm.lora.worker_manager as wm
+
+    clear_component_cache()
+    return wm.WorkerLoRAManager._load_adapter(worker_manager, LoRARequest(lora_name=spec.lora_name,
+                                                                          lora_int_id=spec.lora_int_id,
+                                                                          lora_path=spec.lora_path))
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (1.0, -0.5)])
+def test_composite_equals_weighted_sum_of_deltas(worker_manager: Any, adapters: dict[str, Path],
+                                                 weights: tuple[float, float]) -> None:
+    spec = MixSpec((MixComponent("a", str(adapters["a"]), weights[0]), MixComponent("b", str(adapters["b"]), weights[1])))
+    composite = _load(worker_manager, spec)
+    oa, ob = _dense_oracle(adapters["a"]), _dense_oracle(adapters["b"])
+    assert sorted(composite.loras) == sorted(set(oa) | set(ob))  # partial overlap: union of modules
+    for name, w in composite.loras.items():
+        expected = weights[0] * oa.get(name, 0) + weights[1] * ob.get(name, 0)
+        assert w.scaling == 1.0
+        torch.testing.assert_close(w.lora_b @ w.lora_a, expected, rtol=1e-4, atol=1e-5)
+        assert w.lora_a.shape[0] == (4 if name in oa else 0) + (8 if name in ob else 0)
+
+
+def test_composite_through_vllms_cpu_punica_wrapper_equals_the_dense_reference(worker_manager: Any,
+                                                                               adapters: dict[str, Path]) -> None:
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    spec = MixSpec((MixComponent("a", str(adapters["a"]), 0.7), MixComponent("b", str(adapters["b"]), 0.3)))
+    composite = _load(worker_manager, spec)
+    name = "model.layers.1.self_attn.q_proj"
+    w = composite.loras[name]
+    max_rank, slots, tokens = 16, 2, 6
+    a_stacked = torch.zeros(slots, 1, max_rank, w.lora_a.shape[1])
+    b_stacked = torch.zeros(slots, 1, w.lora_b.shape[0], max_rank)
+    a_stacked[0, 0, : w.lora_a.shape[0]] = w.lora_a  # slot 0 holds the composite (zero-padded to max rank)
+    b_stacked[0, 0, :, : w.lora_b.shape[1]] = w.lora_b
+    punica = PunicaWrapperCPU(64, 4, device="cpu")
+    # every token uses the composite's slot (vLLM 0.26's CPU ops mis-handle "no LoRA" (-1) tokens)
+    punica.update_metadata(LoRAMapping((7,) * tokens, (7,) * tokens, is_prefill=True), [7, None], slots + 1, 256)
+    x = torch.randn(tokens, w.lora_a.shape[1], generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(tokens, w.lora_b.shape[0])
+    punica.add_lora_linear(y, x, (a_stacked,), (b_stacked,), 1.0, (w.lora_b.shape[0],))
+    dense = 0.7 * _dense_oracle(adapters["a"])[name] + 0.3 * _dense_oracle(adapters["b"])[name]
+    torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+def test_mix_over_max_lora_rank_names_the_ranks_and_the_setting(worker_manager: Any, adapters: dict[str, Path]) -> None:
+    spec = MixSpec((MixComponent("a", str(adapters["a"]), 0.5), MixComponent("b", str(adapters["b"]), 0.5),
+                    MixComponent("b2", str(adapters["b"]) + "/", 0.5)))
+    with pytest.raises(AdapterCompatibilityError, match=r"needs rank 20 .* max_lora_rank is 16.*--max-lora-rank 32"):
+        _load(worker_manager, spec)
