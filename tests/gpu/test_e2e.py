@@ -34,7 +34,9 @@ DENSE_TARGETS = ATTN + ["gate_proj", "up_proj", "down_proj"]
 def dense(gpu_workdir: Path) -> dict[str, Path]:
     model = build_dense(gpu_workdir / "dense")
     adapter = build_peft_adapter(model, gpu_workdir / "dense-lora", seed=1, rank=8, alpha=16, targets=DENSE_TARGETS)
-    return {"model": model, "adapter": adapter}
+    second = build_peft_adapter(model, gpu_workdir / "dense-lora-2", seed=3, rank=4, alpha=8,
+                                targets=["q_proj", "v_proj", "down_proj"])
+    return {"model": model, "adapter": adapter, "adapter2": second}
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +150,52 @@ def test_bad_source_raises_at_the_call_and_the_engine_keeps_serving(llm_dense: A
     assert len(out[0]) == 2
 
 
+def test_offline_mix_matches_peft_cat_combination(llm_dense: Any, dense: dict[str, Path], record: Any) -> None:
+    from vllm_lora_ext.integration.offline import lora_request
+
+    req = lora_request({str(dense["adapter"]): 0.7, str(dense["adapter2"]): 0.3}, llm=llm_dense)
+    ref = HFReference(dense["model"], mix={dense["adapter"]: 0.7, dense["adapter2"]: 0.3})
+    worst, first_ok = _worst_diff(llm_dense, ref, req)
+    control, _ = _worst_diff(llm_dense, ref, _req("dense", 1, str(dense["adapter"])))  # one adapter is not the mix
+    record("offline_mix", {"max_abs_logprob_diff": worst, "first_token_equal": first_ok,
+                           "control_single_adapter": control, "lora_name": req.lora_name})
+    assert worst < TOL and first_ok
+    assert control > 3 * TOL
+
+
+def test_one_batch_of_base_single_and_several_mixes_equals_each_alone(llm_dense: Any, dense: dict[str, Path],
+                                                                       record: Any) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_lora_ext.integration.offline import lora_request
+
+    a, b = str(dense["adapter"]), str(dense["adapter2"])
+    reqs = [None, _req("dense", 1, a), lora_request({a: 0.7, b: 0.3}, llm=llm_dense),
+            lora_request({a: 0.2, b: 0.8}, llm=llm_dense), lora_request({a: -0.5, b: 1.0}, llm=llm_dense)]
+    ps = prompts(n=len(reqs), seed=7)
+    alone = [vllm_greedy(llm_dense, [p], N_TOKENS, r)[0] for p, r in zip(ps, reqs)]
+    outs = llm_dense.generate([TokensPrompt(prompt_token_ids=p) for p in ps],
+                              SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True),
+                              lora_request=reqs, use_tqdm=False)
+    batched = [list(o.outputs[0].token_ids) for o in outs]
+    record("mixed_batch", {"equal_to_alone": batched == alone, "distinct_outputs": len({tuple(x) for x in batched})})
+    assert batched == alone
+    assert len({tuple(x) for x in batched}) == len(reqs)  # every request really got its own adapter set
+
+
+def test_bad_mix_raises_at_the_call(llm_dense: Any, dense: dict[str, Path]) -> None:
+    from vllm_lora_ext.errors import MixError
+    from vllm_lora_ext.integration.offline import lora_request
+
+    with pytest.raises(MixError):
+        lora_request({str(dense["adapter"]): float("nan")}, llm=llm_dense)
+    with pytest.raises(Exception, match="max_lora_rank"):  # 8 + 4 + 8 > 16, refused by the worker, engine alive
+        lora_request({str(dense["adapter"]): 0.5, str(dense["adapter2"]): 0.5, str(dense["adapter"]) + "/": 0.5},
+                     llm=llm_dense)
+    assert len(vllm_greedy(llm_dense, prompts()[:1], 2, None)[0]) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,10 +219,10 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             return e.code, {"raw": raw.decode(errors="replace")}
 
 
-def _completion_ids(base: str, model: str, prompt: list[int]) -> list[int]:
+def _completion_ids(base: str, model: str, prompt: list[int], **extra: Any) -> list[int]:
     status, body = _post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": N_TOKENS,
                                                     "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
-                                                    "return_tokens_as_token_ids": True})
+                                                    "return_tokens_as_token_ids": True, **extra})
     assert status == 200, body
     return [int(t.split(":")[1]) for t in body["choices"][0]["logprobs"]["tokens"]]
 
@@ -186,7 +234,8 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
     port = _free_port()
     deploy = gpu_workdir / "deployment.yaml"
     deploy.write_text("adapters:\n  cfg-hub:\n    source: 'hf:acme/tiny-loras:dense/weights.safetensors'\n"
-                      "    weight: 1.0\ndefault: cfg-hub\n")
+                      f"    weight: 0.7\n  cfg-b:\n    source: '{dense['adapter2']}'\n    weight: 0.3\n"
+                      "default: cfg-hub\n")
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="0", VLLM_LORA_EXT_CONFIG=str(deploy))
     log = (gpu_workdir / "serve.log").open("w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(dense["model"]), "--enable-lora",
@@ -222,6 +271,28 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
         trav_status, trav_body = _post(f"{base}/v1/load_lora_adapter",
                                        {"lora_name": "trav", "lora_path": "hf:acme/tiny-loras:../x.safetensors"})
         after = _completion_ids(base, "dense-local", ps[0])
+        # weighted mixes: body fields, the model syntax, and the deployment default
+        from vllm_lora_ext.integration.offline import lora_request
+
+        mix_req = lora_request({"cfg-hub": 0.7, "cfg-b": 0.3}, deployment=str(deploy), llm=llm_dense)
+        offline_mix = vllm_greedy(llm_dense, ps, N_TOKENS, mix_req)
+        body_mix = [_completion_ids(base, str(dense["model"]), p, adapters=["cfg-hub", "cfg-b"],
+                                    adapter_weights=[0.7, 0.3]) for p in ps]
+        syntax_mix = [_completion_ids(base, "cfg-hub=0.7+cfg-b=0.3", p) for p in ps]
+        default_mix = [_completion_ids(base, "cfg-hub+cfg-b", p) for p in ps]  # configured default weights
+        default_adapter = vllm_greedy(llm_dense, ps, N_TOKENS,
+                                      lora_request(["cfg-hub"], weights=[0.7], deployment=str(deploy), llm=llm_dense))
+        base_named = [_completion_ids(base, str(dense["model"]), p) for p in ps]  # -> deployment default cfg-hub @0.7
+        bad_mix_status, bad_mix = _post(f"{base}/v1/completions", {"model": "x", "prompt": ps[0], "max_tokens": 2,
+                                                                   "adapters": ["cfg-hub", "nope"]})
+        record("serve_mix", {"body_equals_offline": body_mix == offline_mix,
+                             "model_syntax_equals_offline": syntax_mix == offline_mix,
+                             "default_weights_equal_offline": default_mix == offline_mix,
+                             "base_request_gets_default_adapter": base_named == default_adapter,
+                             "unknown_adapter_status": bad_mix_status, "unknown_adapter_message": str(bad_mix)[:300]})
+        assert body_mix == offline_mix and syntax_mix == offline_mix and default_mix == offline_mix
+        assert base_named == default_adapter
+        assert bad_mix_status == 400 and "nope" in str(bad_mix)
         record("serve", {"local_equals_offline": local == offline, "hub_equals_offline": remote == offline,
                          "deployment_config_equals_offline": from_config == offline,
                          "runtime_load_status": status, "runtime_equals_offline": runtime == offline[:1],

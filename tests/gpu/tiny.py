@@ -123,7 +123,8 @@ def build_peft_adapter(model_dir: Path, folder: Path, *, seed: int, rank: int = 
 class HFReference:
     """HF transformers (+ PEFT) on the GPU in float32: greedy continuations and teacher-forced logprobs."""
 
-    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, *, device: str = "cuda") -> None:
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, *, device: str = "cuda",
+                 mix: dict[Path, float] | None = None) -> None:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -131,6 +132,16 @@ class HFReference:
             import peft
 
             model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+        elif mix:  # PEFT's exact weighted combination: add_weighted_adapter(..., combination_type="cat")
+            import peft
+
+            paths = list(mix)
+            model = peft.PeftModel.from_pretrained(model, str(paths[0]), adapter_name="m0")
+            for i, p in enumerate(paths[1:], 1):
+                model.load_adapter(str(p), adapter_name=f"m{i}")
+            model.add_weighted_adapter([f"m{i}" for i in range(len(paths))], list(mix.values()), adapter_name="mix",
+                                       combination_type="cat")
+            model.set_adapter("mix")
         self.model = model.to(device).eval()
         self.device = device
 
