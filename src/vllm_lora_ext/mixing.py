@@ -165,7 +165,8 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                    rank_dim_b: int = 1, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate ``(A_i, B_i, c_i)`` along rank: ``A = cat(A_i)``, ``B = cat(c_i · B_i)`` (``c_i = w_i·s_i``).
 
-    ``B·A = Σ c_i·B_i·A_i`` exactly (the scaling is applied in float32, then cast to ``dtype``).
+    ``B·A = Σ c_i·B_i·A_i`` exactly up to one rounding of ``c_i·B_i`` to ``dtype`` (as vLLM itself folds
+    scaling into B).
     Dense factors are ``A (r, in)``, ``B (out, r)``; per-expert ones ``A (E, r, in)``, ``B (E, out, r)``
     (``rank_dim_a=1, rank_dim_b=2``).
 
@@ -177,6 +178,21 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
     if not parts:
         raise MixError("Nothing to concatenate.")
     out_dtype = dtype or parts[0][0].dtype
-    a = torch.cat([p[0].to(out_dtype) for p in parts], dim=rank_dim_a)
-    b = torch.cat([(p[1].float() * p[2]).to(out_dtype) for p in parts], dim=rank_dim_b)
-    return a.contiguous(), b.contiguous()
+    a0, b0 = parts[0][0], parts[0][1]
+    ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
+    a_shape = list(a0.shape)
+    a_shape[rank_dim_a] = sum(ranks)
+    b_shape = list(b0.shape)
+    b_shape[rank_dim_b] = sum(ranks)
+    a = torch.empty(a_shape, dtype=out_dtype)
+    b = torch.empty(b_shape, dtype=out_dtype)
+    off = 0
+    for (pa, pb, c), r in zip(parts, ranks):  # one pass per part, written straight into the result
+        a.narrow(rank_dim_a, off, r).copy_(pa)
+        dst = b.narrow(rank_dim_b, off, r)
+        if pb.dtype == out_dtype:
+            torch.mul(pb, c, out=dst)
+        else:
+            dst.copy_(pb).mul_(c)
+        off += r
+    return a, b
