@@ -397,7 +397,12 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         if uniform and len(ks) == n and all(k.rank == r for k in ks):
             s = config.scaling_for(f"{spec.prefix}.0.{name}", r)
             a = torch.stack([loaded[k.key_a] for k in ks])
-            b = torch.stack([loaded[k.key_b] for k in ks]).float().mul_(s)
+            b = torch.stack([loaded[k.key_b] for k in ks])
+            target = dtype if dtype is not None else a.dtype
+            # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
+            b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
+            setattr(out, role, ExpertFactors(a.to(target), b.to(target)))
+            continue
         else:  # missing experts (no delta), mixed ranks or per-module patterns
             d_in = spec.intermediate if role == "down" else spec.hidden
             d_out = spec.hidden if role == "down" else spec.intermediate
@@ -455,7 +460,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     from concurrent.futures import ThreadPoolExecutor
 
     items = list(plans.items())
-    n = workers if workers is not None else min(8, os.cpu_count() or 1, max(1, len(items)))
+    # measured on a 16-core H200 host: 4 threads 1.6 s, 1 thread 3.0 s, 8 threads 2.7 s (GIL contention)
+    n = workers if workers is not None else min(4, os.cpu_count() or 1, max(1, len(items)))
 
     def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
         prefix, plan = item
