@@ -434,7 +434,11 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r)
-        setattr(out, k.role, ExpertFactors(a3.to(target).contiguous(), (b3.float() * s).to(target).contiguous()))
+        if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
+            b3 = b3.contiguous().mul_(s)
+        else:
+            b3 = (b3.float() * s).to(target).contiguous()
+        setattr(out, k.role, ExpertFactors(a3.to(target).contiguous(), b3))
         del a_file, b_file, a3, b3
     return out
 
