@@ -1,0 +1,171 @@
+"""Benchmark expert-parallel reads: what one rank reads of a Qwen3-30B-A3B-shaped expert adapter at EP = 1, 2, 4, 8.
+
+Stock vLLM 0.26: 2D keys of remote experts are skipped at read time (``MoEEPLoadSpec``), then packed;
+3D tensors are read in full and sliced after. Plugin: 2D keys of remote experts are never read;
+3D tensors are read as row ranges of A and column ranges of B for the local experts only.
+Each case runs in a fresh subprocess (peak RSS = VmHWM after a reset); rank 0, contiguous placement.
+A final check asserts the plugin's rank tensors equal the full read, then sliced.
+
+Usage: python bench/bench_ep_read.py [--layers 48] [--runs 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+from bench_moe_load import E, H, I, _no_pin, _rss, make_adapter  # noqa: E402
+
+
+def _stock(folder: Path, layers: int, form: str, ep: int) -> dict:
+    import torch
+
+    _no_pin()
+    from vllm.lora.lora_model import LoRAModel, MoEEPLoadSpec
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    from vllm.lora.peft_helper import PEFTHelper
+
+    local = E // ep
+    expected = {"experts", "gate_proj", "up_proj", "down_proj"}
+    expected |= {f"experts.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    t0 = time.perf_counter()
+    helper = PEFTHelper.from_local_dir(str(folder), 4096)
+    spec = MoEEPLoadSpec(ep_rank=0, local_num_experts=local, global_num_experts=E) if ep > 1 else None
+    lora = LoRAModel.from_local_checkpoint(str(folder), expected, helper, lora_model_id=1, device="cpu",
+                                           dtype=torch.bfloat16, moe_ep_spec=spec)
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        if form == "2d":
+            subs = [lora.loras.pop(f"{p}.{e}.{n}") for e in range(local) for n in ("gate_proj", "down_proj", "up_proj")]
+            PackedLoRALayerWeights.pack_moe(subs, p).optimize()
+        else:  # _convert_3d_to_2d_moe_lora: reshape, keep the local experts, drop the rest
+            gu, dn = lora.loras.pop(f"{p}.base_layer"), lora.loras.pop(p)
+            lora.loras[p] = [gu.lora_a.reshape(E, -1, H)[:local].contiguous(),
+                             gu.lora_b.reshape(2 * I, -1, E)[..., :local].permute(2, 0, 1).contiguous(),
+                             dn.lora_a.reshape(E, -1, I)[:local].contiguous(),
+                             dn.lora_b.reshape(H, -1, E)[..., :local].permute(2, 0, 1).contiguous()]
+    dt = time.perf_counter() - t0
+    size = (folder / "adapter_model.safetensors").stat().st_size
+    return {"seconds": dt, "bytes_read": size if form == "3d" or ep == 1 else None}
+
+
+def _plugin(folder: Path, layers: int, form: str, ep: int) -> dict:
+    import torch
+
+    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
+    from vllm_lora_ext.reader import ReadStats, SafetensorsReader
+    from vllm_lora_ext.sources import resolve_source
+    from vllm_lora_ext.summary import load_config
+
+    t0 = time.perf_counter()
+    resolved = resolve_source(str(folder))
+    config = load_config(resolved)
+    stats = ReadStats()
+    reader = SafetensorsReader(resolved.weights_path, stats=stats)
+    groups: dict[str, dict] = {}
+    for k, s in reader.header.shapes.items():
+        groups.setdefault(classify_key(k).experts_prefix or "", {})[k] = s
+    plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
+    local = tuple(range(E // ep))
+    read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16, experts={p: local for p in plans},
+                read_many=lambda keys: reader.read_many(keys, copy=False))
+    return {"seconds": time.perf_counter() - t0, "bytes_read": stats.bytes_read}
+
+
+def _case(which: str, folder: Path, layers: int, form: str, ep: int) -> dict:
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    if which == "stock":
+        import vllm.lora.lora_model  # noqa: F401
+        import vllm.lora.peft_helper  # noqa: F401
+    else:
+        import vllm_lora_ext.formats.moe  # noqa: F401
+        import vllm_lora_ext.summary  # noqa: F401
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss("VmRSS")
+    res = (_stock if which == "stock" else _plugin)(folder, layers, form, ep)
+    res["peak_extra_rss"] = _rss("VmHWM") - before
+    return res
+
+
+def _check(folder: Path, form: str) -> bool:
+    """Bitwise: rank 1 of EP=4 (and a round-robin rank) equals the full read, then indexed."""
+    import torch
+
+    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+    from vllm_lora_ext.reader import SafetensorsReader
+    from vllm_lora_ext.summary import load_config
+    from vllm_lora_ext.sources import resolve_source
+
+    r = resolve_source(str(folder))
+    cfg = load_config(r)
+    reader = SafetensorsReader(r.weights_path)
+    p = "model.layers.0.mlp.experts"
+    shapes = {k: s for k, s in reader.header.shapes.items() if classify_key(k).experts_prefix == p}
+    plan = plan_experts(shapes, MoESpec(p, E, H, I), config=cfg)
+    full = read_experts(plan, reader.read, config=cfg, read_many=reader.read_many).as_2d(num_experts=E, hidden=H)
+    for ids in (list(range(32, 64)), list(range(1, E, 4))):
+        part = read_experts(plan, reader.read, config=cfg, experts=ids, read_many=reader.read_many)
+        got = part.as_2d(num_experts=E, hidden=H)
+        if not all(torch.equal(f[ids], g) for f, g in zip(full[0] + full[1], got[0] + got[1])):
+            return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--_case")
+    ap.add_argument("--_folder")
+    ap.add_argument("--_form")
+    ap.add_argument("--_ep", type=int)
+    args = ap.parse_args()
+    if args._case:
+        print(json.dumps(_case(args._case, Path(args._folder), args.layers, args._form, args._ep)))
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ep-"))
+    rows, payload = [], {}
+    for form in ("2d", "3d"):
+        folder = make_adapter(tmp / form, args.layers, form)
+        ep1 = None
+        for ep in (1, 2, 4, 8):
+            for which in ("stock", "plugin"):
+                outs = []
+                for _ in range(args.runs):
+                    o = subprocess.run([sys.executable, __file__, "--_case", which, "--_folder", str(folder), "--_form",
+                                        form, "--_ep", str(ep), "--layers", str(args.layers)], capture_output=True, text=True)
+                    if o.returncode:
+                        raise RuntimeError(o.stderr[-3000:])
+                    outs.append(json.loads(o.stdout.strip().splitlines()[-1]))
+                t = median([x["seconds"] for x in outs])
+                b = outs[0]["bytes_read"]
+                if which == "plugin" and ep == 1:
+                    ep1 = (t, b)
+                payload.setdefault(form, {}).setdefault(str(ep), {})[which] = outs
+                rows.append([form, ep, which, t, (t / ep1[0]) if which == "plugin" and ep1 else "-",
+                             (b / 2**20) if b else "(local keys)", (b / ep1[1]) if which == "plugin" and ep1 and b else "-",
+                             median([x["peak_extra_rss"] for x in outs]) / 2**20])
+        payload[form]["bitwise_equal_to_full_then_slice"] = _check(folder, form)
+    print_table(rows, ["layout", "EP", "loader", "seconds", "time / EP1", "MiB read", "bytes / EP1", "peak extra RSS MiB"])
+    print("plugin rank tensors == full read then slice (contiguous and round-robin):",
+          {f: payload[f]["bitwise_equal_to_full_then_slice"] for f in ("2d", "3d")})
+    write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
