@@ -1,4 +1,4 @@
-"""The ``vllm-lora`` command: ``inspect`` and ``fetch`` (no GPU, no vLLM needed).
+"""The ``vllm-lora`` command: ``inspect``, ``fetch``, ``convert`` and ``mix`` (no GPU, no vLLM needed).
 
 Exit codes: 0 ok, 1 the adapter or source failed (message on stderr), 2 usage error.
 """
@@ -16,7 +16,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from vllm_lora_ext.cli import fetch, inspect
+    from vllm_lora_ext.cli import convert, fetch, inspect, mix
 
     p = argparse.ArgumentParser(prog="vllm-lora", description="Inspect and fetch LoRA adapters for vLLM.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     inspect.add_parser(sub)
     fetch.add_parser(sub)
+    convert.add_parser(sub)
+    mix.add_parser(sub)
     return p
 
 

@@ -15,6 +15,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("source", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all-modules", action="store_true", help="list every module (default: at most 40 rows)")
+    p.add_argument("--base-config", default=None, help="the base model's config.json (MoE sizes for 3D adapters)")
+    p.add_argument("--ep-size", type=int, default=None, help="show what each expert-parallel rank would read")
     p.set_defaults(func=run)
 
 
@@ -56,10 +58,51 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
     return "\n".join(lines)
 
 
+def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) -> dict[str, Any]:
+    from vllm_lora_ext.formats.moe import plan_experts
+    from vllm_lora_ext.offline_ops import ep_read_plan, moe_specs
+    from vllm_lora_ext.reader import read_header
+    from vllm_lora_ext.summary import load_config
+
+    header = read_header(resolved.weights_path)
+    specs = moe_specs(header.shapes, base_config=base_config)
+    if not specs:
+        return {}
+    config = load_config(resolved)
+    blocks = {}
+    for prefix, spec in specs.items():
+        keys = {k: s for k, s in header.shapes.items() if k.startswith(("base_model.model." + prefix + ".", prefix + "."))}
+        plan = plan_experts(keys, spec, config=config)
+        blocks[prefix] = {"experts": spec.num_experts, "hidden": spec.hidden, "intermediate": spec.intermediate,
+                          "layout": plan.layout,
+                          "2d": sorted({f"{k.role} r={k.rank}" for k in plan.keys_2d}),
+                          "3d": [f"{k.role} {k.orientation} r={k.rank}" for k in plan.keys_3d]}
+    report: dict[str, Any] = {"moe_blocks": blocks}
+    if ep_size:
+        report["ep"] = ep_read_plan(header.shapes, header.header_bytes,
+                                    {k: v.nbytes for k, v in header.tensors.items()}, specs, ep_size)
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = summarize_adapter(resolve_source(args.source))
+    resolved = resolve_source(args.source)
+    summary = summarize_adapter(resolved)
+    base = json.loads(open(args.base_config).read()) if args.base_config else None
+    moe = _moe_report(resolved, base, args.ep_size) if summary.layout.startswith("moe") else {}
     if args.json:
-        print(json.dumps(summary.to_json(), indent=2))
-    else:
-        print(render(summary, max_rows=None if args.all_modules else 40))
+        print(json.dumps({**summary.to_json(), **moe}, indent=2))
+        return 0
+    print(render(summary, max_rows=None if args.all_modules else 40))
+    blocks = moe.get("moe_blocks", {})
+    if blocks:
+        print("")
+        print("MoE blocks (checked against E, H, I):")
+        for prefix, b in list(blocks.items())[: None if args.all_modules else 12]:
+            parts = ", ".join(b["2d"] + b["3d"])
+            print(f"  {prefix}: {b['layout']}  E={b['experts']} H={b['hidden']} I={b['intermediate']}  [{parts}]")
+        if len(blocks) > 12 and not args.all_modules:
+            print(f"  ... {len(blocks) - 12} more blocks")
+    for r in moe.get("ep", []):
+        first = next(iter(r["experts"].values()))
+        print(f"EP rank {r['rank']}: experts {first} of each block, reads {_fmt_bytes(r['bytes'])}")
     return 0

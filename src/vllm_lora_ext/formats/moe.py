@@ -135,6 +135,13 @@ class ExpertsLoRA:
         e, i, dt = len(self.experts), self.intermediate, self.dtype
         if self.gate_up is not None:
             w13_a, w13_b = self.gate_up.a, self.gate_up.b
+        elif (self.gate is not None and self.up is not None and self.gate.a.shape == self.up.a.shape
+              and torch.equal(self.gate.a, self.up.a)):  # gate and up share A (e.g. a 3D adapter saved as 2D)
+            w13_a = self.gate.a
+            if self.interleaved:
+                w13_b = torch.stack([self.gate.b, self.up.b], dim=2).flatten(1, 2)
+            else:
+                w13_b = torch.cat([self.gate.b, self.up.b], dim=1)
         else:
             g, u = self.gate, self.up
             ref = g or u or self.down
@@ -366,13 +373,13 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
-                 dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None
-                 ) -> ExpertsLoRA:
+                 dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
+                 scaled: bool = True) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
     ranges of B for the kept experts only. Scaling (``alpha/r`` or rsLoRA, rank/alpha patterns per
-    projection) is folded into B in float32, then cast to ``dtype``.
+    projection) is folded into B in float32, then cast to ``dtype`` (``scaled=False``: B as stored).
     """
     spec = plan.spec
     keep = tuple(range(spec.num_experts)) if experts is None else tuple(experts)
@@ -395,7 +402,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         r = max(k.rank for k in ks)
         name = _proj_name(spec, role)
         if uniform and len(ks) == n and all(k.rank == r for k in ks):
-            s = config.scaling_for(f"{spec.prefix}.0.{name}", r)
+            s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
             a = torch.stack([loaded[k.key_a] for k in ks])
             b = torch.stack([loaded[k.key_b] for k in ks])
             target = dtype if dtype is not None else a.dtype
@@ -410,7 +417,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             b = torch.zeros(n, d_out, r, dtype=torch.float32)
             for k in ks:
                 j = pos[k.expert]
-                s = config.scaling_for(f"{spec.prefix}.{k.expert}.{name}", k.rank)
+                s = config.scaling_for(f"{spec.prefix}.{k.expert}.{name}", k.rank) if scaled else 1.0
                 a[j, : k.rank] = loaded[k.key_a]
                 b[j, :, : k.rank] = loaded[k.key_b].float() * s
         target = dtype if dtype is not None else a.dtype
@@ -433,7 +440,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         if k.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k.role == "gate_up" else "down_proj"
-        s = config.scaling_for(f"{spec.prefix}.{name}", r)
+        s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             b3 = b3.contiguous().mul_(s)
         else:

@@ -1,0 +1,289 @@
+"""Model-free operations on adapter files: MoE specs without a model, layout conversion, mixes, EP read plans.
+
+Without a running model the MoE sizes come from the adapter itself (2D keys carry E, H and I) or
+from the base model's ``config.json`` (``num_experts``/``num_local_experts``, ``hidden_size``,
+``moe_intermediate_size`` or ``intermediate_size``), which fused 3D adapters need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_lora_ext.config import AdapterConfig
+from vllm_lora_ext.errors import AdapterFormatError, ExpertLayoutError
+from vllm_lora_ext.formats import PEFT_PREFIX, classify_key
+from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts, read_experts
+from vllm_lora_ext.mixing import concat_factors
+from vllm_lora_ext.reader import SafetensorsReader
+from vllm_lora_ext.sources import ResolvedAdapter
+from vllm_lora_ext.summary import load_config
+
+__all__ = ["LoadedAdapter", "load_adapter_files", "moe_specs", "convert_adapter", "mix_adapter_files", "ep_read_plan"]
+
+
+def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    cfg = dict(base_config.get("text_config") or base_config)
+    e = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    h = cfg.get("hidden_size")
+    i = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+    if not (e and h and i):
+        raise ExpertLayoutError("The base config has no num_experts/num_local_experts, hidden_size and "
+                                "moe_intermediate_size/intermediate_size; pass the MoE model's config.json.")
+    return int(e), int(h), int(i)
+
+
+def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
+              num_experts: int | None = None) -> dict[str, MoESpec]:
+    """Return a [`MoESpec`] per experts block of the adapter, from the base config or the adapter's 2D keys.
+
+    Raises:
+        [`ExpertLayoutError`]: a block has only fused 3D keys and no base config was given.
+    """
+    blocks: dict[str, list[str]] = {}
+    for k in shapes:
+        info = classify_key(k)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix:
+            blocks.setdefault(info.experts_prefix, []).append(k)
+    dims = _base_dims(base_config) if base_config is not None else None
+    out: dict[str, MoESpec] = {}
+    for prefix, keys in blocks.items():
+        names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        experts, h, i = set(), None, None
+        for k in keys:
+            info = classify_key(k)
+            if info.kind != "moe_2d" or info.which != "A":
+                continue
+            experts.add(info.expert)
+            b = shapes[k.replace("lora_A", "lora_B")]
+            if info.proj in ("gate_proj", "w1", "up_proj", "w3"):
+                h, i = shapes[k][1], b[0]
+            elif info.proj in ("down_proj", "w2"):
+                i, h = shapes[k][1], b[0]
+            if info.proj in ("w1", "w2", "w3"):
+                names = {"gate": "w1", "up": "w3", "down": "w2"}
+        if dims is not None:
+            e, h, i = dims
+        elif h is not None and i is not None:
+            e = num_experts or (max(experts) + 1)
+        else:
+            raise ExpertLayoutError(
+                f"MoE block {prefix!r} holds fused 3D tensors only; their expert count and sizes are not in the file. "
+                f"Pass the base model's config.json (--base-config).", key=prefix)
+        out[prefix] = MoESpec(prefix, e if num_experts is None else num_experts, h, i, **names)
+    return out
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter read into memory: dense modules ``{module: (A, B)}`` (unscaled) and normalized MoE blocks."""
+
+    config: AdapterConfig
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    moe: dict[str, ExpertsLoRA]
+    specs: dict[str, MoESpec]
+
+
+def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, Any] | None = None,
+                       num_experts: int | None = None, scaled: bool = True, name: str = "adapter") -> LoadedAdapter:
+    """Read an adapter: dense pairs as stored, MoE blocks normalized (scaling folded if ``scaled``)."""
+    config = load_config(resolved, name=name)
+    if resolved.is_pickle:
+        raise AdapterFormatError("Offline tools read .safetensors adapters only; convert the pickle file first.")
+    reader = SafetensorsReader(resolved.weights_path)
+    shapes = reader.header.shapes
+    specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts)
+    groups: dict[str, dict[str, tuple[int, ...]]] = {}
+    dense_keys: list[str] = []
+    for k, s in shapes.items():
+        info = classify_key(k)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix in specs:
+            groups.setdefault(info.experts_prefix, {})[k] = s
+        elif info.kind == "dense":
+            dense_keys.append(k)
+        else:
+            raise AdapterFormatError(f"Adapter {name!r}: key {k!r} is not a LoRA weight.", adapter=name, key=k)
+    tensors = reader.read_many(dense_keys)
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for k in dense_keys:
+        info = classify_key(k)
+        if info.which == "A":
+            dense[info.module] = (tensors[k], tensors[k.replace("lora_A", "lora_B").replace("lora_embedding_A",
+                                                                                          "lora_embedding_B")])
+    moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader.read, config=config,
+                           read_many=reader.read_many, scaled=scaled) for p, g in groups.items()}
+    return LoadedAdapter(config, dense, moe, specs)
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def _write(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
+    return out
+
+
+def _moe_tensors(prefix: str, ex: ExpertsLoRA, spec: MoESpec, to: Literal["2d", "3d"]) -> dict[str, torch.Tensor]:
+    p = PEFT_PREFIX + prefix
+    out: dict[str, torch.Tensor] = {}
+    if to == "2d":
+        gate, up = ex._split_gate_up()
+        for role, f, proj in (("gate", gate, spec.gate), ("up", up, spec.up), ("down", ex.down, spec.down)):
+            if f is None:
+                continue
+            for j, e in enumerate(ex.experts):
+                out[f"{p}.{e}.{proj}.lora_A.weight"] = f.a[j].clone()
+                out[f"{p}.{e}.{proj}.lora_B.weight"] = f.b[j].clone()
+        return out
+    (w13_a, w2_a), (w13_b, w2_b) = ex.as_3d(hidden=spec.hidden)
+    for key, a, b, present in ((f"{p}.base_layer", w13_a, w13_b, ex.gate_up or ex.gate or ex.up),
+                               (p, w2_a, w2_b, ex.down)):
+        if present is None:
+            continue
+        e, r, d_in = a.shape
+        out[f"{key}.lora_A.weight"] = a.reshape(e * r, d_in)
+        out[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e)
+    return out
+
+
+def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], *, to: Literal["2d", "3d"],
+                    base_config: Mapping[str, Any] | None = None, num_experts: int | None = None) -> Path:
+    """Rewrite an adapter's MoE blocks as 2D per-expert keys or PEFT 3D fused keys (dense modules unchanged).
+
+    The delta is preserved exactly. When every MoE factor keeps its rank and the config has no
+    rank/alpha patterns, tensors are written unscaled under the original config (so 3D -> 2D -> 3D
+    gives back the same tensors). Otherwise (a 2D gate/up pair with different A becomes one fused
+    factor of rank ``2r``; per-module patterns) the MoE scaling is folded into B and the MoE modules
+    get ``rank_pattern``/``alpha_pattern`` entries giving them scaling 1.
+    """
+    src = load_adapter_files(resolved, base_config=base_config, num_experts=num_experts, scaled=False)
+    rank_change = to == "3d" and any(int(ex.as_3d(hidden=src.specs[p].hidden)[0][0].shape[1]) != src.config.r
+                                     for p, ex in src.moe.items())
+    fold = bool(src.moe) and (src.config.has_patterns or rank_change)
+    if fold:
+        src = load_adapter_files(resolved, base_config=base_config, num_experts=num_experts, scaled=True)
+    cfg = dict(src.config.raw)
+    tensors: dict[str, torch.Tensor] = {}
+    for module, (a, b) in src.dense.items():
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
+    rank_pattern = dict(cfg.get("rank_pattern") or {})
+    alpha_pattern = dict(cfg.get("alpha_pattern") or {})
+    unit = (lambda r: float(r) ** 0.5) if src.config.use_rslora else (lambda r: float(r))
+    for prefix, ex in src.moe.items():
+        spec = src.specs[prefix]
+        written = _moe_tensors(prefix, ex, spec, to)
+        tensors.update(written)
+        if fold:
+            for key, t in written.items():
+                if key.endswith("lora_A.weight"):
+                    module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
+                    info = classify_key(key)
+                    r = int(t.shape[0]) if info.kind == "moe_2d" else int(t.shape[0]) // spec.num_experts
+                    if info.kind == "moe_2d":
+                        pattern = f"{re.escape(prefix)}\\.\\d+\\.{info.proj}"
+                    else:
+                        pattern = re.escape(prefix) + ("\\.gate_up_proj" if info.nesting else "\\.down_proj")
+                    del module
+                    rank_pattern[pattern], alpha_pattern[pattern] = r, unit(r)
+    if to == "3d" and src.moe:
+        blocks = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in src.moe})
+        cfg["target_parameters"] = [f"{b}.{n}" for b in blocks for n in ("gate_up_proj", "down_proj")]
+    elif to == "2d":
+        cfg.pop("target_parameters", None)
+        tm = set(cfg.get("target_modules") or []) if isinstance(cfg.get("target_modules"), list) else set()
+        cfg["target_modules"] = sorted(tm | {s.gate for s in src.specs.values()} | {s.up for s in src.specs.values()}
+                                       | {s.down for s in src.specs.values()})
+    if rank_pattern:
+        cfg["rank_pattern"], cfg["alpha_pattern"] = rank_pattern, alpha_pattern
+    cfg["peft_version"] = "0.21.0"  # tensors are written in the standard (PEFT >= 0.19.1) orientation
+    cfg.pop("moe_3d_orientation", None)
+    return _write(out_dir, tensors, cfg)
+
+
+def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir: str | os.PathLike[str], *,
+                      base_config: Mapping[str, Any] | None = None, num_experts: int | None = None) -> Path:
+    """Write the exact rank-concatenated mix Σ wᵢ·sᵢ·BᵢAᵢ as a standard PEFT adapter (scaling 1 per module).
+
+    Every module gets ``rank_pattern = alpha_pattern = its rank`` so PEFT (and vLLM with this plugin)
+    apply scaling 1; MoE blocks are written as 2D per-expert keys.
+    """
+    loaded = [(load_adapter_files(r, base_config=base_config, num_experts=num_experts, name=f"adapter{i}"), w)
+              for i, (r, w) in enumerate(adapters)]
+    tensors: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    modules: dict[str, None] = {}
+    for la, _ in loaded:
+        modules.update(dict.fromkeys(la.dense))
+    for m in modules:
+        parts = [(la.dense[m][0], la.dense[m][1], w * la.config.scaling_for(m, int(la.dense[m][0].shape[0])))
+                 for la, w in loaded if m in la.dense]
+        a, b = concat_factors(parts)
+        tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] = a, b
+        ranks[m] = int(a.shape[0])
+    blocks: dict[str, None] = {}
+    for la, _ in loaded:
+        blocks.update(dict.fromkeys(la.moe))
+    for prefix in blocks:
+        present = [(la.moe[prefix], la.specs[prefix], w) for la, w in loaded if prefix in la.moe]
+        spec = present[0][1]
+        mixed = ExpertsLoRA(prefix, present[0][0].experts, spec.intermediate, interleaved=spec.interleaved)
+        for role in ("gate", "up", "down"):
+            parts = []
+            for ex, _, w in present:
+                g, u = ex._split_gate_up()
+                f = {"gate": g, "up": u, "down": ex.down}[role]
+                if f is not None:
+                    parts.append((f.a, f.b, w))
+            if parts:
+                a, b = concat_factors(parts, rank_dim_a=1, rank_dim_b=2)
+                setattr(mixed, role, ExpertFactors(a, b))
+                proj = {"gate": spec.gate, "up": spec.up, "down": spec.down}[role]
+                ranks[f"{re.escape(prefix)}\\.\\d+\\.{proj}"] = int(a.shape[1])  # a regex: every expert
+        tensors.update(_moe_tensors(prefix, mixed, spec, "2d"))
+    r = max(ranks.values())
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": float(r), "use_rslora": False, "bias": "none",
+           "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),  # informational
+           "rank_pattern": {m: k for m, k in ranks.items()}, "alpha_pattern": {m: float(k) for m, k in ranks.items()},
+           "peft_version": "0.21.0"}
+    out = _write(out_dir, tensors, cfg)
+    (out / "vllm_lora_ext_mix.json").write_text(json.dumps(  # provenance, beside the PEFT files
+        {"adapters": [[ra.source.canonical(), w] for ra, w in adapters]}, indent=2))
+    return out
+
+
+def ep_read_plan(shapes: Mapping[str, tuple[int, ...]], header_bytes: int, sizes: Mapping[str, int],
+                 specs: Mapping[str, MoESpec], ep_size: int) -> list[dict[str, Any]]:
+    """Per EP rank (contiguous placement): the experts it owns and the bytes it would read."""
+    out = []
+    dense = sum(sizes[k] for k in shapes if classify_key(k).kind == "dense")
+    for rank in range(ep_size):
+        total = header_bytes + dense
+        owned: dict[str, str] = {}
+        for prefix, spec in specs.items():
+            if spec.num_experts % ep_size:
+                raise ExpertLayoutError(f"{spec.num_experts} experts do not split over EP size {ep_size}.")
+            local = spec.num_experts // ep_size
+            lo, hi = rank * local, (rank + 1) * local
+            owned[prefix] = f"{lo}-{hi - 1}"
+            for k in shapes:
+                info = classify_key(k)
+                if info.experts_prefix != prefix:
+                    continue
+                if info.kind == "moe_2d":
+                    total += sizes[k] if lo <= (info.expert or 0) < hi else 0
+                elif info.kind == "moe_3d":
+                    total += sizes[k] * local // spec.num_experts
+        out.append({"rank": rank, "experts": owned, "bytes": total})
+    return out

@@ -1,0 +1,151 @@
+"""The vllm-lora CLI: inspect, convert (exact round trips), mix (exact, loadable by PEFT), EP read plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from factories import make_dense_adapter, make_peft_adapter, tiny_llama
+from moe_factories import make_truth, oracle_deltas, write_moe_adapter
+from vllm_lora_ext.cli import main
+from vllm_lora_ext.offline_ops import load_adapter_files
+from vllm_lora_ext.reader import ReadStats, SafetensorsReader
+from vllm_lora_ext.sources import resolve_source
+
+E, H, I, R = 8, 32, 12, 4
+BASE = {"num_experts": E, "hidden_size": H, "moe_intermediate_size": I}
+
+
+def test_inspect_prints_modules_ranks_scaling_and_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dense_adapter(tmp_path, rank=4, alpha=8)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layout      dense" in out and "r / alpha   4 / 8" in out
+    assert "model.layers.1.self_attn.v_proj" in out and "4x16" in out and "8x4" in out and " 2 " in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"] == "dense" and len(data["modules"]) == 4 and data["modules"][0]["scaling"] == 2.0
+
+
+def test_inspect_of_a_missing_source_exits_1_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "nope")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_inspect_moe_3d_needs_the_base_config_then_reports_layout_and_ep_reads(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, 0), make_truth(E, H, I, R, 1)], ["3d", "3d_gu+2d_down"],
+                      rank=R)
+    assert main(["inspect", str(tmp_path / "a")]) == 1
+    assert "--base-config" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert main(["inspect", str(tmp_path / "a"), "--base-config", str(tmp_path / "config.json"), "--ep-size", "4",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"] == "moe_mixed"
+    assert data["moe_blocks"]["model.layers.1.mlp.experts"]["layout"] == "2d+3d"
+    # the plan's bytes for rank 2 equal what reading rank 2's experts actually reads
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+    from vllm_lora_ext.summary import load_config
+
+    r = resolve_source(str(tmp_path / "a"))
+    stats = ReadStats()
+    reader = SafetensorsReader(r.weights_path, stats=stats)
+    cfg = load_config(r)
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        keys = {k: s for k, s in reader.header.shapes.items() if f".{p}." in k}
+        read_experts(plan_experts(keys, MoESpec(p, E, H, I), config=cfg), reader.read, config=cfg, experts=[4, 5],
+                     read_many=reader.read_many)
+    assert data["ep"][2]["bytes"] == stats.bytes_read
+
+
+@pytest.mark.parametrize("form", ["2d", "3d", "3d_t", "2d_gu+3d_down"])
+def test_convert_round_trips_keep_the_delta_exactly(tmp_path: Path, form: str) -> None:
+    t = make_truth(E, H, I, R, 0)
+    write_moe_adapter(tmp_path / "src", [t], [form], rank=R, alpha=16)  # type: ignore[list-item]
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    cfg = ["--base-config", str(tmp_path / "config.json")]
+    assert main(["convert", str(tmp_path / "src"), "--to", "3d", "-o", str(tmp_path / "as3d"), *cfg]) == 0
+    assert main(["convert", str(tmp_path / "as3d"), "--to", "2d", "-o", str(tmp_path / "back"), *cfg]) == 0
+    oracle = oracle_deltas(t, 16 / R)
+    for folder in ("as3d", "back"):
+        la = load_adapter_files(resolve_source(str(tmp_path / folder)), base_config=BASE)
+        ex = la.moe["model.layers.0.mlp.experts"]
+        for e in range(E):
+            d = ex.dense_delta(e)
+            for proj in ("gate", "up", "down"):
+                torch.testing.assert_close(d[proj], oracle[proj][e], rtol=1e-5, atol=1e-6)
+
+
+def test_convert_3d_to_2d_and_back_gives_the_same_file_tensors(tmp_path: Path) -> None:
+    write_moe_adapter(tmp_path / "src", [make_truth(E, H, I, R, 2)], ["3d"], rank=R)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    cfg = ["--base-config", str(tmp_path / "config.json")]
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "as2d"), *cfg]) == 0
+    assert main(["convert", str(tmp_path / "as2d"), "--to", "3d", "-o", str(tmp_path / "back"), *cfg]) == 0
+    a, b = load_file(str(tmp_path / "src/adapter_model.safetensors")), load_file(str(tmp_path / "back/adapter_model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_mix_writes_the_exact_weighted_sum_and_peft_loads_it(tmp_path: Path) -> None:
+    import peft
+
+    model = tiny_llama()
+    make_peft_adapter(model, tmp_path / "a", targets=["q_proj", "v_proj"], rank=4, alpha=8, seed=1)
+    make_peft_adapter(tiny_llama(), tmp_path / "b", targets=["q_proj", "o_proj"], rank=8, alpha=4, seed=2, use_rslora=True)
+    assert main(["mix", f"{tmp_path / 'a'}=0.7", f"{tmp_path / 'b'}=-0.3", "-o", str(tmp_path / "mix")]) == 0
+    la = load_adapter_files(resolve_source(str(tmp_path / "a")))
+    lb = load_adapter_files(resolve_source(str(tmp_path / "b")))
+    pm = peft.PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "mix"))
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.v_proj"):
+        expected = torch.zeros(64, 64) if "o_proj" in name or "q_proj" in name else torch.zeros(32, 64)
+        for la_, w in ((la, 0.7), (lb, -0.3)):
+            if name in la_.dense:
+                a, b = la_.dense[name]
+                expected = expected + w * la_.config.scaling_for(name, a.shape[0]) * (b @ a)
+        layer = pm.base_model.model.get_submodule(name)
+        got = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_mix_of_moe_adapters_is_exact_per_expert(tmp_path: Path) -> None:
+    t1, t2 = make_truth(E, H, I, R, 3), make_truth(E, H, I, 2 * R, 4)
+    write_moe_adapter(tmp_path / "a", [t1], ["2d"], rank=R, alpha=8)
+    write_moe_adapter(tmp_path / "b", [t2], ["3d"], rank=2 * R, alpha=8)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert main(["mix", f"{tmp_path / 'a'}=0.5", f"{tmp_path / 'b'}=2", "-o", str(tmp_path / "m"),
+                 "--base-config", str(tmp_path / "config.json")]) == 0
+    ex = load_adapter_files(resolve_source(str(tmp_path / "m")), base_config=BASE).moe["model.layers.0.mlp.experts"]
+    o1, o2 = oracle_deltas(t1, 8 / R), oracle_deltas(t2, 8 / (2 * R))
+    for e in (0, 7):
+        d = ex.dense_delta(e)
+        for proj in ("gate", "up", "down"):
+            torch.testing.assert_close(d[proj], 0.5 * o1[proj][e] + 2 * o2[proj][e], rtol=1e-4, atol=1e-5)
+
+
+def test_convert_2d_with_distinct_gate_and_up_a_to_3d_folds_scaling_and_keeps_the_delta(tmp_path: Path) -> None:
+    from moe_factories import block_tensors
+
+    from factories import lora_config, write_adapter
+
+    t = make_truth(E, H, I, R, 5)
+    ts = block_tensors("model.layers.0.mlp", t, "2d")
+    g = torch.Generator().manual_seed(9)
+    for e in range(E):  # up gets its own A: the fused gate_up needs rank 2r
+        ts[f"base_model.model.model.layers.0.mlp.experts.{e}.up_proj.lora_A.weight"] = torch.randn(R, H, generator=g)
+    write_adapter(tmp_path / "src", ts, lora_config(R, 16, use_rslora=True))
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert main(["convert", str(tmp_path / "src"), "--to", "3d", "-o", str(tmp_path / "as3d"),
+                 "--base-config", str(tmp_path / "config.json")]) == 0
+    src = load_adapter_files(resolve_source(str(tmp_path / "src")), base_config=BASE).moe["model.layers.0.mlp.experts"]
+    out = load_adapter_files(resolve_source(str(tmp_path / "as3d")), base_config=BASE).moe["model.layers.0.mlp.experts"]
+    assert out.gate_up is not None and out.gate_up.rank == 2 * R
+    for e in range(E):
+        a, b = src.dense_delta(e), out.dense_delta(e)
+        for proj in ("gate", "up", "down"):
+            torch.testing.assert_close(a[proj], b[proj], rtol=1e-5, atol=1e-6)
