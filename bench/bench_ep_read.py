@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
-from bench_moe_load import E, H, I, _no_pin, _rss, make_adapter  # noqa: E402
+from bench_moe_load import E, H, I, _no_pin, _rss, make_adapter, plugin_read  # noqa: E402
 
 
 def _stock(folder: Path, layers: int, form: str, ep: int) -> dict:
@@ -57,27 +57,9 @@ def _stock(folder: Path, layers: int, form: str, ep: int) -> dict:
 
 
 def _plugin(folder: Path, layers: int, form: str, ep: int) -> dict:
-    import torch
-
-    from vllm_lora_ext.formats import classify_key
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
-    from vllm_lora_ext.reader import ReadStats, SafetensorsReader
-    from vllm_lora_ext.sources import resolve_source
-    from vllm_lora_ext.summary import load_config
-
     t0 = time.perf_counter()
-    resolved = resolve_source(str(folder))
-    config = load_config(resolved)
-    stats = ReadStats()
-    reader = SafetensorsReader(resolved.weights_path, stats=stats)
-    groups: dict[str, dict] = {}
-    for k, s in reader.header.shapes.items():
-        groups.setdefault(classify_key(k).experts_prefix or "", {})[k] = s
-    plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
-    local = tuple(range(E // ep))
-    read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16, experts={p: local for p in plans},
-                read_many=lambda keys: reader.read_many(keys, copy=False))
-    return {"seconds": time.perf_counter() - t0, "bytes_read": stats.bytes_read}
+    _, bytes_read = plugin_read(folder, experts=tuple(range(E // ep)))
+    return {"seconds": time.perf_counter() - t0, "bytes_read": bytes_read}
 
 
 def _case(which: str, folder: Path, layers: int, form: str, ep: int) -> dict:

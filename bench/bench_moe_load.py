@@ -129,29 +129,35 @@ def _case_stock(folder: Path, layers: int, form: str) -> dict:
     return {"seconds": dt, "bytes_read": (folder / "adapter_model.safetensors").stat().st_size, "kept_bytes": kept}
 
 
-def _case_plugin(folder: Path, layers: int, form: str) -> dict:
+def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None) -> tuple[dict, int]:
+    """The plugin's loading pipeline without vLLM: resolve, plan every MoE block by shape, read (only ``experts``)."""
     import torch
 
     from vllm_lora_ext.formats import classify_key
     from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
     from vllm_lora_ext.reader import ReadStats, SafetensorsReader
-    from vllm_lora_ext.summary import load_config
     from vllm_lora_ext.sources import resolve_source
+    from vllm_lora_ext.summary import load_config
 
-    t0 = time.perf_counter()
     resolved = resolve_source(str(folder))
     config = load_config(resolved)
     stats = ReadStats()
     reader = SafetensorsReader(resolved.weights_path, stats=stats)
     groups: dict[str, dict] = {}
     for k, s in reader.header.shapes.items():
-        info = classify_key(k)
-        groups.setdefault(info.experts_prefix or "", {})[k] = s
+        groups.setdefault(classify_key(k).experts_prefix or "", {})[k] = s
+    plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
+    blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
+                         experts={p: experts for p in plans} if experts is not None else None,
+                         read_many=lambda keys: reader.read_many(keys, copy=False))
+    return blocks, stats.bytes_read
+
+
+def _case_plugin(folder: Path, layers: int, form: str) -> dict:
+    t0 = time.perf_counter()
+    blocks, bytes_read = plugin_read(folder)
     kept = 0
     out = []
-    plans = {prefix: plan_experts(shapes, MoESpec(prefix, E, H, I), config=config) for prefix, shapes in groups.items()}
-    blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
-                         read_many=lambda keys: reader.read_many(keys, copy=False))
     for ex in blocks.values():
         a, b = ex.as_2d(num_experts=E, hidden=H)
         seen: set[int] = set()
@@ -160,9 +166,8 @@ def _case_plugin(folder: Path, layers: int, form: str) -> dict:
                 seen.add(id(t))
                 kept += t.numel() * t.element_size()
         out.append((a, b))
-    reader.close()
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "bytes_read": stats.bytes_read, "kept_bytes": kept}
+    return {"seconds": dt, "bytes_read": bytes_read, "kept_bytes": kept}
 
 
 def _rss(field: str) -> int:

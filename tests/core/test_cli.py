@@ -149,3 +149,19 @@ def test_convert_2d_with_distinct_gate_and_up_a_to_3d_folds_scaling_and_keeps_th
         a, b = src.dense_delta(e), out.dense_delta(e)
         for proj in ("gate", "up", "down"):
             torch.testing.assert_close(a[proj], b[proj], rtol=1e-5, atol=1e-6)
+
+
+def test_fetch_then_offline_inspect_of_an_hf_source(hub, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dense_adapter(tmp_path / "a", rank=4, alpha=8)
+    sha = hub.repo("acme/cli").commit({"x/w.safetensors": (tmp_path / "a/adapter_model.safetensors").read_bytes(),
+                                       "x/w_config.json": (tmp_path / "a/adapter_config.json").read_bytes()})
+    assert main(["fetch", "hf:acme/cli:x/w.safetensors", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    assert record["commit"] == sha and record["pinned"] == f"hf:acme/cli@{sha}:x/w.safetensors"
+    assert record["config_rule"] == "<stem>_config.json"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = hub.count()
+    assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 0
+    out = capsys.readouterr().out
+    assert f"commit      {sha}" in out and "rule: <stem>_config.json" in out and hub.count() == before
