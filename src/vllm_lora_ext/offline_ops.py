@@ -56,20 +56,22 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
     dims = _base_dims(base_config) if base_config is not None else None
     out: dict[str, MoESpec] = {}
     for prefix, keys in blocks.items():
-        names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-        experts, h, i = set(), None, None
+        names = ("gate_proj", "up_proj", "down_proj")
+        experts: set[int] = set()
+        h: int | None = None
+        i: int | None = None
         for k in keys:
             info = classify_key(k)
             if info.kind != "moe_2d" or info.which != "A":
                 continue
-            experts.add(info.expert)
+            experts.add(int(info.expert or 0))
             b = shapes[k.replace("lora_A", "lora_B")]
             if info.proj in ("gate_proj", "w1", "up_proj", "w3"):
                 h, i = shapes[k][1], b[0]
             elif info.proj in ("down_proj", "w2"):
                 i, h = shapes[k][1], b[0]
             if info.proj in ("w1", "w2", "w3"):
-                names = {"gate": "w1", "up": "w3", "down": "w2"}
+                names = ("w1", "w3", "w2")
         if dims is not None:
             e, h, i = dims
         elif h is not None and i is not None:
@@ -78,7 +80,9 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
             raise ExpertLayoutError(
                 f"MoE block {prefix!r} holds fused 3D tensors only; their expert count and sizes are not in the file. "
                 f"Pass the base model's config.json (--base-config).", key=prefix)
-        out[prefix] = MoESpec(prefix, e if num_experts is None else num_experts, h, i, **names)
+        assert h is not None and i is not None
+        out[prefix] = MoESpec(prefix, e if num_experts is None else num_experts, h, i, gate=names[0], up=names[1],
+                              down=names[2])
     return out
 
 

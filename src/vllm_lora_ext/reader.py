@@ -243,7 +243,7 @@ class SafetensorsReader:
             for span in spans:
                 start, end = offsets[span[0]][0], offsets[span[-1]][1]
                 buf = torch.empty(end - start, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
+                view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
                 got = 0
                 while got < end - start:
                     n = os.preadv(fd, [view[got:]], start + got)

@@ -342,14 +342,16 @@ class _HubClient:
         from huggingface_hub import errors as hf_errors
 
         if revision is not None and _COMMIT_SHA.match(revision):
-            hit = try_to_load_from_cache(self.src.repo_id or "", filename, cache_dir=self.cache_dir, revision=revision)
+            hit = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision,
+                                         cache_dir=None if self.cache_dir is None else Path(self.cache_dir))
             if isinstance(hit, str):
                 return Path(hit)
             if hit is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
         try:
             return Path(hf_hub_download(
-                self.src.repo_id or "", filename, revision=revision, cache_dir=self.cache_dir,
+                self.src.repo_id or "", filename, revision=revision,
+                cache_dir=None if self.cache_dir is None else Path(self.cache_dir),
                 token=self.token, local_files_only=self.local_only,
             ))
         except hf_errors.GatedRepoError as err:

@@ -426,26 +426,26 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
 
     # 3D: A rows [e·r, (e+1)·r) per kept expert, B columns {i·E + e}.
     e_all = spec.num_experts
-    for k in plan.keys_3d:
-        r = k.rank
+    for k3 in plan.keys_3d:
+        r = k3.rank
         exp_ranges = _ranges(keep)
         a_ranges = [(0, s * r, t * r) for s, t in exp_ranges]
         b_ranges = [(1, i * e_all + s, i * e_all + t) for i in range(r) for s, t in exp_ranges]
         full = n == e_all
-        a_file = read(k.key_a, None if full else a_ranges)  # (n·r, in)
-        b_file = read(k.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
+        a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in)
+        b_file = read(k3.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
         target = dtype if dtype is not None else a_file.dtype
         a3 = a_file.reshape(n, r, a_file.shape[1])
         b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
-        if k.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
+        if k3.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
-        name = "gate_up_proj" if k.role == "gate_up" else "down_proj"
+        name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             b3 = b3.contiguous().mul_(s)
         else:
             b3 = (b3.float() * s).to(target).contiguous()
-        setattr(out, k.role, ExpertFactors(a3.to(target).contiguous(), b3))
+        setattr(out, k3.role, ExpertFactors(a3.to(target).contiguous(), b3))
         del a_file, b_file, a3, b3
     return out
 

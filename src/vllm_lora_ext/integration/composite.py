@@ -85,7 +85,7 @@ def build_composite(manager: Any, lora_request: Any) -> Any:
                 a_list.append(a)
                 b_list.append(b)
             rank = max(int(a.shape[1]) for a in a_list)
-            loras[name] = PackedLoRALayerWeights(name, rank, [1] * len(a_list), a_list, b_list,
+            loras[name] = PackedLoRALayerWeights(name, rank, [1] * len(a_list), list[Any](a_list), list[Any](b_list),
                                                  scaling=[1.0] * len(a_list))
         else:
             a, b = concat_factors([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], dtype=dtype)

@@ -106,7 +106,7 @@ def packed_weights(experts: ExpertsLoRA, target: MoETarget, *, max_rank: int, ad
     lora_a = [t.contiguous() for t in lora_a]
     lora_b = [t.contiguous() for t in lora_b]
     n = len(lora_a)
-    return PackedLoRALayerWeights(spec.prefix, need, [1] * n, lora_a, lora_b, scaling=[1.0] * n)
+    return PackedLoRALayerWeights(spec.prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b), scaling=[1.0] * n)
 
 
 def zero_like_dtype(dtype: Any) -> torch.dtype:

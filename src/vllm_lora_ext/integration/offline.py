@@ -44,6 +44,7 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
     from vllm.lora.request import LoRARequest
 
     dep = _deployment(deployment)
+    names: list[str] | None
     if isinstance(adapters, Mapping):
         if weights is not None:
             raise ValueError("Give weights either in the mapping or as weights=, not both.")
