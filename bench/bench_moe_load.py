@@ -203,7 +203,7 @@ def _run_case(case: str, folder: Path, layers: int, form: str) -> dict:
 def cpu_bench(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-moe-"))
     rows, payload = [], {}
-    for form in ("2d", "3d"):
+    for form in args.forms.split(","):
         folder = make_adapter(tmp / form, args.layers, form)
         size = (folder / "adapter_model.safetensors").stat().st_size
         from safetensors import safe_open
@@ -308,6 +308,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--forms", default="2d,3d", help="CPU mode: which layouts (2d,3d)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--_case")
