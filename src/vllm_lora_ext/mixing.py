@@ -78,7 +78,9 @@ class MixSpec:
     @property
     def lora_name(self) -> str:
         """A readable, unique adapter name: ``mix-<names and weights>-<digest prefix>``."""
-        label = "+".join(f"{c.name}={c.weight:g}" for c in self.components)
+        label = "+".join(f"{_short(c.name)}={c.weight:g}" for c in self.components)
+        if len(label) > 80:
+            label = label[:77] + "..."
         return f"{MIX_NAME_PREFIX}{label}-{self.digest[:12]}"
 
     @property
@@ -102,6 +104,12 @@ class MixSpec:
         except (ValueError, KeyError, TypeError) as err:
             raise MixError(f"Malformed mix path {path[:200]!r}: {err}.") from err
         return cls(comps)
+
+
+def _short(name: str) -> str:
+    # a path or hf: source used as a name: keep its last component (the digest keeps the name unique)
+    tail = name.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    return tail or name
 
 
 def parse_mix_expression(expr: str) -> list[tuple[str, float | None]]:

@@ -92,3 +92,11 @@ def test_equal_mixes_share_one_canonical_key_name_and_id() -> None:
     assert MixSpec.from_path(a.lora_path) == a
     moved = MixSpec((MixComponent("style", "hf:acme/style@" + "c" * 40, 0.7), MixComponent("domain", SOURCES["domain"], 0.3)))
     assert moved.lora_name != a.lora_name  # a new commit is a new composite (and a new prefix-cache key)
+
+
+def test_mix_names_stay_readable_and_unique_for_path_like_names() -> None:
+    a = MixSpec((MixComponent("/models/x/style-lora", "/models/x/style-lora", 0.7),
+                 MixComponent("hf:acme/loras:domain.safetensors", "hf:acme/loras@" + "a" * 40 + ":domain.safetensors", 0.3)))
+    assert a.lora_name.startswith("mix-style-lora=0.7+domain.safetensors=0.3-") and len(a.lora_name) < 120
+    b = MixSpec((MixComponent("/other/style-lora", "/other/style-lora", 0.7), a.components[1]))
+    assert a.lora_name != b.lora_name
