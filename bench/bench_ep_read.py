@@ -86,7 +86,7 @@ def _check(folder: Path, form: str) -> bool:
     """Bitwise: rank 1 of EP=4 (and a round-robin rank) equals the full read, then indexed."""
     import torch
 
-    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
     from vllm_lora_ext.reader import SafetensorsReader
     from vllm_lora_ext.summary import load_config
@@ -96,7 +96,7 @@ def _check(folder: Path, form: str) -> bool:
     cfg = load_config(r)
     reader = SafetensorsReader(r.weights_path)
     p = "model.layers.0.mlp.experts"
-    shapes = {k: s for k, s in reader.header.shapes.items() if classify_key(k).experts_prefix == p}
+    shapes = group_moe_keys(reader.header.shapes)[p]
     plan = plan_experts(shapes, MoESpec(p, E, H, I), config=cfg)
     full = read_experts(plan, reader.read, config=cfg, read_many=reader.read_many).as_2d(num_experts=E, hidden=H)
     for ids in (list(range(32, 64)), list(range(1, E, 4))):

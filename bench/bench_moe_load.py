@@ -133,7 +133,7 @@ def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None) -> tupl
     """The plugin's loading pipeline without vLLM: resolve, plan every MoE block by shape, read (only ``experts``)."""
     import torch
 
-    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
     from vllm_lora_ext.reader import ReadStats, SafetensorsReader
     from vllm_lora_ext.sources import resolve_source
@@ -143,9 +143,7 @@ def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None) -> tupl
     config = load_config(resolved)
     stats = ReadStats()
     reader = SafetensorsReader(resolved.weights_path, stats=stats)
-    groups: dict[str, dict] = {}
-    for k, s in reader.header.shapes.items():
-        groups.setdefault(classify_key(k).experts_prefix or "", {})[k] = s
+    groups = group_moe_keys(reader.header.shapes)
     plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
     blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
                          experts={p: experts for p in plans} if experts is not None else None,

@@ -27,6 +27,13 @@ SUPPORTED_VLLM_MAX_EXCLUSIVE = "0.27.0"
 # max_lora_rank values vLLM accepts.
 VLLM_MAX_LORA_RANK_CHOICES = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+
+
+def max_lora_rank_for(rank: int) -> int | None:
+    """Return the smallest ``--max-lora-rank`` vLLM accepts that fits ``rank`` (``None`` if none does)."""
+    return next((c for c in VLLM_MAX_LORA_RANK_CHOICES if c >= rank), None)
+
+
 ENV_ALLOW_UNSUPPORTED_VLLM = "VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM"
 ENV_LOG_LEVEL = "VLLM_LORA_EXT_LOG_LEVEL"
 ENV_ALLOW_PICKLE = "VLLM_LORA_EXT_ALLOW_PICKLE"

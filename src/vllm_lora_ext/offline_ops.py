@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import AdapterFormatError, ExpertLayoutError
-from vllm_lora_ext.formats import PEFT_PREFIX, classify_key
+from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts, read_experts
 from vllm_lora_ext.mixing import concat_factors
 from vllm_lora_ext.reader import SafetensorsReader
@@ -48,11 +48,7 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
     Raises:
         [`ExpertLayoutError`]: a block has only fused 3D keys and no base config was given.
     """
-    blocks: dict[str, list[str]] = {}
-    for k in shapes:
-        info = classify_key(k)
-        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix:
-            blocks.setdefault(info.experts_prefix, []).append(k)
+    blocks = group_moe_keys(shapes)
     dims = _base_dims(base_config) if base_config is not None else None
     out: dict[str, MoESpec] = {}
     for prefix, keys in blocks.items():
@@ -105,15 +101,13 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
     reader = SafetensorsReader(resolved.weights_path)
     shapes = reader.header.shapes
     specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts)
-    groups: dict[str, dict[str, tuple[int, ...]]] = {}
+    groups = group_moe_keys(shapes)
     dense_keys: list[str] = []
-    for k, s in shapes.items():
-        info = classify_key(k)
-        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix in specs:
-            groups.setdefault(info.experts_prefix, {})[k] = s
-        elif info.kind == "dense":
+    for k in shapes:
+        kind = classify_key(k).kind
+        if kind == "dense":
             dense_keys.append(k)
-        else:
+        elif kind == "other":
             raise AdapterFormatError(f"Adapter {name!r}: key {k!r} is not a LoRA weight.", adapter=name, key=k)
     tensors = reader.read_many(dense_keys)
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

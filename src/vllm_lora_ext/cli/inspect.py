@@ -59,6 +59,7 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
 
 
 def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) -> dict[str, Any]:
+    from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import plan_experts
     from vllm_lora_ext.offline_ops import ep_read_plan, moe_specs
     from vllm_lora_ext.reader import read_header
@@ -69,10 +70,10 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
     if not specs:
         return {}
     config = load_config(resolved)
+    groups = group_moe_keys(header.shapes)
     blocks = {}
     for prefix, spec in specs.items():
-        keys = {k: s for k, s in header.shapes.items() if k.startswith(("base_model.model." + prefix + ".", prefix + "."))}
-        plan = plan_experts(keys, spec, config=config)
+        plan = plan_experts(groups[prefix], spec, config=config)
         blocks[prefix] = {"experts": spec.num_experts, "hidden": spec.hidden, "intermediate": spec.intermediate,
                           "layout": plan.layout,
                           "2d": sorted({f"{k.role} r={k.rank}" for k in plan.keys_2d}),

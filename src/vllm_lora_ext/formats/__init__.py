@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "strip_peft_prefix"]
+__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "group_moe_keys", "strip_peft_prefix"]
 
 Layout = Literal["dense", "moe_2d", "moe_3d", "moe_mixed", "empty"]
 KeyKind = Literal["dense", "moe_2d", "moe_3d", "other"]
@@ -98,6 +98,16 @@ def group_modules(keys: Iterable[str]) -> dict[str, dict[str, str]]:
         if info.kind == "other":
             continue
         out.setdefault(info.module, {})[info.which] = k
+    return out
+
+
+def group_moe_keys(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Return ``{experts_prefix: {key: shape}}`` for every MoE key (2D or 3D), in file order."""
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for k, s in shapes.items():
+        info = classify_key(k)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix:
+            out.setdefault(info.experts_prefix, {})[k] = s
     return out
 
 

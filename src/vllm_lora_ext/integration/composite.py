@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.mixing import MixSpec, concat_factors
 
@@ -96,10 +97,9 @@ def build_composite(manager: Any, lora_request: Any) -> Any:
             too_big.append(f"{name} needs {rank} ({parts})")
     if too_big:
         need = max(int(s.split(" needs ")[1].split(" ")[0]) for s in too_big)
-        choices = [c for c in (8, 16, 32, 64, 128, 256, 320, 512) if c >= need]
         raise AdapterCompatibilityError(
             f"Mix {spec.lora_name!r} needs rank {need} (the sum of its adapters' ranks) but max_lora_rank is "
-            f"{max_rank}: {too_big[0]}. Start vLLM with --max-lora-rank {choices[0] if choices else need} or mix "
+            f"{max_rank}: {too_big[0]}. Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need} or mix "
             f"fewer adapters.", adapter=spec.lora_name)
     model_cls = manager._lora_model_cls
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, max_lora_rank_for
 from vllm_lora_ext.errors import (
     AdapterCompatibilityError,
     AdapterNotFoundError,
@@ -98,8 +98,8 @@ def _check_ranks(config: AdapterConfig, shapes: Mapping[str, tuple[int, ...]], m
     if worst is None and declared > max_rank:
         worst = (declared, "(config r / rank_pattern)")
     if worst is not None:
-        choices = [c for c in (8, 16, 32, 64, 128, 256, 320, 512) if c >= worst[0]]
-        fix = f"Start vLLM with --max-lora-rank {choices[0]}" if choices else "Use an adapter of rank <= 512"
+        fit = max_lora_rank_for(worst[0])
+        fix = f"Start vLLM with --max-lora-rank {fit}" if fit else "Use an adapter of rank <= 512"
         raise AdapterCompatibilityError(
             f"Adapter {name!r} has rank {worst[0]} (module {worst[1]!r}) but max_lora_rank is {max_rank}. {fix}.",
             adapter=name)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 
@@ -99,10 +100,9 @@ def packed_weights(experts: ExpertsLoRA, target: MoETarget, *, max_rank: int, ad
     if need > max_rank:
         why = (" (per-expert gate and up become one fused factor of rank r_gate + r_up for this model's 3D MoE layer)"
                if target.wrapper == "3d" and experts.gate_up is None else "")
-        choices = [c for c in (8, 16, 32, 64, 128, 256, 320, 512) if c >= need]
         raise AdapterCompatibilityError(
             f"Adapter {adapter!r}: MoE block {spec.prefix!r} needs rank {need}{why} but max_lora_rank is {max_rank}. "
-            f"Start vLLM with --max-lora-rank {choices[0] if choices else need}.", adapter=adapter)
+            f"Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need}.", adapter=adapter)
     lora_a = [t.contiguous() for t in lora_a]
     lora_b = [t.contiguous() for t in lora_b]
     n = len(lora_a)
