@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,14 +206,3 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, s
     raw = {"peft_type": "LORA", "r": r, "lora_alpha": float(alpha_s), "target_modules": modules,
            "use_rslora": meta.get("use_rslora", "false").lower() == "true"}
     return config_from_dict(raw, name=name, inferred=True)
-
-
-def module_names(keys: Iterable[str]) -> list[str]:
-    """Return the module names (key without ``.lora_A.weight`` etc.) in first-seen order."""
-    seen: dict[str, None] = {}
-    for k in keys:
-        for frag in (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B"):
-            if frag in k:
-                seen.setdefault(k.split(frag)[0], None)
-                break
-    return list(seen)

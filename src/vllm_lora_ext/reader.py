@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,8 +101,6 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     return FileHeader(path=p, tensors=infos, metadata={str(k): str(v) for k, v in meta.items()}, header_bytes=8 + n,
                       offsets=offsets)
 
-
-Slice = tuple[slice | Sequence[int], ...]
 
 
 def read_tensors(
@@ -196,8 +192,8 @@ _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _TORCH_DTYPE
 class SafetensorsReader:
     """Reads one safetensors file key by key, slice by slice, or many keys at once; counts every byte.
 
-    ``read_many`` maps the file once and cuts each tensor out of the mapping (one copy per tensor,
-    no per-key file open), which matters for MoE adapters with tens of thousands of small tensors.
+    ``read_many`` reads runs of adjacent tensors with one ``pread`` each (no per-key file open), which
+    matters for MoE adapters with tens of thousands of small tensors. No file stays open between calls.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, header: FileHeader | None = None,
@@ -207,7 +203,6 @@ class SafetensorsReader:
         self.stats = stats if stats is not None else ReadStats()
         self.stats.bytes_read += self.header.header_bytes
         self.stats.files.append(str(self.path))
-
 
     def read(self, key: str, ranges: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """Read one tensor, or only the ``(dim, start, stop)`` ranges of it (concatenated along ``dim``)."""
@@ -266,12 +261,3 @@ class SafetensorsReader:
         finally:
             os.close(fd)
         return {k: out[k] for k in keys}
-
-    def close(self) -> None:
-        """Release resources (kept for symmetry; reads hold no open file between calls)."""
-
-    def __enter__(self) -> SafetensorsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -14,6 +14,11 @@ from vllm_lora_ext.integration._compat import check_vllm_version
 pytestmark = pytest.mark.vllm
 
 
+def _python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (plugin state is per process)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
 def test_entry_point_is_listed_in_vllm_general_plugins() -> None:
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps["vllm_lora_ext"] == "vllm_lora_ext.integration.plugin:register"
@@ -46,7 +51,7 @@ from vllm_lora_ext.integration.plugin import PATCH_MARK, is_registered
 print(heavy, is_registered(), getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False),
       getattr(le.LLMEngine.add_request, PATCH_MARK, False))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = _python(code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-4:] == ["False", "True", "True", "True"]
     assert "vllm_lora_ext 0.1.0 active in process" in out.stderr
@@ -57,7 +62,7 @@ def test_plugin_disabled_by_env_stays_inert() -> None:
             "from vllm_lora_ext.integration import plugin; plugin.register()\n"
             "import vllm.lora.worker_manager as wm\n"
             "print(getattr(wm.WorkerLoRAManager._load_adapter, plugin.PATCH_MARK, False))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = _python(code, timeout=300)
     assert out.stdout.split()[-1] == "False" and "disabled" in out.stderr
 
 
@@ -84,7 +89,7 @@ def test_unsupported_vllm_stops_register_in_a_fresh_process() -> None:
             "c.installed_vllm_version = lambda: '0.25.0'\n"
             "from vllm_lora_ext.integration import plugin\n"
             "plugin.register()")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _python(code, timeout=120)
     assert out.returncode != 0 and "UnsupportedVLLMError" in out.stderr and "0.25.0" in out.stderr
 
 
@@ -93,6 +98,6 @@ def test_core_imports_without_vllm() -> None:
             "import vllm_lora_ext, vllm_lora_ext.cli, vllm_lora_ext.sources, vllm_lora_ext.summary\n"
             "print(sorted(m for m in sys.modules if m.startswith('vllm') and sys.modules[m] is not None "
             "and not m.startswith('vllm_lora_ext')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _python(code, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -25,7 +25,6 @@ The normalized form ([`ExpertsLoRA`]) holds, for the experts this rank keeps, ``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -452,10 +451,6 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
 
 def _proj_name(spec: MoESpec, role: str) -> str:
     return {"gate": spec.gate, "up": spec.up, "down": spec.down}[role]
-
-
-def scaling_is_uniform(values: Sequence[float]) -> bool:
-    return all(math.isclose(v, values[0]) for v in values)
 
 
 def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: AdapterConfig,

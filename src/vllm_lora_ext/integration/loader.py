@@ -27,8 +27,8 @@ from vllm_lora_ext.errors import (
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.formats.moe import plan_experts, read_blocks
-from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors, read_header
-from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
+from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
+from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,6 @@ class _DictSource:
 
     def read_many(self, keys: Sequence[str], *, copy: bool = True) -> dict[str, torch.Tensor]:
         return {k: self.tensors[k] for k in keys}
-
-    def close(self) -> None:
-        pass
 
 
 def _check_ranks(config: AdapterConfig, shapes: Mapping[str, tuple[int, ...]], max_rank: int, name: str) -> None:
@@ -221,7 +218,6 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         lora.loras[prefix] = packed_weights(experts, targets[prefix], max_rank=manager.lora_config.max_lora_rank,
                                             adapter=name)
     del blocks
-    source.close()
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
@@ -107,7 +106,3 @@ def packed_weights(experts: ExpertsLoRA, target: MoETarget, *, max_rank: int, ad
     lora_b = [t.contiguous() for t in lora_b]
     n = len(lora_a)
     return PackedLoRALayerWeights(spec.prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b), scaling=[1.0] * n)
-
-
-def zero_like_dtype(dtype: Any) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
