@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.constants import METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MAX_CONFIG_BYTES, METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
 from vllm_lora_ext.errors import AdapterFormatError
+
+_MAX_RANK = 1 << 16
+_BOOL_FIELDS = ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "inference_mode")
 
 __all__ = ["AdapterConfig", "read_config", "infer_config"]
 
@@ -52,16 +56,23 @@ class AdapterConfig:
     name: str = "adapter"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r < 1:
-            raise AdapterFormatError(f"Adapter {self.name!r}: rank r={self.r!r} must be a positive integer. Fix 'r' in its config.",
-                                     adapter=self.name, key="r")
-        if not math.isfinite(self.lora_alpha):
-            raise AdapterFormatError(f"Adapter {self.name!r}: lora_alpha={self.lora_alpha!r} is not finite. Fix 'lora_alpha'.",
-                                     adapter=self.name, key="lora_alpha")
+        if not _is_rank(self.r):
+            raise AdapterFormatError(f"Adapter {self.name!r}: rank r={short_repr(self.r)} must be an integer from 1 to "
+                                     f"{_MAX_RANK}. Fix 'r' in its config.", adapter=self.name, key="r")
+        if not _is_number(self.lora_alpha):
+            raise AdapterFormatError(f"Adapter {self.name!r}: lora_alpha={short_repr(self.lora_alpha)} is not a finite "
+                                     f"number. Fix 'lora_alpha'.", adapter=self.name, key="lora_alpha")
+        if type(self.use_rslora) is not bool:
+            raise AdapterFormatError(f"Adapter {self.name!r}: use_rslora={short_repr(self.use_rslora)} must be true or "
+                                     f"false.", adapter=self.name, key="use_rslora")
         for k, v in self.rank_pattern.items():
-            if not isinstance(v, int) or v < 1:
-                raise AdapterFormatError(f"Adapter {self.name!r}: rank_pattern[{k!r}]={v!r} must be a positive integer.",
-                                         adapter=self.name, key=k)
+            if not isinstance(k, str) or not _is_rank(v):
+                raise AdapterFormatError(f"Adapter {self.name!r}: rank_pattern[{short_repr(k)}]={short_repr(v)} must "
+                                         f"be an integer from 1 to {_MAX_RANK}.", adapter=self.name, key="rank_pattern")
+        for k, v in self.alpha_pattern.items():
+            if not isinstance(k, str) or not _is_number(v):
+                raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(v)} must "
+                                         f"be a finite number.", adapter=self.name, key="alpha_pattern")
 
     def rank_for(self, module: str) -> int:
         """Return the rank PEFT gives ``module`` (``rank_pattern`` first, else ``r``)."""
@@ -83,6 +94,40 @@ class AdapterConfig:
     def has_patterns(self) -> bool:
         """Whether any per-module rank or alpha override exists."""
         return bool(self.rank_pattern) or bool(self.alpha_pattern)
+
+
+def _is_rank(v: Any) -> bool:
+    return type(v) is int and 1 <= v <= _MAX_RANK
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _check_types(raw: Mapping[str, Any], name: str) -> None:
+    """Raise on config values of the wrong JSON type (a bool is not an int, "false" is not a bool)."""
+    problems: list[str] = []
+    for key in _BOOL_FIELDS:
+        if raw.get(key) is not None and type(raw[key]) is not bool:
+            problems.append(f"{key}={short_repr(raw[key])} must be true or false")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            problems.append(f"{key} must be an object mapping module patterns to numbers")
+    tm = raw.get("target_modules")
+    if tm is not None and not isinstance(tm, str) and not (isinstance(tm, list) and all(isinstance(t, str) for t in tm)):
+        problems.append(f"target_modules={short_repr(tm)} must be a string or a list of strings")
+    tp = raw.get("target_parameters")
+    if tp is not None and not (isinstance(tp, list) and all(isinstance(t, str) for t in tp)):
+        problems.append(f"target_parameters={short_repr(tp)} must be a list of strings")
+    for key in ("peft_version", "base_model_name_or_path", "peft_type"):
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            problems.append(f"{key}={short_repr(raw[key])} must be a string")
+    orient = raw.get("moe_3d_orientation")
+    if orient is not None and orient not in ("standard", "transposed"):
+        problems.append(f"moe_3d_orientation={short_repr(orient)} must be \"standard\" or \"transposed\"")
+    if problems:
+        raise AdapterFormatError(f"Adapter {name!r}: its config has values of the wrong type: " + "; ".join(problems)
+                                 + ". Fix them in adapter_config.json.", adapter=name, key=None)
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
@@ -132,6 +177,7 @@ def _check_supported(raw: Mapping[str, Any], name: str) -> None:
 
 def config_from_dict(raw: Mapping[str, Any], *, name: str = "adapter", inferred: bool = False) -> AdapterConfig:
     """Build an [`AdapterConfig`] from a parsed config mapping, rejecting what vLLM cannot serve."""
+    _check_types(raw, name)
     _check_supported(raw, name)
     if "r" not in raw:
         raise AdapterFormatError(f"Adapter {name!r}: config has no rank 'r'. Add \"r\": <rank> to its config.",
@@ -141,11 +187,11 @@ def config_from_dict(raw: Mapping[str, Any], *, name: str = "adapter", inferred:
     tm = raw.get("target_modules")
     tp = raw.get("target_parameters")
     return AdapterConfig(
-        r=int(r) if isinstance(r, (int, float)) and float(r).is_integer() else r,
-        lora_alpha=float(alpha),
-        use_rslora=bool(raw.get("use_rslora", False)),
+        r=int(r) if type(r) is float and r.is_integer() else r,
+        lora_alpha=float(alpha) if _is_number(alpha) else alpha,
+        use_rslora=raw.get("use_rslora") or False,
         rank_pattern=dict(raw.get("rank_pattern") or {}),
-        alpha_pattern={k: float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+        alpha_pattern={k: (float(v) if _is_number(v) else v) for k, v in (raw.get("alpha_pattern") or {}).items()},
         target_modules=tuple(tm) if isinstance(tm, (list, tuple)) else tm,
         target_parameters=tuple(tp) if tp else None,
         peft_version=raw.get("peft_version"),
@@ -164,10 +210,17 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter") -> Adapt
     """
     p = Path(path)
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is not valid JSON ({err}). Fix or replace it.",
-                                 adapter=name, key=None) from err
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes; an "
+                                     f"adapter_config.json is a few KiB. Fix or replace it.", adapter=name, key=None)
+        raw = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        if isinstance(err, AdapterFormatError):
+            raise
+        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is not valid JSON ({str(err)[:200]}). Fix or "
+                                 f"replace it.", adapter=name, key=None) from None
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} must be a JSON object.", adapter=name, key=None)
     return config_from_dict(raw, name=name)
@@ -185,7 +238,12 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, s
     ranks = sorted({s[0] for k, s in shapes.items() if k.endswith("lora_A.weight") and len(s) == 2})
     meta_rank = next((meta[k] for k in METADATA_RANK_KEYS if k in meta), None)
     if meta_rank is not None:
-        r = int(float(meta_rank))
+        try:
+            r = int(meta_rank)
+        except ValueError:
+            raise AdapterFormatError(f"Adapter {name!r}: the rank {short_repr(meta_rank)} in its safetensors metadata "
+                                     f"is not an integer. Add an adapter_config.json with \"r\".", adapter=name,
+                                     key="r") from None
     elif len(ranks) == 1:
         r = ranks[0]
     elif not ranks:
@@ -202,7 +260,19 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, s
             f"so its scaling is unknown (rank {r} was inferred from the shapes). Add an adapter_config.json "
             f"(or '<stem>_config.json') with \"r\" and \"lora_alpha\", or save the file with metadata "
             f"{{'lora_alpha': '<alpha>'}}.", adapter=name, key="lora_alpha")
+    try:
+        alpha = float(alpha_s)
+    except ValueError:
+        alpha = math.nan
+    if not math.isfinite(alpha):
+        raise AdapterFormatError(f"Adapter {name!r}: lora_alpha {short_repr(alpha_s)} in its safetensors metadata is "
+                                 f"not a finite number. Add an adapter_config.json with \"lora_alpha\".",
+                                 adapter=name, key="lora_alpha")
+    rslora = meta.get("use_rslora", "false").strip().lower()
+    if rslora not in ("true", "false"):
+        raise AdapterFormatError(f"Adapter {name!r}: use_rslora {short_repr(rslora)} in its safetensors metadata must "
+                                 f"be 'true' or 'false'.", adapter=name, key="use_rslora")
     modules = sorted({k.split(".lora_A.")[0].rsplit(".", 1)[-1] for k in shapes if ".lora_A." in k})
-    raw = {"peft_type": "LORA", "r": r, "lora_alpha": float(alpha_s), "target_modules": modules,
-           "use_rslora": meta.get("use_rslora", "false").lower() == "true"}
+    raw = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": modules,
+           "use_rslora": rslora == "true"}
     return config_from_dict(raw, name=name, inferred=True)

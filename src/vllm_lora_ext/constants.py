@@ -40,6 +40,19 @@ ENV_ALLOW_PICKLE = "VLLM_LORA_EXT_ALLOW_PICKLE"
 ENV_DISABLE = "VLLM_LORA_EXT_DISABLE"
 ENV_CONFIG = "VLLM_LORA_EXT_CONFIG"
 ENV_ALLOW_UNMATCHED = "VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS"
+ENV_MAX_MIXES = "VLLM_LORA_EXT_MAX_MIXES"
+ENV_MIX_WAIT = "VLLM_LORA_EXT_MIX_WAIT_S"
+ENV_ALLOWED_ROOTS = "VLLM_LORA_EXT_ALLOWED_ROOTS"
+
+# The one weight rule (server, offline helper, deployment config, CLI): finite and |w| <= this bound.
+# A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an
+# attack (1e308 overflows bf16 to inf).
+MAX_ABS_MIX_WEIGHT = 100.0
+# Size caps on files that are read whole.
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
+MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
+# Mix names: the prefix is reserved; --lora-modules, /v1/load_lora_adapter and deployment configs cannot take it.
+MIX_NAME_PREFIX = "mix-"
 
 SourceKind = Literal["hf", "local"]
 TargetKind = Literal["dir", "file"]
@@ -79,6 +92,37 @@ def hf_offline() -> bool:
 def log_level() -> str:
     """Return the plugin's log level name (default INFO)."""
     return os.environ.get(ENV_LOG_LEVEL, "INFO").strip().upper() or "INFO"
+
+
+def _env_number(name: str, default: float, *, minimum: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number >= {minimum:g}.") from None
+    if not value >= minimum or value != value or value == float("inf"):
+        raise ValueError(f"{name}={raw!r} must be a finite number >= {minimum:g}.")
+    return value
+
+
+def max_mixes(default: int) -> int:
+    """Return the bound of the server's mix registry (``VLLM_LORA_EXT_MAX_MIXES``, else ``default``)."""
+    return int(_env_number(ENV_MAX_MIXES, default, minimum=1))
+
+
+def mix_wait_seconds() -> float:
+    """Return how long a request waits for a free mix slot before a 503 (``VLLM_LORA_EXT_MIX_WAIT_S``, default 60)."""
+    return _env_number(ENV_MIX_WAIT, 60.0, minimum=0)
+
+
+def allowed_roots() -> tuple[str, ...] | None:
+    """Return the local folders runtime-loaded sources may read (``VLLM_LORA_EXT_ALLOWED_ROOTS``), or ``None`` (any)."""
+    raw = os.environ.get(ENV_ALLOWED_ROOTS, "").strip()
+    if not raw:
+        return None
+    return tuple(os.path.realpath(os.path.expanduser(p)) for p in raw.split(os.pathsep) if p.strip())
 
 
 def deployment_config_path() -> str | None:

@@ -10,13 +10,14 @@ Format::
 
 Names follow vLLM's model-name rules for adapters: 1–128 characters of letters, digits and
 ``_ . - /``, not starting with ``-``; ``+``, ``=``, ``,``, ``:`` and ``@`` are reserved for the
-mix syntax. Every source is parsed (not resolved) when the file is read, so a typo fails at start-up.
+mix syntax, and names starting with ``mix-`` are reserved for the server's mixes. A name given twice
+is an error (in YAML and JSON alike). Weights follow the one weight rule (finite, ``|w| <= 100``).
+Every source is parsed (not resolved) when the file is read, so a typo fails at start-up.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -24,16 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.errors import AdapterSourceError, VllmLoraExtError
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MIX_NAME_PREFIX
+from vllm_lora_ext.errors import AdapterSourceError, DeploymentConfigError, MixError
+from vllm_lora_ext.mixing import check_weight
 from vllm_lora_ext.sources import AdapterSource, parse_source
 
 __all__ = ["DeploymentAdapter", "DeploymentConfig", "DeploymentConfigError", "read_deployment_config"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_./\-]{0,127}$")
-
-
-class DeploymentConfigError(VllmLoraExtError, ValueError):
-    """The deployment config file is unreadable or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.default is not None and self.default not in self.adapters:
             raise DeploymentConfigError(
-                f"Deployment config {str(self.path)!r}: default adapter {self.default!r} is not among the adapters "
-                f"{sorted(self.adapters)}. Name one of them or remove 'default'.")
+                f"Deployment config {str(self.path)!r}: default adapter {short_repr(self.default)} is not among the "
+                f"adapters {short_repr(sorted(self.adapters))}. Name one of them or remove 'default'.")
 
     def get(self, name: str) -> DeploymentAdapter:
         """Return the named adapter, or raise listing the known names."""
@@ -65,21 +65,23 @@ class DeploymentConfig:
             return self.adapters[name]
         except KeyError:
             raise DeploymentConfigError(
-                f"Unknown adapter {name!r}; the deployment defines {sorted(self.adapters)}.") from None
+                f"Unknown adapter {short_repr(name)}; the deployment defines {short_repr(sorted(self.adapters))}.") from None
 
 
 def check_adapter_name(name: str, *, where: str = "adapter") -> None:
     """Raise unless ``name`` is a valid adapter name (see the module docstring)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.match(name) or name.startswith(MIX_NAME_PREFIX):
         raise DeploymentConfigError(
-            f"Invalid {where} name {name!r}: use 1-128 letters, digits, '_', '.', '-' or '/', not starting with '-' "
-            f"('+', '=', ',', ':' and '@' are reserved for mixes).")
+            f"Invalid {where} name {short_repr(name)}: use 1-128 letters, digits, '_', '.', '-' or '/', not starting "
+            f"with '-' or '{MIX_NAME_PREFIX}' ('+', '=', ',', ':' and '@' and the prefix '{MIX_NAME_PREFIX}' are "
+            f"reserved for mixes).")
 
 
 def _check_weight(name: str, weight: Any) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight)):
-        raise DeploymentConfigError(f"Adapter {name!r}: weight {weight!r} must be a finite number.")
-    return float(weight)
+    try:
+        return check_weight(weight, name=name)
+    except MixError as err:
+        raise DeploymentConfigError(str(err)) from None
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> DeploymentConfig:
@@ -89,7 +91,8 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
         raise DeploymentConfigError(f"{where} must be a mapping with 'adapters' (and optionally 'default').")
     unknown = set(raw) - {"adapters", "default"}
     if unknown:
-        raise DeploymentConfigError(f"{where} has unknown keys {sorted(unknown)}; only 'adapters' and 'default' exist.")
+        raise DeploymentConfigError(f"{where} has unknown keys {short_repr(sorted(map(str, unknown)))}; only 'adapters' "
+                                    f"and 'default' exist.")
     entries = raw.get("adapters") or {}
     if not isinstance(entries, Mapping):
         raise DeploymentConfigError(f"{where}: 'adapters' must map names to sources or {{source, weight}}.")
@@ -102,7 +105,10 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
             raise DeploymentConfigError(f"{where}: adapter {name!r} needs a 'source'.")
         extra = set(entry) - {"source", "weight"}
         if extra:
-            raise DeploymentConfigError(f"{where}: adapter {name!r} has unknown keys {sorted(extra)}.")
+            raise DeploymentConfigError(f"{where}: adapter {name!r} has unknown keys {short_repr(sorted(map(str, extra)))}.")
+        if not isinstance(entry["source"], str):
+            raise DeploymentConfigError(f"{where}: adapter {name!r}: 'source' must be a string such as "
+                                        f"'hf:org/repo' or a path, got {short_repr(entry['source'])}.")
         try:
             source = parse_source(entry["source"])
         except AdapterSourceError as err:
@@ -110,7 +116,7 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
         adapters[name] = DeploymentAdapter(name, source, _check_weight(name, entry.get("weight", 1.0)))
     default = raw.get("default")
     if default is not None and not isinstance(default, str):
-        raise DeploymentConfigError(f"{where}: 'default' must be an adapter name.")
+        raise DeploymentConfigError(f"{where}: 'default' must be an adapter name, got {short_repr(default)}.")
     return DeploymentConfig(adapters=adapters, default=default, path=path)
 
 
@@ -129,16 +135,48 @@ def read_deployment_config(path: str | os.PathLike[str]) -> DeploymentConfig:
     """
     p = Path(path).expanduser()
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as err:
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
         raise DeploymentConfigError(f"Cannot read deployment config {str(p)!r}: {err}. Check VLLM_LORA_EXT_CONFIG.") from err
+    if len(data) > MAX_CONFIG_BYTES:
+        raise DeploymentConfigError(f"Deployment config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes. Split it or "
+                                    f"check VLLM_LORA_EXT_CONFIG points at the right file.")
     try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(text)
-        else:
-            raw = json.loads(text)
+        raw = _load_yaml(text) if p.suffix in (".yaml", ".yml") else json.loads(text, object_pairs_hook=_unique_json)
+    except DeploymentConfigError as err:
+        raise DeploymentConfigError(f"Deployment config {str(p)!r}: {err}") from None
     except Exception as err:
-        raise DeploymentConfigError(f"Deployment config {str(p)!r} is not valid {p.suffix.lstrip('.') or 'JSON'}: {err}") from err
+        raise DeploymentConfigError(f"Deployment config {str(p)!r} is not valid {p.suffix.lstrip('.') or 'JSON'}: "
+                                    f"{str(err)[:300]}") from None
     return config_from_mapping(raw or {}, path=p)
+
+
+def _unique_json(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DeploymentConfigError(f"{short_repr(k)} is given twice; each name may appear once.")
+        out[k] = v
+    return out
+
+
+def _load_yaml(text: str) -> Any:
+    import yaml
+
+    class _UniqueLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in out:
+                raise DeploymentConfigError(f"{short_repr(key)} is given twice (line {key_node.start_mark.line + 1}); "
+                                            f"each name may appear once.")
+            out[key] = loader.construct_object(value_node, deep=deep)
+        return out
+
+    _UniqueLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=_UniqueLoader)  # noqa: S506 (a SafeLoader subclass)

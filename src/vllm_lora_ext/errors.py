@@ -11,12 +11,17 @@ from collections.abc import Sequence
 
 __all__ = [
     "AdapterCompatibilityError",
+    "AdapterAccessError",
     "AdapterDownloadError",
     "AdapterFormatError",
     "AdapterNotFoundError",
     "AdapterSourceError",
+    "DeploymentConfigError",
     "ExpertLayoutError",
+    "MixCapacityError",
     "MixError",
+    "MixIdCollisionError",
+    "OutputPathError",
     "UnmatchedKeysError",
     "UnsafeFormatError",
     "UnsupportedVLLMError",
@@ -25,7 +30,17 @@ __all__ = [
 
 
 class VllmLoraExtError(Exception):
-    """Base class of every error raised by `vllm_lora_ext`."""
+    """Base class of every error raised by `vllm_lora_ext`.
+
+    ``public_message`` is what an HTTP client may see: the same text, minus anything about the
+    server's own disk (the files a local folder holds, cache paths). It defaults to ``str(err)``.
+    """
+
+    public_message: str | None = None
+
+    def client_message(self) -> str:
+        """Return the message for an untrusted client (never lists the server's folders)."""
+        return self.public_message if self.public_message is not None else str(self)
 
 
 class AdapterSourceError(VllmLoraExtError, ValueError):
@@ -48,10 +63,12 @@ class UnsafeFormatError(AdapterSourceError):
 class AdapterNotFoundError(VllmLoraExtError, FileNotFoundError):
     """A well-formed source points at nothing: no such folder, file, repo, revision or file in repo."""
 
-    def __init__(self, message: str, *, source: str, revision: str | None = None) -> None:
+    def __init__(self, message: str, *, source: str, revision: str | None = None,
+                 public_message: str | None = None) -> None:
         super().__init__(message)
         self.source = source
         self.revision = revision
+        self.public_message = public_message
 
     def __str__(self) -> str:  # FileNotFoundError would otherwise print "[Errno None]"
         return str(self.args[0]) if self.args else ""
@@ -99,6 +116,34 @@ class AdapterCompatibilityError(VllmLoraExtError, ValueError):
 
 class MixError(VllmLoraExtError, ValueError):
     """Weights, ranks or targets that cannot be mixed exactly."""
+
+
+class MixCapacityError(MixError):
+    """Every slot of the bounded mix registry is held by requests in flight; retry later (HTTP 503).
+
+    Example message: ``All 64 mix slots are in use by requests in flight. Retry, or raise
+    VLLM_LORA_EXT_MAX_MIXES.``
+    """
+
+
+class MixIdCollisionError(MixError):
+    """An adapter id already names another adapter or mix; serving it would hand out the wrong tensors.
+
+    Example message: ``lora_int_id 1073741825 is already used by adapter 'mix-a=0.5-…' (another source).
+    Give each adapter its own lora_int_id.``
+    """
+
+
+class AdapterAccessError(AdapterSourceError):
+    """A source names a local path outside the roots this server may read (``VLLM_LORA_EXT_ALLOWED_ROOTS``)."""
+
+
+class OutputPathError(VllmLoraExtError, ValueError):
+    """An offline tool's output folder is a file, is not empty, or holds an input adapter (``--force`` overrides)."""
+
+
+class DeploymentConfigError(VllmLoraExtError, ValueError):
+    """The deployment config file (``VLLM_LORA_EXT_CONFIG``) is unreadable or inconsistent."""
 
 
 class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):

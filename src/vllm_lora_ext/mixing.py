@@ -30,12 +30,62 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_lora_ext.constants import MIX_PREFIX
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
 
-__all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "MIX_NAME_PREFIX"]
+__all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "check_weight",
+           "parse_weight", "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
-MIX_NAME_PREFIX = "mix-"
+# A mix of more adapters than this is refused before anything is loaded (each costs a component load).
+MAX_MIX_COMPONENTS = 16
+_MAX_MIX_PATH = 64 * 1024
+
+
+def check_weight(weight: object, *, name: str = "adapter") -> float:
+    """Return ``weight`` as a float if it obeys the one weight rule, else raise naming the adapter.
+
+    The rule, applied at every entry point (server body fields and model syntax, offline helper,
+    deployment config, ``vllm-lora mix``): a real number (not a bool, not a string), finite, and
+    ``|w| <= 100`` (`MAX_ABS_MIX_WEIGHT`). Negative weights subtract an adapter's delta.
+
+    Raises:
+        [`MixError`]: the weight breaks the rule.
+
+    Example:
+        >>> check_weight(0.7)
+        0.7
+        >>> check_weight(1e308)
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.MixError: Weight 1e+308 of adapter 'adapter' is outside [-100, 100]. Use a weight with |w| <= 100.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise MixError(f"Weight {short_repr(weight)} of adapter {short_repr(name)} is not a number. "
+                       f"Give a number such as 0.7.")
+    w = float(weight) if isinstance(weight, float) or abs(weight) <= MAX_ABS_MIX_WEIGHT else MAX_ABS_MIX_WEIGHT * 2
+    if not math.isfinite(w):
+        raise MixError(f"Weight {short_repr(weight)} of adapter {short_repr(name)} is not finite. "
+                       f"Give a finite number such as 0.7.")
+    if abs(w) > MAX_ABS_MIX_WEIGHT:
+        raise MixError(f"Weight {w:g} of adapter {short_repr(name)} is outside [-{MAX_ABS_MIX_WEIGHT:g}, "
+                       f"{MAX_ABS_MIX_WEIGHT:g}]. Use a weight with |w| <= {MAX_ABS_MIX_WEIGHT:g}.")
+    return w
+
+
+def parse_weight(text: str, *, name: str = "adapter") -> float:
+    """Parse a weight written as text (``a=0.7``, ``vllm-lora mix a=0.7``) and apply [`check_weight`].
+
+    Example:
+        >>> parse_weight("0.25")
+        0.25
+    """
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
+                       f"Write it as NAME=0.7.") from None
+    return check_weight(value, name=name)
 
 
 @dataclass(frozen=True)
@@ -47,8 +97,9 @@ class MixComponent:
     weight: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
-            raise MixError(f"Mix weight for adapter {self.name!r} is {self.weight!r}; weights must be finite numbers.")
+        if not isinstance(self.name, str) or not self.name or not isinstance(self.source, str) or not self.source:
+            raise MixError(f"Mix component {short_repr(self.name)} needs a name and a source (non-empty strings).")
+        object.__setattr__(self, "weight", check_weight(self.weight, name=self.name))
 
 
 @dataclass(frozen=True)
@@ -60,6 +111,9 @@ class MixSpec:
     def __post_init__(self) -> None:
         if not self.components:
             raise MixError("A mix needs at least one adapter.")
+        if len(self.components) > MAX_MIX_COMPONENTS:
+            raise MixError(f"A mix of {len(self.components)} adapters is more than the {MAX_MIX_COMPONENTS} allowed; "
+                           f"mix fewer adapters.")
         names = [c.name for c in self.components]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -77,16 +131,15 @@ class MixSpec:
 
     @property
     def lora_name(self) -> str:
-        """A readable, unique adapter name: ``mix-<names and weights>-<digest prefix>``."""
+        """A readable, unique adapter name: ``mix-<names and weights>-<digest prefix>``.
+
+        The 96-bit digest prefix keeps names of different mixes apart (vLLM's prefix cache keys on
+        the name); the server still checks that a registered name holds this very spec.
+        """
         label = "+".join(f"{_short(c.name)}={c.weight:g}" for c in self.components)
         if len(label) > 80:
             label = label[:77] + "..."
-        return f"{MIX_NAME_PREFIX}{label}-{self.digest[:12]}"
-
-    @property
-    def lora_int_id(self) -> int:
-        """A deterministic id in [2^30, 2^31): stable across processes, clear of vLLM's small counter ids."""
-        return (1 << 30) + int(self.digest[:8], 16) % (1 << 30)
+        return f"{MIX_NAME_PREFIX}{label}-{self.digest[:24]}"
 
     @property
     def lora_path(self) -> str:
@@ -95,15 +148,26 @@ class MixSpec:
 
     @classmethod
     def from_path(cls, path: str) -> MixSpec:
-        """Parse ``mix:{...}`` back into a spec."""
-        if not path.startswith(MIX_PREFIX):
-            raise MixError(f"{path!r} is not a mix path (it must start with {MIX_PREFIX!r}).")
+        """Parse ``mix:{...}`` back into a spec, strictly: exactly the form [`MixSpec.lora_path`] writes.
+
+        Raises:
+            [`MixError`]: not a mix path, too long, not that JSON form, or a component breaks a rule.
+        """
+        if not isinstance(path, str) or not path.startswith(MIX_PREFIX):
+            raise MixError(f"{short_repr(path)} is not a mix path (it must start with {MIX_PREFIX!r}).")
+        if len(path) > _MAX_MIX_PATH:
+            raise MixError(f"Mix path of {len(path)} characters is longer than {_MAX_MIX_PATH}.")
         try:
             raw = json.loads(path[len(MIX_PREFIX):])
-            comps = tuple(MixComponent(str(n), str(s), float(w)) for n, s, w in raw["adapters"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise MixError(f"Malformed mix path {path[:200]!r}: {err}.") from err
-        return cls(comps)
+        except ValueError as err:
+            raise MixError(f"Malformed mix path {short_repr(path)}: not JSON ({err}).") from err
+        items = raw.get("adapters") if isinstance(raw, dict) and raw.get("v") == 1 and set(raw) == {"v", "adapters"} \
+            else None
+        if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 3 for i in items):
+            raise MixError(f"Malformed mix path {short_repr(path)}: expected "
+                           f'{{"v":1,"adapters":[[name, source, weight], ...]}}.')
+        spec = cls(tuple(MixComponent(n, s, w) for n, s, w in items))
+        return spec
 
 
 def _short(name: str) -> str:
@@ -128,17 +192,13 @@ def parse_mix_expression(expr: str) -> list[tuple[str, float | None]]:
         name, eq, weight = part.partition("=")
         name = name.strip()
         if not name:
-            raise MixError(f"Mix {expr!r} has an empty adapter name. Write it as 'a=0.7+b=0.3'.")
+            raise MixError(f"Mix {short_repr(expr)} has an empty adapter name. Write it as 'a=0.7+b=0.3'.")
         if not eq:
             out.append((name, None))
             continue
-        try:
-            w = float(weight)
-        except ValueError:
-            raise MixError(f"Mix {expr!r}: weight {weight!r} of adapter {name!r} is not a number.") from None
-        if not math.isfinite(w):
-            raise MixError(f"Mix {expr!r}: weight of adapter {name!r} is {weight!r}; weights must be finite.")
-        out.append((name, w))
+        out.append((name, parse_weight(weight, name=name)))
+    if len(out) > MAX_MIX_COMPONENTS:
+        raise MixError(f"Mix {short_repr(expr)} names {len(out)} adapters, more than the {MAX_MIX_COMPONENTS} allowed.")
     return out
 
 
@@ -160,12 +220,17 @@ def resolve_mix(adapters: Sequence[str] | None, weights: Sequence[float] | None,
         if default is None:
             return None
         adapters = [default]
+    if len(adapters) > MAX_MIX_COMPONENTS:
+        raise MixError(f"{len(adapters)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
     unknown = [a for a in adapters if a not in sources]
     if unknown:
-        raise MixError(f"Unknown adapter(s) {unknown}; this deployment defines {sorted(sources)}.")
+        known = sorted(sources)
+        raise MixError(f"Unknown adapter(s) {short_repr(unknown)}; this deployment defines "
+                       f"{short_repr(known[:20])}{' and more' if len(known) > 20 else ''}.")
     if weights is not None and len(weights) != len(adapters):
         raise MixError(f"{len(adapters)} adapters but {len(weights)} adapter_weights; give one weight per adapter.")
-    ws = list(weights) if weights is not None else [default_weights.get(a, 1.0) for a in adapters]
+    ws = ([check_weight(w, name=a) for a, w in zip(adapters, weights)] if weights is not None
+          else [default_weights.get(a, 1.0) for a in adapters])
     return MixSpec(tuple(MixComponent(a, sources[a], w) for a, w in zip(adapters, ws)))
 
 

@@ -19,26 +19,85 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.errors import AdapterFormatError, ExpertLayoutError
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
+from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
+from vllm_lora_ext.outputs import write_atomically
 from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts, read_experts
 from vllm_lora_ext.mixing import concat_factors
 from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import load_config
+from vllm_lora_ext.validation import check_finite
 
-__all__ = ["LoadedAdapter", "load_adapter_files", "moe_specs", "convert_adapter", "mix_adapter_files", "ep_read_plan"]
+__all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "convert_adapter",
+           "mix_adapter_files", "ep_read_plan"]
 
 
 def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:
-    cfg = dict(base_config.get("text_config") or base_config)
+    text = base_config.get("text_config")
+    cfg = dict(text if isinstance(text, Mapping) else base_config)
     e = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     h = cfg.get("hidden_size")
     i = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     if not (e and h and i):
         raise ExpertLayoutError("The base config has no num_experts/num_local_experts, hidden_size and "
                                 "moe_intermediate_size/intermediate_size; pass the MoE model's config.json.")
-    return int(e), int(h), int(i)
+    for name, v, top in (("num_experts", e, MAX_EXPERTS), ("hidden_size", h, 1 << 20), ("intermediate_size", i, 1 << 20)):
+        if type(v) is not int or not 1 <= v <= top:
+            raise ExpertLayoutError(f"The base config's {name}={short_repr(v)} must be an integer from 1 to {top}; "
+                                    f"pass the MoE model's own config.json.")
+    return e, h, i
+
+
+def load_base_config(value: str) -> dict[str, Any]:
+    """Load a base model's ``config.json`` from a file, a model folder, or ``hf:org/model[@rev]``.
+
+    From the Hub only ``config.json`` is downloaded (offline: read from the cache). This is the one
+    loader behind every ``--base-config``.
+
+    Raises:
+        [`AdapterSourceError`]: a malformed ``hf:`` id.
+        [`AdapterNotFoundError`]: no such file, folder, repo or revision.
+        [`AdapterFormatError`]: the file is too large or not a JSON object.
+    """
+    if value.startswith("hf:"):
+        from vllm_lora_ext.sources import _check_repo_id, _check_revision
+
+        repo_id, at, revision = value[3:].partition("@")
+        _check_repo_id(value, repo_id)
+        if at:
+            _check_revision(value, revision)
+        from vllm_lora_ext.sources import AdapterSource, _HubClient
+        from vllm_lora_ext.constants import hf_offline
+
+        client = _HubClient(AdapterSource(value, "hf", repo_id=repo_id, revision=revision or None), cache_dir=None,
+                            token=None, local_files_only=hf_offline())
+        found = client.fetch("config.json", revision or None)
+        if found is None:
+            raise AdapterNotFoundError(f"Base model {value!r} has no config.json. Name the base model's repo.",
+                                       source=value)
+        path = found
+    else:
+        path = Path(value).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise AdapterNotFoundError(f"Base config {str(path)!r} does not exist. Pass the base model's config.json, "
+                                       f"its folder, or hf:org/model.", source=value)
+    with path.open("rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterFormatError(f"Base config {str(path)!r} is larger than {MAX_CONFIG_BYTES} bytes; pass the "
+                                 f"model's config.json.")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise AdapterFormatError(f"Base config {str(path)!r} is not valid JSON ({str(err)[:200]}).") from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"Base config {str(path)!r} must be a JSON object (a model's config.json).")
+    return raw
 
 
 def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
@@ -68,6 +127,9 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
                 i, h = shapes[k][1], b[0]
             if info.proj in ("w1", "w2", "w3"):
                 names = ("w1", "w3", "w2")
+        if experts and max(experts) >= MAX_EXPERTS:
+            raise ExpertLayoutError(f"MoE block {prefix!r} names expert {max(experts)}; at most {MAX_EXPERTS} experts "
+                                    f"are supported. The adapter is corrupt or not an MoE LoRA.", key=prefix)
         if dims is not None:
             e, h, i = dims
         elif h is not None and i is not None:
@@ -124,12 +186,15 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def _write(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
-    return out
+def _write(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+           extra: Mapping[str, str] | None = None) -> Path:
+    def write(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+
+    return write_atomically(Path(out_dir), write)
 
 
 def _moe_tensors(prefix: str, ex: ExpertsLoRA, spec: MoESpec, to: Literal["2d", "3d"]) -> dict[str, torch.Tensor]:
@@ -255,10 +320,9 @@ def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir
            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),  # informational
            "rank_pattern": {m: k for m, k in ranks.items()}, "alpha_pattern": {m: float(k) for m, k in ranks.items()},
            "peft_version": "0.21.0"}
-    out = _write(out_dir, tensors, cfg)
-    (out / "vllm_lora_ext_mix.json").write_text(json.dumps(  # provenance, beside the PEFT files
-        {"adapters": [[ra.source.canonical(), w] for ra, w in adapters]}, indent=2))
-    return out
+    check_finite(tensors, adapter="mix")  # |w| <= 100 of finite factors can still overflow a 16-bit dtype
+    provenance = json.dumps({"adapters": [[ra.source.canonical(), w] for ra, w in adapters]}, indent=2)
+    return _write(out_dir, tensors, cfg, {"vllm_lora_ext_mix.json": provenance})
 
 
 def ep_read_plan(shapes: Mapping[str, tuple[int, ...]], header_bytes: int, sizes: Mapping[str, int],

@@ -13,6 +13,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +21,40 @@ import torch
 
 from vllm_lora_ext.errors import AdapterFormatError
 
-__all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "read_header", "read_tensors", "load_pickle_tensors"]
+__all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "read_header", "read_tensors", "load_pickle_tensors",
+           "DTYPES", "torch_dtype_of"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_NDIM = 8
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    return getattr(torch, name, None)
+
+
+# The one dtype table: safetensors name -> (bits per element, torch dtype or None where torch has none).
+DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
+    "BOOL": (8, torch.bool), "U8": (8, torch.uint8), "I8": (8, torch.int8), "I16": (16, torch.int16),
+    "U16": (16, _torch_dtype("uint16")), "I32": (32, torch.int32), "U32": (32, _torch_dtype("uint32")),
+    "I64": (64, torch.int64), "U64": (64, _torch_dtype("uint64")), "F16": (16, torch.float16),
+    "BF16": (16, torch.bfloat16), "F32": (32, torch.float32), "F64": (64, torch.float64),
+    "C64": (64, _torch_dtype("complex64")), "F8_E4M3": (8, _torch_dtype("float8_e4m3fn")),
+    "F8_E5M2": (8, _torch_dtype("float8_e5m2")), "F8_E8M0": (8, _torch_dtype("float8_e8m0fnu")),
+    "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),
+}
+
+
+def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
+    """Return the torch dtype of a safetensors dtype name.
+
+    Raises:
+        [`AdapterFormatError`]: the name is unknown, or this torch has no such dtype.
+    """
+    entry = DTYPES.get(name)
+    if entry is None or entry[1] is None:
+        raise AdapterFormatError(f"Tensor {key!r} has dtype {name!r}, which this torch cannot read. Re-save the "
+                                 f"adapter in bfloat16, float16 or float32.", key=key)
+    return entry[1]
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,11 @@ class FileHeader:
         return {k: v.shape for k, v in self.tensors.items()}
 
     @property
+    def dtypes(self) -> dict[str, str]:
+        """Return ``{key: dtype name}``."""
+        return {k: v.dtype for k, v in self.tensors.items()}
+
+    @property
     def total_bytes(self) -> int:
         """Return the bytes of all tensors (without the header)."""
         return sum(v.nbytes for v in self.tensors.values())
@@ -66,41 +101,90 @@ class ReadStats:
     files: list[str] = field(default_factory=list)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup[:200]!r}")
+    return out
+
+
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse a safetensors header without reading any tensor data.
+    """Parse and validate a safetensors header without reading any tensor data.
+
+    The header is checked as strictly as safetensors checks it, before any offset is trusted or
+    any memory is sized from it: a JSON object with no duplicate keys; string ``__metadata__``;
+    for every tensor a known dtype, a shape of at most 8 non-negative integers and two integer
+    ``data_offsets``; ``shape × dtype`` equal to its byte span; spans that start at 0, follow each
+    other with no gap or overlap, and end exactly at the end of the file.
 
     Raises:
-        [`AdapterFormatError`]: the file is truncated, its header is not JSON, or exceeds 100 MB.
+        [`AdapterFormatError`]: the file is not a valid safetensors file; the message names the entry.
     """
     p = Path(path)
+    where = str(p)
     with p.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
-            raise AdapterFormatError(f"{str(p)!r} is not a safetensors file (shorter than 8 bytes). Re-download or re-save it.")
+            raise AdapterFormatError(f"{where!r} is not a safetensors file (shorter than 8 bytes). Re-download or "
+                                     f"re-save it.")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
-            raise AdapterFormatError(f"{str(p)!r} declares a {n}-byte header (limit 100 MB); it is corrupt or not safetensors.")
+        if n > _MAX_HEADER or 8 + n > size:
+            raise AdapterFormatError(f"{where!r} declares a {n}-byte header but the file has {size} bytes (limit "
+                                     f"100 MB); it is truncated, corrupt or not safetensors. Re-download it.")
         blob = f.read(n)
     if len(blob) != n:
-        raise AdapterFormatError(f"{str(p)!r} is truncated inside its header. Re-download it.")
+        raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
     try:
-        raw = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AdapterFormatError(f"{str(p)!r} has a header that is not JSON ({err}); not a safetensors file.") from err
+        raw = json.loads(blob, object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({str(err)[:200]}); not a "
+                                 f"safetensors file.") from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"{where!r} has a header that is not a JSON object; not a safetensors file.")
     meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise AdapterFormatError(f"{where!r}: '__metadata__' must map strings to strings. Re-save the file.")
     infos: dict[str, TensorInfo] = {}
-    offsets: dict[str, tuple[int, int]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, entry in raw.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            bits = DTYPES[dtype][0]
+        except (TypeError, KeyError, ValueError):
+            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} is malformed or has an unknown dtype "
+                                     f"({str(entry)[:120]}); it needs a known 'dtype', 'shape' and two "
+                                     f"'data_offsets'. Re-save the file.", key=key[:200]) from None
+        if (type(start) is not int or type(end) is not int or not 0 <= start <= end or type(shape) is not list
+                or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape)):
+            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} has an invalid shape or offsets "
+                                     f"({str(entry)[:120]}). Re-save the file.", key=key[:200])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * bits != (end - start) * 8:
+            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} declares shape {shape} of {dtype} "
+                                     f"({numel * bits / 8:g} bytes) but spans {end - start} bytes. Re-save the file.",
+                                     key=key[:200])
+        infos[key] = TensorInfo(dtype=dtype, shape=tuple(shape), nbytes=end - start)
+        spans.append((start, end, key))
+    spans.sort()
+    expected = 0
+    for start, end, key in spans:
+        if start != expected:
+            what = "overlaps the tensor before it" if start < expected else "leaves a gap before it"
+            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} at byte {start} {what} (expected {expected}). "
+                                     f"Re-save the file.", key=key[:200])
+        expected = end
+    if 8 + n + expected != size:
+        raise AdapterFormatError(f"{where!r}: its tensors end at byte {8 + n + expected} but the file has {size} "
+                                 f"bytes; it is truncated or has trailing data. Re-download it.")
     base = 8 + n
-    for key, entry in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        start, end = entry["data_offsets"]
-        infos[key] = TensorInfo(dtype=entry["dtype"], shape=tuple(entry["shape"]), nbytes=end - start)
-        offsets[key] = (base + start, base + end)
-    size = p.stat().st_size
-    if infos and 8 + n + max(e["data_offsets"][1] for e in raw.values()) > size:
-        raise AdapterFormatError(f"{str(p)!r} is truncated: its header points past the end of the file. Re-download it.")
-    return FileHeader(path=p, tensors=infos, metadata={str(k): str(v) for k, v in meta.items()}, header_bytes=8 + n,
-                      offsets=offsets)
-
+    ordered = {key: infos[key] for _, _, key in spans}
+    offsets = {key: (base + start, base + end) for start, end, key in spans}
+    return FileHeader(path=p, tensors=ordered, metadata=dict(meta), header_bytes=base, offsets=offsets)
 
 
 def read_tensors(
@@ -159,7 +243,7 @@ def _read_ranges(sl: object, info: TensorInfo, ranges: Sequence[tuple[int, int, 
         raise ValueError("all ranges of one tensor must share one dim")
     (dim,) = dims
     parts = []
-    elem = _DTYPE_BYTES.get(info.dtype, 2)
+    elem = DTYPES[info.dtype][0] // 8
     other = 1
     for i, s in enumerate(info.shape):
         if i != dim:
@@ -181,12 +265,6 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     return dict(obj)
 
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool}
-
-
-_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _TORCH_DTYPES.values()}
 
 
 class SafetensorsReader:
@@ -250,8 +328,8 @@ class SafetensorsReader:
                 for key in span:
                     info = self.header.tensors[key]
                     a, b = offsets[key]
-                    dt = _TORCH_DTYPES[info.dtype]
-                    if (a - start) % _ITEMSIZE[dt]:  # unaligned inside the span: copy the bytes out first
+                    dt = torch_dtype_of(info.dtype, key=key)
+                    if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
                         t = buf[a - start:b - start].clone().view(dt).view(info.shape)
                     else:
                         t = buf[a - start:b - start].view(dt).view(info.shape)

@@ -312,12 +312,14 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                     source=src.raw, part="path",
                 )
             else:
-                found = sorted(p.name for p in path.glob("*.safetensors"))
+                found = sorted(p.name for p in path.glob("*.safetensors"))[:10]
                 hint = (f" It holds {found}: name one of them, e.g. '{path / found[0]}'." if found
                         else " Save the adapter with PEFT's save_pretrained().")
-                raise AdapterNotFoundError(
-                    f"Adapter folder {str(path)!r} has no {ADAPTER_WEIGHTS_NAME} (source {src.raw!r}).{hint}",
-                    source=src.raw,
+                message = f"Adapter folder {str(path)!r} has no {ADAPTER_WEIGHTS_NAME} (source {src.raw!r})."
+                raise AdapterNotFoundError(  # the file listing is for the operator's log, not for HTTP clients
+                    message + hint, source=src.raw,
+                    public_message=message + " Name the adapter's .safetensors weight file, or save the adapter "
+                                             "with PEFT's save_pretrained().",
                 )
     for name, rule in _config_candidates(weights.name):
         cand = weights.parent / name

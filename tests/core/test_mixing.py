@@ -83,12 +83,17 @@ def test_resolution_errors(adapters: list | None, weights: list | None, fragment
 
 
 def test_equal_mixes_share_one_canonical_key_name_and_id() -> None:
+    from vllm_lora_ext.registry import MixRegistry
+
+    reg = MixRegistry(capacity=8)
     a = MixSpec((MixComponent("style", SOURCES["style"], 0.7), MixComponent("domain", SOURCES["domain"], 0.3)))
     b = resolve_mix(["style", "domain"], [0.70, 0.30], sources=SOURCES, default_weights={})
-    assert b is not None and a.key == b.key and a.lora_name == b.lora_name and a.lora_int_id == b.lora_int_id
+    assert b is not None and a.key == b.key and a.lora_name == b.lora_name
+    assert reg.register(a)[0].lora_int_id == reg.register(b)[0].lora_int_id
     c = resolve_mix(["style", "domain"], [0.7, 0.31], sources=SOURCES, default_weights={})
-    assert c is not None and c.lora_name != a.lora_name and c.lora_int_id != a.lora_int_id
-    assert (1 << 30) <= a.lora_int_id < (1 << 31)
+    assert c is not None and c.lora_name != a.lora_name
+    assert reg.register(c)[0].lora_int_id != reg.register(a)[0].lora_int_id
+    assert (1 << 30) <= reg.register(a)[0].lora_int_id < (1 << 31)
     assert MixSpec.from_path(a.lora_path) == a
     moved = MixSpec((MixComponent("style", "hf:acme/style@" + "c" * 40, 0.7), MixComponent("domain", SOURCES["domain"], 0.3)))
     assert moved.lora_name != a.lora_name  # a new commit is a new composite (and a new prefix-cache key)

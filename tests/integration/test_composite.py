@@ -52,7 +52,7 @@ def _load(worker_manager: Any, spec: MixSpec) -> Any:
 
     clear_component_cache()
     return wm.WorkerLoRAManager._load_adapter(worker_manager, LoRARequest(lora_name=spec.lora_name,
-                                                                          lora_int_id=spec.lora_int_id,
+                                                                          lora_int_id=1 << 30,
                                                                           lora_path=spec.lora_path))
 
 

@@ -34,7 +34,9 @@ def test_register_twice_installs_one_patch() -> None:
     patched = wm.WorkerLoRAManager._load_adapter
     assert getattr(patched, plugin.PATCH_MARK)
     assert not getattr(patched.__wrapped__, plugin.PATCH_MARK, False)  # wrapped once, not twice
-    plugin._patch_worker_manager(wm)
+    from vllm_lora_ext.integration.patching import apply_patch
+
+    apply_patch(wm, plugin.PATCHES[0])
     assert wm.WorkerLoRAManager._load_adapter is patched
 
 
@@ -53,7 +55,8 @@ print(heavy, is_registered(), getattr(wm.WorkerLoRAManager._load_adapter, PATCH_
 """
     out = _python(code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-4:] == ["False", "True", "True", "True"]
+    assert out.stdout.split()[-4:] == ["False", "True", "vllm.lora.worker_manager.WorkerLoRAManager._load_adapter",
+                                       "vllm.v1.engine.llm_engine.LLMEngine.add_request"]
     assert "vllm_lora_ext 0.1.0 active in process" in out.stderr
 
 

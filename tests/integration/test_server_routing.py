@@ -86,7 +86,7 @@ def test_single_adapter_at_weight_one_is_that_adapter(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("fields", "fragment"), [
     ({"adapters": ["style", "nope"]}, "Unknown adapter(s) ['nope']"),
     ({"adapters": ["style"], "adapter_weights": [0.5, 0.5]}, "1 adapters but 2 adapter_weights"),
-    ({"adapters": ["style"], "adapter_weights": ["x"]}, "must be a list of numbers"),
+    ({"adapters": ["style"], "adapter_weights": ["x"]}, "Weight 'x' of adapter 'style' is not a number"),
     ({"adapters": "style"}, "must be a list of adapter names"),
     ({"model": "style=abc+domain"}, "is not a number"),
     ({"adapter_weights": [1.0]}, "without adapters"),

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from vllm_lora_ext.cli import positive_int
+from vllm_lora_ext.offline_ops import load_base_config
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import AdapterSummary, summarize_adapter
 
@@ -15,8 +17,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("source", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all-modules", action="store_true", help="list every module (default: at most 40 rows)")
-    p.add_argument("--base-config", default=None, help="the base model's config.json (MoE sizes for 3D adapters)")
-    p.add_argument("--ep-size", type=int, default=None, help="show what each expert-parallel rank would read")
+    p.add_argument("--base-config", default=None,
+                   help="the base model's config.json, its folder, or hf:org/model (MoE sizes for 3D adapters)")
+    p.add_argument("--ep-size", type=positive_int, default=None, help="show what each expert-parallel rank would read")
     p.set_defaults(func=run)
 
 
@@ -88,7 +91,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
     summary = summarize_adapter(resolved)
-    base = json.loads(open(args.base_config).read()) if args.base_config else None
+    base = load_base_config(args.base_config) if args.base_config else None
     moe = _moe_report(resolved, base, args.ep_size) if summary.layout.startswith("moe") else {}
     if args.json:
         print(json.dumps({**summary.to_json(), **moe}, indent=2))

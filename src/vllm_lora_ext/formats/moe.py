@@ -34,6 +34,7 @@ import torch
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import ExpertLayoutError
 from vllm_lora_ext.formats import classify_key
+from vllm_lora_ext.validation import check_finite
 
 __all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "ExpertsPlan", "plan_experts", "read_experts",
            "read_blocks", "ExpertRead"]
@@ -373,12 +374,17 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
 
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
-                 scaled: bool = True) -> ExpertsLoRA:
+                 scaled: bool = True, check_finite_as: str | None = None) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
     ranges of B for the kept experts only. Scaling (``alpha/r`` or rsLoRA, rank/alpha patterns per
     projection) is folded into B in float32, then cast to ``dtype`` (``scaled=False``: B as stored).
+    With ``check_finite_as`` (the adapter's name), factors holding NaN or infinity are refused
+    while they are still hot in cache.
+
+    Raises:
+        [`AdapterFormatError`]: a factor holds NaN or infinity (names the block and projection).
     """
     spec = plan.spec
     keep = tuple(range(spec.num_experts)) if experts is None else tuple(experts)
@@ -446,6 +452,10 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             b3 = (b3.float() * s).to(target).contiguous()
         setattr(out, k3.role, ExpertFactors(a3.to(target).contiguous(), b3))
         del a_file, b_file, a3, b3
+    if check_finite_as is not None:
+        check_finite({f"{spec.prefix} {role} lora_{w}": getattr(f, w.lower())
+                      for role in ("gate_up", "gate", "up", "down") if (f := getattr(out, role)) is not None
+                      for w in ("A", "B")}, adapter=check_finite_as)
     return out
 
 
@@ -456,7 +466,7 @@ def _proj_name(spec: MoESpec, role: str) -> str:
 def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: AdapterConfig,
                 experts: Mapping[str, Sequence[int] | None] | None = None, dtype: torch.dtype | None = None,
                 read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
-                workers: int | None = None) -> dict[str, ExpertsLoRA]:
+                workers: int | None = None, check_finite_as: str | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
@@ -472,7 +482,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
         prefix, plan = item
         return read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
-                            read_many=read_many)
+                            read_many=read_many, check_finite_as=check_finite_as)
 
     if n <= 1 or len(items) <= 1:
         return {p: one((p, pl)) for p, pl in items}

@@ -29,6 +29,33 @@ WORKER_MANAGER_MODULE = "vllm.lora.worker_manager"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
 BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"
+ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+
+
+def error_response(message: str, *, err_type: str, status: int) -> Any:
+    """Build vLLM's ``ErrorResponse`` for an HTTP client (the module that builds it moved between releases)."""
+    from http import HTTPStatus
+
+    try:
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+    except ImportError:  # newer vLLM: the helper lives with the OpenAI engine protocol
+        from vllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse
+
+        return ErrorResponse(error=ErrorInfo(message=message, type=err_type, code=int(status)))
+    return create_error_response(message, err_type=err_type, status_code=HTTPStatus(status))
+
+
+def load_adapter_request_cls() -> Any:
+    """Return vLLM's ``LoadLoRAAdapterRequest`` class."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    return LoadLoRAAdapterRequest
+
+
+def lora_config_of(engine_client: Any) -> Any:
+    """Return the engine's ``LoRAConfig`` seen from the API server (``None`` if LoRA is off or unknown)."""
+    cfg = getattr(engine_client, "vllm_config", None)
+    return getattr(cfg, "lora_config", None)
 
 
 def installed_vllm_version() -> str | None:
@@ -108,6 +135,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 _FINDER: _PostImportFinder | None = None
+
+
+def cancel_hooks() -> None:
+    """Drop every post-import callback not yet run (``unregister()``)."""
+    if _FINDER is not None:
+        _FINDER.hooks.clear()
 
 
 def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:

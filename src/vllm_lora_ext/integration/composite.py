@@ -20,6 +20,7 @@ import torch
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.mixing import MixSpec, concat_factors
+from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def build_composite(manager: Any, lora_request: Any) -> Any:
         if rank > max_rank:
             parts = ", ".join(f"{c.name} r={_rank(w)}" for c, w in present)
             too_big.append(f"{name} needs {rank} ({parts})")
+    check_finite({f"{n} lora_{w}": t for n, lw in loras.items() for w, ts in (("A", lw.lora_a), ("B", lw.lora_b))
+                  for t in (ts if isinstance(ts, list) else [ts])}, adapter=spec.lora_name)
     if too_big:
         need = max(int(s.split(" needs ")[1].split(" ")[0]) for s in too_big)
         raise AdapterCompatibilityError(

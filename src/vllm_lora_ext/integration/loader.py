@@ -10,26 +10,24 @@ anything reaches vLLM (vLLM itself silently skips modules it does not find).
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, max_lora_rank_for
-from vllm_lora_ext.errors import (
-    AdapterCompatibilityError,
-    AdapterNotFoundError,
-    UnmatchedKeysError,
-)
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
+from vllm_lora_ext.errors import AdapterNotFoundError, UnmatchedKeysError
 from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.formats.moe import plan_experts, read_blocks
+from vllm_lora_ext.integration.moe import moe_targets, packed_weights
+from vllm_lora_ext.planning import find_unmatched, same_layer_block
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
+from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_finite, check_ranks
+
+IDENTITY_ATTR = "vllm_lora_ext_identity"  # the lora_path a LoRAModel was built from (checked on id reuse)
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +52,6 @@ def expected_module_names(manager: Any) -> set[str]:
     return names
 
 
-def find_unmatched(module_names: Iterable[str], accepted: set[str], *, pooling: bool = False) -> list[str]:
-    """Return the module names that match no accepted module, in order."""
-    out = []
-    for m in module_names:
-        if m in accepted:
-            continue
-        if pooling and ("model." + m) in accepted:
-            continue
-        out.append(m)
-    return out
-
-
 class _DictSource:
     """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
 
@@ -82,24 +68,30 @@ class _DictSource:
         return {k: self.tensors[k] for k in keys}
 
 
-def _check_ranks(config: AdapterConfig, shapes: Mapping[str, tuple[int, ...]], max_rank: int, name: str) -> None:
-    worst: tuple[int, str] | None = None
-    for key, shape in shapes.items():
-        info = classify_key(key)
-        if info.which != "A" or info.kind == "moe_3d" or len(shape) != 2:
+def module_dims(manager: Any) -> dict[str, ModuleDims]:
+    """Return the full (unsharded) input/output sizes of every dense LoRA target the model has, by module name.
+
+    A packed module (``qkv_proj``, ``gate_up_proj``) gives each constituent its own output size. Modules
+    whose sizes vLLM does not expose (embeddings, the logits processor, MoE) are left out.
+    """
+    adapter_manager = manager._adapter_manager
+    out: dict[str, ModuleDims] = {}
+    for name, module in adapter_manager.modules.items():
+        base = getattr(module, "base_layer", None)
+        d_in = getattr(base, "input_size", None)
+        if type(d_in) is not int:
             continue
-        r = int(shape[0])
-        if r > max_rank and (worst is None or r > worst[0]):
-            worst = (r, info.module)
-    declared = max([config.r, *config.rank_pattern.values()])
-    if worst is None and declared > max_rank:
-        worst = (declared, "(config r / rank_pattern)")
-    if worst is not None:
-        fit = max_lora_rank_for(worst[0])
-        fix = f"Start vLLM with --max-lora-rank {fit}" if fit else "Use an adapter of rank <= 512"
-        raise AdapterCompatibilityError(
-            f"Adapter {name!r} has rank {worst[0]} (module {worst[1]!r}) but max_lora_rank is {max_rank}. {fix}.",
-            adapter=name)
+        sizes = getattr(base, "output_sizes", None)
+        if hasattr(base, "total_num_kv_heads") and hasattr(base, "head_size"):  # QKV: true sizes, not TP replicas
+            sizes = [base.total_num_heads * base.head_size, base.total_num_kv_heads * base.head_size,
+                     base.total_num_kv_heads * getattr(base, "v_head_size", base.head_size)]
+        parts = adapter_manager.packed_modules.get(name)
+        if parts and isinstance(sizes, (list, tuple)) and len(sizes) == len(parts):
+            for part, size in zip(parts, sizes):
+                out[part] = ModuleDims(d_in, int(size))
+        elif not parts and type(getattr(base, "output_size", None)) is int:
+            out[name] = ModuleDims(d_in, base.output_size)
+    return out
 
 
 def load_lora_model(manager: Any, lora_request: Any) -> Any:
@@ -117,7 +109,9 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     if lora_request.lora_path.startswith(MIX_PREFIX):
         from vllm_lora_ext.integration.composite import build_composite
 
-        return build_composite(manager, lora_request)
+        composite = build_composite(manager, lora_request)
+        setattr(composite, IDENTITY_ATTR, lora_request.lora_path)
+        return composite
     t0 = time.perf_counter()
     name = lora_request.lora_name
     try:
@@ -138,7 +132,9 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     else:
         source = SafetensorsReader(resolved.weights_path, stats=stats)
         shapes = source.header.shapes
-    _check_ranks(config, shapes, manager.lora_config.max_lora_rank, name)
+    if not resolved.is_pickle:
+        check_factor_dtypes(source.header.dtypes, adapter=name)
+    check_ranks(shapes, [config.r, *config.rank_pattern.values()], manager.lora_config.max_lora_rank, adapter=name)
     peft_helper.validate_legal(manager.lora_config)
 
     model = manager._adapter_manager.model
@@ -156,6 +152,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
     not_lora: list[str] = []
     moe_unmatched: list[str] = []
+    module_of: dict[str, str] = {}
     for key in shapes:
         if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
             continue
@@ -176,6 +173,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
                 moe_unmatched.append(key)
             continue
         modules.setdefault(module, []).append(key)
+        module_of[key] = module
         dense_keys.append(key)
     unmatched_modules = find_unmatched(modules, accepted, pooling=bool(getattr(manager._adapter_manager,
                                                                                "is_pooling_model", False)))
@@ -190,11 +188,13 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         bad = set(unmatched)
         dense_keys = [k for k in dense_keys if k not in bad]
 
-    # Plan every MoE block before reading anything big: shape errors surface first.
+    # Check every factor and plan every MoE block before reading anything big: shape errors surface first.
+    check_dense_factors(shapes, dense_keys, module_dims(manager), module_of=module_of, adapter=name)
     plans = {prefix: plan_experts(group, targets[prefix].spec, config=config, adapter=name)
              for prefix, group in moe_groups.items()}
 
     kept = source.read_many(dense_keys, copy=True)
+    check_finite(kept, adapter=name)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
         tensors=kept,
@@ -213,40 +213,18 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     dtype = dtype if isinstance(dtype, torch.dtype) else None
     blocks = read_blocks(plans, source.read, config=config, dtype=dtype,
                          experts={p: targets[p].local_experts for p in plans},
-                         read_many=lambda keys: source.read_many(keys, copy=False))
+                         read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=name)
     for prefix, experts in blocks.items():
         lora.loras[prefix] = packed_weights(experts, targets[prefix], max_rank=manager.lora_config.max_lora_rank,
                                             adapter=name)
     del blocks
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),
                 ",".join(sorted({p.layout for p in plans.values()})) or "-", stats.bytes_read / 2**20,
                 time.perf_counter() - t0)
     return lora
-
-
-_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
-
-
-def same_layer_block(prefix: str, blocks: Iterable[str]) -> str:
-    """Map an experts block the model does not have to the model's only MoE block in the same layer.
-
-    transformers v5 renamed some MoE blocks (Mixtral ``block_sparse_moe`` -> ``mlp``), so PEFT adapters
-    trained on v5 name ``model.layers.N.mlp.experts`` where vLLM has ``...block_sparse_moe.experts``.
-    Shapes are still checked against that block, so a wrong match fails loudly.
-    """
-    blocks = list(blocks)
-    if prefix in blocks:
-        return prefix
-    m = _LAYER.match(prefix)
-    if not m:
-        return prefix
-    same = [b for b in blocks if b.startswith(m.group(1) + ".")]
-    if len(same) == 1:
-        logger.debug("experts block %r mapped to the model's %r", prefix, same[0])
-        return same[0]
-    return prefix
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:
@@ -258,5 +236,5 @@ def _not_found(exc_type: type[Exception], lora_request: Any, err: Exception) -> 
     # vLLM's server maps an error whose text contains its own not-found message to HTTP 404;
     # keep that text and add ours, which names the fix.
     base = exc_type(lora_request.lora_name, lora_request.lora_path)
-    base.message = f"{base}. {err}"  # type: ignore[attr-defined]
+    base.message = f"{base}. {err.client_message() if hasattr(err, 'client_message') else err}"  # type: ignore[attr-defined]
     return base

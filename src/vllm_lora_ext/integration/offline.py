@@ -18,10 +18,15 @@ from typing import Any
 
 from vllm_lora_ext.constants import deployment_config_path
 from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
-from vllm_lora_ext.integration.server import resolve_and_check
-from vllm_lora_ext.mixing import MixComponent, MixSpec, resolve_mix
+from vllm_lora_ext.mixing import MixComponent, MixSpec, check_weight, resolve_mix
+from vllm_lora_ext.registry import MixRegistry
+from vllm_lora_ext.resolve import resolve_and_check
 
 __all__ = ["lora_request"]
+
+# Offline mixes take ids from one registry per process, in a block apart from every API server's.
+_OFFLINE_BLOCK = 63
+_REGISTRY = MixRegistry(capacity=4096, block=_OFFLINE_BLOCK)
 
 
 def _deployment(deployment: DeploymentConfig | str | os.PathLike[str] | None) -> DeploymentConfig | None:
@@ -48,7 +53,7 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
     if isinstance(adapters, Mapping):
         if weights is not None:
             raise ValueError("Give weights either in the mapping or as weights=, not both.")
-        names, weights = list(adapters), [float(w) for w in adapters.values()]
+        names, weights = list(adapters), [check_weight(w, name=str(n)) for n, w in adapters.items()]
     else:
         names = list(adapters) if adapters is not None else None
     if dep is not None:
@@ -63,11 +68,19 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
         return None
     pinned = MixSpec(tuple(MixComponent(c.name, resolve_and_check(c.source, name=c.name).source.canonical(), c.weight)
                            for c in spec.components))
+    entry, evicted = _REGISTRY.register(pinned)
+    if llm is not None:
+        for old in evicted:
+            llm.llm_engine.remove_lora(old.lora_int_id)
     if len(pinned.components) == 1 and pinned.components[0].weight == 1.0:
         c = pinned.components[0]
-        req = LoRARequest(lora_name=c.name, lora_int_id=pinned.lora_int_id, lora_path=c.source)
+        req = LoRARequest(lora_name=c.name, lora_int_id=entry.lora_int_id, lora_path=c.source)
     else:
-        req = LoRARequest(lora_name=pinned.lora_name, lora_int_id=pinned.lora_int_id, lora_path=pinned.lora_path)
+        req = LoRARequest(lora_name=pinned.lora_name, lora_int_id=entry.lora_int_id, lora_path=pinned.lora_path)
     if llm is not None:
-        llm.llm_engine.add_lora(req)
+        try:
+            llm.llm_engine.add_lora(req)
+        except Exception:
+            _REGISTRY.remove(pinned)
+            raise
     return req

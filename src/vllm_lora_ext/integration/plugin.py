@@ -1,46 +1,210 @@
-"""The ``vllm.general_plugins`` entry point: ``register()``.
+"""The ``vllm.general_plugins`` entry point: ``register()``, and the table of every patch it applies.
 
 vLLM calls ``register()`` in every process it starts (API server, engine core, each worker, model
 registry subprocesses), possibly more than once per process. It is therefore re-entrant, cheap, and
-touches no device. It imports no heavy vLLM module: the patches below are applied when vLLM itself
-imports the module that holds the patched name (a post-import hook), so the API server never
-pays for vLLM's LoRA layers.
-
-Patches (each the narrowest hook the research found stable across vLLM 0.20–0.33):
-
-- ``vllm.lora.worker_manager.WorkerLoRAManager._load_adapter`` -> `loader.load_lora_model`
-  (worker processes: sources, validation, MoE layouts, EP reads, mixes).
-- ``vllm.v1.engine.llm_engine.LLMEngine.add_request`` -> pre-loads a request's adapter through
-  ``add_lora`` before the request is queued (offline ``LLM.generate``), so a bad adapter raises at
-  the call instead of killing the engine inside its step.
-- ``vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter`` -> resolves
-  (downloads) the source in a thread of the API server first and hands the engine a pinned source,
-  so downloads never block the engine loop (``--lora-modules``, ``/v1/load_lora_adapter``).
+touches no device. It imports no heavy vLLM module: each patch in `PATCHES` is applied when vLLM
+itself imports the module that holds its target (a post-import hook), so the API server never pays
+for vLLM's LoRA layers. Each patch goes through `patching.apply_patch`, which checks the target and
+its parameters first; `unregister()` restores vLLM's originals. ``PATCHES.md`` beside this file is the
+same table for readers; a test keeps the two in step.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-from types import ModuleType
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from vllm_lora_ext import __version__
 from vllm_lora_ext._logging import attach_handler_once
 from vllm_lora_ext.constants import plugin_disabled
+from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
+    ASYNC_LLM_MODULE,
     BASE_SERVING_MODULE,
     LLM_ENGINE_MODULE,
     SERVING_MODELS_MODULE,
     WORKER_MANAGER_MODULE,
+    cancel_hooks,
     check_vllm_version,
     when_imported,
 )
+from vllm_lora_ext.integration.patching import PATCH_MARK, Patch, apply_patch, applied, undo_all
 
 logger = logging.getLogger(__name__)
 
 _REGISTERED = False
-PATCH_MARK = "__vllm_lora_ext_patched__"
+IDENTITY_ATTR = "vllm_lora_ext_identity"  # the pinned lora_path a worker's LoRAModel was built from
+_MAX_OFFLINE_IDS = 65536
+
+__all__ = ["PATCHES", "register", "unregister", "is_registered", "worker_state", "PATCH_MARK"]
+
+
+# ------------------------------------------------------------------------------------------------ replacements
+
+
+def _make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        from vllm_lora_ext.integration.loader import load_lora_model
+
+        return load_lora_model(self, lora_request)
+
+    return _load_adapter
+
+
+def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_adapter(self: Any, lora_request: Any) -> Any:
+        # vLLM skips loading an id it already holds. If the held model was built from another
+        # source, serving it would hand this request another adapter's tensors: reload instead.
+        manager = getattr(self, "_adapter_manager", None)
+        get = getattr(manager, "get_adapter", None)
+        held = get(lora_request.lora_int_id) if get is not None else None
+        identity = getattr(held, IDENTITY_ATTR, None)
+        if identity is not None and identity != lora_request.lora_path:
+            logger.warning("adapter id %d holds %r but %r was asked for under that id: reloading",
+                           lora_request.lora_int_id, identity[:200], str(lora_request.lora_path)[:200])
+            manager.remove_adapter(lora_request.lora_int_id)
+        return original(self, lora_request)
+
+    return add_adapter
+
+
+def _make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
+                    lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if lora_request is not None:
+            preload_offline(self, lora_request)
+        return original(self, request_id, prompt, params, arrival_time, lora_request, *args, **kwargs)
+
+    return add_request
+
+
+def preload_offline(engine: Any, lora_request: Any) -> None:
+    """Pin, check and load a request's adapter through ``add_lora`` before the request is queued.
+
+    vLLM loads a request's adapter lazily inside the engine step, where any error kills the
+    engine; loading it here raises in the caller instead. The source is pinned to the resolved
+    commit so the worker (and any reload after eviction) reads exactly these bytes.
+
+    Raises:
+        [`MixIdCollisionError`]: the request's ``lora_int_id`` already names another adapter in this engine.
+        [`AdapterSourceError`], [`AdapterNotFoundError`], [`AdapterFormatError`], ...: the adapter is bad.
+    """
+    from vllm_lora_ext.resolve import pin_path
+
+    loaded: collections.OrderedDict[int, str] = engine.__dict__.setdefault("_vllm_lora_ext_loaded",
+                                                                            collections.OrderedDict())
+    lora_id = int(lora_request.lora_int_id)
+    if loaded.get(lora_id) == lora_request.lora_path:
+        loaded.move_to_end(lora_id)
+        return
+    pinned = pin_path(lora_request.lora_path, name=lora_request.lora_name)
+    held = loaded.get(lora_id)
+    if held is not None and held != pinned and not getattr(lora_request, "load_inplace", False):
+        raise MixIdCollisionError(
+            f"lora_int_id {lora_id} already names another adapter in this engine ({held[:200]!r}), so adapter "
+            f"{lora_request.lora_name!r} ({pinned[:200]!r}) would be served its tensors. Give each adapter its own "
+            f"lora_int_id (or set load_inplace=True to replace it).")
+    lora_request.lora_path = pinned
+    if held != pinned:
+        engine.add_lora(lora_request)
+    loaded[lora_id] = pinned
+    loaded.move_to_end(lora_id)
+    while len(loaded) > _MAX_OFFLINE_IDS:
+        loaded.popitem(last=False)
+
+
+def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
+        from vllm_lora_ext.integration.server import pre_resolve
+
+        request_or_error = await pre_resolve(request)
+        if not hasattr(request_or_error, "lora_path"):
+            return request_or_error  # an ErrorResponse
+        return await original(self, request_or_error, base_model_name)
+
+    return load_lora_adapter
+
+
+def _make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def init_static_loras(self: Any) -> None:
+        from vllm_lora_ext.integration.server import STARTUP, load_deployment_adapters
+
+        token = STARTUP.set(True)
+        try:
+            await original(self)
+            await load_deployment_adapters(self)
+        finally:
+            STARTUP.reset(token)
+
+    return init_static_loras
+
+
+def _make_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def _check_model(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.server import route_adapters
+
+        error = await route_adapters(self, request)
+        if error is not None:
+            return error
+        return await original(self, request)
+
+    return _check_model
+
+
+def _make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        from vllm_lora_ext.integration.server import claim_lease, on_lease_released
+
+        lease = claim_lease(kwargs.get("lora_request"))
+        try:
+            async for out in original(self, *args, **kwargs):
+                yield out
+        finally:
+            if lease is not None:
+                lease.release()
+                on_lease_released()
+
+    return generate
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager._load_adapter", ("lora_request",), _make_load_adapter,
+          why="the single place a worker turns a LoRA path into tensors: hf: sources, MoE layouts, EP reads, mixes, "
+              "and every check before vLLM sees a tensor",
+          delete_when="never as a whole; parts go as vLLM adds hf: revisions (lora/utils.py), checked MoE layouts and "
+                      "per-request mixes (RFC #51940)"),
+    Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",), _make_add_adapter,
+          why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors",
+          delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse"),
+    Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",), _make_add_adapter,
+          why="as WorkerLoRAManager.add_adapter, for the LRU worker manager every engine uses",
+          delete_when="as WorkerLoRAManager.add_adapter"),
+    Patch(LLM_ENGINE_MODULE, "LLMEngine.add_request", ("request_id", "prompt", "params", "arrival_time",
+                                                       "lora_request"), _make_add_request,
+          why="offline LLM.generate loads an adapter inside the engine step, where a bad adapter kills the engine; "
+              "preloading raises at the call, pins the source and refuses a reused id",
+          delete_when="vLLM validates/preloads LoRA in LLM.generate (InputProcessor) before queueing"),
+    Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.load_lora_adapter", ("request", "base_model_name"),
+          _make_load_lora_adapter,
+          why="resolve (download) a source in a thread and pin it before the engine sees it; refuse reserved mix- "
+              "names, client mix: paths and paths outside VLLM_LORA_EXT_ALLOWED_ROOTS",
+          delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
+    Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), _make_init_static_loras,
+          why="register the deployment config (VLLM_LORA_EXT_CONFIG) at start-up; mark start-up loads as the "
+              "operator's (the allowed-roots rule is for runtime loads)",
+          delete_when="vLLM reads a named-adapter config at start-up"),
+    Patch(BASE_SERVING_MODULE, "BaseServing._check_model", ("request",), _make_check_model,
+          why="route body fields (adapters, adapter_weights), the model syntax a=0.7+b=0.3 and the deployment "
+              "default to one registered mix; vLLM's LoRAResolver sees neither body fields nor weights",
+          delete_when="vLLM supports per-request adapter sets with weights (RFC #51940, PR #52757 for one scale)"),
+    Patch(ASYNC_LLM_MODULE, "AsyncLLM.generate", ("prompt", "sampling_params", "request_id"), _make_generate,
+          why="hold a request's mix in the bounded registry until its generation ends, so it is never evicted "
+              "(or its id reused) while in flight",
+          delete_when="mixes are native vLLM adapters with their own lifetime"),
+)
 
 
 def is_registered() -> bool:
@@ -53,7 +217,8 @@ def register() -> None:
 
     Raises:
         [`UnsupportedVLLMError`]: the installed vLLM is outside the tested range (set
-            ``VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1`` to try anyway).
+            ``VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1`` to try anyway), or a patched name is missing
+            or has another signature in it.
     """
     global _REGISTERED
     if _REGISTERED:
@@ -65,93 +230,18 @@ def register() -> None:
         _REGISTERED = True
         return
     vllm_version = check_vllm_version()
-    when_imported(WORKER_MANAGER_MODULE, _patch_worker_manager)
-    when_imported(LLM_ENGINE_MODULE, _patch_llm_engine)
-    when_imported(SERVING_MODELS_MODULE, _patch_serving_models)
-    when_imported(BASE_SERVING_MODULE, _patch_base_serving)
+    for patch in PATCHES:
+        when_imported(patch.module, lambda module, patch=patch: apply_patch(module, patch))
     _REGISTERED = True
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
 
 
-def _mark(fn: Any, original: Any) -> Any:
-    setattr(fn, PATCH_MARK, True)
-    fn.__wrapped__ = original
-    return fn
-
-
-def _patch_worker_manager(module: ModuleType) -> None:
-    cls = module.WorkerLoRAManager
-    if getattr(cls._load_adapter, PATCH_MARK, False):
-        return
-    original = cls._load_adapter
-
-    def _load_adapter(self: Any, lora_request: Any) -> Any:
-        from vllm_lora_ext.integration.loader import load_lora_model
-
-        return load_lora_model(self, lora_request)
-
-    cls._load_adapter = _mark(_load_adapter, original)
-    logger.debug("patched %s.WorkerLoRAManager._load_adapter", module.__name__)
-
-
-def _patch_llm_engine(module: ModuleType) -> None:
-    cls = module.LLMEngine
-    if getattr(cls.add_request, PATCH_MARK, False):
-        return
-    original = cls.add_request
-
-    def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
-                    lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if lora_request is not None:
-            _preload_offline(self, lora_request)
-        return original(self, request_id, prompt, params, arrival_time, lora_request, *args, **kwargs)
-
-    cls.add_request = _mark(add_request, original)
-    logger.debug("patched %s.LLMEngine.add_request", module.__name__)
-
-
-def _preload_offline(engine: Any, lora_request: Any) -> None:
-    # vLLM loads a request's adapter lazily inside the engine step, where any error kills the
-    # engine. Loading it once through add_lora first raises here, in the caller, instead.
-    # Source and config problems raise our typed errors right here; the source is pinned to the
-    # resolved commit so that the worker (and any reload after eviction) reads exactly these bytes.
-    from vllm_lora_ext.integration.server import pin_path
-
-    loaded: dict[int, str] = engine.__dict__.setdefault("_vllm_lora_ext_loaded", {})
-    if loaded.get(lora_request.lora_int_id) == lora_request.lora_path:
-        return
-    lora_request.lora_path = pin_path(lora_request.lora_path, name=lora_request.lora_name)
-    if loaded.get(lora_request.lora_int_id) != lora_request.lora_path:
-        engine.add_lora(lora_request)
-    loaded[lora_request.lora_int_id] = lora_request.lora_path
-
-
-def _patch_serving_models(module: ModuleType) -> None:
-    cls = module.OpenAIServingModels
-    if getattr(cls.load_lora_adapter, PATCH_MARK, False):
-        return
-    original = cls.load_lora_adapter
-
-    async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
-        from vllm_lora_ext.integration.server import pre_resolve
-
-        request_or_error = await pre_resolve(request)
-        if not hasattr(request_or_error, "lora_path"):
-            return request_or_error  # an ErrorResponse
-        return await original(self, request_or_error, base_model_name)
-
-    cls.load_lora_adapter = _mark(load_lora_adapter, original)
-
-    original_init = cls.init_static_loras
-
-    async def init_static_loras(self: Any) -> None:
-        from vllm_lora_ext.integration.server import load_deployment_adapters
-
-        await original_init(self)
-        await load_deployment_adapters(self)
-
-    cls.init_static_loras = _mark(init_static_loras, original_init)
-    logger.debug("patched %s.OpenAIServingModels.load_lora_adapter and init_static_loras", module.__name__)
+def unregister() -> None:
+    """Undo ``register()``: restore every patched vLLM attribute and drop hooks not yet run (tests)."""
+    global _REGISTERED
+    cancel_hooks()
+    undo_all()
+    _REGISTERED = False
 
 
 def worker_state(worker: Any = None) -> dict[str, Any]:
@@ -160,22 +250,5 @@ def worker_state(worker: Any = None) -> dict[str, Any]:
 
     wm = sys.modules.get(WORKER_MANAGER_MODULE)
     patched = bool(wm is not None and getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False))
-    return {"pid": os.getpid(), "registered": _REGISTERED, "version": __version__, "load_adapter_patched": patched}
-
-
-def _patch_base_serving(module: ModuleType) -> None:
-    cls = module.BaseServing
-    if getattr(cls._check_model, PATCH_MARK, False):
-        return
-    original = cls._check_model
-
-    async def _check_model(self: Any, request: Any) -> Any:
-        from vllm_lora_ext.integration.server import route_adapters
-
-        error = await route_adapters(self, request)
-        if error is not None:
-            return error
-        return await original(self, request)
-
-    cls._check_model = _mark(_check_model, original)
-    logger.debug("patched %s.BaseServing._check_model", module.__name__)
+    return {"pid": os.getpid(), "registered": _REGISTERED, "version": __version__, "load_adapter_patched": patched,
+            "patches": applied()}

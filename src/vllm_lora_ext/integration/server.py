@@ -1,59 +1,110 @@
-"""API-server side: resolve (download) adapter sources off the event loop, before the engine sees them.
+"""API-server side: sources resolved off the event loop, mixes routed through a bounded, collision-free registry.
 
-``--lora-modules name=SOURCE`` and ``POST /v1/load_lora_adapter`` both end in
-``OpenAIServingModels.load_lora_adapter``; the plugin runs `pre_resolve` first. It downloads in a
-worker thread (the engine loop keeps serving), validates the config, and replaces the path with the
-pinned source (``hf:org/repo@<commit>:file``), so every worker reads exactly that commit from the
-cache with no HTTP request, also when it reloads the adapter after an LRU eviction.
+``--lora-modules name=SOURCE``, ``POST /v1/load_lora_adapter`` and the deployment config all end in
+``OpenAIServingModels.load_lora_adapter``; the plugin runs `pre_resolve` first. It refuses what a
+client may not ask for (a reserved ``mix-`` name, a hand-made ``mix:`` path, a local path outside
+``VLLM_LORA_EXT_ALLOWED_ROOTS``), downloads in a worker thread (the engine loop keeps serving),
+validates the config, and replaces the path with the pinned source (``hf:org/repo@<commit>:file``).
+
+Mixes (`route_adapters`) get their adapter id and name from one [`MixRegistry`] per API-server
+process: ids never collide with another mix or a user adapter, at most ``VLLM_LORA_EXT_MAX_MIXES``
+mixes are registered (default: ``--max-cpu-loras``), and the least recently used mix that no request
+holds is evicted (``remove_lora``). A request holds its mix from routing until its generation ends.
+
+Every failure in these routes is an HTTP error with a message: 400 for bad input, 403 for a path
+outside the allowed roots, 404 for a source that does not exist, 503 when every mix slot is held,
+500 (message only, traceback in the server log) for anything unexpected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any
 
-from vllm_lora_ext.constants import MIX_PREFIX
-from vllm_lora_ext.errors import AdapterNotFoundError, MixError, VllmLoraExtError
-from vllm_lora_ext.mixing import MixComponent, MixSpec, parse_mix_expression, resolve_mix
-from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
-from vllm_lora_ext.summary import load_config
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import (
+    MIX_NAME_PREFIX,
+    MIX_PREFIX,
+    allowed_roots,
+    max_mixes,
+    mix_wait_seconds,
+)
+from vllm_lora_ext.errors import (
+    AdapterAccessError,
+    AdapterNotFoundError,
+    AdapterSourceError,
+    MixCapacityError,
+    MixError,
+    MixIdCollisionError,
+    VllmLoraExtError,
+)
+from vllm_lora_ext.integration._compat import error_response, lora_config_of
+from vllm_lora_ext.mixing import MixSpec, check_weight, parse_mix_expression, resolve_mix
+from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
+from vllm_lora_ext.resolve import check_allowed_root, pin_path
 
 logger = logging.getLogger(__name__)
 
-
-def resolve_and_check(path: str, *, name: str = "adapter") -> ResolvedAdapter:
-    """Resolve a source and validate its config (blocking; run it in a thread on a server)."""
-    resolved = resolve_source(path)
-    load_config(resolved, name=name)
-    return resolved
+_MAX_MODEL_FIELD = 4096
+# True while the server registers its start-up adapters (--lora-modules, deployment config): those come
+# from the operator, so the allowed-roots rule (for runtime loads by clients) does not apply.
+STARTUP: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_lora_ext_startup", default=False)
 
 
-def pin_path(path: str, *, name: str = "adapter") -> str:
-    """Return ``path`` with every source pinned (a plain source, or each component of a ``mix:`` path)."""
-    if path.startswith(MIX_PREFIX):
-        spec = MixSpec.from_path(path)
-        comps = tuple(MixComponent(c.name, resolve_and_check(c.source, name=c.name).source.canonical(), c.weight)
-                      for c in spec.components)
-        return MixSpec(comps).lora_path
-    return resolve_and_check(path, name=name).source.canonical()
+def http_error(err: BaseException) -> Any:
+    """Map an exception to vLLM's ``ErrorResponse``: our typed errors to 4xx/503, anything else to 500.
+
+    The message is the error's client message (it never lists the server's folders); an unexpected
+    exception is logged with its traceback and answered with its type and message only.
+    """
+    if isinstance(err, AdapterNotFoundError):
+        return error_response(err.client_message(), err_type="NotFoundError", status=404)
+    if isinstance(err, AdapterAccessError):
+        return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
+    if isinstance(err, MixCapacityError):
+        return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
+    if isinstance(err, VllmLoraExtError):
+        return error_response(err.client_message(), err_type="BadRequestError", status=400)
+    logger.exception("vllm_lora_ext: unexpected error while handling a request")
+    return error_response(f"Internal error in vllm_lora_ext: {type(err).__name__}: {short_repr(str(err))}",
+                          err_type="InternalServerError", status=500)
+
+
+def check_client_adapter(name: str | None, path: str | None) -> None:
+    """Refuse what no client (or config) may register: a ``mix-`` name or a hand-made ``mix:`` path.
+
+    Raises:
+        [`AdapterSourceError`]: the name is reserved for mixes, or the path is a ``mix:`` spec.
+    """
+    if isinstance(name, str) and name.startswith(MIX_NAME_PREFIX):
+        raise AdapterSourceError(
+            f"Adapter name {short_repr(name)} starts with {MIX_NAME_PREFIX!r}, which is reserved for the server's "
+            f"weighted mixes. Choose another name.", source=str(path), part="name")
+    if isinstance(path, str) and path.startswith(MIX_PREFIX):
+        raise AdapterSourceError(
+            f"Adapter path {short_repr(path)} is a {MIX_PREFIX!r} spec, which only the server makes. Register the "
+            f"adapters, then ask for a mix with 'adapters' and 'adapter_weights' in the request body.",
+            source=path[:200], part="path")
 
 
 async def pre_resolve(request: Any) -> Any:
-    """Return ``request`` with its ``lora_path`` pinned, or an ``ErrorResponse`` (404/400) naming the fix."""
-    from vllm.entrypoints.serve.utils.error_response import create_error_response
-
+    """Return ``request`` with its ``lora_path`` pinned, or an ``ErrorResponse`` naming the problem and fix."""
     path = getattr(request, "lora_path", None)
-    if not path:
-        return request
-    name = getattr(request, "lora_name", None) or "adapter"
+    name = getattr(request, "lora_name", None)
     try:
-        pinned = await asyncio.to_thread(pin_path, path, name=name)
-    except AdapterNotFoundError as err:
-        return create_error_response(str(err), err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND)
-    except VllmLoraExtError as err:
-        return create_error_response(str(err), err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST)
+        check_client_adapter(name, path)
+        if not path:
+            return request
+        if not STARTUP.get():
+            roots = allowed_roots()
+            if roots is not None:
+                check_allowed_root(path, roots)
+        pinned = await asyncio.to_thread(pin_path, path, name=name or "adapter")
+    except Exception as err:  # every failure becomes a clean HTTP error
+        return http_error(err)
     if pinned != path:
         logger.info("adapter %r: source %r pinned to %r", name, path, pinned)
         request = request.model_copy(update={"lora_path": pinned})
@@ -66,22 +117,21 @@ async def load_deployment_adapters(serving_models: Any) -> None:
     Raises:
         ValueError: an adapter fails to load; the server does not start (as with ``--lora-modules``).
     """
-    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
     from vllm_lora_ext.constants import deployment_config_path
     from vllm_lora_ext.deployment import read_deployment_config
+    from vllm_lora_ext.integration._compat import load_adapter_request_cls
 
     path = deployment_config_path()
     if path is None:
         return
     config = read_deployment_config(path)
     serving_models.vllm_lora_ext_deployment = config
+    request_cls = load_adapter_request_cls()
     for name, adapter in config.adapters.items():
         if name in serving_models.lora_requests:
             raise ValueError(f"Adapter {name!r} is defined both by --lora-modules and by the deployment config "
                              f"{path!r}. Keep one.")
-        result = await serving_models.load_lora_adapter(
-            LoadLoRAAdapterRequest(lora_name=name, lora_path=adapter.source.canonical()))
+        result = await serving_models.load_lora_adapter(request_cls(lora_name=name, lora_path=adapter.source.canonical()))
         if not isinstance(result, str):
             raise ValueError(f"Deployment config {path!r}: adapter {name!r} failed to load: {result.error.message}")
     logger.info("deployment config %s: registered %d adapters%s", path, len(config.adapters),
@@ -107,13 +157,157 @@ def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | N
     adapters = getattr(request, "adapters", None)
     weights = getattr(request, "adapter_weights", None)
     if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
-        raise MixError(f"'adapters' must be a list of adapter names, got {adapters!r}.")
+        raise MixError(f"'adapters' must be a list of adapter names, got {short_repr(adapters)}.")
     if weights is not None:
-        if not isinstance(weights, list) or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
-                                                    for w in weights):
-            raise MixError(f"'adapter_weights' must be a list of numbers, got {weights!r}.")
-        weights = [float(w) for w in weights]
+        if not isinstance(weights, list):
+            raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")
+        names = adapters if adapters is not None and len(adapters) == len(weights) else [f"#{i}" for i in
+                                                                                           range(len(weights))]
+        weights = [check_weight(w, name=n) for n, w in zip(names, weights)]
     return adapters, weights
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+_REGISTRY: MixRegistry | None = None
+_KEY_LOCKS: dict[str, tuple[asyncio.Lock, int]] = {}
+_RELEASED: asyncio.Event | None = None
+
+
+def registry(engine_client: Any = None) -> MixRegistry:
+    """Return this API-server process's mix registry, creating it on first use.
+
+    Its bound is ``VLLM_LORA_EXT_MAX_MIXES``, else the engine's ``--max-cpu-loras`` (which vLLM
+    defaults to ``--max-loras``); its id block is the process's API-server index.
+    """
+    global _REGISTRY
+    if _REGISTRY is None:
+        lora_config = lora_config_of(engine_client)
+        default = int(getattr(lora_config, "max_cpu_loras", None) or getattr(lora_config, "max_loras", None) or 8)
+        block = int(getattr(engine_client, "client_index", 0) or 0)
+        _REGISTRY = MixRegistry(max_mixes(default), block=block % 64)
+        logger.info("mix registry: at most %d mixes, ids from %d", _REGISTRY.capacity, _REGISTRY._lo)
+    return _REGISTRY
+
+
+def reset_registry() -> None:
+    """Forget the process's registry (tests)."""
+    global _REGISTRY
+    _REGISTRY = None
+    _KEY_LOCKS.clear()
+
+
+def claim_lease(lora_request: Any) -> MixLease | None:
+    """Called when generation starts: turn the routed request's pending hold on its mix into an active one."""
+    if lora_request is None or _REGISTRY is None:
+        return None
+    return _REGISTRY.claim(int(lora_request.lora_int_id))
+
+
+def on_lease_released() -> None:
+    """Wake requests waiting for a free mix slot."""
+    if _RELEASED is not None:
+        _RELEASED.set()
+
+
+class _KeyLock:
+    """One lock per mix key while requests for it are being routed (the dict never outgrows the keys in flight)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __aenter__(self) -> None:
+        lock, n = _KEY_LOCKS.get(self.key, (asyncio.Lock(), 0))
+        _KEY_LOCKS[self.key] = (lock, n + 1)
+        await lock.acquire()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        lock, n = _KEY_LOCKS[self.key]
+        lock.release()
+        if n <= 1:
+            del _KEY_LOCKS[self.key]
+        else:
+            _KEY_LOCKS[self.key] = (lock, n - 1)
+
+
+async def _register(reg: MixRegistry, spec: MixSpec, taken: Callable[[int], bool]) -> tuple[MixEntry, list[MixEntry]]:
+    global _RELEASED
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + mix_wait_seconds()
+    while True:
+        try:
+            return reg.register(spec, taken=taken)
+        except MixCapacityError:
+            if loop.time() >= deadline:
+                raise
+        if _RELEASED is None:
+            _RELEASED = asyncio.Event()
+        _RELEASED.clear()
+        try:  # woken by a release; the timeout also catches pending leases that expired
+            await asyncio.wait_for(_RELEASED.wait(), timeout=min(0.5, max(0.0, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _unload(models: Any, entry: MixEntry) -> None:
+    req = models.lora_requests.get(entry.lora_name)
+    if req is not None and req.lora_int_id == entry.lora_int_id:
+        del models.lora_requests[entry.lora_name]
+    try:
+        await models.engine_client.remove_lora(entry.lora_int_id)
+    except Exception:  # the worker LRU evicts it anyway; never fail a request over a cleanup
+        logger.warning("vllm_lora_ext: remove_lora(%d) for evicted mix %r failed", entry.lora_int_id, entry.lora_name,
+                       exc_info=True)
+    logger.info("evicted mix %r (id %d)", entry.lora_name, entry.lora_int_id)
+
+
+async def register_mix(models: Any, spec: MixSpec) -> str:
+    """Make ``spec`` a registered adapter of the engine, held for one request; return its name.
+
+    Raises:
+        [`MixCapacityError`]: every mix slot stayed held for ``VLLM_LORA_EXT_MIX_WAIT_S`` seconds.
+        [`MixIdCollisionError`]: the name is registered for another spec (never serves it).
+        [`MixError`]: the engine refused the composite (the message names the cause).
+    """
+    from vllm.lora.request import LoRARequest
+
+    reg = registry(models.engine_client)
+    name = spec.lora_name
+    async with _KeyLock(spec.key):
+        entry = reg.get(spec)
+        if entry is None:
+            user_ids = {r.lora_int_id for r in models.lora_requests.values() if not r.lora_name.startswith(MIX_NAME_PREFIX)}
+            entry, evicted = await _register(reg, spec, user_ids.__contains__)
+            reg.lease(entry)  # before any await: nothing may evict it while it loads
+            for old in evicted:
+                await _unload(models, old)
+        else:
+            reg.lease(entry)
+        held = models.lora_requests.get(name)
+        if held is not None and (held.lora_path != spec.lora_path or held.lora_int_id != entry.lora_int_id):
+            if held.lora_path != spec.lora_path:
+                _drop_pending(reg, entry)
+                raise MixIdCollisionError(f"Adapter name {name!r} is registered for another adapter; refusing to serve "
+                                          f"this mix under it. Unload that adapter.")
+        if held is None or held.lora_int_id != entry.lora_int_id:
+            req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=spec.lora_path)
+            try:
+                await models.engine_client.add_lora(req)
+            except Exception as err:  # the worker's message names the problem (rank, keys, ...)
+                _drop_pending(reg, entry)
+                reg.remove(spec)
+                raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
+            models.lora_requests[name] = req
+            logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
+                        ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
+    return name
+
+
+def _drop_pending(reg: MixRegistry, entry: MixEntry) -> None:
+    with reg._lock:
+        if entry.pending:
+            entry.pending.pop()
+    on_lease_released()
 
 
 async def route_adapters(serving: Any, request: Any) -> Any:
@@ -121,46 +315,37 @@ async def route_adapters(serving: Any, request: Any) -> Any:
 
     Rules: body ``adapters`` (+ ``adapter_weights``) win; else a mix written in ``model``
     (``a=0.7+b=0.3``); else, for a request naming the base model (or none), the deployment default.
-    A single adapter at weight 1 is that adapter; anything else is a composite, loaded once per
-    canonical mix (``engine_client.add_lora``) and then shared by every request naming it.
+    A single adapter at weight 1 is that adapter; anything else is a composite registered through
+    the mix registry and shared by every request naming the same canonical mix.
 
-    Returns ``None`` (request ready) or an ``ErrorResponse`` (400) naming what is wrong.
+    Returns ``None`` (request ready) or an ``ErrorResponse`` naming what is wrong.
     """
-    from vllm.entrypoints.serve.utils.error_response import create_error_response
-    from vllm.lora.request import LoRARequest
-
-    models = serving.models
     try:
-        adapters, weights = _mix_request_fields(request)
-        model = getattr(request, "model", None)
-        sources, default_weights, default = _known_adapters(models)
-        if adapters is None and model and model not in models.lora_requests and ("+" in model or "=" in model):
-            parsed = parse_mix_expression(model)
-            adapters = [n for n, _ in parsed]
-            if any(w is not None for _, w in parsed):
-                weights = [default_weights.get(n, 1.0) if w is None else w for n, w in parsed]
-        elif adapters is None:
-            if not default or (model and not serving._is_model_supported(model)):
-                return None  # a named adapter or the base model: vLLM's own handling
-        spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights, default=default)
-    except MixError as err:
-        return create_error_response(str(err), err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST)
+        return await _route(serving, request)
+    except Exception as err:
+        return http_error(err)
+
+
+async def _route(serving: Any, request: Any) -> Any:
+    models = serving.models
+    adapters, weights = _mix_request_fields(request)
+    model = getattr(request, "model", None)
+    if isinstance(model, str) and len(model) > _MAX_MODEL_FIELD:
+        raise MixError(f"'model' has {len(model)} characters, more than {_MAX_MODEL_FIELD}. Name a model or a mix.")
+    sources, default_weights, default = _known_adapters(models)
+    if adapters is None and model and model not in models.lora_requests and ("+" in model or "=" in model):
+        parsed = parse_mix_expression(model)
+        adapters = [n for n, _ in parsed]
+        if any(w is not None for _, w in parsed):
+            weights = [default_weights.get(n, 1.0) if w is None else w for n, w in parsed]
+    elif adapters is None:
+        if not default or (model and not serving._is_model_supported(model)):
+            return None  # a named adapter or the base model: vLLM's own handling
+    spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights, default=default)
     if spec is None:
         return None
     if len(spec.components) == 1 and spec.components[0].weight == 1.0 and spec.components[0].name in models.lora_requests:
         request.model = spec.components[0].name
         return None
-    name = spec.lora_name
-    if name not in models.lora_requests:
-        async with models.lora_resolver_lock[name]:
-            if name not in models.lora_requests:
-                req = LoRARequest(lora_name=name, lora_int_id=spec.lora_int_id, lora_path=spec.lora_path)
-                try:
-                    await models.engine_client.add_lora(req)
-                except Exception as err:  # the worker's message names the problem (rank, keys, ...)
-                    return create_error_response(f"Mix {name!r} could not be loaded: {err}", err_type="BadRequestError",
-                                                 status_code=HTTPStatus.BAD_REQUEST)
-                models.lora_requests[name] = req
-                logger.info("registered mix %r (%s)", name, ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
-    request.model = name
+    request.model = await register_mix(models, spec)
     return None

@@ -1,0 +1,105 @@
+"""One way to patch vLLM: checked, marked, recorded, and undoable.
+
+Every patch the plugin applies is a [`Patch`] in ``plugin.PATCHES``: the module and attribute it
+replaces, the parameters the original must have (so a vLLM release that changes the signature
+makes ``register()`` refuse, naming the piece, instead of patching blindly), why the patch exists,
+and the upstream change that would let us delete it. `apply_patch` checks all that, marks the
+replacement (``__vllm_lora_ext_patched__``, ``__wrapped__``) and records the original so that
+`undo_all` restores it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from vllm_lora_ext.errors import UnsupportedVLLMError
+
+logger = logging.getLogger(__name__)
+
+PATCH_MARK = "__vllm_lora_ext_patched__"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of a vLLM attribute.
+
+    Attributes:
+        module: the module that holds the class (patched right after vLLM imports it).
+        target: ``Class.method``.
+        params: the original's leading parameter names (after ``self``) the replacement relies on.
+        make: ``make(original) -> replacement``.
+        why: what would go wrong without it.
+        delete_when: the upstream change that makes it unnecessary.
+    """
+
+    module: str
+    target: str
+    params: Sequence[str]
+    make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    why: str
+    delete_when: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.target}"
+
+
+_APPLIED: dict[str, tuple[Any, str, Any]] = {}  # patch name -> (owner class, attribute, original)
+
+
+def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
+    """Return ``(owner, attribute, original)`` after checking that the target exists with the expected parameters.
+
+    Raises:
+        [`UnsupportedVLLMError`]: the class, the attribute, or one of its expected parameters is missing.
+    """
+    cls_name, _, attr = patch.target.partition(".")
+    owner = getattr(module, cls_name, None)
+    original = getattr(owner, attr, None) if owner is not None else None
+    if original is None:
+        raise UnsupportedVLLMError(
+            f"vllm_lora_ext cannot patch {patch.name}: it does not exist in this vLLM. This vLLM release is not "
+            f"supported yet; install a supported one or set VLLM_LORA_EXT_DISABLE=1.")
+    if getattr(original, PATCH_MARK, False):
+        original = original.__wrapped__
+    try:
+        have = [p for p in inspect.signature(original).parameters][1:]
+    except (TypeError, ValueError):
+        have = []
+    missing = [p for p in patch.params if p not in have]
+    if missing:
+        raise UnsupportedVLLMError(
+            f"vllm_lora_ext cannot patch {patch.name}: its parameters are {have}, without {missing}. This vLLM "
+            f"release changed it; install a supported one or set VLLM_LORA_EXT_DISABLE=1.")
+    return owner, attr, original
+
+
+def apply_patch(module: ModuleType, patch: Patch) -> None:
+    """Apply ``patch`` to ``module`` once (a second call changes nothing)."""
+    owner, attr, original = check_target(module, patch)
+    if getattr(getattr(owner, attr), PATCH_MARK, False):
+        return
+    replacement = patch.make(original)
+    setattr(replacement, PATCH_MARK, patch.name)
+    replacement.__wrapped__ = original
+    setattr(owner, attr, replacement)
+    _APPLIED[patch.name] = (owner, attr, original)
+    logger.debug("patched %s", patch.name)
+
+
+def applied() -> list[str]:
+    """Return the names of the patches in place, in the order they were applied."""
+    return list(_APPLIED)
+
+
+def undo_all() -> None:
+    """Restore every patched attribute to vLLM's original."""
+    for name, (owner, attr, original) in reversed(list(_APPLIED.items())):
+        setattr(owner, attr, original)
+        logger.debug("restored %s", name)
+    _APPLIED.clear()

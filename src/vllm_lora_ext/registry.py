@@ -1,0 +1,220 @@
+"""MixRegistry: canonical mix key -> one collision-free adapter id and name, bounded, with leases.
+
+Why a registry and not a hash: vLLM identifies an adapter by ``lora_int_id`` alone, and a worker
+that already holds an id skips loading it. Ids derived from a digest collide (30 bits: the first
+collision after ~4,000 mixes), and a colliding mix is then served another mix's tensors. Here
+every id is handed out by one allocator that checks each candidate against every id in use (live
+mixes and, through ``taken``, the user's own adapters), so two different specs never share an id.
+
+Ids are allocated in order inside a block of the id space (``[first_id, first_id + span)``), so an
+id freed by eviction is not handed out again until the whole block has been used once; a request
+still running on an evicted mix keeps a unique id. Several API-server processes sharing one
+engine each take their own block (``block=`` their index).
+
+The registry is bounded: at most ``capacity`` mixes. Registering one more evicts the least
+recently used mix that no request holds; when every mix is held, [`MixCapacityError`] is raised
+(the server waits, then answers 503). A request holds its mix with a lease: ``lease()`` when the
+request is routed (pending, expiring after ``lease_ttl`` seconds if the request never reaches the
+engine), ``claim()`` when generation starts, ``release()`` when it ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_lora_ext.errors import MixCapacityError, MixIdCollisionError
+from vllm_lora_ext.mixing import MixSpec
+
+__all__ = ["MixEntry", "MixLease", "MixRegistry", "MIX_ID_BASE", "MIX_ID_BLOCK"]
+
+MIX_ID_BASE = 1 << 30  # clear of vLLM's own counter ids (1, 2, 3, ...); ids stay below 2**31
+MIX_ID_BLOCK = 1 << 24  # ids per API-server process: 64 processes fit below 2**31
+
+
+@dataclass
+class MixEntry:
+    """One registered mix: its spec, id and name, and the leases that pin it."""
+
+    spec: MixSpec
+    lora_int_id: int
+    active: int = 0
+    pending: list[float] = field(default_factory=list)  # expiry times of leases not yet claimed
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+    @property
+    def lora_name(self) -> str:
+        return self.spec.lora_name
+
+    def in_use(self, now: float) -> bool:
+        """Whether a request holds this mix (an active lease, or a pending one not yet expired)."""
+        self.pending = [t for t in self.pending if t > now]
+        return self.active > 0 or bool(self.pending)
+
+
+class MixLease:
+    """A request's hold on a mix; ``release()`` is idempotent."""
+
+    def __init__(self, registry: MixRegistry, entry: MixEntry) -> None:
+        self._registry = registry
+        self.entry = entry
+        self._held = True
+
+    def release(self) -> None:
+        """Let the mix be evicted again (once no other request holds it)."""
+        if self._held:
+            self._held = False
+            self._registry._release(self.entry)
+
+
+class MixRegistry:
+    """A bounded map from canonical mix keys to unique adapter ids (see the module docstring).
+
+    Example:
+        >>> from vllm_lora_ext.mixing import MixComponent, MixSpec
+        >>> reg = MixRegistry(capacity=2)
+        >>> spec = MixSpec((MixComponent("a", "/a", 0.5),))
+        >>> entry, evicted = reg.register(spec)
+        >>> entry.lora_int_id, evicted
+        (1073741824, [])
+        >>> reg.register(spec)[0] is entry
+        True
+    """
+
+    def __init__(self, capacity: int, *, block: int = 0, first_id: int = MIX_ID_BASE, span: int = MIX_ID_BLOCK,
+                 lease_ttl: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity < 1:
+            raise ValueError("MixRegistry capacity must be >= 1")
+        if not 0 <= block or first_id + (block + 1) * span > (1 << 31):
+            raise ValueError(f"id block {block} of {span} ids does not fit below 2**31")
+        self.capacity = capacity
+        self.lease_ttl = lease_ttl
+        self._lo = first_id + block * span
+        self._span = span
+        self._next = 0
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_key: OrderedDict[str, MixEntry] = OrderedDict()  # LRU order: oldest first
+        self._by_id: dict[int, MixEntry] = {}
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, spec: MixSpec) -> MixEntry | None:
+        """Return the live entry of ``spec`` (marking it recently used), or ``None``."""
+        with self._lock:
+            entry = self._by_key.get(spec.key)
+            if entry is not None:
+                self._by_key.move_to_end(spec.key)
+            return entry
+
+    def by_id(self, lora_int_id: int) -> MixEntry | None:
+        """Return the live entry holding ``lora_int_id``, or ``None``."""
+        with self._lock:
+            return self._by_id.get(lora_int_id)
+
+    def owns(self, lora_int_id: int) -> bool:
+        """Whether ``lora_int_id`` lies in this registry's id block (live or not)."""
+        return self._lo <= lora_int_id < self._lo + self._span
+
+    def check_id(self, lora_int_id: int, spec_key: str | None) -> None:
+        """Raise if ``lora_int_id`` is held by a live mix other than ``spec_key`` (``None``: any other adapter).
+
+        Raises:
+            [`MixIdCollisionError`]: serving ``lora_int_id`` would hand out another mix's tensors.
+        """
+        with self._lock:
+            entry = self._by_id.get(lora_int_id)
+        if entry is not None and entry.key != spec_key:
+            raise MixIdCollisionError(
+                f"lora_int_id {lora_int_id} is already used by mix {entry.lora_name!r}; an adapter id must name one "
+                f"adapter only. Give each adapter its own lora_int_id (mixes use {self._lo}-{self._lo + self._span - 1}).")
+
+    def register(self, spec: MixSpec, *, taken: Callable[[int], bool] = lambda _id: False
+                 ) -> tuple[MixEntry, list[MixEntry]]:
+        """Return ``(entry, evicted)``: the live entry for ``spec``, registering it if new.
+
+        A new mix gets the next id of this registry's block that no live mix holds and ``taken``
+        does not report (the user's adapters). When the registry is full, least recently used mixes
+        that no request holds are evicted to make room; the caller unloads them.
+
+        Raises:
+            [`MixCapacityError`]: every registered mix is held by a request in flight.
+        """
+        with self._lock:
+            hit = self._by_key.get(spec.key)
+            if hit is not None:
+                self._by_key.move_to_end(spec.key)
+                return hit, []
+            evicted: list[MixEntry] = []
+            if len(self._by_key) >= self.capacity:
+                now = self._clock()
+                victim = next((e for e in self._by_key.values() if not e.in_use(now)), None)
+                if victim is None:
+                    raise MixCapacityError(
+                        f"All {self.capacity} mix slots are held by requests in flight, so mix {spec.lora_name!r} "
+                        f"cannot be registered now. Retry, or raise VLLM_LORA_EXT_MAX_MIXES.")
+                self._drop(victim)
+                evicted.append(victim)
+            entry = MixEntry(spec, self._allocate(taken))
+            self._by_key[spec.key] = entry
+            self._by_id[entry.lora_int_id] = entry
+            return entry, evicted
+
+    def _allocate(self, taken: Callable[[int], bool]) -> int:
+        for _ in range(self._span):
+            candidate = self._lo + self._next
+            self._next = (self._next + 1) % self._span
+            if candidate not in self._by_id and not taken(candidate):
+                return candidate
+        raise MixCapacityError(f"No free adapter id left in {self._lo}-{self._lo + self._span - 1}.")
+
+    def _drop(self, entry: MixEntry) -> None:
+        del self._by_key[entry.key]
+        del self._by_id[entry.lora_int_id]
+        self.evictions += 1
+
+    def remove(self, spec: MixSpec) -> MixEntry | None:
+        """Forget ``spec`` (e.g. its load failed); return the entry that was removed."""
+        with self._lock:
+            entry = self._by_key.get(spec.key)
+            if entry is not None:
+                del self._by_key[entry.key]
+                del self._by_id[entry.lora_int_id]
+            return entry
+
+    def lease(self, entry: MixEntry) -> None:
+        """Hold ``entry`` for a routed request until it is claimed, or ``lease_ttl`` seconds pass."""
+        with self._lock:
+            entry.pending.append(self._clock() + self.lease_ttl)
+
+    def claim(self, lora_int_id: int) -> MixLease | None:
+        """Turn one pending lease of ``lora_int_id`` into an active one (generation started).
+
+        Returns the lease to release when generation ends, or ``None`` if no live mix has this id.
+        """
+        with self._lock:
+            entry = self._by_id.get(lora_int_id)
+            if entry is None:
+                return None
+            if entry.pending:
+                entry.pending.pop(0)
+            entry.active += 1
+            return MixLease(self, entry)
+
+    def _release(self, entry: MixEntry) -> None:
+        with self._lock:
+            entry.active = max(0, entry.active - 1)
+
+    def in_use(self) -> int:
+        """Return how many live mixes a request holds."""
+        now = self._clock()
+        with self._lock:
+            return sum(e.in_use(now) for e in self._by_key.values())

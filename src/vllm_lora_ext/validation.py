@@ -1,0 +1,164 @@
+"""Checks on an adapter's factors before any tensor reaches vLLM: pairs, ranks, ndim, dtypes, dims, finiteness.
+
+vLLM trusts what it is given: a ``lora_B`` whose rank differs from its ``lora_A``, an input size the
+module does not have, or a 1-D tensor reach its kernels (or crash its step). Each check here
+collects every problem in one pass and raises once, naming the adapter, the keys and the fix.
+Pure core: shapes and dtypes come from the safetensors header; module dims from a plain mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from vllm_lora_ext.constants import max_lora_rank_for
+from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError
+from vllm_lora_ext.formats import classify_key
+
+__all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
+           "check_finite", "first_nonfinite"]
+
+# The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
+LORA_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+
+
+@dataclass(frozen=True)
+class ModuleDims:
+    """A base-model module's full (unsharded) input and output sizes."""
+
+    d_in: int
+    d_out: int
+
+
+def _raise(adapter: str, problems: list[str], fix: str, *, key: str | None = None) -> None:
+    more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+    raise AdapterFormatError(f"Adapter {adapter!r} has malformed LoRA factors: " + "; ".join(problems[:5]) + more
+                             + f". {fix}", adapter=adapter, key=key)
+
+
+def check_factor_dtypes(dtypes: Mapping[str, str], *, adapter: str = "adapter") -> None:
+    """Refuse LoRA tensors that are not floating point (``F16``, ``BF16``, ``F32``, ``F64``).
+
+    Raises:
+        [`AdapterFormatError`]: names every such key and its dtype.
+
+    Example:
+        >>> check_factor_dtypes({"m.lora_A.weight": "F8_E4M3"}, adapter="x")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterFormatError: Adapter 'x' has malformed LoRA factors: m.lora_A.weight is F8_E4M3, not a float type vLLM's LoRA kernels take. Re-save the adapter in bfloat16, float16 or float32.
+    """
+    bad = [f"{k} is {d}, not a float type vLLM's LoRA kernels take" for k, d in dtypes.items()
+           if classify_key(k).kind != "other" and d not in LORA_FACTOR_DTYPES]
+    if bad:
+        _raise(adapter, bad, "Re-save the adapter in bfloat16, float16 or float32.", key=bad[0].split(" ")[0])
+
+
+def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[str],
+                        dims: Mapping[str, ModuleDims] | None = None, *, module_of: Mapping[str, str] | None = None,
+                        adapter: str = "adapter") -> None:
+    """Check dense (non-MoE) LoRA pairs: both factors present, 2-D, ranks agree, dims fit the module.
+
+    ``A`` must be ``(r, in)`` and ``B`` ``(out, r)`` with ``r >= 1``; where ``dims`` knows the module
+    (``module_of`` maps a key to the module name the model uses), ``in``/``out`` must equal its sizes.
+    Embedding factors (``lora_embedding_A (r, vocab)``, ``lora_embedding_B (dim, r)``) are checked for
+    ndim and rank agreement.
+
+    Raises:
+        [`AdapterFormatError`]: every problem, named by key, in one message.
+
+    Example:
+        >>> check_dense_factors({"q.lora_A.weight": (8, 16), "q.lora_B.weight": (16, 4)}, ["q.lora_A.weight",
+        ...                     "q.lora_B.weight"], adapter="x")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterFormatError: Adapter 'x' has malformed LoRA factors: q: lora_A has rank 8 but lora_B has rank 4 (A (8, 16), B (16, 4)). Re-save the adapter: lora_A must be (r, in) and lora_B (out, r) of the same module.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    for k in keys:
+        info = classify_key(k)
+        pairs.setdefault(info.module, {})[info.which] = k
+    problems: list[str] = []
+    for module, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            have = "A" if "A" in pair else "B"
+            problems.append(f"{module}: lora_{have} without lora_{'B' if have == 'A' else 'A'}")
+            continue
+        sa, sb = tuple(shapes[pair["A"]]), tuple(shapes[pair["B"]])
+        if len(sa) != 2 or len(sb) != 2:
+            problems.append(f"{module}: factors must be 2-D, got A {sa} and B {sb}")
+            continue
+        r = sa[0]
+        if r < 1 or sb[1] != r:
+            problems.append(f"{module}: lora_A has rank {r} but lora_B has rank {sb[1]} (A {sa}, B {sb})")
+            continue
+        if min(sa[1], sb[0]) < 1:
+            problems.append(f"{module}: empty factor (A {sa}, B {sb})")
+            continue
+        target = (module_of or {}).get(pair["A"], module)
+        want = (dims or {}).get(target)
+        if want is not None and not pair["A"].endswith("lora_embedding_A") and (sa[1], sb[0]) != (want.d_in,
+                                                                                                   want.d_out):
+            problems.append(f"{module}: factors map {sa[1]} -> {sb[0]} but the model's {target} maps "
+                            f"{want.d_in} -> {want.d_out}")
+    if problems:
+        _raise(adapter, problems, "Re-save the adapter: lora_A must be (r, in) and lora_B (out, r) of the same module."
+               if all("rank" in p or "2-D" in p or "without" in p or "empty" in p for p in problems)
+               else "Check that the adapter was trained for this base model.", key=None)
+
+
+def check_ranks(shapes: Mapping[str, tuple[int, ...]], declared: Iterable[int], max_rank: int, *,
+                adapter: str = "adapter") -> None:
+    """Refuse an adapter whose rank (from its 2D ``lora_A`` shapes, or its config) exceeds ``max_rank``.
+
+    Raises:
+        [`AdapterCompatibilityError`]: names the module, the rank and the ``--max-lora-rank`` that fits.
+    """
+    worst: tuple[int, str] | None = None
+    for key, shape in shapes.items():
+        info = classify_key(key)
+        if info.which != "A" or info.kind == "moe_3d" or len(shape) != 2:
+            continue
+        r = int(shape[0])
+        if r > max_rank and (worst is None or r > worst[0]):
+            worst = (r, info.module)
+    top = max(declared, default=0)
+    if worst is None and top > max_rank:
+        worst = (top, "(config r / rank_pattern)")
+    if worst is not None:
+        fit = max_lora_rank_for(worst[0])
+        fix = f"Start vLLM with --max-lora-rank {fit}" if fit else "Use an adapter of rank <= 512"
+        raise AdapterCompatibilityError(
+            f"Adapter {adapter!r} has rank {worst[0]} (module {worst[1]!r}) but max_lora_rank is {max_rank}. {fix}.",
+            adapter=adapter)
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Return the first key whose tensor holds a NaN or an infinity, else ``None``.
+
+    One pass per tensor: a float sum, which is finite whenever every element is (an overflowing sum
+    of finite values is re-checked element-wise, so it never refuses a finite tensor).
+    """
+    for key, t in tensors.items():
+        if t.numel() == 0 or not t.is_floating_point():
+            continue
+        if torch.isfinite(t.sum(dtype=torch.float32)):
+            continue
+        if not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], *, adapter: str = "adapter") -> None:
+    """Refuse factors that hold NaN or infinity (they would turn every output of the request into NaN).
+
+    Raises:
+        [`AdapterFormatError`]: names the first such key.
+    """
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise AdapterFormatError(f"Adapter {adapter!r}: tensor {bad!r} holds NaN or infinite values (after scaling). "
+                                 f"Re-train or re-save the adapter; check lora_alpha and the mix weights.",
+                                 adapter=adapter, key=bad)
