@@ -163,6 +163,9 @@ def _check_repo_id(source: str, repo_id: str) -> None:
     parts = repo_id.split("/")
     if len(parts) > 2 or any(not p for p in parts):
         raise _fail(source, "repo", f"repo id {repo_id!r} must be 'org/repo'", "Use exactly one '/' between org and repo.")
+    if repo_id.endswith(".git"):
+        raise _fail(source, "repo", f"repo id {repo_id!r} ends with '.git'",
+                    "Give the repo id without '.git', e.g. 'hf:org/repo'.")
     for p in parts:
         if not _REPO_PART.match(p) or "--" in p or ".." in p or p[0] in "-." or p[-1] in "-.":
             raise _fail(

@@ -22,9 +22,14 @@ def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(mod, "PIN_MEMORY", False, raising=False)
 
 
+# The sizes vLLM's linear layers report for factories.tiny_llama (hidden 64, 2 kv heads of 16, intermediate 128).
+_SIZES = {"qkv_proj": (64, [64, 32, 32]), "o_proj": (64, 64), "gate_up_proj": (64, [128, 128]), "down_proj": (128, 64)}
+
+
 def llama_adapter_manager(num_layers: int = 2) -> Any:
     """The part of vLLM's LoRAModelManager that loading reads, for a Llama model: the wrapped
-    module names and vLLM's own packing table (LlamaForCausalLM.packed_modules_mapping)."""
+    module names, their base layers' sizes, and vLLM's own packing table
+    (LlamaForCausalLM.packed_modules_mapping)."""
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     mapping = LlamaForCausalLM.packed_modules_mapping
@@ -34,7 +39,10 @@ def llama_adapter_manager(num_layers: int = 2) -> Any:
         for block, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj"))):
             for n in names:
                 full = f"model.layers.{i}.{block}.{n}"
-                modules[full] = object()
+                d_in, out = _SIZES[n]
+                base = (SimpleNamespace(input_size=d_in, output_size=sum(out), output_sizes=out)
+                        if isinstance(out, list) else SimpleNamespace(input_size=d_in, output_size=out))
+                modules[full] = SimpleNamespace(base_layer=base)
                 if n in mapping:
                     packed[full] = [f"model.layers.{i}.{block}.{m}" for m in mapping[n]]
     return SimpleNamespace(

@@ -171,7 +171,7 @@ def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | N
 
 _REGISTRY: MixRegistry | None = None
 _KEY_LOCKS: dict[str, tuple[asyncio.Lock, int]] = {}
-_RELEASED: asyncio.Event | None = None
+_WAITERS: set[asyncio.Future[None]] = set()  # requests waiting for a free mix slot
 
 
 def registry(engine_client: Any = None) -> MixRegistry:
@@ -206,8 +206,14 @@ def claim_lease(lora_request: Any) -> MixLease | None:
 
 def on_lease_released() -> None:
     """Wake requests waiting for a free mix slot."""
-    if _RELEASED is not None:
-        _RELEASED.set()
+    for waiter in list(_WAITERS):
+        if not waiter.done():
+            waiter.get_loop().call_soon_threadsafe(_wake, waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _KeyLock:
@@ -231,7 +237,6 @@ class _KeyLock:
 
 
 async def _register(reg: MixRegistry, spec: MixSpec, taken: Callable[[int], bool]) -> tuple[MixEntry, list[MixEntry]]:
-    global _RELEASED
     loop = asyncio.get_running_loop()
     deadline = loop.time() + mix_wait_seconds()
     while True:
@@ -240,13 +245,14 @@ async def _register(reg: MixRegistry, spec: MixSpec, taken: Callable[[int], bool
         except MixCapacityError:
             if loop.time() >= deadline:
                 raise
-        if _RELEASED is None:
-            _RELEASED = asyncio.Event()
-        _RELEASED.clear()
+        waiter: asyncio.Future[None] = loop.create_future()
+        _WAITERS.add(waiter)
         try:  # woken by a release; the timeout also catches pending leases that expired
-            await asyncio.wait_for(_RELEASED.wait(), timeout=min(0.5, max(0.0, deadline - loop.time())))
+            await asyncio.wait_for(waiter, timeout=min(0.5, max(0.0, deadline - loop.time())))
         except asyncio.TimeoutError:
             pass
+        finally:
+            _WAITERS.discard(waiter)
 
 
 async def _unload(models: Any, entry: MixEntry) -> None:
@@ -333,6 +339,8 @@ async def _route(serving: Any, request: Any) -> Any:
     if isinstance(model, str) and len(model) > _MAX_MODEL_FIELD:
         raise MixError(f"'model' has {len(model)} characters, more than {_MAX_MODEL_FIELD}. Name a model or a mix.")
     sources, default_weights, default = _known_adapters(models)
+    if adapters is None and weights is not None:
+        raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")
     if adapters is None and model and model not in models.lora_requests and ("+" in model or "=" in model):
         parsed = parse_mix_expression(model)
         adapters = [n for n, _ in parsed]
