@@ -13,7 +13,11 @@ GPU mode (``--gpu``): real Qwen3-30B-A3B config with ``load_format="dummy"``; ti
 ``add_lora`` to the first generated token with that adapter, stock (plugin disabled) vs plugin, in
 two engine processes.
 
-Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu] [--out FILE]
+Checks mode (``--checks``): what the load-time checks cost (strict header validation, factor dtypes,
+the NaN/inf scan folded into each block's read), in one process, cases interleaved: the plugin read
+with and without the checks, and the strict header parse against the lenient parse it replaced.
+
+Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --checks] [--out FILE]
 """
 
 from __future__ import annotations
@@ -129,9 +133,15 @@ def _case_stock(folder: Path, layers: int, form: str) -> dict:
     return {"seconds": dt, "bytes_read": (folder / "adapter_model.safetensors").stat().st_size, "kept_bytes": kept}
 
 
-def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None) -> tuple[dict, int]:
-    """The plugin's loading pipeline without vLLM: resolve, plan every MoE block by shape, read (only ``experts``)."""
+def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None, checks: bool = True) -> tuple[dict, int]:
+    """The plugin's loading pipeline without vLLM: resolve, plan every MoE block by shape, read (only ``experts``).
+
+    ``checks`` runs what the worker loader runs on every load (factor dtypes, the NaN/inf scan per block);
+    ``checks=False`` exists only to measure their cost.
+    """
     import torch
+
+    from vllm_lora_ext.validation import check_factor_dtypes
 
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
@@ -143,12 +153,71 @@ def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None) -> tupl
     config = load_config(resolved)
     stats = ReadStats()
     reader = SafetensorsReader(resolved.weights_path, stats=stats)
+    if checks:
+        check_factor_dtypes(reader.header.dtypes)
     groups = group_moe_keys(reader.header.shapes)
     plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
     blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
                          experts={p: experts for p in plans} if experts is not None else None,
-                         read_many=lambda keys: reader.read_many(keys, copy=False))
+                         read_many=lambda keys: reader.read_many(keys, copy=False),
+                         check_finite_as="bench" if checks else None)
     return blocks, stats.bytes_read
+
+
+def _lenient_header(path: Path) -> dict:
+    """The header parse the plugin used before the strict checks (the baseline of ``--checks``)."""
+    import struct
+
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = json.loads(f.read(n))
+    raw.pop("__metadata__", None)
+    out = {}
+    for key, entry in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        start, end = entry["data_offsets"]
+        out[key] = (entry["dtype"], tuple(entry["shape"]), end - start, 8 + n + start, 8 + n + end)
+    return out
+
+
+def checks_bench(args: argparse.Namespace) -> dict:
+    import gc
+
+    import torch
+
+    from vllm_lora_ext.reader import read_header
+
+    torch.set_num_threads(1)  # as in vLLM's worker processes
+    tmp = Path(tempfile.mkdtemp(prefix="bench-checks-"))
+    rows, payload = [], {}
+    for form in args.forms.split(","):
+        folder = make_adapter(tmp / form, args.layers, form)
+        weights = folder / "adapter_model.safetensors"
+        plugin_read(folder)  # warm the page cache and the imports
+        times: dict[str, list[float]] = {"checked": [], "unchecked": [], "strict_header": [], "lenient_header": []}
+        for _ in range(args.runs):  # interleaved
+            for case in ("checked", "unchecked"):
+                gc.collect()
+                t0 = time.perf_counter()
+                blocks, _ = plugin_read(folder, checks=case == "checked")
+                times[case].append(time.perf_counter() - t0)
+                del blocks
+            t0 = time.perf_counter()
+            read_header(weights)
+            times["strict_header"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _lenient_header(weights)
+            times["lenient_header"].append(time.perf_counter() - t0)
+        m = {k: median(v) for k, v in times.items()}
+        header_cost = m["strict_header"] - m["lenient_header"]
+        scan_cost = m["checked"] - m["unchecked"]
+        base = m["unchecked"] - header_cost  # the load as it was before any of the checks
+        added = (header_cost + scan_cost) / base
+        rows.append([form, base, m["unchecked"], m["checked"], header_cost, scan_cost, 100 * added])
+        payload[form] = {"runs": times, "medians": m, "added_fraction": added}
+        print(f"{form}: {weights.stat().st_size / 2**30:.2f} GiB")
+    print_table(rows, ["layout", "load before checks s", "+ strict header s", "+ all checks s", "header cost s",
+                       "dtype+finite cost s", "added %"])
+    return {"mode": "checks", "layers": args.layers, "runs": args.runs, "results": payload, "table": rows}
 
 
 def _case_plugin(folder: Path, layers: int, form: str) -> dict:
@@ -306,6 +375,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--checks", action="store_true", help="CPU: cost of the load-time checks, same run")
     ap.add_argument("--forms", default="2d,3d", help="CPU mode: which layouts (2d,3d)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
@@ -321,6 +391,9 @@ def main() -> None:
         return
     if args._engine:
         gpu_engine(args)
+        return
+    if args.checks:
+        write_json("moe_load_checks_cpu", checks_bench(args), args.out)
         return
     payload = gpu_bench(args) if args.gpu else cpu_bench(args)
     write_json("moe_load_gpu" if args.gpu else "moe_load_cpu", payload, args.out)

@@ -5,7 +5,8 @@ Routes (what huggingface_hub's ``hf_hub_download`` uses):
 - ``HEAD|GET /{org}/{repo}/resolve/{revision}/{path}`` -> 200 with ``X-Repo-Commit``, ``ETag``,
   ``Content-Length`` (GET: the bytes, ``Range`` honoured); 404 with ``X-Error-Code`` ``RepoNotFound``,
   ``RevisionNotFound`` or ``EntryNotFound`` (the last with ``X-Repo-Commit``, as the Hub does).
-- ``GET /api/models/{org}/{repo}/revision/{revision}`` -> ``{"id", "sha", "siblings"}``.
+- ``GET /api/models/{org}/{repo}/revision/{revision}`` -> ``{"id", "sha", "siblings"}``
+  (``GET /api/models/{org}/{repo}``: the same for ``main``).
 
 Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` makes the next GETs of
 that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads).
@@ -96,6 +97,8 @@ class HubServer:
                 parts = path.strip("/").split("/")
                 if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "revision":
                     return self._api_revision(parts[2] + "/" + parts[3], unquote("/".join(parts[5:])))
+                if parts[:2] == ["api", "models"] and len(parts) == 4:  # no revision: the default branch
+                    return self._api_revision(parts[2] + "/" + parts[3], "main")
                 if len(parts) < 5 or parts[2] != "resolve":
                     return self._error(404, "RepoNotFound")
                 repo_id = parts[0] + "/" + parts[1]

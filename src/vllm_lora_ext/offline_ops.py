@@ -31,7 +31,7 @@ from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
 
-__all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "convert_adapter",
+__all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "convert_adapter",
            "mix_adapter_files", "ep_read_plan"]
 
 
@@ -100,27 +100,73 @@ def load_base_config(value: str) -> dict[str, Any]:
     return raw
 
 
-def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
-              num_experts: int | None = None) -> dict[str, MoESpec]:
-    """Return a [`MoESpec`] per experts block of the adapter, from the base config or the adapter's 2D keys.
+def _solve_3d(pairs: list[tuple[int, int]], orientation: str | None) -> set[tuple[int, int, str]]:
+    """Every ``(H, I, orientation)`` under which the fused pairs ``(in, out)`` are one gate_up and/or one down.
+
+    gate_up is ``in=H, out=2I`` (standard) or ``in=2I, out=H`` (transposed); down is ``in=I, out=H`` or
+    ``in=H, out=I``. With two pairs each must take a different role; one pair may be either role.
+    """
+    found: set[tuple[int, int, str]] = set()
+    for orient in ([orientation] if orientation else ["standard", "transposed"]):
+        def readings(pair: tuple[int, int]) -> list[tuple[str, int, int]]:
+            d_in, d_out = pair
+            out: list[tuple[str, int, int]] = []
+            if orient == "standard":
+                if d_out % 2 == 0:
+                    out.append(("gate_up", d_in, d_out // 2))
+                out.append(("down", d_out, d_in))
+            else:
+                if d_in % 2 == 0:
+                    out.append(("gate_up", d_out, d_in // 2))
+                out.append(("down", d_in, d_out))
+            return out
+
+        if len(pairs) == 1:
+            found.update((h, i, orient) for _, h, i in readings(pairs[0]))
+        elif len(pairs) == 2:
+            for r1, h1, i1 in readings(pairs[0]):
+                for r2, h2, i2 in readings(pairs[1]):
+                    if r1 != r2 and (h1, i1) == (h2, i2):
+                        found.add((h1, i1, orient))
+    return found
+
+
+def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
+                    num_experts: int | None = None, config: AdapterConfig | None = None
+                    ) -> tuple[dict[str, MoESpec], dict[str, str]]:
+    """Return a [`MoESpec`] per experts block, and per block a note on what was inferred or is ambiguous.
+
+    Sizes come from the base config when given; otherwise from the adapter itself: 2D keys carry H and I
+    and the highest expert index; fused 3D tensors give ``E = rows / r`` (``r`` from the adapter config)
+    and H and I wherever their shapes allow only one reading (both tensors present, or an orientation
+    known from ``moe_3d_orientation``/``peft_version``).
 
     Raises:
-        [`ExpertLayoutError`]: a block has only fused 3D keys and no base config was given.
+        [`ExpertLayoutError`]: a block's sizes cannot be settled from the adapter; the message says what is
+            ambiguous and that ``--base-config`` settles it.
     """
+    from vllm_lora_ext.formats.moe import _orientation_hint
+
     blocks = group_moe_keys(shapes)
     dims = _base_dims(base_config) if base_config is not None else None
     out: dict[str, MoESpec] = {}
+    notes: dict[str, str] = {}
     for prefix, keys in blocks.items():
         names = ("gate_proj", "up_proj", "down_proj")
         experts: set[int] = set()
         h: int | None = None
         i: int | None = None
+        fused: dict[str, dict[str, tuple[int, ...]]] = {}
         for k in keys:
             info = classify_key(k)
+            if info.kind == "moe_3d":
+                fused.setdefault(info.module, {})[info.which] = shapes[k]
             if info.kind != "moe_2d" or info.which != "A":
                 continue
             experts.add(int(info.expert or 0))
-            b = shapes[k.replace("lora_A", "lora_B")]
+            b = shapes.get(k.replace("lora_A", "lora_B"))
+            if b is None or len(b) != 2 or len(shapes[k]) != 2:
+                continue
             if info.proj in ("gate_proj", "w1", "up_proj", "w3"):
                 h, i = shapes[k][1], b[0]
             elif info.proj in ("down_proj", "w2"):
@@ -130,18 +176,53 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
         if experts and max(experts) >= MAX_EXPERTS:
             raise ExpertLayoutError(f"MoE block {prefix!r} names expert {max(experts)}; at most {MAX_EXPERTS} experts "
                                     f"are supported. The adapter is corrupt or not an MoE LoRA.", key=prefix)
+        pairs = [(ab["A"][1], ab["B"][0]) for ab in fused.values()
+                 if set(ab) == {"A", "B"} and len(ab["A"]) == 2 and len(ab["B"]) == 2]
+        e = num_experts
         if dims is not None:
             e, h, i = dims
-        elif h is not None and i is not None:
-            e = num_experts or (max(experts) + 1)
+            notes[prefix] = "from --base-config"
         else:
-            raise ExpertLayoutError(
-                f"MoE block {prefix!r} holds fused 3D tensors only; their expert count and sizes are not in the file. "
-                f"Pass the base model's config.json (--base-config).", key=prefix)
-        assert h is not None and i is not None
-        out[prefix] = MoESpec(prefix, e if num_experts is None else num_experts, h, i, gate=names[0], up=names[1],
-                              down=names[2])
-    return out
+            inferred: list[str] = []
+            if fused and e is None:
+                rows = {ab["A"][0] for ab in fused.values() if "A" in ab and len(ab["A"]) == 2}
+                r = config.rank_for(prefix) if config is not None else None
+                if r and len(rows) == 1 and next(iter(rows)) % r == 0:
+                    e = next(iter(rows)) // r
+                    inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
+            if e is None and experts:
+                e = max(experts) + 1
+                inferred.append(f"E={e} (highest expert index + 1)")
+            if (h is None or i is None) and pairs:
+                solutions = {(hh, ii) for hh, ii, _ in _solve_3d(pairs, _orientation_hint(config))}
+                if len(solutions) == 1:
+                    (h, i), = solutions
+                    inferred.append(f"H={h}, I={i} (from the fused shapes)")
+                elif solutions:
+                    raise ExpertLayoutError(
+                        f"MoE block {prefix!r} holds fused 3D tensors whose shapes {pairs} read as several models "
+                        f"(H, I in {sorted(solutions)}); pass the base model's config (--base-config), or set "
+                        f"\"moe_3d_orientation\" in the adapter config.", key=prefix)
+            if e is None or h is None or i is None:
+                missing = ", ".join(n for n, v in (("E", e), ("H", h), ("I", i)) if v is None)
+                raise ExpertLayoutError(
+                    f"MoE block {prefix!r}: the adapter does not settle {missing} (fused 3D tensors"
+                    f"{'' if config is not None else ' and no adapter config'}). Pass the base model's config.json, "
+                    f"its folder or hf:org/model (--base-config).", key=prefix)
+            notes[prefix] = "inferred: " + "; ".join(inferred) if inferred else "from the 2D keys"
+        assert e is not None and h is not None and i is not None
+        out[prefix] = MoESpec(prefix, e, h, i, gate=names[0], up=names[1], down=names[2])
+    return out, notes
+
+
+def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
+              num_experts: int | None = None, config: AdapterConfig | None = None) -> dict[str, MoESpec]:
+    """Return a [`MoESpec`] per experts block of the adapter (see [`infer_moe_specs`]).
+
+    Raises:
+        [`ExpertLayoutError`]: a block's sizes cannot be settled without the base config.
+    """
+    return infer_moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config)[0]
 
 
 @dataclass
@@ -162,7 +243,7 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
         raise AdapterFormatError("Offline tools read .safetensors adapters only; convert the pickle file first.")
     reader = SafetensorsReader(resolved.weights_path)
     shapes = reader.header.shapes
-    specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts)
+    specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config)
     groups = group_moe_keys(shapes)
     dense_keys: list[str] = []
     for k in shapes:

@@ -396,6 +396,20 @@ class _HubClient:
             raise
 
 
+    def weight_files(self, revision: str | None) -> list[str]:
+        """Return the repo's ``.safetensors`` paths (for an error message; empty offline or on any failure)."""
+        if self.local_only:
+            return []
+        try:
+            from huggingface_hub import HfApi
+
+            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token)
+            files = [s.rfilename for s in info.siblings or []]
+        except Exception:  # only an error message depends on it
+            return []
+        return sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX))
+
+
 def _commit_of(path: Path) -> str | None:
     parts = path.parts
     for i, part in enumerate(parts[:-1]):
@@ -420,10 +434,17 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: _HubClient) -> Res
     if weights is None:
         where = f"folder {src.path_in_repo!r}" if src.path_in_repo and not src.names_file else "repo root"
         what = repr(src.path_in_repo) if src.names_file else f"{ADAPTER_WEIGHTS_NAME} in the {where}"
+        found = client.weight_files(src.revision)
+        rev = f"@{src.revision}" if src.revision else ""
+        if found:
+            fix = (f"The repo holds {found[:5]}{' and more' if len(found) > 5 else ''}; name one, e.g. "
+                   f"'hf:{src.repo_id}{rev}:{found[0]}'.")
+        else:
+            fix = (f"The repo holds no .safetensors file at this revision (or it could not be listed); check the "
+                   f"revision, e.g. 'hf:{src.repo_id}@main'.")
         raise AdapterNotFoundError(
             f"Adapter source {src.raw!r}: {what} not found in repo {src.repo_id!r} at revision "
-            f"{src.revision or 'main'!r}. Name the weight file explicitly, e.g. 'hf:{src.repo_id}:path/to/x.safetensors'.",
-            source=src.raw, revision=src.revision,
+            f"{src.revision or 'main'!r}. {fix}", source=src.raw, revision=src.revision,
         )
     commit = _commit_of(weights) or src.revision
     folder = weight_name.rsplit("/", 1)[0] + "/" if "/" in weight_name else ""

@@ -36,12 +36,14 @@ def test_inspect_of_a_missing_source_exits_1_with_the_reason(tmp_path: Path, cap
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_inspect_moe_3d_needs_the_base_config_then_reports_layout_and_ep_reads(tmp_path: Path,
-                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_moe_3d_infers_sizes_without_a_base_config_and_reports_layout_and_ep_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, 0), make_truth(E, H, I, R, 1)], ["3d", "3d_gu+2d_down"],
                       rank=R)
-    assert main(["inspect", str(tmp_path / "a")]) == 1
-    assert "--base-config" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "a"), "--json"]) == 0
+    inferred = json.loads(capsys.readouterr().out)["moe_blocks"]["model.layers.0.mlp.experts"]
+    assert (inferred["experts"], inferred["hidden"], inferred["intermediate"]) == (E, H, I)
+    assert inferred["sizes"].startswith("inferred: E=8 (rows 32 / r 4); H=32, I=12")
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert main(["inspect", str(tmp_path / "a"), "--base-config", str(tmp_path / "config.json"), "--ep-size", "4",
                  "--json"]) == 0
@@ -165,3 +167,46 @@ def test_fetch_then_offline_inspect_of_an_hf_source(hub, monkeypatch: pytest.Mon
     assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 0
     out = capsys.readouterr().out
     assert f"commit      {sha}" in out and "rule: <stem>_config.json" in out and hub.count() == before
+
+
+def test_convert_3d_to_2d_without_a_base_config_writes_the_same_tensors_as_with_it(tmp_path: Path) -> None:
+    write_moe_adapter(tmp_path / "src", [make_truth(E, H, I, R, 5), make_truth(E, H, I, R, 6)], ["3d_t", "3d_t"], rank=R,
+                      peft_version="0.17.0")  # the transposed form, as PEFT 0.17 wrote it
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "inferred")]) == 0
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "given"),
+                 "--base-config", str(tmp_path)]) == 0  # a model folder holding config.json
+    a = load_file(str(tmp_path / "inferred" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "given" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_fused_block_whose_shapes_do_not_settle_the_sizes_is_named_by_inspect_and_refused_by_convert(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_lora_ext.formats import PEFT_PREFIX
+
+    t = make_truth(E, H, I, R, 7)
+    p = f"{PEFT_PREFIX}model.layers.0.mlp.experts"
+    from factories import lora_config, write_adapter
+
+    write_adapter(tmp_path / "src", {f"{p}.lora_A.weight": t.ad.reshape(E * R, I).contiguous(),
+                                     f"{p}.lora_B.weight": t.bd.permute(1, 2, 0).reshape(H, R * E).contiguous()},
+                  lora_config(R, 8, ["down_proj"]))  # only a fused down: gate_up or down, either orientation
+    assert main(["inspect", str(tmp_path / "src")]) == 0
+    out = capsys.readouterr().out
+    assert "sizes not settled" in out and "read as several models" in out and "--base-config" in out
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "read as several models" in err and "--base-config" in err and not (tmp_path / "out").exists()
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "out"),
+                 "--base-config", str(tmp_path / "config.json")]) == 0
+
+
+def test_base_config_from_the_hub_downloads_only_config_json(tmp_path: Path, hub: object) -> None:
+    from vllm_lora_ext.offline_ops import load_base_config
+
+    repo = hub.repo("acme/base-model")  # type: ignore[attr-defined]
+    repo.commit({"config.json": json.dumps(BASE).encode(), "model.safetensors": b"\0" * 4096})
+    assert load_base_config("hf:acme/base-model") == BASE
+    assert not any("model.safetensors" in path for _, path in hub.requests)  # type: ignore[attr-defined]

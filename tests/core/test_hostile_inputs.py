@@ -316,7 +316,7 @@ def test_ambiguous_3d_orientation_without_a_hint_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("base", "fragment"), [
-    (None, "fused 3D tensors only"),
+    (None, "pass the base model's config"),
     ({"num_experts": 4, "hidden_size": True, "moe_intermediate_size": 6}, "hidden_size=True must be an integer"),
     ({"num_experts": "4", "hidden_size": 8, "moe_intermediate_size": 6}, "num_experts='4'"),
     ({"num_experts": 10**9, "hidden_size": 8, "moe_intermediate_size": 6}, "num_experts=1000000000"),

@@ -165,3 +165,15 @@ def test_new_commit_on_branch_changes_the_pinned_identity(repos) -> None:  # typ
     time.sleep(0.01)
     second = resolve_source("hf:acme/single").identity
     assert first != second and second.startswith("hf:acme/single@")
+
+
+def test_a_missing_file_names_a_real_file_of_the_repo_and_that_spelling_resolves(repos) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    with pytest.raises(AdapterNotFoundError) as e:
+        resolve_source("hf:acme/multi:files/missing.safetensors")
+    msg = str(e.value)
+    assert "files/a.safetensors" in msg and "path/to" not in msg and "<" not in msg
+    example = re.search(r"e\.g\. '([^']+)'", msg).group(1)  # type: ignore[union-attr]
+    assert example == "hf:acme/multi:files/a.safetensors"
+    assert resolve_source(example).weights_path.read_bytes() == repos["wa"]

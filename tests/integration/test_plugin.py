@@ -104,3 +104,61 @@ def test_core_imports_without_vllm() -> None:
     out = _python(code, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
+    import re
+    from pathlib import Path
+
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import applied
+
+    plugin.register()
+    import vllm.entrypoints.openai.models.serving  # noqa: F401
+    import vllm.entrypoints.serve.engine.serving  # noqa: F401
+    import vllm.lora.worker_manager  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
+
+    table = (Path(plugin.__file__).parent / "PATCHES.md").read_text()
+    documented = re.findall(r"^\| \d+ \| `([^`]+)` \|", table, re.M)
+    assert documented == [p.name for p in plugin.PATCHES]
+    assert sorted(applied()) == sorted(documented)
+
+
+def test_unregister_restores_every_original_and_register_applies_them_again() -> None:
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import PATCH_MARK, applied
+
+    plugin.register()
+    import vllm.lora.worker_manager as wm
+
+    patched = wm.WorkerLoRAManager._load_adapter
+    original = patched.__wrapped__
+    plugin.unregister()
+    try:
+        assert wm.WorkerLoRAManager._load_adapter is original and not applied()
+        assert not getattr(wm.WorkerLoRAManager.add_adapter, PATCH_MARK, False)
+    finally:
+        plugin.register()
+    assert getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False)
+
+
+def test_a_patch_whose_target_changed_signature_is_refused_naming_it() -> None:
+    import types
+
+    from vllm_lora_ext.errors import UnsupportedVLLMError
+    from vllm_lora_ext.integration.patching import Patch, apply_patch
+
+    class WorkerLoRAManager:
+        def _load_adapter(self, request, extra):  # renamed parameter
+            return None
+
+    module = types.ModuleType("fake")
+    module.WorkerLoRAManager = WorkerLoRAManager
+    patch = Patch("fake", "WorkerLoRAManager._load_adapter", ("lora_request",), lambda o: o, why="", delete_when="")
+    with pytest.raises(UnsupportedVLLMError, match="without \\['lora_request'\\]"):
+        apply_patch(module, patch)
+    missing = Patch("fake", "WorkerLoRAManager.gone", (), lambda o: o, why="", delete_when="")
+    with pytest.raises(UnsupportedVLLMError, match="does not exist in this vLLM"):
+        apply_patch(module, missing)

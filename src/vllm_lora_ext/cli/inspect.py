@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from vllm_lora_ext.cli import positive_int
@@ -62,26 +63,38 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
 
 
 def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) -> dict[str, Any]:
+    from vllm_lora_ext.errors import ExpertLayoutError
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import plan_experts
-    from vllm_lora_ext.offline_ops import ep_read_plan, moe_specs
+    from vllm_lora_ext.formats.moe import MoESpec, plan_experts
+    from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs
     from vllm_lora_ext.reader import read_header
     from vllm_lora_ext.summary import load_config
 
     header = read_header(resolved.weights_path)
-    specs = moe_specs(header.shapes, base_config=base_config)
-    if not specs:
-        return {}
     config = load_config(resolved)
     groups = group_moe_keys(header.shapes)
-    blocks = {}
+    specs: dict[str, MoESpec] = {}
+    notes: dict[str, str] = {}
+    unsettled: dict[str, str] = {}
+    for prefix, group in groups.items():  # block by block: one ambiguous block leaves the others inspected
+        try:
+            found, why = infer_moe_specs(group, base_config=base_config, config=config)
+            specs.update(found)
+            notes.update(why)
+        except ExpertLayoutError as err:
+            unsettled[prefix] = str(err)
+    blocks: dict[str, Any] = {}
     for prefix, spec in specs.items():
         plan = plan_experts(groups[prefix], spec, config=config)
         blocks[prefix] = {"experts": spec.num_experts, "hidden": spec.hidden, "intermediate": spec.intermediate,
-                          "layout": plan.layout,
+                          "layout": plan.layout, "sizes": notes.get(prefix, ""),
                           "2d": sorted({f"{k.role} r={k.rank}" for k in plan.keys_2d}),
                           "3d": [f"{k.role} {k.orientation} r={k.rank}" for k in plan.keys_3d]}
+    for prefix, why in unsettled.items():
+        blocks[prefix] = {"unsettled": why}
     report: dict[str, Any] = {"moe_blocks": blocks}
+    if unsettled:
+        ep_size = None  # a read plan needs every block's sizes
     if ep_size:
         report["ep"] = ep_read_plan(header.shapes, header.header_bytes,
                                     {k: v.nbytes for k, v in header.tensors.items()}, specs, ep_size)
@@ -93,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize_adapter(resolved)
     base = load_base_config(args.base_config) if args.base_config else None
     moe = _moe_report(resolved, base, args.ep_size) if summary.layout.startswith("moe") else {}
+    if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:
+        print("note: no EP read plan: some MoE block's sizes are not settled (see below); pass --base-config",
+              file=sys.stderr)
     if args.json:
         print(json.dumps({**summary.to_json(), **moe}, indent=2))
         return 0
@@ -102,8 +118,12 @@ def run(args: argparse.Namespace) -> int:
         print("")
         print("MoE blocks (checked against E, H, I):")
         for prefix, b in list(blocks.items())[: None if args.all_modules else 12]:
+            if "unsettled" in b:
+                print(f"  {prefix}: sizes not settled: {b['unsettled']}")
+                continue
             parts = ", ".join(b["2d"] + b["3d"])
-            print(f"  {prefix}: {b['layout']}  E={b['experts']} H={b['hidden']} I={b['intermediate']}  [{parts}]")
+            print(f"  {prefix}: {b['layout']}  E={b['experts']} H={b['hidden']} I={b['intermediate']}  [{parts}]"
+                  f"  ({b['sizes']})")
         if len(blocks) > 12 and not args.all_modules:
             print(f"  ... {len(blocks) - 12} more blocks")
     for r in moe.get("ep", []):
