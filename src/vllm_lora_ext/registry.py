@@ -15,7 +15,8 @@ The registry is bounded: at most ``capacity`` mixes. Registering one more evicts
 recently used mix that no request holds; when every mix is held, [`MixCapacityError`] is raised
 (the server waits, then answers 503). A request holds its mix with a lease: ``lease()`` when the
 request is routed (pending, expiring after ``lease_ttl`` seconds if the request never reaches the
-engine), ``claim()`` when generation starts, ``release()`` when it ends.
+engine, so a request that fails on the way cannot pin a slot), ``claim()`` when generation starts,
+``release()`` when it ends.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class MixRegistry:
     """
 
     def __init__(self, capacity: int, *, block: int = 0, first_id: int = MIX_ID_BASE, span: int = MIX_ID_BLOCK,
-                 lease_ttl: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 lease_ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
             raise ValueError("MixRegistry capacity must be >= 1")
         if not 0 <= block or first_id + (block + 1) * span > (1 << 31):
@@ -208,6 +209,17 @@ class MixRegistry:
                 entry.pending.pop(0)
             entry.active += 1
             return MixLease(self, entry)
+
+    def unlease(self, entry: MixEntry) -> None:
+        """Drop one pending lease of ``entry`` (its request failed before generation)."""
+        with self._lock:
+            if entry.pending:
+                entry.pending.pop()
+
+    @property
+    def first_id(self) -> int:
+        """The first id of this registry's block."""
+        return self._lo
 
     def _release(self, entry: MixEntry) -> None:
         with self._lock:

@@ -72,7 +72,7 @@ def server(gpu_workdir: Path) -> Any:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--enable-lora",
            "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
            "--gpu-memory-utilization", "0.3", "--max-model-len", "256", "--max-num-seqs", "256", "--dtype", "bfloat16",
-           "--port", str(port), "--seed", "0", "--disable-log-requests"]
+           "--port", str(port), "--seed", "0"]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 400
@@ -101,14 +101,20 @@ def server(gpu_workdir: Path) -> Any:
             Path(out).with_name("hostile-serve.log").write_text(log_path.read_text()[-300000:])
 
 
+def _http() -> Any:
+    try:  # the openai client the bundle carries (3.57) is built on httpx2
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    return http
+
+
 def _client(base: str) -> Any:
-    import httpx
     import openai
 
+    limits = _http().Limits(max_connections=2000, max_keepalive_connections=2000)
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=900,
-                              http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=2000,
-                                                                                max_keepalive_connections=2000),
-                                                            timeout=900))
+                              http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=900))
 
 
 async def _complete(client: Any, model: str, prompt: list[int], mix: tuple[list[str], list[float]],
@@ -145,8 +151,6 @@ async def _post(client: Any, base: str, route: str, body: dict[str, Any]) -> int
 
 
 def test_many_concurrent_mixes_over_a_bounded_registry_equal_each_alone(server: Any, record: Any) -> None:
-    import httpx
-
     base, model = server["base"], server["model"]
     mixes = _mixes()
     ps = prompts(n=4, seed=11)
@@ -160,7 +164,8 @@ def test_many_concurrent_mixes_over_a_bounded_registry_equal_each_alone(server: 
             alone[(m, p)] = _tokens(r.choices[0])
         good = [pairs[i % len(pairs)] for i in range(1200)]
         bad = [_malformed(model, ps[0])[i % 12] for i in range(120)]
-        raw = httpx.AsyncClient(limits=httpx.Limits(max_connections=500), timeout=900)
+        http = _http()
+        raw = http.AsyncClient(limits=http.Limits(max_connections=500), timeout=900)
         tasks: list[Any] = []
         for i, (m, p) in enumerate(good):
             tasks.append(_complete(client, model, ps[p], mixes[m]))

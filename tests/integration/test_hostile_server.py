@@ -444,3 +444,32 @@ def test_the_worker_reloads_an_id_held_for_another_source_instead_of_serving_it(
     assert second is not first and second.vllm_lora_ext_identity == str(folders[1])
     name = next(iter(first.loras))
     assert not torch.equal(first.loras[name].lora_b, second.loras[name].lora_b)
+
+
+def test_a_routed_request_keeps_its_exact_mix_even_after_the_mix_leaves_the_registry(tmp_path: Path) -> None:
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    s = _serving(tmp_path)
+    req = _completion(model=BASE, adapters=["style", "domain"], adapter_weights=[0.5, 0.5])
+    assert _route(s, req) is None
+    routed = BaseServing._maybe_get_adapters(s, req)
+    del s.models.lora_requests[req.model]  # evicted between routing and generation
+    again = BaseServing._maybe_get_adapters(s, req)
+    assert again is routed and again.lora_path.startswith("mix:") and again.lora_int_id >= MIX_ID_BASE
+
+
+def test_a_client_cannot_smuggle_a_lora_request_through_the_body(tmp_path: Path) -> None:
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    s = _serving(tmp_path)
+    req = _completion(model="style", **{server.ROUTED_ATTR: {"lora_name": "x", "lora_int_id": 1,
+                                                             "lora_path": "/etc"}})
+    assert _route(s, req) is None
+    got = BaseServing._maybe_get_adapters(s, req)
+    assert got is s.models.lora_requests["style"]  # vLLM's own lookup by name, the body field ignored

@@ -154,6 +154,16 @@ def _make_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return _check_model
 
 
+def _make_maybe_get_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _maybe_get_adapters(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.integration.server import routed_lora
+
+        routed = routed_lora(request)
+        return routed if routed is not None else original(self, request, *args, **kwargs)
+
+    return _maybe_get_adapters
+
+
 def _make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         from vllm_lora_ext.integration.server import claim_lease, on_lease_released
@@ -200,6 +210,10 @@ PATCHES: tuple[Patch, ...] = (
           why="route body fields (adapters, adapter_weights), the model syntax a=0.7+b=0.3 and the deployment "
               "default to one registered mix; vLLM's LoRAResolver sees neither body fields nor weights",
           delete_when="vLLM supports per-request adapter sets with weights (RFC #51940, PR #52757 for one scale)"),
+    Patch(BASE_SERVING_MODULE, "BaseServing._maybe_get_adapters", ("request",), _make_maybe_get_adapters,
+          why="serve a routed request the exact mix it was routed to, even if the mix left the registry before "
+              "generation; vLLM's lookup by name would then fall back to the base model",
+          delete_when="as BaseServing._check_model"),
     Patch(ASYNC_LLM_MODULE, "AsyncLLM.generate", ("prompt", "sampling_params", "request_id"), _make_generate,
           why="hold a request's mix in the bounded registry until its generation ends, so it is never evicted "
               "(or its id reused) while in flight",

@@ -49,6 +49,9 @@ from vllm_lora_ext.resolve import check_allowed_root, pin_path
 logger = logging.getLogger(__name__)
 
 _MAX_MODEL_FIELD = 4096
+# Where a routed request carries its mix's LoRARequest. Set with object.__setattr__, so it lives in the
+# object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
+ROUTED_ATTR = "_vllm_lora_ext_lora_request"
 # True while the server registers its start-up adapters (--lora-modules, deployment config): those come
 # from the operator, so the allowed-roots rule (for runtime loads by clients) does not apply.
 STARTUP: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_lora_ext_startup", default=False)
@@ -186,7 +189,7 @@ def registry(engine_client: Any = None) -> MixRegistry:
         default = int(getattr(lora_config, "max_cpu_loras", None) or getattr(lora_config, "max_loras", None) or 8)
         block = int(getattr(engine_client, "client_index", 0) or 0)
         _REGISTRY = MixRegistry(max_mixes(default), block=block % 64)
-        logger.info("mix registry: at most %d mixes, ids from %d", _REGISTRY.capacity, _REGISTRY._lo)
+        logger.info("mix registry: at most %d mixes, ids from %d", _REGISTRY.capacity, _REGISTRY.first_id)
     return _REGISTRY
 
 
@@ -267,8 +270,21 @@ async def _unload(models: Any, entry: MixEntry) -> None:
     logger.info("evicted mix %r (id %d)", entry.lora_name, entry.lora_int_id)
 
 
-async def register_mix(models: Any, spec: MixSpec) -> str:
-    """Make ``spec`` a registered adapter of the engine, held for one request; return its name.
+def routed_lora(request: Any) -> Any:
+    """Return the ``LoRARequest`` `route_adapters` attached to ``request``, or ``None``.
+
+    A routed request is served this exact adapter even if its mix is evicted from the registry before
+    generation starts (its id is not reused while the id block lasts, and the path carries the spec),
+    so it can never fall back to the base model or to another adapter.
+    """
+    from vllm.lora.request import LoRARequest
+
+    routed = getattr(request, "__dict__", {}).get(ROUTED_ATTR)
+    return routed if isinstance(routed, LoRARequest) else None
+
+
+async def register_mix(models: Any, spec: MixSpec) -> Any:
+    """Make ``spec`` a registered adapter of the engine, held for one request; return its ``LoRARequest``.
 
     Raises:
         [`MixCapacityError`]: every mix slot stayed held for ``VLLM_LORA_EXT_MIX_WAIT_S`` seconds.
@@ -290,11 +306,10 @@ async def register_mix(models: Any, spec: MixSpec) -> str:
         else:
             reg.lease(entry)
         held = models.lora_requests.get(name)
-        if held is not None and (held.lora_path != spec.lora_path or held.lora_int_id != entry.lora_int_id):
-            if held.lora_path != spec.lora_path:
-                _drop_pending(reg, entry)
-                raise MixIdCollisionError(f"Adapter name {name!r} is registered for another adapter; refusing to serve "
-                                          f"this mix under it. Unload that adapter.")
+        if held is not None and held.lora_path != spec.lora_path:  # a squatter (or a digest collision)
+            _drop_pending(reg, entry)
+            raise MixIdCollisionError(f"Adapter name {name!r} is registered for another adapter; refusing to serve "
+                                      f"this mix under it. Unload that adapter.")
         if held is None or held.lora_int_id != entry.lora_int_id:
             req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=spec.lora_path)
             try:
@@ -306,13 +321,13 @@ async def register_mix(models: Any, spec: MixSpec) -> str:
             models.lora_requests[name] = req
             logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
                         ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
-    return name
+        else:
+            req = held
+    return req
 
 
 def _drop_pending(reg: MixRegistry, entry: MixEntry) -> None:
-    with reg._lock:
-        if entry.pending:
-            entry.pending.pop()
+    reg.unlease(entry)
     on_lease_released()
 
 
@@ -326,6 +341,7 @@ async def route_adapters(serving: Any, request: Any) -> Any:
 
     Returns ``None`` (request ready) or an ``ErrorResponse`` naming what is wrong.
     """
+    getattr(request, "__dict__", {}).pop(ROUTED_ATTR, None)
     try:
         return await _route(serving, request)
     except Exception as err:
@@ -355,5 +371,7 @@ async def _route(serving: Any, request: Any) -> Any:
     if len(spec.components) == 1 and spec.components[0].weight == 1.0 and spec.components[0].name in models.lora_requests:
         request.model = spec.components[0].name
         return None
-    request.model = await register_mix(models, spec)
+    lora = await register_mix(models, spec)
+    request.model = lora.lora_name
+    object.__setattr__(request, ROUTED_ATTR, lora)
     return None
