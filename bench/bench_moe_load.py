@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,19 +165,27 @@ def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None, checks:
     return blocks, stats.bytes_read
 
 
-def _lenient_header(path: Path) -> dict:
-    """The header parse the plugin used before the strict checks (the baseline of ``--checks``)."""
+@dataclass(frozen=True)
+class _OldTensorInfo:
+    dtype: str
+    shape: tuple
+    nbytes: int
+
+
+def _lenient_header(path: Path) -> tuple[dict, dict]:
+    """The header parse as it was before the strict checks (commit 544dd85): the baseline of ``--checks``."""
     import struct
 
     with path.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         raw = json.loads(f.read(n))
     raw.pop("__metadata__", None)
-    out = {}
+    infos, offsets = {}, {}
     for key, entry in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         start, end = entry["data_offsets"]
-        out[key] = (entry["dtype"], tuple(entry["shape"]), end - start, 8 + n + start, 8 + n + end)
-    return out
+        infos[key] = _OldTensorInfo(dtype=entry["dtype"], shape=tuple(entry["shape"]), nbytes=end - start)
+        offsets[key] = (8 + n + start, 8 + n + end)
+    return infos, offsets
 
 
 def checks_bench(args: argparse.Namespace) -> dict:

@@ -187,3 +187,34 @@ def test_reading_some_experts_equals_full_read_then_index_bitwise(tmp_path: Path
     header = read_header(tmp_path / "adapter_model.safetensors")
     share = len(experts) / E
     assert stats.bytes_read == header.header_bytes + round(header.total_bytes * share)
+
+
+@pytest.mark.parametrize("form", ["2d", "3d"])
+@pytest.mark.parametrize("scan_workers", [0, 1])
+def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_tensors(
+        tmp_path: Path, form: str, scan_workers: int) -> None:
+    # scan_workers=1: blocks are scanned on their own pool while the next are read (hosts with spare cores);
+    # 0: each reader scans its own block. Both refuse the same NaN, naming its block, and change no tensor.
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.formats import group_moe_keys
+    from vllm_lora_ext.formats.moe import read_blocks
+
+    truths = [make_truth(4, 8, 6, 2, seed) for seed in range(3)]
+    write_moe_adapter(tmp_path / "ok", truths, [form] * 3, rank=2)
+    truths[2].bd[1, 3, 0] = float("nan")
+    write_moe_adapter(tmp_path / "bad", truths, [form] * 3, rank=2)
+
+    def load(folder: Path, check: bool) -> dict:
+        reader = SafetensorsReader(folder / "adapter_model.safetensors")
+        cfg = config_from_dict(json.loads((folder / "adapter_config.json").read_text()))
+        plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
+        return read_blocks(plans, reader.read, config=cfg, read_many=reader.read_many, workers=2,
+                           check_finite_as="x" if check else None, scan_workers=scan_workers)
+
+    checked, plain = load(tmp_path / "ok", True), load(tmp_path / "ok", False)
+    for p in plain:
+        for role in ("gate", "up", "down", "gate_up"):
+            a, b = getattr(checked[p], role), getattr(plain[p], role)
+            assert (a is None) == (b is None) and (a is None or (torch.equal(a.a, b.a) and torch.equal(a.b, b.b)))
+    with pytest.raises(AdapterFormatError, match="model.layers.2.mlp.experts down lora_B' holds NaN"):
+        load(tmp_path / "bad", True)
