@@ -23,7 +23,7 @@ METADATA_RANK_KEYS = ("r", "rank", "lora_rank", "ss_network_dim")
 
 # vLLM releases this plugin is tested against (inclusive lower, exclusive upper bound).
 SUPPORTED_VLLM_MIN = "0.26.0"
-SUPPORTED_VLLM_MAX_EXCLUSIVE = "0.27.0"
+SUPPORTED_VLLM_MAX_EXCLUSIVE = "0.34.0"
 # max_lora_rank values vLLM accepts.
 VLLM_MAX_LORA_RANK_CHOICES = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 

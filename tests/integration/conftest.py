@@ -45,11 +45,23 @@ def llama_adapter_manager(num_layers: int = 2) -> Any:
                 modules[full] = SimpleNamespace(base_layer=base)
                 if n in mapping:
                     packed[full] = [f"model.layers.{i}.{block}.{m}" for m in mapping[n]]
-    return SimpleNamespace(
+    view = SimpleNamespace(
         supported_lora_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
         packed_modules_mapping=dict(mapping), modules=modules, packed_modules=packed,
         model=SimpleNamespace(), moe_ep_load_spec=None, is_pooling_model=False,
+        _enable_mixed_moe_lora_format=False, _classification_head=None, _pooling_task=None,
     )
+    # vLLM's own post-load checks (0.33: MoE format, classification head), bound to this view where they exist.
+    import types
+
+    from vllm.lora.model_manager import LoRAModelManager
+
+    for name in ("_validate_moe_lora_format", "_validate_classification_head_lora", "_get_lora_layer_weights",
+                 "_get_module_to_save_weights"):
+        fn = getattr(LoRAModelManager, name, None)
+        if fn is not None:
+            setattr(view, name, types.MethodType(fn, view))
+    return view
 
 
 @pytest.fixture

@@ -69,17 +69,18 @@ def test_plugin_disabled_by_env_stays_inert() -> None:
     assert out.stdout.split()[-1] == "False" and "disabled" in out.stderr
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.26.3", "0.26.0+cu130", "0.26.1.dev4+g1234"])
-def test_version_gate_accepts_the_tested_release_line(version: str) -> None:
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.3", "0.26.0+cu130", "0.26.1.dev4+g1234", "0.27.1", "0.30.0",
+                                     "0.33.0", "0.33.2+cu130"])
+def test_version_gate_accepts_the_supported_range(version: str) -> None:
     assert check_vllm_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.27.0", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.34.0", "0.34.0.dev1", "1.0.0"])
 def test_version_gate_refuses_other_versions_naming_both(version: str) -> None:
     with pytest.raises(UnsupportedVLLMError) as e:
         check_vllm_version(version)
     msg = str(e.value)
-    assert version in msg and ">=0.26.0,<0.27.0" in msg and "VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1" in msg
+    assert version in msg and ">=0.26.0,<0.34.0" in msg and "VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1" in msg
 
 
 def test_version_gate_can_be_overridden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,17 +32,67 @@ BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 
 
+# Where vLLM keeps create_error_response, newest first (found by feature, not by version string).
+_ERROR_RESPONSE_MODULES = (
+    "vllm.entrypoints.serve.exception_handling.error_response",  # 0.33
+    "vllm.entrypoints.serve.utils.error_response",  # 0.26
+)
+
+
 def error_response(message: str, *, err_type: str, status: int) -> Any:
-    """Build vLLM's ``ErrorResponse`` for an HTTP client (the module that builds it moved between releases)."""
+    """Build vLLM's ``ErrorResponse`` for an HTTP client (the module that builds it moved between releases).
+
+    Raises:
+        [`UnsupportedVLLMError`]: no known module provides ``create_error_response``.
+    """
+    import importlib
     from http import HTTPStatus
 
-    try:
-        from vllm.entrypoints.serve.utils.error_response import create_error_response
-    except ImportError:  # newer vLLM: the helper lives with the OpenAI engine protocol
-        from vllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse
+    for name in _ERROR_RESPONSE_MODULES:
+        try:
+            create = importlib.import_module(name).create_error_response
+        except (ImportError, AttributeError):
+            continue
+        return create(message, err_type=err_type, status_code=HTTPStatus(status))
+    raise UnsupportedVLLMError(f"vllm_lora_ext cannot find vLLM's create_error_response (looked in "
+                               f"{list(_ERROR_RESPONSE_MODULES)}); this vLLM release is not supported yet.")
 
-        return ErrorResponse(error=ErrorInfo(message=message, type=err_type, code=int(status)))
-    return create_error_response(message, err_type=err_type, status_code=HTTPStatus(status))
+
+def unstacked_mapper(mapper: Any) -> Any:
+    """Return the renames-only view of a model's ``hf_to_vllm_mapper`` that vLLM's own LoRA loader uses.
+
+    0.26 calls it ``get_unstacked_mapper()``; 0.33 ``get_rename_mapper()`` (same purpose: keep constituent
+    names such as ``q_proj`` rather than the stacked ``qkv_proj``).
+    """
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        method = getattr(mapper, name, None)
+        if method is not None:
+            return method()
+    raise UnsupportedVLLMError("vllm_lora_ext cannot find the model's renames-only weights mapper "
+                               "(get_rename_mapper / get_unstacked_mapper); this vLLM release is not supported yet.")
+
+
+# Checks vLLM's own loader runs on a loaded LoRAModel (where this vLLM has them): 0.33 validates the MoE
+# format and classification-head weights.
+_POST_LOAD_VALIDATORS = ("_validate_moe_lora_format", "_validate_classification_head_lora")
+
+
+def validate_loaded(adapter_manager: Any, lora: Any) -> None:
+    """Run the post-load checks of vLLM's own loader that this vLLM has, on ``lora``."""
+    for name in _POST_LOAD_VALIDATORS:
+        check = getattr(adapter_manager, name, None)
+        if check is not None:
+            check(lora)
+
+
+def moe_intermediate_per_partition(module: Any) -> int:
+    """Return a MoE LoRA wrapper's per-rank expert intermediate size as adapters see it (unpadded).
+
+    0.33 may pad ``intermediate_size_per_partition`` for its kernels and keeps the adapter's stride in
+    ``_tp_shard_size``; 0.26 has no padding and no such property.
+    """
+    unpadded = getattr(module, "_tp_shard_size", None)
+    return int(unpadded if unpadded is not None else module.intermediate_size_per_partition)
 
 
 def load_adapter_request_cls() -> Any:
@@ -91,7 +141,7 @@ def check_vllm_version(version: str | None = None) -> str:
         return have
     raise UnsupportedVLLMError(
         f"vllm_lora_ext supports vLLM {supported} (tested: {SUPPORTED_VLLM_MIN}), but vLLM {have} is installed. "
-        f"Install a supported vLLM (pip install 'vllm==0.26.0'), uninstall vllm-lora-ext, or set "
+        f"Install a supported vLLM (pip install 'vllm>={SUPPORTED_VLLM_MIN},<{SUPPORTED_VLLM_MAX_EXCLUSIVE}'), uninstall vllm-lora-ext, or set "
         f"{ENV_ALLOW_UNSUPPORTED_VLLM}=1 to try this version anyway."
     )
 

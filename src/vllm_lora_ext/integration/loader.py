@@ -20,6 +20,7 @@ from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
 from vllm_lora_ext.errors import AdapterNotFoundError, UnmatchedKeysError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import plan_experts, read_blocks
+from vllm_lora_ext.integration._compat import unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.planning import find_unmatched, same_layer_block
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
@@ -140,7 +141,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None:
-        mapper = mapper.get_unstacked_mapper()
+        mapper = unstacked_mapper(mapper)
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
 
     # Map every key to the module vLLM will look it up under; MoE keys go to their experts block.
@@ -219,6 +220,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
                                             adapter=name)
     del blocks
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+    validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
+from vllm_lora_ext.integration._compat import moe_intermediate_per_partition
 
 Wrapper = Literal["2d", "3d"]
 
@@ -79,7 +80,7 @@ def moe_targets(manager: Any) -> dict[str, MoETarget]:
         tp = int(getattr(module, "tp_size", 1))
         spec = MoESpec(
             prefix=name, num_experts=int(module.global_num_experts), hidden=int(module.hidden_size),
-            intermediate=int(module.intermediate_size_per_partition) * tp, gate=gate, up=up, down=down,
+            intermediate=moe_intermediate_per_partition(module) * tp, gate=gate, up=up, down=down,
             interleaved=is_3d and getattr(module, "_base_model", None) == "GptOssForCausalLM",
         )
         out[name] = MoETarget(spec, "3d" if is_3d else "2d", local_experts(module))

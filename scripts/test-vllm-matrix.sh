@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run the CPU test suite against each given vLLM release, each in its own venv (.venv-vllm-X.Y.Z), and
+# record a results table. Opt-in: every venv is a full vLLM install (about 5 minutes and 8 GB each).
+#
+#   bash scripts/test-vllm-matrix.sh 0.26.0 0.33.0          # some releases
+#   bash scripts/test-vllm-matrix.sh all                    # every minor release the plugin supports
+#
+# Results: bench/results/vllm_matrix.json (merged with earlier runs), and a line per release on stdout.
+# Exit code: non-zero if any release's suite failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+versions=("$@")
+if [ "${versions[0]:-}" = all ] || [ ${#versions[@]} -eq 0 ]; then
+  versions=(0.26.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0)
+fi
+status=0
+for v in "${versions[@]}"; do
+  venv=".venv-vllm-$v"
+  log="/tmp/vllm-matrix-$v.log"
+  echo "== vLLM $v ($venv, log $log)"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv" || { echo "venv failed"; status=1; continue; }
+  fi
+  if ! "$venv/bin/pip" install -q -e '.[test]' "vllm==$v" >"$log" 2>&1; then
+    echo "install of vllm==$v failed (see $log)"
+    summary="install failed"
+    rc=1
+  else
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider >>"$log" 2>&1
+    rc=$?
+    summary=$(grep -E "^[=]* ?[0-9]+ (passed|failed)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ in [0-9.]*s.*//')
+  fi
+  [ "$rc" -eq 0 ] || status=1
+  echo "vLLM $v: rc=$rc ${summary:-}"
+  python3 - "$v" "$rc" "${summary:-}" <<'PY'
+import json, sys, time, pathlib
+v, rc, summary = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path = pathlib.Path("bench/results/vllm_matrix.json")
+data = json.loads(path.read_text()) if path.exists() else {}
+data[v] = {"passed": rc == 0, "summary": summary, "date": time.strftime("%Y-%m-%d")}
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(dict(sorted(data.items(), key=lambda kv: [int(x) for x in kv[0].split(".")])), indent=2) + "\n")
+PY
+done
+exit $status
