@@ -1,15 +1,25 @@
-"""Key routing rules shared by every loader: which model module a checkpoint name lands on.
+"""Adapter plans: which model module every checkpoint key lands on, and every check before a tensor is read.
 
-Pure core (no vLLM): the worker loader asks these questions with the running model's module names.
+Pure core (no vLLM): `plan_adapter` takes the running model as plain data ([`ModelSpec`]) and vLLM's key
+parser as a [`KeyRouter`]; the worker loader executes the plan (reads, vLLM objects) in a few lines.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["find_unmatched", "same_layer_block"]
+from vllm_lora_ext.config import AdapterConfig
+from vllm_lora_ext.errors import UnmatchedKeysError
+from vllm_lora_ext.formats import classify_key
+from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
+from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
+
+__all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "find_unmatched", "plan_adapter",
+           "same_layer_block"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +65,142 @@ def same_layer_block(prefix: str, blocks: Iterable[str]) -> str:
         logger.debug("experts block %r mapped to the model's %r", prefix, same[0])
         return same[0]
     return prefix
+
+
+# ------------------------------------------------------------------------------------------------ adapter plans
+
+
+class KeyRouter(Protocol):
+    """How the running model names a checkpoint key (the worker supplies vLLM's own parser)."""
+
+    def skip(self, key: str) -> bool:
+        """Whether vLLM drops this key on purpose (base embedding copies, skipped prefixes)."""
+
+    def module(self, key: str) -> str | None:
+        """The model's module name for a LoRA key, or ``None`` if the key is not a LoRA weight."""
+
+
+class PeftKeyRouter:
+    """A router for models whose module names are PEFT's with ``base_model.model.`` removed (tests, offline).
+
+    Example:
+        >>> PeftKeyRouter().module("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+        'model.layers.0.self_attn.q_proj'
+    """
+
+    def skip(self, key: str) -> bool:
+        return False
+
+    def module(self, key: str) -> str | None:
+        info = classify_key(key)
+        return None if info.kind == "other" else info.module
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a plan needs to know about the running model, as plain data.
+
+    Attributes:
+        accepted: every module name the model accepts LoRA weights for (constituents of packed modules too).
+        dims: full input/output sizes of dense modules, where known.
+        moe: the MoE blocks, by module name.
+        local_experts: per MoE block, the global expert ids this rank holds, in local order.
+        max_rank: ``--max-lora-rank``.
+        pooling: a pooling model (vLLM's names then lack the ``model.`` prefix).
+    """
+
+    accepted: frozenset[str]
+    dims: Mapping[str, ModuleDims] = field(default_factory=dict)
+    moe: Mapping[str, MoESpec] = field(default_factory=dict)
+    local_experts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    max_rank: int = 16
+    pooling: bool = False
+
+
+@dataclass
+class AdapterPlan:
+    """Everything a loader needs before it reads a tensor: which dense keys, which MoE blocks, how.
+
+    Attributes:
+        dense_keys: dense LoRA keys to read, in file order.
+        module_of: each dense key's module name in the model.
+        moe: per MoE block (model name), the plan that assigns each key a role and orientation.
+        dropped: keys matching no module, dropped because ``VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS`` is set.
+    """
+
+    dense_keys: list[str]
+    module_of: dict[str, str]
+    moe: dict[str, ExpertsPlan]
+    dropped: list[str] = field(default_factory=list)
+
+
+def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, model: ModelSpec, *,
+                 router: KeyRouter, dtypes: Mapping[str, str] | None = None, name: str = "adapter",
+                 identity: str = "", allow_unmatched: bool = False) -> AdapterPlan:
+    """Route every key of an adapter to the model and check everything that can be checked without its tensors.
+
+    In order: factor dtypes; ranks against ``max_rank``; every key to a module or an MoE block (a
+    transformers-v5 block name goes to the only MoE block of its layer); keys that match nothing
+    (refused, or dropped with ``allow_unmatched``); dense factor pairs, ranks and dims; every MoE
+    block's roles and orientations by shape.
+
+    Raises:
+        [`AdapterFormatError`]: a dtype, a factor pair or a dim is wrong.
+        [`UnmatchedKeysError`]: keys match no module (all of them in ``keys``).
+        [`ExpertLayoutError`]: an MoE block does not fit the model.
+        [`AdapterCompatibilityError`]: a rank exceeds ``max_rank``.
+
+    Example:
+        >>> from vllm_lora_ext.config import config_from_dict
+        >>> spec = ModelSpec(frozenset({"m.q_proj"}), {"m.q_proj": ModuleDims(16, 16)})
+        >>> shapes = {"base_model.model.m.q_proj.lora_A.weight": (4, 16), "base_model.model.m.q_proj.lora_B.weight": (16, 4)}
+        >>> plan_adapter(shapes, config_from_dict({"r": 4}), spec, router=PeftKeyRouter()).module_of
+        {'base_model.model.m.q_proj.lora_A.weight': 'm.q_proj', 'base_model.model.m.q_proj.lora_B.weight': 'm.q_proj'}
+    """
+    if dtypes is not None:
+        check_factor_dtypes(dtypes, adapter=name)
+    check_ranks(shapes, [config.r, *config.rank_pattern.values()], model.max_rank, adapter=name)
+    dense_keys: list[str] = []
+    modules: dict[str, list[str]] = {}
+    module_of: dict[str, str] = {}
+    moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
+    not_lora: list[str] = []
+    moe_unmatched: list[str] = []
+    for key in shapes:
+        if router.skip(key):
+            continue
+        module = router.module(key)
+        if module is None:
+            not_lora.append(key)
+            continue
+        info = classify_key(key)
+        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
+            prefix = router.module(f"{info.experts_prefix}.lora_A.weight") or info.experts_prefix
+            prefix = same_layer_block(prefix, model.moe)
+            if prefix in model.moe:
+                moe_groups.setdefault(prefix, {})[key] = tuple(shapes[key])
+            else:
+                moe_unmatched.append(key)
+            continue
+        modules.setdefault(module, []).append(key)
+        module_of[key] = module
+        dense_keys.append(key)
+    unmatched = not_lora + moe_unmatched + [k for m in find_unmatched(modules, set(model.accepted),
+                                                                      pooling=model.pooling) for k in modules[m]]
+    dropped: list[str] = []
+    if unmatched:
+        where = f" ({identity})" if identity else ""
+        msg = (f"Adapter {name!r}{where} has {len(unmatched)} keys that match no LoRA module of the base model "
+               f"(first: {unmatched[:3]}). Check that the adapter was trained for this base model and that vLLM "
+               f"wraps those modules (--lora-target-modules, --enable-lora for MoE); run 'vllm-lora inspect' on it.")
+        if not allow_unmatched:
+            raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
+        logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
+        dropped = unmatched
+        bad = set(unmatched)
+        dense_keys = [k for k in dense_keys if k not in bad]
+        module_of = {k: m for k, m in module_of.items() if k not in bad}
+    check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name)
+    plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
+             for prefix, group in moe_groups.items()}
+    return AdapterPlan(dense_keys, module_of, plans, dropped)

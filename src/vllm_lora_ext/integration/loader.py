@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
-from vllm_lora_ext.errors import AdapterNotFoundError, UnmatchedKeysError
+from vllm_lora_ext.errors import AdapterNotFoundError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import plan_experts, read_blocks
 from vllm_lora_ext.integration._compat import unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
-from vllm_lora_ext.planning import find_unmatched, same_layer_block
+from vllm_lora_ext.planning import ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
-from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_finite, check_ranks
+from vllm_lora_ext.validation import ModuleDims, check_finite
 
 IDENTITY_ATTR = "vllm_lora_ext_identity"  # the lora_path a LoRAModel was built from (checked on id reuse)
 
@@ -51,6 +51,38 @@ def expected_module_names(manager: Any) -> set[str]:
         if name.endswith(".experts"):
             names.add(name + ".base_layer")
     return names
+
+
+class VllmKeyRouter:
+    """vLLM's own key parsing (``parse_fine_tuned_lora_name`` with the model's mapper), as a core `KeyRouter`."""
+
+    def __init__(self, mapper: Any, skip_prefixes: list[str] | None) -> None:
+        self.mapper = mapper
+        self.skip_prefixes = skip_prefixes
+
+    def skip(self, key: str) -> bool:
+        from vllm.lora.utils import is_base_embedding_weights
+
+        if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
+            return True
+        return bool(self.skip_prefixes) and _skipped(key, self.skip_prefixes or [])
+
+    def module(self, key: str) -> str | None:
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        try:
+            return str(parse_fine_tuned_lora_name(key, self.mapper)[0])
+        except ValueError:
+            return None
+
+
+def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
+    """Describe the worker's model as plain data for `plan_adapter` (module names, dims, MoE blocks, limits)."""
+    return ModelSpec(
+        accepted=frozenset(expected_module_names(manager)), dims=module_dims(manager),
+        moe={p: t.spec for p, t in targets.items()}, local_experts={p: t.local_experts for p, t in targets.items()},
+        max_rank=int(manager.lora_config.max_lora_rank),
+        pooling=bool(getattr(manager._adapter_manager, "is_pooling_model", False)))
 
 
 class _DictSource:
@@ -105,7 +137,6 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     """
     from vllm.exceptions import LoRAAdapterNotFoundError
     from vllm.lora.peft_helper import PEFTHelper
-    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
 
     if lora_request.lora_path.startswith(MIX_PREFIX):
         from vllm_lora_ext.integration.composite import build_composite
@@ -130,69 +161,22 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     if resolved.is_pickle:
         source = _DictSource(load_pickle_tensors(resolved.weights_path))
         shapes = {k: tuple(v.shape) for k, v in source.tensors.items()}
+        dtypes = None
     else:
         source = SafetensorsReader(resolved.weights_path, stats=stats)
-        shapes = source.header.shapes
-    if not resolved.is_pickle:
-        check_factor_dtypes(source.header.dtypes, adapter=name)
-    check_ranks(shapes, [config.r, *config.rank_pattern.values()], manager.lora_config.max_lora_rank, adapter=name)
-    peft_helper.validate_legal(manager.lora_config)
+        shapes, dtypes = source.header.shapes, source.header.dtypes
 
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None:
         mapper = unstacked_mapper(mapper)
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
-
-    # Map every key to the module vLLM will look it up under; MoE keys go to their experts block.
-    accepted = expected_module_names(manager)
     has_moe = any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes)
     targets = moe_targets(manager) if has_moe else {}
-    dense_keys: list[str] = []
-    modules: dict[str, list[str]] = {}
-    moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
-    not_lora: list[str] = []
-    moe_unmatched: list[str] = []
-    module_of: dict[str, str] = {}
-    for key in shapes:
-        if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
-            continue
-        if skip_prefixes and _skipped(key, skip_prefixes):
-            continue
-        try:
-            module, _ = parse_fine_tuned_lora_name(key, mapper)
-        except ValueError:
-            not_lora.append(key)
-            continue
-        info = classify_key(key)
-        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
-            prefix, _ = parse_fine_tuned_lora_name(f"{info.experts_prefix}.lora_A.weight", mapper)
-            prefix = same_layer_block(prefix, targets)
-            if prefix in targets:
-                moe_groups.setdefault(prefix, {})[key] = tuple(shapes[key])
-            else:
-                moe_unmatched.append(key)
-            continue
-        modules.setdefault(module, []).append(key)
-        module_of[key] = module
-        dense_keys.append(key)
-    unmatched_modules = find_unmatched(modules, accepted, pooling=bool(getattr(manager._adapter_manager,
-                                                                               "is_pooling_model", False)))
-    unmatched = not_lora + moe_unmatched + [k for m in unmatched_modules for k in modules[m]]
-    if unmatched:
-        msg = (f"Adapter {name!r} ({resolved.identity}) has {len(unmatched)} keys that match no LoRA module of the "
-               f"base model (first: {unmatched[:3]}). Check that the adapter was trained for this base model and that "
-               f"vLLM wraps those modules (--lora-target-modules, --enable-lora for MoE); run 'vllm-lora inspect' on it.")
-        if not allow_unmatched_keys():
-            raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
-        logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
-        bad = set(unmatched)
-        dense_keys = [k for k in dense_keys if k not in bad]
-
-    # Check every factor and plan every MoE block before reading anything big: shape errors surface first.
-    check_dense_factors(shapes, dense_keys, module_dims(manager), module_of=module_of, adapter=name)
-    plans = {prefix: plan_experts(group, targets[prefix].spec, config=config, adapter=name)
-             for prefix, group in moe_groups.items()}
+    plan = plan_adapter(shapes, config, model_spec(manager, targets), router=VllmKeyRouter(mapper, skip_prefixes),
+                        dtypes=dtypes, name=name, identity=resolved.identity, allow_unmatched=allow_unmatched_keys())
+    dense_keys, plans = plan.dense_keys, plan.moe
+    peft_helper.validate_legal(manager.lora_config)  # after our checks, whose messages name the fix
 
     kept = source.read_many(dense_keys, copy=True)
     check_finite(kept, adapter=name)

@@ -1,0 +1,59 @@
+"""plan_adapter: every key routed to the model, every check made, before a tensor is read (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_lora_ext.config import config_from_dict
+from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError, ExpertLayoutError, UnmatchedKeysError
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter, plan_adapter
+from vllm_lora_ext.validation import ModuleDims
+
+P = "base_model.model."
+MOE = "model.layers.0.block_sparse_moe.experts"  # vLLM's Mixtral name
+SPEC = ModelSpec(
+    accepted=frozenset({"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", MOE}),
+    dims={"model.layers.0.self_attn.q_proj": ModuleDims(16, 16), "model.layers.0.self_attn.v_proj": ModuleDims(16, 8)},
+    moe={MOE: MoESpec(MOE, 4, 16, 6, gate="w1", up="w3", down="w2")}, max_rank=16)
+
+
+def _dense(module: str, r: int = 4, d_in: int = 16, d_out: int = 16) -> dict[str, tuple[int, ...]]:
+    return {f"{P}{module}.lora_A.weight": (r, d_in), f"{P}{module}.lora_B.weight": (d_out, r)}
+
+
+def _plan(shapes: dict[str, tuple[int, ...]], **kw: object) -> object:
+    return plan_adapter(shapes, config_from_dict({"r": 4, "lora_alpha": 8}), SPEC, router=PeftKeyRouter(), name="x",
+                        **kw)  # type: ignore[arg-type]
+
+
+def test_dense_keys_are_routed_and_moe_keys_of_a_v5_block_name_go_to_the_layers_moe_block() -> None:
+    shapes = {**_dense("model.layers.0.self_attn.q_proj"), **_dense("model.layers.0.self_attn.v_proj", d_out=8),
+              f"{P}model.layers.0.mlp.experts.1.w1.lora_A.weight": (4, 16),
+              f"{P}model.layers.0.mlp.experts.1.w1.lora_B.weight": (6, 4)}
+    plan = _plan(shapes)
+    assert plan.dense_keys == list(shapes)[:4]  # type: ignore[attr-defined]
+    assert set(plan.moe) == {MOE} and [k.expert for k in plan.moe[MOE].keys_2d] == [1]  # type: ignore[attr-defined]
+
+
+def test_keys_matching_nothing_are_all_listed_or_dropped_when_allowed() -> None:
+    shapes = {**_dense("model.layers.0.self_attn.q_proj"), **_dense("model.layers.0.self_attn.x_proj"),
+              f"{P}model.layers.0.mlp.other": (1,)}
+    with pytest.raises(UnmatchedKeysError) as e:
+        _plan(shapes)
+    assert len(e.value.keys) == 3 and "x_proj" in str(e.value)
+    plan = _plan(shapes, allow_unmatched=True)
+    assert len(plan.dropped) == 3 and all("x_proj" not in k for k in plan.dense_keys)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("shapes", "kw", "err", "fragment"), [
+    (_dense("model.layers.0.self_attn.q_proj", r=32), {}, AdapterCompatibilityError, "--max-lora-rank 32"),
+    (_dense("model.layers.0.self_attn.v_proj", d_out=16), {}, AdapterFormatError, "maps 16 -> 8"),
+    (_dense("model.layers.0.self_attn.q_proj"), {"dtypes": {f"{P}model.layers.0.self_attn.q_proj.lora_A.weight":
+                                                            "F8_E4M3"}}, AdapterFormatError, "F8_E4M3"),
+    ({f"{P}{MOE}.9.w1.lora_A.weight": (4, 16), f"{P}{MOE}.9.w1.lora_B.weight": (6, 4)}, {}, ExpertLayoutError,
+     "expert 9 out of range"),
+])
+def test_every_check_runs_before_anything_is_read(shapes: dict, kw: dict, err: type, fragment: str) -> None:
+    with pytest.raises(err, match=fragment):
+        _plan(shapes, **kw)
