@@ -69,9 +69,9 @@ class AdapterConfig:
             if not isinstance(k, str) or not _is_rank(v):
                 raise AdapterFormatError(f"Adapter {self.name!r}: rank_pattern[{short_repr(k)}]={short_repr(v)} must "
                                          f"be an integer from 1 to {_MAX_RANK}.", adapter=self.name, key="rank_pattern")
-        for k, v in self.alpha_pattern.items():
-            if not isinstance(k, str) or not _is_number(v):
-                raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(v)} must "
+        for k, alpha in self.alpha_pattern.items():
+            if not isinstance(k, str) or not _is_number(alpha):
+                raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(alpha)} must "
                                          f"be a finite number.", adapter=self.name, key="alpha_pattern")
 
     def rank_for(self, module: str) -> int:

@@ -163,7 +163,7 @@ def _unique_json(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _load_yaml(text: str) -> Any:
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     class _UniqueLoader(yaml.SafeLoader):
         pass

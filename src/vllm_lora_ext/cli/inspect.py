@@ -90,8 +90,8 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
                           "layout": plan.layout, "sizes": notes.get(prefix, ""),
                           "2d": sorted({f"{k.role} r={k.rank}" for k in plan.keys_2d}),
                           "3d": [f"{k.role} {k.orientation} r={k.rank}" for k in plan.keys_3d]}
-    for prefix, why in unsettled.items():
-        blocks[prefix] = {"unsettled": why}
+    for prefix, reason in unsettled.items():
+        blocks[prefix] = {"unsettled": reason}
     report: dict[str, Any] = {"moe_blocks": blocks}
     if unsettled:
         ep_size = None  # a read plan needs every block's sizes

@@ -110,7 +110,7 @@ def module_dims(manager: Any) -> dict[str, ModuleDims]:
     adapter_manager = manager._adapter_manager
     out: dict[str, ModuleDims] = {}
     for name, module in adapter_manager.modules.items():
-        base = getattr(module, "base_layer", None)
+        base: Any = getattr(module, "base_layer", None)
         d_in = getattr(base, "input_size", None)
         if type(d_in) is not int:
             continue

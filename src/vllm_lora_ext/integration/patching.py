@@ -86,7 +86,7 @@ def apply_patch(module: ModuleType, patch: Patch) -> None:
         return
     replacement = patch.make(original)
     setattr(replacement, PATCH_MARK, patch.name)
-    replacement.__wrapped__ = original
+    setattr(replacement, "__wrapped__", original)
     setattr(owner, attr, replacement)
     _APPLIED[patch.name] = (owner, attr, original)
     logger.debug("patched %s", patch.name)

@@ -12,9 +12,11 @@ same table for readers; a test keeps the two in step.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 from collections.abc import AsyncGenerator, Callable
+from types import ModuleType
 from typing import Any
 
 from vllm_lora_ext import __version__
@@ -58,7 +60,7 @@ def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_adapter(self: Any, lora_request: Any) -> Any:
         # vLLM skips loading an id it already holds. If the held model was built from another
         # source, serving it would hand this request another adapter's tensors: reload instead.
-        manager = getattr(self, "_adapter_manager", None)
+        manager: Any = getattr(self, "_adapter_manager", None)
         get = getattr(manager, "get_adapter", None)
         held = get(lora_request.lora_int_id) if get is not None else None
         identity = getattr(held, IDENTITY_ATTR, None)
@@ -245,9 +247,13 @@ def register() -> None:
         return
     vllm_version = check_vllm_version()
     for patch in PATCHES:
-        when_imported(patch.module, lambda module, patch=patch: apply_patch(module, patch))
+        when_imported(patch.module, functools.partial(_apply, patch))
     _REGISTERED = True
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
+
+
+def _apply(patch: Patch, module: ModuleType) -> None:
+    apply_patch(module, patch)
 
 
 def unregister() -> None:
