@@ -21,7 +21,9 @@ for v in "${versions[@]}"; do
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv" || { echo "venv failed"; status=1; continue; }
   fi
-  if ! "$venv/bin/pip" install -q -e '.[test]' "vllm==$v" >"$log" 2>&1; then
+  # vLLM alone first, so that its own pins choose torch and torchvision together; then this package and the
+  # test tools, which leave them as they are.
+  if ! { "$venv/bin/pip" install -q "vllm==$v" && "$venv/bin/pip" install -q -e '.[test]'; } >"$log" 2>&1; then
     echo "install of vllm==$v failed (see $log)"
     summary="install failed"
     rc=1

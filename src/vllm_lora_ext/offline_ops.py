@@ -100,6 +100,29 @@ def load_base_config(value: str) -> dict[str, Any]:
     return raw
 
 
+def base_config_for(config: AdapterConfig, explicit: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """Return the base model config to use and where it came from (for the CLI to say so).
+
+    ``explicit`` (``--base-config``) wins. Otherwise, if the adapter's ``base_model_name_or_path`` is a Hub id
+    whose ``config.json`` is already in the local Hugging Face cache, that one is used (no network).
+    """
+    if explicit:
+        return load_base_config(explicit), f"--base-config {explicit}"
+    ref = config.base_model_name_or_path
+    if not ref:
+        return None, None
+    from huggingface_hub import try_to_load_from_cache
+
+    from vllm_lora_ext.sources import _looks_like_repo_id
+
+    if not _looks_like_repo_id(ref):
+        return None, None
+    hit = try_to_load_from_cache(ref, "config.json")
+    if not isinstance(hit, str):
+        return None, None
+    return load_base_config(hit), f"{ref} (config.json from the local Hugging Face cache)"
+
+
 def _solve_3d(pairs: list[tuple[int, int]], orientation: str | None) -> set[tuple[int, int, str]]:
     """Every ``(H, I, orientation)`` under which the fused pairs ``(in, out)`` are one gate_up and/or one down.
 

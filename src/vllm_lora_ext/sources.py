@@ -45,6 +45,7 @@ from vllm_lora_ext.constants import (
     allow_pickle as _env_allow_pickle,
     hf_offline,
 )
+from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 
 __all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source"]
@@ -358,6 +359,7 @@ class _HubClient:
                 self.src.repo_id or "", filename, revision=revision,
                 cache_dir=None if self.cache_dir is None else Path(self.cache_dir),
                 token=self.token, local_files_only=self.local_only,
+                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
             ))
         except hf_errors.GatedRepoError as err:
             raise AdapterNotFoundError(

@@ -210,3 +210,25 @@ def test_base_config_from_the_hub_downloads_only_config_json(tmp_path: Path, hub
     repo.commit({"config.json": json.dumps(BASE).encode(), "model.safetensors": b"\0" * 4096})
     assert load_base_config("hf:acme/base-model") == BASE
     assert not any("model.safetensors" in path for _, path in hub.requests)  # type: ignore[attr-defined]
+
+
+def test_inspect_uses_the_base_models_config_from_the_local_cache_and_says_so(
+        tmp_path: Path, hub: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_lora_ext.offline_ops import load_base_config
+
+    # a fused down-only block: its shapes alone cannot settle H and I (see the test above)
+    from vllm_lora_ext.formats import PEFT_PREFIX
+    from factories import lora_config, write_adapter
+
+    hub.repo("acme/base-model").commit({"config.json": json.dumps(BASE).encode()})  # type: ignore[attr-defined]
+    load_base_config("hf:acme/base-model")  # fills the local cache (the test runs online against the local hub)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = make_truth(E, H, I, R, 7)
+    p = f"{PEFT_PREFIX}model.layers.0.mlp.experts"
+    write_adapter(tmp_path / "src", {f"{p}.lora_A.weight": t.ad.reshape(E * R, I).contiguous(),
+                                     f"{p}.lora_B.weight": t.bd.permute(1, 2, 0).reshape(H, R * E).contiguous()},
+                  lora_config(R, 8, ["down_proj"], base_model_name_or_path="acme/base-model"))
+    assert main(["inspect", str(tmp_path / "src")]) == 0
+    out = capsys.readouterr().out
+    assert "base config: acme/base-model (config.json from the local Hugging Face cache)" in out
+    assert "E=8 H=32 I=12" in out and "sizes not settled" not in out

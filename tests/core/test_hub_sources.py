@@ -177,3 +177,17 @@ def test_a_missing_file_names_a_real_file_of_the_repo_and_that_spelling_resolves
     example = re.search(r"e\.g\. '([^']+)'", msg).group(1)  # type: ignore[union-attr]
     assert example == "hf:acme/multi:files/a.safetensors"
     assert resolve_source(example).weights_path.read_bytes() == repos["wa"]
+
+
+def test_a_slow_download_logs_bytes_rate_and_percent(repos, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    import vllm_lora_ext._progress as progress
+
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)  # every update counts as slow
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="vllm_lora_ext.progress"):
+        resolve_source("hf:acme/multi:files/a.safetensors")
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm_lora_ext.progress"
+             and r.getMessage().startswith("downloading acme/multi:files/a.safetensors: ")]
+    assert lines and "(100%)" in lines[-1] and "MiB/s" in lines[-1]

@@ -218,3 +218,23 @@ def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_t
             assert (a is None) == (b is None) and (a is None or (torch.equal(a.a, b.a) and torch.equal(a.b, b.b)))
     with pytest.raises(AdapterFormatError, match="model.layers.2.mlp.experts down lora_B' holds NaN"):
         load(tmp_path / "bad", True)
+
+
+def test_a_slow_moe_load_logs_progress_per_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import vllm_lora_ext._progress as progress
+    from vllm_lora_ext.formats import group_moe_keys
+    from vllm_lora_ext.formats.moe import read_blocks
+
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    write_moe_adapter(tmp_path / "a", [make_truth(4, 8, 6, 2, s) for s in range(3)], ["2d"] * 3, rank=2)
+    reader = SafetensorsReader(tmp_path / "a" / "adapter_model.safetensors")
+    cfg = config_from_dict(json.loads((tmp_path / "a" / "adapter_config.json").read_text()))
+    plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
+    with caplog.at_level(logging.INFO, logger="vllm_lora_ext.progress"):
+        read_blocks(plans, reader.read, config=cfg, read_many=reader.read_many, workers=1, check_finite_as="x")
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm_lora_ext.progress"]
+    assert len(lines) == 3 and lines[-1].startswith("loading 'x' (3 MoE blocks): ") and "(100%)" in lines[-1]

@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from vllm_lora_ext.cli import positive_int
-from vllm_lora_ext.offline_ops import convert_adapter, load_base_config
+from vllm_lora_ext.offline_ops import base_config_for, convert_adapter
+from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.outputs import check_output_dir
 from vllm_lora_ext.sources import resolve_source
 
@@ -26,7 +27,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
     out = check_output_dir(args.output, inputs=[resolved.weights_path], force=args.force)
-    base = load_base_config(args.base_config) if args.base_config else None
+    base, base_from = base_config_for(load_config(resolved), args.base_config)
+    if base_from and not args.base_config:
+        print(f"base config: {base_from}")
     convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts)
     print(f"wrote {out}")
     return 0

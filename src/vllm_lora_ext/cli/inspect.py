@@ -73,6 +73,11 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
     header = read_header(resolved.weights_path)
     config = load_config(resolved)
     groups = group_moe_keys(header.shapes)
+    base_from: str | None = "--base-config" if base_config is not None else None
+    if base_config is None:
+        from vllm_lora_ext.offline_ops import base_config_for
+
+        base_config, base_from = base_config_for(config, None)
     specs: dict[str, MoESpec] = {}
     notes: dict[str, str] = {}
     unsettled: dict[str, str] = {}
@@ -92,7 +97,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
                           "3d": [f"{k.role} {k.orientation} r={k.rank}" for k in plan.keys_3d]}
     for prefix, reason in unsettled.items():
         blocks[prefix] = {"unsettled": reason}
-    report: dict[str, Any] = {"moe_blocks": blocks}
+    report: dict[str, Any] = {"moe_blocks": blocks, "base_config": base_from}
     if unsettled:
         ep_size = None  # a read plan needs every block's sizes
     if ep_size:
@@ -116,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     blocks = moe.get("moe_blocks", {})
     if blocks:
         print("")
+        if moe.get("base_config"):
+            print(f"base config: {moe['base_config']}")
         print("MoE blocks (checked against E, H, I):")
         for prefix, b in list(blocks.items())[: None if args.all_modules else 12]:
             if "unsettled" in b:

@@ -482,7 +482,10 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         [`AdapterFormatError`]: a factor holds NaN or infinity (the first block in ``plans`` order).
     """
     import os
+    import threading
     from concurrent.futures import Future, ThreadPoolExecutor
+
+    from vllm_lora_ext._progress import ProgressLog
 
     from vllm_lora_ext.validation import first_nonfinite
 
@@ -495,6 +498,9 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     scan_pool = ThreadPoolExecutor(scan_workers, thread_name_prefix="vllm-lora-ext-scan") \
         if check_finite_as is not None and scan_workers > 0 else None
     scans: dict[str, Future[str | None]] = {}
+    progress = ProgressLog(f"loading {check_finite_as or 'adapter'!r} ({len(items)} MoE blocks)")
+    done = {"blocks": 0, "bytes": 0}
+    lock = threading.Lock()
 
     def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
         prefix, plan = item
@@ -502,6 +508,10 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                           read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as)
         if scan_pool is not None:
             scans[prefix] = scan_pool.submit(first_nonfinite, _factors(ex))
+        with lock:  # bytes so far, against the blocks' share of the total
+            done["blocks"] += 1
+            done["bytes"] += sum(t.numel() * t.element_size() for t in _factors(ex).values())
+            progress.update(done["bytes"], total=done["bytes"] * len(items) // done["blocks"])
         return ex
 
     try:
