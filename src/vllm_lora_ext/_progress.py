@@ -63,7 +63,7 @@ def logging_tqdm_class(what: str) -> Any:
     It logs even when huggingface_hub's own bars are disabled (``HF_HUB_DISABLE_PROGRESS_BARS``),
     as on a server whose stderr is not a terminal.
     """
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     class _LoggingTqdm(tqdm):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
