@@ -28,6 +28,15 @@ for v in "${versions[@]}"; do
     summary="install failed"
     rc=1
   else
+    # On some registries vLLM 0.27-0.32 resolve a CPU build of torch 2.13 next to a torchvision built for
+    # another torch ("operator torchvision::nms does not exist" on import). vLLM's text paths and
+    # transformers work without torchvision, so a torchvision that cannot import is removed, and said so.
+    if "$venv/bin/python" -c "import torchvision" >/dev/null 2>&1; then :; else
+      if "$venv/bin/pip" show torchvision >/dev/null 2>&1; then
+        echo "note: vLLM $v: removing a torchvision that does not import with this torch" | tee -a "$log"
+        "$venv/bin/pip" uninstall -q -y torchvision >>"$log" 2>&1
+      fi
+    fi
     "$venv/bin/python" -m pytest -q -p no:cacheprovider >>"$log" 2>&1
     rc=$?
     summary=$(grep -E "^[=]* ?[0-9]+ (passed|failed)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ in [0-9.]*s.*//')

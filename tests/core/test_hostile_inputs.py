@@ -25,7 +25,6 @@ from factories import lora_config, make_dense_adapter, write_adapter
 from vllm_lora_ext.config import config_from_dict, infer_config, read_config
 from vllm_lora_ext.errors import (
     AdapterFormatError,
-    AdapterNotFoundError,
     AdapterSourceError,
     DeploymentConfigError,
     ExpertLayoutError,

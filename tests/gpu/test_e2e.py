@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from serving import vllm_serve
 from tiny import HFReference, build_dense, build_peft_adapter, build_qwen3_moe, prompts, vllm_greedy, vllm_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -196,12 +193,6 @@ def test_bad_mix_raises_at_the_call(llm_dense: Any, dense: dict[str, Path]) -> N
     assert len(vllm_greedy(llm_dense, prompts()[:1], 2, None)[0]) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -231,32 +222,17 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
                                                                         hub: Any, gpu_workdir: Path,
                                                                         record: Any) -> None:
     _publish_dense_adapter(hub, dense)
-    port = _free_port()
     deploy = gpu_workdir / "deployment.yaml"
     deploy.write_text("adapters:\n  cfg-hub:\n    source: 'hf:acme/tiny-loras:dense/weights.safetensors'\n"
                       f"    weight: 0.7\n  cfg-b:\n    source: '{dense['adapter2']}'\n    weight: 0.3\n"
                       "default: cfg-hub\n")
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", HF_HUB_OFFLINE="0", VLLM_LORA_EXT_CONFIG=str(deploy))
-    log = (gpu_workdir / "serve.log").open("w")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(dense["model"]), "--enable-lora",
-           "--lora-modules", f"dense-local={dense['adapter']}", "dense-hub=hf:acme/tiny-loras:dense/weights.safetensors",
-           "--max-lora-rank", "16", "--max-loras", "4", "--enforce-eager", "--gpu-memory-utilization", "0.2",
-           "--max-model-len", "256", "--dtype", "bfloat16", "--port", str(port), "--seed", "0"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError("vllm serve exited:\n" + (gpu_workdir / "serve.log").read_text()[-4000:])
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        else:
-            raise AssertionError("vllm serve did not become healthy")
+    args = ["--enable-lora", "--lora-modules", f"dense-local={dense['adapter']}",
+            "dense-hub=hf:acme/tiny-loras:dense/weights.safetensors", "--max-lora-rank", "16", "--max-loras", "4",
+            "--enforce-eager", "--gpu-memory-utilization", "0.2", "--max-model-len", "256", "--dtype", "bfloat16",
+            "--seed", "0"]
+    with vllm_serve(dense["model"], args, env=env, log_path=gpu_workdir / "serve.log") as srv:
+        base = srv["base"]
         ps = prompts()
         offline = vllm_greedy(llm_dense, ps, N_TOKENS, _req("dense", 1, str(dense["adapter"])))
         local = [_completion_ids(base, "dense-local", p) for p in ps]
@@ -304,13 +280,4 @@ def test_vllm_serve_with_lora_modules_local_and_hf_answers_like_offline(llm_dens
         assert bad_status == 404 and "missing.safetensors" in str(bad_body)
         assert trav_status == 400 and "'..' in path" in str(trav_body)
         assert after == offline[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        out = os.environ.get("VLLM_LORA_EXT_SERVE_LOG")
-        if out:
-            Path(out).write_text((gpu_workdir / "serve.log").read_text()[-200000:])
+

@@ -15,28 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from serving import vllm_serve
 from tiny import build_dense, build_peft_adapter, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 N_TOKENS = 8
 ADAPTERS = ("a", "b", "c", "d")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss(pid: int) -> int:
@@ -64,41 +55,14 @@ def server(gpu_workdir: Path) -> Any:
         build_peft_adapter(model, roots / name, seed=10 + i, rank=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"])
     deploy = gpu_workdir / "hostile-deploy.yaml"
     deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{roots / n}', weight: 1.0}}\n" for n in ADAPTERS))
-    port = _free_port()
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_MAX_MIXES="4", VLLM_LORA_EXT_MIX_WAIT_S="600", VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
-    log_path = gpu_workdir / "hostile-serve.log"
-    log = log_path.open("w")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--enable-lora",
-           "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
-           "--gpu-memory-utilization", "0.3", "--max-model-len", "256", "--max-num-seqs", "256", "--dtype", "bfloat16",
-           "--port", str(port), "--seed", "0"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError("vllm serve exited:\n" + log_path.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(2)
-    else:
-        raise AssertionError("vllm serve did not become healthy")
-    try:
-        yield {"base": base, "model": str(model), "proc": proc, "roots": roots, "log": log_path}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        out = os.environ.get("VLLM_LORA_EXT_SERVE_LOG")
-        if out:
-            Path(out).with_name("hostile-serve.log").write_text(log_path.read_text()[-300000:])
+    args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
+            "--gpu-memory-utilization", "0.3", "--max-model-len", "256", "--max-num-seqs", "256", "--dtype", "bfloat16",
+            "--seed", "0"]
+    with vllm_serve(model, args, env=env, log_path=gpu_workdir / "hostile-serve.log",
+                    keep_log_as="hostile-serve.log") as srv:
+        yield {**srv, "model": str(model), "roots": roots}
 
 
 def _http() -> Any:

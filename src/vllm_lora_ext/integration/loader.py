@@ -19,7 +19,7 @@ import torch
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
 from vllm_lora_ext.errors import AdapterNotFoundError
 from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.formats.moe import plan_experts, read_blocks
+from vllm_lora_ext.formats.moe import read_blocks
 from vllm_lora_ext.integration._compat import unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.planning import ModelSpec, plan_adapter

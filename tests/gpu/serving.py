@@ -1,0 +1,55 @@
+"""Start `vllm serve` for a GPU test, wait until it is healthy, and always stop it (log kept for the results)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def vllm_serve(model: Path | str, args: Sequence[str], *, env: dict[str, str], log_path: Path,
+               keep_log_as: str = "serve.log", timeout: float = 400) -> Iterator[dict[str, Any]]:
+    """Yield ``{"base": url, "proc": Popen}`` for a healthy ``vllm serve MODEL ARGS --port P``."""
+    port = free_port()
+    log = log_path.open("w")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError("vllm serve exited:\n" + log_path.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        else:
+            raise AssertionError("vllm serve did not become healthy")
+        yield {"base": base, "proc": proc}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        out = os.environ.get("VLLM_LORA_EXT_SERVE_LOG")
+        if out:
+            Path(out).with_name(keep_log_as).write_text(log_path.read_text()[-300000:])
