@@ -6,6 +6,10 @@
 #   bash scripts/test-vllm-matrix.sh all                    # every minor release the plugin supports
 #
 # Results: bench/results/vllm_matrix.json (merged with earlier runs), and a line per release on stdout.
+# MATRIX_PIP_ARGS: extra requirements for the vLLM install. Where a local wheel store offers a CPU-only torch
+# (e.g. torch 2.13.0+cpu, which sorts above PyPI's 2.13.0), vLLM 0.27-0.32 otherwise get it next to their
+# pinned CUDA builds of torchvision/torchaudio/torchcodec, which then fail to load when transformers imports
+# them, before any plugin code runs; MATRIX_PIP_ARGS='torch!=2.13.0+cpu' keeps PyPI's build.
 # Exit code: non-zero if any release's suite failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,23 +27,16 @@ for v in "${versions[@]}"; do
   fi
   # vLLM alone first, so that its own pins choose torch and torchvision together; then this package and the
   # test tools, which leave them as they are.
-  if ! { "$venv/bin/pip" install -q "vllm==$v" && "$venv/bin/pip" install -q -e '.[test]'; } >"$log" 2>&1; then
+  # shellcheck disable=SC2086  # MATRIX_PIP_ARGS is a list of requirement specs
+  if ! { "$venv/bin/pip" install -q "vllm==$v" ${MATRIX_PIP_ARGS:-} && "$venv/bin/pip" install -q -e '.[test]'; } \
+      >"$log" 2>&1; then
     echo "install of vllm==$v failed (see $log)"
     summary="install failed"
     rc=1
   else
-    # On some registries vLLM 0.27-0.32 resolve a CPU build of torch 2.13 next to a torchvision built for
-    # another torch ("operator torchvision::nms does not exist" on import). vLLM's text paths and
-    # transformers work without torchvision, so a torchvision that cannot import is removed, and said so.
-    if "$venv/bin/python" -c "import torchvision" >/dev/null 2>&1; then :; else
-      if "$venv/bin/pip" show torchvision >/dev/null 2>&1; then
-        echo "note: vLLM $v: removing a torchvision that does not import with this torch" | tee -a "$log"
-        "$venv/bin/pip" uninstall -q -y torchvision >>"$log" 2>&1
-      fi
-    fi
     "$venv/bin/python" -m pytest -q -p no:cacheprovider >>"$log" 2>&1
     rc=$?
-    summary=$(grep -E "^[=]* ?[0-9]+ (passed|failed)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ in [0-9.]*s.*//')
+    summary=$(grep -aE "^[=]* ?[0-9]+ (passed|failed)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ in [0-9.]*s.*//')
   fi
   [ "$rc" -eq 0 ] || status=1
   echo "vLLM $v: rc=$rc ${summary:-}"
