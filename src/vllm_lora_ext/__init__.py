@@ -8,12 +8,18 @@ from __future__ import annotations
 
 from vllm_lora_ext.config import AdapterConfig, infer_config, read_config
 from vllm_lora_ext.errors import (
+    AdapterAccessError,
     AdapterCompatibilityError,
+    AdapterDownloadError,
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,
+    DeploymentConfigError,
     ExpertLayoutError,
+    MixCapacityError,
     MixError,
+    MixIdCollisionError,
+    OutputPathError,
     UnmatchedKeysError,
     UnsafeFormatError,
     UnsupportedVLLMError,
@@ -27,15 +33,21 @@ from vllm_lora_ext.summary import AdapterSummary, summarize_adapter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterAccessError",
     "AdapterCompatibilityError",
     "AdapterConfig",
+    "AdapterDownloadError",
     "AdapterFormatError",
     "AdapterNotFoundError",
     "AdapterSource",
     "AdapterSourceError",
     "AdapterSummary",
+    "DeploymentConfigError",
     "ExpertLayoutError",
+    "MixCapacityError",
     "MixError",
+    "MixIdCollisionError",
+    "OutputPathError",
     "ResolvedAdapter",
     "UnmatchedKeysError",
     "UnsafeFormatError",
