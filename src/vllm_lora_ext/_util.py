@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import reprlib
 from typing import Any
 
@@ -10,6 +11,13 @@ _REPR.maxstring = 80
 _REPR.maxother = 80
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 _REPR.maxlevel = 3
+
+
+def read_capped(path: str | os.PathLike[str], limit: int) -> tuple[bytes, bool]:
+    """Read at most ``limit + 1`` bytes of a file; return them and whether the file is larger than ``limit``."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return data, len(data) > limit
 
 
 def short_repr(value: Any) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
 from vllm_lora_ext.errors import AdapterFormatError
 
@@ -210,9 +210,8 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter") -> Adapt
     """
     p = Path(path)
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
+        data, too_big = read_capped(p, MAX_CONFIG_BYTES)
+        if too_big:
             raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes; an "
                                      f"adapter_config.json is a few KiB. Fix or replace it.", adapter=name, key=None)
         raw = json.loads(data.decode("utf-8"))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MIX_NAME_PREFIX
 from vllm_lora_ext.errors import AdapterSourceError, DeploymentConfigError, MixError
 from vllm_lora_ext.mixing import check_weight
@@ -135,12 +135,11 @@ def read_deployment_config(path: str | os.PathLike[str]) -> DeploymentConfig:
     """
     p = Path(path).expanduser()
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        data, too_big = read_capped(p, MAX_CONFIG_BYTES)
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise DeploymentConfigError(f"Cannot read deployment config {str(p)!r}: {err}. Check VLLM_LORA_EXT_CONFIG.") from err
-    if len(data) > MAX_CONFIG_BYTES:
+    if too_big:
         raise DeploymentConfigError(f"Deployment config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes. Split it or "
                                     f"check VLLM_LORA_EXT_CONFIG points at the right file.")
     try:

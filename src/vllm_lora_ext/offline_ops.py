@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
 from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
 from vllm_lora_ext.outputs import write_atomically
@@ -86,9 +86,8 @@ def load_base_config(value: str) -> dict[str, Any]:
         if not path.is_file():
             raise AdapterNotFoundError(f"Base config {str(path)!r} does not exist. Pass the base model's config.json, "
                                        f"its folder, or hf:org/model.", source=value)
-    with path.open("rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
+    data, too_big = read_capped(path, MAX_CONFIG_BYTES)
+    if too_big:
         raise AdapterFormatError(f"Base config {str(path)!r} is larger than {MAX_CONFIG_BYTES} bytes; pass the "
                                  f"model's config.json.")
     try:

@@ -166,6 +166,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
     not_lora: list[str] = []
     moe_unmatched: list[str] = []
+    block_of: dict[str, str] = {}  # experts prefix in the file -> the model's block (one routing per prefix)
     for key in shapes:
         if router.skip(key):
             continue
@@ -175,8 +176,10 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
             continue
         info = classify_key(key)
         if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
-            prefix = router.module(f"{info.experts_prefix}.lora_A.weight") or info.experts_prefix
-            prefix = same_layer_block(prefix, model.moe)
+            prefix = block_of.get(info.experts_prefix)
+            if prefix is None:
+                routed = router.module(f"{info.experts_prefix}.lora_A.weight") or info.experts_prefix
+                prefix = block_of[info.experts_prefix] = same_layer_block(routed, model.moe)
             if prefix in model.moe:
                 moe_groups.setdefault(prefix, {})[key] = tuple(shapes[key])
             else:

@@ -506,11 +506,12 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         prefix, plan = item
         ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
                           read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as)
+        factors = _factors(ex)
         if scan_pool is not None:
-            scans[prefix] = scan_pool.submit(first_nonfinite, _factors(ex))
+            scans[prefix] = scan_pool.submit(first_nonfinite, factors)
         with lock:  # bytes so far, against the blocks' share of the total
             done["blocks"] += 1
-            done["bytes"] += sum(t.numel() * t.element_size() for t in _factors(ex).values())
+            done["bytes"] += sum(t.numel() * t.element_size() for t in factors.values())
             progress.update(done["bytes"], total=done["bytes"] * len(items) // done["blocks"])
         return ex
 
