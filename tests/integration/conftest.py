@@ -12,14 +12,21 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture
 def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM 0.26 believes it can pin memory on a machine without a driver; tell it the truth."""
-    import vllm.lora.lora_model as lora_model
-    import vllm.lora.lora_weights as lora_weights
-    import vllm.lora.model_manager as model_manager
-    import vllm.utils.torch_utils as torch_utils
+    """vLLM believes it can pin memory on a machine without a driver; tell it the truth.
 
-    for mod in (lora_model, lora_weights, model_manager, torch_utils):
+    0.26 reads a PIN_MEMORY constant; 0.32's punica mapping asks is_pin_memory_available() where it imported it.
+    """
+    import importlib
+
+    for name in ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager", "vllm.utils.torch_utils",
+                 "vllm.lora.punica_wrapper.utils"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
         monkeypatch.setattr(mod, "PIN_MEMORY", False, raising=False)
+        if hasattr(mod, "is_pin_memory_available"):
+            monkeypatch.setattr(mod, "is_pin_memory_available", lambda: False)
 
 
 # The sizes vLLM's linear layers report for factories.tiny_llama (hidden 64, 2 kv heads of 16, intermediate 128).
@@ -56,8 +63,8 @@ def llama_adapter_manager(num_layers: int = 2) -> Any:
 
     from vllm.lora.model_manager import LoRAModelManager
 
-    for name in ("_validate_moe_lora_format", "_validate_classification_head_lora", "_get_lora_layer_weights",
-                 "_get_module_to_save_weights"):
+    for name in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_classification_head_lora",
+                 "_get_lora_layer_weights", "_get_module_to_save_weights"):
         fn = getattr(LoRAModelManager, name, None)
         if fn is not None:
             setattr(view, name, types.MethodType(fn, view))
