@@ -63,8 +63,9 @@ def llama_adapter_manager(num_layers: int = 2) -> Any:
 
     from vllm.lora.model_manager import LoRAModelManager
 
-    for name in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_classification_head_lora",
-                 "_get_lora_layer_weights", "_get_module_to_save_weights"):
+    from vllm_lora_ext.integration._compat import POST_LOAD_VALIDATORS
+
+    for name in (*POST_LOAD_VALIDATORS, "_get_lora_layer_weights", "_get_module_to_save_weights"):
         fn = getattr(LoRAModelManager, name, None)
         if fn is not None:
             setattr(view, name, types.MethodType(fn, view))

@@ -163,3 +163,18 @@ def test_a_patch_whose_target_changed_signature_is_refused_naming_it() -> None:
     missing = Patch("fake", "WorkerLoRAManager.gone", (), lambda o: o, why="", delete_when="")
     with pytest.raises(UnsupportedVLLMError, match="does not exist in this vLLM"):
         apply_patch(module, missing)
+
+
+def test_every_post_load_check_of_vllms_own_loader_runs_in_the_plugins_loader_too() -> None:
+    # vLLM adds checks to its _load_adapter between releases (0.32: modules_to_save, token classification;
+    # 0.33: classification heads); the plugin's loader replaces it, so it must run each of them.
+    import inspect
+    import re
+
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from vllm_lora_ext.integration._compat import POST_LOAD_VALIDATORS
+
+    original = inspect.unwrap(WorkerLoRAManager._load_adapter)
+    called = set(re.findall(r"_adapter_manager\.(_validate_\w+)", inspect.getsource(original)))
+    assert called <= set(POST_LOAD_VALIDATORS), called - set(POST_LOAD_VALIDATORS)

@@ -72,15 +72,15 @@ def unstacked_mapper(mapper: Any) -> Any:
                                "(get_rename_mapper / get_unstacked_mapper); this vLLM release is not supported yet.")
 
 
-# Checks vLLM's own loader runs on a loaded LoRAModel (where this vLLM has them): 0.31-0.32 validate
-# modules_to_save, 0.33 the MoE format and classification-head weights.
-_POST_LOAD_VALIDATORS = ("_validate_moe_lora_format", "_validate_modules_to_save",
-                         "_validate_classification_head_lora")
+# Checks vLLM's own loader runs on a loaded LoRAModel (where this vLLM has them): 0.32 validates the MoE
+# format, modules_to_save and token-classification heads; 0.33 the MoE format and classification heads.
+POST_LOAD_VALIDATORS = ("_validate_moe_lora_format", "_validate_modules_to_save",
+                        "_validate_token_classification_lora", "_validate_classification_head_lora")
 
 
 def validate_loaded(adapter_manager: Any, lora: Any) -> None:
     """Run the post-load checks of vLLM's own loader that this vLLM has, on ``lora``."""
-    for name in _POST_LOAD_VALIDATORS:
+    for name in POST_LOAD_VALIDATORS:
         check = getattr(adapter_manager, name, None)
         if check is not None:
             check(lora)
