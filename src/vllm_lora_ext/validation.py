@@ -18,7 +18,7 @@ from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError
 from vllm_lora_ext.formats import classify_key
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_finite", "first_nonfinite"]
+           "check_finite", "first_nonfinite", "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
 LORA_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -155,6 +155,13 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
+def nonfinite_error(key: str, *, adapter: str = "adapter") -> AdapterFormatError:
+    """Return the error for a factor ``key`` that holds NaN or infinity."""
+    return AdapterFormatError(f"Adapter {adapter!r}: tensor {key!r} holds NaN or infinite values (after scaling). "
+                              f"Re-train or re-save the adapter; check lora_alpha and the mix weights.",
+                              adapter=adapter, key=key)
+
+
 def check_finite(tensors: Mapping[str, torch.Tensor], *, adapter: str = "adapter") -> None:
     """Refuse factors that hold NaN or infinity (they would turn every output of the request into NaN).
 
@@ -163,6 +170,4 @@ def check_finite(tensors: Mapping[str, torch.Tensor], *, adapter: str = "adapter
     """
     bad = first_nonfinite(tensors)
     if bad is not None:
-        raise AdapterFormatError(f"Adapter {adapter!r}: tensor {bad!r} holds NaN or infinite values (after scaling). "
-                                 f"Re-train or re-save the adapter; check lora_alpha and the mix weights.",
-                                 adapter=adapter, key=bad)
+        raise nonfinite_error(bad, adapter=adapter)

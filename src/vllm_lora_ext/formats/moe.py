@@ -487,7 +487,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
 
     from vllm_lora_ext._progress import ProgressLog
 
-    from vllm_lora_ext.validation import first_nonfinite
+    from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
     items = list(plans.items())
     cores = os.cpu_count() or 1
@@ -524,7 +524,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         for prefix, _ in items:
             bad = scans[prefix].result() if prefix in scans else None
             if bad is not None:
-                check_finite({bad: _factors(out[prefix])[bad]}, adapter=check_finite_as or "adapter")
+                raise nonfinite_error(bad, adapter=check_finite_as or "adapter")
         return out
     finally:
         if scan_pool is not None:

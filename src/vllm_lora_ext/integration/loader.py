@@ -21,6 +21,7 @@ from vllm_lora_ext.errors import AdapterNotFoundError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import read_blocks
 from vllm_lora_ext.integration._compat import unstacked_mapper, validate_loaded
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.planning import ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
@@ -28,7 +29,6 @@ from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import ModuleDims, check_finite
 
-IDENTITY_ATTR = "vllm_lora_ext_identity"  # the lora_path a LoRAModel was built from (checked on id reuse)
 
 logger = logging.getLogger(__name__)
 

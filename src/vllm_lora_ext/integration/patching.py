@@ -22,6 +22,7 @@ from vllm_lora_ext.errors import UnsupportedVLLMError
 logger = logging.getLogger(__name__)
 
 PATCH_MARK = "__vllm_lora_ext_patched__"
+IDENTITY_ATTR = "vllm_lora_ext_identity"  # the pinned lora_path a worker's LoRAModel was built from
 
 
 @dataclass(frozen=True)

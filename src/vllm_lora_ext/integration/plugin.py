@@ -33,12 +33,11 @@ from vllm_lora_ext.integration._compat import (
     check_vllm_version,
     when_imported,
 )
-from vllm_lora_ext.integration.patching import PATCH_MARK, Patch, apply_patch, applied, undo_all
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PATCH_MARK, Patch, apply_patch, applied, undo_all
 
 logger = logging.getLogger(__name__)
 
 _REGISTERED = False
-IDENTITY_ATTR = "vllm_lora_ext_identity"  # the pinned lora_path a worker's LoRAModel was built from
 _MAX_OFFLINE_IDS = 65536
 
 __all__ = ["PATCHES", "register", "unregister", "is_registered", "worker_state", "PATCH_MARK"]
