@@ -60,3 +60,18 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     HUB.drop_once.clear()
     yield HUB
     HUB.repos.clear()
+
+
+@pytest.fixture
+def fresh_metrics(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A new, empty metrics directory owned by this process (as the API server's would be)."""
+    from vllm_lora_ext import metrics
+    from vllm_lora_ext.constants import ENV_METRICS_DIR
+
+    metrics.teardown()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv(ENV_METRICS_DIR, raising=False)
+    path = metrics.setup()
+    assert path is not None
+    yield path
+    metrics.teardown()

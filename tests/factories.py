@@ -84,3 +84,15 @@ def make_peft_adapter(model: Any, folder: Path, *, targets: Sequence[str], rank:
     pm = peft.get_peft_model(model, cfg)
     pm.save_pretrained(str(folder))
     return folder
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every ``vllm_lora_ext_*`` sample of a Prometheus text scrape, keyed by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm_lora_ext_"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

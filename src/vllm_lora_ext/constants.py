@@ -43,6 +43,7 @@ ENV_ALLOW_UNMATCHED = "VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS"
 ENV_MAX_MIXES = "VLLM_LORA_EXT_MAX_MIXES"
 ENV_MIX_WAIT = "VLLM_LORA_EXT_MIX_WAIT_S"
 ENV_ALLOWED_ROOTS = "VLLM_LORA_EXT_ALLOWED_ROOTS"
+ENV_METRICS_DIR = "VLLM_LORA_EXT_METRICS_DIR"  # set by the plugin for the processes vLLM starts
 
 # The one weight rule (server, offline helper, deployment config, CLI): finite and |w| <= this bound.
 # A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an

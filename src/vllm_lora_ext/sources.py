@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -45,6 +46,7 @@ from vllm_lora_ext.constants import (
     allow_pickle as _env_allow_pickle,
     hf_offline,
 )
+from vllm_lora_ext import metrics
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 
@@ -341,6 +343,7 @@ class _HubClient:
         self.cache_dir = cache_dir
         self.token = token
         self.local_only = local_files_only
+        self.downloaded = False  # whether any fetch had to download (a cache miss)
 
     def fetch(self, filename: str, revision: str | None) -> Path | None:
         """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
@@ -354,13 +357,20 @@ class _HubClient:
                 return Path(hit)
             if hit is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
+        cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
         try:
-            return Path(hf_hub_download(
-                self.src.repo_id or "", filename, revision=revision,
-                cache_dir=None if self.cache_dir is None else Path(self.cache_dir),
+            cached = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir)
+        except Exception:  # only the hit/miss metric depends on it
+            cached = None
+        try:
+            path = Path(hf_hub_download(
+                self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
                 token=self.token, local_files_only=self.local_only,
                 tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
             ))
+            if not isinstance(cached, str) or Path(cached) != path:
+                self.downloaded = True
+            return path
         except hf_errors.GatedRepoError as err:
             raise AdapterNotFoundError(
                 f"Repo {self.src.repo_id!r} of adapter source {self.src.raw!r} is gated and this token has no access. "
@@ -508,10 +518,16 @@ def resolve_source(
             logger.info("adapter source %r is no local path; reading it as 'hf:%s'", src.raw, src.raw)
             src = parse_source(HF_PREFIX + src.raw, allow_pickle=pickle_ok)
         else:
-            return _resolve_local(src, pickle_ok)
+            local = _resolve_local(src, pickle_ok)
+            metrics.SOURCES_RESOLVED.inc(cache="local")
+            return local
     offline = hf_offline() if local_files_only is None else local_files_only
     client = _HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline)
+    t0 = time.perf_counter()
     resolved = _resolve_hub(src, pickle_ok, client)
+    metrics.SOURCES_RESOLVED.inc(cache="miss" if client.downloaded else "hit")
+    if client.downloaded:
+        metrics.SOURCE_DOWNLOAD_SECONDS.observe(time.perf_counter() - t0)
     logger.info("resolved adapter source %r to commit %s (%s, config: %s)", src.raw, resolved.commit,
                 resolved.weights_path.name, resolved.config_rule)
     return resolved

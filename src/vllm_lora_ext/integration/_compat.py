@@ -109,6 +109,21 @@ def lora_config_of(engine_client: Any) -> Any:
     return getattr(cfg, "lora_config", None)
 
 
+def is_first_model_rank() -> bool:
+    """Return whether this worker is its engine's first tensor- and pipeline-parallel rank (``True`` without parallelism).
+
+    Engine-wide counts (adapter loads) are recorded by this rank only, so TP=N does not count a load N times.
+    """
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return True
+        return bool(ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().is_first_rank)
+    except Exception:  # no distributed state (tests, offline tools): a single process
+        return True
+
+
 def installed_vllm_version() -> str | None:
     """Return the installed vLLM version string, read from package metadata (no import of vLLM)."""
     try:

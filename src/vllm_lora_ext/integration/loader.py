@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
-from vllm_lora_ext.errors import AdapterNotFoundError
+from vllm_lora_ext import metrics
+from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import read_blocks
-from vllm_lora_ext.integration._compat import unstacked_mapper, validate_loaded
+from vllm_lora_ext.integration._compat import is_first_model_rank, unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_weights
 from vllm_lora_ext.planning import ModelSpec, plan_adapter
@@ -135,15 +137,46 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
         [`AdapterSourceError`], [`AdapterFormatError`], [`UnmatchedKeysError`], [`AdapterCompatibilityError`]:
             the adapter cannot be served on this model, with the reason and the fix.
     """
+    kind = "mix" if lora_request.lora_path.startswith(MIX_PREFIX) else "adapter"
+    t0 = time.perf_counter()
+    try:
+        with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
+            if kind == "mix":
+                from vllm_lora_ext.integration.composite import build_composite
+
+                lora = build_composite(manager, lora_request)
+                setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+            else:
+                lora = _load_adapter_model(manager, lora_request)
+    except Exception as err:
+        _record_load(kind, _outcome(err), t0, err)
+        raise
+    _record_load(kind, "ok", t0)
+    return lora
+
+
+def _outcome(err: BaseException) -> str:
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    if isinstance(err, (AdapterNotFoundError, LoRAAdapterNotFoundError)):
+        return "not_found"
+    return "rejected" if isinstance(err, VllmLoraExtError) else "error"
+
+
+def _record_load(kind: str, outcome: str, t0: float, err: BaseException | None = None) -> None:
+    if not is_first_model_rank():
+        return
+    metrics.ADAPTER_LOADS.inc(kind=kind, outcome=outcome)
+    if outcome == "ok":
+        metrics.ADAPTER_LOAD_SECONDS.observe(time.perf_counter() - t0, kind=kind)
+    if err is not None:
+        metrics.record_error(err, where="worker")
+
+
+def _load_adapter_model(manager: Any, lora_request: Any) -> Any:
     from vllm.exceptions import LoRAAdapterNotFoundError
     from vllm.lora.peft_helper import PEFTHelper
 
-    if lora_request.lora_path.startswith(MIX_PREFIX):
-        from vllm_lora_ext.integration.composite import build_composite
-
-        composite = build_composite(manager, lora_request)
-        setattr(composite, IDENTITY_ATTR, lora_request.lora_path)
-        return composite
     t0 = time.perf_counter()
     name = lora_request.lora_name
     try:
@@ -206,6 +239,7 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+    metrics.ADAPTER_BYTES_READ.inc(stats.bytes_read)
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),
                 ",".join(sorted({p.layout for p in plans.values()})) or "-", stats.bytes_read / 2**20,

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_lora_ext import __version__
+from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
 from vllm_lora_ext.constants import plugin_disabled
 from vllm_lora_ext.errors import MixIdCollisionError
@@ -245,6 +245,7 @@ def register() -> None:
         _REGISTERED = True
         return
     vllm_version = check_vllm_version()
+    metrics.setup()
     for patch in PATCHES:
         when_imported(patch.module, functools.partial(_apply, patch))
     _REGISTERED = True

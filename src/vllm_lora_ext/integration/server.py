@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from vllm_lora_ext import metrics
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import (
     MIX_NAME_PREFIX,
@@ -63,6 +64,7 @@ def http_error(err: BaseException) -> Any:
     The message is the error's client message (it never lists the server's folders); an unexpected
     exception is logged with its traceback and answered with its type and message only.
     """
+    metrics.record_error(err, where="server")
     if isinstance(err, AdapterNotFoundError):
         return error_response(err.client_message(), err_type="NotFoundError", status=404)
     if isinstance(err, AdapterAccessError):
@@ -267,6 +269,7 @@ async def _unload(models: Any, entry: MixEntry) -> None:
     except Exception:  # the worker LRU evicts it anyway; never fail a request over a cleanup
         logger.warning("vllm_lora_ext: remove_lora(%d) for evicted mix %r failed", entry.lora_int_id, entry.lora_name,
                        exc_info=True)
+    metrics.MIXES_EVICTED.inc()
     logger.info("evicted mix %r (id %d)", entry.lora_name, entry.lora_int_id)
 
 
@@ -317,8 +320,11 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
             except Exception as err:  # the worker's message names the problem (rank, keys, ...)
                 _drop_pending(reg, entry)
                 reg.remove(spec)
+                metrics.MIXES_ACTIVE.set(len(reg))
                 raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
             models.lora_requests[name] = req
+            metrics.MIXES_REGISTERED.inc()
+            metrics.MIXES_ACTIVE.set(len(reg))
             logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
                         ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
         else:
