@@ -140,6 +140,13 @@ def plugin_read(folder: Path, *, experts: tuple[int, ...] | None = None, checks:
     ``checks`` runs what the worker loader runs on every load (factor dtypes, the NaN/inf scan per block);
     ``checks=False`` exists only to measure their cost.
     """
+    from vllm_lora_ext._util import gc_paused
+
+    with gc_paused():  # as the worker loader runs it
+        return _plugin_read(folder, experts=experts, checks=checks)
+
+
+def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool) -> tuple[dict, int]:
     import torch
 
     from vllm_lora_ext.validation import check_factor_dtypes

@@ -238,3 +238,24 @@ def test_a_slow_moe_load_logs_progress_per_block(tmp_path: Path, monkeypatch: py
         read_blocks(plans, reader.read, config=cfg, read_many=reader.read_many, workers=1, check_finite_as="x")
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm_lora_ext.progress"]
     assert len(lines) == 3 and lines[-1].startswith("loading 'x' (3 MoE blocks): ") and "(100%)" in lines[-1]
+
+
+def test_fast_key_classification_reads_every_key_as_the_grammar_regexes_do() -> None:
+    """classify_key parses with string operations; it must agree with the reference regexes on any key."""
+    import random
+
+    from vllm_lora_ext.formats import _classify_by_regex, classify_key
+
+    parts = ["base_model.model.", "model.", "layers.0.", "mlp.", "experts", ".experts", "experts.", ".7", ".07",
+             ".٣", ".²", ".-1", ".", "..", "gate_proj", ".up_proj", ".w1", ".base_layer", ".lora_A.weight",
+             ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B", ".lora_A", ".weight", "\n", " ", "x",
+             ".lora_A.weight\n", "lora_B.weight"]
+    rng = random.Random(0)
+    keys = {"".join(rng.choice(parts) for _ in range(rng.randrange(1, 9))) for _ in range(40000)}
+    keys |= {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{p}.lora_{w}.weight" for i in range(2) for e in
+             range(3) for p in ("gate_proj", "down_proj") for w in "AB"}
+    kinds = set()
+    for key in sorted(keys):
+        assert classify_key.__wrapped__(key) == _classify_by_regex(key), key  # type: ignore[attr-defined]
+        kinds.add(_classify_by_regex(key).kind)
+    assert kinds == {"dense", "moe_2d", "moe_3d", "other"}
