@@ -44,6 +44,10 @@ ENV_MAX_MIXES = "VLLM_LORA_EXT_MAX_MIXES"
 ENV_MIX_WAIT = "VLLM_LORA_EXT_MIX_WAIT_S"
 ENV_ALLOWED_ROOTS = "VLLM_LORA_EXT_ALLOWED_ROOTS"
 ENV_METRICS_DIR = "VLLM_LORA_EXT_METRICS_DIR"  # set by the plugin for the processes vLLM starts
+ENV_PREBUILD = "VLLM_LORA_EXT_PREBUILD"  # 0: build adapters inside the engine step, as stock vLLM does
+ENV_PREBUILD_BUILDS = "VLLM_LORA_EXT_PREBUILD_BUILDS"
+ENV_PREBUILD_BYTES = "VLLM_LORA_EXT_PREBUILD_BYTES"
+ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
 
 # The one weight rule (server, offline helper, deployment config, CLI): finite and |w| <= this bound.
 # A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an
@@ -52,6 +56,10 @@ MAX_ABS_MIX_WEIGHT = 100.0
 # Size caps on files that are read whole.
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
+# The lora_path prefix of a build-ahead probe: the server asks each worker, through add_lora, to build the adapter
+# behind it in the background (the probe is answered True once built, and never registered). Clients cannot send it.
+PREBUILD_PREFIX = "vllm-lora-ext-prebuild:"
+
 # Mix names: the prefix is reserved; --lora-modules, /v1/load_lora_adapter and deployment configs cannot take it.
 MIX_NAME_PREFIX = "mix-"
 
@@ -130,3 +138,23 @@ def deployment_config_path() -> str | None:
     """Return the path of the deployment config file, if one is set."""
     value = os.environ.get(ENV_CONFIG, "").strip()
     return value or None
+
+
+def prebuild_enabled() -> bool:
+    """Return whether adapters are built off the engine loop (``VLLM_LORA_EXT_PREBUILD``, default on)."""
+    return os.environ.get(ENV_PREBUILD, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def prebuild_builds() -> int:
+    """Return how many adapters a worker builds at once in the background (default 2)."""
+    return int(_env_number(ENV_PREBUILD_BUILDS, 2, minimum=1))
+
+
+def prebuild_bytes() -> int:
+    """Return the CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)."""
+    return int(_env_number(ENV_PREBUILD_BYTES, 8 * 2**30, minimum=0))
+
+
+def prebuild_wait_seconds() -> float:
+    """Return how long a request waits for its adapter's background build (default 600 s)."""
+    return _env_number(ENV_PREBUILD_WAIT, 600.0, minimum=0)

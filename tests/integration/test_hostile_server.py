@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from factories import make_dense_adapter, make_peft_adapter, tiny_llama
 from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError, MixIdCollisionError
+from vllm_lora_ext.constants import PREBUILD_PREFIX
 from vllm_lora_ext.integration import server
 from vllm_lora_ext.registry import MIX_ID_BASE
 
@@ -33,11 +34,15 @@ BASE = "base-model"
 class _Engine:
     def __init__(self, fail: Exception | None = None) -> None:
         self.added: list[Any] = []
+        self.probes: list[Any] = []
         self.removed: list[int] = []
         self.fail = fail
         self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
 
     async def add_lora(self, req: Any) -> bool:
+        if req.lora_path.startswith(PREBUILD_PREFIX):  # a build-ahead probe: built at once, nothing registered
+            self.probes.append(req)
+            return True
         if self.fail is not None:
             raise self.fail
         self.added.append(req)

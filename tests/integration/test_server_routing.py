@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from factories import make_dense_adapter
+from vllm_lora_ext.constants import PREBUILD_PREFIX
 from vllm_lora_ext.deployment import read_deployment_config
 from vllm_lora_ext.integration.server import route_adapters
 
@@ -24,8 +25,12 @@ BASE = "base-model"
 class _Engine:
     def __init__(self) -> None:
         self.added: list[Any] = []
+        self.probes: list[Any] = []
 
     async def add_lora(self, req: Any) -> bool:
+        if req.lora_path.startswith(PREBUILD_PREFIX):  # a build-ahead probe: built at once, nothing registered
+            self.probes.append(req)
+            return True
         self.added.append(req)
         return True
 

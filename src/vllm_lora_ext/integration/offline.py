@@ -22,7 +22,7 @@ from vllm_lora_ext.mixing import MixComponent, MixSpec, check_weight, resolve_mi
 from vllm_lora_ext.registry import MixRegistry
 from vllm_lora_ext.resolve import resolve_and_check
 
-__all__ = ["lora_request"]
+__all__ = ["lora_request", "prefetch"]
 
 # Offline mixes take ids from one registry per process, in a block apart from every API server's.
 _OFFLINE_BLOCK = 63
@@ -84,3 +84,32 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
             _REGISTRY.remove(pinned)
             raise
     return req
+
+
+def prefetch(llm: Any, requests: Sequence[Any]) -> None:
+    """Start building the adapters of ``requests`` in the background, for later ``llm.generate`` calls.
+
+    Returns at once. ``generate`` then only registers each finished adapter (it waits for one still
+    building); errors are raised by that ``generate`` call, as without prefetching. Each source is
+    pinned here, so the later call reads exactly the bytes being built.
+
+    Args:
+        llm: a ``vllm.LLM``.
+        requests: ``LoRARequest``s (``None`` entries are skipped), e.g. from [`lora_request`].
+
+    Example:
+        ```python
+        reqs = [lora_request({"sql": 1.0}), lora_request({"sql": 0.5, "chat": 0.5})]
+        prefetch(llm, reqs)  # the engine keeps serving meanwhile
+        llm.generate(prompts, sampling, lora_request=reqs[0])
+        ```
+    """
+    from vllm_lora_ext.integration.prebuild import probe_for
+    from vllm_lora_ext.resolve import pin_path
+
+    engine = llm.llm_engine
+    for req in requests:
+        if req is None:
+            continue
+        req.lora_path = pin_path(req.lora_path, name=req.lora_name)
+        engine.add_lora(probe_for(req))

@@ -49,14 +49,20 @@ __all__ = ["PATCHES", "register", "unregister", "is_registered", "worker_state",
 def _make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def _load_adapter(self: Any, lora_request: Any) -> Any:
         from vllm_lora_ext.integration.loader import load_lora_model
+        from vllm_lora_ext.integration.prebuild import take_built
 
-        return load_lora_model(self, lora_request)
+        built = take_built(self, lora_request)  # built in the background: the step only registers it
+        return built if built is not None else load_lora_model(self, lora_request)
 
     return _load_adapter
 
 
 def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_adapter(self: Any, lora_request: Any) -> Any:
+        from vllm_lora_ext.integration.prebuild import answer_probe, is_probe
+
+        if is_probe(lora_request):  # the server asks for a background build; nothing is registered
+            return answer_probe(self, lora_request)
         # vLLM skips loading an id it already holds. If the held model was built from another
         # source, serving it would hand this request another adapter's tensors: reload instead.
         manager: Any = getattr(self, "_adapter_manager", None)
@@ -121,10 +127,23 @@ def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
         from vllm_lora_ext.integration.server import pre_resolve
 
+        from vllm.lora.request import LoRARequest
+
+        from vllm_lora_ext.integration.server import build_error, ensure_built, recently_used
+
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
             return request_or_error  # an ErrorResponse
-        return await original(self, request_or_error, base_model_name)
+        name, path = request_or_error.lora_name, request_or_error.lora_path
+        if name not in self.lora_requests and path:  # a new adapter: build it off the engine loop first
+            try:
+                await ensure_built(self.engine_client, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
+            except Exception as err:
+                return build_error(err)
+        result = await original(self, request_or_error, base_model_name)
+        if isinstance(result, str) and path:
+            recently_used(self.engine_client).touch(path)
+        return result
 
     return load_lora_adapter
 
@@ -188,8 +207,10 @@ PATCHES: tuple[Patch, ...] = (
           delete_when="never as a whole; parts go as vLLM adds hf: revisions (lora/utils.py), checked MoE layouts and "
                       "per-request mixes (RFC #51940)"),
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",), _make_add_adapter,
-          why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors",
-          delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse"),
+          why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors. Also "
+              "answers the server's build-ahead probes (background loading) without registering them",
+          delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters off the "
+                      "engine loop (vLLM issue #31941)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",), _make_add_adapter,
           why="as WorkerLoRAManager.add_adapter, for the LRU worker manager every engine uses",
           delete_when="as WorkerLoRAManager.add_adapter"),

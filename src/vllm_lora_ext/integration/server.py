@@ -29,9 +29,12 @@ from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import (
     MIX_NAME_PREFIX,
     MIX_PREFIX,
+    PREBUILD_PREFIX,
     allowed_roots,
     max_mixes,
     mix_wait_seconds,
+    prebuild_enabled,
+    prebuild_wait_seconds,
 )
 from vllm_lora_ext.errors import (
     AdapterAccessError,
@@ -44,6 +47,7 @@ from vllm_lora_ext.errors import (
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of
 from vllm_lora_ext.mixing import MixSpec, check_weight, parse_mix_expression, resolve_mix
+from vllm_lora_ext.prebuild import RecentlyUsed
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 from vllm_lora_ext.resolve import check_allowed_root, pin_path
 
@@ -88,6 +92,9 @@ def check_client_adapter(name: str | None, path: str | None) -> None:
         raise AdapterSourceError(
             f"Adapter name {short_repr(name)} starts with {MIX_NAME_PREFIX!r}, which is reserved for the server's "
             f"weighted mixes. Choose another name.", source=str(path), part="name")
+    if isinstance(path, str) and path.startswith(PREBUILD_PREFIX):
+        raise AdapterSourceError(f"Adapter path {short_repr(path)} starts with {PREBUILD_PREFIX!r}, which only the "
+                                 f"server uses. Give the adapter's source.", source=path[:200], part="path")
     if isinstance(path, str) and path.startswith(MIX_PREFIX):
         raise AdapterSourceError(
             f"Adapter path {short_repr(path)} is a {MIX_PREFIX!r} spec, which only the server makes. Register the "
@@ -172,6 +179,69 @@ def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | N
     return adapters, weights
 
 
+# ------------------------------------------------------------------------------------------- background builds
+
+_BUILDS: dict[str, asyncio.Future[None]] = {}  # pinned source -> the one wait every request for it shares
+_RECENT: RecentlyUsed | None = None
+
+
+def recently_used(engine_client: Any = None) -> RecentlyUsed:
+    """The adapters this API server used last, as many as a worker's CPU cache holds (``--max-cpu-loras``)."""
+    global _RECENT
+    if _RECENT is None:
+        lora_config = lora_config_of(engine_client)
+        _RECENT = RecentlyUsed(int(getattr(lora_config, "max_cpu_loras", None) or
+                                   getattr(lora_config, "max_loras", None) or 8))
+    return _RECENT
+
+
+async def ensure_built(engine_client: Any, lora_request: Any) -> None:
+    """Return once every worker has built ``lora_request``'s adapter in the background; the engine keeps stepping.
+
+    Each worker is asked through ``add_lora`` with a probe (see `integration.prebuild`) and polled
+    until it answers that the build is done; requests for the same source share one wait. After
+    ``VLLM_LORA_EXT_PREBUILD_WAIT_S`` the request goes on and the engine builds the adapter itself,
+    as stock vLLM does.
+
+    Raises:
+        Exception: the build failed; the message is the worker's (names the problem and the fix).
+    """
+    if not prebuild_enabled() or not hasattr(engine_client, "add_lora"):
+        return
+    key = str(lora_request.lora_path)
+    wait = _BUILDS.get(key)
+    if wait is None:
+        wait = asyncio.ensure_future(_wait_built(engine_client, lora_request))
+        _BUILDS[key] = wait
+        wait.add_done_callback(lambda w, k=key: _BUILDS.pop(k, None) if _BUILDS.get(k) is w else None)
+    await asyncio.shield(wait)
+
+
+async def _wait_built(engine_client: Any, lora_request: Any) -> None:
+    from vllm_lora_ext.integration.prebuild import probe_for
+
+    probe = probe_for(lora_request)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + prebuild_wait_seconds()
+    delay = 0.005
+    while not await engine_client.add_lora(probe):
+        if loop.time() >= deadline:
+            logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
+                           lora_request.lora_name, prebuild_wait_seconds())
+            return
+        await asyncio.sleep(delay)
+        delay = min(0.025, delay * 1.5)
+
+
+def build_error(err: BaseException) -> Any:
+    """The ``ErrorResponse`` for a failed background build: 404 if the worker found no adapter, else 400."""
+    message = short_repr(str(err))[1:-1]
+    metrics.record_error(err, where="server")
+    if "No adapter found" in message:
+        return error_response(message, err_type="NotFoundError", status=404)
+    return error_response(message, err_type="BadRequestError", status=400)
+
+
 # ------------------------------------------------------------------------------------------------ registry
 
 _REGISTRY: MixRegistry | None = None
@@ -197,9 +267,11 @@ def registry(engine_client: Any = None) -> MixRegistry:
 
 def reset_registry() -> None:
     """Forget the process's registry (tests)."""
-    global _REGISTRY
+    global _REGISTRY, _RECENT
     _REGISTRY = None
+    _RECENT = None
     _KEY_LOCKS.clear()
+    _BUILDS.clear()
 
 
 def claim_lease(lora_request: Any) -> MixLease | None:
@@ -316,6 +388,7 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
         if held is None or held.lora_int_id != entry.lora_int_id:
             req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=spec.lora_path)
             try:
+                await ensure_built(models.engine_client, req)  # off the engine loop; add_lora then only registers
                 await models.engine_client.add_lora(req)
             except Exception as err:  # the worker's message names the problem (rank, keys, ...)
                 _drop_pending(reg, entry)
@@ -323,6 +396,7 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
                 metrics.MIXES_ACTIVE.set(len(reg))
                 raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
             models.lora_requests[name] = req
+            recently_used(models.engine_client).touch(req.lora_path)
             metrics.MIXES_REGISTERED.inc()
             metrics.MIXES_ACTIVE.set(len(reg))
             logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
@@ -370,14 +444,30 @@ async def _route(serving: Any, request: Any) -> Any:
             weights = [default_weights.get(n, 1.0) if w is None else w for n, w in parsed]
     elif adapters is None:
         if not default or (model and not serving._is_model_supported(model)):
+            await _build_if_evicted(models, model)
             return None  # a named adapter or the base model: vLLM's own handling
     spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights, default=default)
     if spec is None:
         return None
     if len(spec.components) == 1 and spec.components[0].weight == 1.0 and spec.components[0].name in models.lora_requests:
         request.model = spec.components[0].name
+        await _build_if_evicted(models, request.model)
         return None
     lora = await register_mix(models, spec)
     request.model = lora.lora_name
     object.__setattr__(request, ROUTED_ATTR, lora)
     return None
+
+
+async def _build_if_evicted(models: Any, name: Any) -> None:
+    """Before a request on a registered adapter that may have left the workers' cache, build it in the background.
+
+    The guess: an adapter among the last ``--max-cpu-loras`` this server used is still cached (the
+    worker answers a probe for a resident adapter at once anyway). A wrong guess costs what stock
+    vLLM always pays: the engine builds the adapter in its step.
+    """
+    req = models.lora_requests.get(name) if isinstance(name, str) else None
+    if req is None or str(req.lora_path).startswith(MIX_PREFIX):
+        return
+    if not recently_used(models.engine_client).touch(req.lora_path):
+        await ensure_built(models.engine_client, req)

@@ -1,0 +1,203 @@
+"""Benchmark: does bringing a new adapter into service stall the requests already running? Stock vs plugin.
+
+One `vllm serve` per mode on a Qwen3-30B-A3B-shaped model (``load_format=dummy``, vocab cut to the
+tiny test tokenizer's 400 tokens; the 48 x 128-expert MoE blocks the adapters target are full size).
+Adapter A is served from start-up. Each case:
+
+1. 32 streaming requests on A decode ``--tokens`` tokens each (greedy, ``ignore_eos``);
+2. ``--arrive`` seconds in, a new adapter B arrives: ``POST /v1/load_lora_adapter`` then a streaming
+   request on B (for a mix: a request naming four registered adapters with weights, no load call);
+3. every token's arrival time is recorded.
+
+Reported per case: the in-flight requests' largest and p99 gap between tokens in the window from B's
+arrival to B's first token (+0.25 s), B's time to first token from its arrival, the in-flight tokens/s
+in that window against the same window of a run where nothing arrives, and whether every in-flight
+output equals that run's output (same prompts; outputs with B preloaded before they start).
+
+Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM cannot be told a
+served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
+adapters, plugin only). ``--modes stock,plugin`` (stock = the plugin installed but disabled).
+
+Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from _common import print_table, write_json  # noqa: E402
+from bench_moe_load import QWEN3_30B_A3B, make_adapter  # noqa: E402
+
+N_INFLIGHT = 32
+
+
+def _http() -> Any:
+    try:  # the openai client on the GPU machine is built on httpx2
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    return http
+
+
+def build(work: Path, cases: list[str]) -> dict[str, Path]:
+    from tiny import build_tokenizer
+
+    model = work / "qwen3-30b-a3b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "vocab_size": 400, "bos_token_id": 1,
+                                                   "eos_token_id": 2}))
+    build_tokenizer(model)
+    paths = {"model": model}
+    for name, form in [("A", "2d"), ("B2d", "2d"), ("B3d", "3d")] + [(f"C{i}", "3d") for i in range(4)]:
+        if name == "B3d" and "3d" not in cases or name.startswith("C") and "mix" not in cases:
+            continue
+        folder = work / "adapters" / name
+        if not (folder / "adapter_model.safetensors").exists():
+            make_adapter(folder, 48, form)
+        paths[name] = folder
+    return paths
+
+
+async def _stream(client: Any, base: str, body: dict[str, Any], times: list[float], texts: list[str]) -> None:
+    async with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text = chunk["choices"][0].get("text", "")
+            if text or chunk["choices"][0].get("finish_reason") is None:
+                times.append(time.perf_counter())
+                texts.append(text)
+
+
+async def run_case(base: str, model: str, case: str | None, paths: dict[str, Path], tokens: int,
+                   arrive: float) -> dict[str, Any]:
+    http = _http()
+    limits = http.Limits(max_connections=100, max_keepalive_connections=100)
+    async with http.AsyncClient(timeout=600, limits=limits) as client:
+        prompts = [[(7 * i + j) % 390 + 5 for j in range(16)] for i in range(N_INFLIGHT)]
+        times: list[list[float]] = [[] for _ in prompts]
+        texts: list[list[str]] = [[] for _ in prompts]
+        t0 = time.perf_counter()
+        inflight = [asyncio.create_task(_stream(client, base, {"model": "A", "prompt": p, "max_tokens": tokens,
+                                                               "temperature": 0.0, "ignore_eos": True}, times[i],
+                                                texts[i])) for i, p in enumerate(prompts)]
+        out: dict[str, Any] = {"case": case}
+        if case is not None:
+            await asyncio.sleep(arrive)
+            b_times: list[float] = []
+            t_arrive = time.perf_counter()
+            body: dict[str, Any] = {"prompt": prompts[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+            if case == "mix":
+                body.update(model=model, adapters=["C0", "C1", "C2", "C3"], adapter_weights=[0.4, 0.3, 0.2, 0.1])
+            else:
+                name = f"B{case}"
+                r = await client.post(f"{base}/v1/load_lora_adapter",
+                                      json={"lora_name": name, "lora_path": str(paths[name])})
+                out["load_status"] = r.status_code
+                out["load_seconds"] = time.perf_counter() - t_arrive
+                body.update(model=name)
+            await _stream(client, base, body, b_times, [])
+            out["b_ttft"] = b_times[0] - t_arrive
+            out["t_arrive"] = t_arrive - t0
+            out["t_b_first"] = b_times[0] - t0
+        await asyncio.gather(*inflight)
+    out["times"] = [[t - t0 for t in ts] for ts in times]
+    out["texts"] = ["".join(tx) for tx in texts]
+    return out
+
+
+def window_stats(run: dict[str, Any], start: float, end: float) -> dict[str, float]:
+    gaps, count = [], 0
+    for ts in run["times"]:
+        for a, b in zip(ts, ts[1:]):
+            if start <= b <= end:
+                gaps.append(b - a)
+        count += sum(1 for t in ts if start <= t <= end)
+    gaps.sort()
+    return {"max_gap": gaps[-1] if gaps else float("nan"),
+            "p99_gap": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan"),
+            "tok_per_s": count / max(end - start, 1e-9)}
+
+
+def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    from serving import vllm_serve
+
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
+    modules = ["A=" + str(paths["A"])] + ([f"C{i}={paths[f'C{i}']}" for i in range(4)] if mode == "plugin" and
+                                           "mix" in cases else [])
+    serve_args = ["--enable-lora", "--max-lora-rank", "64", "--max-loras", "3", "--max-cpu-loras", "8",
+                  "--load-format", "dummy", "--enforce-eager", "--max-model-len", "1024", "--dtype", "bfloat16",
+                  "--gpu-memory-utilization", "0.85", "--max-num-seqs", "64", "--seed", "0",
+                  "--lora-modules", *modules]
+    runs: dict[str, Any] = {}
+    with vllm_serve(paths["model"], serve_args, env=env, log_path=Path(args.workdir) / f"serve-{mode}.log",
+                    keep_log_as=f"serve-{mode}.log", timeout=900) as srv:
+        base, model = srv["base"], str(paths["model"])
+        asyncio.run(run_case(base, model, None, paths, 8, args.arrive))  # warm-up
+        runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
+        for case in cases:
+            if mode == "stock" and case != "2d":
+                continue
+            runs[case] = asyncio.run(run_case(base, model, case, paths, args.tokens, args.arrive))
+        runs["none_again"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="2d,3d,mix")
+    ap.add_argument("--modes", default="stock,plugin")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--arrive", type=float, default=1.5)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-no-stall-")
+    cases = args.cases.split(",")
+    paths = build(Path(args.workdir), cases)
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        results[mode] = serve_mode(mode, paths, cases, args)
+        Path(args.workdir, f"partial-{mode}.json").write_text(json.dumps(results[mode]))  # survives a later timeout
+    rows, summary = [], {}
+    for mode, runs in results.items():
+        none = runs["none"]
+        for case in cases:
+            run = runs.get(case)
+            if run is None:
+                continue
+            start, end = run["t_arrive"], run["t_b_first"] + 0.25
+            with_b = window_stats(run, start, end)
+            without = window_stats(none, start, end)
+            same = sum(a == b for a, b in zip(run["texts"], none["texts"]))
+            control = sum(a == b for a, b in zip(runs["none_again"]["texts"], none["texts"]))
+            row = {"max_gap_s": with_b["max_gap"], "p99_gap_s": with_b["p99_gap"], "b_ttft_s": run["b_ttft"],
+                   "load_seconds": run.get("load_seconds"), "throughput_ratio": with_b["tok_per_s"] /
+                   max(without["tok_per_s"], 1e-9), "outputs_equal": same, "control_equal": control,
+                   "baseline_max_gap_s": without["max_gap"]}
+            summary[f"{mode}/{case}"] = row
+            rows.append([mode, case, row["max_gap_s"], row["p99_gap_s"], row["baseline_max_gap_s"], row["b_ttft_s"],
+                         row["throughput_ratio"], f"{same}/{N_INFLIGHT}", f"{control}/{N_INFLIGHT}"])
+    print_table(rows, ["mode", "case", "max gap s", "p99 gap s", "no-B max gap s", "B TTFT s", "tok/s vs no B",
+                       "outputs = preloaded", "control"])
+    payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}
+                                            for m, runs in results.items()}, "inflight": N_INFLIGHT,
+               "tokens": args.tokens, "arrive_s": args.arrive, "note": "one run per case and mode"}
+    write_json("no_stall", payload, args.out)
+
+
+if __name__ == "__main__":
+    main()

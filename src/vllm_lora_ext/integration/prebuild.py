@@ -1,0 +1,111 @@
+"""Worker side of background adapter loading: probes start builds, the engine step takes finished ones.
+
+The API server sends each worker a probe through vLLM's own ``add_lora`` path: a ``LoRARequest``
+whose ``lora_path`` is ``PREBUILD_PREFIX + <pinned source>``. The patched ``add_adapter`` answers it
+here, without registering anything: ``True`` if the adapter is built (or already resident under
+that id), ``False`` while it builds in a background thread, or the build's error. The probe itself
+costs the engine loop one dictionary lookup.
+
+When the engine later needs the adapter (``add_lora`` or a request's activation), the patched
+``_load_adapter`` takes the finished ``LoRAModel`` instead of building it in the step. The build is
+the whole load (source resolution, read, checks, MoE packing), each worker building only its own
+share under expert parallelism, as the synchronous path does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from vllm_lora_ext.constants import PREBUILD_PREFIX, prebuild_builds, prebuild_bytes
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR
+from vllm_lora_ext.prebuild import PrebuildTable
+
+logger = logging.getLogger(__name__)
+
+_TABLE_ATTR = "_vllm_lora_ext_prebuild"
+_LOCK = threading.Lock()
+
+
+def is_probe(lora_request: Any) -> bool:
+    """Return whether ``lora_request`` is a build-ahead probe rather than an adapter to register."""
+    return str(getattr(lora_request, "lora_path", "")).startswith(PREBUILD_PREFIX)
+
+
+def probe_for(lora_request: Any) -> Any:
+    """Return the probe ``LoRARequest`` for ``lora_request`` (same name and id, prefixed path)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=lora_request.lora_name, lora_int_id=lora_request.lora_int_id,
+                       lora_path=PREBUILD_PREFIX + lora_request.lora_path)
+
+
+def model_bytes(lora: Any) -> int:
+    """Bytes of the tensors a ``LoRAModel`` holds (packed MoE blocks included)."""
+    total = 0
+    for weights in getattr(lora, "loras", {}).values():
+        for name in ("lora_a", "lora_b", "embeddings_tensor"):
+            value = getattr(weights, name, None)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if t is not None and hasattr(t, "nbytes"):
+                    total += int(t.nbytes)
+    return total
+
+
+def table(manager: Any) -> PrebuildTable[Any]:
+    """This worker manager's table of background builds, keyed by pinned source."""
+    found = manager.__dict__.get(_TABLE_ATTR)
+    if found is None:
+        with _LOCK:
+            found = manager.__dict__.get(_TABLE_ATTR)
+            if found is None:
+                found = PrebuildTable(lambda path: _build(manager, path), size_of=model_bytes,
+                                      max_builds=prebuild_builds(), budget_bytes=prebuild_bytes())
+                manager.__dict__[_TABLE_ATTR] = found
+    return found
+
+
+def _build(manager: Any, path: str) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration.loader import load_lora_model
+
+    name = manager.__dict__.get(_NAMES_ATTR, {}).get(path) or "adapter"
+    return load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
+
+
+_NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # pinned source -> the name a probe gave it (for messages)
+_MAX_NAMES = 4096
+
+
+def answer_probe(manager: Any, lora_request: Any) -> bool:
+    """Answer a probe: ``True`` if built or resident, else start (or continue) the build and answer ``False``.
+
+    Raises:
+        The build's error (the server answers the waiting request with it).
+    """
+    path = lora_request.lora_path[len(PREBUILD_PREFIX):]
+    adapter_manager = getattr(manager, "_adapter_manager", None)
+    get = getattr(adapter_manager, "get_adapter", None)
+    held = get(lora_request.lora_int_id) if get is not None else None
+    if held is not None and getattr(held, IDENTITY_ATTR, None) == path:
+        return True  # resident under this id already: nothing to build
+    names: dict[str, str] = manager.__dict__.setdefault(_NAMES_ATTR, {})
+    if len(names) >= _MAX_NAMES:
+        names.clear()
+    names[path] = str(lora_request.lora_name)
+    return table(manager).poll(path)
+
+
+def take_built(manager: Any, lora_request: Any) -> Any | None:
+    """Return the finished model for ``lora_request`` (waiting for a build in flight), or ``None`` if none was started."""
+    found = manager.__dict__.get(_TABLE_ATTR)
+    if found is None:
+        return None
+    lora = found.take(lora_request.lora_path)
+    if lora is not None:
+        lora.id = lora_request.lora_int_id  # built under a placeholder id; the key is the pinned source
+        logger.info("adapter %r (id %d): built in the background, taken by the engine", lora_request.lora_name,
+                    lora_request.lora_int_id)
+    return lora

@@ -1,0 +1,150 @@
+"""Background adapter builds with real vLLM objects: probes through the patched add_adapter, the step takes the build.
+
+The worker side is vLLM's own ``WorkerLoRAManager`` (patched ``add_adapter``/``_load_adapter``);
+the server side is the plugin's routes with an engine client that hands ``add_lora`` to that worker
+from a thread, as the engine core does between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from factories import make_peft_adapter, tiny_llama
+from vllm_lora_ext.constants import PREBUILD_PREFIX
+from vllm_lora_ext.errors import AdapterCompatibilityError
+from vllm_lora_ext.integration import plugin, server
+from vllm_lora_ext.integration.prebuild import probe_for, table
+
+pytestmark = pytest.mark.vllm
+
+
+def _request(path: Path | str, name: str = "a", lora_id: int = 7) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
+
+
+def _same(a: Any, b: Any) -> None:
+    assert sorted(a.loras) == sorted(b.loras)
+    for name in a.loras:
+        assert torch.equal(a.loras[name].lora_a, b.loras[name].lora_a)
+        assert torch.equal(a.loras[name].lora_b, b.loras[name].lora_b)
+        assert a.loras[name].scaling == b.loras[name].scaling
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_peft_adapter(tiny_llama(), tmp_path_factory.mktemp("pre") / "a", targets=["q_proj", "v_proj"],
+                             rank=8, alpha=16)
+
+
+def _probe_until_built(manager: Any, req: Any) -> int:
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    polls = 1
+    while not WorkerLoRAManager.add_adapter(manager, probe_for(req)):
+        polls += 1
+        assert polls < 5000
+        threading.Event().wait(0.002)
+    return polls
+
+
+def test_a_probe_builds_in_the_background_and_the_step_takes_that_build(worker_manager: Any, adapter: Path) -> None:
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    plugin.register()
+    req = _request(adapter)
+    reference = WorkerLoRAManager._load_adapter.__wrapped__(worker_manager, req)  # vLLM's own, synchronous
+    builder: list[str] = []
+    import vllm_lora_ext.integration.loader as loader
+
+    original = loader.load_lora_model
+
+    def spy(manager: Any, lora_request: Any) -> Any:
+        builder.append(threading.current_thread().name)
+        return original(manager, lora_request)
+
+    loader.load_lora_model = spy  # type: ignore[assignment]
+    try:
+        assert _probe_until_built(worker_manager, req) >= 1
+        built = WorkerLoRAManager._load_adapter(worker_manager, req)
+    finally:
+        loader.load_lora_model = original  # type: ignore[assignment]
+    assert len(builder) == 1 and builder[0].startswith("vllm-lora-ext-build")  # built once, off the caller's thread
+    assert built.id == req.lora_int_id
+    _same(built, reference)
+    assert table(worker_manager).state(str(adapter)) == "absent"  # handed to the engine once
+
+
+def test_a_failing_build_reaches_the_probe_with_the_loaders_message(worker_manager: Any, tmp_path: Path) -> None:
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    plugin.register()
+    big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
+    req = _request(big, name="big")
+    with pytest.raises(AdapterCompatibilityError, match="max_lora_rank"):
+        _probe_until_built(worker_manager, req)
+
+
+class _EngineOnWorker:
+    """``add_lora`` handed to a real worker manager from another thread (the engine core's loop)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
+        self.registered: list[Any] = []
+        self.probes = 0
+
+    async def add_lora(self, req: Any) -> bool:
+        from vllm.lora.worker_manager import WorkerLoRAManager
+
+        if req.lora_path.startswith(PREBUILD_PREFIX):
+            self.probes += 1
+            return bool(await asyncio.to_thread(WorkerLoRAManager.add_adapter, self.manager, req))
+        self.registered.append(await asyncio.to_thread(WorkerLoRAManager._load_adapter, self.manager, req))
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return True
+
+
+def test_concurrent_requests_for_a_new_mix_share_one_background_build(worker_manager: Any, adapter: Path,
+                                                                     tmp_path: Path) -> None:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.lora.request import LoRARequest
+
+    plugin.register()
+    server.reset_registry()
+    other = make_peft_adapter(tiny_llama(), tmp_path / "b", targets=["q_proj"], rank=4, alpha=8)
+    engine = _EngineOnWorker(worker_manager)
+    models = SimpleNamespace(lora_requests={"a": LoRARequest("a", 1, str(adapter)), "b": LoRARequest("b", 2, str(other))},
+                             lora_resolver_lock=defaultdict(asyncio.Lock), engine_client=engine)
+    serving = SimpleNamespace(models=models, _is_model_supported=lambda m: not m or m == "base")
+
+    async def two() -> list[Any]:
+        reqs = [CompletionRequest(prompt="hi", model="base", adapters=["a", "b"], adapter_weights=[0.5, 0.5])
+                for _ in range(2)]
+        return [*await asyncio.gather(*(server.route_adapters(serving, r) for r in reqs)), *reqs]
+
+    try:
+        out = asyncio.run(two())
+    finally:
+        server.reset_registry()
+    assert out[:2] == [None, None] and out[2].model == out[3].model
+    assert table(worker_manager).builds_started == 1  # one background build for both requests
+    assert len(engine.registered) == 1 and engine.probes >= 1  # registered once, from the finished build
+
+
+def test_a_client_cannot_send_a_probe_path(tmp_path: Path) -> None:
+    from vllm_lora_ext.errors import AdapterSourceError
+
+    with pytest.raises(AdapterSourceError, match="only the server uses"):
+        server.check_client_adapter("x", PREBUILD_PREFIX + str(tmp_path))
