@@ -109,7 +109,9 @@ async def run_case(base: str, model: str, case: str | None, paths: dict[str, Pat
                 out["load_status"] = r.status_code
                 out["load_seconds"] = time.perf_counter() - t_arrive
                 body.update(model=name)
-            await _stream(client, base, body, b_times, [])
+            b_texts: list[str] = []
+            await _stream(client, base, body, b_times, b_texts)
+            out["b_text"] = "".join(b_texts)
             out["b_ttft"] = b_times[0] - t_arrive
             out["t_arrive"] = t_arrive - t0
             out["t_b_first"] = b_times[0] - t0
@@ -191,6 +193,10 @@ def main() -> None:
             summary[f"{mode}/{case}"] = row
             rows.append([mode, case, row["max_gap_s"], row["p99_gap_s"], row["baseline_max_gap_s"], row["b_ttft_s"],
                          row["throughput_ratio"], f"{same}/{N_INFLIGHT}", f"{control}/{N_INFLIGHT}"])
+    if "stock" in results and "plugin" in results and "2d" in results["stock"] and "2d" in results["plugin"]:
+        summary["b2d_output_equals_stock"] = results["plugin"]["2d"]["b_text"] == results["stock"]["2d"]["b_text"]
+        print("B (2D) output, plugin (built in the background) == stock (built in the step):",
+              summary["b2d_output_equals_stock"])
     print_table(rows, ["mode", "case", "max gap s", "p99 gap s", "no-B max gap s", "B TTFT s", "tok/s vs no B",
                        "outputs = preloaded", "control"])
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}
