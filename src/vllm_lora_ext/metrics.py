@@ -97,7 +97,7 @@ def setup() -> str | None:
         # from an unrelated parent, so two servers started by one program never add up each other's counts.
         path = tempfile.mkdtemp(prefix="vllm_lora_ext_metrics_")
         os.environ[ENV_METRICS_DIR] = path
-        collector = MultiProcessCollector(None, path=path)
+        collector = MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
         REGISTRY.register(collector)
         _OWNED.update(path=path, pid=os.getpid(), collector=collector)
         atexit.register(_remove_owned_dir)
@@ -151,7 +151,8 @@ def _file(prefix: str) -> Any:
             from prometheus_client.mmap_dict import MmapedDict
         except ImportError:
             return None
-        f = _FILES[prefix] = MmapedDict(os.path.join(path, f"{prefix}_{pid}-{_FILE_TAG}.db"))
+        f = _FILES[prefix] = MmapedDict(  # type: ignore[no-untyped-call]
+            os.path.join(path, f"{prefix}_{pid}-{_FILE_TAG}.db"))
     return f
 
 
@@ -224,7 +225,8 @@ class Histogram(_Metric):
         _add("histogram", _key(self.name, self.name + "_sum", self.labelnames, values, self.help), float(value))
         for b in self.buckets:
             _add("histogram", _key(self.name, self.name + "_bucket", self.labelnames + ("le",),
-                                   values + (floatToGoString(b),), self.help), 1.0 if b == bound else 0.0)
+                                   values + (floatToGoString(b),), self.help),  # type: ignore[no-untyped-call]
+                 1.0 if b == bound else 0.0)
 
 
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

@@ -20,6 +20,7 @@ given to it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -151,7 +152,7 @@ class PrebuildTable(Generic[T]):
         future = self._pool.submit(self._build, key)
         self._building[key] = future
         self.builds_started += 1
-        future.add_done_callback(lambda f, k=key: self._finished(k, f))
+        future.add_done_callback(functools.partial(self._finished, key))
 
     def _finished(self, key: Hashable, future: Future[T]) -> None:
         if future.cancelled():

@@ -148,3 +148,25 @@ def test_a_client_cannot_send_a_probe_path(tmp_path: Path) -> None:
 
     with pytest.raises(AdapterSourceError, match="only the server uses"):
         server.check_client_adapter("x", PREBUILD_PREFIX + str(tmp_path))
+
+
+def test_offline_prefetch_pins_the_source_and_the_later_load_takes_the_background_build(worker_manager: Any,
+                                                                                          adapter: Path) -> None:
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from vllm_lora_ext.integration.offline import prefetch
+
+    plugin.register()
+    sent: list[Any] = []
+
+    class _Engine:  # LLM.llm_engine.add_lora, handed to the worker as the engine core does
+        def add_lora(self, req: Any) -> bool:
+            sent.append(req)
+            return bool(WorkerLoRAManager.add_adapter(worker_manager, req))
+
+    req = _request(adapter, name="pre", lora_id=11)
+    prefetch(SimpleNamespace(llm_engine=_Engine()), [req, None])
+    assert [r.lora_path for r in sent] == [PREBUILD_PREFIX + req.lora_path] and req.lora_path == str(adapter)
+    built = WorkerLoRAManager._load_adapter(worker_manager, req)  # waits for the build in flight
+    assert built.id == 11 and table(worker_manager).builds_started == 1
+    _same(built, WorkerLoRAManager._load_adapter.__wrapped__(worker_manager, req))

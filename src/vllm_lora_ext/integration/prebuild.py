@@ -55,7 +55,7 @@ def model_bytes(lora: Any) -> int:
 
 def table(manager: Any) -> PrebuildTable[Any]:
     """This worker manager's table of background builds, keyed by pinned source."""
-    found = manager.__dict__.get(_TABLE_ATTR)
+    found: PrebuildTable[Any] | None = manager.__dict__.get(_TABLE_ATTR)
     if found is None:
         with _LOCK:
             found = manager.__dict__.get(_TABLE_ATTR)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -213,8 +214,13 @@ async def ensure_built(engine_client: Any, lora_request: Any) -> None:
     if wait is None:
         wait = asyncio.ensure_future(_wait_built(engine_client, lora_request))
         _BUILDS[key] = wait
-        wait.add_done_callback(lambda w, k=key: _BUILDS.pop(k, None) if _BUILDS.get(k) is w else None)
+        wait.add_done_callback(functools.partial(_forget_build, key))
     await asyncio.shield(wait)
+
+
+def _forget_build(key: str, wait: asyncio.Future[None]) -> None:
+    if _BUILDS.get(key) is wait:
+        del _BUILDS[key]
 
 
 async def _wait_built(engine_client: Any, lora_request: Any) -> None:
