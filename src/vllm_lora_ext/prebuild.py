@@ -13,7 +13,8 @@ given to it.
 * **Bounded work.** At most ``max_builds`` builds run at once; more wait their turn.
 * **Bounded memory.** Finished, not yet taken results are kept within ``budget_bytes``; the
   oldest are dropped first (a dropped one is simply built again when asked for). A result larger
-  than the whole budget is still kept, alone, because a request is waiting for it.
+  than the whole budget is still kept, alone, because a request is waiting for it. A result
+  nobody takes within ``ttl_s`` (default 300 s) is dropped.
 * **Errors.** A failed build raises its error to the next poll or take of that key, once; the
   key can then be built again.
 """
@@ -47,17 +48,18 @@ class PrebuildTable(Generic[T]):
     """
 
     def __init__(self, build: Callable[[Any], T], *, size_of: Callable[[T], int], max_builds: int,
-                 budget_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 budget_bytes: int, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         if max_builds < 1 or budget_bytes < 0:
             raise ValueError(f"max_builds must be >= 1 and budget_bytes >= 0, got {max_builds}, {budget_bytes}")
         self._build = build
         self._size_of = size_of
         self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
         self._clock = clock
         self._pool = ThreadPoolExecutor(max_workers=max_builds, thread_name_prefix="vllm-lora-ext-build")
         self._lock = threading.RLock()  # a build that finishes at once runs its callback inside _start
         self._building: dict[Hashable, Future[T]] = {}
-        self._ready: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
+        self._ready: OrderedDict[Hashable, tuple[T, int, float]] = OrderedDict()  # value, bytes, finished at
         self._failed: dict[Hashable, BaseException] = {}
         self.builds_started = 0
         self.dropped = 0
@@ -68,7 +70,7 @@ class PrebuildTable(Generic[T]):
     def ready_bytes(self) -> int:
         """Bytes held by finished, untaken results."""
         with self._lock:
-            return sum(size for _, size in self._ready.values())
+            return sum(entry[1] for entry in self._ready.values())
 
     def state(self, key: Hashable) -> str:
         """Return ``"ready"``, ``"building"``, ``"failed"`` or ``"absent"`` for ``key``."""
@@ -88,6 +90,7 @@ class PrebuildTable(Generic[T]):
             The error of a failed build of ``key``, once.
         """
         with self._lock:
+            self._expire()
             if key in self._ready:
                 self._ready.move_to_end(key)
                 return True
@@ -105,6 +108,7 @@ class PrebuildTable(Generic[T]):
             The error of a failed build of ``key``, once.
         """
         with self._lock:
+            self._expire()
             hit = self._ready.pop(key, None)
             if hit is not None:
                 return hit[0]
@@ -148,6 +152,12 @@ class PrebuildTable(Generic[T]):
 
     # ------------------------------------------------------------------------------------- internals
 
+    def _expire(self) -> None:  # under the lock: drop results nobody took within ttl_s
+        now = self._clock()
+        for key in [k for k, entry in self._ready.items() if now - entry[2] > self.ttl_s]:
+            del self._ready[key]
+            self.dropped += 1
+
     def _start(self, key: Hashable) -> None:  # under the lock
         future = self._pool.submit(self._build, key)
         self._building[key] = future
@@ -171,9 +181,10 @@ class PrebuildTable(Generic[T]):
             if err is not None:
                 self._failed[key] = err
                 return
-            self._ready[key] = (future.result(), size)
+            self._ready[key] = (future.result(), size, self._clock())
             self._ready.move_to_end(key)
-            total = sum(s for _, s in self._ready.values())
+            self._expire()
+            total = sum(entry[1] for entry in self._ready.values())
             while total > self.budget_bytes and len(self._ready) > 1:
                 oldest = next(iter(self._ready))
                 if oldest == key:

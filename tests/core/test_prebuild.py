@@ -145,3 +145,14 @@ def test_recently_used_is_an_lru_of_the_last_capacity_keys() -> None:
     assert "a" not in seen and "b" in seen and "c" in seen
     seen.forget("c")
     assert "c" not in seen
+
+
+def test_a_result_nobody_takes_is_dropped_after_its_time_to_live() -> None:
+    now = [0.0]
+    table = PrebuildTable(lambda k: bytearray(4), size_of=len, max_builds=1, budget_bytes=100, ttl_s=300,
+                          clock=lambda: now[0])
+    _wait(table, "a")
+    now[0] = 299.0
+    assert table.poll("a") is True  # still kept
+    now[0] = 301.0
+    assert table.take("a") is None and table.state("a") == "absent" and table.dropped == 1

@@ -170,3 +170,21 @@ def test_offline_prefetch_pins_the_source_and_the_later_load_takes_the_backgroun
     built = WorkerLoRAManager._load_adapter(worker_manager, req)  # waits for the build in flight
     assert built.id == 11 and table(worker_manager).builds_started == 1
     _same(built, WorkerLoRAManager._load_adapter.__wrapped__(worker_manager, req))
+
+
+def test_a_failed_background_build_is_a_4xx_naming_the_problem(worker_manager: Any, tmp_path: Path) -> None:
+    plugin.register()
+    server.reset_registry()
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                             '"target_modules": ["q_proj"]}')
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"x\": 1}        ")
+    engine = _EngineOnWorker(worker_manager)
+    with pytest.raises(Exception) as caught:
+        asyncio.run(server.ensure_built(engine, _request(bad, name="k")))
+    answer = server.build_error(caught.value)
+    assert answer.error.code == 400 and "header entry 'x' is malformed" in answer.error.message
+    assert engine.registered == []  # nothing reached the engine's adapter cache
+    missing = server.build_error(RuntimeError("Loading lora k failed: No adapter found for /x"))
+    assert missing.error.code == 404

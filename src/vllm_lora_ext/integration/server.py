@@ -239,9 +239,13 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
         delay = min(0.025, delay * 1.5)
 
 
+_MAX_BUILD_MESSAGE = 2000
+
+
 def build_error(err: BaseException) -> Any:
     """The ``ErrorResponse`` for a failed background build: 404 if the worker found no adapter, else 400."""
-    message = short_repr(str(err))[1:-1]
+    text = str(err)
+    message = text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
     metrics.record_error(err, where="server")
     if "No adapter found" in message:
         return error_response(message, err_type="NotFoundError", status=404)
