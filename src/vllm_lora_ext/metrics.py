@@ -157,6 +157,8 @@ def _file(prefix: str) -> Any:
 
 
 def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None:
+    if not key:
+        return
     try:
         with _LOCK:
             f = _file(prefix)
@@ -169,8 +171,11 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
 
 
 def _key(metric: str, sample: str, labelnames: Sequence[str], labelvalues: Sequence[str], help_text: str) -> str:
-    from prometheus_client.mmap_dict import mmap_key
-
+    """The sample's key in prometheus_client's files ("" without prometheus_client: nothing is recorded)."""
+    try:
+        from prometheus_client.mmap_dict import mmap_key
+    except ImportError:
+        return ""
     return str(mmap_key(metric, sample, list(labelnames), list(labelvalues), help_text))
 
 
@@ -218,9 +223,11 @@ class Histogram(_Metric):
 
         Every bucket of the label set is written (0 where it does not grow), so a scrape shows them all.
         """
-        from prometheus_client.utils import floatToGoString
-
         values = self._values(labels)
+        try:
+            from prometheus_client.utils import floatToGoString
+        except ImportError:
+            return
         bound = next(b for b in self.buckets if value <= b)
         _add("histogram", _key(self.name, self.name + "_sum", self.labelnames, values, self.help), float(value))
         for b in self.buckets:

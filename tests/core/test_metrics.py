@@ -137,3 +137,20 @@ def test_sources_count_local_paths_hub_downloads_and_cache_hits(fresh_metrics: s
     assert got[("vllm_lora_ext_sources_resolved_total", (("cache", "miss"),))] == 1
     assert got[("vllm_lora_ext_sources_resolved_total", (("cache", "hit"),))] == 2
     assert got[("vllm_lora_ext_source_download_seconds_count", ())] == 1
+
+
+def test_without_prometheus_client_every_record_call_is_a_no_op(tmp_path: Path) -> None:
+    """The core (the CLI, sources) runs where prometheus_client is not installed: the README's main job does."""
+    import subprocess
+    import sys
+
+    folder = make_dense_adapter(tmp_path / "a")
+    code = ("import sys; sys.modules['prometheus_client'] = None\n"
+            "from vllm_lora_ext import metrics, resolve_source\n"
+            "assert metrics.setup() is None\n"
+            f"resolve_source({str(folder)!r})\n"
+            "metrics.ADAPTER_LOAD_SECONDS.observe(1.0, kind='adapter'); metrics.MIXES_ACTIVE.set(1)\n"
+            "metrics.record_error(ValueError('x'), where='server'); print('ok')\n")
+    env = dict(os.environ, **{ENV_METRICS_DIR: str(tmp_path)})  # even with a directory inherited
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
