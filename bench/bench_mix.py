@@ -13,6 +13,7 @@ Usage: python bench/bench_mix.py [--gpu] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from _common import median, print_table, write_json  # noqa: E402
 def cpu_bench(runs: int) -> dict:
     import torch
 
-    from vllm_lora_ext.mixing import concat_factors
+    from vllm_lora_ext.mixing import concat_many
 
     H, I, L, R = 4096, 11008, 32, 16
     shapes = {"q_proj": (H, H), "k_proj": (H, 1024), "v_proj": (H, 1024), "o_proj": (H, H), "gate_proj": (H, I),
@@ -36,26 +37,33 @@ def cpu_bench(runs: int) -> dict:
                  for layer in range(L) for m, (d_in, d_out) in shapes.items()} for _ in range(4)]
     weights = [0.4, 0.3, 0.2, 0.1]
 
-    def build() -> dict:
-        return {k: concat_factors([(ad[k][0], ad[k][1], w * 2.0) for ad, w in zip(adapters, weights)],
-                                  dtype=torch.bfloat16) for k in adapters[0]}
+    def build(workers: int | None) -> dict:
+        jobs = {k: ([(ad[k][0], ad[k][1], w * 2.0) for ad, w in zip(adapters, weights)], 0, 1) for k in adapters[0]}
+        return concat_many(jobs, dtype=torch.bfloat16, workers=workers)
 
-    torch.set_num_threads(1)
-    build()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        out = build()
-        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(1)  # as in vLLM workers
+    build(1)
+    build(None)
+    times: dict[str, list[float]] = {"one thread": [], "threads (default)": []}
+    for _ in range(runs):  # interleaved
+        for label, workers in (("one thread", 1), ("threads (default)", None)):
+            t0 = time.perf_counter()
+            out = build(workers)
+            times[label].append(time.perf_counter() - t0)
+    one = build(1)
+    same = all(torch.equal(one[k][0], out[k][0]) and torch.equal(one[k][1], out[k][1]) for k in out)
     # correctness on one module after timing
     k = (3, "down_proj")
     a, b = out[k]
     dense = sum(w * 2.0 * ad[k][1].float() @ ad[k][0].float() for ad, w in zip(adapters, weights))
     rel = float(((b.float() @ a.float()) - dense).abs().max() / dense.abs().max())
     nbytes = sum(t.numel() * t.element_size() for ab in out.values() for t in ab)
-    print_table([["4 x r16, 7B shapes, 224 modules", median(times) * 1e3, nbytes / 2**20, rel]],
+    print_table([[f"4 x r16, 7B shapes, 224 modules, {label}", median(ts) * 1e3, nbytes / 2**20, rel]
+                 for label, ts in times.items()],
                 ["case", "build ms (median)", "composite MiB", "max rel err vs dense (bf16)"])
-    return {"mode": "cpu", "build_ms": [t * 1e3 for t in times], "composite_bytes": nbytes, "rel_err": rel}
+    print("threaded result bitwise equal to one thread:", same)
+    return {"mode": "cpu", "cpus": os.cpu_count(), "build_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
+            "composite_bytes": nbytes, "rel_err": rel, "threaded_equals_one_thread": same}
 
 
 LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,

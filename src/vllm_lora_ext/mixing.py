@@ -27,6 +27,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -232,6 +233,34 @@ def resolve_mix(adapters: Sequence[str] | None, weights: Sequence[float] | None,
     ws = ([check_weight(w, name=a) for a, w in zip(adapters, weights)] if weights is not None
           else [default_weights.get(a, 1.0) for a in adapters])
     return MixSpec(tuple(MixComponent(a, sources[a], w) for a, w in zip(adapters, ws)))
+
+
+def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]], *,
+                dtype: torch.dtype | None = None, workers: int | None = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """Run [`concat_factors`] for many modules at once, ``workers`` threads at a time (torch copies release the GIL).
+
+    Args:
+        jobs: ``{key: (parts, rank_dim_a, rank_dim_b)}``, one entry per module (or per packed slice).
+        dtype: the result dtype (default: each module's first ``A``'s).
+        workers: threads (default: up to 4, at most the host's cores). A composite is a memory copy of every
+            component factor; one thread does not saturate a host's memory bandwidth.
+
+    Returns:
+        ``{key: (A, B)}`` in the order of ``jobs``.
+    """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
+
+    def one(key: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        parts, dim_a, dim_b = jobs[key]
+        return concat_factors(parts, rank_dim_a=dim_a, rank_dim_b=dim_b, dtype=dtype)
+
+    if n <= 1:
+        return {k: one(k) for k in jobs}
+    with ThreadPoolExecutor(n, thread_name_prefix="vllm-lora-ext-mix") as pool:
+        return dict(zip(jobs, pool.map(one, list(jobs))))
 
 
 def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *, rank_dim_a: int = 0,

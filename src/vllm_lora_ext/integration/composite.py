@@ -19,7 +19,7 @@ import torch
 
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
-from vllm_lora_ext.mixing import MixSpec, concat_factors
+from vllm_lora_ext.mixing import MixSpec, concat_many
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -74,30 +74,40 @@ def build_composite(manager: Any, lora_request: Any) -> Any:
     names: dict[str, None] = {}
     for _, model in comps:
         names.update(dict.fromkeys(model.loras))
-    loras: dict[str, Any] = {}
-    too_big: list[str] = []
+    # One concatenation job per dense module and per slice of a packed MoE block, run on a few threads.
+    jobs: dict[Any, tuple[list[tuple[torch.Tensor, torch.Tensor, float]], int, int]] = {}
+    present_by_name: dict[str, list[tuple[Any, Any]]] = {}
     for name in names:
         present = [(c, m.loras[name]) for c, m in comps if name in m.loras]
+        present_by_name[name] = present
         first = present[0][1]
         if isinstance(first.lora_a, list):  # a pre-packed MoE block (scaling already folded)
-            a_list, b_list = [], []
             for j in range(len(first.lora_a)):
-                a, b = concat_factors([(w.lora_a[j], w.lora_b[j], c.weight) for c, w in present],
-                                      rank_dim_a=1, rank_dim_b=2, dtype=dtype)
-                a_list.append(a)
-                b_list.append(b)
+                jobs[(name, j)] = ([(w.lora_a[j], w.lora_b[j], c.weight) for c, w in present], 1, 2)
+        else:
+            jobs[name] = ([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], 0, 1)
+    done = concat_many(jobs, dtype=dtype)
+    loras: dict[str, Any] = {}
+    too_big: list[str] = []
+    for name, present in present_by_name.items():
+        first = present[0][1]
+        if isinstance(first.lora_a, list):
+            a_list = [done[(name, j)][0] for j in range(len(first.lora_a))]
+            b_list = [done[(name, j)][1] for j in range(len(first.lora_a))]
             rank = max(int(a.shape[1]) for a in a_list)
             loras[name] = PackedLoRALayerWeights(name, rank, [1] * len(a_list), list[Any](a_list), list[Any](b_list),
                                                  scaling=[1.0] * len(a_list))
         else:
-            a, b = concat_factors([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], dtype=dtype)
+            a, b = done[name]
             rank = int(a.shape[0])
             loras[name] = LoRALayerWeights(name, rank, 1, a, b, scaling=1.0)
         if rank > max_rank:
             parts = ", ".join(f"{c.name} r={_rank(w)}" for c, w in present)
             too_big.append(f"{name} needs {rank} ({parts})")
-    check_finite({f"{n} lora_{w}": t for n, lw in loras.items() for w, ts in (("A", lw.lora_a), ("B", lw.lora_b))
-                  for t in (ts if isinstance(ts, list) else [ts])}, adapter=spec.lora_name)
+    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned.
+    check_finite({f"{n} lora_B[{i}]": t for n, lw in loras.items()
+                  for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None},
+                 adapter=spec.lora_name)
     if too_big:
         need = max(int(s.split(" needs ")[1].split(" ")[0]) for s in too_big)
         raise AdapterCompatibilityError(
