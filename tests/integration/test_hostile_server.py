@@ -478,3 +478,33 @@ def test_a_client_cannot_smuggle_a_lora_request_through_the_body(tmp_path: Path)
     assert _route(s, req) is None
     got = BaseServing._maybe_get_adapters(s, req)
     assert got is s.models.lora_requests["style"]  # vLLM's own lookup by name, the body field ignored
+
+
+def test_a_mix_whose_packed_moe_composite_overflows_in_any_slice_is_refused(worker_manager: Any) -> None:
+    """Every tensor of a packed MoE block is scanned, not only the last of its list."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import composite
+    from vllm_lora_ext.mixing import MixComponent, MixSpec
+
+    name = "model.layers.0.mlp.experts"
+    a = [torch.ones(2, 4, 8) for _ in range(3)]
+    b = [torch.full((2, 8, 4), 3e37), torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)]  # the first slice overflows
+    model = LoRAModel(1, 4, {name: PackedLoRALayerWeights(name, 4, [1, 1, 1], list(a), list(b), scaling=[1.0] * 3)})
+    source = "/nonexistent/packed-moe-component"
+    composite.clear_component_cache()
+    composite._CACHE[(id(worker_manager), source)] = model
+    try:
+        spec = MixSpec((MixComponent("moe", source, 100.0),))
+        with pytest.raises(AdapterFormatError, match=r"holds NaN or infinite.*lora_B\[0\]|lora_B\[0\].*NaN"):
+            load_lora_model_for(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
+    finally:
+        composite.clear_component_cache()
+
+
+def load_lora_model_for(manager: Any, req: Any) -> Any:
+    from vllm_lora_ext.integration.loader import load_lora_model
+
+    return load_lora_model(manager, req)
