@@ -188,3 +188,24 @@ def test_a_failed_background_build_is_a_4xx_naming_the_problem(worker_manager: A
     assert engine.registered == []  # nothing reached the engine's adapter cache
     missing = server.build_error(RuntimeError("Loading lora k failed: No adapter found for /x"))
     assert missing.error.code == 404
+
+
+def test_a_request_on_a_registered_adapter_whose_files_broke_gets_a_400_not_a_500(worker_manager: Any,
+                                                                                   tmp_path: Path) -> None:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.lora.request import LoRARequest
+
+    plugin.register()
+    server.reset_registry()
+    folder = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj"], rank=4, alpha=8)
+    (folder / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"x\": 1}        ")
+    engine = _EngineOnWorker(worker_manager)
+    models = SimpleNamespace(lora_requests={"a": LoRARequest("a", 3, str(folder))},
+                             lora_resolver_lock=defaultdict(asyncio.Lock), engine_client=engine)
+    serving = SimpleNamespace(models=models, _is_model_supported=lambda m: not m or m == "base")
+    try:
+        answer = asyncio.run(server.route_adapters(serving, CompletionRequest(prompt="hi", model="a")))
+    finally:
+        server.reset_registry()
+    assert answer.error.code == 400 and "Adapter 'a' could not be loaded" in answer.error.message
+    assert "header entry 'x' is malformed" in answer.error.message and engine.registered == []

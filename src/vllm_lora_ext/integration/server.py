@@ -39,6 +39,7 @@ from vllm_lora_ext.constants import (
 )
 from vllm_lora_ext.errors import (
     AdapterAccessError,
+    AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,
     MixCapacityError,
@@ -479,5 +480,15 @@ async def _build_if_evicted(models: Any, name: Any) -> None:
     req = models.lora_requests.get(name) if isinstance(name, str) else None
     if req is None or str(req.lora_path).startswith(MIX_PREFIX):
         return
-    if not recently_used(models.engine_client).touch(req.lora_path):
+    recent = recently_used(models.engine_client)
+    if recent.touch(req.lora_path):
+        return
+    try:
         await ensure_built(models.engine_client, req)
+    except Exception as err:  # e.g. its files changed or vanished since it was registered: a 4xx, not a 500
+        recent.forget(req.lora_path)
+        text = str(err)[:_MAX_BUILD_MESSAGE]
+        if "No adapter found" in text:
+            raise AdapterNotFoundError(f"Adapter {name!r} could not be loaded: {text}", source=str(req.lora_path)[:200],
+                                       public_message=f"Adapter {name!r} could not be loaded: {text}") from err
+        raise AdapterFormatError(f"Adapter {name!r} could not be loaded: {text}", adapter=str(name)) from err
