@@ -183,10 +183,11 @@ def test_a_failed_background_build_is_a_4xx_naming_the_problem(worker_manager: A
     engine = _EngineOnWorker(worker_manager)
     with pytest.raises(Exception) as caught:
         asyncio.run(server.ensure_built(engine, _request(bad, name="k")))
-    answer = server.build_error(caught.value)
+    answer = server.http_error(server.build_failure(caught.value, name="k", source=str(bad)))
     assert answer.error.code == 400 and "header entry 'x' is malformed" in answer.error.message
     assert engine.registered == []  # nothing reached the engine's adapter cache
-    missing = server.build_error(RuntimeError("Loading lora k failed: No adapter found for /x"))
+    missing = server.http_error(server.build_failure(RuntimeError("Loading lora k failed: No adapter found for /x"),
+                                                     name="k", source="/x"))
     assert missing.error.code == 404
 
 

@@ -125,11 +125,9 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
 
 def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
-        from vllm_lora_ext.integration.server import pre_resolve
-
         from vllm.lora.request import LoRARequest
 
-        from vllm_lora_ext.integration.server import build_error, ensure_built, recently_used
+        from vllm_lora_ext.integration.server import build_failure, ensure_built, http_error, pre_resolve, recently_used
 
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
@@ -139,7 +137,7 @@ def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 await ensure_built(self.engine_client, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
             except Exception as err:
-                return build_error(err)
+                return http_error(build_failure(err, name=name, source=path))
         result = await original(self, request_or_error, base_model_name)
         if isinstance(result, str) and path:
             recently_used(self.engine_client).touch(path)

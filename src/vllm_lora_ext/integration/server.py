@@ -243,14 +243,16 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
 _MAX_BUILD_MESSAGE = 2000
 
 
-def build_error(err: BaseException) -> Any:
-    """The ``ErrorResponse`` for a failed background build: 404 if the worker found no adapter, else 400."""
+def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
+    """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
+    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason."""
     text = str(err)
-    message = text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
-    metrics.record_error(err, where="server")
-    if "No adapter found" in message:
-        return error_response(message, err_type="NotFoundError", status=404)
-    return error_response(message, err_type="BadRequestError", status=400)
+    if len(text) > _MAX_BUILD_MESSAGE:
+        text = text[:_MAX_BUILD_MESSAGE] + " [...]"
+    message = f"Adapter {name!r} could not be loaded: {text}"
+    if "No adapter found" in text:
+        return AdapterNotFoundError(message, source=source[:200], public_message=message)
+    return AdapterFormatError(message, adapter=name)
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -487,8 +489,4 @@ async def _build_if_evicted(models: Any, name: Any) -> None:
         await ensure_built(models.engine_client, req)
     except Exception as err:  # e.g. its files changed or vanished since it was registered: a 4xx, not a 500
         recent.forget(req.lora_path)
-        text = str(err)[:_MAX_BUILD_MESSAGE]
-        if "No adapter found" in text:
-            raise AdapterNotFoundError(f"Adapter {name!r} could not be loaded: {text}", source=str(req.lora_path)[:200],
-                                       public_message=f"Adapter {name!r} could not be loaded: {text}") from err
-        raise AdapterFormatError(f"Adapter {name!r} could not be loaded: {text}", adapter=str(name)) from err
+        raise build_failure(err, name=str(name), source=str(req.lora_path)) from err
