@@ -350,18 +350,16 @@ class _HubClient:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
         from huggingface_hub import errors as hf_errors
 
-        if revision is not None and _COMMIT_SHA.match(revision):
-            hit = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision,
-                                         cache_dir=None if self.cache_dir is None else Path(self.cache_dir))
-            if isinstance(hit, str):
-                return Path(hit)
-            if hit is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
-                return None
         cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
-        try:
+        try:  # one cache lookup: it answers a pinned sha outright, and tells a cache hit from a download
             cached = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir)
-        except Exception:  # only the hit/miss metric depends on it
+        except Exception:  # e.g. an unusual cache layout: hf_hub_download below decides
             cached = None
+        if revision is not None and _COMMIT_SHA.match(revision):
+            if isinstance(cached, str):
+                return Path(cached)
+            if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
+                return None
         try:
             path = Path(hf_hub_download(
                 self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
