@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU tests on the lent GPU machine (no network, no vLLM there): see scripts/gpu/README.md.
 #
-#   bash scripts/gpu/run.sh stage            # copy the carried bundle chunk(s) (.gpu/p*/) to /tmp/b
+#   bash scripts/gpu/run.sh stage            # copy the carried chunk(s) (.gpu/*/: bundle, Ray wheels) to /tmp/b
 #   bash scripts/gpu/run.sh test [ARGS...]   # stage, install the bundle once, install this repo, run pytest tests/gpu
 #   bash scripts/gpu/run.sh bench SCRIPT [ARGS...]   # same set-up, then run a bench/ script
 #
@@ -10,8 +10,8 @@ set -uo pipefail
 what=${1:-test}
 shift || true
 mkdir -p /tmp/b
-for d in .gpu/p0 .gpu/p1 .gpu/p2; do
-  if [ -d "$d" ]; then cp -r "$d"/. /tmp/b/; fi
+for d in .gpu/*/; do
+  if [ -d "$d" ]; then cp -r "$d". /tmp/b/; fi
 done
 if [ "$what" = stage ]; then ls -la /tmp/b; exit 0; fi
 
@@ -21,9 +21,22 @@ fi
 if [ ! -d /tmp/site-test ] && ls /tmp/b/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-test /tmp/b/wheels/*.whl
 fi
+# Ray (for tests/gpu/test_ray.py): its wheel travels split in two chunks (.gpu/ray0, .gpu/ray1), with the
+# wheels of the dependencies the machine lacks; joined and checked against RAYWHEEL, installed once.
+if [ ! -d /tmp/site-ray ] && [ -f /tmp/b/ray/RAYWHEEL ] && ls /tmp/b/ray/ray.whl.part-* >/dev/null 2>&1; then
+  read -r whl sum < /tmp/b/ray/RAYWHEEL
+  cat /tmp/b/ray/ray.whl.part-* > "/tmp/b/ray/$whl"
+  if [ "$(sha256sum "/tmp/b/ray/$whl" | cut -d' ' -f1)" = "$sum" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-ray /tmp/b/ray/*.whl \
+      || echo "Ray wheels failed to install"
+  else
+    echo "Ray wheel chunks incomplete or corrupt (carry .gpu/ray0 and .gpu/ray1)"; rm -f "/tmp/b/ray/$whl"
+  fi
+fi
 # shellcheck disable=SC1091
 source /tmp/site/vllm-env.sh
 export PYTHONPATH=/tmp/site-test:$PYTHONPATH
+if [ -d /tmp/site-ray ]; then export PYTHONPATH=$PYTHONPATH:/tmp/site-ray PATH=$PATH:/tmp/site-ray/bin; fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip-e.log 2>&1 \
   || { cat /tmp/pip-e.log; exit 1; }
 

@@ -48,6 +48,8 @@ ENV_PREBUILD = "VLLM_LORA_EXT_PREBUILD"  # 0: build adapters inside the engine s
 ENV_PREBUILD_BUILDS = "VLLM_LORA_EXT_PREBUILD_BUILDS"
 ENV_PREBUILD_BYTES = "VLLM_LORA_EXT_PREBUILD_BYTES"
 ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
+# Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
+ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
 
 # The one weight rule (server, offline helper, deployment config, CLI): finite and |w| <= this bound.
 # A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an
@@ -132,6 +134,15 @@ def allowed_roots() -> tuple[str, ...] | None:
     if not raw:
         return None
     return tuple(os.path.realpath(os.path.expanduser(p)) for p in raw.split(os.pathsep) if p.strip())
+
+
+def client_sources() -> tuple[str, ...]:
+    """Return the source prefixes clients may name directly (``VLLM_LORA_EXT_CLIENT_SOURCES``, comma-separated).
+
+    Unset or empty: clients name only the adapters the operator registered, and mixes of them.
+    """
+    raw = os.environ.get(ENV_CLIENT_SOURCES, "")
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
 def deployment_config_path() -> str | None:

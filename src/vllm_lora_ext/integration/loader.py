@@ -163,6 +163,11 @@ def _outcome(err: BaseException) -> str:
     return "rejected" if isinstance(err, VllmLoraExtError) else "error"
 
 
+# What this process's loads read (adapters built, bytes of weights read): worker_state reports it per worker,
+# so an expert-parallel run shows that each rank read only its own experts' bytes.
+LOCAL_READS: dict[str, int] = {"adapters": 0, "bytes": 0}
+
+
 def _record_load(kind: str, outcome: str, t0: float, err: BaseException | None = None) -> None:
     if not is_first_model_rank():
         return
@@ -240,6 +245,8 @@ def _load_adapter_model(manager: Any, lora_request: Any) -> Any:
     validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
     metrics.ADAPTER_BYTES_READ.inc(stats.bytes_read)
+    LOCAL_READS["adapters"] += 1
+    LOCAL_READS["bytes"] += stats.bytes_read
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
                 resolved.identity, config.r, len(lora.loras), len(plans),
                 ",".join(sorted({p.layout for p in plans.values()})) or "-", stats.bytes_read / 2**20,

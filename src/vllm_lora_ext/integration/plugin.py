@@ -284,10 +284,16 @@ def unregister() -> None:
 
 
 def worker_state(worker: Any = None) -> dict[str, Any]:
-    """Report the plugin's state in this process; use ``llm.collective_rpc(worker_state)`` to ask every worker."""
+    """Report the plugin's state in this process; use ``llm.collective_rpc(worker_state)`` to ask every worker.
+
+    ``rank`` is the worker's global rank (``None`` outside a worker); ``adapter_reads`` counts the adapters
+    this process built and the weight bytes it read for them.
+    """
     import sys
 
     wm = sys.modules.get(WORKER_MANAGER_MODULE)
     patched = bool(wm is not None and getattr(wm.WorkerLoRAManager._load_adapter, PATCH_MARK, False))
-    return {"pid": os.getpid(), "registered": _REGISTERED, "version": __version__, "load_adapter_patched": patched,
-            "patches": applied()}
+    loader = sys.modules.get("vllm_lora_ext.integration.loader")
+    reads = dict(loader.LOCAL_READS) if loader is not None else {"adapters": 0, "bytes": 0}
+    return {"pid": os.getpid(), "rank": getattr(worker, "rank", None), "registered": _REGISTERED,
+            "version": __version__, "load_adapter_patched": patched, "patches": applied(), "adapter_reads": reads}

@@ -1,0 +1,139 @@
+"""Ray Serve LLM replicas that serve the plugin's adapters: deployment-config names, ``hf:`` sources and mixes.
+
+Ray Serve LLM multiplexes LoRA by ``model="<base>:<adapter>"`` and fetches ``<adapter>`` itself, from
+``dynamic_lora_loading_path`` (S3, GCS or Azure), before vLLM sees it. A name from the plugin's
+deployment config, a mix such as ``style=0.7+domain=0.3`` or an ``hf:`` source would be looked up as a
+bucket folder there and fail. `LoraExtLLMServer` is Ray's ``LLMServer`` with one change: before Ray's
+downloader runs, the adapter part of the id is planned by `vllm_lora_ext.multiplex.plan_model_id`, and
+everything the plugin serves goes to the plugin (the table is in that module). Ids the plugin does not
+know still go to Ray's downloader when one is configured.
+
+Requests naming the base model with the body fields ``adapters`` / ``adapter_weights`` need nothing from
+this class: Ray passes the fields through to vLLM, where the plugin routes them in every replica.
+
+Use it as the server class of an ``LLMConfig``; the plugin itself loads in each replica through vLLM's
+plugin system, and the deployment config reaches it through ``runtime_env``::
+
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+    from vllm_lora_ext.integration.ray import LoraExtLLMServer
+
+    config = LLMConfig(
+        model_loading_config={"model_id": "qwen", "model_source": "Qwen/Qwen3-8B"},
+        server_cls=LoraExtLLMServer,
+        engine_kwargs={"enable_lora": True, "max_lora_rank": 16, "max_loras": 4},
+        runtime_env={"env_vars": {"VLLM_LORA_EXT_CONFIG": "/etc/loras.yaml"}},
+    )
+    serve.run(build_openai_app({"llm_configs": [config]}))
+    # then: model="qwen:style", model="qwen:style=0.7+domain=0.3", or model="qwen" with extra_body adapters
+
+Importing `vllm_lora_ext` never imports this module or Ray. What it relies on from Ray 2.58 (the release
+whose image ships vLLM 0.26): ``LLMServer._run_request`` and ``_maybe_resolve_lora_from_multiplex``, and
+``VLLMEngine._oai_models`` (vLLM's ``OpenAIServingModels`` of the replica). A Ray without them is refused
+at the first request that needs them, with a message naming what is missing.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncGenerator
+from typing import Any
+
+try:
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+    from ray.serve.llm.deployment import LLMServer
+except ImportError as err:  # pragma: no cover - only without Ray
+    raise ImportError(
+        "vllm_lora_ext.integration.ray needs Ray Serve LLM, which is not importable here "
+        f"({err}). Install it with: pip install 'ray[serve,llm]'.") from err
+
+from vllm_lora_ext.constants import client_sources
+from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
+
+__all__ = ["LoraExtLLMServer"]
+
+# Set while a request the plugin planned runs through Ray's LLMServer, so Ray's downloader is skipped for it.
+_PLANNED: contextvars.ContextVar[ModelIdPlan | None] = contextvars.ContextVar("vllm_lora_ext_ray_plan", default=None)
+
+
+class LoraExtLLMServer(LLMServer):
+    """Ray Serve LLM's ``LLMServer`` whose multiplexed ids may name the plugin's adapters, sources and mixes."""
+
+    async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
+                           raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
+        model_id = serve.get_multiplexed_model_id()
+        plan = None
+        if model_id:
+            try:
+                plan = self._vllm_lora_ext_plan(model_id)
+                if plan.plan is Plan.SOURCE:
+                    error = await self._vllm_lora_ext_register(plan)
+                    if error is not None:
+                        return _one(error)
+                elif plan.plan is not Plan.RAY:
+                    request.model = plan.adapter  # the plugin's routing in vLLM resolves the name or the mix
+            except Exception as err:  # a clean 4xx for the client, never a replica error
+                return _one(_ray_error(_vllm_error(err)))
+        token = _PLANNED.set(plan if plan is not None and plan.plan is not Plan.RAY else None)
+        try:
+            return await super()._run_request(request, engine_method=engine_method,
+                                              batch_output_stream=batch_output_stream,
+                                              raw_request_info=raw_request_info)
+        finally:
+            _PLANNED.reset(token)
+
+    async def _maybe_resolve_lora_from_multiplex(self) -> None:
+        if _PLANNED.get() is not None:
+            return  # the plugin serves this id; Ray's downloader would look it up as a bucket folder
+        await super()._maybe_resolve_lora_from_multiplex()
+
+    # ----------------------------------------------------------------------------------------------- helpers
+
+    def _vllm_lora_ext_models(self) -> Any:
+        models = getattr(self.engine, "_oai_models", None)
+        if models is None or not hasattr(models, "lora_requests"):
+            raise RuntimeError(
+                "LoraExtLLMServer needs Ray's vLLM engine with its vLLM OpenAIServingModels (engine._oai_models); "
+                f"this replica's engine {type(self.engine).__name__} has none. Use Ray Serve LLM's vLLM engine "
+                "(Ray 2.58 is the tested release).")
+        return models
+
+    def _vllm_lora_ext_plan(self, model_id: str) -> ModelIdPlan:
+        models = self._vllm_lora_ext_models()
+        names = set(models.lora_requests)
+        deployment = getattr(models, "vllm_lora_ext_deployment", None)
+        if deployment is not None:
+            names.update(deployment.adapters)
+        lora_config = getattr(self._llm_config, "lora_config", None)
+        ray_downloads = bool(getattr(lora_config, "dynamic_lora_loading_path", None))
+        return plan_model_id(model_id, names=names, client_sources=client_sources(), ray_downloads=ray_downloads)
+
+    async def _vllm_lora_ext_register(self, plan: ModelIdPlan) -> Any:
+        """Register a client-named source under the whole model id (resolved and pinned by the plugin's
+        ``load_lora_adapter``); return Ray's ``ErrorResponse`` on failure, else ``None``."""
+        from vllm_lora_ext.integration._compat import load_adapter_request_cls
+
+        models = self._vllm_lora_ext_models()
+        if plan.model_id in models.lora_requests:
+            return None
+        result = await models.load_lora_adapter(load_adapter_request_cls()(lora_name=plan.model_id,
+                                                                           lora_path=plan.adapter))
+        if isinstance(result, str) or plan.model_id in models.lora_requests:  # a concurrent request won the race
+            return None
+        return _ray_error(result)
+
+
+def _vllm_error(err: BaseException) -> Any:
+    from vllm_lora_ext.integration.server import http_error
+
+    return http_error(err)
+
+
+def _ray_error(vllm_error: Any) -> Any:
+    """vLLM's ``ErrorResponse`` as Ray's (Ray's router answers it with the status code it carries)."""
+    return ErrorResponse(error=ErrorInfo(**vllm_error.error.model_dump()))
+
+
+async def _one(item: Any) -> AsyncGenerator[Any, None]:
+    yield item

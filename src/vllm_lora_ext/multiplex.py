@@ -1,0 +1,105 @@
+"""What a multiplexed model id (``<base>:<adapter>``, Ray Serve LLM's convention) asks the plugin for.
+
+Ray Serve LLM names a LoRA request ``model="<base model id>:<adapter id>"``. Its router sends the request
+to a replica with that whole string as the multiplexed model id, and the replica's downloader then looks
+``<adapter id>`` up as a folder under ``dynamic_lora_loading_path`` (S3, GCS or Azure only). A name from the
+plugin's deployment config, a mix such as ``style=0.7+domain=0.3`` and an ``hf:`` source are none of those.
+`plan_model_id` says, for one id, which of the plugin's paths serves it; it is pure, so it is tested without
+Ray, and `vllm_lora_ext.integration.ray` carries the plan out in a replica.
+
+| adapter part of the id | plan | the replica then |
+|---|---|---|
+| a name the replica registered (deployment config, ``--lora-modules``, a mix name it made) | ``NAME`` | runs the request on that name |
+| a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``) | ``MIX`` | the plugin's mix routing |
+| a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it |
+| anything else, where Ray's own downloader is configured | ``RAY`` | Ray's downloader, unchanged |
+| anything else | an error | 403 for a source clients may not name, else 404 naming the fix |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import Enum
+
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import HF_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
+from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
+
+# The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
+MAX_ADAPTER_ID_CHARS = 4096
+
+
+class Plan(str, Enum):
+    NAME = "name"
+    MIX = "mix"
+    SOURCE = "source"
+    RAY = "ray"
+
+
+@dataclass(frozen=True)
+class ModelIdPlan:
+    """The plan for one multiplexed id: ``adapter`` is what goes to vLLM as the request's ``model``
+    (``NAME``, ``MIX``) or as the source to register under ``model_id`` (``SOURCE``)."""
+
+    plan: Plan
+    model_id: str
+    adapter: str
+
+
+def split_model_id(model_id: str) -> tuple[str, str]:
+    """Split ``<base>:<adapter>`` at its first colon: ``("qwen", "hf:org/repo@v1:sub")``.
+
+    The adapter part keeps every later colon (as Ray's ``get_lora_id`` does), so ``hf:`` sources and
+    sub-paths survive.
+    """
+    base, _, adapter = model_id.partition(":")
+    return base, adapter
+
+
+def looks_like_source(adapter: str) -> bool:
+    """Return whether an adapter id is written as a source (``hf:``, a path) rather than a name."""
+    return adapter.startswith((HF_PREFIX, "/", "./", "../", "~", "file:")) or "\\" in adapter
+
+
+def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Collection[str] = (),
+                  ray_downloads: bool = False) -> ModelIdPlan:
+    """Plan how a replica serves the multiplexed id ``model_id``.
+
+    Args:
+        model_id: ``<base>:<adapter>``, as Ray's router passes it.
+        names: adapter names the replica already serves (registered adapters, deployment-config names).
+        client_sources: source prefixes (``hf:acme/``) clients may name directly; empty: none.
+        ray_downloads: whether Ray's own downloader (``dynamic_lora_loading_path``) is configured.
+
+    Raises:
+        [`AdapterSourceError`]: an empty, oversized or reserved adapter part.
+        [`AdapterAccessError`]: a source no prefix in ``client_sources`` admits.
+        [`AdapterNotFoundError`]: a name the replica does not serve, and no Ray downloader to ask.
+    """
+    _, adapter = split_model_id(model_id)
+    if not adapter:
+        raise AdapterSourceError(f"Model id {short_repr(model_id)} has no adapter after ':'. Write "
+                                 f"'<base>:<adapter name>' or '<base>:<a>=0.7+<b>=0.3'.", source=model_id[:200])
+    if len(adapter) > MAX_ADAPTER_ID_CHARS:
+        raise AdapterSourceError(f"The adapter part of the model id has {len(adapter)} characters, more than "
+                                 f"{MAX_ADAPTER_ID_CHARS}. Name an adapter or a mix.", source=adapter[:200])
+    if adapter.startswith((MIX_PREFIX, PREBUILD_PREFIX)):
+        raise AdapterSourceError(f"Adapter id {short_repr(adapter)} is a spec only the server makes. Name registered "
+                                 f"adapters, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
+    if adapter in names:
+        return ModelIdPlan(Plan.NAME, model_id, adapter)
+    if looks_like_source(adapter):
+        if any(adapter.startswith(p) for p in client_sources if p):
+            return ModelIdPlan(Plan.SOURCE, model_id, adapter)
+        raise AdapterAccessError(
+            f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
+            f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
+            f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=adapter[:200])
+    if "+" in adapter or "=" in adapter:
+        return ModelIdPlan(Plan.MIX, model_id, adapter)
+    if ray_downloads:
+        return ModelIdPlan(Plan.RAY, model_id, adapter)
+    shown = ", ".join(repr(n) for n in sorted(names)[:20]) or "none"
+    raise AdapterNotFoundError(f"Adapter {short_repr(adapter)} is not served here (served: {shown}). Name one of "
+                               f"them, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])

@@ -1,0 +1,221 @@
+"""LoraExtLLMServer with Ray Serve LLM's own classes (LLMConfig, LLMServer, Serve's request context).
+
+The replica's engine is the outer boundary (it needs a GPU): a stand-in for Ray's ``LLMEngine`` whose
+``_oai_models`` is vLLM's real ``OpenAIServingModels`` (patched by ``register()``) over an engine client
+that records ``add_lora``, and whose ``completions`` does what vLLM's serving does before generation with
+the plugin loaded: the plugin's routing (``route_adapters``), then the adapter the request would run on.
+Ray's downloader is replaced through Ray's own injection point (``model_downloader``) by one that records.
+
+These tests need Ray Serve LLM importable next to vLLM: Ray 2.58 with vLLM 0.26 (the pair Ray's image
+ships; ``scripts/test-vllm-matrix.sh 0.26.0`` installs it). With a newer vLLM, Ray 2.58's LLM module
+fails to import and they are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from factories import make_dense_adapter
+from vllm_lora_ext.constants import MIX_PREFIX, PREBUILD_PREFIX
+
+try:
+    from ray.llm._internal.serve.core.engine.protocol import LLMEngine
+    from ray.serve.llm import LLMConfig
+
+    from vllm_lora_ext.integration.ray import LoraExtLLMServer
+    WHY = ""
+except Exception as err:  # Ray missing, or Ray's LLM module not importable with this vLLM
+    LLMEngine = object  # type: ignore[assignment,misc]
+    WHY = f"{type(err).__name__}: {str(err)[:160]}"
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore:coroutine 'LLMServer.__del__'"),
+              pytest.mark.skipif(bool(WHY), reason=f"Ray Serve LLM not importable: {WHY}")]
+BASE = "base"
+
+
+class _EngineClient:
+    """vLLM's engine client, seen from the replica's API objects: records the adapters it is asked to add."""
+
+    model_config = SimpleNamespace(max_model_len=256)
+    renderer = None
+    input_processor = None
+    vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
+
+    def __init__(self) -> None:
+        self.added: list[Any] = []
+
+    async def add_lora(self, req: Any) -> bool:
+        if not req.lora_path.startswith(PREBUILD_PREFIX):
+            self.added.append(req)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return True
+
+
+class _Engine(LLMEngine):  # type: ignore[misc]
+    """Ray's replica engine up to the point where vLLM would generate."""
+
+    def __init__(self, llm_config: Any) -> None:
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+        self.llm_config = llm_config
+        self._oai_models = OpenAIServingModels(_EngineClient(), [BaseModelPath(name=BASE, model_path="/m")])
+        self.serving = SimpleNamespace(models=self._oai_models, _is_model_supported=lambda m: not m or m == BASE)
+
+    async def start(self) -> None:
+        await self._oai_models.init_static_loras()
+
+    async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
+        from vllm_lora_ext.integration.server import route_adapters, routed_lora
+
+        error = await route_adapters(self.serving, request)
+        if error is not None:
+            yield {"error": error.error.code, "message": error.error.message}
+            return
+        lora = routed_lora(request) or self._oai_models.lora_requests.get(request.model)
+        yield {"model": request.model, "lora": None if lora is None else (lora.lora_name, lora.lora_path)}
+
+    async def chat(self, *a: Any, **k: Any) -> Any:  # pragma: no cover - not used
+        raise NotImplementedError
+
+    embeddings = transcriptions = chat
+
+    async def resolve_lora(self, disk_lora_model: Any) -> None:
+        self.resolved = disk_lora_model
+
+    async def reset_prefix_cache(self) -> None:  # pragma: no cover
+        pass
+
+    def routing_stats(self) -> dict[str, Any]:  # pragma: no cover
+        return {}
+
+
+class _RecordingDownloader:
+    """Ray's downloader, at Ray's injection point: records what it is asked to fetch from the bucket."""
+
+    calls: list[str] = []  # stays empty: the plugin's ids never reach Ray's downloader
+
+    def __init__(self, **kwargs: Any) -> None:
+        pass
+
+    async def load_model_from_config(self, lora_model_id: str, llm_config: Any) -> Any:
+        from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
+
+        _RecordingDownloader.calls.append(lora_model_id)
+        return DiskMultiplexConfig(model_id=lora_model_id, max_total_tokens=None, local_path="/bucket/x",
+                                   lora_assigned_int_id=1)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    from vllm_lora_ext.integration.server import reset_registry
+
+    reset_registry()
+    a, b = make_dense_adapter(tmp_path / "a", seed=1), make_dense_adapter(tmp_path / "b", seed=2)
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text(f"adapters:\n  style: {{source: '{a}', weight: 0.7}}\n  domain: {{source: '{b}', weight: 0.3}}\n")
+    monkeypatch.setenv("VLLM_LORA_EXT_CONFIG", str(cfg))
+    monkeypatch.delenv("VLLM_LORA_EXT_CLIENT_SOURCES", raising=False)
+    _RecordingDownloader.calls.clear()
+    return cfg
+
+
+def _server(*, bucket: bool = False) -> Any:
+    lora = {"dynamic_lora_loading_path": "s3://bucket/loras"} if bucket else {}
+    config = LLMConfig(model_loading_config={"model_id": BASE, "model_source": "/m"}, lora_config=lora or None,
+                       server_cls=LoraExtLLMServer)
+    assert config.server_cls is LoraExtLLMServer
+    server = LoraExtLLMServer.sync_init(config, engine_cls=_Engine, model_downloader=_RecordingDownloader)
+    server.engine = _Engine(config)
+    asyncio.run(server.engine.start())  # vLLM's start-up registration: the deployment config's adapters
+    return server
+
+
+def _ask(server: Any, model: str, **fields: Any) -> dict[str, Any]:
+    """One completion through Ray's LLMServer.completions, as Ray's router sends it (multiplexed id = model
+    when it names an adapter)."""
+    from ray.serve.context import _RequestContext, _serve_request_context
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+    async def run() -> dict[str, Any]:
+        token = _serve_request_context.set(_RequestContext(multiplexed_model_id=model if ":" in model else ""))
+        try:
+            stream = await server.completions(CompletionRequest(model=model, prompt="hi", **fields))
+            items = [item async for item in stream]
+        finally:
+            _serve_request_context.reset(token)
+        assert len(items) == 1
+        item = items[0]
+        if not isinstance(item, dict):  # Ray's ErrorResponse: the status code Ray's router answers with
+            return {"error": item.error.code, "message": item.error.message}
+        return item
+
+    return asyncio.run(run())
+
+
+def test_a_deployment_config_name_is_served_by_the_plugin_not_looked_up_in_the_bucket(deployment: Path) -> None:
+    out = _ask(_server(bucket=True), f"{BASE}:style")
+    assert out["model"] == "style" and out["lora"][0] == "style"
+    assert _RecordingDownloader.calls == []
+
+
+def test_a_mix_in_the_model_id_and_one_in_the_body_fields_share_one_composite(deployment: Path) -> None:
+    server = _server(bucket=True)
+    by_id = _ask(server, f"{BASE}:style=0.7+domain=0.3")
+    by_body = _ask(server, BASE, adapters=["style", "domain"], adapter_weights=[0.7, 0.3])
+    assert by_id["model"].startswith("mix-style=0.7+domain=0.3-") and by_id == by_body
+    assert by_id["lora"][1].startswith(MIX_PREFIX)
+    mixes = [r for r in server.engine._oai_models.engine_client.added if r.lora_path.startswith(MIX_PREFIX)]
+    assert len(mixes) == 1 and _RecordingDownloader.calls == []
+
+
+def test_an_unknown_id_still_goes_to_rays_downloader_when_a_bucket_is_configured(deployment: Path) -> None:
+    # Ray's multiplexed loader (serve.multiplexed around the downloader) runs only inside a deployment; here it
+    # refuses with its own error, which shows the request reached it and the plugin let it through.
+    with pytest.raises(RuntimeError, match="can only be used within a deployment"):
+        _ask(_server(bucket=True), f"{BASE}:folder-7")
+
+
+@pytest.mark.parametrize("model, status, match", [
+    (f"{BASE}:nope", 404, "not served here"),
+    (f"{BASE}:hf:acme/loras", 403, "VLLM_LORA_EXT_CLIENT_SOURCES"),
+    (f"{BASE}:/etc", 403, "may not be named"),
+    (f"{BASE}:style=nan+domain", 400, "finite"),
+    (f"{BASE}:style=0.5+ghost=0.5", 400, "ghost"),
+    (f'{BASE}:mix:{{"v":1}}', 400, "only the server makes"),
+])
+def test_bad_ids_get_a_clean_4xx_and_nothing_is_loaded(deployment: Path, model: str, status: int, match: str) -> None:
+    server = _server()
+    out = _ask(server, model)
+    assert out["error"] == status and match in out["message"], out
+    added = server.engine._oai_models.engine_client.added
+    assert [r.lora_name for r in added] == ["style", "domain"]  # the deployment config's, nothing else
+    assert _RecordingDownloader.calls == []
+
+
+def test_a_client_named_hf_source_under_an_admitted_prefix_is_pinned_and_served(
+        deployment: Path, hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = make_dense_adapter(tmp_path / "hub-a", seed=3)
+    sha = hub.repo("acme/loras").commit({"sql/adapter_config.json": (folder / "adapter_config.json").read_bytes(),
+                                         "sql/adapter_model.safetensors":
+                                             (folder / "adapter_model.safetensors").read_bytes()})
+    monkeypatch.setenv("VLLM_LORA_EXT_CLIENT_SOURCES", "hf:acme/")
+    server = _server()
+    model = f"{BASE}:hf:acme/loras:sql"
+    first, again = _ask(server, model), _ask(server, model)
+    assert first == again and first["model"] == model
+    assert first["lora"] == (model, f"hf:acme/loras@{sha}:sql")  # pinned to the commit it resolved
+    added = [r for r in server.engine._oai_models.engine_client.added if r.lora_name == model]
+    assert len(added) == 1  # registered once, then served from the registration
+    monkeypatch.setenv("VLLM_LORA_EXT_CLIENT_SOURCES", "hf:other/")
+    assert _ask(_server(), f"{BASE}:hf:acme/loras:sql")["error"] == 403
