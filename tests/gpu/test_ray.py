@@ -207,6 +207,9 @@ def test_ray_serve_llm_two_replicas_serve_names_sources_and_mixes_like_one_engin
 
     port = free_port()
     ray.init(num_gpus=2, include_dashboard=False, object_store_memory=2 * 2**30, log_to_driver=True)
+    # vLLM's engine process in each replica calls ray.init() itself: without RAY_ADDRESS (or a cluster started
+    # with `ray start`) it starts a cluster of its own, where the replica's placement group does not exist.
+    env_vars["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     t0 = time.perf_counter()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
