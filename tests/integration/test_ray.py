@@ -117,7 +117,7 @@ class _RecordingDownloader:
 def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from vllm_lora_ext.integration import plugin
 
-    plugin.register()
+    plugin.unregister()  # the server class registers the plugin itself (see test_the_server_registers_the_plugin)
     from vllm_lora_ext.integration.server import reset_registry
 
     reset_registry()
@@ -219,3 +219,16 @@ def test_a_client_named_hf_source_under_an_admitted_prefix_is_pinned_and_served(
     assert len(added) == 1  # registered once, then served from the registration
     monkeypatch.setenv("VLLM_LORA_EXT_CLIENT_SOURCES", "hf:other/")
     assert _ask(_server(), f"{BASE}:hf:acme/loras:sql")["error"] == 403
+
+
+def test_the_server_registers_the_plugin_in_the_replica_process(deployment: Path) -> None:
+    # Ray builds the engine config in a remote task, so vLLM's plugin loading never runs in the replica
+    # process, where the OpenAI serving objects the plugin patches live.
+    from vllm_lora_ext.integration import plugin
+
+    plugin.unregister()
+    assert not plugin.is_registered() and not plugin.applied()
+    _server()
+    assert plugin.is_registered()  # patches apply as their modules are imported; these two already are:
+    assert {"vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",
+            "vllm.entrypoints.openai.models.serving.OpenAIServingModels.init_static_loras"} <= set(plugin.applied())

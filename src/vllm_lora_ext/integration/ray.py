@@ -60,6 +60,15 @@ _PLANNED: contextvars.ContextVar[ModelIdPlan | None] = contextvars.ContextVar("v
 class LoraExtLLMServer(LLMServer):
     """Ray Serve LLM's ``LLMServer`` whose multiplexed ids may name the plugin's adapters, sources and mixes."""
 
+    def _init_shared(self, *args: Any, **kwargs: Any) -> None:
+        # Ray builds the engine config in a remote task, so vLLM's plugin loading never runs in the replica
+        # process itself, where vLLM's OpenAI serving objects live: register here, before the engine starts
+        # (idempotent), or the deployment config, body-field mixes and source pinning are missing there.
+        from vllm_lora_ext.integration.plugin import register
+
+        register()
+        super()._init_shared(*args, **kwargs)
+
     async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
                            raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
         model_id = serve.get_multiplexed_model_id()
