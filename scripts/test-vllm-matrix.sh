@@ -28,7 +28,10 @@ for v in "${versions[@]}"; do
   # vLLM alone first, so that its own pins choose torch and torchvision together; then this package and the
   # test tools, which leave them as they are.
   # shellcheck disable=SC2086  # MATRIX_PIP_ARGS is a list of requirement specs
-  if ! { "$venv/bin/pip" install -q "vllm==$v" ${MATRIX_PIP_ARGS:-} && "$venv/bin/pip" install -q -e '.[test]'; } \
+  # Ray Serve LLM 2.58 (its image ships vLLM 0.26.0) imports vLLM 0.26's modules: its tests run on that release.
+  extras=(-e '.[test]')
+  if [ "$v" = 0.26.0 ]; then extras=(-e '.[test,ray]' 'ray==2.58.0'); fi
+  if ! { "$venv/bin/pip" install -q "vllm==$v" ${MATRIX_PIP_ARGS:-} && "$venv/bin/pip" install -q "${extras[@]}"; } \
       >"$log" 2>&1; then
     echo "install of vllm==$v failed (see $log)"
     summary="install failed"

@@ -206,6 +206,7 @@ def test_ray_serve_llm_two_replicas_serve_names_sources_and_mixes_like_one_engin
     from vllm_lora_ext.integration.ray import LoraExtLLMServer
 
     port = free_port()
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(num_gpus=2, include_dashboard=False, object_store_memory=2 * 2**30, log_to_driver=True)
     # vLLM's engine process in each replica calls ray.init() itself: without RAY_ADDRESS (or a cluster started
     # with `ray start`) it starts a cluster of its own, where the replica's placement group does not exist.

@@ -137,3 +137,16 @@ def test_missing_source_raises_vllms_not_found_error_with_our_hint(worker_manage
         plugin_load(worker_manager, _request(str(tmp_path / "missing"), name="gone"))
     msg = str(e.value)
     assert "Loading lora gone failed: No adapter found for" in msg and "does not exist" in msg
+
+
+def test_worker_state_reports_the_adapters_and_bytes_this_process_read(worker_manager: Any, peft_adapter: Path) -> None:
+    from vllm_lora_ext.integration.plugin import worker_state
+
+    _, plugin_load = _stock_and_plugin()
+    before = worker_state()["adapter_reads"]
+    plugin_load(worker_manager, _request(str(peft_adapter)))
+    after = worker_state(worker_manager)
+    weights = (peft_adapter / "adapter_model.safetensors").stat().st_size
+    assert after["adapter_reads"]["adapters"] == before["adapters"] + 1
+    assert after["adapter_reads"]["bytes"] - before["bytes"] == weights  # every tensor is kept: the whole file
+    assert after["registered"] and after["load_adapter_patched"] and after["rank"] is None

@@ -232,3 +232,31 @@ def test_the_server_registers_the_plugin_in_the_replica_process(deployment: Path
     assert plugin.is_registered()  # patches apply as their modules are imported; these two already are:
     assert {"vllm.entrypoints.openai.models.serving.OpenAIServingModels.load_lora_adapter",
             "vllm.entrypoints.openai.models.serving.OpenAIServingModels.init_static_loras"} <= set(plugin.applied())
+
+
+def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/ray_serve_llm.py through Ray's own builder (a local CPU-only Ray: the builder reads its runtime
+    context): the router's model deployment is LoraExtLLMServer, with the replica count and the plugin's
+    settings in every replica's runtime_env."""
+    import sys
+
+    import ray
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import ray_serve_llm as recipe
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # Ray would otherwise report usage over the network
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        app = recipe.build_app("/m", "base", str(tmp_path / "loras.yaml"), 2, "hf:acme/", 16, {"enforce_eager": True})
+        address = ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+    servers = app._bound_deployment.init_kwargs["llm_deployments"]
+    (server,) = servers.values()
+    dep = server._bound_deployment
+    assert issubclass(dep.func_or_class, LoraExtLLMServer) and dep.num_replicas == 2
+    env = dep.ray_actor_options["runtime_env"]["env_vars"]
+    assert env["VLLM_LORA_EXT_CONFIG"] == str(tmp_path / "loras.yaml")
+    assert env["VLLM_LORA_EXT_CLIENT_SOURCES"] == "hf:acme/" and env["RAY_ADDRESS"] == address

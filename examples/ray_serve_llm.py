@@ -1,0 +1,110 @@
+"""Serve a model with the plugin's adapters and mixes on Ray Serve LLM: N replicas behind Ray's OpenAI router.
+
+    ray start --head                      # or let this script start a local cluster
+    python examples/ray_serve_llm.py --model Qwen/Qwen3-8B --config loras.yaml --replicas 2
+
+``loras.yaml`` is the plugin's deployment config (names to sources, ``hf:`` included, optional weights)::
+
+    adapters:
+      style:  {source: 'hf:acme/style-lora@v2'}
+      domain: {source: '/data/loras/domain', weight: 0.3}
+
+Clients then use the ``openai`` client against ``http://127.0.0.1:8000/v1`` with:
+
+- ``model="<model id>:style"``: one adapter of the config;
+- ``model="<model id>:style=0.7+domain=0.3"``: a weighted mix (``style+domain`` takes the config's weights);
+- ``model="<model id>"`` with ``extra_body={"adapters": ["style", "domain"], "adapter_weights": [0.7, 0.3]}``;
+- ``model="<model id>:hf:acme/other-lora"``: only for prefixes the operator admits in
+  ``VLLM_LORA_EXT_CLIENT_SOURCES`` (``--client-sources hf:acme/``); by default clients name configured adapters only.
+
+What makes it work: ``server_cls=LoraExtLLMServer`` (``vllm_lora_ext.integration.ray``) and the config passed to
+every replica through ``runtime_env``. ``--smoke`` sends one request of each kind, prints the answers and exits;
+tests/gpu/test_ray.py runs this setup on 2 GPUs against a single ``vllm serve`` engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def build_app(model: str, model_id: str, config: str, replicas: int, client_sources: str, max_lora_rank: int,
+              engine_kwargs: dict | None = None) -> object:
+    """The Ray Serve application: Ray's OpenAI router in front of ``replicas`` ``LoraExtLLMServer`` replicas."""
+    import ray
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from vllm_lora_ext.integration.ray import LoraExtLLMServer
+
+    env_vars = {"VLLM_LORA_EXT_CONFIG": os.path.abspath(config)}
+    if client_sources:
+        env_vars["VLLM_LORA_EXT_CLIENT_SOURCES"] = client_sources
+    # vLLM's engine process in each replica calls ray.init() itself; it joins this cluster only if it can find
+    # it: a cluster from `ray start` can be found, one started by ray.init() in a script needs RAY_ADDRESS.
+    env_vars["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+        if name in os.environ:
+            env_vars[name] = os.environ[name]
+    config_obj = LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": model},
+        server_cls=LoraExtLLMServer,
+        deployment_config={"num_replicas": replicas},
+        engine_kwargs={"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 4, "max_cpu_loras": 16,
+                       **(engine_kwargs or {})},
+        runtime_env={"env_vars": env_vars},
+    )
+    return build_openai_app({"llm_configs": [config_obj]})
+
+
+def smoke(base: str, model_id: str, names: list[str]) -> None:
+    """One request of each kind through the router; prints status and text."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    a, b = names[0], names[-1]
+    asks = [(f"{model_id}:{a}", {}), (f"{model_id}:{a}=0.7+{b}=0.3", {}),
+            (model_id, {"adapters": [a, b], "adapter_weights": [0.7, 0.3]})]
+    for model, body in asks:
+        r = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0.0, extra_body=body)
+        print(f"{model!r} {body or ''}: {r.choices[0].text!r} (served as {r.model})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="HF repo id or local folder of the base model")
+    ap.add_argument("--model-id", default="base", help="the id clients put before ':' in model (default: base)")
+    ap.add_argument("--config", required=True, help="the plugin's deployment config (YAML)")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--client-sources", default="", help="source prefixes clients may name, e.g. hf:acme/")
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--smoke", action="store_true", help="send one request of each kind, then exit")
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from vllm_lora_ext.deployment import read_deployment_config
+
+    names = list(read_deployment_config(args.config).adapters)  # fails early, naming the problem
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto" if _cluster_running() else None)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(build_app(args.model, args.model_id, args.config, args.replicas, args.client_sources,
+                        args.max_lora_rank), blocking=False)
+    base = f"http://127.0.0.1:{args.port}"
+    print(f"serving {args.model} as {args.model_id!r} with adapters {names} at {base}/v1")
+    if args.smoke:
+        smoke(base, args.model_id, names)
+        serve.shutdown()
+        return
+    while True:
+        time.sleep(3600)
+
+
+def _cluster_running() -> bool:
+    return bool(os.environ.get("RAY_ADDRESS")) or os.path.exists("/tmp/ray/ray_current_cluster")
+
+
+if __name__ == "__main__":
+    main()

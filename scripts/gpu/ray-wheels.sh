@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build the Ray chunks the GPU machine needs for tests/gpu/test_ray.py (it has no Ray and no network).
+#
+#   bash scripts/gpu/ray-wheels.sh            # -> .gpu/ray0/ray/ and .gpu/ray1/ray/ (about 43 + 48 MiB)
+#
+# Ray 2.58.0 (the release whose LLM image ships vLLM 0.26.0) for CPython 3.12, split in two chunks so that each
+# device call carries less than 64 MiB, plus the wheels of ray[serve]'s dependencies that the machine's image
+# lacks (KINDS.md lists what it has; fastapi, starlette, uvicorn and watchfiles come with the vLLM bundle).
+# scripts/gpu/run.sh joins the chunks, checks the sha256 in RAYWHEEL and installs everything into /tmp/site-ray.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RAY_VERSION=${RAY_VERSION:-2.58.0}
+CACHE=${CACHE:-/tmp/ray-wheel-cache}
+mkdir -p "$CACHE"
+PLAT=()
+for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+           manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 any; do
+  PLAT+=(--platform "$tag")
+done
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
+  -d "$CACHE" "ray[serve]==$RAY_VERSION"
+# The dependencies the GPU machine lacks (the rest of ray[serve]'s closure is already there).
+MISSING=(aiohttp_cors colorful cffi cryptography distlib google_api_core google_auth googleapis_common_protos httptools
+         jsonref jsonschema jsonschema_specifications mmh3 opencensus opencensus_context opentelemetry_api
+         opentelemetry_exporter_prometheus opentelemetry_proto opentelemetry_sdk opentelemetry_semantic_conventions
+         platformdirs proto_plus pyasn1 pyasn1_modules pycparser python_discovery python_dotenv referencing rpds_py
+         smart_open virtualenv websockets)
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
+  -d "$CACHE" jsonref
+rm -rf .gpu/ray0 .gpu/ray1
+mkdir -p .gpu/ray0/ray .gpu/ray1/ray
+whl=$(cd "$CACHE" && ls "ray-$RAY_VERSION"-cp312-*.whl)
+split -b 42M -a 2 "$CACHE/$whl" .gpu/ray0/ray/ray.whl.part-
+mv .gpu/ray0/ray/ray.whl.part-a[b-z] .gpu/ray1/ray/
+echo "$whl $(sha256sum "$CACHE/$whl" | cut -d' ' -f1)" > .gpu/ray1/ray/RAYWHEEL
+for name in "${MISSING[@]}"; do
+  found=$(cd "$CACHE" && ls "$name"-[0-9]*.whl 2>/dev/null | head -n 1)
+  [ -n "$found" ] || { echo "no wheel for $name in $CACHE"; exit 1; }
+  cp "$CACHE/$found" .gpu/ray1/ray/
+done
+du -sh .gpu/ray0 .gpu/ray1
