@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -265,8 +265,9 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
             a projection is given twice, or the orientation is ambiguous and nothing settles it.
     """
     pairs: dict[str, dict[str, str]] = {}
+    infos: dict[str, Any] = {}
     for key in shapes:
-        info = classify_key(key)
+        info = infos[key] = classify_key(key)
         pairs.setdefault(info.module, {})[info.which] = key
     plan = ExpertsPlan(spec)
     problems: list[str] = []
@@ -278,7 +279,7 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
             problems.append(f"{module}: lora_{'A' if 'A' in pair else 'B'} without its partner")
             continue
         sa, sb = tuple(shapes[pair["A"]]), tuple(shapes[pair["B"]])
-        info = classify_key(pair["A"])
+        info = infos[pair["A"]]
         if len(sa) != 2 or len(sb) != 2:
             problems.append(f"{module}: lora tensors must be 2-D, got {sa} and {sb}")
             continue
