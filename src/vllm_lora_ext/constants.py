@@ -50,6 +50,7 @@ ENV_PREBUILD_BYTES = "VLLM_LORA_EXT_PREBUILD_BYTES"
 ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
+ENV_MAX_CLIENT_SOURCES = "VLLM_LORA_EXT_MAX_CLIENT_SOURCES"
 
 # The one weight rule (server, offline helper, deployment config, CLI): finite and |w| <= this bound.
 # A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an
@@ -143,6 +144,11 @@ def client_sources() -> tuple[str, ...]:
     """
     raw = os.environ.get(ENV_CLIENT_SOURCES, "")
     return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def max_client_sources() -> int:
+    """Return how many client-named sources one Ray Serve replica keeps registered (default 64; LRU beyond)."""
+    return int(_env_number(ENV_MAX_CLIENT_SOURCES, 64, minimum=1))
 
 
 def deployment_config_path() -> str | None:

@@ -260,3 +260,22 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     env = dep.ray_actor_options["runtime_env"]["env_vars"]
     assert env["VLLM_LORA_EXT_CONFIG"] == str(tmp_path / "loras.yaml")
     assert env["VLLM_LORA_EXT_CLIENT_SOURCES"] == "hf:acme/" and env["RAY_ADDRESS"] == address
+
+
+def test_client_named_sources_stay_bounded_least_recently_used_first(
+        deployment: Path, hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = make_dense_adapter(tmp_path / "hub-b", seed=4)
+    files = {f"{sub}/{f}": (folder / f).read_bytes() for sub in ("x", "y", "z")
+             for f in ("adapter_config.json", "adapter_model.safetensors")}
+    hub.repo("acme/many").commit(files)
+    monkeypatch.setenv("VLLM_LORA_EXT_CLIENT_SOURCES", "hf:acme/")
+    monkeypatch.setenv("VLLM_LORA_EXT_MAX_CLIENT_SOURCES", "2")
+    server = _server()
+    ids = {sub: f"{BASE}:hf:acme/many:{sub}" for sub in ("x", "y", "z")}
+    registered = server.engine._oai_models.lora_requests
+    for sub in ("x", "y", "x", "z"):  # x is used again before z arrives: y is the least recently used
+        assert _ask(server, ids[sub])["model"] == ids[sub]
+    assert ids["x"] in registered and ids["z"] in registered and ids["y"] not in registered
+    assert {"style", "domain"} <= set(registered)  # the operator's adapters are never trimmed
+    assert _ask(server, ids["y"])["model"] == ids["y"]  # registered again on its next request
+    assert ids["x"] not in registered and len([n for n in registered if n.startswith(f"{BASE}:")]) == 2

@@ -103,6 +103,13 @@ def load_adapter_request_cls() -> Any:
     return LoadLoRAAdapterRequest
 
 
+def unload_adapter_request_cls() -> Any:
+    """Return vLLM's ``UnloadLoRAAdapterRequest`` class."""
+    from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+    return UnloadLoRAAdapterRequest
+
+
 def lora_config_of(engine_client: Any) -> Any:
     """Return the engine's ``LoRAConfig`` seen from the API server (``None`` if LoRA is off or unknown)."""
     cfg = getattr(engine_client, "vllm_config", None)

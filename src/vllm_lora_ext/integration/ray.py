@@ -36,6 +36,7 @@ at the first request that needs them, with a message naming what is missing.
 from __future__ import annotations
 
 import contextvars
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -120,17 +121,40 @@ class LoraExtLLMServer(LLMServer):
 
     async def _vllm_lora_ext_register(self, plan: ModelIdPlan) -> Any:
         """Register a client-named source under the whole model id (resolved and pinned by the plugin's
-        ``load_lora_adapter``); return Ray's ``ErrorResponse`` on failure, else ``None``."""
+        ``load_lora_adapter``); return Ray's ``ErrorResponse`` on failure, else ``None``.
+
+        At most ``VLLM_LORA_EXT_MAX_CLIENT_SOURCES`` (default 64) such names stay registered: beyond that the
+        least recently used one is unregistered (its next request registers it again), so clients naming
+        ever new sources under an admitted prefix cannot grow the replica's adapter table without bound.
+        """
         from vllm_lora_ext.integration._compat import load_adapter_request_cls
 
         models = self._vllm_lora_ext_models()
+        recent = self.__dict__.setdefault("_vllm_lora_ext_client_sources", OrderedDict())
         if plan.model_id in models.lora_requests:
+            if plan.model_id in recent:
+                recent.move_to_end(plan.model_id)
             return None
         result = await models.load_lora_adapter(load_adapter_request_cls()(lora_name=plan.model_id,
                                                                            lora_path=plan.adapter))
-        if isinstance(result, str) or plan.model_id in models.lora_requests:  # a concurrent request won the race
-            return None
-        return _ray_error(result)
+        if not isinstance(result, str) and plan.model_id not in models.lora_requests:
+            return _ray_error(result)
+        recent[plan.model_id] = None  # registered (by this request, or by a concurrent one that won the race)
+        recent.move_to_end(plan.model_id)
+        await self._vllm_lora_ext_trim(models, recent)
+        return None
+
+    async def _vllm_lora_ext_trim(self, models: Any, recent: OrderedDict[str, None]) -> None:
+        from vllm_lora_ext.constants import max_client_sources
+        from vllm_lora_ext.integration._compat import unload_adapter_request_cls
+
+        bound = max_client_sources()
+        while len(recent) > bound:
+            name, _ = recent.popitem(last=False)
+            await models.unload_lora_adapter(unload_adapter_request_cls()(lora_name=name))
+            lock = getattr(models, "lora_resolver_lock", {}).get(name)
+            if lock is not None and not lock.locked():
+                del models.lora_resolver_lock[name]
 
 
 def _vllm_error(err: BaseException) -> Any:
