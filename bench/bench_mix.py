@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
 
 
-def cpu_bench(runs: int) -> dict:
+def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
     import torch
 
     from vllm_lora_ext.mixing import concat_many
@@ -42,11 +42,13 @@ def cpu_bench(runs: int) -> dict:
         return concat_many(jobs, dtype=torch.bfloat16, workers=workers)
 
     torch.set_num_threads(1)  # as in vLLM workers
-    build(1)
-    build(None)
-    times: dict[str, list[float]] = {"one thread": [], "threads (default)": []}
+    cases: list[tuple[str, int | None]] = [("one thread", 1), ("threads (default)", None)]
+    cases += [(f"{n} threads", n) for n in workers_list]
+    for _, workers in cases:
+        build(workers)
+    times: dict[str, list[float]] = {label: [] for label, _ in cases}
     for _ in range(runs):  # interleaved
-        for label, workers in (("one thread", 1), ("threads (default)", None)):
+        for label, workers in cases:
             t0 = time.perf_counter()
             out = build(workers)
             times[label].append(time.perf_counter() - t0)
@@ -150,8 +152,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--workers", default="", help="CPU mode: more thread counts to time, e.g. 2,8")
     args = ap.parse_args()
-    payload = gpu_bench(args) if args.gpu else cpu_bench(args.runs)
+    payload = gpu_bench(args) if args.gpu else cpu_bench(args.runs, tuple(int(n) for n in args.workers.split(",") if n))
     write_json("mix_gpu" if args.gpu else "mix_cpu", payload, args.out)
 
 
