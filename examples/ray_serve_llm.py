@@ -88,7 +88,7 @@ def main() -> None:
     from vllm_lora_ext.deployment import read_deployment_config
 
     names = list(read_deployment_config(args.config).adapters)  # fails early, naming the problem
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto" if _cluster_running() else None)
+    ray.init()  # RAY_ADDRESS, else a cluster from `ray start` on this host, else a new local one
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     serve.run(build_app(args.model, args.model_id, args.config, args.replicas, args.client_sources,
                         args.max_lora_rank), blocking=False)
@@ -100,10 +100,6 @@ def main() -> None:
         return
     while True:
         time.sleep(3600)
-
-
-def _cluster_running() -> bool:
-    return bool(os.environ.get("RAY_ADDRESS")) or os.path.exists("/tmp/ray/ray_current_cluster")
 
 
 if __name__ == "__main__":

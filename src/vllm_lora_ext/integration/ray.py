@@ -49,7 +49,9 @@ except ImportError as err:  # pragma: no cover - only without Ray
         "vllm_lora_ext.integration.ray needs Ray Serve LLM, which is not importable here "
         f"({err}). Install it with: pip install 'ray[serve,llm]'.") from err
 
-from vllm_lora_ext.constants import client_sources
+from vllm_lora_ext.constants import client_sources, max_client_sources
+from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
+from vllm_lora_ext.integration.server import _known_adapters, http_error
 from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
 
 __all__ = ["LoraExtLLMServer"]
@@ -84,7 +86,7 @@ class LoraExtLLMServer(LLMServer):
                 elif plan.plan is not Plan.RAY:
                     request.model = plan.adapter  # the plugin's routing in vLLM resolves the name or the mix
             except Exception as err:  # a clean 4xx for the client, never a replica error
-                return _one(_ray_error(_vllm_error(err)))
+                return _one(_ray_error(http_error(err)))
         token = _PLANNED.set(plan if plan is not None and plan.plan is not Plan.RAY else None)
         try:
             return await super()._run_request(request, engine_method=engine_method,
@@ -110,11 +112,7 @@ class LoraExtLLMServer(LLMServer):
         return models
 
     def _vllm_lora_ext_plan(self, model_id: str) -> ModelIdPlan:
-        models = self._vllm_lora_ext_models()
-        names = set(models.lora_requests)
-        deployment = getattr(models, "vllm_lora_ext_deployment", None)
-        if deployment is not None:
-            names.update(deployment.adapters)
+        names, _, _ = _known_adapters(self._vllm_lora_ext_models())  # registered adapters + deployment names
         lora_config = getattr(self._llm_config, "lora_config", None)
         ray_downloads = bool(getattr(lora_config, "dynamic_lora_loading_path", None))
         return plan_model_id(model_id, names=names, client_sources=client_sources(), ray_downloads=ray_downloads)
@@ -127,8 +125,6 @@ class LoraExtLLMServer(LLMServer):
         least recently used one is unregistered (its next request registers it again), so clients naming
         ever new sources under an admitted prefix cannot grow the replica's adapter table without bound.
         """
-        from vllm_lora_ext.integration._compat import load_adapter_request_cls
-
         models = self._vllm_lora_ext_models()
         recent = self.__dict__.setdefault("_vllm_lora_ext_client_sources", OrderedDict())
         if plan.model_id in models.lora_requests:
@@ -145,9 +141,6 @@ class LoraExtLLMServer(LLMServer):
         return None
 
     async def _vllm_lora_ext_trim(self, models: Any, recent: OrderedDict[str, None]) -> None:
-        from vllm_lora_ext.constants import max_client_sources
-        from vllm_lora_ext.integration._compat import unload_adapter_request_cls
-
         bound = max_client_sources()
         while len(recent) > bound:
             name, _ = recent.popitem(last=False)
@@ -155,12 +148,6 @@ class LoraExtLLMServer(LLMServer):
             lock = getattr(models, "lora_resolver_lock", {}).get(name)
             if lock is not None and not lock.locked():
                 del models.lora_resolver_lock[name]
-
-
-def _vllm_error(err: BaseException) -> Any:
-    from vllm_lora_ext.integration.server import http_error
-
-    return http_error(err)
 
 
 def _ray_error(vllm_error: Any) -> Any:
