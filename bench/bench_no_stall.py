@@ -16,7 +16,9 @@ output equals that run's output (same prompts; outputs with B preloaded before t
 
 Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM cannot be told a
 served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
-adapters, plugin only). ``--modes stock,plugin`` (stock = the plugin installed but disabled).
+adapters, plugin only). ``--modes stock,plugin,sync`` (stock = the plugin installed but disabled; sync =
+the plugin loading in the engine step, ``VLLM_LORA_EXT_PREBUILD=0``: its time to first token is the plugin's
+own load time, which background loading is measured against).
 
 Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin] [--out FILE]
 """
@@ -137,7 +139,8 @@ def window_stats(run: dict[str, Any], start: float, end: float) -> dict[str, flo
 def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argparse.Namespace) -> dict[str, Any]:
     from serving import vllm_serve
 
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0",
+               VLLM_LORA_EXT_PREBUILD="0" if mode == "sync" else "1")
     modules = ["A=" + str(paths["A"])] + ([f"C{i}={paths[f'C{i}']}" for i in range(4)] if mode == "plugin" and
                                            "mix" in cases else [])
     serve_args = ["--enable-lora", "--max-lora-rank", "64", "--max-loras", "3", "--max-cpu-loras", "8",
@@ -151,7 +154,7 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
         asyncio.run(run_case(base, model, None, paths, 8, args.arrive))  # warm-up
         runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
         for case in cases:
-            if mode == "stock" and case != "2d":
+            if mode == "stock" and case != "2d" or mode == "sync" and case == "mix":
                 continue
             runs[case] = asyncio.run(run_case(base, model, case, paths, args.tokens, args.arrive))
         runs["none_again"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
@@ -197,6 +200,11 @@ def main() -> None:
         summary["b2d_output_equals_stock"] = results["plugin"]["2d"]["b_text"] == results["stock"]["2d"]["b_text"]
         print("B (2D) output, plugin (built in the background) == stock (built in the step):",
               summary["b2d_output_equals_stock"])
+    for case in ("2d", "3d"):
+        if f"plugin/{case}" in summary and f"sync/{case}" in summary:
+            extra = summary[f"plugin/{case}"]["b_ttft_s"] - summary[f"sync/{case}"]["b_ttft_s"]
+            summary[f"plugin/{case}"]["b_ttft_over_sync_s"] = extra
+            print(f"B ({case}) first token, background minus in-step load: {extra:+.3f} s")
     print_table(rows, ["mode", "case", "max gap s", "p99 gap s", "no-B max gap s", "B TTFT s", "tok/s vs no B",
                        "outputs = preloaded", "control"])
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}

@@ -48,6 +48,9 @@ ENV_PREBUILD = "VLLM_LORA_EXT_PREBUILD"  # 0: build adapters inside the engine s
 ENV_PREBUILD_BUILDS = "VLLM_LORA_EXT_PREBUILD_BUILDS"
 ENV_PREBUILD_BYTES = "VLLM_LORA_EXT_PREBUILD_BYTES"
 ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
+ENV_BUILD_PROCESS = "VLLM_LORA_EXT_BUILD_PROCESS"  # 0: background builds run in a thread of the worker
+ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shared file (default /dev/shm)
+ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
 ENV_MAX_CLIENT_SOURCES = "VLLM_LORA_EXT_MAX_CLIENT_SOURCES"
@@ -175,3 +178,13 @@ def prebuild_bytes() -> int:
 def prebuild_wait_seconds() -> float:
     """Return how long a request waits for its adapter's background build (default 600 s)."""
     return _env_number(ENV_PREBUILD_WAIT, 600.0, minimum=0)
+
+
+def build_process_enabled() -> bool:
+    """Return whether background builds run in a separate build process (``VLLM_LORA_EXT_BUILD_PROCESS``, default on)."""
+    return os.environ.get(ENV_BUILD_PROCESS, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def stage_gpu_bytes() -> int:
+    """Return the GPU memory a worker may hold in built adapters staged for their slot copy (default 8 GiB; 0: off)."""
+    return int(_env_number(ENV_STAGE_BYTES, 8 * 2**30, minimum=0))

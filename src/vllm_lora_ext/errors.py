@@ -8,6 +8,7 @@ for which adapter, which source part or key (with the value seen), then the fix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "AdapterCompatibilityError",
@@ -22,6 +23,7 @@ __all__ = [
     "MixError",
     "MixIdCollisionError",
     "OutputPathError",
+    "BuildProcessError",
     "UnmatchedKeysError",
     "UnsafeFormatError",
     "UnsupportedVLLMError",
@@ -41,6 +43,18 @@ class VllmLoraExtError(Exception):
     def client_message(self) -> str:
         """Return the message for an untrusted client (never lists the server's folders)."""
         return self.public_message if self.public_message is not None else str(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The subclasses take keyword-only fields, which Exception's own pickling does not pass back:
+        # rebuild from the message and the instance's fields (a build process sends its errors this way).
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[VllmLoraExtError], args: tuple[Any, ...], fields: dict[str, Any]) -> VllmLoraExtError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(fields)
+    return err
 
 
 class AdapterSourceError(VllmLoraExtError, ValueError):
@@ -144,6 +158,14 @@ class OutputPathError(VllmLoraExtError, ValueError):
 
 class DeploymentConfigError(VllmLoraExtError, ValueError):
     """The deployment config file (``VLLM_LORA_EXT_CONFIG``) is unreadable or inconsistent."""
+
+
+class BuildProcessError(VllmLoraExtError, RuntimeError):
+    """A worker's build process could not start, or exited during a build; its output is in the worker's log.
+
+    The build is not retried in the engine step: the adapter's request fails with this message and the
+    next build starts a new process.
+    """
 
 
 class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):

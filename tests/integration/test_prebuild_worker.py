@@ -68,9 +68,9 @@ def test_a_probe_builds_in_the_background_and_the_step_takes_that_build(worker_m
 
     original = loader.load_lora_model
 
-    def spy(manager: Any, lora_request: Any) -> Any:
+    def spy(manager: Any, lora_request: Any, **kwargs: Any) -> Any:
         builder.append(threading.current_thread().name)
-        return original(manager, lora_request)
+        return original(manager, lora_request, **kwargs)
 
     loader.load_lora_model = spy  # type: ignore[assignment]
     try:

@@ -36,7 +36,7 @@ def _cache_size() -> int:
         return 8
 
 
-def _component(manager: Any, name: str, source: str) -> Any:
+def _component(manager: Any, name: str, source: str, *, separate_process: bool = False) -> Any:
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration.loader import load_lora_model
@@ -47,7 +47,8 @@ def _component(manager: Any, name: str, source: str) -> Any:
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit
-    model = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=source))
+    model = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=source),
+                            separate_process=separate_process)
     size = _cache_size()
     if size:
         with _LOCK:
@@ -57,8 +58,10 @@ def _component(manager: Any, name: str, source: str) -> Any:
     return model
 
 
-def build_composite(manager: Any, lora_request: Any) -> Any:
+def build_composite(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
+
+    With ``separate_process``, components not cached yet are built by the worker's build process.
 
     Raises:
         [`MixError`]: a malformed mix path.
@@ -68,7 +71,7 @@ def build_composite(manager: Any, lora_request: Any) -> Any:
 
     t0 = time.perf_counter()
     spec = MixSpec.from_path(lora_request.lora_path)
-    comps = [(c, _component(manager, c.name, c.source)) for c in spec.components]
+    comps = [(c, _component(manager, c.name, c.source, separate_process=separate_process)) for c in spec.components]
     dtype = manager.lora_config.lora_dtype if isinstance(manager.lora_config.lora_dtype, torch.dtype) else None
     max_rank = int(manager.lora_config.max_lora_rank)
     names: dict[str, None] = {}

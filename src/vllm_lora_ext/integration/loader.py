@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,16 +20,12 @@ from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
-from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.formats.moe import read_blocks
+from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import is_first_model_rank, unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
-from vllm_lora_ext.integration.moe import moe_targets, packed_weights
-from vllm_lora_ext.planning import ModelSpec, plan_adapter
-from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
-from vllm_lora_ext.sources import resolve_source
-from vllm_lora_ext.summary import load_config
-from vllm_lora_ext.validation import ModuleDims, check_finite
+from vllm_lora_ext.integration.moe import moe_targets
+from vllm_lora_ext.planning import ModelSpec
+from vllm_lora_ext.validation import ModuleDims
 
 
 logger = logging.getLogger(__name__)
@@ -87,22 +83,6 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         pooling=bool(getattr(manager._adapter_manager, "is_pooling_model", False)))
 
 
-class _DictSource:
-    """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def read(self, key: str, ranges: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
-        t = self.tensors[key]
-        if not ranges:
-            return t
-        return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
-
-    def read_many(self, keys: Sequence[str], *, copy: bool = True) -> dict[str, torch.Tensor]:
-        return {k: self.tensors[k] for k in keys}
-
-
 def module_dims(manager: Any) -> dict[str, ModuleDims]:
     """Return the full (unsharded) input/output sizes of every dense LoRA target the model has, by module name.
 
@@ -129,8 +109,11 @@ def module_dims(manager: Any) -> dict[str, ModuleDims]:
     return out
 
 
-def load_lora_model(manager: Any, lora_request: Any) -> Any:
+def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
+
+    With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
+    by a build process ([`build_process`]), and only wrapped in vLLM's objects here.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -144,10 +127,10 @@ def load_lora_model(manager: Any, lora_request: Any) -> Any:
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
 
-                lora = build_composite(manager, lora_request)
+                lora = build_composite(manager, lora_request, separate_process=separate_process)
                 setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
             else:
-                lora = _load_adapter_model(manager, lora_request)
+                lora = _load_adapter_model(manager, lora_request, separate_process=separate_process)
     except Exception as err:
         _record_load(kind, _outcome(err), t0, err)
         raise
@@ -178,80 +161,101 @@ def _record_load(kind: str, outcome: str, t0: float, err: BaseException | None =
         metrics.record_error(err, where="worker")
 
 
-def _load_adapter_model(manager: Any, lora_request: Any) -> Any:
-    from vllm.exceptions import LoRAAdapterNotFoundError
-    from vllm.lora.peft_helper import PEFTHelper
-
-    t0 = time.perf_counter()
-    name = lora_request.lora_name
-    try:
-        resolved = resolve_source(lora_request.lora_path)
-    except AdapterNotFoundError as err:
-        raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
-
-    config = load_config(resolved, name=name)
-    raw = dict(config.raw)
-    raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
-    peft_helper = PEFTHelper.from_dict(raw)
-
-    stats = ReadStats()
-    source: Any
-    if resolved.is_pickle:
-        source = _DictSource(load_pickle_tensors(resolved.weights_path))
-        shapes = {k: tuple(v.shape) for k, v in source.tensors.items()}
-        dtypes = None
-    else:
-        source = SafetensorsReader(resolved.weights_path, stats=stats)
-        shapes, dtypes = source.header.shapes, source.header.dtypes
-
+def build_job(manager: Any, lora_request: Any) -> tuple[BuildJob, VllmKeyRouter]:
+    """Describe ``lora_request``'s build on this worker as plain data, and the key router vLLM's parser gives."""
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None:
         mapper = unstacked_mapper(mapper)
-    skip_prefixes = getattr(model, "lora_skip_prefixes", None)
-    has_moe = any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes)
-    targets = moe_targets(manager) if has_moe else {}
-    plan = plan_adapter(shapes, config, model_spec(manager, targets), router=VllmKeyRouter(mapper, skip_prefixes),
-                        dtypes=dtypes, name=name, identity=resolved.identity, allow_unmatched=allow_unmatched_keys())
-    dense_keys, plans = plan.dense_keys, plan.moe
-    peft_helper.validate_legal(manager.lora_config)  # after our checks, whose messages name the fix
+    moe_error = None
+    try:
+        targets = moe_targets(manager)
+    except VllmLoraExtError as err:  # only an error if the adapter has MoE keys
+        targets, moe_error = {}, str(err)
+    dtype = manager.lora_config.lora_dtype
+    job = BuildJob(path=str(lora_request.lora_path), name=str(lora_request.lora_name),
+                   model=model_spec(manager, targets), wrappers={p: t.wrapper for p, t in targets.items()},
+                   moe_error=moe_error, dtype=dtype if isinstance(dtype, torch.dtype) else None,
+                   allow_unmatched=allow_unmatched_keys())
+    return job, VllmKeyRouter(mapper, getattr(model, "lora_skip_prefixes", None))
 
-    kept = source.read_many(dense_keys, copy=True)
-    check_finite(kept, adapter=name)
+
+def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
+    """Wrap a built adapter's tensors in vLLM's ``LoRAModel`` (dense modules through vLLM's own
+    ``from_lora_tensors``; MoE blocks as the packed weights vLLM's wrappers take, scaling folded)."""
+    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    from vllm.lora.peft_helper import PEFTHelper
+
+    raw = dict(built.config.raw)
+    raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
+    peft_helper = PEFTHelper.from_dict(raw)
+    peft_helper.validate_legal(manager.lora_config)  # after our checks, whose messages name the fix
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
-        tensors=kept,
+        tensors=built.dense,
         peft_helper=peft_helper,
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper,
-        skip_prefixes=skip_prefixes,
+        weights_mapper=unstacked_mapper(mapper) if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+    config = built.config
     if config.has_patterns:  # vLLM 0.26 gives every module the global r/alpha: apply PEFT's per-module rules
         for module_name, weights in lora.loras.items():
             rank = int(weights.lora_a.shape[0])
             weights.rank, weights.scaling = rank, config.scaling_for(module_name, rank)
-    dtype = manager.lora_config.lora_dtype
-    dtype = dtype if isinstance(dtype, torch.dtype) else None
-    blocks = read_blocks(plans, source.read, config=config, dtype=dtype,
-                         experts={p: targets[p].local_experts for p in plans},
-                         read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=name)
-    for prefix, experts in blocks.items():
-        lora.loras[prefix] = packed_weights(experts, targets[prefix], max_rank=manager.lora_config.max_lora_rank,
-                                            adapter=name)
-    del blocks
+    for prefix, (lora_a, lora_b, need) in built.moe.items():
+        n = len(lora_a)
+        lora.loras[prefix] = PackedLoRALayerWeights(prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b),
+                                                    scaling=[1.0] * n)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
-    metrics.ADAPTER_BYTES_READ.inc(stats.bytes_read)
+    metrics.ADAPTER_BYTES_READ.inc(built.bytes_read)
     LOCAL_READS["adapters"] += 1
-    LOCAL_READS["bytes"] += stats.bytes_read
-    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s", name,
-                resolved.identity, config.r, len(lora.loras), len(plans),
-                ",".join(sorted({p.layout for p in plans.values()})) or "-", stats.bytes_read / 2**20,
-                time.perf_counter() - t0)
+    LOCAL_READS["bytes"] += built.bytes_read
     return lora
+
+
+def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
+    t0 = time.perf_counter()
+    job, router = build_job(manager, lora_request)
+    if separate_process:
+        from vllm_lora_ext.integration.build_process import build_elsewhere
+
+        try:
+            built, _ = build_elsewhere(job, router)  # the tensors keep the shared mapping alive
+        except AdapterNotFoundError as err:
+            raise not_found_for(lora_request, err) from err
+    else:
+        built = run_build(job, router, lora_request)
+    lora = assemble(manager, lora_request, built)
+    _log_loaded(built, lora, lora_request, time.perf_counter() - t0)
+    return lora
+
+
+def run_build(job: BuildJob, router: Any, lora_request: Any) -> BuiltAdapter:
+    """Run `build_adapter` here, giving a missing source vLLM's not-found error (which the server answers 404)."""
+    try:
+        return build_adapter(job, router)
+    except AdapterNotFoundError as err:
+        raise not_found_for(lora_request, err) from err
+
+
+def not_found_for(lora_request: Any, err: AdapterNotFoundError) -> Exception:
+    """vLLM's not-found error for ``lora_request``, carrying the plugin's message (the server answers 404)."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    return _not_found(LoRAAdapterNotFoundError, lora_request, err)
+
+
+def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float) -> None:
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s",
+                lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
+                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds)
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:

@@ -12,15 +12,15 @@ and EP slicing all see nothing left to do, whatever layout the adapter was saved
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 
-from vllm_lora_ext.constants import max_lora_rank_for
+from vllm_lora_ext.building import Wrapper, pack_block
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.integration._compat import moe_intermediate_per_partition
 
-Wrapper = Literal["2d", "3d"]
+
 
 
 @dataclass(frozen=True)
@@ -91,19 +91,7 @@ def packed_weights(experts: ExpertsLoRA, target: MoETarget, *, max_rank: int, ad
     """Build the ``PackedLoRALayerWeights`` vLLM's wrapper consumes (scaling folded, set to 1)."""
     from vllm.lora.lora_weights import PackedLoRALayerWeights
 
-    spec = target.spec
-    if target.wrapper == "3d":
-        lora_a, lora_b = experts.as_3d(hidden=spec.hidden)
-    else:
-        lora_a, lora_b = experts.as_2d(num_experts=spec.num_experts, hidden=spec.hidden)
-    need = max(int(a.shape[1]) for a in lora_a)
-    if need > max_rank:
-        why = (" (per-expert gate and up become one fused factor of rank r_gate + r_up for this model's 3D MoE layer)"
-               if target.wrapper == "3d" and experts.gate_up is None else "")
-        raise AdapterCompatibilityError(
-            f"Adapter {adapter!r}: MoE block {spec.prefix!r} needs rank {need}{why} but max_lora_rank is {max_rank}. "
-            f"Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need}.", adapter=adapter)
-    lora_a = [t.contiguous() for t in lora_a]
-    lora_b = [t.contiguous() for t in lora_b]
+    lora_a, lora_b, need = pack_block(experts, target.spec, target.wrapper, max_rank=max_rank, adapter=adapter)
     n = len(lora_a)
-    return PackedLoRALayerWeights(spec.prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b), scaling=[1.0] * n)
+    return PackedLoRALayerWeights(target.spec.prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b),
+                                  scaling=[1.0] * n)

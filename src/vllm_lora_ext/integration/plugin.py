@@ -73,7 +73,15 @@ def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             logger.warning("adapter id %d holds %r but %r was asked for under that id: reloading",
                            lora_request.lora_int_id, identity[:200], str(lora_request.lora_path)[:200])
             manager.remove_adapter(lora_request.lora_int_id)
-        return original(self, lora_request)
+        try:
+            return original(self, lora_request)
+        finally:  # a model staged on the GPU by a background build is in its slot now: back to its CPU tensors
+            if get is not None:
+                from vllm_lora_ext.integration.staging import unstage
+
+                registered = get(lora_request.lora_int_id)
+                if registered is not None:
+                    unstage(registered)
 
     return add_adapter
 

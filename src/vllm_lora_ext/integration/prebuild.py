@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any
 
-from vllm_lora_ext.constants import PREBUILD_PREFIX, prebuild_builds, prebuild_bytes
+from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.prebuild import PrebuildTable
 
@@ -63,6 +63,10 @@ def table(manager: Any) -> PrebuildTable[Any]:
                 found = PrebuildTable(lambda path: _build(manager, path), size_of=model_bytes,
                                       max_builds=prebuild_builds(), budget_bytes=prebuild_bytes())
                 manager.__dict__[_TABLE_ATTR] = found
+                if build_process_enabled():
+                    from vllm_lora_ext.integration.build_process import prestart
+
+                    prestart()
     return found
 
 
@@ -70,9 +74,13 @@ def _build(manager: Any, path: str) -> Any:
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration.loader import load_lora_model
+    from vllm_lora_ext.integration.staging import stage
 
     name = manager.__dict__.get(_NAMES_ATTR, {}).get(path) or "adapter"
-    return load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
+    lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
+                           separate_process=build_process_enabled())
+    stage(lora, getattr(manager, "device", "cpu"))  # the step's slot copy then runs GPU to GPU
+    return lora
 
 
 _NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # pinned source -> the name a probe gave it (for messages)

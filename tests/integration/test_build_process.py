@@ -1,0 +1,128 @@
+"""Builds in a separate build process: the same tensors as a build in the worker, typed errors, a dead process.
+
+The build process is the real one (``python -m vllm_lora_ext.integration.build_process``, vLLM's key
+parser inside it); the tensors come back through a real shared file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from factories import make_peft_adapter, tiny_llama
+from moe_factories import make_truth, write_moe_adapter
+from vllm_lora_ext.building import BuildJob, build_adapter
+from vllm_lora_ext.errors import AdapterCompatibilityError, BuildProcessError, ExpertLayoutError
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.integration import build_process
+from vllm_lora_ext.integration.loader import VllmKeyRouter, load_lora_model
+from vllm_lora_ext.planning import ModelSpec
+
+pytestmark = pytest.mark.vllm
+
+E, H, I, R = 4, 24, 8, 4
+BLOCKS = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))
+
+
+@pytest.fixture(autouse=True)
+def _build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_DIR", str(folder))
+    return folder
+
+
+def _request(path: Path | str, name: str = "a", lora_id: int = 3) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
+
+
+def _moe_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] | None = None, max_rank: int = 16) -> BuildJob:
+    specs = {p: MoESpec(p, E, H, I) for p in BLOCKS}
+    local = {p: experts or tuple(range(E)) for p in BLOCKS}
+    return BuildJob(path=str(path), name="moe", model=ModelSpec(frozenset(BLOCKS), moe=specs, local_experts=local,
+                                                                max_rank=max_rank),
+                    wrappers={p: wrapper for p in BLOCKS}, dtype=torch.bfloat16)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("forms", "wrapper", "experts"), [
+    (["2d", "2d"], "2d", None), (["3d", "3d_t"], "3d", None), (["2d", "3d"], "2d", (1, 3)),
+])
+def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
+        tmp_path: Path, _build_dir: Path, forms: list[str], wrapper: str, experts: tuple[int, ...] | None) -> None:
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
+    job = _moe_job(folder, wrapper=wrapper, experts=experts)
+    router = VllmKeyRouter(None, None)
+    here = build_adapter(job, router)
+    there, mapping = build_process.build_elsewhere(job, router)
+    assert list(os.listdir(_build_dir)) == []  # the shared file's name is gone once mapped
+    assert sorted(there.moe) == sorted(here.moe) and there.bytes_read == here.bytes_read
+    for prefix, (a, b, rank) in here.moe.items():
+        a2, b2, rank2 = there.moe[prefix]
+        assert rank2 == rank and len(a2) == len(a) and len(b2) == len(b)
+        for x, y in zip((*a, *b), (*a2, *b2)):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            assert y.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()  # views, no copy
+
+
+def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager: Any, tmp_path: Path) -> None:
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj", "v_proj", "down_proj"], rank=8,
+                                alpha=16)
+    req = _request(adapter)
+    reference = WorkerLoRAManager._load_adapter(worker_manager, req)  # vLLM's own (the plugin is not registered)
+    built = load_lora_model(worker_manager, req, separate_process=True)
+    assert sorted(built.loras) == sorted(reference.loras)
+    for name, weights in reference.loras.items():
+        assert torch.equal(built.loras[name].lora_a, weights.lora_a)
+        assert torch.equal(built.loras[name].lora_b, weights.lora_b)
+        assert built.loras[name].scaling == weights.scaling
+
+
+def test_errors_come_back_typed_and_the_process_lives_on(worker_manager: Any, tmp_path: Path) -> None:
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
+    with pytest.raises(AdapterCompatibilityError, match="max_lora_rank") as caught:
+        load_lora_model(worker_manager, _request(big, name="big"), separate_process=True)
+    assert caught.value.adapter == "big"
+    with pytest.raises(LoRAAdapterNotFoundError, match="No adapter found"):
+        load_lora_model(worker_manager, _request(tmp_path / "missing", name="gone"), separate_process=True)
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H + 1, I, R, 0)], ["2d"], rank=R)  # wrong hidden
+    with pytest.raises(ExpertLayoutError):
+        build_process.build_elsewhere(_moe_job(folder), VllmKeyRouter(None, None))
+    ok = make_peft_adapter(tiny_llama(), tmp_path / "ok", targets=["q_proj"], rank=4, alpha=8)
+    assert load_lora_model(worker_manager, _request(ok), separate_process=True).loras
+
+
+def test_a_dead_build_process_fails_its_build_and_the_next_build_starts_a_new_one(tmp_path: Path) -> None:
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    job, router = _moe_job(folder), VllmKeyRouter(None, None)
+    build_process.build_elsewhere(job, router)
+    child = build_process._POOL.acquire()  # the idle process the build above used
+    child.wait_ready()
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.wait()
+    with pytest.raises(BuildProcessError, match="build process"):
+        child.run(job, None, None)
+    build_process._POOL.release(child, ok=False)
+    built, _ = build_process.build_elsewhere(job, router)  # a new process
+    assert sorted(built.moe) == sorted(BLOCKS)
+
+
+def test_a_build_process_ends_when_its_worker_closes_the_pipe() -> None:
+    build_process.prestart()
+    child = build_process._POOL.acquire()
+    child.wait_ready()
+    pid = child.proc.pid
+    build_process._POOL.release(child, ok=False)  # closes its stdin
+    assert child.proc.wait(timeout=10) == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
