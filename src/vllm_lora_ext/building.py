@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
@@ -33,7 +34,7 @@ from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
 
-__all__ = ["BuildJob", "BuiltAdapter", "SharedTensors", "build_adapter", "from_shared", "pack_block", "to_shared"]
+__all__ = ["BuildJob", "BuiltAdapter", "SharedArena", "SharedTensors", "build_adapter", "from_shared", "pack_block", "to_shared"]
 
 Wrapper = Literal["2d", "3d"]
 
@@ -82,6 +83,7 @@ class BuiltAdapter:
     moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]]
     bytes_read: int = 0
     layouts: tuple[str, ...] = ()
+    arena: SharedArena | None = None
 
     @property
     def nbytes(self) -> int:
@@ -106,8 +108,11 @@ class _DictSource:
         return {k: self.tensors[k] for k in keys}
 
 
-def build_adapter(job: BuildJob, router: KeyRouter) -> BuiltAdapter:
+def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False) -> BuiltAdapter:
     """Resolve, plan, read, check and pack ``job``'s adapter for the model it describes.
+
+    With ``shared``, MoE factors are built straight into a [`SharedArena`] (``built.arena``), which
+    [`to_shared`] then hands over without copying them again.
 
     Raises:
         [`AdapterNotFoundError`]: the source does not exist.
@@ -132,16 +137,93 @@ def build_adapter(job: BuildJob, router: KeyRouter) -> BuiltAdapter:
                         identity=resolved.identity, allow_unmatched=job.allow_unmatched)
     dense = source.read_many(plan.dense_keys, copy=True)
     check_finite(dense, adapter=job.name)
-    blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
-                         experts={p: job.model.local_experts.get(p) for p in plan.moe},
-                         read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name)
-    moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
-    for prefix, experts in blocks.items():
-        moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
-                                 max_rank=job.model.max_rank, adapter=job.name)
-    del blocks
+    arena = SharedArena(_stacked_bytes(plan.moe, shapes, job)) if shared and plan.moe else None
+    try:
+        blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
+                             experts={p: job.model.local_experts.get(p) for p in plan.moe},
+                             read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
+                             alloc=arena.empty if arena is not None else None)
+        moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
+        for prefix, experts in blocks.items():
+            moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
+                                     max_rank=job.model.max_rank, adapter=job.name)
+        del blocks
+    except BaseException:
+        if arena is not None:
+            arena.discard()
+        raise
     layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
-    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts)
+    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena)
+
+
+def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], job: BuildJob) -> int:
+    """Bytes of the per-expert (2D) factors kept on this rank, in the dtype they are built in (at most 4 bytes)."""
+    itemsize = torch.empty((), dtype=job.dtype).element_size() if job.dtype is not None else 4
+    total = 0
+    for prefix, plan in plans.items():
+        keep = job.model.local_experts.get(prefix)
+        kept = None if keep is None else set(keep)
+        for k in plan.keys_2d:
+            if kept is None or k.expert in kept:
+                for key in (k.key_a, k.key_b):
+                    n = 1
+                    for d in shapes[key]:
+                        n *= d
+                    total += -(-n * itemsize // _ALIGN) * _ALIGN
+    return total
+
+
+class SharedArena:
+    """A bump allocator over one new shared file: tensors built in it are handed over without a copy.
+
+    Memory past ``capacity`` is allocated as ordinary tensors (copied at hand-over). The file is sparse:
+    pages are only taken as tensors are written. Thread-safe (MoE blocks are read on several threads).
+    """
+
+    def __init__(self, capacity: int, directory: str | None = None) -> None:
+        self.capacity = max(int(capacity), 1)
+        self.path = os.path.join(directory or shared_dir(self.capacity),
+                                 f"vllm-lora-ext-{os.getpid()}-{uuid.uuid4().hex}.bin")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.capacity)
+        finally:
+            os.close(fd)
+        self.buffer: torch.Tensor | None = torch.from_file(self.path, shared=True, size=self.capacity,
+                                                           dtype=torch.uint8)
+        self.base = self.buffer.data_ptr()
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in the arena (or, once it is full, an ordinary one)."""
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        with self._lock:
+            offset = self.used
+            if self.buffer is None or offset + n > self.capacity:
+                return torch.empty(shape, dtype=dtype)
+            self.used = offset + -(-n // _ALIGN) * _ALIGN
+        return _view(self.buffer, offset, dtype, shape)
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """The byte offset of a contiguous tensor that lies in the arena, else ``None``."""
+        if self.buffer is None or not t.is_contiguous() or t.untyped_storage().data_ptr() != self.base:
+            return None
+        return t.data_ptr() - self.base
+
+    def close(self) -> None:
+        """Unmap the arena here (the file stays for the receiver)."""
+        self.buffer = None
+
+    def discard(self) -> None:
+        """Unmap and remove the file (a failed build)."""
+        self.buffer = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_rank: int,
@@ -197,7 +279,10 @@ def shared_dir(size: int) -> str:
 
 
 def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int = 4) -> SharedTensors:
-    """Copy ``built``'s tensors into one new shared file and describe it; the caller of [`from_shared`] removes it.
+    """Put ``built``'s tensors in one shared file and describe it; the caller of [`from_shared`] removes it.
+
+    Tensors already in ``built.arena`` stay where they are; the others are appended to its file (or to a
+    new one).
 
     Raises:
         OSError: the file cannot be created or filled (no space); nothing is left behind.
@@ -206,25 +291,33 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
     for prefix, (lora_a, lora_b, _) in built.moe.items():
         items += [("a", prefix, i, t) for i, t in enumerate(lora_a)]
         items += [("b", prefix, i, t) for i, t in enumerate(lora_b)]
-    offsets, size = [], 0
-    for _, _, _, t in items:
-        offsets.append(size)
-        size += -(-t.nbytes // _ALIGN) * _ALIGN
-    path = os.path.join(directory or shared_dir(size), f"vllm-lora-ext-{os.getpid()}-{uuid.uuid4().hex}.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    arena = built.arena
+    size = -(-arena.used // _ALIGN) * _ALIGN if arena is not None else 0
+    writes: list[tuple[int, Any]] = []
     entries = []
-    try:
-        # Written with pwrite, not through a mapping: the kernel fills tmpfs pages without a page fault
-        # per 4 KiB, running out of space is an OSError rather than SIGBUS, and threads copy in parallel.
-        jobs = []
-        for (group, name, index, t), off in zip(items, offsets):
+    for group, name, index, t in items:
+        off = arena.offset_of(t) if arena is not None and t.nbytes else None
+        if off is None:
+            off = size
+            size += -(-t.nbytes // _ALIGN) * _ALIGN
             if t.nbytes:
-                jobs.append((off, t.contiguous().view(-1).view(torch.uint8).numpy()))
-            entries.append((group, name, index, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
+                writes.append((off, t.contiguous().view(-1).view(torch.uint8).numpy()))
+        entries.append((group, name, index, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
+    if arena is not None:
+        path = arena.path
+        arena.close()
+        fd = os.open(path, os.O_RDWR)
+    else:
+        path = os.path.join(directory or shared_dir(size), f"vllm-lora-ext-{os.getpid()}-{uuid.uuid4().hex}.bin")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Written with pwrite, not through a mapping: running out of space is an OSError rather than
+        # SIGBUS, and threads copy in parallel.
         os.ftruncate(fd, max(size, 1))
-        with ThreadPoolExecutor(max(1, min(writers, len(jobs)))) as pool:
-            for _ in pool.map(lambda job: _pwrite_all(fd, job[1], job[0]), jobs):
-                pass
+        if writes:
+            with ThreadPoolExecutor(max(1, min(writers, len(writes)))) as pool:
+                for _ in pool.map(lambda job: _pwrite_all(fd, job[1], job[0]), writes):
+                    pass
     except BaseException:
         os.unlink(path)
         raise

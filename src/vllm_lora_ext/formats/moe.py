@@ -373,16 +373,20 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
-                 scaled: bool = True, check_finite_as: str | None = None) -> ExpertsLoRA:
+                 scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
     ranges of B for the kept experts only. Scaling (``alpha/r`` or rsLoRA, rank/alpha patterns per
     projection) is folded into B in float32, then cast to ``dtype`` (``scaled=False``: B as stored).
     With ``check_finite_as`` (the adapter's name), factors holding NaN or infinity are refused
-    while they are still hot in cache.
+    while they are still hot in cache. With ``alloc``, stacked per-expert factors are written straight
+    into memory it gives (a build process's shared file), rather than into new tensors.
 
     Raises:
         [`AdapterFormatError`]: a factor holds NaN or infinity (names the block and projection).
@@ -409,8 +413,8 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         name = _proj_name(spec, role)
         if uniform and len(ks) == n and all(k.rank == r for k in ks):
             s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
-            a = torch.stack([loaded[k.key_a] for k in ks])
-            b = torch.stack([loaded[k.key_b] for k in ks])
+            a = _stack([loaded[k.key_a] for k in ks], alloc)
+            b = _stack([loaded[k.key_b] for k in ks], alloc)
             target = dtype if dtype is not None else a.dtype
             # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
             b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
@@ -458,6 +462,12 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     return out
 
 
+def _stack(tensors: list[torch.Tensor], alloc: Alloc | None) -> torch.Tensor:
+    if alloc is None:
+        return torch.stack(tensors)
+    return torch.stack(tensors, out=alloc((len(tensors), *tensors[0].shape), tensors[0].dtype))
+
+
 def _factors(ex: ExpertsLoRA) -> dict[str, torch.Tensor]:
     return {f"{ex.prefix} {role} lora_{w}": getattr(f, w.lower())
             for role in ("gate_up", "gate", "up", "down") if (f := getattr(ex, role)) is not None for w in ("A", "B")}
@@ -471,7 +481,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                 experts: Mapping[str, Sequence[int] | None] | None = None, dtype: torch.dtype | None = None,
                 read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                 workers: int | None = None, check_finite_as: str | None = None,
-                scan_workers: int | None = None) -> dict[str, ExpertsLoRA]:
+                scan_workers: int | None = None, alloc: Alloc | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
@@ -506,7 +516,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
         prefix, plan = item
         ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
-                          read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as)
+                          read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
+                          alloc=alloc)
         factors = _factors(ex)
         if scan_pool is not None:
             scans[prefix] = scan_pool.submit(first_nonfinite, factors)

@@ -212,7 +212,7 @@ def main() -> None:
         try:
             t0 = time.perf_counter()
             with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
-                built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes))
+                built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True)
                 t1 = time.perf_counter()
                 shared = to_shared(built)
                 del built

@@ -1,0 +1,72 @@
+"""Builds as plain data and their hand-over through one shared file (no vLLM): bitwise equal, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_factories import make_truth, write_moe_adapter
+from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, to_shared
+from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
+
+E, H, I, R = 4, 24, 8, 4
+BLOCKS = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))
+
+
+@pytest.fixture(autouse=True)
+def build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_DIR", str(folder))
+    return folder
+
+
+def _job(path: Path, wrapper: str, experts: tuple[int, ...] | None = None) -> BuildJob:
+    return BuildJob(path=str(path), name="moe",
+                    model=ModelSpec(frozenset(BLOCKS), moe={p: MoESpec(p, E, H, I) for p in BLOCKS},
+                                    local_experts={p: experts or tuple(range(E)) for p in BLOCKS}),
+                    wrappers={p: wrapper for p in BLOCKS}, dtype=torch.bfloat16)  # type: ignore[misc]
+
+
+def _tensors(built: object) -> list[torch.Tensor]:
+    return [t for p in sorted(built.moe) for t in (*built.moe[p][0], *built.moe[p][1])]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("forms", "wrapper", "experts"), [
+    (["2d", "2d"], "2d", None), (["2d", "2d"], "3d", (0, 2)), (["3d", "2d"], "2d", None), (["3d_t", "3d"], "3d", None),
+])
+def test_a_build_handed_over_in_shared_memory_is_bitwise_the_build(tmp_path: Path, build_dir: Path, forms: list[str],
+                                                                    wrapper: str, experts: tuple[int, ...] | None) -> None:
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
+    job = _job(folder, wrapper, experts)
+    reference = build_adapter(job, PeftKeyRouter())
+    for shared in (False, True):  # built in new tensors, then copied; or straight into the shared file
+        built = build_adapter(job, PeftKeyRouter(), shared=shared)
+        assert (built.arena is not None) == shared
+        handed, mapping = from_shared(to_shared(built))
+        assert os.listdir(build_dir) == []  # mapped, then unlinked
+        got, want = _tensors(handed), _tensors(reference)
+        assert len(got) == len(want)
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            assert x.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()
+        assert [r for *_, r in handed.moe.values()] == [r for *_, r in reference.moe.values()]
+
+
+def test_a_build_failing_while_it_reads_leaves_no_shared_file(tmp_path: Path, build_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = write_moe_adapter(tmp_path / "bad", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in tensors if ".layers.1." in k and k.endswith("down_proj.lora_B.weight"))
+    tensors[key][0, 0] = float("nan")  # found by the scan after the arena holds the first block
+    save_file(tensors, str(weights))
+    with pytest.raises(AdapterFormatError, match="NaN"):
+        build_adapter(_job(folder, "2d"), PeftKeyRouter(), shared=True)
+    assert os.listdir(build_dir) == []
