@@ -88,16 +88,18 @@ class _Child:
             return payload  # type: ignore[no-any-return]
         raise pickle.loads(payload)
 
-    def close(self) -> None:
+    def close(self, *, wait: float | None = None) -> None:
+        """Close its stdin (it exits on its own); with ``wait``, kill it if it has not exited by then."""
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        if wait is not None:
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 class _Pool:
@@ -137,7 +139,7 @@ class _Pool:
         with self._lock:
             children, self._all, self._idle = self._all, [], []
         for child in children:
-            child.close()
+            child.close(wait=5.0)
 
 
 _POOL = _Pool()

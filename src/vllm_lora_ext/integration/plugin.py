@@ -214,7 +214,8 @@ PATCHES: tuple[Patch, ...] = (
                       "per-request mixes (RFC #51940)"),
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",), _make_add_adapter,
           why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors. Also "
-              "answers the server's build-ahead probes (background loading) without registering them",
+              "answers the server's build-ahead probes (background loading) without registering them, and after the "
+              "slot copy points a GPU-staged model back at its CPU tensors",
           delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters off the "
                       "engine loop (vLLM issue #31941)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",), _make_add_adapter,
