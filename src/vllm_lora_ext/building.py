@@ -183,7 +183,7 @@ class SharedArena:
     def __init__(self, capacity: int, directory: str | None = None) -> None:
         self.capacity = max(int(capacity), 1)
         self.path = os.path.join(directory or shared_dir(self.capacity),
-                                 f"vllm-lora-ext-{os.getpid()}-{uuid.uuid4().hex}.bin")
+                                 f"{_SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.capacity)
@@ -264,6 +264,44 @@ class SharedTensors:
     meta: BuiltAdapter  # with empty tensor maps; ranks of MoE blocks kept in ``moe``
 
 
+_SHARED_PREFIX = "vllm-lora-ext-"
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove shared files whose build process is gone and that nobody mapped (a worker that died mid-hand-over).
+
+    A file's name carries the pid of the process that wrote it; files of live processes are left alone.
+    Returns the names removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(_SHARED_PREFIX) and name.endswith(".bin")):
+            continue
+        pid = name[len(_SHARED_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def shared_dir(size: int) -> str:
     """Return where a ``size``-byte shared file goes: ``VLLM_LORA_EXT_BUILD_DIR``, else ``/dev/shm`` if it has room,
     else the temp dir (page cache)."""
@@ -308,7 +346,7 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         arena.close()
         fd = os.open(path, os.O_RDWR)
     else:
-        path = os.path.join(directory or shared_dir(size), f"vllm-lora-ext-{os.getpid()}-{uuid.uuid4().hex}.bin")
+        path = os.path.join(directory or shared_dir(size), f"{_SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Written with pwrite, not through a mapping: running out of space is an OSError rather than

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_factories import make_truth, write_moe_adapter
-from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, to_shared
+from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, sweep_stale, to_shared
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
@@ -70,3 +70,19 @@ def test_a_build_failing_while_it_reads_leaves_no_shared_file(tmp_path: Path, bu
     with pytest.raises(AdapterFormatError, match="NaN"):
         build_adapter(_job(folder, "2d"), PeftKeyRouter(), shared=True)
     assert os.listdir(build_dir) == []
+
+
+def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    names = {"dead": f"vllm-lora-ext-{gone.pid}-abc.bin", "live": f"vllm-lora-ext-{os.getpid()}-def.bin",
+             "other": "unrelated-123-x.bin"}
+    for name in names.values():
+        (folder / name).write_bytes(b"x")
+    assert sweep_stale(str(folder)) == [names["dead"]]
+    assert sorted(os.listdir(folder)) == sorted([names["live"], names["other"]])

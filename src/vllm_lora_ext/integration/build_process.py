@@ -25,11 +25,14 @@ import pickle
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, BinaryIO
 
-from vllm_lora_ext.building import BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared, to_shared
+from vllm_lora_ext.building import (BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared, shared_dir,
+                                   sweep_stale, to_shared)
+from vllm_lora_ext.constants import ENV_BUILD_DIR
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
@@ -205,6 +208,10 @@ def main() -> None:
 
     attach_handler_once()
     VllmKeyRouter(None, None).module("base_model.model.x.lora_A.weight")  # import vLLM's parser now
+    for directory in {shared_dir(0), os.environ.get(ENV_BUILD_DIR) or "/dev/shm", tempfile.gettempdir()}:
+        stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
+        if stale:
+            logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
     _send(out, ("ready", os.getpid()))
     while True:
         try:
