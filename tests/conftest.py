@@ -75,3 +75,12 @@ def fresh_metrics(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     assert path is not None
     yield path
     metrics.teardown()
+
+
+@pytest.fixture
+def build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty folder build processes hand their shared files over in (``VLLM_LORA_EXT_BUILD_DIR``)."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_DIR", str(folder))
+    return folder

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -110,3 +110,22 @@ def peft_3d_delta(a_file: torch.Tensor, b_file: torch.Tensor, num_experts: int, 
     rank = a_file.shape[0] // num_experts
     return torch.einsum("ore,eri->eoi", b_file.float().reshape(b_file.shape[0], rank, num_experts),
                         a_file.float().reshape(num_experts, rank, a_file.shape[1])) * scaling
+
+
+# A two-block MoE model for build tests (E experts, hidden H, intermediate I, adapters of rank R).
+BUILD_E, BUILD_H, BUILD_I, BUILD_R = 4, 24, 8, 4
+BUILD_BLOCKS = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))
+
+
+def moe_build_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] | None = None, max_rank: int = 16) -> Any:
+    """A `BuildJob` for the two-block model above, built in bfloat16."""
+    from vllm_lora_ext.building import BuildJob
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.planning import ModelSpec
+
+    e, h, i = BUILD_E, BUILD_H, BUILD_I
+    return BuildJob(path=str(path), name="moe",
+                    model=ModelSpec(frozenset(BUILD_BLOCKS), moe={p: MoESpec(p, e, h, i) for p in BUILD_BLOCKS},
+                                    local_experts={p: experts or tuple(range(e)) for p in BUILD_BLOCKS},
+                                    max_rank=max_rank),
+                    wrappers={p: wrapper for p in BUILD_BLOCKS}, dtype=torch.bfloat16)

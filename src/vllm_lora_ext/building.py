@@ -273,7 +273,7 @@ def sweep_stale(directory: str) -> list[str]:
     A file's name carries the pid of the process that wrote it; files of live processes are left alone.
     Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -391,7 +391,8 @@ def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
         if group == "dense":
             dense[name] = t
         else:
-            target = moe[name][0 if group == "a" else 1]
+            lora_a, lora_b, _ = moe[name]
+            target = lora_a if group == "a" else lora_b
             assert len(target) == index, "manifest out of order"
             target.append(t)
     return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts), buf

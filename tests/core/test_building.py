@@ -8,29 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_factories import make_truth, write_moe_adapter
+from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, sweep_stale, to_shared
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.formats.moe import MoESpec
-from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
+from vllm_lora_ext.planning import PeftKeyRouter
 
-E, H, I, R = 4, 24, 8, 4
-BLOCKS = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))
-
-
-@pytest.fixture(autouse=True)
-def build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_DIR", str(folder))
-    return folder
+E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
+pytestmark = pytest.mark.usefixtures("build_dir")
 
 
 def _job(path: Path, wrapper: str, experts: tuple[int, ...] | None = None) -> BuildJob:
-    return BuildJob(path=str(path), name="moe",
-                    model=ModelSpec(frozenset(BLOCKS), moe={p: MoESpec(p, E, H, I) for p in BLOCKS},
-                                    local_experts={p: experts or tuple(range(E)) for p in BLOCKS}),
-                    wrappers={p: wrapper for p in BLOCKS}, dtype=torch.bfloat16)  # type: ignore[misc]
+    return moe_build_job(path, wrapper=wrapper, experts=experts)  # type: ignore[no-any-return]
 
 
 def _tensors(built: object) -> list[torch.Tensor]:

@@ -15,26 +15,15 @@ import pytest
 import torch
 
 from factories import make_peft_adapter, tiny_llama
-from moe_factories import make_truth, write_moe_adapter
+from moe_factories import BUILD_BLOCKS, BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext.errors import AdapterCompatibilityError, BuildProcessError, ExpertLayoutError
-from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.integration import build_process
 from vllm_lora_ext.integration.loader import VllmKeyRouter, load_lora_model
-from vllm_lora_ext.planning import ModelSpec
 
-pytestmark = pytest.mark.vllm
-
-E, H, I, R = 4, 24, 8, 4
-BLOCKS = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))
-
-
-@pytest.fixture(autouse=True)
-def _build_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_DIR", str(folder))
-    return folder
+E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
+BLOCKS = BUILD_BLOCKS
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("build_dir")]
 
 
 def _request(path: Path | str, name: str = "a", lora_id: int = 3) -> Any:
@@ -43,25 +32,21 @@ def _request(path: Path | str, name: str = "a", lora_id: int = 3) -> Any:
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
 
 
-def _moe_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] | None = None, max_rank: int = 16) -> BuildJob:
-    specs = {p: MoESpec(p, E, H, I) for p in BLOCKS}
-    local = {p: experts or tuple(range(E)) for p in BLOCKS}
-    return BuildJob(path=str(path), name="moe", model=ModelSpec(frozenset(BLOCKS), moe=specs, local_experts=local,
-                                                                max_rank=max_rank),
-                    wrappers={p: wrapper for p in BLOCKS}, dtype=torch.bfloat16)  # type: ignore[misc]
+def _moe_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] | None = None) -> BuildJob:
+    return moe_build_job(path, wrapper=wrapper, experts=experts)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(("forms", "wrapper", "experts"), [
     (["2d", "2d"], "2d", None), (["3d", "3d_t"], "3d", None), (["2d", "3d"], "2d", (1, 3)),
 ])
 def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
-        tmp_path: Path, _build_dir: Path, forms: list[str], wrapper: str, experts: tuple[int, ...] | None) -> None:
+        tmp_path: Path, build_dir: Path, forms: list[str], wrapper: str, experts: tuple[int, ...] | None) -> None:
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
     job = _moe_job(folder, wrapper=wrapper, experts=experts)
     router = VllmKeyRouter(None, None)
     here = build_adapter(job, router)
     there, mapping = build_process.build_elsewhere(job, router)
-    assert list(os.listdir(_build_dir)) == []  # the shared file's name is gone once mapped
+    assert list(os.listdir(build_dir)) == []  # the shared file's name is gone once mapped
     assert sorted(there.moe) == sorted(here.moe) and there.bytes_read == here.bytes_read
     for prefix, (a, b, rank) in here.moe.items():
         a2, b2, rank2 = there.moe[prefix]
