@@ -26,6 +26,15 @@ BLOCKS = BUILD_BLOCKS
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("build_dir")]
 
 
+@pytest.fixture
+def started() -> None:
+    """A build process that has finished starting, idle in the pool."""
+    build_process.prestart()
+    child = build_process._POOL.acquire()
+    child.wait_ready()
+    build_process._POOL.release(child, ok=True)
+
+
 def _request(path: Path | str, name: str = "a", lora_id: int = 3) -> Any:
     from vllm.lora.request import LoRARequest
 
@@ -56,7 +65,8 @@ def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
             assert y.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()  # views, no copy
 
 
-def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager: Any, tmp_path: Path) -> None:
+def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager: Any, tmp_path: Path,
+                                                                   started: None) -> None:
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj", "v_proj", "down_proj"], rank=8,
@@ -71,7 +81,7 @@ def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager
         assert built.loras[name].scaling == weights.scaling
 
 
-def test_errors_come_back_typed_and_the_process_lives_on(worker_manager: Any, tmp_path: Path) -> None:
+def test_errors_come_back_typed_and_the_process_lives_on(worker_manager: Any, tmp_path: Path, started: None) -> None:
     from vllm.exceptions import LoRAAdapterNotFoundError
 
     big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
@@ -111,3 +121,29 @@ def test_a_build_process_ends_when_its_worker_closes_the_pipe() -> None:
     assert child.proc.wait(timeout=120) == 0  # a clean exit (slow only on a loaded 2-core machine)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_while_no_build_process_has_started_the_build_runs_in_the_worker_and_one_starts(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.integration import loader
+
+    jobs: list[str] = []
+    real_run = build_process._Child.run
+
+    def counted(self: Any, job: BuildJob, *args: Any) -> Any:
+        jobs.append(job.name)
+        return real_run(self, job, *args)
+
+    monkeypatch.setattr(build_process._Child, "run", counted)
+    build_process.shutdown()
+    adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj"], rank=4, alpha=8)
+    reads = loader.LOCAL_READS["adapters"]
+    here = load_lora_model(worker_manager, _request(adapter), separate_process=True)  # does not wait 15 s
+    assert loader.LOCAL_READS["adapters"] == reads + 1 and here.loras and jobs == []
+    child = build_process._POOL.acquire()  # the one that began starting
+    child.wait_ready()
+    build_process._POOL.release(child, ok=True)
+    there = load_lora_model(worker_manager, _request(adapter), separate_process=True)
+    assert jobs == ["a"]  # now in the build process
+    for name, weights in here.loras.items():
+        assert torch.equal(there.loras[name].lora_b, weights.lora_b)

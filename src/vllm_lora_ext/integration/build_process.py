@@ -76,6 +76,17 @@ class _Child:
             self.ready = True
             logger.info("build process %d ready after %.1f s", self.proc.pid, time.monotonic() - self.started)
 
+    def check_ready(self) -> bool:
+        """Whether it has finished starting (never blocks)."""
+        if self.ready:
+            return True
+        if self.proc.poll() is not None or self.proc.stdout is None:
+            return False
+        readable, _, _ = select.select([self.proc.stdout], [], [], 0)
+        if readable:
+            self.wait_ready()
+        return self.ready
+
     def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
         self.wait_ready()
         stdin = self.proc.stdin
@@ -122,6 +133,25 @@ class _Pool:
             self._all.append(child)
             return child
 
+    def acquire_started(self) -> _Child | None:
+        """An idle process that has finished starting, or ``None`` (then one is starting: a new one if all are busy)."""
+        with self._lock:
+            starting = False
+            for child in list(self._idle):
+                if child.proc.poll() is not None:
+                    self._idle.remove(child)
+                    self._all.remove(child)
+                elif child.check_ready():
+                    self._idle.remove(child)
+                    return child
+                else:
+                    starting = True
+            if not starting:
+                child = _Child()
+                self._all.append(child)
+                self._idle.append(child)
+            return None
+
     def release(self, child: _Child, *, ok: bool) -> None:
         with self._lock:
             if ok and child.proc.poll() is None:
@@ -159,14 +189,21 @@ def shutdown() -> None:
     _POOL.shutdown()
 
 
-def build_elsewhere(job: BuildJob, router: Any) -> tuple[BuiltAdapter, Any]:
+def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) -> tuple[BuiltAdapter, Any] | None:
     """Build ``job`` in a build process; return the adapter (tensors mapped from shared memory) and the mapping.
+
+    A process takes about 15 s to start (it imports vLLM's key parser). With ``wait_for_start=False``
+    this returns ``None`` at once when no started process is free (one is then starting), and the
+    caller builds where it is; later builds find it started.
 
     Raises:
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
         [`BuildProcessError`] if the process could not start or died.
     """
-    child = _POOL.acquire()
+    found = _POOL.acquire() if wait_for_start else _POOL.acquire_started()
+    if found is None:
+        return None
+    child = found
     ok = False
     try:
         shared = child.run(job, router.mapper, router.skip_prefixes)

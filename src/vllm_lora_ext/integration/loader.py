@@ -223,15 +223,18 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
 def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
     t0 = time.perf_counter()
     job, router = build_job(manager, lora_request)
+    found = None
     if separate_process:
         from vllm_lora_ext.integration.build_process import build_elsewhere
 
-        try:
-            built, _ = build_elsewhere(job, router)  # the tensors keep the shared mapping alive
+        try:  # the tensors keep the shared mapping alive
+            found = build_elsewhere(job, router, wait_for_start=False)
         except AdapterNotFoundError as err:
             raise not_found_for(lora_request, err) from err
-    else:
-        built = run_build(job, router, lora_request)
+        if found is None:
+            logger.info("adapter %r: no build process has finished starting; building in this thread",
+                        lora_request.lora_name)
+    built = found[0] if found is not None else run_build(job, router, lora_request)
     lora = assemble(manager, lora_request, built)
     _log_loaded(built, lora, lora_request, time.perf_counter() - t0)
     return lora
