@@ -5,9 +5,10 @@ Python work (header, planning, checks) then slows every engine step: on an H200,
 decoding, gaps of 0.5–0.7 s while a 37k-key MoE adapter was built. Here each worker starts a build
 process (``python -m vllm_lora_ext.integration.build_process``) the first time it builds in the
 background, and hands it a `BuildJob`: the model as plain data and vLLM's key mapper. The process
-runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), writes the tensors
-into one shared-memory file and answers with its manifest; the worker maps that file, so the
-tensors are not copied again.
+runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), with per-expert
+factors stacked straight into one shared-memory file, and answers with its manifest; the worker maps
+that file, so the tensors are not copied again. A process takes about 15 s to start (it imports
+vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
 The process exits when the worker closes its stdin (or dies). Errors come back as the plugin's own
