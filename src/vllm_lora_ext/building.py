@@ -27,7 +27,7 @@ from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.constants import ENV_BUILD_DIR, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec, read_blocks
+from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
@@ -146,7 +146,8 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False) -> 
         moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
         for prefix, experts in blocks.items():
             moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
-                                     max_rank=job.model.max_rank, adapter=job.name)
+                                     max_rank=job.model.max_rank, adapter=job.name,
+                                     alloc=arena.empty if arena is not None else None)
         del blocks
     except BaseException:
         if arena is not None:
@@ -157,19 +158,26 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False) -> 
 
 
 def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], job: BuildJob) -> int:
-    """Bytes of the per-expert (2D) factors kept on this rank, in the dtype they are built in (at most 4 bytes)."""
+    """An upper bound on the bytes of the MoE factors kept on this rank, in the dtype they are built in (at most
+    4 bytes an element); the file is sparse, so what is not written takes no memory."""
     itemsize = torch.empty((), dtype=job.dtype).element_size() if job.dtype is not None else 4
+
+    def size(key: str, share: float = 1.0) -> int:
+        n = 1
+        for d in shapes[key]:
+            n *= d
+        return -(-int(n * share) * itemsize // _ALIGN) * _ALIGN + _ALIGN
+
     total = 0
     for prefix, plan in plans.items():
         keep = job.model.local_experts.get(prefix)
         kept = None if keep is None else set(keep)
         for k in plan.keys_2d:
             if kept is None or k.expert in kept:
-                for key in (k.key_a, k.key_b):
-                    n = 1
-                    for d in shapes[key]:
-                        n *= d
-                    total += -(-n * itemsize // _ALIGN) * _ALIGN
+                total += size(k.key_a) + size(k.key_b)
+        share = 1.0 if keep is None else len(keep) / max(1, job.model.moe[prefix].num_experts)
+        for k3 in plan.keys_3d:
+            total += size(k3.key_a, share) + size(k3.key_b, share)
     return total
 
 
@@ -226,9 +234,11 @@ class SharedArena:
             pass
 
 
-def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_rank: int,
-               adapter: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_rank: int, adapter: str,
+               alloc: Alloc | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """Return one MoE block in the form vLLM's wrapper stores (contiguous factor lists) and its rank.
+
+    New tensors the form needs (a fused gate_up split for a 2D wrapper) come from ``alloc``, if given.
 
     Raises:
         [`AdapterCompatibilityError`]: the block's rank exceeds ``max_rank`` (names the flag to set).
@@ -236,7 +246,7 @@ def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_ran
     if wrapper == "3d":
         lora_a, lora_b = experts.as_3d(hidden=spec.hidden)
     else:
-        lora_a, lora_b = experts.as_2d(num_experts=spec.num_experts, hidden=spec.hidden)
+        lora_a, lora_b = experts.as_2d(num_experts=spec.num_experts, hidden=spec.hidden, alloc=alloc)
     need = max(int(a.shape[1]) for a in lora_a)
     if need > max_rank:
         why = (" (per-expert gate and up become one fused factor of rank r_gate + r_up for this model's 3D MoE layer)"

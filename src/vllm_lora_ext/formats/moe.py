@@ -113,7 +113,7 @@ class ExpertsLoRA:
     gate_up: ExpertFactors | None = None
     interleaved: bool = False
 
-    def _split_gate_up(self) -> tuple[ExpertFactors | None, ExpertFactors | None]:
+    def _split_gate_up(self, alloc: Alloc | None = None) -> tuple[ExpertFactors | None, ExpertFactors | None]:
         if self.gate_up is None:
             return self.gate, self.up
         b = self.gate_up.b
@@ -121,11 +121,15 @@ class ExpertsLoRA:
             gb, ub = b[:, 0::2], b[:, 1::2]
         else:
             gb, ub = b[:, : self.intermediate], b[:, self.intermediate:]
-        return ExpertFactors(self.gate_up.a, gb.contiguous()), ExpertFactors(self.gate_up.a, ub.contiguous())
+        return ExpertFactors(self.gate_up.a, _into(gb, alloc)), ExpertFactors(self.gate_up.a, _into(ub, alloc))
 
-    def as_2d(self, *, num_experts: int, hidden: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Return vLLM's 2D-wrapper lists ``[w1, w2, w3]`` (gate, down, up); absent projections are zeros."""
-        gate, up = self._split_gate_up()
+    def as_2d(self, *, num_experts: int, hidden: int,
+              alloc: Alloc | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return vLLM's 2D-wrapper lists ``[w1, w2, w3]`` (gate, down, up); absent projections are zeros.
+
+        A fused gate_up B is split into new contiguous tensors (from ``alloc``, if given).
+        """
+        gate, up = self._split_gate_up(alloc)
         e, i, dt = len(self.experts), self.intermediate, self.dtype
         return ([_a(gate, e, hidden, dt), _a(self.down, e, i, dt), _a(up, e, hidden, dt)],
                 [_b(gate, e, i, dt), _b(self.down, e, hidden, dt), _b(up, e, i, dt)])
@@ -413,12 +417,16 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         name = _proj_name(spec, role)
         if uniform and len(ks) == n and all(k.rank == r for k in ks):
             s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
-            a = _stack([loaded[k.key_a] for k in ks], alloc)
-            b = _stack([loaded[k.key_b] for k in ks], alloc)
-            target = dtype if dtype is not None else a.dtype
+            source_dtype = loaded[ks[0].key_a].dtype
+            target = dtype if dtype is not None else source_dtype
+            direct = alloc if source_dtype == target else None  # stacked straight into alloc's memory
+            a = _stack([loaded[k.key_a] for k in ks], direct)
+            b = _stack([loaded[k.key_b] for k in ks], direct)
             # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
             b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
-            setattr(out, role, ExpertFactors(a.to(target), b.to(target)))
+            if direct is None:
+                a, b = _cast(a, target, alloc), _cast(b, target, alloc)
+            setattr(out, role, ExpertFactors(a, b))
             continue
         else:  # missing experts (no delta), mixed ranks or per-module patterns
             d_in = spec.intermediate if role == "down" else spec.hidden
@@ -431,7 +439,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
                 a[j, : k.rank] = loaded[k.key_a]
                 b[j, :, : k.rank] = loaded[k.key_b].float() * s
         target = dtype if dtype is not None else a.dtype
-        setattr(out, role, ExpertFactors(a.to(target).contiguous(), b.to(target)))
+        setattr(out, role, ExpertFactors(_cast(a, target, alloc).contiguous(), _cast(b, target, alloc)))
     del loaded
 
     # 3D: A rows [e·r, (e+1)·r) per kept expert, B columns {i·E + e}.
@@ -451,14 +459,34 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
+        # A fused gate_up B is not put in ``alloc``: a 2D-wrapper model splits it into new tensors (which are).
+        b_alloc = alloc if k3.role != "gate_up" else None
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
-            b3 = b3.contiguous().mul_(s)  # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
+            b3 = _into(b3, b_alloc).mul_(s)  # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
         else:
-            b3 = (b3.float() * s).to(target).contiguous()
-        setattr(out, k3.role, ExpertFactors(a3.to(target).contiguous(), b3))
+            b3 = _into((b3.float() * s).to(target), b_alloc)
+        setattr(out, k3.role, ExpertFactors(_into(a3.to(target), alloc), b3))
         del a_file, b_file, a3, b3
     if check_finite_as is not None:
         check_finite(_factors(out), adapter=check_finite_as)
+    return out
+
+
+def _into(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
+    """``t`` as a contiguous tensor; with ``alloc``, always a copy in memory ``alloc`` gives."""
+    if alloc is None:
+        return t.contiguous()
+    out = alloc(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, alloc: Alloc | None) -> torch.Tensor:
+    """``t.to(dtype)``; with ``alloc``, converted while copied into memory ``alloc`` gives (same rounding)."""
+    if alloc is None:
+        return t.to(dtype)
+    out = alloc(tuple(t.shape), dtype)
+    out.copy_(t)
     return out
 
 
