@@ -11,6 +11,7 @@ copy on the receiving side), away from the engine thread's GIL.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -85,12 +86,6 @@ class BuiltAdapter:
     layouts: tuple[str, ...] = ()
     arena: SharedArena | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all tensors held."""
-        total = sum(t.nbytes for t in self.dense.values())
-        return total + sum(t.nbytes for a, b, _ in self.moe.values() for t in (*a, *b))
-
 
 class _DictSource:
     """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
@@ -160,13 +155,10 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False) -> 
 def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], job: BuildJob) -> int:
     """An upper bound on the bytes of the MoE factors kept on this rank, in the dtype they are built in (at most
     4 bytes an element); the file is sparse, so what is not written takes no memory."""
-    itemsize = torch.empty((), dtype=job.dtype).element_size() if job.dtype is not None else 4
+    itemsize = job.dtype.itemsize if job.dtype is not None else 4
 
     def size(key: str, share: float = 1.0) -> int:
-        n = 1
-        for d in shapes[key]:
-            n *= d
-        return -(-int(n * share) * itemsize // _ALIGN) * _ALIGN + _ALIGN
+        return _aligned(int(math.prod(shapes[key]) * share) * itemsize) + _ALIGN
 
     total = 0
     for prefix, plan in plans.items():
@@ -205,14 +197,12 @@ class SharedArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in the arena (or, once it is full, an ordinary one)."""
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            n *= d
+        n = math.prod(shape) * dtype.itemsize
         with self._lock:
             offset = self.used
             if self.buffer is None or offset + n > self.capacity:
                 return torch.empty(shape, dtype=dtype)
-            self.used = offset + -(-n // _ALIGN) * _ALIGN
+            self.used = offset + _aligned(n)
         return _view(self.buffer, offset, dtype, shape)
 
     def offset_of(self, t: torch.Tensor) -> int | None:
@@ -340,14 +330,14 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         items += [("a", prefix, i, t) for i, t in enumerate(lora_a)]
         items += [("b", prefix, i, t) for i, t in enumerate(lora_b)]
     arena = built.arena
-    size = -(-arena.used // _ALIGN) * _ALIGN if arena is not None else 0
+    size = _aligned(arena.used) if arena is not None else 0
     writes: list[tuple[int, Any]] = []
     entries = []
     for group, name, index, t in items:
         off = arena.offset_of(t) if arena is not None and t.nbytes else None
         if off is None:
             off = size
-            size += -(-t.nbytes // _ALIGN) * _ALIGN
+            size += _aligned(t.nbytes)
             if t.nbytes:
                 writes.append((off, t.contiguous().view(-1).view(torch.uint8).numpy()))
         entries.append((group, name, index, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
@@ -409,8 +399,9 @@ def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
 
 
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return buf[offset:offset + n * itemsize].view(dtype).view(shape)
+    return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def _aligned(n: int) -> int:
+    """``n`` rounded up to the alignment every tensor in a shared file starts on."""
+    return -(-n // _ALIGN) * _ALIGN

@@ -425,7 +425,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
             b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
             if direct is None:
-                a, b = _cast(a, target, alloc), _cast(b, target, alloc)
+                a, b = _into(a, alloc, target), _into(b, alloc, target)
             setattr(out, role, ExpertFactors(a, b))
             continue
         else:  # missing experts (no delta), mixed ranks or per-module patterns
@@ -439,7 +439,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
                 a[j, : k.rank] = loaded[k.key_a]
                 b[j, :, : k.rank] = loaded[k.key_b].float() * s
         target = dtype if dtype is not None else a.dtype
-        setattr(out, role, ExpertFactors(_cast(a, target, alloc).contiguous(), _cast(b, target, alloc)))
+        setattr(out, role, ExpertFactors(_into(a, alloc, target), _into(b, alloc, target)))
     del loaded
 
     # 3D: A rows [e·r, (e+1)·r) per kept expert, B columns {i·E + e}.
@@ -464,27 +464,20 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             b3 = _into(b3, b_alloc).mul_(s)  # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
         else:
-            b3 = _into((b3.float() * s).to(target), b_alloc)
-        setattr(out, k3.role, ExpertFactors(_into(a3.to(target), alloc), b3))
+            b3 = _into(b3.float() * s, b_alloc, target)
+        setattr(out, k3.role, ExpertFactors(_into(a3, alloc, target), b3))
         del a_file, b_file, a3, b3
     if check_finite_as is not None:
         check_finite(_factors(out), adapter=check_finite_as)
     return out
 
 
-def _into(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
-    """``t`` as a contiguous tensor; with ``alloc``, always a copy in memory ``alloc`` gives."""
+def _into(t: torch.Tensor, alloc: Alloc | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` in ``dtype`` (default its own) as a contiguous tensor; with ``alloc``, always a copy in memory
+    ``alloc`` gives, converted while copied (the same rounding as ``.to``)."""
+    dtype = dtype or t.dtype
     if alloc is None:
-        return t.contiguous()
-    out = alloc(tuple(t.shape), t.dtype)
-    out.copy_(t)
-    return out
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype, alloc: Alloc | None) -> torch.Tensor:
-    """``t.to(dtype)``; with ``alloc``, converted while copied into memory ``alloc`` gives (same rounding)."""
-    if alloc is None:
-        return t.to(dtype)
+        return t.to(dtype).contiguous()
     out = alloc(tuple(t.shape), dtype)
     out.copy_(t)
     return out
