@@ -19,6 +19,7 @@ import torch
 
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
+from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import MixSpec, concat_many
 from vllm_lora_ext.validation import check_finite
 
@@ -67,7 +68,7 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         [`MixError`]: a malformed mix path.
         [`AdapterCompatibilityError`]: a module's summed rank exceeds ``max_lora_rank`` (names the ranks).
     """
-    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+    from vllm.lora.lora_weights import LoRALayerWeights
 
     t0 = time.perf_counter()
     spec = MixSpec.from_path(lora_request.lora_path)
@@ -98,8 +99,7 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
             a_list = [done[(name, j)][0] for j in range(len(first.lora_a))]
             b_list = [done[(name, j)][1] for j in range(len(first.lora_a))]
             rank = max(int(a.shape[1]) for a in a_list)
-            loras[name] = PackedLoRALayerWeights(name, rank, [1] * len(a_list), list[Any](a_list), list[Any](b_list),
-                                                 scaling=[1.0] * len(a_list))
+            loras[name] = packed_layer(name, a_list, b_list, rank)
         else:
             a, b = done[name]
             rank = int(a.shape[0])

@@ -23,7 +23,7 @@ from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import is_first_model_rank, unstacked_mapper, validate_loaded
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
-from vllm_lora_ext.integration.moe import moe_targets
+from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.validation import ModuleDims
 
@@ -180,18 +180,16 @@ def build_job(manager: Any, lora_request: Any) -> tuple[BuildJob, VllmKeyRouter]
     return job, VllmKeyRouter(mapper, getattr(model, "lora_skip_prefixes", None))
 
 
-def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
+def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmKeyRouter) -> Any:
     """Wrap a built adapter's tensors in vLLM's ``LoRAModel`` (dense modules through vLLM's own
-    ``from_lora_tensors``; MoE blocks as the packed weights vLLM's wrappers take, scaling folded)."""
-    from vllm.lora.lora_weights import PackedLoRALayerWeights
+    ``from_lora_tensors``, with the mapper and skipped prefixes ``router`` parsed the keys with; MoE
+    blocks as the packed weights vLLM's wrappers take, scaling folded)."""
     from vllm.lora.peft_helper import PEFTHelper
 
     raw = dict(built.config.raw)
     raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
     peft_helper = PEFTHelper.from_dict(raw)
     peft_helper.validate_legal(manager.lora_config)  # after our checks, whose messages name the fix
-    model = manager._adapter_manager.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
         tensors=built.dense,
@@ -199,8 +197,8 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
         device="cpu",
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
-        weights_mapper=unstacked_mapper(mapper) if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        weights_mapper=router.mapper,
+        skip_prefixes=router.skip_prefixes,
     )
     config = built.config
     if config.has_patterns:  # vLLM 0.26 gives every module the global r/alpha: apply PEFT's per-module rules
@@ -208,9 +206,7 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
             rank = int(weights.lora_a.shape[0])
             weights.rank, weights.scaling = rank, config.scaling_for(module_name, rank)
     for prefix, (lora_a, lora_b, need) in built.moe.items():
-        n = len(lora_a)
-        lora.loras[prefix] = PackedLoRALayerWeights(prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b),
-                                                    scaling=[1.0] * n)
+        lora.loras[prefix] = packed_layer(prefix, lora_a, lora_b, need)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
@@ -221,38 +217,25 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter) -> Any:
 
 
 def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
-    t0 = time.perf_counter()
-    job, router = build_job(manager, lora_request)
-    found = None
-    if separate_process:
-        from vllm_lora_ext.integration.build_process import build_elsewhere
-
-        try:  # the tensors keep the shared mapping alive
-            found = build_elsewhere(job, router, wait_for_start=False)
-        except AdapterNotFoundError as err:
-            raise not_found_for(lora_request, err) from err
-        if found is None:
-            logger.info("adapter %r: no build process has finished starting; building in this thread",
-                        lora_request.lora_name)
-    built = found[0] if found is not None else run_build(job, router, lora_request)
-    lora = assemble(manager, lora_request, built)
-    _log_loaded(built, lora, lora_request, time.perf_counter() - t0)
-    return lora
-
-
-def run_build(job: BuildJob, router: Any, lora_request: Any) -> BuiltAdapter:
-    """Run `build_adapter` here, giving a missing source vLLM's not-found error (which the server answers 404)."""
-    try:
-        return build_adapter(job, router)
-    except AdapterNotFoundError as err:
-        raise not_found_for(lora_request, err) from err
-
-
-def not_found_for(lora_request: Any, err: AdapterNotFoundError) -> Exception:
-    """vLLM's not-found error for ``lora_request``, carrying the plugin's message (the server answers 404)."""
     from vllm.exceptions import LoRAAdapterNotFoundError
 
-    return _not_found(LoRAAdapterNotFoundError, lora_request, err)
+    t0 = time.perf_counter()
+    job, router = build_job(manager, lora_request)
+    try:
+        found = None
+        if separate_process:
+            from vllm_lora_ext.integration.build_process import build_elsewhere
+
+            found = build_elsewhere(job, router, wait_for_start=False)  # the tensors keep the shared mapping alive
+            if found is None:
+                logger.info("adapter %r: no build process has finished starting; building in this thread",
+                            lora_request.lora_name)
+        built = found[0] if found is not None else build_adapter(job, router)
+    except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
+        raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
+    lora = assemble(manager, lora_request, built, router)
+    _log_loaded(built, lora, lora_request, time.perf_counter() - t0)
+    return lora
 
 
 def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float) -> None:

@@ -11,16 +11,14 @@ and EP slicing all see nothing left to do, whatever layout the adapter was saved
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
 
 from vllm_lora_ext.building import Wrapper, pack_block
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.integration._compat import moe_intermediate_per_partition
-
-
 
 
 @dataclass(frozen=True)
@@ -89,9 +87,13 @@ def moe_targets(manager: Any) -> dict[str, MoETarget]:
 
 def packed_weights(experts: ExpertsLoRA, target: MoETarget, *, max_rank: int, adapter: str) -> Any:
     """Build the ``PackedLoRALayerWeights`` vLLM's wrapper consumes (scaling folded, set to 1)."""
+    lora_a, lora_b, need = pack_block(experts, target.spec, target.wrapper, max_rank=max_rank, adapter=adapter)
+    return packed_layer(target.spec.prefix, lora_a, lora_b, need)
+
+
+def packed_layer(prefix: str, lora_a: Sequence[Any], lora_b: Sequence[Any], rank: int) -> Any:
+    """vLLM's ``PackedLoRALayerWeights`` for an MoE block's factor lists whose scaling is already folded into B."""
     from vllm.lora.lora_weights import PackedLoRALayerWeights
 
-    lora_a, lora_b, need = pack_block(experts, target.spec, target.wrapper, max_rank=max_rank, adapter=adapter)
     n = len(lora_a)
-    return PackedLoRALayerWeights(target.spec.prefix, need, [1] * n, list[Any](lora_a), list[Any](lora_b),
-                                  scaling=[1.0] * n)
+    return PackedLoRALayerWeights(prefix, rank, [1] * n, list(lora_a), list(lora_b), scaling=[1.0] * n)
