@@ -123,34 +123,33 @@ class _Pool:
         self._idle: list[_Child] = []
         self._all: list[_Child] = []
 
+    def _start(self, *, idle: bool) -> _Child:  # under the lock
+        child = _Child()
+        self._all.append(child)
+        if idle:
+            self._idle.append(child)
+        return child
+
+    def _drop_dead(self) -> None:  # under the lock
+        for child in [c for c in self._idle if c.proc.poll() is not None]:
+            self._idle.remove(child)
+            self._all.remove(child)
+
     def acquire(self) -> _Child:
         with self._lock:
-            while self._idle:
-                child = self._idle.pop()
-                if child.proc.poll() is None:
-                    return child
-                self._all.remove(child)
-            child = _Child()
-            self._all.append(child)
-            return child
+            self._drop_dead()
+            return self._idle.pop() if self._idle else self._start(idle=False)
 
     def acquire_started(self) -> _Child | None:
         """An idle process that has finished starting, or ``None`` (then one is starting: a new one if all are busy)."""
         with self._lock:
-            starting = False
-            for child in list(self._idle):
-                if child.proc.poll() is not None:
-                    self._idle.remove(child)
-                    self._all.remove(child)
-                elif child.check_ready():
+            self._drop_dead()
+            for child in self._idle:
+                if child.check_ready():
                     self._idle.remove(child)
                     return child
-                else:
-                    starting = True
-            if not starting:
-                child = _Child()
-                self._all.append(child)
-                self._idle.append(child)
+            if not self._idle:  # every process is busy: start one more for the builds to come
+                self._start(idle=True)
             return None
 
     def release(self, child: _Child, *, ok: bool) -> None:
@@ -165,9 +164,7 @@ class _Pool:
     def prestart(self) -> None:
         with self._lock:
             if not self._all:
-                child = _Child()
-                self._all.append(child)
-                self._idle.append(child)
+                self._start(idle=True)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -181,7 +178,7 @@ atexit.register(_POOL.shutdown)
 
 
 def prestart() -> None:
-    """Start one build process now (it imports for a few seconds), so the first build does not wait for it."""
+    """Start one build process now (it takes about 15 s to import), so that it is ready for the builds to come."""
     _POOL.prestart()
 
 
