@@ -214,11 +214,23 @@ class RecentlyUsed:
     def touch(self, key: Hashable) -> bool:
         """Mark ``key`` used; return whether it was among the recent keys before."""
         was = key in self._keys
+        self.add(key)
+        return was
+
+    def add(self, key: Hashable) -> list[Hashable]:
+        """Mark ``key`` used; return the least recently used keys dropped to stay within ``capacity``.
+
+        Example:
+            >>> seen = RecentlyUsed(1)
+            >>> seen.add("a"), seen.add("b")
+            ([], ['a'])
+        """
         self._keys[key] = None
         self._keys.move_to_end(key)
+        dropped = []
         while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
-        return was
+            dropped.append(self._keys.popitem(last=False)[0])
+        return dropped
 
     def forget(self, key: Hashable) -> None:
         """Drop ``key`` (its adapter was removed)."""

@@ -36,7 +36,6 @@ at the first request that needs them, with a message naming what is missing.
 from __future__ import annotations
 
 import contextvars
-from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -53,6 +52,7 @@ from vllm_lora_ext.constants import client_sources, max_client_sources
 from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
 from vllm_lora_ext.integration.server import _known_adapters, http_error
 from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
+from vllm_lora_ext.prebuild import RecentlyUsed
 
 __all__ = ["LoraExtLLMServer"]
 
@@ -126,28 +126,27 @@ class LoraExtLLMServer(LLMServer):
         ever new sources under an admitted prefix cannot grow the replica's adapter table without bound.
         """
         models = self._vllm_lora_ext_models()
-        recent = self.__dict__.setdefault("_vllm_lora_ext_client_sources", OrderedDict())
+        recent = self.__dict__.get("_vllm_lora_ext_client_sources")
+        if recent is None:
+            recent = self.__dict__["_vllm_lora_ext_client_sources"] = RecentlyUsed(max_client_sources())
         if plan.model_id in models.lora_requests:
             if plan.model_id in recent:
-                recent.move_to_end(plan.model_id)
+                recent.touch(plan.model_id)
             return None
         result = await models.load_lora_adapter(load_adapter_request_cls()(lora_name=plan.model_id,
                                                                            lora_path=plan.adapter))
         if not isinstance(result, str) and plan.model_id not in models.lora_requests:
             return _ray_error(result)
-        recent[plan.model_id] = None  # registered (by this request, or by a concurrent one that won the race)
-        recent.move_to_end(plan.model_id)
-        await self._vllm_lora_ext_trim(models, recent)
+        # registered (by this request, or by a concurrent one that won the race)
+        for name in recent.add(plan.model_id):
+            await self._vllm_lora_ext_unregister(models, name)
         return None
 
-    async def _vllm_lora_ext_trim(self, models: Any, recent: OrderedDict[str, None]) -> None:
-        bound = max_client_sources()
-        while len(recent) > bound:
-            name, _ = recent.popitem(last=False)
-            await models.unload_lora_adapter(unload_adapter_request_cls()(lora_name=name))
-            lock = getattr(models, "lora_resolver_lock", {}).get(name)
-            if lock is not None and not lock.locked():
-                del models.lora_resolver_lock[name]
+    async def _vllm_lora_ext_unregister(self, models: Any, name: Any) -> None:
+        await models.unload_lora_adapter(unload_adapter_request_cls()(lora_name=name))
+        lock = getattr(models, "lora_resolver_lock", {}).get(name)
+        if lock is not None and not lock.locked():
+            del models.lora_resolver_lock[name]
 
 
 def _ray_error(vllm_error: Any) -> Any:
