@@ -29,10 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("build_dir")]
 @pytest.fixture
 def started() -> None:
     """A build process that has finished starting, idle in the pool."""
-    build_process.prestart()
-    child = build_process._POOL.acquire()
-    child.wait_ready()
-    build_process._POOL.release(child, ok=True)
+    build_process._POOL.get()
 
 
 def _request(path: Path | str, name: str = "a", lora_id: int = 3) -> Any:
@@ -101,23 +98,20 @@ def test_a_dead_build_process_fails_its_build_and_the_next_build_starts_a_new_on
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
     job, router = _moe_job(folder), VllmKeyRouter(None, None)
     build_process.build_elsewhere(job, router)
-    child = build_process._POOL.acquire()  # the idle process the build above used
-    child.wait_ready()
+    child = build_process._POOL.get()  # the process the build above used
     os.kill(child.proc.pid, signal.SIGKILL)
     child.proc.wait()
     with pytest.raises(BuildProcessError, match="build process"):
         child.run(job, None, None)
-    build_process._POOL.release(child, ok=False)
     built, _ = build_process.build_elsewhere(job, router)  # a new process
+    assert build_process._POOL.get() is not child
     assert sorted(built.moe) == sorted(BLOCKS)
 
 
 def test_a_build_process_ends_when_its_worker_closes_the_pipe() -> None:
-    build_process.prestart()
-    child = build_process._POOL.acquire()
-    child.wait_ready()
+    child = build_process._POOL.get()
     pid = child.proc.pid
-    build_process._POOL.release(child, ok=False)  # closes its stdin
+    child.close()  # closes its stdin
     assert child.proc.wait(timeout=120) == 0  # a clean exit (slow only on a loaded 2-core machine)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -140,10 +134,43 @@ def test_while_no_build_process_has_started_the_build_runs_in_the_worker_and_one
     reads = loader.LOCAL_READS["adapters"]
     here = load_lora_model(worker_manager, _request(adapter), separate_process=True)  # does not wait 15 s
     assert loader.LOCAL_READS["adapters"] == reads + 1 and here.loras and jobs == []
-    child = build_process._POOL.acquire()  # the one that began starting
-    child.wait_ready()
-    build_process._POOL.release(child, ok=True)
+    build_process._POOL.get()  # the one that began starting
     there = load_lora_model(worker_manager, _request(adapter), separate_process=True)
     assert jobs == ["a"]  # now in the build process
     for name, weights in here.loras.items():
         assert torch.equal(there.loras[name].lora_b, weights.lora_b)
+
+
+def test_builds_asked_for_at_once_run_in_the_one_process_and_each_gets_its_own_answer(
+        tmp_path: Path, started: None) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = [write_moe_adapter(tmp_path / f"moe{i}", [make_truth(E, H, I, R, 10 * i + s) for s in (0, 1)],
+                                 [form, form], rank=R) for i, form in enumerate(["2d", "3d", "2d", "3d_t"])]
+    bad = write_moe_adapter(tmp_path / "bad", [make_truth(E, H + 1, I, R, 0)], ["2d"], rank=R)
+    router = VllmKeyRouter(None, None)
+    jobs = [_moe_job(f) for f in folders] + [_moe_job(bad)]
+    child = build_process._POOL.get()
+    futures = [child.submit(job, None, None) for job in jobs]  # all in flight together
+    with pytest.raises(ExpertLayoutError):
+        futures[-1].result()
+    for job, future in zip(jobs, futures[:-1]):
+        there, _ = build_process.from_shared(future.result())
+        here = build_adapter(job, router)
+        for prefix, (a, b, _) in here.moe.items():
+            assert all(torch.equal(x, y) for x, y in zip((*a, *b), (*there.moe[prefix][0], *there.moe[prefix][1])))
+    with ThreadPoolExecutor(4) as pool:  # the same through build_elsewhere, from worker threads
+        built = list(pool.map(lambda job: build_process.build_elsewhere(job, router)[0], jobs[:-1]))
+    assert [sorted(b.moe) for b in built] == [sorted(BLOCKS)] * 4
+    assert build_process._POOL.get() is child  # one process did all of it
+
+
+def test_a_process_that_dies_fails_every_build_it_had_in_flight(tmp_path: Path, started: None) -> None:
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    child = build_process._POOL.get()
+    os.kill(child.proc.pid, signal.SIGSTOP)  # hold it so both builds are surely in flight when it dies
+    futures = [child.submit(_moe_job(folder), None, None) for _ in range(2)]
+    os.kill(child.proc.pid, signal.SIGKILL)
+    for future in futures:
+        with pytest.raises(BuildProcessError, match="exited"):
+            future.result(timeout=60)

@@ -99,3 +99,33 @@ def test_mix_over_max_lora_rank_names_the_ranks_and_the_setting(worker_manager: 
                     MixComponent("b2", str(adapters["b"]) + "/", 0.5)))
     with pytest.raises(AdapterCompatibilityError, match=r"needs rank 20 .* max_lora_rank is 16.*--max-lora-rank 32"):
         _load(worker_manager, spec)
+
+
+@pytest.mark.usefixtures("build_dir")
+def test_a_mix_whose_components_build_side_by_side_in_the_build_process_equals_one_built_in_the_worker(
+        worker_manager: Any, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import build_process
+    from vllm_lora_ext.integration.composite import build_composite, clear_component_cache
+
+    c = make_peft_adapter(tiny_llama(), tmp_path / "c", targets=["q_proj", "up_proj"], rank=2, alpha=4, seed=3)
+    spec = MixSpec((MixComponent("a", str(adapters["a"]), 0.7), MixComponent("b", str(adapters["b"]), -0.2),
+                    MixComponent("c", str(c), 1.5)))
+    here = _load(worker_manager, spec)  # components built in this thread
+    sent: list[str] = []
+    real_submit = build_process._Child.submit
+
+    def counted(self: Any, job: Any, *args: Any) -> Any:
+        sent.append(job.name)
+        return real_submit(self, job, *args)
+
+    monkeypatch.setattr(build_process._Child, "submit", counted)
+    build_process._POOL.get()  # started, so the components are not built in this process meanwhile
+    clear_component_cache()
+    there = build_composite(worker_manager, LoRARequest(lora_name=spec.lora_name, lora_int_id=5,
+                                                        lora_path=spec.lora_path), separate_process=True)
+    assert sorted(sent) == ["a", "b", "c"]
+    assert sorted(there.loras) == sorted(here.loras)
+    for name, w in here.loras.items():
+        assert torch.equal(there.loras[name].lora_a, w.lora_a) and torch.equal(there.loras[name].lora_b, w.lora_b)

@@ -12,9 +12,10 @@ vLLM's key parser); builds asked for meanwhile run in the worker thread rather t
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
 The process exits when the worker closes its stdin (or dies). Errors come back as the plugin's own
-typed errors. A process that dies mid-build fails that build only; the next build starts a new one.
-Processes, at most ``VLLM_LORA_EXT_PREBUILD_BUILDS`` of them, are started as builds need them and
-kept. ``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
+typed errors. Each worker has one build process, which runs up to four builds at once (a mix's
+components, adapters asked for together): jobs carry a number and answers come back in any order.
+A process that dies fails the builds it had in flight; the next build starts a new one.
+``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
 """
 
 from __future__ import annotations
@@ -23,29 +24,35 @@ import atexit
 import logging
 import os
 import pickle
-import select
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 from vllm_lora_ext.building import (BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared, shared_dir,
                                    sweep_stale, to_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR
-from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
+from vllm_lora_ext.errors import BuildProcessError
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 
 __all__ = ["build_elsewhere", "prestart", "shutdown"]
 
 _START_TIMEOUT_S = 300.0
+_BUILD_THREADS = 4  # builds one process runs at once (a mix's components; more wait their turn)
 _NICE = 5  # below the engine's priority: on a busy host the engine thread gets the core first
 
 
 class _Child:
-    """One build process and its pipes."""
+    """One build process, its pipes, and the builds it has in flight.
+
+    Several builds may be in flight at once (the components of a mix, two adapters asked for together):
+    each job carries a number, the process builds jobs on a few threads of its own, and one reader
+    thread here hands each answer to the caller waiting for that number.
+    """
 
     def __init__(self) -> None:
         env = dict(os.environ)
@@ -53,63 +60,103 @@ class _Child:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, close_fds=True)
         self.started = time.monotonic()
-        self.ready = False
+        self._ready = threading.Event()
+        self._lock = threading.Lock()  # guards the pipe's writes, the job numbers and the pending map
+        self._pending: dict[int, Future[SharedTensors]] = {}
+        self._next = 0
+        self._gone: BuildProcessError | None = None
+        threading.Thread(target=self._read_answers, name=f"vllm-lora-ext-build-{self.proc.pid}",
+                         daemon=True).start()
 
-    def _receive(self, timeout: float | None) -> Any:
+    @property
+    def alive(self) -> bool:
+        return self._gone is None and self.proc.poll() is None
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _read_answers(self) -> None:
         out = self.proc.stdout
         assert out is not None
-        if timeout is not None:
-            readable, _, _ = select.select([out], [], [], timeout)
-            if not readable:
-                raise BuildProcessError(f"the build process (pid {self.proc.pid}) did not start within {timeout:.0f} s")
         try:
-            return pickle.load(out)
-        except (EOFError, pickle.UnpicklingError, OSError) as err:
-            code = self.proc.poll()
-            raise BuildProcessError(f"the build process (pid {self.proc.pid}) exited (code {code}); its output is in "
-                                    f"the worker's log") from err
+            while True:
+                message = pickle.load(out)
+                if message[0] == "ready":
+                    self._ready.set()
+                    logger.info("build process %d ready after %.1f s", self.proc.pid, time.monotonic() - self.started)
+                    continue
+                tag, number, payload = message
+                with self._lock:
+                    future = self._pending.pop(number, None)
+                if future is None:
+                    continue
+                if tag == "ok":
+                    future.set_result(payload)
+                else:
+                    try:
+                        future.set_exception(pickle.loads(payload))
+                    except Exception as err:  # an error class this side cannot rebuild
+                        future.set_exception(BuildProcessError(f"the build failed and its error did not come back "
+                                                               f"({type(err).__name__})"))
+        except (EOFError, pickle.UnpicklingError, OSError, ValueError, TypeError, IndexError) as err:
+            code = self.proc.wait()
+            self._fail(BuildProcessError(f"the build process (pid {self.proc.pid}) exited (code {code}); its "
+                                         f"output is in the worker's log"), cause=err)
 
-    def wait_ready(self) -> None:
-        if not self.ready:
-            tag, _ = self._receive(_START_TIMEOUT_S)
-            if tag != "ready":
-                raise BuildProcessError(f"the build process sent {tag!r} before it was ready")
-            self.ready = True
-            logger.info("build process %d ready after %.1f s", self.proc.pid, time.monotonic() - self.started)
+    def _fail(self, error: BuildProcessError, *, cause: BaseException | None = None) -> None:
+        error.__cause__ = cause
+        with self._lock:
+            self._gone = self._gone or error
+            pending, self._pending = self._pending, {}
+        self._ready.set()  # wakes anyone waiting for the start; they see it gone
+        for future in pending.values():
+            future.set_exception(error)
 
     def check_ready(self) -> bool:
-        """Whether it has finished starting (never blocks)."""
-        if self.ready:
-            return True
-        if self.proc.poll() is not None or self.proc.stdout is None:
-            return False
-        readable, _, _ = select.select([self.proc.stdout], [], [], 0)
-        if readable:
-            self.wait_ready()
-        return self.ready
+        """Whether it has finished starting and is alive (never blocks)."""
+        return self._ready.is_set() and self.alive
 
-    def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
+    def wait_ready(self) -> None:
+        if not self._ready.wait(_START_TIMEOUT_S):
+            raise BuildProcessError(f"the build process (pid {self.proc.pid}) did not start within "
+                                    f"{_START_TIMEOUT_S:.0f} s")
+        if self._gone is not None:
+            raise self._gone
+
+    def submit(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> Future[SharedTensors]:
+        """Send ``job``; the future gives its shared tensors or raises its error."""
         self.wait_ready()
+        future: Future[SharedTensors] = Future()
         stdin = self.proc.stdin
         assert stdin is not None
-        try:
-            pickle.dump((job, mapper, skip_prefixes), stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            stdin.flush()
-        except OSError as err:
-            raise BuildProcessError(f"the build process (pid {self.proc.pid}) is gone (code {self.proc.poll()})") \
-                from err
-        tag, payload = self._receive(None)
-        if tag == "ok":
-            return payload  # type: ignore[no-any-return]
-        raise pickle.loads(payload)
+        with self._lock:
+            if self._gone is not None:
+                raise self._gone
+            number, self._next = self._next, self._next + 1
+            self._pending[number] = future
+            try:
+                pickle.dump((number, job, mapper, skip_prefixes), stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                stdin.flush()
+            except (OSError, ValueError) as err:
+                self._pending.pop(number, None)
+                raise BuildProcessError(f"the build process (pid {self.proc.pid}) is gone (code "
+                                        f"{self.proc.poll()})") from err
+        return future
+
+    def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
+        return self.submit(job, mapper, skip_prefixes).result()
 
     def close(self, *, wait: float | None = None) -> None:
-        """Close its stdin (it exits on its own); with ``wait``, kill it if it has not exited by then."""
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
+        """Close its stdin (it exits on its own once its builds are done); with ``wait``, kill it if it has not
+        exited by then."""
+        with self._lock:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+            except OSError:
+                pass
         if wait is not None:
             try:
                 self.proc.wait(timeout=wait)
@@ -118,58 +165,40 @@ class _Child:
 
 
 class _Pool:
+    """The worker's one build process: started on first need, replaced when it dies."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[_Child] = []
-        self._all: list[_Child] = []
+        self._child: _Child | None = None
 
-    def _start(self, *, idle: bool) -> _Child:  # under the lock
-        child = _Child()
-        self._all.append(child)
-        if idle:
-            self._idle.append(child)
+    def _current(self) -> _Child:  # under the lock
+        if self._child is None or not self._child.alive:
+            if self._child is not None:
+                self._child.close()
+            self._child = _Child()
+        return self._child
+
+    def get(self) -> _Child:
+        """The build process, started (and waited for) if need be."""
+        with self._lock:
+            child = self._current()
+        child.wait_ready()
         return child
 
-    def _drop_dead(self) -> None:  # under the lock
-        for child in [c for c in self._idle if c.proc.poll() is not None]:
-            self._idle.remove(child)
-            self._all.remove(child)
-
-    def acquire(self) -> _Child:
+    def get_started(self) -> _Child | None:
+        """The build process if it has finished starting, else ``None`` (one is then starting)."""
         with self._lock:
-            self._drop_dead()
-            return self._idle.pop() if self._idle else self._start(idle=False)
-
-    def acquire_started(self) -> _Child | None:
-        """An idle process that has finished starting, or ``None`` (then one is starting: a new one if all are busy)."""
-        with self._lock:
-            self._drop_dead()
-            for child in self._idle:
-                if child.check_ready():
-                    self._idle.remove(child)
-                    return child
-            if not self._idle:  # every process is busy: start one more for the builds to come
-                self._start(idle=True)
-            return None
-
-    def release(self, child: _Child, *, ok: bool) -> None:
-        with self._lock:
-            if ok and child.proc.poll() is None:
-                self._idle.append(child)
-                return
-            if child in self._all:
-                self._all.remove(child)
-        child.close()
+            child = self._current()
+        return child if child.check_ready() else None
 
     def prestart(self) -> None:
         with self._lock:
-            if not self._all:
-                self._start(idle=True)
+            self._current()
 
     def shutdown(self) -> None:
         with self._lock:
-            children, self._all, self._idle = self._all, [], []
-        for child in children:
+            child, self._child = self._child, None
+        if child is not None:
             child.close(wait=5.0)
 
 
@@ -178,53 +207,86 @@ atexit.register(_POOL.shutdown)
 
 
 def prestart() -> None:
-    """Start one build process now (it takes about 15 s to import), so that it is ready for the builds to come."""
+    """Start the build process now (it takes about 15 s to import), so that it is ready for the builds to come."""
     _POOL.prestart()
 
 
 def shutdown() -> None:
-    """Stop every build process of this worker (they also exit with it)."""
+    """Stop this worker's build process (it also exits with the worker)."""
     _POOL.shutdown()
 
 
 def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) -> tuple[BuiltAdapter, Any] | None:
-    """Build ``job`` in a build process; return the adapter (tensors mapped from shared memory) and the mapping.
+    """Build ``job`` in the build process; return the adapter (tensors mapped from shared memory) and the mapping.
 
-    A process takes about 15 s to start (it imports vLLM's key parser). With ``wait_for_start=False``
-    this returns ``None`` at once when no started process is free (one is then starting), and the
-    caller builds where it is; later builds find it started.
+    Calls from several threads build at the same time in the one process. The process takes about 15 s
+    to start (it imports vLLM's key parser). With ``wait_for_start=False`` this returns ``None`` at once
+    while it starts, and the caller builds where it is; later builds find it started.
 
     Raises:
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
-        [`BuildProcessError`] if the process could not start or died.
+        [`BuildProcessError`] if the process could not start or died (the next build starts a new one).
     """
-    found = _POOL.acquire() if wait_for_start else _POOL.acquire_started()
-    if found is None:
+    child = _POOL.get() if wait_for_start else _POOL.get_started()
+    if child is None:
         return None
-    child = found
-    ok = False
-    try:
-        shared = child.run(job, router.mapper, router.skip_prefixes)
-        ok = True
-    except VllmLoraExtError:
-        ok = child.proc.poll() is None
-        raise
-    finally:
-        _POOL.release(child, ok=ok)
+    shared = child.run(job, router.mapper, router.skip_prefixes)
     return from_shared(shared)
 
 
 # ------------------------------------------------------------------------------------------------ the child
 
 
-def _send(out: BinaryIO, message: tuple[str, Any]) -> None:
-    pickle.dump(message, out, protocol=pickle.HIGHEST_PROTOCOL)
-    out.flush()
+_SEND_LOCK = threading.Lock()
+_ACTIVE = [0]  # builds running in this process; the cyclic GC is off while any runs
+
+
+def _send(out: BinaryIO, message: tuple[Any, ...]) -> None:
+    with _SEND_LOCK:
+        pickle.dump(message, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+
+
+def _gc_hold(delta: int) -> None:
+    import gc
+
+    with _SEND_LOCK:
+        _ACTIVE[0] += delta
+        if _ACTIVE[0] == 1 and delta > 0:
+            gc.disable()  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
+        elif _ACTIVE[0] == 0:
+            gc.enable()
+
+
+def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any) -> None:
+    from vllm_lora_ext.integration.loader import VllmKeyRouter
+
+    _gc_hold(+1)
+    try:
+        t0 = time.perf_counter()
+        built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True)
+        t1 = time.perf_counter()
+        shared = to_shared(built)
+        del built
+        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB)", job.name, t1 - t0,
+                    time.perf_counter() - t1, shared.size / 2**20)
+        message: tuple[Any, ...] = ("ok", number, shared)
+    except BaseException as err:  # sent back typed; the process lives on
+        try:
+            payload = pickle.dumps(err)
+            pickle.loads(payload)
+        except Exception:
+            payload = pickle.dumps(BuildProcessError(f"{type(err).__name__}: {err}"))
+        message = ("err", number, payload)
+    finally:
+        _gc_hold(-1)
+    _send(out, message)
 
 
 def main() -> None:
-    """The build process: answer jobs from stdin until it closes."""
+    """The build process: build the jobs read from stdin, a few at a time, until it closes."""
     import signal
+    from concurrent.futures import ThreadPoolExecutor
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server; the worker closing stdin ends this
     out = os.fdopen(os.dup(1), "wb")
@@ -238,7 +300,6 @@ def main() -> None:
 
     torch.set_num_threads(1)  # as in vLLM's workers; the reader runs its own threads
     from vllm_lora_ext._logging import attach_handler_once
-    from vllm_lora_ext._util import gc_paused
     from vllm_lora_ext.integration.loader import VllmKeyRouter
 
     attach_handler_once()
@@ -248,30 +309,14 @@ def main() -> None:
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
     _send(out, ("ready", os.getpid()))
-    while True:
-        try:
-            job, mapper, skip_prefixes = pickle.load(inp)
-        except EOFError:
-            return
-        try:
-            t0 = time.perf_counter()
-            with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
-                built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True)
-                t1 = time.perf_counter()
-                shared = to_shared(built)
-                del built
-            logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB)", job.name, t1 - t0,
-                        time.perf_counter() - t1, shared.size / 2**20)
-            _send(out, ("ok", shared))
-        except BaseException as err:  # sent back typed; the process lives on
+    with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
+        while True:
             try:
-                payload = pickle.dumps(err)
-                pickle.loads(payload)
-            except Exception:
-                payload = pickle.dumps(BuildProcessError(f"{type(err).__name__}: {err}"))
-            _send(out, ("err", payload))
+                number, job, mapper, skip_prefixes = pickle.load(inp)
+            except EOFError:
+                return  # the pool's exit finishes the builds in flight first
+            pool.submit(_answer, out, number, job, mapper, skip_prefixes)
 
 
 if __name__ == "__main__":
     main()
-
