@@ -61,6 +61,8 @@ class _Child:
                                      env=env, close_fds=True)
         self.started = time.monotonic()
         self._ready = threading.Event()
+        self._ready_logged = False
+        self.ready_after = float("nan")
         self._lock = threading.Lock()  # guards the pipe's writes, the job numbers and the pending map
         self._pending: dict[int, Future[SharedTensors]] = {}
         self._next = 0
@@ -84,8 +86,8 @@ class _Child:
             while True:
                 message = pickle.load(out)
                 if message[0] == "ready":
+                    self.ready_after = time.monotonic() - self.started  # logged by the first caller to see it
                     self._ready.set()
-                    logger.info("build process %d ready after %.1f s", self.proc.pid, time.monotonic() - self.started)
                     continue
                 tag, number, payload = message
                 with self._lock:
@@ -116,7 +118,10 @@ class _Child:
 
     def check_ready(self) -> bool:
         """Whether it has finished starting and is alive (never blocks)."""
-        return self._ready.is_set() and self.alive
+        ready = self._ready.is_set() and self.alive
+        if ready:
+            self._log_ready()
+        return ready
 
     def wait_ready(self) -> None:
         if not self._ready.wait(_START_TIMEOUT_S):
@@ -124,6 +129,12 @@ class _Child:
                                     f"{_START_TIMEOUT_S:.0f} s")
         if self._gone is not None:
             raise self._gone
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        if not self._ready_logged:
+            self._ready_logged = True
+            logger.info("build process %d ready after %.1f s", self.proc.pid, self.ready_after)
 
     def submit(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> Future[SharedTensors]:
         """Send ``job``; the future gives its shared tensors or raises its error."""
