@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import plugin_disabled
+from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -274,6 +274,10 @@ def register() -> None:
         return
     vllm_version = check_vllm_version()
     metrics.setup()
+    if stall_trace_seconds():
+        from vllm_lora_ext import stall_trace
+
+        stall_trace.start(stall_trace_seconds())
     for patch in PATCHES:
         when_imported(patch.module, functools.partial(_apply, patch))
     _REGISTERED = True
