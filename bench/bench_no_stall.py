@@ -158,12 +158,17 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
                   "--load-format", "dummy", *(graphs if args.graphs else ["--enforce-eager"]),
                   "--max-model-len", "1024", "--dtype", "bfloat16",
                   "--gpu-memory-utilization", "0.85", "--max-num-seqs", "64", "--seed", "0",
+                  # every run then has the same batch shapes, so the warm-up compiles every Triton kernel a run
+                  # needs (with the prefix cache, a repeated run prefilled 1 token a prompt: new shapes, and
+                  # 2-3 s of Triton JIT in the step at its start, seen with VLLM_LORA_EXT_STALL_TRACE_S)
+                  "--no-enable-prefix-caching",
                   "--lora-modules", *modules]
     runs: dict[str, Any] = {}
     with vllm_serve(paths["model"], serve_args, env=env, log_path=Path(args.workdir) / f"serve-{mode}.log",
                     keep_log_as=f"serve-{mode}.log", timeout=900) as srv:
         base, model = srv["base"], str(paths["model"])
-        asyncio.run(run_case(base, model, None, paths, 8, args.arrive))  # warm-up
+        for _ in range(2):  # warm-up
+            asyncio.run(run_case(base, model, None, paths, 8, args.arrive))
         runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
         for case in cases:
             if mode == "stock" and case != "2d":

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Build processes the tests start keep a small spare shared file, not the 2 GiB default.
+os.environ.setdefault("VLLM_LORA_EXT_BUILD_SPARE_BYTES", str(8 << 20))
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -51,6 +51,7 @@ ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
 ENV_BUILD_PROCESS = "VLLM_LORA_EXT_BUILD_PROCESS"  # 0: background builds run in a thread of the worker
 ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shared file (default /dev/shm)
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
+ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -194,3 +195,8 @@ def stage_gpu_bytes() -> int:
 def stall_trace_seconds() -> float:
     """Return the stall-trace threshold in seconds (``VLLM_LORA_EXT_STALL_TRACE_S``; 0, the default, is off)."""
     return float(_env_number(ENV_STALL_TRACE, 0.0, minimum=0.0))
+
+
+def build_spare_bytes() -> int:
+    """Return the smallest spare shared file a build process keeps ready (default 2 GiB; 0 keeps none)."""
+    return int(_env_number(ENV_BUILD_SPARE, 2 * 2**30, minimum=0))

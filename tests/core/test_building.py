@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
-from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, sweep_stale, to_shared
+from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, sweep_stale, to_shared, trim_shared
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.planning import PeftKeyRouter
 
@@ -76,3 +76,55 @@ def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_p
         (folder / name).write_bytes(b"x")
     assert sweep_stale(str(folder)) == [names["dead"]]
     assert sorted(os.listdir(folder)) == sorted([names["live"], names["other"]])
+
+
+def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_is_cut_to_its_size(
+        tmp_path: Path, build_dir: Path) -> None:
+    from vllm_lora_ext.building import ArenaSupply
+
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "3d"], rank=R)
+    job = _job(folder, "2d")
+    reference = build_adapter(job, PeftKeyRouter())
+    supply = ArenaSupply(1 << 20)
+    supply.prepare(wait=True)
+    spares = os.listdir(build_dir)
+    assert len(spares) == 1 and "-spare-" in spares[0] and os.path.getsize(build_dir / spares[0]) == 1 << 20
+    built = build_adapter(job, PeftKeyRouter(), shared=True, arenas=supply)
+    assert supply.taken == 1 and built.arena is not None and built.arena.path == str(build_dir / spares[0])
+    shared = to_shared(built)
+    del built
+    assert os.path.getsize(shared.path) == shared.size < 1 << 20  # the spare's unused pages are given back
+    handed, _ = from_shared(shared)
+    for x, y in zip(_tensors(handed), _tensors(reference)):
+        assert torch.equal(x, y)
+    supply.prepare(wait=True)  # the next spare, as a build process does once a build is answered
+    late = build_adapter(job, PeftKeyRouter(), shared=True, arenas=supply)
+    assert supply.taken == 2
+    shared = to_shared(late, trim=False)  # a build process cuts the file after the hand-over
+    del late
+    fd = os.open(shared.path, os.O_RDWR)
+    assert os.path.getsize(shared.path) == 1 << 20
+    handed, _ = from_shared(shared)  # maps the used part and removes the name
+    trim_shared(fd, shared)
+    for x, y in zip(_tensors(handed), _tensors(reference)):
+        assert torch.equal(x, y)
+    big = ArenaSupply(1 << 20)
+    assert big.take(4 << 20).capacity == 4 << 20 and big.taken == 0  # too small a spare: a new sparse file
+    supply.discard()
+    big.discard()
+    import time
+
+    deadline = time.monotonic() + 10
+    while any("-spare-" in n for n in os.listdir(build_dir)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a spare a thread was still making is removed when it finishes
+    assert not any("-spare-" in n for n in os.listdir(build_dir))
+
+
+def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
+    from vllm_lora_ext.building import ArenaSupply
+
+    supply = ArenaSupply(0)
+    supply.prepare(wait=True)
+    arena = supply.take(4096)
+    assert supply.taken == 0 and os.listdir(build_dir) == [os.path.basename(arena.path)]
+    arena.discard()

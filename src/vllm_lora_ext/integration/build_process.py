@@ -7,7 +7,9 @@ process (``python -m vllm_lora_ext.integration.build_process``) the first time i
 background, and hands it a `BuildJob`: the model as plain data and vLLM's key mapper. The process
 runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), with per-expert
 factors stacked straight into one shared-memory file, and answers with its manifest; the worker maps
-that file, so the tensors are not copied again. A process takes about 15 s to start (it imports
+that file, so the tensors are not copied again. While idle, the process keeps one spare file with its
+pages already taken (``VLLM_LORA_EXT_BUILD_SPARE_BYTES``, default 2 GiB, growing to the
+largest adapter built), so that a build's writes do not allocate a page per 4 KiB. A process takes about 15 s to start (it imports
 vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
@@ -32,9 +34,9 @@ import time
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
-from vllm_lora_ext.building import (BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared, shared_dir,
-                                   sweep_stale, to_shared)
-from vllm_lora_ext.constants import ENV_BUILD_DIR
+from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
+                                   shared_dir, sweep_stale, to_shared, trim_shared)
+from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
@@ -269,15 +271,17 @@ def _gc_hold(delta: int) -> None:
             gc.enable()
 
 
-def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any) -> None:
+def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply) -> None:
     from vllm_lora_ext.integration.loader import VllmKeyRouter
 
     _gc_hold(+1)
+    trim_fd: int | None = None
     try:
         t0 = time.perf_counter()
-        built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True)
+        built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas)
         t1 = time.perf_counter()
-        shared = to_shared(built)
+        shared = to_shared(built, trim=False)
+        trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
         del built
         logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB)", job.name, t1 - t0,
                     time.perf_counter() - t1, shared.size / 2**20)
@@ -292,6 +296,9 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
     finally:
         _gc_hold(-1)
     _send(out, message)
+    if trim_fd is not None:
+        trim_shared(trim_fd, shared)  # a spare's unused pages, freed after the worker has the adapter
+    arenas.prepare()  # the next spare, now that this build no longer needs the memory bandwidth
 
 
 def main() -> None:
@@ -319,14 +326,19 @@ def main() -> None:
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
+    arenas = ArenaSupply(build_spare_bytes())
     _send(out, ("ready", os.getpid()))
-    with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
-        while True:
-            try:
-                number, job, mapper, skip_prefixes = pickle.load(inp)
-            except EOFError:
-                return  # the pool's exit finishes the builds in flight first
-            pool.submit(_answer, out, number, job, mapper, skip_prefixes)
+    arenas.prepare()  # the first spare, while no build is asked for yet
+    try:
+        with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
+            while True:
+                try:
+                    number, job, mapper, skip_prefixes = pickle.load(inp)
+                except EOFError:
+                    return  # the pool's exit finishes the builds in flight first
+                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas)
+    finally:
+        arenas.discard()
 
 
 if __name__ == "__main__":
