@@ -169,6 +169,7 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
         base, model = srv["base"], str(paths["model"])
         for _ in range(2):  # warm-up
             asyncio.run(run_case(base, model, None, paths, 8, args.arrive))
+        time.sleep(args.settle)  # a server that has been up a while: the build process (15-20 s to start) is ready
         runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
         for case in cases:
             if mode == "stock" and case != "2d":
@@ -186,6 +187,7 @@ def main() -> None:
     ap.add_argument("--arrive", type=float, default=1.5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--graphs", action="store_true", help="full CUDA graphs instead of --enforce-eager")
+    ap.add_argument("--settle", type=float, default=20.0, help="seconds between the warm-up and the measured runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-no-stall-")
@@ -204,7 +206,10 @@ def main() -> None:
                 continue
             start, end = run["t_arrive"], run["t_b_first"] + 0.25
             with_b = window_stats(run, start, end)
-            without = window_stats(none, start, end)
+            # the no-B reference: the faster of the run before the cases and the one after them (a stall in
+            # either, e.g. Triton compiling a kernel, would otherwise flatter the ratio)
+            without = max((window_stats(r, start, end) for r in (none, runs["none_again"])),
+                          key=lambda w: w["tok_per_s"] if w["tok_per_s"] == w["tok_per_s"] else -1.0)
             same = sum(a == b for a, b in zip(run["texts"], none["texts"]))
             control = sum(a == b for a, b in zip(runs["none_again"]["texts"], none["texts"]))
             row = {"max_gap_s": with_b["max_gap"], "p99_gap_s": with_b["p99_gap"], "p50_gap_s": with_b["p50_gap"],
