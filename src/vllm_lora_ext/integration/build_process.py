@@ -271,20 +271,24 @@ def _gc_hold(delta: int) -> None:
             gc.enable()
 
 
-def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply) -> None:
+def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply,
+            received: float) -> None:
     from vllm_lora_ext.integration.loader import VllmKeyRouter
 
     _gc_hold(+1)
     trim_fd: int | None = None
     try:
         t0 = time.perf_counter()
+        waited = t0 - received
+        spares_before = arenas.taken
         built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas)
         t1 = time.perf_counter()
         shared = to_shared(built, trim=False)
         trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
         del built
-        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB)", job.name, t1 - t0,
-                    time.perf_counter() - t1, shared.size / 2**20)
+        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB; queued %.2f s, spare %s)", job.name,
+                    t1 - t0, time.perf_counter() - t1, shared.size / 2**20, waited,
+                    "used" if arenas.taken > spares_before else "none ready")
         message: tuple[Any, ...] = ("ok", number, shared)
     except BaseException as err:  # sent back typed; the process lives on
         try:
@@ -343,7 +347,7 @@ def main() -> None:
                     number, job, mapper, skip_prefixes = pickle.load(inp)
                 except EOFError:
                     return  # the pool's exit finishes the builds in flight first
-                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas)
+                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, time.perf_counter())
     finally:
         arenas.discard()
 

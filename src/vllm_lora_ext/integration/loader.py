@@ -221,6 +221,7 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
 
     t0 = time.perf_counter()
     job, router = build_job(manager, lora_request)
+    t_job = time.perf_counter()
     try:
         found = None
         if separate_process:
@@ -233,15 +234,19 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
         built = found[0] if found is not None else build_adapter(job, router)
     except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
         raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
+    t_built = time.perf_counter()
     lora = assemble(manager, lora_request, built, router)
-    _log_loaded(built, lora, lora_request, time.perf_counter() - t0)
+    now = time.perf_counter()
+    _log_loaded(built, lora, lora_request, now - t0,
+                f"describing the model {t_job - t0:.2f} s, building {t_built - t_job:.2f} s"
+                f"{' (build process)' if found is not None else ''}, wrapping {now - t_built:.2f} s")
     return lora
 
 
-def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float) -> None:
-    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s",
+def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str = "") -> None:
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s%s",
                 lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
-                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds)
+                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds, f" ({phases})" if phases else "")
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:

@@ -77,6 +77,7 @@ def _build(manager: Any, path: str) -> Any:
     from vllm_lora_ext.integration.staging import stage
 
     name = manager.__dict__.get(_NAMES_ATTR, {}).get(path) or "adapter"
+    logger.info("adapter %r: building in the background", name)
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
                            separate_process=build_process_enabled())
     stage(lora, getattr(manager, "device", "cpu"))  # the step's slot copy then runs GPU to GPU
