@@ -183,8 +183,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="2d,3d,mix")
     ap.add_argument("--modes", default="stock,plugin")
-    ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--arrive", type=float, default=1.5)
+    ap.add_argument("--tokens", type=int, default=700)
+    ap.add_argument("--arrive", type=float, default=4.0,
+                    help="seconds into the in-flight requests B arrives (after their start-up steps)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--graphs", action="store_true", help="full CUDA graphs instead of --enforce-eager")
     ap.add_argument("--settle", type=float, default=20.0, help="seconds between the warm-up and the measured runs")
