@@ -90,3 +90,19 @@ def worker_manager(no_pin_memory: None) -> Any:
     mgr.device = torch.device("cpu")
     mgr._adapter_manager = llama_adapter_manager()
     return mgr
+
+
+@pytest.fixture
+def jobs_sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the jobs sent to a build process from now on (in the order sent)."""
+    from vllm_lora_ext.integration import build_process
+
+    sent: list[str] = []
+    real_submit = build_process._Child.submit
+
+    def counted(self: Any, job: Any, *args: Any) -> Any:
+        sent.append(job.name)
+        return real_submit(self, job, *args)
+
+    monkeypatch.setattr(build_process._Child, "submit", counted)
+    return sent

@@ -118,17 +118,10 @@ def test_a_build_process_ends_when_its_worker_closes_the_pipe() -> None:
 
 
 def test_while_no_build_process_has_started_the_build_runs_in_the_worker_and_one_starts(
-        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        worker_manager: Any, tmp_path: Path, jobs_sent: list[str]) -> None:
     from vllm_lora_ext.integration import loader
 
-    jobs: list[str] = []
-    real_run = build_process._Child.run
-
-    def counted(self: Any, job: BuildJob, *args: Any) -> Any:
-        jobs.append(job.name)
-        return real_run(self, job, *args)
-
-    monkeypatch.setattr(build_process._Child, "run", counted)
+    jobs = jobs_sent
     build_process.shutdown()
     adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj"], rank=4, alpha=8)
     reads = loader.LOCAL_READS["adapters"]
