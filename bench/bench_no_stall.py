@@ -16,13 +16,15 @@ output equals that run's output (same prompts; outputs with B preloaded before t
 
 Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM cannot be told a
 served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
-adapters, plugin only). ``--modes stock,plugin,sync`` (stock = the plugin installed but disabled; thread = background builds in a
-worker thread instead of the build process, ``VLLM_LORA_EXT_BUILD_PROCESS=0``; sync = the plugin loading in
-the engine step, ``VLLM_LORA_EXT_PREBUILD=0``: its time to first token is the plugin's
-own load time, which background loading is measured against). ``--graphs``: full CUDA graphs (no
-torch.compile) instead of eager steps.
+adapters, plugin only). ``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled;
+thread = background builds in a worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``);
+sync = the plugin loading in the engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the
+plugin's own load time, which background loading is measured against. ``--graphs``: full CUDA graphs (no
+torch.compile) instead of eager steps. The prefix cache is off and the server warms up twice, so that no Triton
+kernel compiles inside a measured run; B arrives ``--arrive`` seconds (default 4) into the in-flight requests.
 
 Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin,sync] [--graphs] [--out FILE]
+(the round-4 numbers: ``--graphs`` with the defaults, plugin in one call and ``--modes sync,stock`` in the next)
 """
 
 from __future__ import annotations
