@@ -47,6 +47,9 @@ def env_info() -> dict[str, Any]:
                                         text=True).stdout.strip()
     except OSError:
         info["commit"] = None
+    # On the lent GPU machine the copy's git HEAD is the session's first commit, not the working tree's: this
+    # hash of the package's source is right everywhere (compare with `python bench/_common.py` at a commit).
+    info["src_sha256"] = source_hash()
     try:
         import torch
 
@@ -54,6 +57,17 @@ def env_info() -> dict[str, Any]:
     except Exception:
         info["gpu"] = None
     return info
+
+
+def source_hash() -> str:
+    """SHA-256 (first 16 hex digits) over the package's ``.py`` files, by relative path and content."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    src = ROOT / "src" / "vllm_lora_ext"
+    for path in sorted(src.rglob("*.py")):
+        digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
@@ -71,3 +85,7 @@ def write_json(name: str, payload: dict[str, Any], out: str | None = None) -> Pa
     path.write_text(json.dumps({"env": env_info(), **payload}, indent=2, default=str))
     print(f"wrote {path}")
     return path
+
+
+if __name__ == "__main__":
+    print(source_hash())
