@@ -280,13 +280,13 @@ class ArenaSupply:
             threading.Thread(target=self._make, args=(size,), name="vllm-lora-ext-spare", daemon=True).start()
 
     def _make(self, size: int) -> None:
-        directory = self.directory or shared_dir(size)
+        arena: SharedArena | None = None
         try:  # a spare on disk (no room in /dev/shm, no directory set) would only add writes: keep none then
-            arena: SharedArena | None = (SharedArena(size, directory, populate=True)
-                                         if directory == "/dev/shm" or self.directory or os.environ.get(ENV_BUILD_DIR)
-                                         else None)
-        except OSError:
-            arena = None  # no room: builds use sparse files as before
+            directory = self.directory or shared_dir(size)
+            if directory == "/dev/shm" or self.directory or os.environ.get(ENV_BUILD_DIR):
+                arena = SharedArena(size, directory, populate=True)
+        except Exception:  # no room, or anything else: builds use sparse files as before
+            arena = None
         with self._lock:
             if not self.spare_bytes:  # discarded meanwhile: keep nothing
                 old, arena = arena, None

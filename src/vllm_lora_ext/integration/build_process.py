@@ -104,8 +104,12 @@ class _Child:
                     except Exception as err:  # an error class this side cannot rebuild
                         future.set_exception(BuildProcessError(f"the build failed and its error did not come back "
                                                                f"({type(err).__name__})"))
-        except (EOFError, pickle.UnpicklingError, OSError, ValueError, TypeError, IndexError) as err:
-            code = self.proc.wait()
+        except Exception as err:  # its end (EOF) or anything unreadable: every build in flight fails, none hangs
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # alive but not answering readably: it cannot be used
+                self.proc.kill()
+                code = self.proc.wait()
             self._fail(BuildProcessError(f"the build process (pid {self.proc.pid}) exited (code {code}); its "
                                          f"output is in the worker's log"), cause=err)
 
