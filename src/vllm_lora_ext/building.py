@@ -236,15 +236,15 @@ class SharedArena:
 
 
 class ArenaSupply:
-    """Hands out [`SharedArena`]s and keeps one spare ready, its pages already taken and mapped.
+    """Hands out [`SharedArena`]s and keeps one spare ready, its pages already taken.
 
     Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written: on the dev VM a
     1.2 GB write took 0.45-0.57 s that way against 0.28-0.31 s into pages taken beforehand (the speed of
     ordinary memory). A build process takes the spare instead (when it is large enough) and calls
     [`prepare`] for the next one once the build is answered, while it is idle (preparing during a build
     only competes with it). The spare is at least ``spare_bytes`` and grows to the largest arena asked
-    for; ``spare_bytes=0`` keeps none. Its pages beyond what a build used are given back when
-    [`to_shared`] cuts the file to its size.
+    for, up to twice ``spare_bytes``; ``spare_bytes=0`` keeps none. Its pages beyond what a build used
+    are given back when [`to_shared`] cuts the file to its size.
     """
 
     def __init__(self, spare_bytes: int, directory: str | None = None) -> None:
@@ -259,7 +259,7 @@ class ArenaSupply:
     def take(self, capacity: int) -> SharedArena:
         """An arena of at least ``capacity`` bytes: the spare if it is large enough, else a new sparse one."""
         with self._lock:
-            self._largest = max(self._largest, int(capacity)) if self.spare_bytes else 0
+            self._largest = min(max(self._largest, int(capacity)), 2 * self.spare_bytes)
             spare = self._spare if self._spare is not None and self._spare.capacity >= capacity else None
             if spare is not None:
                 self._spare = None

@@ -198,5 +198,5 @@ def stall_trace_seconds() -> float:
 
 
 def build_spare_bytes() -> int:
-    """Return the smallest spare shared file a build process keeps ready (default 2 GiB; 0 keeps none)."""
+    """Return the spare shared file a build process keeps ready (default 2 GiB, growing to twice that; 0: none)."""
     return int(_env_number(ENV_BUILD_SPARE, 2 * 2**30, minimum=0))

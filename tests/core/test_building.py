@@ -128,3 +128,16 @@ def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
     arena = supply.take(4096)
     assert supply.taken == 0 and os.listdir(build_dir) == [os.path.basename(arena.path)]
     arena.discard()
+
+
+def test_the_spare_grows_with_the_builds_but_never_past_twice_its_size(build_dir: Path) -> None:
+    from vllm_lora_ext.building import ArenaSupply
+
+    supply = ArenaSupply(1 << 20)
+    supply.take(1536 << 10).discard()  # a build larger than the spare: the next spare is that large
+    supply.prepare(wait=True)
+    assert supply._spare is not None and supply._spare.capacity == 1536 << 10
+    supply.take(64 << 20).discard()  # far larger: the spare stops at twice its size
+    supply.prepare(wait=True)
+    assert supply._spare is not None and supply._spare.capacity == 2 << 20
+    supply.discard()

@@ -8,8 +8,8 @@ background, and hands it a `BuildJob`: the model as plain data and vLLM's key ma
 runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), with per-expert
 factors stacked straight into one shared-memory file, and answers with its manifest; the worker maps
 that file, so the tensors are not copied again. While idle, the process keeps one spare file with its
-pages already taken (``VLLM_LORA_EXT_BUILD_SPARE_BYTES``, default 2 GiB, growing to the largest adapter
-built), so that a build's writes do not allocate a page per 4 KiB. A process takes 15-20 s to start
+pages already taken (``VLLM_LORA_EXT_BUILD_SPARE_BYTES``, default 2 GiB, growing with the adapters built
+up to twice that), so that a build's writes do not allocate a page per 4 KiB. A process takes 15-20 s to start
 (it imports vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
