@@ -10,6 +10,7 @@ anything reaches vLLM (vLLM itself silently skips modules it does not find).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -149,6 +150,7 @@ def _outcome(err: BaseException) -> str:
 # What this process's loads read (adapters built, bytes of weights read): worker_state reports it per worker,
 # so an expert-parallel run shows that each rank read only its own experts' bytes.
 LOCAL_READS: dict[str, int] = {"adapters": 0, "bytes": 0}
+_READS_LOCK = threading.Lock()
 
 
 def _record_load(kind: str, outcome: str, t0: float, err: BaseException | None = None) -> None:
@@ -211,8 +213,9 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmK
     validate_loaded(manager._adapter_manager, lora)
     setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
     metrics.ADAPTER_BYTES_READ.inc(built.bytes_read)
-    LOCAL_READS["adapters"] += 1
-    LOCAL_READS["bytes"] += built.bytes_read
+    with _READS_LOCK:  # a mix's components are wrapped on several threads
+        LOCAL_READS["adapters"] += 1
+        LOCAL_READS["bytes"] += built.bytes_read
     return lora
 
 
