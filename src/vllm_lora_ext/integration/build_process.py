@@ -61,6 +61,7 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # what this process imports, the child does
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, close_fds=True)
+        _widen_pipe(self.proc.stdin)
         self.started = time.monotonic()
         self._ready = threading.Event()
         self._ready_logged = False
@@ -154,7 +155,9 @@ class _Child:
             number, self._next = self._next, self._next + 1
             self._pending[number] = future
             try:
-                pickle.dump((number, job, mapper, skip_prefixes), stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                # Pickled whole first, then written in as few writes as the pipe takes: each write to a full
+                # pipe gives the GIL away, and a busy engine thread keeps it up to 5 ms each time.
+                stdin.write(pickle.dumps((number, job, mapper, skip_prefixes), protocol=pickle.HIGHEST_PROTOCOL))
                 stdin.flush()
             except (OSError, ValueError) as err:
                 self._pending.pop(number, None)
@@ -179,6 +182,16 @@ class _Child:
                 self.proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def _widen_pipe(pipe: Any) -> None:
+    """Let a pipe hold a whole job (a large model's description is about 1 MB) where Linux allows it."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(pipe.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError, AttributeError, ValueError):
+        pass  # another OS, or above /proc/sys/fs/pipe-max-size: the default size works, in more writes
 
 
 class _Pool:
