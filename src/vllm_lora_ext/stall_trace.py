@@ -5,7 +5,9 @@ server, the engine core, the workers), a daemon thread that looks at the main th
 50 ms. When one call of one function has stayed on top for longer than the threshold (a long C call
 such as a copy, a wait for the GIL, or a Python loop in that function), and the main thread is not
 waiting for work (a queue, a selector, a sleep), it logs that stack once, with the stacks of the
-other threads: that is what made the engine or the server stall.
+other threads: that is what made the engine or the server stall. When that call returns, it logs
+how long the stall lasted. On the H200 this is how the bench's remaining pauses were traced to Triton
+compiling kernels inside the engine step.
 """
 
 from __future__ import annotations
@@ -17,50 +19,76 @@ import threading
 import time
 import traceback
 
-__all__ = ["start"]
+__all__ = ["StallTrace", "start"]
 
 logger = logging.getLogger(__name__)
 
+# Top functions that mean "waiting for work", not stalled (the engine's input queue, asyncio's selector, ...).
 _IDLE_FUNCTIONS = frozenset({"wait", "get", "select", "poll", "sleep", "acquire", "_worker", "recv", "recv_multipart",
                              "_recv", "accept", "run_forever", "_run_once", "epoll", "join", "read", "readinto"})
-_STARTED = False
+_GLOBAL: StallTrace | None = None
+
+
+class StallTrace:
+    """A sampler of one thread's stack (by default the main thread's); [`start`] and [`stop`] it.
+
+    Example:
+        >>> trace = StallTrace(0.5).start()
+        >>> trace.stop()
+    """
+
+    def __init__(self, threshold_s: float, *, period_s: float = 0.05, thread_id: int | None = None) -> None:
+        self.threshold_s = threshold_s
+        self.period_s = period_s
+        self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
+        self.stalls = 0  # stalls logged so far
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> StallTrace:
+        self._thread = threading.Thread(target=self._sample, name="vllm-lora-ext-stall-trace", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _sample(self) -> None:
+        last: tuple[int, str, str] | None = None
+        since = time.monotonic()
+        logged = False
+        while not self._stop.wait(self.period_s):
+            frame = sys._current_frames().get(self.thread_id) if self.thread_id is not None else None
+            if frame is None:
+                return
+            where = (id(frame), frame.f_code.co_filename, frame.f_code.co_name)  # one call of one function
+            now = time.monotonic()
+            if where != last:
+                if logged:
+                    logger.warning("main thread of process %d: that stall ended after %.2f s", os.getpid(),
+                                   now - since)
+                last, since, logged = where, now, False
+                continue
+            if logged or now - since < self.threshold_s or where[2] in _IDLE_FUNCTIONS:
+                continue
+            logged = True
+            self.stalls += 1
+            frames = sys._current_frames()
+            others = [f"--- thread {t.name}\n{''.join(traceback.format_stack(frames[t.ident])[-6:])}"
+                      for t in threading.enumerate()
+                      if t.ident not in (self.thread_id, threading.get_ident()) and t.ident in frames]
+            logger.warning("main thread of process %d in one place for %.2f s so far:\n%s%s", os.getpid(),
+                           now - since, "".join(traceback.format_stack(frame)[-14:]), "\n".join(others)[:20000])
 
 
 def start(threshold_s: float, *, period_s: float = 0.05) -> bool:
-    """Start the sampler in this process (once); return whether it was started now."""
-    global _STARTED
-    if _STARTED or threshold_s <= 0:
+    """Start the sampler on this process's main thread (once); return whether it was started now."""
+    global _GLOBAL
+    if _GLOBAL is not None or threshold_s <= 0:
         return False
-    _STARTED = True
-    main = threading.main_thread().ident
-    threading.Thread(target=_sample, args=(main, threshold_s, period_s), name="vllm-lora-ext-stall-trace",
-                     daemon=True).start()
+    _GLOBAL = StallTrace(threshold_s, period_s=period_s).start()
     logger.info("stall trace on in process %d: the main thread's stack is logged when it stays in one place "
                 "longer than %.2f s", os.getpid(), threshold_s)
     return True
-
-
-def _sample(main: int | None, threshold_s: float, period_s: float) -> None:
-    last: tuple[int, str, str] | None = None
-    since = time.monotonic()
-    logged = False
-    while True:
-        time.sleep(period_s)
-        frame = sys._current_frames().get(main) if main is not None else None
-        if frame is None:
-            return
-        where = (id(frame), frame.f_code.co_filename, frame.f_code.co_name)  # one call of one function
-        now = time.monotonic()
-        if where != last:
-            if logged:
-                logger.warning("main thread of process %d: that stall ended after %.2f s", os.getpid(), now - since)
-            last, since, logged = where, now, False
-            continue
-        if logged or now - since < threshold_s or where[2] in _IDLE_FUNCTIONS:
-            continue
-        logged = True
-        others = [f"--- thread {t.name}\n{''.join(traceback.format_stack(sys._current_frames()[t.ident])[-6:])}"
-                  for t in threading.enumerate() if t.ident not in (main, threading.get_ident())
-                  and t.ident in sys._current_frames()]
-        logger.warning("main thread of process %d in one place for %.2f s so far:\n%s%s", os.getpid(), now - since,
-                       "".join(traceback.format_stack(frame)[-14:]), "\n".join(others)[:20000])

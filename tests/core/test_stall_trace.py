@@ -1,0 +1,37 @@
+"""The stall trace: a call that keeps the main thread longer than the threshold is logged with its stack, once."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from vllm_lora_ext.stall_trace import StallTrace
+
+
+def _spin(seconds: float) -> int:
+    end, n = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        n += sum(range(100))
+    return n
+
+
+def test_a_long_call_is_logged_once_with_its_stack_and_how_long_it_lasted(caplog: pytest.LogCaptureFixture) -> None:
+    trace = StallTrace(0.2, period_s=0.02).start()
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.stall_trace"):
+        _spin(0.6)
+        threading.Event().wait(0.1)  # a different call on top: the stall has ended
+        trace.stop()
+    stalls = [r.getMessage() for r in caplog.records if "in one place" in r.getMessage()]
+    assert trace.stalls == 1 and len(stalls) == 1 and "_spin" in stalls[0]
+    assert any("that stall ended after" in r.getMessage() for r in caplog.records)
+
+
+def test_waiting_for_work_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
+    trace = StallTrace(0.1, period_s=0.02).start()
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.stall_trace"):
+        threading.Event().wait(0.5)  # the engine waits on its input queue like this
+        trace.stop()
+    assert trace.stalls == 0 and not caplog.records
