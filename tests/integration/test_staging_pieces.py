@@ -36,3 +36,17 @@ def test_chunks_cover_every_region_byte_at_its_offset_and_stay_within_a_chunk() 
             got[start:start + span][mask] = window[:span][mask]
         assert covered == sum(src.numel() for _, src in regions)
         assert torch.equal(got, want)
+
+
+def test_tensors_holding_the_same_bytes_share_one_region_and_are_sized_once() -> None:
+    from vllm_lora_ext.integration.staging import _ALIGN, _layout
+
+    memory = torch.arange(4 * 8 * 16, dtype=torch.bfloat16).reshape(4, 8, 16)
+    as_gate, as_up = memory.view(4, 8, 16), memory.view(4, 8, 16)  # a fused A serving gate and up: two objects
+    other = memory.clone()  # equal values, other memory: its own region
+    strided = memory.transpose(1, 2)  # not contiguous: copied into a region of its own
+    total, regions, places = _layout([as_gate, other, as_up, strided, as_gate])
+    region = -(-memory.nbytes // _ALIGN) * _ALIGN
+    assert total == 3 * region and len(regions) == 3
+    assert places == [0, region, 0, 2 * region, 0]
+    assert regions[0][1] is as_gate and regions[1][1] is other and regions[2][1] is strided

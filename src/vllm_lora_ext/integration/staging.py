@@ -99,7 +99,7 @@ def stage(lora: Any, device: Any) -> bool:
     for weights in getattr(lora, "loras", {}).values():
         weights.optimize()
     slots = [s for s in _slots(lora) if s[3].device.type == "cpu"]
-    total = sum(-(-t.nbytes // _ALIGN) * _ALIGN for *_, t in slots)
+    total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
     budget = stage_gpu_bytes()
@@ -121,24 +121,11 @@ def stage(lora: Any, device: Any) -> bool:
             with torch.cuda.stream(stream):
                 buffer = torch.empty(total, dtype=torch.uint8, device=device)
             t_alloc = time.perf_counter() - t0
-            staging = _Staging(buffer)
-            moved: dict[int, torch.Tensor] = {}  # the same CPU tensor twice gets one region
-            regions: list[tuple[int, torch.Tensor]] = []
-            offset = 0
-            views = []
-            for owner, attr, index, t in slots:
-                gpu = moved.get(id(t))
-                if gpu is None:
-                    src = t.contiguous()
-                    n = src.nbytes
-                    gpu = buffer[offset:offset + n].view(src.dtype).view(src.shape)
-                    regions.append((offset, src.view(-1).view(torch.uint8) if n else src))
-                    staging.starts.append(offset)
-                    staging.cpu.append(src)
-                    moved[id(t)] = gpu
-                    offset += -(-n // _ALIGN) * _ALIGN
-                views.append((owner, attr, index, gpu))
-            _copy_through_pinned(buffer, [r for r in regions if r[1].numel()], stream)
+            staging = _Staging(buffer, [off for off, _ in regions], [t.contiguous() for _, t in regions])
+            views = [(owner, attr, index, buffer[off:off + t.nbytes].view(t.dtype).view(t.shape))
+                     for (owner, attr, index, t), off in zip(slots, places)]
+            _copy_through_pinned(buffer, [(off, src.view(-1).view(torch.uint8)) for off, src in
+                                          zip(staging.starts, staging.cpu) if src.numel()], stream)
         except torch.cuda.OutOfMemoryError:
             logger.info("adapter not staged on the GPU: out of memory for %.0f MiB", total / 2**20)
             return False
@@ -150,6 +137,28 @@ def stage(lora: Any, device: Any) -> bool:
     with _LOCK:
         _STAGED.add(lora)
     return True
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, torch.Tensor]], list[int]]:
+    """Lay CPU tensors out in one buffer: its size, its regions ``(offset, first tensor holding them)`` in order,
+    and each tensor's offset.
+
+    Tensors holding the same bytes (the same object, or views of the same memory with the same size and
+    dtype, as a fused gate_up A serving both gate and up) share one region, so they are sized and copied once.
+    """
+    regions: list[tuple[int, torch.Tensor]] = []
+    places: list[int] = []
+    seen: dict[Any, int] = {}
+    offset = 0
+    for t in tensors:
+        key = (t.data_ptr(), t.nbytes, t.dtype) if t.is_contiguous() else id(t)
+        at = seen.get(key)
+        if at is None:
+            at = seen[key] = offset
+            regions.append((offset, t))
+            offset += -(-t.nbytes // _ALIGN) * _ALIGN
+        places.append(at)
+    return offset, regions, places
 
 
 _CHUNK = 32 << 20
