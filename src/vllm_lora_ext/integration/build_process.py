@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
-                                   shared_dir, sweep_stale, to_shared, trim_shared)
+                                   sweep_stale, to_shared, trim_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError
 
@@ -350,7 +350,7 @@ def main() -> None:
 
     attach_handler_once()
     VllmKeyRouter(None, None).module("base_model.model.x.lora_A.weight")  # import vLLM's parser now
-    for directory in {shared_dir(0), os.environ.get(ENV_BUILD_DIR) or "/dev/shm", tempfile.gettempdir()}:
+    for directory in {os.environ.get(ENV_BUILD_DIR) or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)

@@ -21,7 +21,7 @@ import torch
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.integration.moe import packed_layer
-from vllm_lora_ext.mixing import MixSpec, concat_many
+from vllm_lora_ext.mixing import MixComponent, MixSpec, concat_many
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -68,12 +68,16 @@ def _components(manager: Any, spec: MixSpec, *, separate_process: bool) -> list[
     """
     with _LOCK:
         cached = {c.source for c in spec.components if (id(manager), c.source) in _CACHE}
-    missing = list({c.source: c for c in reversed(spec.components) if c.source not in cached}.values())[::-1]
+    missing: dict[str, MixComponent] = {}  # by source: one build for a source named twice
+    for c in spec.components:
+        if c.source not in cached:
+            missing.setdefault(c.source, c)
     built: dict[str, Any] = {}
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing), thread_name_prefix="vllm-lora-ext-component") as pool:
-            built = dict(zip((c.source for c in missing), pool.map(
-                lambda c: _component(manager, c.name, c.source, separate_process=separate_process), missing)))
+            built = dict(zip(missing, pool.map(
+                lambda c: _component(manager, c.name, c.source, separate_process=separate_process),
+                missing.values())))
     return [built[c.source] if c.source in built
             else _component(manager, c.name, c.source, separate_process=separate_process) for c in spec.components]
 

@@ -246,10 +246,10 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
     return lora
 
 
-def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str = "") -> None:
-    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s%s",
+def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s (%s)",
                 lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
-                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds, f" ({phases})" if phases else "")
+                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds, phases)
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:

@@ -274,10 +274,11 @@ def register() -> None:
         return
     vllm_version = check_vllm_version()
     metrics.setup()
-    if stall_trace_seconds():
+    stall_threshold = stall_trace_seconds()
+    if stall_threshold:
         from vllm_lora_ext import stall_trace
 
-        stall_trace.start(stall_trace_seconds())
+        stall_trace.start(stall_threshold)
     for patch in PATCHES:
         when_imported(patch.module, functools.partial(_apply, patch))
     _REGISTERED = True
