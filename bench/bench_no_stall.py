@@ -227,6 +227,12 @@ def main() -> None:
         summary["b2d_output_equals_stock"] = results["plugin"]["2d"]["b_text"] == results["stock"]["2d"]["b_text"]
         print("B (2D) output, plugin (built in the background) == stock (built in the step):",
               summary["b2d_output_equals_stock"])
+    for mode in ("plugin", "thread", "sync"):  # against stock in the same run (stock runs the 2D case only)
+        if f"{mode}/2d" in summary and "stock/2d" in summary:
+            ours, stock = summary[f"{mode}/2d"], summary["stock/2d"]
+            ratios = {k: ours[k] / stock[k] for k in ("max_gap_s", "b_ttft_s", "throughput_ratio") if stock[k]}
+            ours["vs_stock"] = ratios
+            print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
     for mode in ("plugin", "thread"):
         for case in ("2d", "3d", "mix"):
             if f"{mode}/{case}" in summary and f"sync/{case}" in summary:
