@@ -167,3 +167,39 @@ def test_a_process_that_dies_fails_every_build_it_had_in_flight(tmp_path: Path, 
     for future in futures:
         with pytest.raises(BuildProcessError, match="exited"):
             future.result(timeout=60)
+
+
+def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: Path, build_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cutting the file takes its inode lock while its pages are freed; the worker's map and unlink of the same
+    file must not wait for that, so the build process cuts it only once the name is gone."""
+    import threading
+    import time
+
+    from vllm_lora_ext.building import ArenaSupply, from_shared, to_shared
+    from vllm_lora_ext.integration.loader import VllmKeyRouter
+
+    monkeypatch.setattr(build_process, "_SETTLE_S", 0.0)
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    supply = ArenaSupply(1 << 20)
+    supply.prepare(wait=True)
+    built = build_adapter(_moe_job(folder), VllmKeyRouter(None, None), shared=True, arenas=supply)
+    shared = to_shared(built, trim=False)
+    del built
+    fd = os.open(shared.path, os.O_RDWR)
+    after = threading.Thread(target=build_process._after_hand_over, args=(fd, shared, supply))
+    after.start()
+    time.sleep(0.2)
+    assert os.path.getsize(shared.path) == 1 << 20  # the name is still there: not cut yet
+    probe = os.open(shared.path, os.O_RDONLY)
+    handed, mapping = from_shared(shared)  # maps the used part and removes the name
+    after.join(10)
+    assert not after.is_alive()
+    try:
+        assert os.fstat(probe).st_size == shared.size < 1 << 20  # cut once the name was gone
+    finally:
+        os.close(probe)
+    assert mapping.numel() == shared.size
+    for a in handed.moe.values():
+        assert all(torch.isfinite(t.float()).all() for t in (*a[0], *a[1]))
+    supply.discard()
