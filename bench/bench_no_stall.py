@@ -16,7 +16,8 @@ output equals that run's output (same prompts; outputs with B preloaded before t
 
 Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM cannot be told a
 served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
-adapters, plugin only). ``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled;
+adapters, plugin only), ``mix_cached`` (after ``mix``: another new mix of the same four, whose builds the
+worker has cached), ``loaded`` (B is adapter A itself, already in a slot: the first-token reference). ``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled;
 thread = background builds in a worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``);
 sync = the plugin loading in the engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the
 plugin's own load time, which background loading is measured against. ``--graphs``: full CUDA graphs (no
@@ -65,7 +66,7 @@ def build(work: Path, cases: list[str]) -> dict[str, Path]:
     build_tokenizer(model)
     paths = {"model": model}
     for name, form in [("A", "2d"), ("B2d", "2d"), ("B3d", "3d")] + [(f"C{i}", "3d") for i in range(4)]:
-        if name == "B3d" and "3d" not in cases or name.startswith("C") and "mix" not in cases:
+        if name == "B3d" and "3d" not in cases or name.startswith("C") and not {"mix", "mix_cached"} & set(cases):
             continue
         folder = work / "adapters" / name
         if not (folder / "adapter_model.safetensors").exists():
@@ -109,8 +110,11 @@ async def run_case(base: str, model: str, case: str | None, paths: dict[str, Pat
             b_times: list[float] = []
             t_arrive = time.perf_counter()
             body: dict[str, Any] = {"prompt": prompts[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-            if case == "mix":
-                body.update(model=model, adapters=["C0", "C1", "C2", "C3"], adapter_weights=[0.4, 0.3, 0.2, 0.1])
+            if case in ("mix", "mix_cached"):  # mix_cached: a second new mix of the same (now cached) adapters
+                weights = [0.4, 0.3, 0.2, 0.1] if case == "mix" else [0.1, 0.2, 0.3, 0.4]
+                body.update(model=model, adapters=["C0", "C1", "C2", "C3"], adapter_weights=weights)
+            elif case == "loaded":  # the reference: a request on an adapter already in a slot
+                body.update(model="A")
             else:
                 name = f"B{case}"
                 r = await client.post(f"{base}/v1/load_lora_adapter",
@@ -151,7 +155,7 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
                VLLM_LORA_EXT_PREBUILD="0" if mode == "sync" else "1",
                VLLM_LORA_EXT_BUILD_PROCESS="0" if mode == "thread" else "1")
     modules = ["A=" + str(paths["A"])] + ([f"C{i}={paths[f'C{i}']}" for i in range(4)] if mode != "stock" and
-                                           "mix" in cases else [])
+                                           {"mix", "mix_cached"} & set(cases) else [])
     # Eager steps of this model take up to ~0.19 s with nothing arriving; --graphs captures full CUDA graphs
     # (no torch.compile) for every batch up to 64 tokens, decode and mixed prefill+decode alike (FlashAttention 3).
     graphs = ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL",
@@ -174,7 +178,7 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
         time.sleep(args.settle)  # a server that has been up a while: the build process (15-20 s to start) is ready
         runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
         for case in cases:
-            if mode == "stock" and case != "2d":
+            if mode == "stock" and case not in ("2d", "loaded"):
                 continue
             runs[case] = asyncio.run(run_case(base, model, case, paths, args.tokens, args.arrive))
         runs["none_again"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
@@ -183,7 +187,7 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="2d,3d,mix")
+    ap.add_argument("--cases", default="2d,3d,mix,mix_cached,loaded")
     ap.add_argument("--modes", default="stock,plugin")
     ap.add_argument("--tokens", type=int, default=700)
     ap.add_argument("--arrive", type=float, default=4.0,
@@ -234,11 +238,16 @@ def main() -> None:
             ours["vs_stock"] = ratios
             print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
     for mode in ("plugin", "thread"):
-        for case in ("2d", "3d", "mix"):
+        for case in ("2d", "3d", "mix", "mix_cached"):
             if f"{mode}/{case}" in summary and f"sync/{case}" in summary:
                 extra = summary[f"{mode}/{case}"]["b_ttft_s"] - summary[f"sync/{case}"]["b_ttft_s"]
                 summary[f"{mode}/{case}"]["b_ttft_over_sync_s"] = extra
                 print(f"B ({case}, {mode}) first token, background minus in-step load: {extra:+.3f} s")
+    for mode in results:  # a new mix of cached adapters against a request on an adapter already in a slot
+        if f"{mode}/mix_cached" in summary and f"{mode}/loaded" in summary:
+            extra = summary[f"{mode}/mix_cached"]["b_ttft_s"] - summary[f"{mode}/loaded"]["b_ttft_s"]
+            summary[f"{mode}/mix_cached"]["b_ttft_over_loaded_s"] = extra
+            print(f"new mix of cached adapters ({mode}) first token, minus a loaded adapter's: {extra:+.3f} s")
     print_table(rows, ["mode", "case", "max gap s", "p99 gap s", "no-B max gap s", "B TTFT s", "tok/s vs no B",
                        "outputs = preloaded", "control"])
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}

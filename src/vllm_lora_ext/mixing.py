@@ -35,7 +35,8 @@ from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
 
-__all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "check_weight",
+__all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "concat_many",
+           "composite_shapes", "check_weight",
            "parse_weight", "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 # A mix of more adapters than this is refused before anything is loaded (each costs a component load).
@@ -263,6 +264,28 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
         return dict(zip(jobs, pool.map(one, list(jobs))))
 
 
+def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], rank_dim_a: int, rank_dim_b: int,
+                  dtype: torch.dtype | None) -> tuple[list[int], list[int], torch.dtype]:
+    if not parts:
+        raise MixError("Nothing to concatenate.")
+    rank = sum(int(p[0].shape[rank_dim_a]) for p in parts)
+    a_shape, b_shape = list(parts[0][0].shape), list(parts[0][1].shape)
+    a_shape[rank_dim_a] = rank
+    b_shape[rank_dim_b] = rank
+    return a_shape, b_shape, dtype or parts[0][0].dtype
+
+
+def composite_shapes(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]], *,
+                     dtype: torch.dtype | None = None) -> dict[Any, tuple[list[int], list[int], torch.dtype]]:
+    """The ``(A shape, B shape, dtype)`` [`concat_many`] gives each of ``jobs``, without building anything.
+
+    Example:
+        >>> composite_shapes({"m": ([(torch.ones(2, 5), torch.ones(3, 2), 1.0), (torch.ones(4, 5), torch.ones(3, 4), 1.0)], 0, 1)})
+        {'m': ([6, 5], [3, 6], torch.float32)}
+    """
+    return {key: _concat_shape(parts, dim_a, dim_b, dtype) for key, (parts, dim_a, dim_b) in jobs.items()}
+
+
 def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *, rank_dim_a: int = 0,
                    rank_dim_b: int = 1, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate ``(A_i, B_i, c_i)`` along rank: ``A = cat(A_i)``, ``B = cat(c_i · B_i)`` (``c_i = w_i·s_i``).
@@ -277,15 +300,8 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
         >>> (b @ a)[0, 0].item()
         4.5
     """
-    if not parts:
-        raise MixError("Nothing to concatenate.")
-    out_dtype = dtype or parts[0][0].dtype
-    a0, b0 = parts[0][0], parts[0][1]
+    a_shape, b_shape, out_dtype = _concat_shape(parts, rank_dim_a, rank_dim_b, dtype)
     ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
-    a_shape = list(a0.shape)
-    a_shape[rank_dim_a] = sum(ranks)
-    b_shape = list(b0.shape)
-    b_shape[rank_dim_b] = sum(ranks)
     a = torch.empty(a_shape, dtype=out_dtype)
     b = torch.empty(b_shape, dtype=out_dtype)
     off = 0

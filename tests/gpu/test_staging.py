@@ -70,3 +70,99 @@ def test_nothing_is_staged_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> N
     assert staged_bytes() == 0
     assert not any(t.is_cuda for w in model.loras.values()
                    for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a]))
+
+
+def _mix_jobs() -> dict[object, tuple[list[tuple[torch.Tensor, torch.Tensor, float]], int, int]]:
+    """A mix's concatenation jobs: a dense module and two slices of a packed MoE block, three components."""
+    g = torch.Generator().manual_seed(1)
+    bf = torch.bfloat16
+    dense = [(torch.randn(r, 64, generator=g).to(bf), torch.randn(48, r, generator=g).to(bf), c)
+             for r, c in ((8, 0.7), (4, 1.3), (16, -0.25))]
+    moe = {j: [(torch.randn(4, r, 64, generator=g).to(bf), torch.randn(4, 32, r, generator=g).to(bf), c)
+               for r, c in ((8, 0.5), (4, 2.0), (16, 1.0 / 3))] for j in range(2)}
+    return {"q_proj": (dense, 0, 1), ("experts", 0): (moe[0], 1, 2), ("experts", 1): (moe[1], 1, 2)}
+
+
+def test_a_mix_built_on_the_gpu_equals_the_cpu_build_and_gets_its_cpu_copy_after_the_slot_copy() -> None:
+    """The GPU concatenation gives the CPU one bitwise; unstaging before the CPU copy exists defers to it."""
+    import threading
+    import time
+
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+    from vllm_lora_ext.integration.staging import STAGED_ATTR, attach_staged, concat_staged, staged_bytes, unstage
+    from vllm_lora_ext.mixing import concat_many
+
+    jobs = _mix_jobs()
+    reference = concat_many(jobs, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    built = concat_staged(jobs, dtype=torch.bfloat16, device="cuda:0")
+    assert built is not None
+    done, staging = built
+    for key, (a, b) in done.items():
+        assert a.is_cuda and b.is_cuda
+        assert torch.equal(a.cpu(), reference[key][0]) and torch.equal(b.cpu(), reference[key][1]), key
+    dense = LoRALayerWeights("q_proj", 28, 1, *done["q_proj"], scaling=1.0)
+    moe = PackedLoRALayerWeights("experts", 28, [1, 1], [done[("experts", j)][0] for j in range(2)],
+                                 [done[("experts", j)][1] for j in range(2)], scaling=[1.0, 1.0])
+    model = LoRAModel(1, 28, {"q_proj": dense, "experts": moe})
+    release = threading.Event()
+
+    def twins() -> list[torch.Tensor]:
+        release.wait(30)
+        cpu = concat_many(jobs, dtype=torch.bfloat16)
+        return [t for key in jobs for t in cpu[key]]
+
+    attach_staged(model, staging, twins)
+    assert staged_bytes() == staging.nbytes
+    slot = torch.zeros(4, 28, 64, dtype=torch.bfloat16, device="cuda:0")
+    slot.copy_(moe.lora_a[0], non_blocking=True)  # the step's slot copy, then a tensor vLLM makes itself
+    moe.lora_b[1] = moe.lora_b[1] * 1
+    assert unstage(model) == 0  # no CPU copy yet: nothing waits, the model keeps its GPU tensors
+    assert dense.lora_a.is_cuda and getattr(model, STAGED_ATTR, None) is not None
+    release.set()
+    deadline = time.monotonic() + 30
+    while getattr(model, STAGED_ATTR, None) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert getattr(model, STAGED_ATTR, None) is None and staged_bytes() == 0
+    assert not dense.lora_a.is_cuda and not any(t.is_cuda for t in moe.lora_a + moe.lora_b)
+    assert torch.equal(dense.lora_a, reference["q_proj"][0]) and torch.equal(dense.lora_b, reference["q_proj"][1])
+    for j in range(2):
+        assert torch.equal(moe.lora_a[j], reference[("experts", j)][0])
+        assert torch.equal(moe.lora_b[j], reference[("experts", j)][1])
+    torch.cuda.synchronize()
+    assert torch.equal(slot.cpu(), reference[("experts", 0)][0])
+    del done, built, staging
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= before + slot.nbytes
+
+
+def test_a_mix_whose_cpu_copy_is_ready_before_the_slot_copy_is_unstaged_in_the_step() -> None:
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from vllm_lora_ext.integration.staging import attach_staged, concat_staged, staged_bytes, unstage
+    from vllm_lora_ext.mixing import concat_many
+
+    jobs = {"q_proj": _mix_jobs()["q_proj"]}
+    reference = concat_many(jobs, dtype=torch.bfloat16)
+    done, staging = concat_staged(jobs, dtype=torch.bfloat16, device="cuda:0")  # type: ignore[misc]
+    dense = LoRALayerWeights("q_proj", 28, 1, *done["q_proj"], scaling=1.0)
+    model = LoRAModel(1, 28, {"q_proj": dense})
+    attach_staged(model, staging, lambda: list(reference["q_proj"]))
+    import time
+
+    deadline = time.monotonic() + 30
+    while staging.cpu is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert unstage(model) == 0 and staged_bytes() == 0
+    assert torch.equal(dense.lora_a, reference["q_proj"][0]) and not dense.lora_b.is_cuda
+
+
+def test_a_mix_past_the_staging_budget_is_not_built_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.integration.staging import concat_staged
+
+    monkeypatch.setenv("VLLM_LORA_EXT_STAGE_GPU_BYTES", "1024")
+    assert concat_staged(_mix_jobs(), dtype=torch.bfloat16, device="cuda:0") is None

@@ -21,7 +21,7 @@ import torch
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.integration.moe import packed_layer
-from vllm_lora_ext.mixing import MixComponent, MixSpec, concat_many
+from vllm_lora_ext.mixing import MixComponent, MixSpec, composite_shapes, concat_many
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -82,15 +82,18 @@ def _components(manager: Any, spec: MixSpec, *, separate_process: bool) -> list[
             else _component(manager, c.name, c.source, separate_process=separate_process) for c in spec.components]
 
 
-def build_composite(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
+def build_composite(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None) -> Any:
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
     Components not cached yet are built at the same time; with ``separate_process``, by the worker's build
-    process.
+    process. With a CUDA ``device`` (a background build), the concatenation runs on the GPU into a staged
+    buffer (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is built after, off the
+    request's path; otherwise on the CPU.
 
     Raises:
         [`MixError`]: a malformed mix path.
         [`AdapterCompatibilityError`]: a module's summed rank exceeds ``max_lora_rank`` (names the ranks).
+        [`AdapterFormatError`]: a weighted factor overflows to infinity (names the module).
     """
     from vllm.lora.lora_weights import LoRALayerWeights
 
@@ -115,38 +118,61 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
                 jobs[(name, j)] = ([(w.lora_a[j], w.lora_b[j], c.weight) for c, w in present], 1, 2)
         else:
             jobs[name] = ([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], 0, 1)
-    done = concat_many(jobs, dtype=dtype)
-    loras: dict[str, Any] = {}
+    shapes = composite_shapes(jobs, dtype=dtype)
     too_big: list[str] = []
     for name, present in present_by_name.items():
         first = present[0][1]
-        if isinstance(first.lora_a, list):
-            a_list = [done[(name, j)][0] for j in range(len(first.lora_a))]
-            b_list = [done[(name, j)][1] for j in range(len(first.lora_a))]
-            rank = max(int(a.shape[1]) for a in a_list)
-            loras[name] = packed_layer(name, a_list, b_list, rank)
-        else:
-            a, b = done[name]
-            rank = int(a.shape[0])
-            loras[name] = LoRALayerWeights(name, rank, 1, a, b, scaling=1.0)
+        keys = [(name, j) for j in range(len(first.lora_a))] if isinstance(first.lora_a, list) else [name]
+        rank = max(int(shapes[k][0][1 if isinstance(k, tuple) else 0]) for k in keys)
         if rank > max_rank:
             parts = ", ".join(f"{c.name} r={_rank(w)}" for c, w in present)
             too_big.append(f"{name} needs {rank} ({parts})")
-    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned.
-    check_finite({f"{n} lora_B[{i}]": t for n, lw in loras.items()
-                  for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None},
-                 adapter=spec.lora_name)
     if too_big:
         need = max(int(s.split(" needs ")[1].split(" ")[0]) for s in too_big)
         raise AdapterCompatibilityError(
             f"Mix {spec.lora_name!r} needs rank {need} (the sum of its adapters' ranks) but max_lora_rank is "
             f"{max_rank}: {too_big[0]}. Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need} or mix "
             f"fewer adapters.", adapter=spec.lora_name)
+    on_gpu = None
+    if device is not None and torch.device(device).type == "cuda":
+        from vllm_lora_ext.integration.staging import concat_staged
+
+        on_gpu = concat_staged(jobs, dtype=dtype, device=device)
+    done = on_gpu[0] if on_gpu is not None else concat_many(jobs, dtype=dtype)
+    loras: dict[str, Any] = {}
+    for name, present in present_by_name.items():
+        first = present[0][1]
+        if isinstance(first.lora_a, list):
+            a_list = [done[(name, j)][0] for j in range(len(first.lora_a))]
+            b_list = [done[(name, j)][1] for j in range(len(first.lora_a))]
+            loras[name] = packed_layer(name, a_list, b_list, max(int(a.shape[1]) for a in a_list))
+        else:
+            a, b = done[name]
+            loras[name] = LoRALayerWeights(name, int(a.shape[0]), 1, a, b, scaling=1.0)
+    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned.
+    finite_b = {f"{n} lora_B[{i}]": t for n, lw in loras.items()
+                for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None}
+    if on_gpu is not None:
+        from vllm_lora_ext.integration.staging import side_stream
+
+        with side_stream(device):  # off the engine's stream
+            check_finite(finite_b, adapter=spec.lora_name)
+    else:
+        check_finite(finite_b, adapter=spec.lora_name)
     model_cls = manager._lora_model_cls
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)
     composite.is_3d_lora_weight = lora_request.is_3d_lora_weight
-    logger.info("built mix %r from %d adapters: %d modules, %.2f s (components %.2f s, concatenation %.2f s)",
-                spec.lora_name, len(comps), len(loras), time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
+    if on_gpu is not None:
+        from vllm_lora_ext.integration.staging import attach_staged
+
+        def twins() -> list[torch.Tensor]:  # the CPU copy vLLM keeps, region by region (each key's A, then B)
+            cpu = concat_many(jobs, dtype=dtype)
+            return [t for key in jobs for t in cpu[key]]
+
+        attach_staged(composite, on_gpu[1], twins)
+    logger.info("built mix %r from %d adapters: %d modules, %.2f s (components %.2f s, concatenation %.2f s%s)",
+                spec.lora_name, len(comps), len(loras), time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
+                " on the GPU" if on_gpu is not None else "")
     return composite
 
 

@@ -110,11 +110,12 @@ def module_dims(manager: Any) -> dict[str, ModuleDims]:
     return out
 
 
-def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
+def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None) -> Any:
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
-    by a build process ([`build_process`]), and only wrapped in vLLM's objects here.
+    by a build process ([`build_process`]), and only wrapped in vLLM's objects here. With a CUDA ``device``
+    (background builds), a mix is concatenated on that GPU, staged for its slot copy.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -128,7 +129,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
 
-                lora = build_composite(manager, lora_request, separate_process=separate_process)
+                lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
                 setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
             else:
                 lora = _load_adapter_model(manager, lora_request, separate_process=separate_process)

@@ -78,9 +78,10 @@ def _build(manager: Any, path: str) -> Any:
 
     name = manager.__dict__.get(_NAMES_ATTR, {}).get(path) or "adapter"
     logger.info("adapter %r: building in the background", name)
+    device = getattr(manager, "device", "cpu")
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
-                           separate_process=build_process_enabled())
-    stage(lora, getattr(manager, "device", "cpu"))  # the step's slot copy then runs GPU to GPU
+                           separate_process=build_process_enabled(), device=device)
+    stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
     return lora
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
 import time
 import weakref
@@ -29,7 +30,7 @@ from vllm_lora_ext.constants import stage_gpu_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["stage", "staged_bytes", "unstage"]
+__all__ = ["concat_staged", "side_stream", "stage", "staged_bytes", "unstage"]
 
 STAGED_ATTR = "_vllm_lora_ext_staged"
 _ALIGN = 256
@@ -44,7 +45,10 @@ _STREAMS: dict[int, Any] = {}
 class _Staging:
     buffer: torch.Tensor  # uint8, on the GPU
     starts: list[int] = field(default_factory=list)  # byte offset of each region, ascending
-    cpu: list[torch.Tensor] = field(default_factory=list)  # the region's CPU tensor (contiguous)
+    # The region's CPU tensor (contiguous); ``None`` until a composite built on the GPU has its CPU twins.
+    cpu: list[torch.Tensor] | None = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: Any = None  # the engine stream's event, once unstage is called before the CPU twins exist
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +90,29 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
+def side_stream(device: Any) -> Any:
+    """A context that runs torch's CUDA work on this process's staging stream for ``device``, off the engine's."""
+    return torch.cuda.stream(_side_stream(torch.device(device)))
+
+
+def _room(total: int, device: torch.device, what: str) -> bool:
+    """Whether ``total`` more bytes may be staged on ``device`` (the budget, and the GPU's free memory)."""
+    budget = stage_gpu_bytes()
+    held = staged_bytes()
+    if held + total > budget:
+        logger.info("%s not staged on the GPU (%.0f MiB; %.0f of %.0f MiB staged already): it is built in CPU "
+                    "memory and copied into its slot from there", what, total / 2**20, held / 2**20, budget / 2**20)
+        return False
+    with torch.cuda.device(device):
+        free, _ = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if free + cached < total + _HEADROOM:
+        logger.info("%s not staged on the GPU: %.0f MiB needed, %.0f MiB free", what, total / 2**20,
+                    (free + cached) / 2**20)
+        return False
+    return True
+
+
 def stage(lora: Any, device: Any) -> bool:
     """Copy ``lora``'s CPU factors to one buffer on ``device`` and point ``lora`` at it; return whether it did.
 
@@ -102,19 +129,9 @@ def stage(lora: Any, device: Any) -> bool:
     total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
-    budget = stage_gpu_bytes()
-    held = staged_bytes()
-    if held + total > budget:
-        logger.info("adapter not staged on the GPU (%.0f MiB; %.0f of %.0f MiB staged already): its slot copy "
-                    "runs from CPU memory", total / 2**20, held / 2**20, budget / 2**20)
+    if not _room(total, device, "adapter"):
         return False
     with torch.cuda.device(device):
-        free, _ = torch.cuda.mem_get_info()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        if free + cached < total + _HEADROOM:
-            logger.info("adapter not staged on the GPU: %.0f MiB needed, %.0f MiB free", total / 2**20,
-                        (free + cached) / 2**20)
-            return False
         stream = _side_stream(device)
         try:
             t0 = time.perf_counter()
@@ -226,10 +243,29 @@ def unstage(lora: Any) -> int:
     Call it after the slot copy was enqueued: the buffer is freed only when the current stream has
     run past that copy. Tensors vLLM derived from the staged ones (a slice, a view) map to the same
     elements of the CPU tensors; anything else is copied back. Returns the bytes copied back.
+
+    A composite built on the GPU ([`concat_staged`]) may not have its CPU tensors yet (they are built
+    in the background after it). Then nothing waits in the step: the model keeps its GPU tensors
+    (equal to the CPU ones to come) until the CPU tensors exist, and is pointed at them from there.
     """
     staging: _Staging | None = getattr(lora, STAGED_ATTR, None)
     if staging is None:
         return 0
+    stream = torch.cuda.current_stream(staging.buffer.device)
+    with staging.lock:
+        if staging.cpu is None:  # its CPU twins are still being built: finish when they are
+            staging.buffer.record_stream(stream)  # freed later, from another thread: after this stream's copies
+            staging.waiting = torch.cuda.Event()
+            staging.waiting.record(stream)
+            return 0
+    staging.buffer.record_stream(stream)
+    return _point_at_cpu(lora, staging, None)
+
+
+def _point_at_cpu(lora: Any, staging: _Staging, after: Any) -> int:
+    """Swap ``lora``'s GPU tensors for their CPU twins, copying back any vLLM derived; drop the staging record.
+    ``after``: an event the copies back wait for (the engine stream's, when run from another thread)."""
+    assert staging.cpu is not None
     base = staging.buffer.untyped_storage().data_ptr()
     end = base + staging.nbytes
     copied = 0
@@ -245,11 +281,156 @@ def unstage(lora: Any) -> int:
                 first = (ptr - base - staging.starts[region]) // t.element_size()
                 twin = cpu.as_strided(t.shape, t.stride(), cpu.storage_offset() + first)
         if twin is None:
-            twin = t.to("cpu")
+            if after is None:
+                twin = t.to("cpu")
+            else:
+                stream = _side_stream(t.device)
+                stream.wait_event(after)
+                with torch.cuda.stream(stream):
+                    twin = t.to("cpu")
             copied += t.nbytes
         _put(owner, attr, index, twin)
-    staging.buffer.record_stream(torch.cuda.current_stream(staging.buffer.device))
     delattr(lora, STAGED_ATTR)
     with _LOCK:
         _STAGED.discard(lora)
     return copied
+
+
+# ------------------------------------------------------------------------------------- composites on the GPU
+
+_SCRATCH = 256 << 20  # GPU bytes a composite's components are uploaded through, a batch at a time
+
+
+def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> tuple[dict[Any, Any], _Staging] | None:
+    """Build a mix's rank concatenation on the GPU: ``{key: (A, B)}`` as views of one staged buffer, or ``None``.
+
+    The same result as [`concat_many`] (``A = cat(A_i)``, ``B = cat(c_i·B_i)``, the same ops in the same
+    dtype), for the same ``jobs``, without the CPU copy of every component's bytes into fresh memory (1.1-1.8 s
+    for a 6.3 GB mix on an H200 host). The components go up through the pinned chunks a batch at a time
+    and are concatenated on the staging stream; the engine's stream is never used. ``None`` off CUDA, past the
+    staging budget, or without room on the GPU: the caller concatenates on the CPU then.
+
+    The caller gives the model built on these views to [`attach_staged`], with a function building the CPU
+    twins, which vLLM's registered adapter must hold once its slot copy is done.
+    """
+    from vllm_lora_ext.mixing import composite_shapes
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not lora_jobs:
+        return None
+    shapes = composite_shapes(lora_jobs, dtype=dtype)
+    offsets: dict[Any, tuple[int, int]] = {}
+    starts: list[int] = []
+    total = 0
+    for key, (a_shape, b_shape, out_dtype) in shapes.items():
+        a_off = total
+        total += _aligned(math.prod(a_shape) * out_dtype.itemsize)
+        b_off = total
+        total += _aligned(math.prod(b_shape) * out_dtype.itemsize)
+        offsets[key] = (a_off, b_off)
+        starts += [a_off, b_off]
+    largest = max((t.nbytes for parts, _, _ in lora_jobs.values() for p in parts for t in p[:2]), default=0)
+    scratch_bytes = min(max(_SCRATCH, _aligned(largest)), max(_aligned(largest), total))
+    if not _room(total + scratch_bytes, device, "mix"):
+        return None
+    t0 = time.perf_counter()
+    stream = _side_stream(device)
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+            done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+            moves: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []  # (CPU part, destination, c)
+            for key, (parts, dim_a, dim_b) in lora_jobs.items():
+                a_shape, b_shape, out_dtype = shapes[key]
+                a_off, b_off = offsets[key]
+                a = _view(buffer, a_off, out_dtype, a_shape)
+                b = _view(buffer, b_off, out_dtype, b_shape)
+                done[key] = (a, b)
+                off = 0
+                for pa, pb, c in parts:
+                    r = int(pa.shape[dim_a])
+                    moves.append((pa, a.narrow(dim_a, off, r), None))
+                    moves.append((pb, b.narrow(dim_b, off, r), float(c)))
+                    off += r
+            _upload_and_place(moves, scratch, stream)
+            stream.synchronize()
+            del scratch
+    except torch.cuda.OutOfMemoryError:
+        logger.info("mix not built on the GPU: out of memory for %.0f MiB", (total + scratch_bytes) / 2**20)
+        return None
+    logger.info("built a mix on %s: %.0f MiB in %.3f s", device, total / 2**20, time.perf_counter() - t0)
+    return done, _Staging(buffer, starts, None)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
+def _upload_and_place(moves: list[tuple[torch.Tensor, torch.Tensor, float | None]], scratch: torch.Tensor,
+                      stream: Any) -> None:
+    """Upload CPU parts into ``scratch`` a batch at a time and put each in its destination (``c``: times ``c``).
+
+    The copies into the destination are queued on ``stream`` after the batch's upload and before the next
+    one's, so the scratch is reused in stream order.
+    """
+    batch: list[tuple[int, torch.Tensor, torch.Tensor, float | None]] = []
+    used = 0
+
+    def flush() -> None:
+        _copy_through_pinned(scratch, [(off, src.view(-1).view(torch.uint8)) for off, src, _, _ in batch
+                                       if src.numel()], stream)
+        with torch.cuda.stream(stream):
+            for off, src, dst, c in batch:
+                part = _view(scratch, off, src.dtype, src.shape)
+                if c is None:
+                    dst.copy_(part)
+                elif part.dtype == dst.dtype:  # as concat_factors does, op for op
+                    torch.mul(part, c, out=dst)
+                else:
+                    dst.copy_(part).mul_(c)
+
+    for src, dst, c in moves:
+        src = src.contiguous()
+        n = _aligned(src.nbytes)
+        if batch and used + n > scratch.numel():
+            flush()
+            batch, used = [], 0
+        batch.append((used, src, dst, c))
+        used += n
+    if batch:
+        flush()
+
+
+def attach_staged(lora: Any, staging: _Staging, twins: Any) -> None:
+    """Mark ``lora`` (built on [`concat_staged`]'s views) as staged and build its CPU twins in the background.
+
+    ``twins()`` returns the CPU tensors region by region (each key's ``A`` then ``B``, in the jobs' order),
+    equal to the GPU ones. When they exist, a model whose slot copy is done already is pointed at them and
+    the GPU buffer is freed; one still waiting for its slot copy is unstaged by the step as usual. If they
+    cannot be built, the GPU tensors are copied back instead.
+    """
+    setattr(lora, STAGED_ATTR, staging)
+    with _LOCK:
+        _STAGED.add(lora)
+
+    def build() -> None:
+        t0 = time.perf_counter()
+        try:
+            cpu = list(twins())
+        except Exception:  # memory, most likely: no twin matches, so each tensor is copied back from the GPU
+            logger.exception("the CPU copy of a mix built on the GPU failed; its tensors are copied back instead")
+            cpu = [torch.empty(0, dtype=torch.uint8)] * len(staging.starts)
+        with staging.lock:
+            staging.cpu = cpu
+            waiting = staging.waiting
+        logger.info("CPU copy of a mix built on the GPU ready after %.2f s%s", time.perf_counter() - t0,
+                    "; GPU buffer released" if waiting is not None else "")
+        if waiting is not None:  # the step's unstage found no twins: finish it here
+            _point_at_cpu(lora, staging, waiting)
+
+    threading.Thread(target=build, name="vllm-lora-ext-mix-twins", daemon=True).start()
