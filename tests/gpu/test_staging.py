@@ -101,9 +101,10 @@ def test_a_mix_built_on_the_gpu_equals_the_cpu_build_and_gets_its_cpu_copy_after
     built = concat_staged(jobs, dtype=torch.bfloat16, device="cuda:0")
     assert built is not None
     done, staging = built
-    for key, (a, b) in done.items():
-        assert a.is_cuda and b.is_cuda
-        assert torch.equal(a.cpu(), reference[key][0]) and torch.equal(b.cpu(), reference[key][1]), key
+    for key, pair in done.items():
+        assert pair[0].is_cuda and pair[1].is_cuda
+        assert torch.equal(pair[0].cpu(), reference[key][0]) and torch.equal(pair[1].cpu(), reference[key][1]), key
+    del pair  # a view of the buffer: the test must not keep it alive
     dense = LoRALayerWeights("q_proj", 28, 1, *done["q_proj"], scaling=1.0)
     moe = PackedLoRALayerWeights("experts", 28, [1, 1], [done[("experts", j)][0] for j in range(2)],
                                  [done[("experts", j)][1] for j in range(2)], scaling=[1.0, 1.0])
@@ -134,9 +135,14 @@ def test_a_mix_built_on_the_gpu_equals_the_cpu_build_and_gets_its_cpu_copy_after
         assert torch.equal(moe.lora_b[j], reference[("experts", j)][1])
     torch.cuda.synchronize()
     assert torch.equal(slot.cpu(), reference[("experts", 0)][0])
+    for thread in threading.enumerate():  # the twins' thread lets go of the buffer when it returns
+        if thread.name == "vllm-lora-ext-mix-twins":
+            thread.join(10)
     del done, built, staging
     gc.collect()
-    assert torch.cuda.memory_allocated() <= before + slot.nbytes
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda:0")  # the allocator reclaims blocks freed behind stream events on its next call
+    assert torch.cuda.memory_allocated() <= before + slot.nbytes + 512
 
 
 def test_a_mix_whose_cpu_copy_is_ready_before_the_slot_copy_is_unstaged_in_the_step() -> None:

@@ -63,6 +63,8 @@ class _Child:
                                      env=env, close_fds=True)
         _widen_pipe(self.proc.stdin)
         self.started = time.monotonic()
+        logger.info("starting a build process (pid %d, asked for on thread %r)", self.proc.pid,
+                    threading.current_thread().name)
         self._ready = threading.Event()
         self._ready_logged = False
         self.ready_after = float("nan")
