@@ -372,6 +372,9 @@ def main() -> None:
 
     attach_handler_once()
     VllmKeyRouter(None, None).module("base_model.model.x.lora_A.weight")  # import vLLM's parser now
+    from vllm_lora_ext.integration._compat import preload_build_job_modules
+
+    preload_build_job_modules()  # and what a job's key mapper unpickles with
     for directory in {os.environ.get(ENV_BUILD_DIR) or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
