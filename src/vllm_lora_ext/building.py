@@ -142,7 +142,8 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
         blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
                              experts={p: job.model.local_experts.get(p) for p in plan.moe},
                              read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
-                             alloc=arena.empty if arena is not None else None)
+                             alloc=arena.empty if arena is not None else None,
+                             read_stacks=getattr(source, "read_stacks", None))
         moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
         for prefix, experts in blocks.items():
             moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),

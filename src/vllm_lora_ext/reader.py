@@ -9,13 +9,14 @@ requested rows/columns are copied. Every read is counted in a [`ReadStats`].
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
 import operator
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -429,3 +430,102 @@ class SafetensorsReader:
         finally:
             os.close(fd)
         return {k: out[k] for k in keys}
+
+    def read_stacks(self, groups: Sequence[Sequence[str]],
+                    into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None, *,
+                    bundle: int = 1) -> list[torch.Tensor | None]:
+        """Read groups of same-shape tensors stacked: each result equals ``torch.stack([read(k) for k in group])``.
+
+        Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): the block is read
+        with one ``pread`` per run of adjacent tensors, and each group is gathered out of it with one copy,
+        rather than one tensor object and one copy per key. A group whose tensors lie at a regular stride
+        in one run (each expert's keys saved together, in any expert order) is gathered by row index;
+        ``None`` comes back for a group that is not (mixed shapes or dtypes, or split across runs), and
+        the caller reads it key by key. ``into(shape, dtype)`` gives the memory a stack is written to
+        (default: a new tensor). With ``bundle``, each ``bundle`` consecutive groups (an A and its B) are
+        stacked together or not at all, so that ``into`` gives no memory to half a pair. Only requested bytes
+        are read.
+        """
+        infos = self.header.tensors
+        offsets = self.header.offsets
+        plans: list[tuple[torch.dtype, tuple[int, ...], list[int]] | None] = []
+        wanted: list[str] = []
+        for group in groups:
+            if not group:
+                plans.append(None)
+                continue
+            first = infos[group[0]]
+            shape = tuple(first.shape)
+            if any(infos[k].dtype != first.dtype or tuple(infos[k].shape) != shape for k in group):
+                plans.append(None)
+                continue
+            plans.append((torch_dtype_of(first.dtype, key=group[0]), shape, [offsets[k][0] for k in group]))
+            wanted += group
+        if not wanted:
+            return [None] * len(groups)
+        order = sorted(set(wanted), key=lambda k: offsets[k][0])
+        runs: list[tuple[int, int]] = []  # (start, end) of each run of adjacent requested tensors
+        for key in order:
+            a, b = offsets[key]
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            else:
+                runs.append((a, b))
+        starts = [r[0] for r in runs]
+        results: list[torch.Tensor | None] = []
+        gathers: list[tuple[int, int, int, int, list[int], int]] = []  # (group, run, first, stride, rows, nbytes)
+        for g, plan in enumerate(plans):
+            results.append(None)
+            if plan is None:
+                continue
+            dt, shape, offs = plan
+            nbytes = math.prod(shape) * dt.itemsize
+            run = bisect.bisect_right(starts, offs[0]) - 1
+            lo, hi = min(offs), max(offs)
+            if not runs[run][0] <= lo or hi + nbytes > runs[run][1]:
+                continue  # split across runs: key by key
+            stride = 0
+            for o in offs:
+                stride = math.gcd(stride, o - lo)
+            if len(offs) > 1 and (stride < nbytes or nbytes == 0):
+                continue
+            stride = stride or nbytes
+            gathers.append((g, run, lo, stride, [(o - lo) // stride for o in offs], nbytes))
+        ok = {gather[0] for gather in gathers}
+        gathers = [gather for gather in gathers
+                   if all(m in ok for m in range(gather[0] - gather[0] % bundle, gather[0] - gather[0] % bundle + bundle))]
+        if not gathers:
+            return results
+        needed = sorted({gather[1] for gather in gathers})
+        bufs: dict[int, torch.Tensor] = {}
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for run in needed:
+                start, end = runs[run]
+                buf = torch.empty(end - start, dtype=torch.uint8)
+                view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+                got = 0
+                while got < end - start:
+                    n = os.preadv(fd, [view[got:]], start + got)
+                    if n <= 0:
+                        raise AdapterFormatError(f"{str(self.path)!r} ended early at byte {start + got}; the file is "
+                                                 f"truncated. Re-download it.")
+                    got += n
+                self.stats.bytes_read += end - start
+                bufs[run] = buf
+                del view
+        finally:
+            os.close(fd)
+        read_keys = 0
+        for g, run, lo, stride, rows, nbytes in gathers:
+            dt, shape, _ = plans[g]  # type: ignore[misc]
+            buf = bufs[run]
+            base = lo - runs[run][0]
+            count = max(rows) + 1
+            table = buf[base:base + (count - 1) * stride + nbytes].as_strided((count, nbytes), (stride, 1))
+            out = into((len(rows), *shape), dt) if into is not None else torch.empty((len(rows), *shape), dtype=dt)
+            torch.index_select(table, 0, torch.tensor(rows), out=out.view(-1).view(torch.uint8).view(len(rows), nbytes))
+            results[g] = out
+            read_keys += len(rows)
+        self.stats.tensors_read += read_keys
+        return results

@@ -141,3 +141,36 @@ def test_the_spare_grows_with_the_builds_but_never_past_twice_its_size(build_dir
     supply.prepare(wait=True)
     assert supply._spare is not None and supply._spare.capacity == 2 << 20
     supply.discard()
+
+
+@pytest.mark.parametrize(("forms", "wrapper", "experts", "shared"), [
+    (["2d", "2d"], "2d", None, False), (["2d", "2d"], "3d", None, True), (["2d", "3d"], "2d", (1, 3), True),
+    (["2d", "2d"], "2d", (0, 2), False),
+])
+def test_per_expert_factors_read_stacked_equal_them_read_key_by_key(
+        tmp_path: Path, build_dir: Path, monkeypatch: pytest.MonkeyPatch, forms: list[str], wrapper: str,
+        experts: tuple[int, ...] | None, shared: bool) -> None:
+    """The stacked read (one gather per factor) and the key-by-key read give the same tensors and read the same bytes."""
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
+    job = _job(folder, wrapper, experts)
+    calls: list[int] = []
+    real = SafetensorsReader.read_stacks
+
+    def counted(self: SafetensorsReader, groups: list[list[str]], into: object = None, **kw: object) -> list[object]:
+        got = real(self, groups, into, **kw)  # type: ignore[arg-type]
+        calls.append(sum(g is not None for g in got))
+        return got  # type: ignore[return-value]
+
+    monkeypatch.setattr(SafetensorsReader, "read_stacks", counted)
+    stacked = build_adapter(job, PeftKeyRouter(), shared=shared)
+    assert sum(calls) > 0 if experts is None else sum(calls) == 0  # an expert subset is read key by key
+    monkeypatch.setattr(SafetensorsReader, "read_stacks", lambda self, groups, into=None, **kw: [None] * len(groups))
+    one_by_one = build_adapter(job, PeftKeyRouter(), shared=shared)
+    assert stacked.bytes_read == one_by_one.bytes_read
+    for x, y in zip(_tensors(stacked), _tensors(one_by_one), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    for arena in (stacked.arena, one_by_one.arena):
+        if arena is not None:
+            arena.discard()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import struct
 from pathlib import Path
@@ -121,3 +122,87 @@ def test_a_refused_header_names_the_entry(tmp_path: Path, sample: Path) -> None:
     bad.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
     with pytest.raises(AdapterFormatError, match="tensor 'b' declares shape"):
         read_header(bad)
+
+
+# ------------------------------------------------------------------------------------------------ read_stacks
+
+
+def _experts_file(path: Path, experts: int = 12, *, odd: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-expert factors saved the way PEFT saves them (keys sorted by name: experts 0, 1, 10, 11, 2, ...).
+    ``odd``: that expert's down A gets another shape."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for e in range(experts):
+        p = f"m.layers.0.mlp.experts.{e}"
+        tensors[f"{p}.down_proj.lora_A.weight"] = torch.randn(4 if e != odd else 2, 6, generator=g).to(torch.bfloat16)
+        tensors[f"{p}.down_proj.lora_B.weight"] = torch.randn(10, 4, generator=g).to(torch.bfloat16)
+        tensors[f"{p}.gate_proj.lora_A.weight"] = torch.randn(4, 10, generator=g).to(torch.bfloat16)
+        tensors[f"{p}.gate_proj.lora_B.weight"] = torch.randn(6, 4, generator=g).to(torch.bfloat16)
+    tensors["m.layers.0.self_attn.q_proj.lora_A.weight"] = torch.randn(3, 3, generator=g)
+    save_file(tensors, str(path))
+    return tensors
+
+
+def test_read_stacks_equals_stacking_the_tensors_read_one_by_one_and_counts_only_their_bytes(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import ReadStats, SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    tensors = _experts_file(path)
+    groups = [[f"m.layers.0.mlp.experts.{e}.{proj}.lora_{w}.weight" for e in range(12)]
+              for proj in ("gate_proj", "down_proj") for w in "AB"]
+    groups.append([f"m.layers.0.mlp.experts.{e}.gate_proj.lora_A.weight" for e in (5, 0, 11)])  # any order
+    stats = ReadStats()
+    reader = SafetensorsReader(path, stats=stats)
+    header_bytes = stats.bytes_read
+    got = reader.read_stacks(groups)
+    for group, stacked in zip(groups, got):
+        assert stacked is not None
+        assert torch.equal(stacked, torch.stack([tensors[k] for k in group])) and stacked.dtype == torch.bfloat16
+    assert stats.bytes_read - header_bytes == sum(tensors[k].nbytes for k in {k for g in groups for k in g})
+    assert stats.tensors_read == sum(len(g) for g in groups)
+
+
+def test_read_stacks_writes_into_the_memory_it_is_given(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    tensors = _experts_file(path)
+    groups = [[f"m.layers.0.mlp.experts.{e}.{proj}.lora_{w}.weight" for e in range(12)]
+              for proj in ("gate_proj", "down_proj") for w in "AB"]  # a block's keys: one run of the file
+    arena = torch.zeros(4096, dtype=torch.bfloat16)
+    given: list[torch.Tensor] = []
+
+    def into(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        start = 64 + sum(t.numel() for t in given)
+        given.append(arena[start:start + math.prod(shape)].view(shape))
+        return given[-1]
+
+    got = SafetensorsReader(path).read_stacks(groups, into)
+    for group, stacked, mine in zip(groups, got, given):
+        assert stacked is mine and stacked.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        assert torch.equal(stacked, torch.stack([tensors[k] for k in group]))
+
+
+def test_read_stacks_gives_none_for_what_it_cannot_gather_and_pairs_stay_whole(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    _experts_file(path, odd=3)
+    reader = SafetensorsReader(path)
+    down_a = [f"m.layers.0.mlp.experts.{e}.down_proj.lora_A.weight" for e in range(12)]  # expert 3's shape differs
+    down_b = [f"m.layers.0.mlp.experts.{e}.down_proj.lora_B.weight" for e in range(12)]
+    gate_a = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_A.weight" for e in range(12)]
+    mixed = [gate_a[0], down_b[1]]  # other shapes
+    dtypes = [gate_a[0], "m.layers.0.self_attn.q_proj.lora_A.weight"]
+    calls: list[tuple[int, ...]] = []
+
+    def into(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        calls.append(shape)
+        return torch.empty(shape, dtype=dtype)
+
+    got = reader.read_stacks([down_a, down_b, gate_a, mixed, dtypes, []], into, bundle=2)
+    assert got[0] is None and got[1] is None  # down A cannot be gathered: its B is not either (bundle=2)
+    assert got[2] is None and got[3] is None and got[4] is None and got[5] is None
+    assert calls == []  # no memory asked for a pair that is not read
+    sparse = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 2)]  # not adjacent: two runs
+    assert reader.read_stacks([sparse]) == [None]

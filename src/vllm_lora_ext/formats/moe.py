@@ -378,11 +378,14 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# SafetensorsReader.read_stacks: groups of keys -> each group stacked (memory from the callable), or None
+ReadStacks = Callable[..., list[torch.Tensor | None]]
 
 
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
-                 scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None) -> ExpertsLoRA:
+                 scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None,
+                 read_stacks: ReadStacks | None = None) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
@@ -407,14 +410,41 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     for k in plan.keys_2d:
         if k.expert in pos:
             by_role.setdefault(k.role, []).append(k)
-    wanted = [key for ks in by_role.values() for k in ks for key in (k.key_a, k.key_b)]
+    uniform = not config.has_patterns
+    for role in by_role:
+        by_role[role].sort(key=lambda k: pos[k.expert])
+    # A full set of experts of one rank: read stacked straight from the file (one copy per factor, no tensor per key)
+    stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if read_stacks is not None and uniform:
+        full = [role for role, ks in by_role.items() if len(ks) == n and len({k.rank for k in ks}) == 1]
+
+        def into(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
+            if alloc is not None and (dtype is None or dtype == source):
+                return alloc(shape, source)  # stacked straight into alloc's memory
+            return torch.empty(shape, dtype=source)
+
+        got = read_stacks([[getattr(k, f) for k in by_role[role]] for role in full for f in ("key_a", "key_b")], into,
+                          bundle=2) if full else []
+        for i, role in enumerate(full):
+            a, b = got[2 * i], got[2 * i + 1]
+            if a is not None and b is not None:  # both or neither (bundle=2)
+                stacked[role] = (a, b)
+    wanted = [key for role, ks in by_role.items() if role not in stacked for k in ks for key in (k.key_a, k.key_b)]
     loaded = dict(read_many(wanted)) if read_many is not None else {key: read(key, None) for key in wanted}
     # (read_many may hand out views into a memory map: everything below copies out of them)
-    uniform = not config.has_patterns
     for role, ks in by_role.items():
-        ks = sorted(ks, key=lambda k: pos[k.expert])
         r = max(k.rank for k in ks)
         name = _proj_name(spec, role)
+        if role in stacked:
+            s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
+            a, b = stacked.pop(role)
+            target = dtype if dtype is not None else a.dtype
+            # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
+            b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
+            if alloc is None or a.dtype != target:
+                a, b = _into(a, alloc, target), _into(b, alloc, target)
+            setattr(out, role, ExpertFactors(a, b))
+            continue
         if uniform and len(ks) == n and all(k.rank == r for k in ks):
             s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
             source_dtype = loaded[ks[0].key_a].dtype
@@ -502,7 +532,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                 experts: Mapping[str, Sequence[int] | None] | None = None, dtype: torch.dtype | None = None,
                 read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                 workers: int | None = None, check_finite_as: str | None = None,
-                scan_workers: int | None = None, alloc: Alloc | None = None) -> dict[str, ExpertsLoRA]:
+                scan_workers: int | None = None, alloc: Alloc | None = None,
+                read_stacks: ReadStacks | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
@@ -538,7 +569,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         prefix, plan = item
         ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
                           read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
-                          alloc=alloc)
+                          alloc=alloc, read_stacks=read_stacks)
         factors = _factors(ex)
         if scan_pool is not None:
             scans[prefix] = scan_pool.submit(first_nonfinite, factors)
