@@ -100,7 +100,8 @@ def _check(folder: Path, form: str) -> bool:
     plan = plan_experts(shapes, MoESpec(p, E, H, I), config=cfg)
     full = read_experts(plan, reader.read, config=cfg, read_many=reader.read_many).as_2d(num_experts=E, hidden=H)
     for ids in (list(range(32, 64)), list(range(1, E, 4))):
-        part = read_experts(plan, reader.read, config=cfg, experts=ids, read_many=reader.read_many)
+        part = read_experts(plan, reader.read, config=cfg, experts=ids, read_many=reader.read_many,
+                            read_stacks=reader.read_stacks)  # the rank's share gathered; the full read key by key
         got = part.as_2d(num_experts=E, hidden=H)
         if not all(torch.equal(f[ids], g) for f, g in zip(full[0] + full[1], got[0] + got[1])):
             return False

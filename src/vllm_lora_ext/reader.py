@@ -436,66 +436,96 @@ class SafetensorsReader:
                     bundle: int = 1) -> list[torch.Tensor | None]:
         """Read groups of same-shape tensors stacked: each result equals ``torch.stack([read(k) for k in group])``.
 
-        Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): the block is read
-        with one ``pread`` per run of adjacent tensors, and each group is gathered out of it with one copy,
-        rather than one tensor object and one copy per key. A group whose tensors lie at a regular stride
-        in one run (each expert's keys saved together, in any expert order) is gathered by row index;
-        ``None`` comes back for a group that is not (mixed shapes or dtypes, or split across runs), and
-        the caller reads it key by key. ``into(shape, dtype)`` gives the memory a stack is written to
+        Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): the requested
+        tensors are read with one ``pread`` per run of adjacent ones, packed back to back in one buffer,
+        and each group is gathered out of it with one copy, rather than one tensor object and one copy per
+        key. A group gathers when its tensors lie at a regular stride in that buffer: each expert's keys
+        saved together, in any expert order, whether all experts are read or a rank's share of them.
+        ``None`` comes back for a group that does not (mixed shapes or dtypes, an irregular file), and the
+        caller reads it key by key. ``into(shape, dtype)`` gives the memory a stack is written to
         (default: a new tensor). With ``bundle``, each ``bundle`` consecutive groups (an A and its B) are
-        stacked together or not at all, so that ``into`` gives no memory to half a pair. Only requested bytes
-        are read.
+        stacked together or not at all, so that ``into`` gives no memory to half a pair. Only the bytes of
+        the groups returned are read.
         """
         infos = self.header.tensors
         offsets = self.header.offsets
-        plans: list[tuple[torch.dtype, tuple[int, ...], list[int]] | None] = []
-        wanted: list[str] = []
+        plans: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
         for group in groups:
-            if not group:
+            first = infos[group[0]] if group else None
+            if first is None or any(infos[k].dtype != first.dtype or tuple(infos[k].shape) != tuple(first.shape)
+                                    for k in group):
                 plans.append(None)
                 continue
-            first = infos[group[0]]
-            shape = tuple(first.shape)
-            if any(infos[k].dtype != first.dtype or tuple(infos[k].shape) != shape for k in group):
-                plans.append(None)
-                continue
-            plans.append((torch_dtype_of(first.dtype, key=group[0]), shape, [offsets[k][0] for k in group]))
-            wanted += group
-        if not wanted:
-            return [None] * len(groups)
-        order = sorted(set(wanted), key=lambda k: offsets[k][0])
-        runs: list[tuple[int, int]] = []  # (start, end) of each run of adjacent requested tensors
-        for key in order:
-            a, b = offsets[key]
-            if runs and runs[-1][1] == a:
-                runs[-1] = (runs[-1][0], b)
-            else:
-                runs.append((a, b))
-        starts = [r[0] for r in runs]
-        results: list[torch.Tensor | None] = []
-        gathers: list[tuple[int, int, int, int, list[int], int]] = []  # (group, run, first, stride, rows, nbytes)
-        for g, plan in enumerate(plans):
-            results.append(None)
-            if plan is None:
-                continue
-            dt, shape, offs = plan
-            nbytes = math.prod(shape) * dt.itemsize
-            run = bisect.bisect_right(starts, offs[0]) - 1
-            lo, hi = min(offs), max(offs)
-            if not runs[run][0] <= lo or hi + nbytes > runs[run][1]:
-                continue  # split across runs: key by key
-            stride = 0
-            for o in offs:
-                stride = math.gcd(stride, o - lo)
-            if len(offs) > 1 and (stride < nbytes or nbytes == 0):
-                continue
-            stride = stride or nbytes
-            gathers.append((g, run, lo, stride, [(o - lo) // stride for o in offs], nbytes))
-        ok = {gather[0] for gather in gathers}
-        gathers = [gather for gather in gathers
-                   if all(m in ok for m in range(gather[0] - gather[0] % bundle, gather[0] - gather[0] % bundle + bundle))]
-        if not gathers:
+            dt = torch_dtype_of(first.dtype, key=group[0])
+            plans.append((dt, tuple(first.shape), math.prod(first.shape) * dt.itemsize))
+        live = [g for g, plan in enumerate(plans) if plan is not None]
+        gathers: list[tuple[int, int, int, list[int]]] = []  # (group, first packed offset, stride, rows)
+        runs: list[tuple[int, int, int]] = []  # (file start, file end, packed start)
+        for _ in range(3):  # dropping a group changes the packing of the rest: settle (or give up) in a few rounds
+            runs = []
+            packed = 0
+            for key in sorted({k for g in live for k in groups[g]}, key=lambda k: offsets[k][0]):
+                a, b = offsets[key]
+                if runs and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], b, runs[-1][2])
+                else:
+                    runs.append((a, b, packed))
+                packed += b - a
+            starts = [r[0] for r in runs]
+
+            def packed_at(key: str) -> int:
+                at = offsets[key][0]
+                run = runs[bisect.bisect_right(starts, at) - 1]
+                return run[2] + at - run[0]
+
+            gathers = []
+            for g in live:
+                nbytes = plans[g][2]  # type: ignore[index]
+                offs = [packed_at(k) for k in groups[g]]
+                lo = min(offs)
+                stride = 0
+                for o in offs:
+                    stride = math.gcd(stride, o - lo)
+                if len(offs) > 1 and (stride < nbytes or nbytes == 0):
+                    continue
+                gathers.append((g, lo, stride or max(nbytes, 1), offs))
+            ok = {gather[0] for gather in gathers}
+            keep = [g for g in ok if all(m in ok for m in range(g - g % bundle, g - g % bundle + bundle))]
+            if sorted(keep) == live:
+                break
+            live = sorted(keep)
+        else:
+            live, gathers = [], []
+        results: list[torch.Tensor | None] = [None] * len(groups)
+        if not live:
             return results
+        buf = torch.empty(sum(b - a for a, b, _ in runs), dtype=torch.uint8)
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for start, end, at in runs:
+                got = 0
+                while got < end - start:
+                    n = os.preadv(fd, [view[at + got:at + end - start]], start + got)
+                    if n <= 0:
+                        raise AdapterFormatError(f"{str(self.path)!r} ended early at byte {start + got}; the file is "
+                                                 f"truncated. Re-download it.")
+                    got += n
+                self.stats.bytes_read += end - start
+        finally:
+            del view
+            os.close(fd)
+        for g, lo, stride, offs in gathers:
+            dt, shape, nbytes = plans[g]  # type: ignore[misc]
+            rows = [(o - lo) // stride for o in offs]
+            count = max(rows) + 1
+            table = buf[lo:lo + (count - 1) * stride + nbytes].as_strided((count, nbytes), (stride, 1))
+            n = len(rows)
+            out = into((n, *shape), dt) if into is not None else torch.empty((n, *shape), dtype=dt)
+            torch.index_select(table, 0, torch.tensor(rows), out=out.view(-1).view(torch.uint8).view(n, nbytes))
+            results[g] = out
+            self.stats.tensors_read += n
+        return results
         needed = sorted({gather[1] for gather in gathers})
         bufs: dict[int, torch.Tensor] = {}
         fd = os.open(self.path, os.O_RDONLY)

@@ -165,7 +165,7 @@ def test_per_expert_factors_read_stacked_equal_them_read_key_by_key(
 
     monkeypatch.setattr(SafetensorsReader, "read_stacks", counted)
     stacked = build_adapter(job, PeftKeyRouter(), shared=shared)
-    assert sum(calls) > 0 if experts is None else sum(calls) == 0  # an expert subset is read key by key
+    assert sum(calls) > 0  # a rank's share of the experts too
     monkeypatch.setattr(SafetensorsReader, "read_stacks", lambda self, groups, into=None, **kw: [None] * len(groups))
     one_by_one = build_adapter(job, PeftKeyRouter(), shared=shared)
     assert stacked.bytes_read == one_by_one.bytes_read

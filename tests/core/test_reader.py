@@ -204,5 +204,14 @@ def test_read_stacks_gives_none_for_what_it_cannot_gather_and_pairs_stay_whole(t
     assert got[0] is None and got[1] is None  # down A cannot be gathered: its B is not either (bundle=2)
     assert got[2] is None and got[3] is None and got[4] is None and got[5] is None
     assert calls == []  # no memory asked for a pair that is not read
-    sparse = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 2)]  # not adjacent: two runs
-    assert reader.read_stacks([sparse]) == [None]
+    tensors = _experts_file(path, odd=3)
+    sparse = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 2, 7)]  # a rank's share: 3 runs
+    (stacked,) = reader.read_stacks([sparse])
+    assert stacked is not None and torch.equal(stacked, torch.stack([tensors[k] for k in sparse]))
+    # Packed back to back with expert 3's smaller down A between them, these lie 72 and 48 bytes apart: no stride.
+    odd_a = "m.layers.0.mlp.experts.3.down_proj.lora_A.weight"
+    irregular = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 3, 4)]
+    before = reader.stats.bytes_read
+    got = reader.read_stacks([irregular, [odd_a]])
+    assert got[0] is None and got[1] is not None and torch.equal(got[1][0], tensors[odd_a])
+    assert reader.stats.bytes_read - before == tensors[odd_a].nbytes  # the group given back was not read
