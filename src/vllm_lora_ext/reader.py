@@ -358,6 +358,22 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
 
 
 
+def _pread_exactly(fd: int, into: memoryview, offset: int, *, path: Path, key: str | None = None) -> None:
+    """Fill ``into`` from ``fd`` at ``offset`` (``pread`` may return less than asked).
+
+    Raises:
+        [`AdapterFormatError`]: the file ends first (it is truncated).
+    """
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n <= 0:
+            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}"
+                                     f"{f' while reading {key!r}' if key else ''}; the file is truncated. "
+                                     f"Re-download it.", key=key)
+        got += n
+
+
 class SafetensorsReader:
     """Reads one safetensors file key by key, slice by slice, or many keys at once; counts every byte.
 
@@ -407,14 +423,7 @@ class SafetensorsReader:
             for span in spans:
                 start, end = offsets[span[0]][0], offsets[span[-1]][1]
                 buf = torch.empty(end - start, dtype=torch.uint8)
-                view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
-                got = 0
-                while got < end - start:
-                    n = os.preadv(fd, [view[got:]], start + got)
-                    if n <= 0:
-                        raise AdapterFormatError(f"{str(self.path)!r} ended early while reading {span[0]!r}; "
-                                                 f"the file is truncated. Re-download it.", key=span[0])
-                    got += n
+                _pread_exactly(fd, memoryview(buf.numpy()), start, path=self.path, key=span[0])  # type: ignore[arg-type]
                 self.stats.bytes_read += end - start
                 for key in span:
                     info = self.header.tensors[key]
@@ -426,7 +435,7 @@ class SafetensorsReader:
                         t = buf[a - start:b - start].view(dt).view(info.shape)
                     out[key] = t.clone() if copy else t
                     self.stats.tensors_read += 1
-                del buf, view
+                del buf
         finally:
             os.close(fd)
         return {k: out[k] for k in keys}
@@ -504,13 +513,7 @@ class SafetensorsReader:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             for start, end, at in runs:
-                got = 0
-                while got < end - start:
-                    n = os.preadv(fd, [view[at + got:at + end - start]], start + got)
-                    if n <= 0:
-                        raise AdapterFormatError(f"{str(self.path)!r} ended early at byte {start + got}; the file is "
-                                                 f"truncated. Re-download it.")
-                    got += n
+                _pread_exactly(fd, view[at:at + end - start], start, path=self.path)
                 self.stats.bytes_read += end - start
         finally:
             del view
@@ -525,37 +528,4 @@ class SafetensorsReader:
             torch.index_select(table, 0, torch.tensor(rows), out=out.view(-1).view(torch.uint8).view(n, nbytes))
             results[g] = out
             self.stats.tensors_read += n
-        return results
-        needed = sorted({gather[1] for gather in gathers})
-        bufs: dict[int, torch.Tensor] = {}
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for run in needed:
-                start, end = runs[run]
-                buf = torch.empty(end - start, dtype=torch.uint8)
-                view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
-                got = 0
-                while got < end - start:
-                    n = os.preadv(fd, [view[got:]], start + got)
-                    if n <= 0:
-                        raise AdapterFormatError(f"{str(self.path)!r} ended early at byte {start + got}; the file is "
-                                                 f"truncated. Re-download it.")
-                    got += n
-                self.stats.bytes_read += end - start
-                bufs[run] = buf
-                del view
-        finally:
-            os.close(fd)
-        read_keys = 0
-        for g, run, lo, stride, rows, nbytes in gathers:
-            dt, shape, _ = plans[g]  # type: ignore[misc]
-            buf = bufs[run]
-            base = lo - runs[run][0]
-            count = max(rows) + 1
-            table = buf[base:base + (count - 1) * stride + nbytes].as_strided((count, nbytes), (stride, 1))
-            out = into((len(rows), *shape), dt) if into is not None else torch.empty((len(rows), *shape), dtype=dt)
-            torch.index_select(table, 0, torch.tensor(rows), out=out.view(-1).view(torch.uint8).view(len(rows), nbytes))
-            results[g] = out
-            read_keys += len(rows)
-        self.stats.tensors_read += read_keys
         return results
