@@ -58,7 +58,7 @@ class _Staging:
 def _slots(lora: Any) -> list[tuple[Any, str, int | None, torch.Tensor]]:
     """Every factor tensor of a LoRAModel as (owner, attribute, list index or None, tensor)."""
     out: list[tuple[Any, str, int | None, torch.Tensor]] = []
-    for weights in getattr(lora, "loras", {}).values():
+    for weights in list(getattr(lora, "loras", {}).values()):  # a snapshot: another thread may read it meanwhile
         for attr in _FACTORS:
             value = getattr(weights, attr, None)
             if isinstance(value, torch.Tensor):
@@ -431,6 +431,9 @@ def attach_staged(lora: Any, staging: _Staging, twins: Any) -> None:
         logger.info("CPU copy of a mix built on the GPU ready after %.2f s%s", time.perf_counter() - t0,
                     "; GPU buffer released" if waiting is not None else "")
         if waiting is not None:  # the step's unstage found no twins: finish it here
-            _point_at_cpu(lora, staging, waiting)
+            try:
+                _point_at_cpu(lora, staging, waiting)
+            except Exception:  # the model keeps its GPU tensors (still correct); its buffer stays counted as staged
+                logger.exception("could not point a mix built on the GPU at its CPU copy; it keeps its GPU memory")
 
     threading.Thread(target=build, name="vllm-lora-ext-mix-twins", daemon=True).start()
