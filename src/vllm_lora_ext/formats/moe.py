@@ -416,16 +416,16 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     # A full set of experts of one rank: read stacked straight from the file (one copy per factor, no tensor per key)
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if read_stacks is not None and uniform:
-        full = [role for role, ks in by_role.items() if len(ks) == n and len({k.rank for k in ks}) == 1]
+        whole = [role for role, ks in by_role.items() if len(ks) == n and len({k.rank for k in ks}) == 1]
 
         def into(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
             if alloc is not None and (dtype is None or dtype == source):
                 return alloc(shape, source)  # stacked straight into alloc's memory
             return torch.empty(shape, dtype=source)
 
-        got = read_stacks([[getattr(k, f) for k in by_role[role]] for role in full for f in ("key_a", "key_b")], into,
-                          bundle=2) if full else []
-        for i, role in enumerate(full):
+        got = read_stacks([[getattr(k, f) for k in by_role[role]] for role in whole for f in ("key_a", "key_b")], into,
+                          bundle=2) if whole else []
+        for i, role in enumerate(whole):
             a, b = got[2 * i], got[2 * i + 1]
             if a is not None and b is not None:  # both or neither (bundle=2)
                 stacked[role] = (a, b)

@@ -138,11 +138,12 @@ def stage(lora: Any, device: Any) -> bool:
             with torch.cuda.stream(stream):
                 buffer = torch.empty(total, dtype=torch.uint8, device=device)
             t_alloc = time.perf_counter() - t0
-            staging = _Staging(buffer, [off for off, _ in regions], [t.contiguous() for _, t in regions])
+            cpu = [t.contiguous() for _, t in regions]
+            staging = _Staging(buffer, [off for off, _ in regions], cpu)
             views = [(owner, attr, index, buffer[off:off + t.nbytes].view(t.dtype).view(t.shape))
                      for (owner, attr, index, t), off in zip(slots, places)]
             _copy_through_pinned(buffer, [(off, src.view(-1).view(torch.uint8)) for off, src in
-                                          zip(staging.starts, staging.cpu) if src.numel()], stream)
+                                          zip(staging.starts, cpu) if src.numel()], stream)
         except torch.cuda.OutOfMemoryError:
             logger.info("adapter not staged on the GPU: out of memory for %.0f MiB", total / 2**20)
             return False
