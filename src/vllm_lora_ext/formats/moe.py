@@ -435,26 +435,19 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     for role, ks in by_role.items():
         r = max(k.rank for k in ks)
         name = _proj_name(spec, role)
-        if role in stacked:
+        if role in stacked or uniform and len(ks) == n and all(k.rank == r for k in ks):
             s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
-            a, b = stacked.pop(role)
+            if role in stacked:  # in alloc's memory where the dtypes allow it (``into`` above)
+                a, b = stacked.pop(role)
+            else:
+                source_dtype = loaded[ks[0].key_a].dtype
+                direct = alloc if dtype is None or dtype == source_dtype else None  # straight into alloc's memory
+                a = _stack([loaded[k.key_a] for k in ks], direct)
+                b = _stack([loaded[k.key_b] for k in ks], direct)
             target = dtype if dtype is not None else a.dtype
             # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
             b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
-            if alloc is None or a.dtype != target:
-                a, b = _into(a, alloc, target), _into(b, alloc, target)
-            setattr(out, role, ExpertFactors(a, b))
-            continue
-        if uniform and len(ks) == n and all(k.rank == r for k in ks):
-            s = config.scaling_for(f"{spec.prefix}.0.{name}", r) if scaled else 1.0
-            source_dtype = loaded[ks[0].key_a].dtype
-            target = dtype if dtype is not None else source_dtype
-            direct = alloc if source_dtype == target else None  # stacked straight into alloc's memory
-            a = _stack([loaded[k.key_a] for k in ks], direct)
-            b = _stack([loaded[k.key_b] for k in ks], direct)
-            # one rounding of s·B to the target dtype, computed in float32 either way (torch's opmath)
-            b = b.mul_(s) if b.dtype == target else b.float().mul_(s)
-            if direct is None:
+            if alloc is None or a.dtype != target:  # not built in alloc's memory in the target dtype
                 a, b = _into(a, alloc, target), _into(b, alloc, target)
             setattr(out, role, ExpertFactors(a, b))
             continue

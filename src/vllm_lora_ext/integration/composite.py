@@ -8,6 +8,7 @@ the LoRAModel it registers), only the composite built from them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -155,9 +156,10 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     if on_gpu is not None:
         from vllm_lora_ext.integration.staging import side_stream
 
-        with side_stream(device):  # off the engine's stream
-            check_finite(finite_b, adapter=spec.lora_name)
+        scan: Any = side_stream(device)  # off the engine's stream
     else:
+        scan = contextlib.nullcontext()
+    with scan:
         check_finite(finite_b, adapter=spec.lora_name)
     model_cls = manager._lora_model_cls
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)

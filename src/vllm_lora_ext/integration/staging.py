@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vllm_lora_ext.building import _view
 from vllm_lora_ext.constants import stage_gpu_bytes
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, torch.Ten
         if at is None:
             at = seen[key] = offset
             regions.append((offset, t))
-            offset += -(-t.nbytes // _ALIGN) * _ALIGN
+            offset += _aligned(t.nbytes)
         places.append(at)
     return offset, regions, places
 
@@ -253,13 +254,12 @@ def unstage(lora: Any) -> int:
     if staging is None:
         return 0
     stream = torch.cuda.current_stream(staging.buffer.device)
+    staging.buffer.record_stream(stream)  # freed (here or from another thread) only after this stream's copies
     with staging.lock:
         if staging.cpu is None:  # its CPU twins are still being built: finish when they are
-            staging.buffer.record_stream(stream)  # freed later, from another thread: after this stream's copies
             staging.waiting = torch.cuda.Event()
             staging.waiting.record(stream)
             return 0
-    staging.buffer.record_stream(stream)
     return _point_at_cpu(lora, staging, None)
 
 
@@ -345,8 +345,8 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
             for key, (parts, dim_a, dim_b) in lora_jobs.items():
                 a_shape, b_shape, out_dtype = shapes[key]
                 a_off, b_off = offsets[key]
-                a = _view(buffer, a_off, out_dtype, a_shape)
-                b = _view(buffer, b_off, out_dtype, b_shape)
+                a = _view(buffer, a_off, out_dtype, tuple(a_shape))
+                b = _view(buffer, b_off, out_dtype, tuple(b_shape))
                 done[key] = (a, b)
                 off = 0
                 for pa, pb, c in parts:
@@ -366,10 +366,6 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Any) -> torch.Tensor:
-    return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
 
 
 def _upload_and_place(moves: list[tuple[torch.Tensor, torch.Tensor, float | None]], scratch: torch.Tensor,
