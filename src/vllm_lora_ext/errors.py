@@ -19,6 +19,7 @@ __all__ = [
     "AdapterSourceError",
     "DeploymentConfigError",
     "ExpertLayoutError",
+    "KernelConfigError",
     "MixCapacityError",
     "MixError",
     "MixIdCollisionError",
@@ -158,6 +159,14 @@ class OutputPathError(VllmLoraExtError, ValueError):
 
 class DeploymentConfigError(VllmLoraExtError, ValueError):
     """The deployment config file (``VLLM_LORA_EXT_CONFIG``) is unreadable or inconsistent."""
+
+
+class KernelConfigError(VllmLoraExtError, ValueError):
+    """A LoRA kernel config table (``{gpu}_SHRINK.json``, ``{gpu}_EXPAND_*.json``) is not one vLLM can use.
+
+    vLLM reads these tables inside the kernel launch, where a missing key fails the engine step; the
+    plugin checks a table before pointing vLLM at it.
+    """
 
 
 class BuildProcessError(VllmLoraExtError, RuntimeError):

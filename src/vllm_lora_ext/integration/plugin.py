@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_lora_ext import __version__, metrics
+from vllm_lora_ext import __version__, kernel_configs, metrics
 from vllm_lora_ext._logging import attach_handler_once
 from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
@@ -273,6 +273,7 @@ def register() -> None:
         _REGISTERED = True
         return
     vllm_version = check_vllm_version()
+    kernel_configs.point_vllm_at_configs()  # before vLLM reads VLLM_TUNED_CONFIG_FOLDER; children inherit it
     metrics.setup()
     stall_threshold = stall_trace_seconds()
     if stall_threshold:

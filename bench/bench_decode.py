@@ -1,0 +1,235 @@
+"""Decode throughput with many adapters, and base requests, against stock vLLM in the same run (GPU).
+
+Each variant is its own engine, in its own process started with its own environment, all alive at once
+on one GPU and driven in turn (rep by rep, case by case, variant by variant), so that the comparison
+is interleaved on the same card:
+
+- ``stock``: vLLM without the plugin (``VLLM_PLUGINS=none``): vLLM's default LoRA kernel configs.
+- ``plugin``: the plugin as installed, which points vLLM at the tuned kernel configs shipped for this
+  GPU (or at ``--configs DIR``).
+- ``plugin_untuned`` (optional): the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``.
+
+The model is a 1B-shaped Llama with random weights (std 0.02, written here), so that logprobs mean
+something. Adapters: r=8 on all seven projections (q, k, v, o, gate, up, down). Engines: max_lora_rank
+16, 64 slots (every adapter and mix stays in one), CUDA graphs on. Cases, each 32 requests of 64 prompt tokens and ``--tokens`` output tokens:
+
+- ``one``: every request on one adapter;      - ``distinct``: 32 requests on 32 adapters;
+- ``mixes``: 32 distinct two-adapter mixes (plugin variants only; rank 8 + 8 = 16);
+- ``base``: no adapter (the base model on the LoRA-enabled engine).
+
+Parity: teacher-forced prompt logprobs of the 32 distinct-adapter requests, each variant against
+stock; the control pairs each request with stock's logprobs for the next adapter and must differ by
+more than the tolerance.
+
+Usage: python bench/bench_decode.py [--variants stock,plugin] [--reps 5] [--configs DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+from bench_mix import LLAMA_1B  # noqa: E402
+
+N_REQ, PROMPT_LEN, RANK, SLOTS = 32, 64, 8, 64  # 64 slots: the 32 adapters and 32 mixes all stay loaded
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TOLERANCE = 0.05  # max |delta logprob| allowed between kernel configs (bf16 rounding of split-K partial sums)
+
+
+def write_model(root: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = LLAMA_1B
+    H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+
+    t = {"model.embed_tokens.weight": rnd(V, H), "model.norm.weight": torch.ones(H).bfloat16(),
+         "lm_head.weight": rnd(V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}"
+        t.update({f"{p}.self_attn.q_proj.weight": rnd(H, H), f"{p}.self_attn.k_proj.weight": rnd(kv, H),
+                  f"{p}.self_attn.v_proj.weight": rnd(kv, H), f"{p}.self_attn.o_proj.weight": rnd(H, H),
+                  f"{p}.mlp.gate_proj.weight": rnd(I, H), f"{p}.mlp.up_proj.weight": rnd(I, H),
+                  f"{p}.mlp.down_proj.weight": rnd(H, I), f"{p}.input_layernorm.weight": torch.ones(H).bfloat16(),
+                  f"{p}.post_attention_layernorm.weight": torch.ones(H).bfloat16()})
+    model = root / "llama-1b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    save_file(t, str(model / "model.safetensors"))
+    return model
+
+
+def write_adapters(root: Path, n: int) -> list[str]:
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = LLAMA_1B
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    dims = {"q_proj": (H, H), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (H, H), "gate_proj": (H, I),
+            "up_proj": (H, I), "down_proj": (I, H)}
+    g = torch.Generator().manual_seed(1)
+    paths = []
+    for a in range(n):
+        t = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for m, (d_in, d_out) in dims.items():
+                p = f"base_model.model.model.layers.{layer}.{MODULES[m]}.{m}"
+                t[f"{p}.lora_A.weight"] = (torch.randn(RANK, d_in, generator=g) / d_in ** 0.5).bfloat16()
+                t[f"{p}.lora_B.weight"] = (torch.randn(d_out, RANK, generator=g) * 0.02).bfloat16()
+        d = root / f"a{a:02d}"
+        d.mkdir()
+        save_file(t, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
+                                                           "target_modules": list(dims)}))
+        paths.append(str(d))
+    return paths
+
+
+def engine_main(conn: Any, model: str, adapters: list[str], util: float, tokens: int, mixes: bool) -> None:
+    """One variant's engine: answers ("run", case) with seconds and ("logprobs", case) with per-request lists."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16, max_loras=SLOTS,
+              max_cpu_loras=SLOTS + 8, max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=util, seed=0)
+    start_s = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 13 * j) % 31000 + 3 for j in range(PROMPT_LEN)])
+               for i in range(N_REQ)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    plp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    reqs = [LoRARequest(f"a{i:02d}", i + 1, p) for i, p in enumerate(adapters)]
+    cases: dict[str, list[Any]] = {"one": [reqs[0]] * N_REQ, "distinct": reqs[:N_REQ], "base": [None] * N_REQ}
+    if mixes:
+        from vllm_lora_ext.integration.offline import lora_request
+
+        cases["mixes"] = [lora_request({adapters[i]: round(0.2 + 0.6 * i / N_REQ, 4),
+                                        adapters[(i + 1) % N_REQ]: round(0.8 - 0.6 * i / N_REQ, 4)}, llm=llm)
+                          for i in range(N_REQ)]
+    conn.send({"ready": True, "start_s": start_s, "pid": os.getpid(),
+               "tuned_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"), "cases": sorted(cases)})
+    while True:
+        cmd, case = conn.recv()
+        if cmd == "stop":
+            break
+        if case not in cases:
+            conn.send(None)
+            continue
+        if cmd == "run":
+            t = time.perf_counter()
+            llm.generate(prompts, params, lora_request=cases[case], use_tqdm=False)
+            conn.send(time.perf_counter() - t)
+        elif cmd == "logprobs":
+            outs = llm.generate(prompts, plp, lora_request=cases[case], use_tqdm=False)
+            conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
+                       for o in outs])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="stock,plugin")
+    ap.add_argument("--cases", default="one,distinct,mixes,base")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--configs", default=None, help="the plugin variants' VLLM_TUNED_CONFIG_FOLDER")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    case_names = [c for c in args.cases.split(",") if c]
+    env_of = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_untuned": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"}}
+    root = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    t0 = time.perf_counter()
+    model = write_model(root)
+    adapters = write_adapters(root, N_REQ)
+    print(f"model and {N_REQ} adapters written in {time.perf_counter() - t0:.1f} s", flush=True)
+    ctx = mp.get_context("spawn")
+    util = min(0.25, 0.8 / len(variants))
+    procs: dict[str, tuple[Any, Any]] = {}
+    info: dict[str, Any] = {}
+    base_env = dict(os.environ)
+    for v in variants:  # one at a time: vLLM checks free memory when an engine starts
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(env_of[v])
+        if v != "stock" and args.configs and "VLLM_LORA_EXT_KERNEL_CONFIGS" not in env_of[v]:
+            os.environ["VLLM_TUNED_CONFIG_FOLDER"] = str(Path(args.configs).resolve())
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=engine_main, args=(child, str(model), adapters, util, args.tokens, v != "stock"))
+        p.start()
+        procs[v] = (p, parent)
+        info[v] = parent.recv()
+        print(f"{v}: engine up in {info[v]['start_s']:.0f} s, tuned folder {info[v]['tuned_folder']}", flush=True)
+    os.environ.clear()
+    os.environ.update(base_env)
+
+    def ask(v: str, cmd: str, case: str) -> Any:
+        procs[v][1].send((cmd, case))
+        return procs[v][1].recv()
+
+    for case in case_names:  # warm every slot, kernel shape and graph once
+        for v in variants:
+            ask(v, "run", case)
+    secs: dict[str, dict[str, list[float]]] = {v: {c: [] for c in case_names} for v in variants}
+    for rep in range(args.reps):
+        for case in case_names:
+            for v in variants[rep % 2:] + variants[:rep % 2]:  # alternate who goes first
+                t = ask(v, "run", case)
+                if t is not None:
+                    secs[v][case].append(t)
+    logprobs = {v: ask(v, "logprobs", "distinct") for v in variants}
+    for v in variants:
+        procs[v][1].send(("stop", ""))
+        procs[v][0].join(timeout=60)
+
+    toks = N_REQ * args.tokens
+    rows, summary = [], {}
+    for v in variants:
+        tps = {c: toks / median(ts) for c, ts in secs[v].items() if ts}
+        summary[v] = {"tok_s": tps, "distinct_vs_one": tps.get("distinct", 0) / tps["one"] if "one" in tps else None,
+                      "mixes_vs_one": tps["mixes"] / tps["one"] if "mixes" in tps and "one" in tps else None}
+        rows += [[v, c, median(ts), tps[c]] for c, ts in secs[v].items() if ts]
+    print_table(rows, ["variant", "case (32 requests)", "seconds (median)", "output tok/s"])
+    parity = {}
+    if "stock" in logprobs:
+        ref = logprobs["stock"]
+        shifted = ref[1:] + ref[:1]
+        for v in variants:
+            if v == "stock":
+                continue
+            diff = max(abs(a - b) for r, o in zip(ref, logprobs[v]) for a, b in zip(r, o))
+            control = min(max(abs(a - b) for a, b in zip(r, o)) for r, o in zip(shifted, logprobs[v]))
+            parity[v] = {"max_abs_diff_vs_stock": diff, "tolerance": TOLERANCE, "within": diff <= TOLERANCE,
+                         "control_min_of_max_diff": control, "control_fails": control > TOLERANCE}
+            print(f"{v}: prompt logprobs vs stock, max |diff| {diff:.4f} (tolerance {TOLERANCE}); control "
+                  f"(next adapter's) smallest per-request max |diff| {control:.4f} (must exceed {TOLERANCE})")
+    for v, s in summary.items():
+        print(f"{v}: distinct / one = {s['distinct_vs_one']}, mixes / one = {s['mixes_vs_one']}")
+    if "stock" in summary and "plugin" in summary and "base" in summary["stock"]["tok_s"]:
+        ratio = summary["plugin"]["tok_s"]["base"] / summary["stock"]["tok_s"]["base"]
+        summary["base_plugin_vs_stock"] = ratio
+        print(f"base requests, plugin / stock tok/s = {ratio:.4f}")
+    write_json("decode_gpu", {"model": "Llama 1B-shaped, random weights (std 0.02)", "adapter_rank": RANK,
+                              "modules": list(MODULES), "max_lora_rank": 16, "slots": SLOTS, "requests": N_REQ,
+                              "prompt_tokens": PROMPT_LEN, "output_tokens": args.tokens, "reps": args.reps,
+                              "engines": info, "seconds": secs, "summary": summary, "parity": parity}, args.out)
+
+
+if __name__ == "__main__":
+    main()

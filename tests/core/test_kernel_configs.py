@@ -1,0 +1,132 @@
+"""The shipped LoRA kernel configs: table checks, and when register() points vLLM at them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from vllm_lora_ext.errors import KernelConfigError
+from vllm_lora_ext.kernel_configs import (
+    FOLDER,
+    SLICE_KEYS,
+    VLLM_ENV,
+    check_table,
+    config_file_names,
+    file_stem,
+    point_vllm_at_configs,
+    shipped_gpus,
+)
+
+SHRINK = {"block_m": 16, "block_n": 16, "block_k": 256, "split_k": 8, "num_warps": 4, "num_stages": 2, "num_ctas": 1,
+          "group_size_m": 8, "max_nreg": None}
+EXPAND = {"block_m": 16, "block_n": 128, "block_k": 16, "num_warps": 4, "num_stages": 2, "num_ctas": 1,
+          "max_nreg": None}
+
+
+def _table(config: dict) -> dict:
+    return {"33": {s: {"1": {"2048": {"16": dict(config)}}, "64": {"4096": {"16": dict(config)}}} for s in SLICE_KEYS}}
+
+
+def _write(folder: Path, stem: str, shrink: dict | None = None, expand: dict | None = None) -> None:
+    names = config_file_names(stem)
+    (folder / names[0]).write_text(json.dumps(shrink or _table(SHRINK)))
+    for name in names[1:]:
+        (folder / name).write_text(json.dumps(expand or _table(EXPAND)))
+
+
+def test_file_names_follow_vllm() -> None:
+    assert file_stem("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
+    assert file_stem("NVIDIA A100-SXM4-80GB") == "NVIDIA_A100_SXM4_80GB"
+    assert config_file_names("NVIDIA_H200")[1] == "NVIDIA_H200_EXPAND_TRUE.json"
+
+
+def test_a_complete_table_passes() -> None:
+    check_table(_table(SHRINK), "shrink")
+    check_table(_table(EXPAND), "expand")
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t["33"].pop("7"), "no num_slices 7"),
+    (lambda t: t["33"]["1"]["1"]["2048"]["16"].pop("split_k"), "split_k is None"),
+    (lambda t: t["33"]["1"]["1"]["2048"]["16"].update(block_m=True), "block_m is True"),
+    (lambda t: t["33"]["1"]["1"]["2048"]["16"].update(num_warps=0), "num_warps is 0"),
+    (lambda t: t["33"]["1"]["1"]["2048"]["16"].update(block_k=16.0), "block_k is 16.0"),
+    (lambda t: t["33"]["1"].update(big={}), "keyed by integers"),
+    (lambda t: t["33"]["1"].update({"8": {}}), "non-empty"),
+    (lambda t: t.update({"65": []}), "non-empty"),
+])
+def test_a_table_vllm_would_fail_on_is_refused_by_name(edit, message) -> None:
+    table = _table(SHRINK)
+    edit(table)
+    with pytest.raises(KernelConfigError, match=message) as info:
+        check_table(table, "shrink", name="X_SHRINK.json")
+    assert "X_SHRINK.json[" in str(info.value) and "VLLM_LORA_EXT_KERNEL_CONFIGS=0" in str(info.value)
+
+
+def test_expand_does_not_need_split_k() -> None:
+    config = {k: v for k, v in EXPAND.items() if k != "split_k"}
+    check_table(_table(config), "expand")
+    with pytest.raises(KernelConfigError, match="split_k"):
+        check_table(_table(config), "shrink")
+
+
+def test_points_vllm_at_a_folder_with_this_gpus_files(tmp_path: Path) -> None:
+    _write(tmp_path, "NVIDIA_H200")
+    env: dict[str, str] = {}
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) == tmp_path
+    assert env == {VLLM_ENV: str(tmp_path)}
+
+
+def test_leaves_a_users_folder_alone(tmp_path: Path) -> None:
+    _write(tmp_path, "NVIDIA_H200")
+    env = {VLLM_ENV: "/mine"}
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
+    assert env == {VLLM_ENV: "/mine"}
+
+
+def test_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(tmp_path, "NVIDIA_H200")
+    monkeypatch.setenv("VLLM_LORA_EXT_KERNEL_CONFIGS", "0")
+    env: dict[str, str] = {}
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
+    assert env == {}
+
+
+def test_another_gpu_or_no_gpu_keeps_vllms_defaults(tmp_path: Path) -> None:
+    _write(tmp_path, "NVIDIA_H200")
+    env: dict[str, str] = {}
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA A100-SXM4-80GB", folder=tmp_path) is None
+    assert point_vllm_at_configs(env, gpu_name="", folder=tmp_path) is None
+    (tmp_path / config_file_names("NVIDIA_H200")[2]).unlink()  # one file of three
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
+    assert env == {}
+
+
+def test_a_broken_file_is_logged_and_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broken = _table(EXPAND)
+    del broken["33"]["16"]
+    _write(tmp_path, "NVIDIA_H200", expand=broken)
+    env: dict[str, str] = {}
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
+        assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
+    assert env == {} and "no num_slices 16" in caplog.text
+    (tmp_path / config_file_names("NVIDIA_H200")[0]).write_text("{not json")
+    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
+
+
+def test_no_visible_gpu_means_no_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.kernel_configs import visible_gpu_name
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpu_name() is None
+
+
+@pytest.mark.parametrize("stem", shipped_gpus() or ["(none shipped)"])
+def test_every_shipped_table_is_complete(stem: str) -> None:
+    if stem == "(none shipped)":
+        pytest.skip("no tuned configs in the package")
+    for name in config_file_names(stem):
+        check_table(json.loads((FOLDER / name).read_text()), "shrink" if "SHRINK" in name else "expand", name=name)
