@@ -23,6 +23,10 @@ Usage (on the GPU machine)::
 
     python bench/tune_lora_kernels.py --out-dir src/vllm_lora_ext/kernel_configs --json tune.json
     python bench/tune_lora_kernels.py --grid quick ...   # the 1B decode shapes only (minutes)
+    python bench/tune_lora_kernels.py --rebuild r1.json r2.json --out-dir DIR   # tables from results (CPU)
+
+Shapes of the grid left untuned (``--budget-s`` ran out) are written with vLLM's default config, so that
+the nearest-key lookup falls back to vLLM's behaviour there rather than to a neighbour's tuned config.
 
 Prints, per shape, vLLM's default and the tuned time (µs, one adapter / all slots).
 """
@@ -245,22 +249,31 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop tuning new shapes after this long")
     ap.add_argument("--out-dir", default=None, help="write the vLLM config files here")
     ap.add_argument("--json", default=None, help="results file (default bench/results/tune_lora_<gpu>.json)")
+    ap.add_argument("--rebuild", nargs="*", default=None, help="write the tables from these results files")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_lora_kernels needs a CUDA GPU")
-    gpu = gpu_name()
+    gpu = gpu_name() if torch.cuda.is_available() else ""
     grid = GRIDS[args.grid]
     ops = [o for o in args.ops.split(",") if o]
     shapes = [(op, slots, slices, m, h, r) for m in grid["m"] for op in ops for slots in grid["slots"]
               for slices in grid["slices"] for h in grid["hidden"] for r in grid["rank"]]
     t0 = time.monotonic()
-    results = []
+    results: list[dict[str, Any]] = []
+    if args.rebuild:  # tables from earlier runs' results (CPU is enough: vLLM's defaults need no GPU)
+        for f in args.rebuild:
+            data = json.loads(Path(f).read_text())
+            gpu = data["gpu"]
+            results += [r for r in data["results"] if r["op"] in ops]
+        shapes = [s for s in shapes if s[0] in {r["op"] for r in results}]
+    elif not torch.cuda.is_available():
+        sys.exit("tune_lora_kernels needs a CUDA GPU (or --rebuild)")
     with tempfile.TemporaryDirectory(prefix="lora-tune-") as tmp:
         os.environ["VLLM_TUNED_CONFIG_FOLDER"] = tmp
         for i, (op, slots, slices, m, h, r) in enumerate(shapes):
+            if args.rebuild:
+                break
             left = args.budget_s - (time.monotonic() - t0)
             if left <= 0:
-                print(f"budget spent: {len(shapes) - i} of {len(shapes)} shapes not tuned")
+                print(f"budget spent: {len(shapes) - i} of {len(shapes)} shapes not tuned (vLLM's default kept)")
                 break
             default = default_config(op, slots, slices, m, h, r)
             res = tune_shape(Bench(op, slots, slices, m, h, r, Path(tmp)), default, min(left, 60.0))
@@ -269,6 +282,13 @@ def main() -> None:
             print(f"[{time.monotonic() - t0:6.0f}s] {op:6s} slots={slots:2d} slices={slices} m={m:5d} hidden={h:5d} "
                   f"r={r:2d}: default {d['one']:7.1f}/{d['all']:7.1f} us -> tuned {t['one']:7.1f}/{t['all']:7.1f} "
                   f"({res['tried']} tried)", flush=True)
+    tuned_keys = {(r["op"], tuple(r["key"])) for r in results}
+    for op, slots, slices, m, h, r in shapes:  # the grid's untuned shapes keep vLLM's default, so that the
+        key = (slots + 1, slices, m) + ((h, r) if op == "shrink" else (r, h))  # nearest lookup finds it there
+        if (op, key) not in tuned_keys:
+            d = default_config(op, slots, slices, m, h, r)
+            results.append({"op": op, "key": list(key), "default": d, "tuned": d, "default_us": None,
+                            "tuned_us": None, "tried": 0, "output_matches_default": True, "untuned": True})
     tables = build_tables(results)
     if args.out_dir:
         out = Path(args.out_dir)
@@ -278,7 +298,8 @@ def main() -> None:
                 (out / name).write_text(json.dumps(table, sort_keys=True, separators=(",", ":")) + "\n")
                 print("wrote", out / name)
     rows = [[r["op"], *r["key"], r["default_us"]["one"], r["tuned_us"]["one"], r["default_us"]["all"],
-             r["tuned_us"]["all"]] for r in results]
+             r["tuned_us"]["all"]] for r in results if not r.get("untuned")]
+    print(f"{sum(1 for r in results if r.get('untuned'))} grid shapes untuned (vLLM's default written)")
     print_table(rows, ["op", "slots+1", "slices", "m", "k", "n", "default us (1 adapter)", "tuned us (1)",
                        "default us (all slots)", "tuned us (all)"])
     write_json(f"tune_lora_{gpu.lower()}", {"gpu": gpu, "grid": args.grid, "reps_per_graph": REPS,
