@@ -5,8 +5,8 @@ on one GPU and driven in turn (rep by rep, case by case, variant by variant), so
 is interleaved on the same card:
 
 - ``stock``: vLLM without the plugin (``VLLM_PLUGINS=none``): vLLM's default LoRA kernel configs.
-- ``plugin``: the plugin as installed, which points vLLM at the tuned kernel configs shipped for this
-  GPU (or at ``--configs DIR``).
+- ``plugin``: the plugin as installed, whose shrink/expand launchers read the tuned kernel configs
+  shipped for this GPU (or vLLM reads ``--configs DIR`` through ``VLLM_TUNED_CONFIG_FOLDER``).
 - ``plugin_untuned`` (optional): the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``.
 
 The model is a 1B-shaped Llama with random weights (std 0.02, written here), so that logprobs mean
@@ -160,7 +160,8 @@ def engine_main(conn: Any, model: str, adapters: list[str], util: float, tokens:
                                         adapters[(i + 1) % N_REQ]: round(0.8 - 0.6 * i / N_REQ, 4)}, llm=llm)
                           for i in range(N_REQ)]
     conn.send({"ready": True, "start_s": start_s, "pid": os.getpid(),
-               "tuned_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"), "cases": sorted(cases)})
+               "tuned_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
+               "kernel_configs": os.environ.get("VLLM_LORA_EXT_KERNEL_CONFIGS", "shipped"), "cases": sorted(cases)})
     while True:
         cmd, case = conn.recv()
         if cmd == "stop":
@@ -212,7 +213,8 @@ def main() -> None:
         p.start()
         procs[v] = (p, parent)
         info[v] = parent.recv()
-        print(f"{v}: engine up in {info[v]['start_s']:.0f} s, tuned folder {info[v]['tuned_folder']}", flush=True)
+        print(f"{v}: engine up in {info[v]['start_s']:.0f} s, VLLM_TUNED_CONFIG_FOLDER {info[v]['tuned_folder']}, "
+              f"shipped configs {info[v]['kernel_configs']}", flush=True)
     os.environ.clear()
     os.environ.update(base_env)
 

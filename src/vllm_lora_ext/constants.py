@@ -52,7 +52,7 @@ ENV_BUILD_PROCESS = "VLLM_LORA_EXT_BUILD_PROCESS"  # 0: background builds run in
 ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shared file (default /dev/shm)
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
-ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: leave vLLM's default LoRA kernel configs
+ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA shrink/expand configs
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -98,7 +98,7 @@ def plugin_disabled() -> bool:
 
 
 def kernel_configs_enabled() -> bool:
-    """Return whether ``register()`` may point vLLM at the LoRA kernel configs shipped in the package."""
+    """Return whether vLLM's shrink/expand LoRA kernels may read the tuned configs shipped in the package."""
     return os.environ.get(ENV_KERNEL_CONFIGS, "1").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -1,9 +1,8 @@
-"""The shipped LoRA kernel configs: table checks, and when register() points vLLM at them."""
+"""The shipped LoRA kernel configs: table checks, loading, and vLLM's nearest-key lookup."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,11 @@ from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.kernel_configs import (
     FOLDER,
     SLICE_KEYS,
-    VLLM_ENV,
     check_table,
     config_file_names,
     file_stem,
-    point_vllm_at_configs,
+    load_tables,
+    lookup_config,
     shipped_gpus,
 )
 
@@ -73,55 +72,32 @@ def test_expand_does_not_need_split_k() -> None:
         check_table(_table(config), "shrink")
 
 
-def test_points_vllm_at_a_folder_with_this_gpus_files(tmp_path: Path) -> None:
+def test_lookup_takes_the_nearest_key_except_for_slices() -> None:
+    table = {"5": {"1": {"1": {"2048": {"16": {"block_m": 1}}}, "64": {"2048": {"16": {"block_m": 2}, "64": {"block_m": 3}},
+                                                                 "8192": {"16": {"block_m": 4}}}}},
+             "65": {"1": {"1": {"2048": {"16": {"block_m": 5}}}}, "3": {"32": {"2048": {"16": {"block_m": 6}}}}}}
+    assert lookup_config(table, max_loras=2, num_slices=1, m=1, k=2048, n=16) == {"block_m": 1}
+    assert lookup_config(table, max_loras=9, num_slices=1, m=40, k=2048, n=16) == {"block_m": 2}
+    assert lookup_config(table, max_loras=9, num_slices=1, m=40, k=2048, n=48) == {"block_m": 3}
+    assert lookup_config(table, max_loras=9, num_slices=1, m=40, k=7000, n=8) == {"block_m": 4}
+    assert lookup_config(table, max_loras=33, num_slices=1, m=1, k=2048, n=16) == {"block_m": 1}  # a tie: the first
+    assert lookup_config(table, max_loras=65, num_slices=3, m=1, k=1, n=1) == {"block_m": 6}
+    assert lookup_config(table, max_loras=65, num_slices=2, m=1, k=1, n=1) is None  # vLLM would raise KeyError
+
+
+def test_load_tables_reads_three_checked_files(tmp_path: Path) -> None:
+    assert load_tables("NVIDIA_H200", tmp_path) is None
     _write(tmp_path, "NVIDIA_H200")
-    env: dict[str, str] = {}
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) == tmp_path
-    assert env == {VLLM_ENV: str(tmp_path)}
-
-
-def test_leaves_a_users_folder_alone(tmp_path: Path) -> None:
-    _write(tmp_path, "NVIDIA_H200")
-    env = {VLLM_ENV: "/mine"}
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
-    assert env == {VLLM_ENV: "/mine"}
-
-
-def test_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _write(tmp_path, "NVIDIA_H200")
-    monkeypatch.setenv("VLLM_LORA_EXT_KERNEL_CONFIGS", "0")
-    env: dict[str, str] = {}
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
-    assert env == {}
-
-
-def test_another_gpu_or_no_gpu_keeps_vllms_defaults(tmp_path: Path) -> None:
-    _write(tmp_path, "NVIDIA_H200")
-    env: dict[str, str] = {}
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA A100-SXM4-80GB", folder=tmp_path) is None
-    assert point_vllm_at_configs(env, gpu_name="", folder=tmp_path) is None
-    (tmp_path / config_file_names("NVIDIA_H200")[2]).unlink()  # one file of three
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
-    assert env == {}
-
-
-def test_a_broken_file_is_logged_and_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tables = load_tables("NVIDIA_H200", tmp_path)
+    assert tables is not None and sorted(tables) == ["expand_false", "expand_true", "shrink"]
     broken = _table(EXPAND)
     del broken["33"]["16"]
     _write(tmp_path, "NVIDIA_H200", expand=broken)
-    env: dict[str, str] = {}
-    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
-        assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
-    assert env == {} and "no num_slices 16" in caplog.text
+    with pytest.raises(KernelConfigError, match="no num_slices 16"):
+        load_tables("NVIDIA_H200", tmp_path)
     (tmp_path / config_file_names("NVIDIA_H200")[0]).write_text("{not json")
-    assert point_vllm_at_configs(env, gpu_name="NVIDIA H200", folder=tmp_path) is None
-
-
-def test_no_visible_gpu_means_no_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_lora_ext.kernel_configs import visible_gpu_name
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert visible_gpu_name() is None
+    with pytest.raises(KernelConfigError, match="cannot be read"):
+        load_tables("NVIDIA_H200", tmp_path)
 
 
 @pytest.mark.parametrize("stem", shipped_gpus() or ["(none shipped)"])

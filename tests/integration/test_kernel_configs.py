@@ -1,4 +1,4 @@
-"""vLLM's own lookup reads the shipped LoRA kernel tables for any shape and slice count, never its default."""
+"""The shipped LoRA kernel tables through vLLM: the plugin's lookup equals vLLM's own, and only shrink/expand use it."""
 
 from __future__ import annotations
 
@@ -7,35 +7,95 @@ import json
 
 import pytest
 
-from vllm_lora_ext.kernel_configs import FOLDER, config_file_names, shipped_gpus
+from vllm_lora_ext.kernel_configs import FOLDER, config_file_names, lookup_config, shipped_gpus
 
 pytestmark = pytest.mark.vllm
 
+SHAPES = list(itertools.product((1, 4, 16, 32, 64, 128), range(1, 17), (1, 3, 32, 100, 512, 8192, 65536),
+                                (896, 2048, 5120, 14336, 29568), (8, 16, 64, 256)))
+
+
+@pytest.fixture
+def vllm_lookup(monkeypatch: pytest.MonkeyPatch):
+    from vllm.lora.ops.triton_ops import utils
+
+    utils.load_lora_op_config.cache_clear()
+    utils.get_lora_op_configs.cache_clear()
+    yield utils.get_lora_op_configs.__wrapped__ if hasattr(utils.get_lora_op_configs, "__vllm_lora_ext_patched__") \
+        else utils.get_lora_op_configs
+    utils.load_lora_op_config.cache_clear()
+    utils.get_lora_op_configs.cache_clear()
+
 
 @pytest.mark.parametrize("stem", shipped_gpus() or ["(none shipped)"])
-def test_vllm_finds_a_tuned_config_for_every_shape(stem: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plugins_lookup_equals_vllms_on_every_shipped_table(stem: str, monkeypatch: pytest.MonkeyPatch,
+                                                                 vllm_lookup) -> None:
+    """vLLM reading the folder through VLLM_TUNED_CONFIG_FOLDER and `lookup_config` agree on every shape."""
     if stem == "(none shipped)":
         pytest.skip("no tuned configs in the package")
     import torch
-    from vllm.lora.ops.triton_ops import utils
 
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(FOLDER))
     # vLLM names the file after torch.cuda.get_device_name(); the stem is already in that form.
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: stem)
-    tables = {name: json.loads((FOLDER / name).read_text()) for name in config_file_names(stem)}
-    leaves = {name: [json.dumps(c, sort_keys=True) for s in t.values() for ms in s.values() for ks in ms.values()
-                     for ns in ks.values() for c in ns.values()] for name, t in tables.items()}
-    utils.load_lora_op_config.cache_clear()
-    utils.get_lora_op_configs.cache_clear()
+    tables = [json.loads((FOLDER / name).read_text()) for name in config_file_names(stem)]
+    for op, add_inputs, table in (("shrink", None, tables[0]), ("expand", True, tables[1]),
+                                  ("expand", False, tables[2])):
+        for slots, slices, m, hidden, rank in SHAPES:
+            theirs = vllm_lookup(op, slots + 1, m, hidden, rank, slices, add_inputs=add_inputs)
+            k, n = (hidden, rank) if op == "shrink" else (rank, hidden)
+            ours = lookup_config(table, max_loras=slots + 1, num_slices=slices, m=m, k=k, n=n)
+            assert ours == theirs, (op, slots, slices, m, hidden, rank)
+
+
+@pytest.mark.parametrize("stem", shipped_gpus()[:1] or ["(none shipped)"])
+def test_only_shrink_and_expand_read_the_shipped_tables(stem: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if stem == "(none shipped)":
+        pytest.skip("no tuned configs in the package")
+    import vllm.lora.ops.triton_ops.lora_expand_op as expand_op
+    import vllm.lora.ops.triton_ops.lora_shrink_op as shrink_op
+    from vllm.lora.ops.triton_ops import utils
+
+    from vllm_lora_ext.integration import kernels, plugin
+
+    plugin.register()
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.setattr(kernels, "cuda_device_name", lambda: stem)  # this machine has no GPU to name
+    kernels._tables.cache_clear()
+    shrink, expand = shrink_op.get_lora_op_configs, expand_op.get_lora_op_configs
+    assert getattr(shrink, plugin.PATCH_MARK) and getattr(expand, plugin.PATCH_MARK)
+    assert utils.get_lora_op_configs is shrink.__wrapped__  # vLLM's own name elsewhere is untouched
+    table = json.loads((FOLDER / config_file_names(stem)[0]).read_text())
     try:
-        for op, add_inputs, name in (("shrink", None, config_file_names(stem)[0]),
-                                     ("expand", True, config_file_names(stem)[1]),
-                                     ("expand", False, config_file_names(stem)[2])):
-            for slots, slices, m, hidden, rank in itertools.product((1, 4, 16, 32, 64, 128), range(1, 17),
-                                                                     (1, 3, 32, 100, 512, 8192, 65536),
-                                                                     (896, 2048, 5120, 14336, 29568), (8, 16, 64, 256)):
-                config = utils.get_lora_op_configs(op, slots + 1, m, hidden, rank, slices, add_inputs=add_inputs)
-                assert json.dumps(config, sort_keys=True) in leaves[name], (op, slots, slices, m, hidden, rank)
+        got = shrink("shrink", 65, 32, 2048, 16, 3)
+        assert got == lookup_config(table, max_loras=65, num_slices=3, m=32, k=2048, n=16)
+        # fused-MoE ops go to vLLM (no table for them ships): its default for this shape
+        moe = shrink("fused_moe_lora_w13_shrink", 65, 32, 2048, 16, 2, None, 768)
+        assert moe == utils.get_lora_op_configs("fused_moe_lora_w13_shrink", 65, 32, 2048, 16, 2, None, 768)
+        # a user's folder wins: vLLM reads it (here: it has nothing, so vLLM's default)
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: stem)
+        shrink.cache_clear()
+        monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "/nonexistent")
+        utils.load_lora_op_config.cache_clear()
+        assert shrink("shrink", 65, 32, 2048, 16, 3)["split_k"] == 64  # vLLM's default below 128 tokens
+        shrink.cache_clear()
+        monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER")
+        utils.load_lora_op_config.cache_clear()
+        monkeypatch.setenv("VLLM_LORA_EXT_KERNEL_CONFIGS", "0")
+        assert shrink("shrink", 65, 32, 2048, 16, 3)["split_k"] == 64
+        monkeypatch.delenv("VLLM_LORA_EXT_KERNEL_CONFIGS")
+        # a slice count the table lacks goes to vLLM's lookup instead of failing the launch
+        shrink.cache_clear()
+        kernels._tables.cache_clear()
+        one_slice = {k: {"65": {"1": t["65"]["1"]}} for k, t in kernels.load_tables(stem).items()}
+        monkeypatch.setattr(kernels, "load_tables", lambda s: one_slice)
+        assert shrink("shrink", 65, 32, 2048, 16, 3)["split_k"] == 64
+        assert shrink("shrink", 65, 32, 2048, 16, 1) == lookup_config(table, max_loras=65, num_slices=1, m=32,
+                                                                       k=2048, n=16)
     finally:
+        shrink.cache_clear()
+        kernels._tables.cache_clear()
         utils.load_lora_op_config.cache_clear()
         utils.get_lora_op_configs.cache_clear()

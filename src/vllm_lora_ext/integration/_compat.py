@@ -30,6 +30,10 @@ LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
 BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+# The bf16 multi-LoRA kernels' launchers; each imports utils.get_lora_op_configs into its own namespace.
+LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
+LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"
+LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"
 
 
 # Where vLLM keeps create_error_response, newest first (found by feature, not by version string).
@@ -247,3 +251,21 @@ def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> N
 
 
 import importlib.util  # noqa: E402  (used by _PostImportFinder; kept last to stay cheap at import)
+
+
+def lora_kernels_batch_invariant() -> bool:
+    """Return whether vLLM runs its LoRA kernels batch-invariant (it then never uses tuned configs)."""
+    import sys
+
+    utils = sys.modules.get(LORA_OP_UTILS_MODULE)
+    return bool(getattr(utils, "is_batch_invariant", False))
+
+
+def cuda_device_name() -> str | None:
+    """Return ``torch.cuda.get_device_name()`` (the name vLLM's config files use), or None without CUDA."""
+    import torch
+
+    try:
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        return None

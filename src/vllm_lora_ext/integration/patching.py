@@ -30,9 +30,9 @@ class Patch:
     """One replacement of a vLLM attribute.
 
     Attributes:
-        module: the module that holds the class (patched right after vLLM imports it).
-        target: ``Class.method``.
-        params: the original's leading parameter names (after ``self``) the replacement relies on.
+        module: the module that holds the class or function (patched right after vLLM imports it).
+        target: ``Class.method``, or ``function`` for a name in the module itself.
+        params: the original's parameter names (after ``self`` for a method) the replacement relies on.
         make: ``make(original) -> replacement``.
         why: what would go wrong without it.
         delete_when: the upstream change that makes it unnecessary.
@@ -59,8 +59,9 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
     Raises:
         [`UnsupportedVLLMError`]: the class, the attribute, or one of its expected parameters is missing.
     """
-    cls_name, _, attr = patch.target.partition(".")
-    owner = getattr(module, cls_name, None)
+    cls_name, dot, attr = patch.target.partition(".")
+    owner: Any = getattr(module, cls_name, None) if dot else module
+    attr = attr if dot else cls_name
     original = getattr(owner, attr, None) if owner is not None else None
     if original is None:
         raise UnsupportedVLLMError(
@@ -69,7 +70,7 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
     if getattr(original, PATCH_MARK, False):
         original = original.__wrapped__
     try:
-        have = [p for p in inspect.signature(original).parameters][1:]
+        have = [p for p in inspect.signature(original).parameters][1 if dot else 0:]
     except (TypeError, ValueError):
         have = []
     missing = [p for p in patch.params if p not in have]

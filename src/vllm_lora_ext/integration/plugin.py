@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 from types import ModuleType
 from typing import Any
 
-from vllm_lora_ext import __version__, kernel_configs, metrics
+from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
 from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
@@ -27,12 +27,15 @@ from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
     BASE_SERVING_MODULE,
     LLM_ENGINE_MODULE,
+    LORA_EXPAND_OP_MODULE,
+    LORA_SHRINK_OP_MODULE,
     SERVING_MODELS_MODULE,
     WORKER_MANAGER_MODULE,
     cancel_hooks,
     check_vllm_version,
     when_imported,
 )
+from vllm_lora_ext.integration.kernels import make_get_lora_op_configs
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PATCH_MARK, Patch, apply_patch, applied, undo_all
 
 logger = logging.getLogger(__name__)
@@ -206,6 +209,8 @@ def _make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     return generate
 
 
+_KERNEL_CONFIG_PARAMS = ("op_type", "max_loras", "batch", "hidden_size", "rank", "num_slices", "add_inputs")
+
 PATCHES: tuple[Patch, ...] = (
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager._load_adapter", ("lora_request",), _make_load_adapter,
           why="the single place a worker turns a LoRA path into tensors: hf: sources, MoE layouts, EP reads, mixes, "
@@ -247,6 +252,12 @@ PATCHES: tuple[Patch, ...] = (
           why="hold a request's mix in the bounded registry until its generation ends, so it is never evicted "
               "(or its id reused) while in flight",
           delete_when="mixes are native vLLM adapters with their own lifetime"),
+    *(Patch(module, "get_lora_op_configs", _KERNEL_CONFIG_PARAMS, make_get_lora_op_configs,
+            why=f"{op}: vLLM's default config launches far more blocks than a batch over many adapters needs; read the "
+                "tuned tables shipped for this GPU. Setting VLLM_TUNED_CONFIG_FOLDER instead would also switch the "
+                "fused-MoE LoRA kernels away from vLLM's own config choice",
+            delete_when="vLLM ships tuned shrink/expand configs for these GPUs, or reads a tuned folder per op type")
+      for module, op in ((LORA_SHRINK_OP_MODULE, "shrink"), (LORA_EXPAND_OP_MODULE, "expand"))),
 )
 
 
@@ -273,7 +284,6 @@ def register() -> None:
         _REGISTERED = True
         return
     vllm_version = check_vllm_version()
-    kernel_configs.point_vllm_at_configs()  # before vLLM reads VLLM_TUNED_CONFIG_FOLDER; children inherit it
     metrics.setup()
     stall_threshold = stall_trace_seconds()
     if stall_threshold:

@@ -1,44 +1,43 @@
 """Tuned configs for vLLM's multi-LoRA Triton kernels (shrink and expand), shipped per GPU.
 
 vLLM picks the block sizes, split-K and warps of its LoRA kernels from a default that ignores the GPU
-and the number of adapters in the batch, unless ``VLLM_TUNED_CONFIG_FOLDER`` names a folder holding
-``{gpu}_SHRINK.json``, ``{gpu}_EXPAND_TRUE.json`` and ``{gpu}_EXPAND_FALSE.json``, where ``{gpu}`` is
+and the number of adapters in the batch. Its own way to change that is ``VLLM_TUNED_CONFIG_FOLDER``,
+a folder of ``{gpu}_SHRINK.json`` and ``{gpu}_EXPAND_{TRUE,FALSE}.json`` tables, ``{gpu}`` being
 ``torch.cuda.get_device_name()`` with spaces and dashes turned into underscores (``NVIDIA_H200``).
-Each file is a table ``[max_loras + 1][num_slices][m][k][n] -> config``: vLLM takes the nearest key at
-every level except ``num_slices``, which must be present.
+Each table is ``[max_loras + 1][num_slices][m][k][n] -> config``, read with the nearest key at every
+level except ``num_slices``. Setting that variable has a side effect, though: vLLM's fused-MoE LoRA
+layers then stop using their own shape-based config choice and look for fused-MoE tables instead.
 
-This folder holds such files, written by ``bench/tune_lora_kernels.py`` (which also records, per
-shape, vLLM's default time and the tuned one). `point_vllm_at_configs` sets the variable to this
-folder when the process's GPU has files here that pass `check_table`, unless the user set it already
-or switched this off with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``. It never imports vLLM or initialises
-CUDA: the GPU's name comes from NVML.
+So the plugin does not set it. This folder holds tables in vLLM's format (written by
+``bench/tune_lora_kernels.py``, which also records per shape vLLM's default time and the tuned one),
+and the plugin's patch of the shrink/expand launchers' config lookup reads them with `lookup_config`,
+which follows vLLM's nearest-key rule (a test compares the two on every shipped table). Everything
+else (fused MoE, fp8, a user's own ``VLLM_TUNED_CONFIG_FOLDER``, batch-invariant mode) goes to vLLM's
+lookup unchanged.
 
 Example:
     >>> file_stem("NVIDIA H100 80GB HBM3")
     'NVIDIA_H100_80GB_HBM3'
     >>> config_file_names("NVIDIA_H200")
     ('NVIDIA_H200_SHRINK.json', 'NVIDIA_H200_EXPAND_TRUE.json', 'NVIDIA_H200_EXPAND_FALSE.json')
+    >>> table = {"33": {"1": {"16": {"2048": {"16": {"block_m": 16}}}, "64": {"2048": {"16": {"block_m": 32}}}}}}
+    >>> lookup_config(table, max_loras=65, num_slices=1, m=50, k=4096, n=8)
+    {'block_m': 32}
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.constants import kernel_configs_enabled
 from vllm_lora_ext.errors import KernelConfigError
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["FOLDER", "VLLM_ENV", "check_table", "config_file_names", "file_stem", "point_vllm_at_configs",
-           "shipped_gpus", "visible_gpu_name"]
+__all__ = ["FOLDER", "SLICE_KEYS", "check_table", "config_file_names", "file_stem", "load_tables", "lookup_config",
+           "shipped_gpus"]
 
 FOLDER = Path(__file__).resolve().parent
-VLLM_ENV = "VLLM_TUNED_CONFIG_FOLDER"
 # The keys vLLM's launchers read from a config (shrink also reads group_size_m, with a default).
 _REQUIRED = {"shrink": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "num_ctas"),
              "expand": ("block_m", "block_n", "block_k", "num_warps", "num_stages", "num_ctas")}
@@ -102,71 +101,45 @@ def check_table(table: Any, op: str, *, name: str = "table") -> None:
     level(table, [], 0)
 
 
-def visible_gpu_name() -> str | None:
-    """Return the name of the first GPU this process would use, from NVML (no CUDA context), or None."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and not visible.strip():
-        return None
-    try:
-        import pynvml  # type: ignore[import-untyped]  # nvidia-ml-py, a vLLM dependency
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        first = (visible or "0").split(",")[0].strip()
-        if first.isdigit():
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+def _nearest(level: Mapping[str, Any], value: int) -> Any:
+    # vLLM's rule: the exact key, else the key nearest in value (the first of a tie, in the table's order).
+    exact = level.get(str(value))
+    return exact if exact else level[min(level.keys(), key=lambda key: abs(int(key) - value))]
 
 
-def point_vllm_at_configs(environ: MutableMapping[str, str] | None = None, *, gpu_name: str | None = None,
-                          folder: Path = FOLDER) -> Path | None:
-    """Set ``VLLM_TUNED_CONFIG_FOLDER`` to the shipped configs when they fit this process's GPU.
+def lookup_config(table: Mapping[str, Any], *, max_loras: int, num_slices: int, m: int, k: int,
+                  n: int) -> dict[str, Any] | None:
+    """Return the config vLLM would read from ``table`` for this launch, or None if ``num_slices`` is absent.
 
-    Leaves the variable alone (and returns None) when the user set it, when
-    ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, when no GPU name is known, when the folder has no files for
-    that GPU, or when a file fails `check_table` (logged: vLLM then uses its defaults).
-
-    Args:
-        environ: the environment to change (``os.environ`` by default).
-        gpu_name: the GPU's name as CUDA reports it (default: `visible_gpu_name`).
-        folder: where the tables are (default: this package's folder).
-
-    Returns:
-        The folder vLLM now reads, or None.
+    ``max_loras`` is what vLLM's launcher passes (slots + 1); (k, n) is (hidden, rank) for shrink and
+    (rank, largest slice) for expand. vLLM would fail on a missing ``num_slices``; here the caller
+    falls back to vLLM's own lookup instead.
     """
-    env = os.environ if environ is None else environ
-    if VLLM_ENV in env or not kernel_configs_enabled():
+    per_slices = _nearest(table, max_loras)
+    level = per_slices.get(str(num_slices))
+    if not level:
         return None
-    name = gpu_name if gpu_name is not None else visible_gpu_name()
-    if not name:
+    return dict(_nearest(_nearest(_nearest(level, m), k), n))
+
+
+def load_tables(stem: str, folder: Path = FOLDER) -> dict[str, dict[str, Any]] | None:
+    """Return this GPU's checked tables keyed ``"shrink"``, ``"expand_true"``, ``"expand_false"``, or None.
+
+    None when the folder lacks one of the three files.
+
+    Raises:
+        [`KernelConfigError`]: a file is not JSON or fails `check_table`.
+    """
+    names = config_file_names(stem)
+    if not all((folder / name).is_file() for name in names):
         return None
-    stem = file_stem(name)
-    files = config_file_names(stem)
-    if not all((folder / f).is_file() for f in files):
-        logger.debug("no tuned LoRA kernel configs for %s in %s: vLLM uses its defaults", stem, folder)
-        return None
-    for fname in files:
+    tables: dict[str, dict[str, Any]] = {}
+    for key, name in zip(("shrink", "expand_true", "expand_false"), names):
         try:
-            check_table(json.loads((folder / fname).read_text()), "shrink" if "SHRINK" in fname else "expand",
-                        name=fname)
+            table = json.loads((folder / name).read_text())
         except (OSError, ValueError) as exc:
-            logger.warning("not using the tuned LoRA kernel configs in %s: %s", folder, exc)
-            return None
-    env[VLLM_ENV] = str(folder)
-    logger.info("LoRA kernels: tuned configs for %s from %s (VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's defaults)",
-                stem, folder)
-    return folder
+            raise KernelConfigError(f"LoRA kernel config {name} cannot be read: {exc}. Reinstall vllm-lora-ext or "
+                                    f"set VLLM_LORA_EXT_KERNEL_CONFIGS=0 to use vLLM's defaults.") from exc
+        check_table(table, "shrink" if key == "shrink" else "expand", name=name)
+        tables[key] = table
+    return tables
