@@ -99,3 +99,28 @@ def test_only_shrink_and_expand_read_the_shipped_tables(stem: str, monkeypatch: 
         kernels._tables.cache_clear()
         utils.load_lora_op_config.cache_clear()
         utils.get_lora_op_configs.cache_clear()
+
+
+def test_the_shipped_tables_are_rebuilt_byte_for_byte_from_the_recorded_tuning_results(tmp_path) -> None:
+    """`bench/tune_lora_kernels.py --rebuild` turns bench/results/tune_lora_*.json into exactly the shipped files."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    results = root / "bench" / "results"
+    checked = 0
+    for gpu in ("h200", "h100"):
+        inputs = [results / f"tune_lora_{gpu}_{op}.json" for op in ("shrink", "expand")]
+        if not all(p.is_file() for p in inputs):
+            continue
+        out = tmp_path / gpu
+        run = subprocess.run([sys.executable, str(root / "bench" / "tune_lora_kernels.py"), "--grid", "full",
+                              "--rebuild", *map(str, inputs), "--out-dir", str(out), "--json", str(tmp_path / "r.json")],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for written in sorted(out.glob("*.json")):
+            assert written.read_bytes() == (FOLDER / written.name).read_bytes(), written.name
+            checked += 1
+    if not checked:
+        pytest.skip("no recorded tuning results")
