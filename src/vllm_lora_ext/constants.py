@@ -82,6 +82,11 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def _env_on(name: str) -> bool:
+    """A switch that is on unless set to 0/false/no/off."""
+    return os.environ.get(name, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def allow_unsupported_vllm() -> bool:
     """Return whether the user asked to run on an untested vLLM version anyway."""
     return _env_flag(ENV_ALLOW_UNSUPPORTED_VLLM)
@@ -99,7 +104,7 @@ def plugin_disabled() -> bool:
 
 def kernel_configs_enabled() -> bool:
     """Return whether vLLM's shrink/expand LoRA kernels may read the tuned configs shipped in the package."""
-    return os.environ.get(ENV_KERNEL_CONFIGS, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _env_on(ENV_KERNEL_CONFIGS)
 
 
 def allow_unmatched_keys() -> bool:
@@ -170,7 +175,7 @@ def deployment_config_path() -> str | None:
 
 def prebuild_enabled() -> bool:
     """Return whether adapters are built off the engine loop (``VLLM_LORA_EXT_PREBUILD``, default on)."""
-    return os.environ.get(ENV_PREBUILD, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return _env_on(ENV_PREBUILD)
 
 
 def prebuild_builds() -> int:
@@ -190,7 +195,7 @@ def prebuild_wait_seconds() -> float:
 
 def build_process_enabled() -> bool:
     """Return whether background builds run in a separate build process (``VLLM_LORA_EXT_BUILD_PROCESS``, default on)."""
-    return os.environ.get(ENV_BUILD_PROCESS, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return _env_on(ENV_BUILD_PROCESS)
 
 
 def stage_gpu_bytes() -> int:

@@ -165,7 +165,7 @@ class KernelConfigError(VllmLoraExtError, ValueError):
     """A LoRA kernel config table (``{gpu}_SHRINK.json``, ``{gpu}_EXPAND_*.json``) is not one vLLM can use.
 
     vLLM reads these tables inside the kernel launch, where a missing key fails the engine step; the
-    plugin checks a table before pointing vLLM at it.
+    plugin checks a shipped table before its shrink/expand lookup answers from it.
     """
 
 

@@ -21,8 +21,7 @@ def vllm_lookup(monkeypatch: pytest.MonkeyPatch):
 
     utils.load_lora_op_config.cache_clear()
     utils.get_lora_op_configs.cache_clear()
-    yield utils.get_lora_op_configs.__wrapped__ if hasattr(utils.get_lora_op_configs, "__vllm_lora_ext_patched__") \
-        else utils.get_lora_op_configs
+    yield utils.get_lora_op_configs  # the plugin patches only the launchers' imported names, never this one
     utils.load_lora_op_config.cache_clear()
     utils.get_lora_op_configs.cache_clear()
 
