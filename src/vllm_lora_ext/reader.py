@@ -9,13 +9,13 @@ requested rows/columns are copied. Every read is counted in a [`ReadStats`].
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import math
 import operator
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 from dataclasses import dataclass, field
@@ -104,11 +104,18 @@ class FileHeader:
 
 @dataclass
 class ReadStats:
-    """Bytes and tensors actually read from disk (header bytes included)."""
+    """Bytes and tensors actually read from disk (header bytes included); safe to count into from many threads."""
 
     bytes_read: int = 0
     tensors_read: int = 0
     files: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, nbytes: int = 0, tensors: int = 0) -> None:
+        """Add ``nbytes`` read and ``tensors`` read (MoE blocks are read on several threads at once)."""
+        with self._lock:
+            self.bytes_read += nbytes
+            self.tensors_read += tensors
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -374,6 +381,32 @@ def _pread_exactly(fd: int, into: memoryview, offset: int, *, path: Path, key: s
         got += n
 
 
+_IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
+
+
+def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path) -> int:
+    """Fill the buffers ``into``, in order, from ``fd``'s bytes at ``offset`` on; return the bytes read.
+
+    Raises:
+        [`AdapterFormatError`]: the file ends first (it is truncated).
+    """
+    bufs = [b for b in into if len(b)]
+    total = sum(len(b) for b in bufs)
+    at, got = 0, 0
+    while at < len(bufs):
+        n = os.preadv(fd, bufs[at:at + _IOV_MAX], offset + got)
+        if n <= 0:
+            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}; the file is truncated. "
+                                     f"Re-download it.")
+        got += n
+        while at < len(bufs) and n >= len(bufs[at]):  # skip the buffers filled, keep the rest of a partial one
+            n -= len(bufs[at])
+            at += 1
+        if n:
+            bufs[at] = bufs[at][n:]
+    return total
+
+
 class SafetensorsReader:
     """Reads one safetensors file key by key, slice by slice, or many keys at once; counts every byte.
 
@@ -393,8 +426,7 @@ class SafetensorsReader:
         """Read one tensor, or only the ``(dim, start, stop)`` ranges of it (concatenated along ``dim``)."""
         local = ReadStats()
         t = read_tensors(self.path, [key], slices={key: ranges} if ranges else None, stats=local, header=self.header)
-        self.stats.bytes_read += local.bytes_read - self.header.header_bytes  # the header was counted once
-        self.stats.tensors_read += local.tensors_read
+        self.stats.count(local.bytes_read - self.header.header_bytes, local.tensors_read)  # the header was counted once
         return t[key]
 
     def read_many(self, keys: Sequence[str], *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -424,7 +456,7 @@ class SafetensorsReader:
                 start, end = offsets[span[0]][0], offsets[span[-1]][1]
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 _pread_exactly(fd, memoryview(buf.numpy()), start, path=self.path, key=span[0])  # type: ignore[arg-type]
-                self.stats.bytes_read += end - start
+                self.stats.count(end - start)
                 for key in span:
                     info = self.header.tensors[key]
                     a, b = offsets[key]
@@ -434,7 +466,7 @@ class SafetensorsReader:
                     else:
                         t = buf[a - start:b - start].view(dt).view(info.shape)
                     out[key] = t.clone() if copy else t
-                    self.stats.tensors_read += 1
+                    self.stats.count(tensors=1)
                 del buf
         finally:
             os.close(fd)
@@ -445,16 +477,18 @@ class SafetensorsReader:
                     bundle: int = 1) -> list[torch.Tensor | None]:
         """Read groups of same-shape tensors stacked: each result equals ``torch.stack([read(k) for k in group])``.
 
-        Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): the requested
-        tensors are read with one ``pread`` per run of adjacent ones, packed back to back in one buffer,
-        and each group is gathered out of it with one copy, rather than one tensor object and one copy per
-        key. A group gathers when its tensors lie at a regular stride in that buffer: each expert's keys
-        saved together, in any expert order, whether all experts are read or a rank's share of them.
-        ``None`` comes back for a group that does not (mixed shapes or dtypes, an irregular file), and the
-        caller reads it key by key. ``into(shape, dtype)`` gives the memory a stack is written to
-        (default: a new tensor). With ``bundle``, each ``bundle`` consecutive groups (an A and its B) are
-        stacked together or not at all, so that ``into`` gives no memory to half a pair. Only the bytes of
-        the groups returned are read.
+        Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): each tensor's bytes
+        are read straight into its row of the stacked result, with one ``preadv`` per run of adjacent
+        tensors in the file (up to the system's ``IOV_MAX`` rows a call). There is no tensor per key and
+        no copy after the read, whatever order the file keeps the experts in, whether all experts are read
+        or a rank's share of them. ``None`` comes back for a group whose tensors differ in shape or dtype
+        (or that is empty), and the caller reads it key by key. ``into(shape, dtype)`` gives the memory a
+        stack is written to (default: a new tensor). With ``bundle``, each ``bundle`` consecutive groups (an
+        A and its B) are stacked together or not at all, so that ``into`` gives no memory to half a pair.
+        Only the bytes of the groups returned are read, each once (a key in two places is copied).
+
+        Raises:
+            [`AdapterFormatError`]: the file ends before a tensor does (it is truncated).
         """
         infos = self.header.tensors
         offsets = self.header.offsets
@@ -467,65 +501,42 @@ class SafetensorsReader:
                 continue
             dt = torch_dtype_of(first.dtype, key=group[0])
             plans.append((dt, tuple(first.shape), math.prod(first.shape) * dt.itemsize))
-        live = [g for g, plan in enumerate(plans) if plan is not None]
-        gathers: list[tuple[int, int, int, list[int]]] = []  # (group, first packed offset, stride, rows)
-        runs: list[tuple[int, int, int]] = []  # (file start, file end, packed start)
-        for _ in range(3):  # dropping a group changes the packing of the rest: settle (or give up) in a few rounds
-            runs = []
-            packed = 0
-            for key in sorted({k for g in live for k in groups[g]}, key=lambda k: offsets[k][0]):
-                a, b = offsets[key]
-                if runs and runs[-1][1] == a:
-                    runs[-1] = (runs[-1][0], b, runs[-1][2])
-                else:
-                    runs.append((a, b, packed))
-                packed += b - a
-            starts = [r[0] for r in runs]
-
-            def packed_at(key: str) -> int:
-                at = offsets[key][0]
-                run = runs[bisect.bisect_right(starts, at) - 1]
-                return run[2] + at - run[0]
-
-            gathers = []
-            for g in live:
-                nbytes = plans[g][2]  # type: ignore[index]
-                offs = [packed_at(k) for k in groups[g]]
-                lo = min(offs)
-                stride = 0
-                for o in offs:
-                    stride = math.gcd(stride, o - lo)
-                if len(offs) > 1 and (stride < nbytes or nbytes == 0):
-                    continue
-                gathers.append((g, lo, stride or max(nbytes, 1), offs))
-            ok = {gather[0] for gather in gathers}
-            keep = [g for g in ok if all(m in ok for m in range(g - g % bundle, g - g % bundle + bundle))]
-            if sorted(keep) == live:
-                break
-            live = sorted(keep)
-        else:
-            live, gathers = [], []
         results: list[torch.Tensor | None] = [None] * len(groups)
+        live = [g for g in range(len(groups)) if all(m < len(plans) and plans[m] is not None
+                                                     for m in range(g - g % bundle, g - g % bundle + bundle))]
         if not live:
             return results
-        buf = torch.empty(sum(b - a for a, b, _ in runs), dtype=torch.uint8)
-        view = memoryview(buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        targets: list[tuple[int, int, memoryview]] = []  # (file start, file end, where its bytes go)
+        for g in live:
+            dt, shape, nbytes = plans[g]  # type: ignore[misc]
+            n = len(groups[g])
+            out = into((n, *shape), dt) if into is not None else torch.empty((n, *shape), dtype=dt)
+            results[g] = out
+            if nbytes == 0:
+                continue
+            rows = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+            for i, key in enumerate(groups[g]):
+                a, b = offsets[key]
+                targets.append((a, b, rows[i * nbytes:(i + 1) * nbytes]))
+            self.stats.count(tensors=n)
+        targets.sort(key=operator.itemgetter(0))
+        runs: list[tuple[int, list[memoryview]]] = []  # (file start, destinations back to back in the file)
+        copies: list[tuple[memoryview, memoryview]] = []  # a key asked for again: (destination, first copy)
+        end = -1
+        for a, b, dest in targets:
+            if a < end:  # the same key again (tensors do not overlap, read_header checks)
+                copies.append((dest, runs[-1][1][-1]))
+            elif a == end and len(runs[-1][1]) < _IOV_MAX:
+                runs[-1][1].append(dest)
+            else:
+                runs.append((a, [dest]))
+            end = max(end, b)
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            for start, end, at in runs:
-                _pread_exactly(fd, view[at:at + end - start], start, path=self.path)
-                self.stats.bytes_read += end - start
+            for start, dests in runs:
+                self.stats.count(_preadv_exactly(fd, dests, start, path=self.path))
         finally:
-            del view
             os.close(fd)
-        for g, lo, stride, offs in gathers:
-            dt, shape, nbytes = plans[g]  # type: ignore[misc]
-            rows = [(o - lo) // stride for o in offs]
-            count = max(rows) + 1
-            table = buf[lo:lo + (count - 1) * stride + nbytes].as_strided((count, nbytes), (stride, 1))
-            n = len(rows)
-            out = into((n, *shape), dt) if into is not None else torch.empty((n, *shape), dtype=dt)
-            torch.index_select(table, 0, torch.tensor(rows), out=out.view(-1).view(torch.uint8).view(n, nbytes))
-            results[g] = out
-            self.stats.tensors_read += n
+        for dest, origin in copies:
+            dest[:] = origin
         return results

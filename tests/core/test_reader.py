@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import struct
 from pathlib import Path
@@ -208,10 +209,62 @@ def test_read_stacks_gives_none_for_what_it_cannot_gather_and_pairs_stay_whole(t
     sparse = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 2, 7)]  # a rank's share: 3 runs
     (stacked,) = reader.read_stacks([sparse])
     assert stacked is not None and torch.equal(stacked, torch.stack([tensors[k] for k in sparse]))
-    # Packed back to back with expert 3's smaller down A between them, these lie 72 and 48 bytes apart: no stride.
+    # Experts at no regular stride in the file (expert 3's smaller down A lies between them): still one read each.
     odd_a = "m.layers.0.mlp.experts.3.down_proj.lora_A.weight"
     irregular = [f"m.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight" for e in (0, 3, 4)]
     before = reader.stats.bytes_read
     got = reader.read_stacks([irregular, [odd_a]])
-    assert got[0] is None and got[1] is not None and torch.equal(got[1][0], tensors[odd_a])
-    assert reader.stats.bytes_read - before == tensors[odd_a].nbytes  # the group given back was not read
+    assert got[0] is not None and torch.equal(got[0], torch.stack([tensors[k] for k in irregular]))
+    assert got[1] is not None and torch.equal(got[1][0], tensors[odd_a])
+    assert reader.stats.bytes_read - before == tensors[odd_a].nbytes + sum(tensors[k].nbytes for k in irregular)
+
+
+def test_read_stacks_reads_a_key_asked_for_twice_once(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    tensors = _experts_file(path)
+    k0, k1 = (f"m.layers.0.mlp.experts.{e}.gate_proj.lora_A.weight" for e in (0, 1))
+    reader = SafetensorsReader(path)
+    before = reader.stats.bytes_read
+    got = reader.read_stacks([[k0, k1, k0], [k1, k0, k0]])
+    assert torch.equal(got[0], torch.stack([tensors[k0], tensors[k1], tensors[k0]]))  # type: ignore[arg-type]
+    assert torch.equal(got[1], torch.stack([tensors[k1], tensors[k0], tensors[k0]]))  # type: ignore[arg-type]
+    assert reader.stats.bytes_read - before == tensors[k0].nbytes + tensors[k1].nbytes
+
+
+def test_read_stacks_splits_runs_longer_than_one_call_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_lora_ext.reader as reader_mod
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    tensors = _experts_file(path)
+    monkeypatch.setattr(reader_mod, "_IOV_MAX", 5)  # a block's 48 adjacent tensors take ten calls
+    calls: list[int] = []
+    real = os.preadv
+
+    def counted(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers[:2], offset) if len(buffers) > 2 else real(fd, buffers, offset)  # short reads too
+
+    monkeypatch.setattr(reader_mod.os, "preadv", counted)
+    groups = [[f"m.layers.0.mlp.experts.{e}.{proj}.lora_{w}.weight" for e in range(12)]
+              for proj in ("gate_proj", "down_proj") for w in "AB"]
+    got = SafetensorsReader(path).read_stacks(groups)
+    for group, stacked in zip(groups, got):
+        assert stacked is not None and torch.equal(stacked, torch.stack([tensors[k] for k in group]))
+    assert max(calls) <= 5 and len(calls) > 48 // 5
+
+
+def test_read_stacks_refuses_a_truncated_file(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "a.safetensors"
+    _experts_file(path)
+    reader = SafetensorsReader(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 200])  # the last tensors lose their bytes after the header was read
+    groups = [[f"m.layers.0.mlp.experts.{e}.{proj}.lora_{w}.weight" for e in range(12)]
+              for proj in ("gate_proj", "down_proj") for w in "AB"]
+    with pytest.raises(AdapterFormatError, match="truncated"):
+        reader.read_stacks(groups)
