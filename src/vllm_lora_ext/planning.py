@@ -14,12 +14,12 @@ from typing import Protocol
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
-from vllm_lora_ext.formats import classify_key
+from vllm_lora_ext.formats import KeyInfo, classify_key, strip_peft_prefix
 from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
 from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
 
-__all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "find_unmatched", "plan_adapter",
-           "same_layer_block"]
+__all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "expert_pattern", "find_unmatched", "plan_adapter",
+           "routes_experts_alike", "same_layer_block"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,32 @@ class KeyRouter(Protocol):
         """The model's module name for a LoRA key, or ``None`` if the key is not a LoRA weight."""
 
 
+def routes_experts_alike(router: KeyRouter) -> bool:
+    """Whether ``router`` decides alike for per-expert keys that differ only in the expert number.
+
+    A router says so with a ``routes_experts_alike()`` method returning ``True``; then
+    [`plan_adapter`] asks it about one key per MoE block, projection and factor, not about each of
+    an MoE adapter's ~37k keys. Routers without the method are asked about every key.
+    """
+    method = getattr(router, "routes_experts_alike", None)
+    return bool(method()) if callable(method) else False
+
+
+def expert_pattern(key: str, info: KeyInfo) -> tuple[str, str] | None:
+    """Split a per-expert (2D) key around its expert number: the keys of one block, projection and factor
+    give the same pair, and any two keys giving the same pair differ in the expert number only.
+
+    Example:
+        >>> expert_pattern(k := "base_model.model.m.layers.0.mlp.experts.12.up_proj.lora_A.weight", classify_key(k))
+        ('base_model.model.m.layers.0.mlp.experts.', '.up_proj.lora_A.weight')
+    """
+    if info.kind != "moe_2d" or info.experts_prefix is None or info.proj is None:
+        return None
+    start = len(key) - len(strip_peft_prefix(key)) + len(info.experts_prefix) + 1  # where the expert number begins
+    digits = len(info.module) - len(info.experts_prefix) - len(info.proj) - 2
+    return key[:start], key[start + digits:]
+
+
 class PeftKeyRouter:
     """A router for models whose module names are PEFT's with ``base_model.model.`` removed (tests, offline).
 
@@ -94,6 +120,9 @@ class PeftKeyRouter:
     def module(self, key: str) -> str | None:
         info = classify_key(key)
         return None if info.kind == "other" else info.module
+
+    def routes_experts_alike(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -167,14 +196,27 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     not_lora: list[str] = []
     moe_unmatched: list[str] = []
     block_of: dict[str, str] = {}  # experts prefix in the file -> the model's block (one routing per prefix)
+    alike = routes_experts_alike(router)
+    answers: dict[tuple[str, str], str] = {}  # per-expert key pattern -> "skip", "other" or "lora"
     for key in shapes:
-        if router.skip(key):
+        info = classify_key(key)
+        pattern = expert_pattern(key, info) if alike else None
+        module: str | None = None
+        if pattern is not None and pattern in answers:  # a per-expert key like one the router has answered for
+            verdict = answers[pattern]
+        else:
+            if router.skip(key):
+                verdict = "skip"
+            else:
+                module = router.module(key)
+                verdict = "other" if module is None else "lora"
+            if pattern is not None:
+                answers[pattern] = verdict
+        if verdict == "skip":
             continue
-        module = router.module(key)
-        if module is None:
+        if verdict == "other":
             not_lora.append(key)
             continue
-        info = classify_key(key)
         if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
             prefix = block_of.get(info.experts_prefix)
             if prefix is None:
@@ -185,6 +227,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
             else:
                 moe_unmatched.append(key)
             continue
+        assert module is not None  # not a per-expert key: the router was asked about this one
         modules.setdefault(module, []).append(key)
         module_of[key] = module
         dense_keys.append(key)

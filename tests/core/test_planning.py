@@ -57,3 +57,56 @@ def test_keys_matching_nothing_are_all_listed_or_dropped_when_allowed() -> None:
 def test_every_check_runs_before_anything_is_read(shapes: dict, kw: dict, err: type, fragment: str) -> None:
     with pytest.raises(err, match=fragment):
         _plan(shapes, **kw)
+
+
+class _AskedRouter(PeftKeyRouter):
+    """PEFT's naming, counting the keys it is asked about; ``alike`` says whether it routes experts alike."""
+
+    def __init__(self, alike: bool, drop: str | None = None) -> None:
+        self.alike, self.drop, self.asked = alike, drop, 0
+
+    def skip(self, key: str) -> bool:
+        return False
+
+    def module(self, key: str) -> str | None:
+        self.asked += 1
+        return None if self.drop is not None and self.drop in key else super().module(key)
+
+    def routes_experts_alike(self) -> bool:
+        return self.alike
+
+
+def _experts(n: int = 4, *, prefix: str = f"{P}{MOE}") -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for e in range(n):
+        for proj, (d_in, d_out) in {"w1": (16, 6), "w2": (6, 16), "w3": (16, 6)}.items():
+            shapes[f"{prefix}.{e}.{proj}.lora_A.weight"] = (4, d_in)
+            shapes[f"{prefix}.{e}.{proj}.lora_B.weight"] = (d_out, 4)
+    return shapes
+
+
+def test_a_router_that_routes_experts_alike_is_asked_once_per_block_projection_and_factor() -> None:
+    from vllm_lora_ext.formats import classify_key
+    from vllm_lora_ext.planning import expert_pattern
+
+    shapes = {**_dense("model.layers.0.self_attn.q_proj"), **_experts()}
+    plans = {}
+    for alike in (False, True):
+        router = _AskedRouter(alike)
+        plans[alike] = plan_adapter(shapes, config_from_dict({"r": 4, "lora_alpha": 8}), SPEC, router=router)
+        assert router.asked == (2 + 6 + 1 if alike else len(shapes) + 1)  # (+1: the block's own name, once)
+    assert plans[True] == plans[False]
+    # the pattern splits around the expert number only, leading zeros and many digits included
+    for key in (f"{P}{MOE}.007.w1.lora_A.weight", f"{MOE}.12345.w3.lora_B.weight"):
+        head, tail = expert_pattern(key, classify_key(key))  # type: ignore[misc]
+        assert key.startswith(head) and key.endswith(tail) and key[len(head):len(key) - len(tail)].isdecimal()
+        assert head.endswith(".experts.") and tail.startswith(".w")
+    assert expert_pattern(f"{P}{MOE}.lora_A.weight", classify_key(f"{P}{MOE}.lora_A.weight")) is None  # 3D
+
+
+def test_keys_a_router_refuses_are_refused_all_alike_when_it_routes_experts_alike() -> None:
+    shapes = {**_dense("model.layers.0.self_attn.q_proj"), **_experts()}
+    for alike in (False, True):
+        with pytest.raises(UnmatchedKeysError) as e:
+            plan_adapter(shapes, config_from_dict({"r": 4}), SPEC, router=_AskedRouter(alike, drop=".w2."))
+        assert sorted(e.value.keys) == sorted(k for k in shapes if ".w2." in k)  # all eight, either way

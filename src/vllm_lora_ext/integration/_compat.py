@@ -8,7 +8,7 @@ import importlib.metadata
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -74,6 +74,36 @@ def unstacked_mapper(mapper: Any) -> Any:
             return method()
     raise UnsupportedVLLMError("vllm_lora_ext cannot find the model's renames-only weights mapper "
                                "(get_rename_mapper / get_unstacked_mapper); this vLLM release is not supported yet.")
+
+
+# WeightsMapper fields that rename by literal text (0.26-0.33: substring, prefix, suffix; stacked names too).
+_LITERAL_MAPPER_RULES = ("orig_to_new_substr", "orig_to_new_prefix", "orig_to_new_suffix", "orig_to_new_stacked")
+
+
+def mapper_ignores_expert_numbers(mapper: Any) -> bool:
+    """Whether ``mapper`` (a ``WeightsMapper`` or ``None``) maps keys that differ only in an expert number alike.
+
+    True when every rule it has matches literal text without a digit. Such a rule matches two keys
+    ``...experts.3.up_proj...`` and ``...experts.12.up_proj...`` at the same places (an occurrence cannot
+    reach into the number, which dots surround), so both are kept or both dropped, and renamed alike. A
+    regex or a renaming rule, a rule with a digit, or a field this list does not know makes it False: the
+    loader then asks vLLM's parser about every key.
+    """
+    if mapper is None:
+        return True
+    import dataclasses
+
+    if not dataclasses.is_dataclass(mapper):
+        return False
+    for f in dataclasses.fields(mapper):
+        rules = getattr(mapper, f.name, None)
+        if not rules:
+            continue
+        if f.name not in _LITERAL_MAPPER_RULES or not isinstance(rules, Mapping):
+            return False
+        if any(not isinstance(text, str) or any(c.isdigit() for c in text) for text in rules):
+            return False
+    return True
 
 
 # Modules a build job's pickled key mapper (vLLM's ``WeightsMapper``) needs: a build process imports them while it
@@ -269,3 +299,23 @@ def cuda_device_name() -> str | None:
         return torch.cuda.get_device_name() if torch.cuda.is_available() else None
     except Exception:
         return None
+
+
+def lora_host_memory_pinned() -> bool:
+    """Whether vLLM pins a LoRA model's CPU tensors when it registers one (``PIN_MEMORY``, 0.26-0.33).
+
+    vLLM's model manager copies every factor of a new adapter into pinned memory after the load
+    (``tensor.pin_memory()``), unless it is pinned already.
+    """
+    try:
+        from vllm.utils.torch_utils import PIN_MEMORY
+    except ImportError:
+        return False
+    return bool(PIN_MEMORY)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new tensor in pinned host memory (torch's caching host allocator, as vLLM's ``pin_memory()`` uses)."""
+    import torch
+
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -22,7 +22,8 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import is_first_model_rank, unstacked_mapper, validate_loaded
+from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, unstacked_mapper,
+                                                validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -73,6 +74,13 @@ class VllmKeyRouter:
             return str(parse_fine_tuned_lora_name(key, self.mapper)[0])
         except ValueError:
             return None
+
+    def routes_experts_alike(self) -> bool:
+        """Whether per-expert keys that differ only in the expert number get the same answers (see
+        `plan_adapter`): the mapper and the skipped prefixes hold no rule that could tell them apart."""
+        prefixes = self.skip_prefixes or []
+        return (mapper_ignores_expert_numbers(self.mapper)
+                and not any(any(c.isdigit() for c in p) for p in prefixes))
 
 
 def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
