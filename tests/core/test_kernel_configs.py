@@ -85,6 +85,18 @@ def test_lookup_takes_the_nearest_key_except_for_slices() -> None:
     assert lookup_config(table, max_loras=65, num_slices=2, m=1, k=1, n=1) is None  # vLLM would raise KeyError
 
 
+def test_a_hidden_size_below_every_tuned_one_gets_vllms_default() -> None:
+    table = {"5": {"1": {"64": {"2048": {"16": {"block_m": 2}}, "8192": {"16": {"block_m": 4}, "64": {"block_m": 5}}}}}}
+    # shrink: k is the hidden size
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=256, n=16) == {"block_m": 2}  # vLLM's nearest rule
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=256, n=16, hidden="k") is None
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=2048, n=16, hidden="k") == {"block_m": 2}
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=16384, n=16, hidden="k") == {"block_m": 4}
+    # expand: n is the hidden size (here the level under k = 8192 holds n = 16 and 64)
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=8192, n=8, hidden="n") is None
+    assert lookup_config(table, max_loras=5, num_slices=1, m=64, k=8192, n=50, hidden="n") == {"block_m": 5}
+
+
 def test_load_tables_reads_three_checked_files(tmp_path: Path) -> None:
     assert load_tables("NVIDIA_H200", tmp_path) is None
     _write(tmp_path, "NVIDIA_H200")

@@ -12,7 +12,7 @@ from vllm_lora_ext.kernel_configs import FOLDER, config_file_names, lookup_confi
 pytestmark = pytest.mark.vllm
 
 SHAPES = list(itertools.product((1, 4, 16, 32, 64, 128), range(1, 17), (1, 3, 32, 100, 512, 8192, 65536),
-                                (896, 2048, 5120, 14336, 29568), (8, 16, 64, 256)))
+                                (256, 896, 2048, 5120, 14336, 29568), (8, 16, 64, 256)))
 
 
 @pytest.fixture
@@ -29,7 +29,8 @@ def vllm_lookup(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("stem", shipped_gpus() or ["(none shipped)"])
 def test_the_plugins_lookup_equals_vllms_on_every_shipped_table(stem: str, monkeypatch: pytest.MonkeyPatch,
                                                                  vllm_lookup) -> None:
-    """vLLM reading the folder through VLLM_TUNED_CONFIG_FOLDER and `lookup_config` agree on every shape."""
+    """vLLM reading the folder through VLLM_TUNED_CONFIG_FOLDER and `lookup_config` agree on every shape; with the
+    hidden size named, one below every tuned size gets None (the launcher then asks vLLM, which has no folder)."""
     if stem == "(none shipped)":
         pytest.skip("no tuned configs in the package")
     import torch
@@ -45,6 +46,9 @@ def test_the_plugins_lookup_equals_vllms_on_every_shipped_table(stem: str, monke
             k, n = (hidden, rank) if op == "shrink" else (rank, hidden)
             ours = lookup_config(table, max_loras=slots + 1, num_slices=slices, m=m, k=k, n=n)
             assert ours == theirs, (op, slots, slices, m, hidden, rank)
+            named = lookup_config(table, max_loras=slots + 1, num_slices=slices, m=m, k=k, n=n,
+                                  hidden="k" if op == "shrink" else "n")
+            assert named == (None if hidden < 2048 else theirs), (op, slots, slices, m, hidden, rank)
 
 
 @pytest.mark.parametrize("stem", shipped_gpus()[:1] or ["(none shipped)"])
@@ -68,6 +72,9 @@ def test_only_shrink_and_expand_read_the_shipped_tables(stem: str, monkeypatch: 
     try:
         got = shrink("shrink", 65, 32, 2048, 16, 3)
         assert got == lookup_config(table, max_loras=65, num_slices=3, m=32, k=2048, n=16)
+        # a row narrower than any tuned one: vLLM's default (one split does all of a row of 256)
+        narrow = shrink("shrink", 65, 32, 256, 16, 3)
+        assert narrow == utils.get_lora_op_configs("shrink", 65, 32, 256, 16, 3) and narrow["block_k"] == 256
         # fused-MoE ops go to vLLM (no table for them ships): its default for this shape
         moe = shrink("fused_moe_lora_w13_shrink", 65, 32, 2048, 16, 2, None, 768)
         assert moe == utils.get_lora_op_configs("fused_moe_lora_w13_shrink", 65, 32, 2048, 16, 2, None, 768)

@@ -8,7 +8,8 @@ answers from the shipped table for this GPU, and hands the call to vLLM's lookup
 - the user set ``VLLM_TUNED_CONFIG_FOLDER`` (their tables win) or ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``;
 - vLLM runs batch-invariant (it never uses tuned configs then);
 - no table ships for this GPU, a shipped table fails its checks (logged once), or it lacks the launch's
-  ``num_slices``.
+  ``num_slices``;
+- the hidden size is smaller than any the table was tuned for (see `lookup_config`).
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def tuned_config(op_type: str, max_loras: int, batch: int, hidden_size: int, ran
     if tables is None:
         return None
     if op_type == "shrink":
-        table, k, n = tables["shrink"], hidden_size, rank
-    else:
-        table, k, n = tables["expand_true" if add_inputs else "expand_false"], rank, hidden_size
-    return lookup_config(table, max_loras=max_loras, num_slices=num_slices, m=batch, k=k, n=n)
+        return lookup_config(tables["shrink"], max_loras=max_loras, num_slices=num_slices, m=batch, k=hidden_size,
+                             n=rank, hidden="k")
+    return lookup_config(tables["expand_true" if add_inputs else "expand_false"], max_loras=max_loras,
+                         num_slices=num_slices, m=batch, k=rank, n=hidden_size, hidden="n")
 
 
 def make_get_lora_op_configs(original: Callable[..., Any]) -> Callable[..., Any]:

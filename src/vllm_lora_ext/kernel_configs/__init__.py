@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from vllm_lora_ext.errors import KernelConfigError
 
@@ -108,18 +108,31 @@ def _nearest(level: Mapping[str, Any], value: int) -> Any:
 
 
 def lookup_config(table: Mapping[str, Any], *, max_loras: int, num_slices: int, m: int, k: int,
-                  n: int) -> dict[str, Any] | None:
+                  n: int, hidden: Literal["k", "n"] | None = None) -> dict[str, Any] | None:
     """Return the config vLLM would read from ``table`` for this launch, or None if ``num_slices`` is absent.
 
     ``max_loras`` is what vLLM's launcher passes (slots + 1); (k, n) is (hidden, rank) for shrink and
     (rank, largest slice) for expand. vLLM would fail on a missing ``num_slices``; here the caller
     falls back to vLLM's own lookup instead.
+
+    With ``hidden`` naming which of k and n is the model's hidden size, a hidden size smaller than every
+    one the table holds also gives None, where vLLM's nearest-key rule would stretch a config tuned for
+    wider rows to it. The shipped tables start at 2048. A split-K shrink config tuned there spreads a short
+    row over several splits that add into the output atomically, in no fixed order. vLLM's default leaves a
+    row of up to 256 to one split, so its results are bitwise reproducible, and those of the small models
+    in tests stay so too.
     """
     per_slices = _nearest(table, max_loras)
     level = per_slices.get(str(num_slices))
     if not level:
         return None
-    return dict(_nearest(_nearest(_nearest(level, m), k), n))
+    by_k = _nearest(level, m)
+    if hidden == "k" and k < min(int(key) for key in by_k):
+        return None
+    by_n = _nearest(by_k, k)
+    if hidden == "n" and n < min(int(key) for key in by_n):
+        return None
+    return dict(_nearest(by_n, n))
 
 
 def load_tables(stem: str, folder: Path = FOLDER) -> dict[str, dict[str, Any]] | None:
