@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +237,9 @@ def resolve_mix(adapters: Sequence[str] | None, weights: Sequence[float] | None,
 
 
 def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]], *,
-                dtype: torch.dtype | None = None, workers: int | None = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+                dtype: torch.dtype | None = None, workers: int | None = None,
+                alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                ) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
     """Run [`concat_factors`] for many modules at once, ``workers`` threads at a time (torch copies release the GIL).
 
     Args:
@@ -245,6 +247,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
         dtype: the result dtype (default: each module's first ``A``'s).
         workers: threads (default: up to 4, at most the host's cores). A composite is a memory copy of every
             component factor; one thread does not saturate a host's memory bandwidth.
+        alloc: gives the memory each result is written to (default: new tensors), e.g. pinned host memory.
 
     Returns:
         ``{key: (A, B)}`` in the order of ``jobs``.
@@ -256,7 +259,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     def one(key: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts, dim_a, dim_b = jobs[key]
-        return concat_factors(parts, rank_dim_a=dim_a, rank_dim_b=dim_b, dtype=dtype)
+        return concat_factors(parts, rank_dim_a=dim_a, rank_dim_b=dim_b, dtype=dtype, alloc=alloc)
 
     if n <= 1:
         return {k: one(k) for k in jobs}
@@ -287,11 +290,13 @@ def composite_shapes(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch
 
 
 def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *, rank_dim_a: int = 0,
-                   rank_dim_b: int = 1, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   rank_dim_b: int = 1, dtype: torch.dtype | None = None,
+                   alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate ``(A_i, B_i, c_i)`` along rank: ``A = cat(A_i)``, ``B = cat(c_i · B_i)`` (``c_i = w_i·s_i``).
 
     ``B·A = Σ c_i·B_i·A_i`` exactly up to one rounding of ``c_i·B_i`` to ``dtype`` (as vLLM itself folds
-    scaling into B).
+    scaling into B). ``alloc(shape, dtype)`` gives the memory A and B are written to (default: new tensors).
     Dense factors are ``A (r, in)``, ``B (out, r)``; per-expert ones ``A (E, r, in)``, ``B (E, out, r)``
     (``rank_dim_a=1, rank_dim_b=2``).
 
@@ -302,8 +307,8 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
     """
     a_shape, b_shape, out_dtype = _concat_shape(parts, rank_dim_a, rank_dim_b, dtype)
     ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
-    a = torch.empty(a_shape, dtype=out_dtype)
-    b = torch.empty(b_shape, dtype=out_dtype)
+    a = alloc(tuple(a_shape), out_dtype) if alloc is not None else torch.empty(a_shape, dtype=out_dtype)
+    b = alloc(tuple(b_shape), out_dtype) if alloc is not None else torch.empty(b_shape, dtype=out_dtype)
     off = 0
     for (pa, pb, c), r in zip(parts, ranks):  # one pass per part, written straight into the result
         a.narrow(rank_dim_a, off, r).copy_(pa)

@@ -44,6 +44,25 @@ def test_concatenation_in_bf16_stays_within_bf16_rounding() -> None:
     assert a.dtype == b.dtype == torch.bfloat16 and err < 2e-2
 
 
+def test_a_composite_given_memory_is_written_there_and_equals_the_one_in_new_tensors() -> None:
+    from vllm_lora_ext.mixing import concat_many
+
+    g = torch.Generator().manual_seed(4)
+    jobs = {m: ([(torch.randn(r, 16, generator=g).bfloat16(), torch.randn(8, r, generator=g).bfloat16(), c)
+                 for r, c in ((2, 0.5), (3, -1.5))], 0, 1) for m in ("q", "v", "o")}
+    given: list[torch.Tensor] = []
+
+    def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        given.append(torch.full(shape, float("nan"), dtype=dtype))  # every element must be written
+        return given[-1]
+
+    for workers in (1, 3):
+        given.clear()
+        got, want = concat_many(jobs, workers=workers, alloc=alloc), concat_many(jobs, workers=workers)
+        assert {t.data_ptr() for ab in got.values() for t in ab} == {t.data_ptr() for t in given}
+        assert all(torch.equal(x, y) for k in jobs for x, y in zip(got[k], want[k]))
+
+
 @pytest.mark.parametrize(("expr", "parsed"), [
     ("style=0.7+domain=0.3", [("style", 0.7), ("domain", 0.3)]),
     ("style+domain", [("style", None), ("domain", None)]),

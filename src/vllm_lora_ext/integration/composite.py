@@ -21,6 +21,7 @@ import torch
 
 from vllm_lora_ext.constants import max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
+from vllm_lora_ext.integration._compat import lora_host_memory_pinned, pinned_empty
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import MixComponent, MixSpec, composite_shapes, concat_many
 from vllm_lora_ext.validation import check_finite
@@ -139,7 +140,9 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         from vllm_lora_ext.integration.staging import concat_staged
 
         on_gpu = concat_staged(jobs, dtype=dtype, device=device)
-    done = on_gpu[0] if on_gpu is not None else concat_many(jobs, dtype=dtype)
+    # on the CPU, straight into pinned memory where vLLM would copy the composite there when it registers it
+    done = on_gpu[0] if on_gpu is not None else concat_many(
+        jobs, dtype=dtype, alloc=pinned_empty if lora_host_memory_pinned() else None)
     loras: dict[str, Any] = {}
     for name, present in present_by_name.items():
         first = present[0][1]
