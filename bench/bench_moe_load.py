@@ -366,7 +366,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
     for form in ("2d", "3d"):
         if not (adapters / form / "adapter_model.safetensors").exists():
             make_adapter(adapters / form, 48, form)
-    results = {}
+    results, logs = {}, {}
     for mode in ("stock", "plugin"):
         env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
         out = subprocess.run([sys.executable, __file__, "--_engine", "--_model", str(model), "--_adapters", str(adapters),
@@ -375,6 +375,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         if not line:
             raise RuntimeError(f"{mode} engine failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
         results[mode] = json.loads(line[-1][len("RESULT "):])
+        logs[mode] = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "loaded adapter" in ln]
     rows = []
     for form in ("2d", "3d"):
         s = {k: median([r[k] for r in results["stock"][form][1:] or results["stock"][form]]) for k in ("add_lora", "first_step", "total")}
@@ -383,7 +384,8 @@ def gpu_bench(args: argparse.Namespace) -> dict:
                      s["total"] / p["total"]])
     print_table(rows, ["layout", "stock add_lora", "stock 1st step", "stock total", "plugin add_lora", "plugin 1st step",
                        "plugin total", "speed-up"])
-    return {"mode": "gpu", "model": "Qwen3-30B-A3B config, load_format=dummy", "results": results, "table": rows}
+    return {"mode": "gpu", "model": "Qwen3-30B-A3B config, load_format=dummy", "results": results, "table": rows,
+            "plugin_logs": logs.get("plugin", [])}  # the worker's phases: describing the model, building, wrapping
 
 
 def main() -> None:
