@@ -363,29 +363,13 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     return dict(obj)
 
 
-
-
-def _pread_exactly(fd: int, into: memoryview, offset: int, *, path: Path, key: str | None = None) -> None:
-    """Fill ``into`` from ``fd`` at ``offset`` (``pread`` may return less than asked).
-
-    Raises:
-        [`AdapterFormatError`]: the file ends first (it is truncated).
-    """
-    got = 0
-    while got < len(into):
-        n = os.preadv(fd, [into[got:]], offset + got)
-        if n <= 0:
-            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}"
-                                     f"{f' while reading {key!r}' if key else ''}; the file is truncated. "
-                                     f"Re-download it.", key=key)
-        got += n
-
-
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
-def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path) -> int:
+def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path, key: str | None = None) -> int:
     """Fill the buffers ``into``, in order, from ``fd``'s bytes at ``offset`` on; return the bytes read.
+
+    ``preadv`` may read less than asked, and takes at most ``IOV_MAX`` buffers a call: it is called until all are full.
 
     Raises:
         [`AdapterFormatError`]: the file ends first (it is truncated).
@@ -396,8 +380,9 @@ def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path)
     while at < len(bufs):
         n = os.preadv(fd, bufs[at:at + _IOV_MAX], offset + got)
         if n <= 0:
-            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}; the file is truncated. "
-                                     f"Re-download it.")
+            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}"
+                                     f"{f' while reading {key!r}' if key else ''}; the file is truncated. "
+                                     f"Re-download it.", key=key)
         got += n
         while at < len(bufs) and n >= len(bufs[at]):  # skip the buffers filled, keep the rest of a partial one
             n -= len(bufs[at])
@@ -455,7 +440,7 @@ class SafetensorsReader:
             for span in spans:
                 start, end = offsets[span[0]][0], offsets[span[-1]][1]
                 buf = torch.empty(end - start, dtype=torch.uint8)
-                _pread_exactly(fd, memoryview(buf.numpy()), start, path=self.path, key=span[0])  # type: ignore[arg-type]
+                _preadv_exactly(fd, [memoryview(buf.numpy())], start, path=self.path, key=span[0])  # type: ignore[arg-type]
                 self.stats.count(end - start)
                 for key in span:
                     info = self.header.tensors[key]
@@ -479,7 +464,7 @@ class SafetensorsReader:
 
         Made for per-expert MoE factors (a block's 128 experts × 3 projections × A/B): each tensor's bytes
         are read straight into its row of the stacked result, with one ``preadv`` per run of adjacent
-        tensors in the file (up to the system's ``IOV_MAX`` rows a call). There is no tensor per key and
+        tensors in the file (``IOV_MAX`` rows at a time). There is no tensor per key and
         no copy after the read, whatever order the file keeps the experts in, whether all experts are read
         or a rank's share of them. ``None`` comes back for a group whose tensors differ in shape or dtype
         (or that is empty), and the caller reads it key by key. ``into(shape, dtype)`` gives the memory a
@@ -526,7 +511,7 @@ class SafetensorsReader:
         for a, b, dest in targets:
             if a < end:  # the same key again (tensors do not overlap, read_header checks)
                 copies.append((dest, runs[-1][1][-1]))
-            elif a == end and len(runs[-1][1]) < _IOV_MAX:
+            elif a == end:
                 runs[-1][1].append(dest)
             else:
                 runs.append((a, [dest]))
