@@ -25,10 +25,11 @@ from typing import Any, Literal
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import ENV_BUILD_DIR, max_lora_rank_for
+from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
+from vllm_lora_ext.hostmem import HostArena
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
@@ -77,6 +78,9 @@ class BuiltAdapter:
         moe: per MoE block, vLLM's factor lists ``(lora_a, lora_b)`` with scaling folded in, and their rank.
         bytes_read: weight and header bytes read from disk.
         layouts: the MoE layouts the adapter was saved in (``"2d"``, ``"3d"``, ...).
+        arena: the shared file the MoE factors were built in (a build process's builds).
+        host: the huge-page host arena the tensors were read into (builds in the worker), which the worker
+            pins in place; closed (``host.close()``) once nothing more is allocated from it.
     """
 
     identity: str
@@ -86,6 +90,7 @@ class BuiltAdapter:
     bytes_read: int = 0
     layouts: tuple[str, ...] = ()
     arena: SharedArena | None = None
+    host: HostArena | None = None
 
 
 class _DictSource:
@@ -132,30 +137,46 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
         raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
     plan = plan_adapter(shapes, config, job.model, router=router, dtypes=dtypes, name=job.name,
                         identity=resolved.identity, allow_unmatched=job.allow_unmatched)
-    dense = source.read_many(plan.dense_keys, copy=True)
-    check_finite(dense, adapter=job.name)
     arena = None
+    host = None
     if shared and plan.moe:
         need = _stacked_bytes(plan.moe, shapes, job)
         arena = arenas.take(need) if arenas is not None else SharedArena(need)
+    elif not shared and host_arenas_enabled() and not resolved.is_pickle:
+        need = _dense_bytes(plan.dense_keys, source.header.nbytes) + (_stacked_bytes(plan.moe, shapes, job)
+                                                                      if plan.moe else 0)
+        if need >= host_arena_min_bytes():
+            host = HostArena(need)
+    alloc = arena.empty if arena is not None else host.empty if host is not None else None
     try:
+        if host is not None:  # read straight into the arena: each tensor a view of its span there
+            dense = source.read_many(plan.dense_keys, into=host.empty)
+        else:
+            dense = source.read_many(plan.dense_keys, copy=True)
+        check_finite(dense, adapter=job.name)
         blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
                              experts={p: job.model.local_experts.get(p) for p in plan.moe},
                              read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
-                             alloc=arena.empty if arena is not None else None,
-                             read_stacks=getattr(source, "read_stacks", None))
+                             alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
+                             fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe})
         moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
         for prefix, experts in blocks.items():
             moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
-                                     max_rank=job.model.max_rank, adapter=job.name,
-                                     alloc=arena.empty if arena is not None else None)
+                                     max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
         del blocks
     except BaseException:
         if arena is not None:
             arena.discard()
+        if host is not None:
+            host.close()
         raise
     layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
-    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena)
+    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host)
+
+
+def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:
+    """The bytes of the dense tensors read into a host arena, each span's start aligned."""
+    return sum(_aligned(nbytes[k]) for k in keys) + _ALIGN * len(keys)
 
 
 def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], job: BuildJob) -> int:
@@ -309,13 +330,14 @@ def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_ran
                alloc: Alloc | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """Return one MoE block in the form vLLM's wrapper stores (contiguous factor lists) and its rank.
 
-    New tensors the form needs (a fused gate_up split for a 2D wrapper) come from ``alloc``, if given.
+    New tensors the form needs (a fused gate_up split for a 2D wrapper, separate gate and up fused for a 3D
+    one) come from ``alloc``, if given.
 
     Raises:
         [`AdapterCompatibilityError`]: the block's rank exceeds ``max_rank`` (names the flag to set).
     """
     if wrapper == "3d":
-        lora_a, lora_b = experts.as_3d(hidden=spec.hidden)
+        lora_a, lora_b = experts.as_3d(hidden=spec.hidden, alloc=alloc)
     else:
         lora_a, lora_b = experts.as_2d(num_experts=spec.num_experts, hidden=spec.hidden, alloc=alloc)
     need = max(int(a.shape[1]) for a in lora_a)

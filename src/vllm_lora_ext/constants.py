@@ -53,6 +53,8 @@ ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shar
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA shrink/expand configs
+ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
+ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -191,6 +193,18 @@ def prebuild_bytes() -> int:
 def prebuild_wait_seconds() -> float:
     """Return how long a request waits for its adapter's background build (default 600 s)."""
     return _env_number(ENV_PREBUILD_WAIT, 600.0, minimum=0)
+
+
+def host_arenas_enabled() -> bool:
+    """Return whether builds put their tensors in huge-page host arenas, pinned in place on a GPU worker
+    (``VLLM_LORA_EXT_HOST_ARENAS``, default on)."""
+    return _env_on(ENV_HOST_ARENAS)
+
+
+def host_arena_min_bytes() -> int:
+    """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
+    an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
+    return int(_env_number(ENV_HOST_ARENA_MIN, 4 * 2**20, minimum=0))
 
 
 def build_process_enabled() -> bool:

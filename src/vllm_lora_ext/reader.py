@@ -414,14 +414,16 @@ class SafetensorsReader:
         self.stats.count(local.bytes_read - self.header.header_bytes, local.tensors_read)  # the header was counted once
         return t[key]
 
-    def read_many(self, keys: Sequence[str], *, copy: bool = True) -> dict[str, torch.Tensor]:
+    def read_many(self, keys: Sequence[str], *, copy: bool = True,
+                  into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Read whole tensors for many keys with one ``pread`` per run of adjacent tensors.
 
         Requested tensors that lie next to each other in the file are read as one span into a
         buffer; each result is a view of its span. With ``copy=False`` the views are returned as
         they are (the caller copies them, e.g. by stacking, and the span is freed with the last
-        view); with ``copy=True`` each result owns exactly its own memory. Only requested bytes are
-        read, so ``stats.bytes_read`` is exact.
+        view); with ``copy=True`` each result owns exactly its own memory. With ``into(shape, dtype)``,
+        each span is read into the memory it gives (a host arena) and the views are kept, whatever
+        ``copy`` says. Only requested bytes are read, so ``stats.bytes_read`` is exact.
         """
         keys = list(keys)
         if not keys:
@@ -439,7 +441,8 @@ class SafetensorsReader:
         try:
             for span in spans:
                 start, end = offsets[span[0]][0], offsets[span[-1]][1]
-                buf = torch.empty(end - start, dtype=torch.uint8)
+                buf = into((end - start,), torch.uint8) if into is not None else torch.empty(end - start,
+                                                                                               dtype=torch.uint8)
                 _preadv_exactly(fd, [memoryview(buf.numpy())], start, path=self.path, key=span[0])  # type: ignore[arg-type]
                 self.stats.count(end - start)
                 for key in span:
@@ -450,7 +453,7 @@ class SafetensorsReader:
                         t = buf[a - start:b - start].clone().view(dt).view(info.shape)
                     else:
                         t = buf[a - start:b - start].view(dt).view(info.shape)
-                    out[key] = t.clone() if copy else t
+                    out[key] = t.clone() if copy and into is None else t
                     self.stats.count(tensors=1)
                 del buf
         finally:

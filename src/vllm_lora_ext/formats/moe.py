@@ -134,25 +134,29 @@ class ExpertsLoRA:
         return ([_a(gate, e, hidden, dt), _a(self.down, e, i, dt), _a(up, e, hidden, dt)],
                 [_b(gate, e, i, dt), _b(self.down, e, hidden, dt), _b(up, e, i, dt)])
 
-    def as_3d(self, *, hidden: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Return vLLM's 3D-wrapper lists ``[w13, w2]``; separate gate/up become one rank ``r_g + r_u`` factor."""
+    def as_3d(self, *, hidden: int, alloc: Alloc | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Return vLLM's 3D-wrapper lists ``[w13, w2]``; separate gate/up become one rank ``r_g + r_u`` factor
+        (in new tensors from ``alloc``, if given)."""
         e, i, dt = len(self.experts), self.intermediate, self.dtype
+        new = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         if self.gate_up is not None:
             w13_a, w13_b = self.gate_up.a, self.gate_up.b
         elif (self.gate is not None and self.up is not None and self.gate.a.shape == self.up.a.shape
               and torch.equal(self.gate.a, self.up.a)):  # gate and up share A (e.g. a 3D adapter saved as 2D)
             w13_a = self.gate.a
+            gb, ub = self.gate.b, self.up.b
             if self.interleaved:
-                w13_b = torch.stack([self.gate.b, self.up.b], dim=2).flatten(1, 2)
+                w13_b = torch.stack([gb, ub], dim=2, out=new((e, gb.shape[1], 2, gb.shape[2]), gb.dtype)).flatten(1, 2)
             else:
-                w13_b = torch.cat([self.gate.b, self.up.b], dim=1)
+                w13_b = torch.cat([gb, ub], dim=1, out=new((e, gb.shape[1] + ub.shape[1], gb.shape[2]), gb.dtype))
         else:
             g, u = self.gate, self.up
             ref = g or u or self.down
             assert ref is not None
             rg, ru = (g.rank if g else 0), (u.rank if u else 0)
-            w13_a = torch.cat([_a(g, e, hidden, dt, rg), _a(u, e, hidden, dt, ru)], dim=1)
-            w13_b = ref.b.new_zeros(e, 2 * i, rg + ru)
+            w13_a = torch.cat([_a(g, e, hidden, dt, rg), _a(u, e, hidden, dt, ru)], dim=1,
+                              out=new((e, rg + ru, hidden), dt))
+            w13_b = new((e, 2 * i, rg + ru), ref.b.dtype).zero_()
             gate_rows = slice(0, 2 * i, 2) if self.interleaved else slice(0, i)
             up_rows = slice(1, 2 * i, 2) if self.interleaved else slice(i, 2 * i)
             if g is not None:
@@ -385,7 +389,7 @@ ReadStacks = Callable[..., list[torch.Tensor | None]]
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                  scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None,
-                 read_stacks: ReadStacks | None = None) -> ExpertsLoRA:
+                 read_stacks: ReadStacks | None = None, keep_fused_gate_up: bool = False) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
@@ -393,7 +397,8 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     projection) is folded into B in float32, then cast to ``dtype`` (``scaled=False``: B as stored).
     With ``check_finite_as`` (the adapter's name), factors holding NaN or infinity are refused
     while they are still hot in cache. With ``alloc``, stacked per-expert factors are written straight
-    into memory it gives (a build process's shared file), rather than into new tensors.
+    into memory it gives (a build process's shared file, a host arena), rather than into new tensors; a fused
+    gate_up B too with ``keep_fused_gate_up`` (the model's wrapper keeps it fused, so it is not split later).
 
     Raises:
         [`AdapterFormatError`]: a factor holds NaN or infinity (names the block and projection).
@@ -473,8 +478,22 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         a_ranges = [(0, s * r, t * r) for s, t in exp_ranges]
         b_ranges = [(1, i * e_all + s, i * e_all + t) for i in range(r) for s, t in exp_ranges]
         full = n == e_all
-        a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in)
-        b_file = read(k3.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
+        a_in_alloc = False
+        a_file = b_file = None
+        if full and read_stacks is not None:  # whole tensors: read with preadv, A straight into alloc's memory
+            def into_a(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
+                nonlocal a_in_alloc
+                a_in_alloc = alloc is not None and k3.orientation == "standard" and dtype in (None, source)
+                return alloc(shape, source) if alloc is not None and a_in_alloc else torch.empty(shape, dtype=source)
+
+            got_a, got_b = read_stacks([[k3.key_a]], into_a)[0], read_stacks([[k3.key_b]])[0]
+            a_file = got_a[0] if got_a is not None else None
+            b_file = got_b[0] if got_b is not None else None
+            a_in_alloc = a_in_alloc and a_file is not None
+        if a_file is None:
+            a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in)
+        if b_file is None:
+            b_file = read(k3.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
         target = dtype if dtype is not None else a_file.dtype
         a3 = a_file.reshape(n, r, a_file.shape[1])
         b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
@@ -482,13 +501,14 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
-        # A fused gate_up B is not put in ``alloc``: a 2D-wrapper model splits it into new tensors (which are).
-        b_alloc = alloc if k3.role != "gate_up" else None
+        # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
+        # model splits it into new tensors (which are).
+        b_alloc = alloc if k3.role != "gate_up" or keep_fused_gate_up else None
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             b3 = _into(b3, b_alloc).mul_(s)  # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
         else:
             b3 = _into(b3.float() * s, b_alloc, target)
-        setattr(out, k3.role, ExpertFactors(_into(a3, alloc, target), b3))
+        setattr(out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, alloc, target), b3))
         del a_file, b_file, a3, b3
     if check_finite_as is not None:
         check_finite(_factors(out), adapter=check_finite_as)
@@ -526,11 +546,13 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                 read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                 workers: int | None = None, check_finite_as: str | None = None,
                 scan_workers: int | None = None, alloc: Alloc | None = None,
-                read_stacks: ReadStacks | None = None) -> dict[str, ExpertsLoRA]:
+                read_stacks: ReadStacks | None = None,
+                fused_gate_up: Mapping[str, bool] | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
-    uses the host's cores. Results are in the order of ``plans``. With ``check_finite_as``, a host
+    uses the host's cores. Results are in the order of ``plans``. ``fused_gate_up`` names the blocks whose
+    fused gate_up stays fused (see [`read_experts`]). With ``check_finite_as``, a host
     with cores to spare scans each block for NaN/inf on a separate pool while the next blocks are
     read; otherwise each reader scans its own block.
 
@@ -562,7 +584,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         prefix, plan = item
         ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
                           read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
-                          alloc=alloc, read_stacks=read_stacks)
+                          alloc=alloc, read_stacks=read_stacks,
+                          keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)))
         factors = _factors(ex)
         if scan_pool is not None:
             scans[prefix] = scan_pool.submit(first_nonfinite, factors)

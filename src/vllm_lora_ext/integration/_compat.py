@@ -314,8 +314,63 @@ def lora_host_memory_pinned() -> bool:
     return bool(PIN_MEMORY)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A new tensor in pinned host memory (torch's caching host allocator, as vLLM's ``pin_memory()`` uses)."""
-    import torch
+def pin_in_place(arena: Any) -> bool:
+    """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
+    vLLM copies an adapter into its GPU slot from CPU memory when it activates it. From pageable memory that
+    copy goes through the driver's bounce buffers (0.24 s for 1.6 GB on an H200 host, against 0.03 s from
+    pinned memory), and for dense modules vLLM first copies every factor into pinned memory itself
+    (``pin_memory()``, 0.30 s for 1.6 GB). Registering the arena (``cuMemHostRegister``: 0.04 s for 1.6 GB of
+    huge pages) makes its tensors pinned where they are: ``pin_memory()`` returns them as they are, and the
+    slot copy is a DMA. The registration is undone when the arena's memory is returned (its last tensor is
+    gone), before the unmap.
+
+    Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread or process
+    without a CUDA context, or when the driver refuses; the tensors then stay in ordinary memory, as before.
+    The driver API is used so that a refusal leaves no error behind for torch's next kernel-launch check.
+    """
+    import ctypes
+
+    if not lora_host_memory_pinned() or arena.buffer is None or arena.used == 0:
+        return False
+    cuda = _libcuda()
+    if cuda is None:
+        return False
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        return False  # no context bound to this thread: leave the memory pageable rather than create one
+    size = min(arena.capacity, -(-arena.used // 4096) * 4096)
+    base = ctypes.c_void_p(arena.base)
+    if cuda.cuMemHostRegister_v2(base, ctypes.c_size_t(size), ctypes.c_uint(1)) != 0:  # 1: PORTABLE
+        return False
+    owner = ctx.value
+
+    def unregister() -> None:  # any thread may drop the last tensor: bind the context first
+        current = ctypes.c_void_p()
+        cuda.cuCtxGetCurrent(ctypes.byref(current))
+        if current.value != owner:
+            cuda.cuCtxSetCurrent(ctypes.c_void_p(owner))
+        cuda.cuMemHostUnregister(base)
+        if current.value != owner:
+            cuda.cuCtxSetCurrent(current)
+
+    arena.on_release(unregister)
+    return True
+
+
+_LIBCUDA: list[Any] = []
+
+
+def _libcuda() -> Any:
+    """The CUDA driver library, or None without one (loaded once)."""
+    import ctypes
+
+    if not _LIBCUDA:
+        try:
+            lib: Any = ctypes.CDLL("libcuda.so.1")
+            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemHostRegister_v2", "cuMemHostUnregister"):
+                getattr(lib, name).restype = ctypes.c_int
+        except (OSError, AttributeError):
+            lib = None
+        _LIBCUDA.append(lib)
+    return _LIBCUDA[0]

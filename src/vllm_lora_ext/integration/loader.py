@@ -22,8 +22,8 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, unstacked_mapper,
-                                                validate_loaded)
+from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, pin_in_place,
+                                                unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -197,6 +197,9 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmK
     blocks as the packed weights vLLM's wrappers take, scaling folded)."""
     from vllm.lora.peft_helper import PEFTHelper
 
+    if built.host is not None:  # pinned where it lies, before vLLM looks (it copies what is not pinned)
+        pin_in_place(built.host)
+        built.host.close()
     raw = dict(built.config.raw)
     raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
     peft_helper = PEFTHelper.from_dict(raw)

@@ -1,0 +1,135 @@
+"""Huge-page host arenas (no vLLM): views, the release hook's timing, and builds bitwise equal with and without them."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import lora_config, write_adapter
+from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
+from vllm_lora_ext import building
+from vllm_lora_ext.building import BuildJob, build_adapter
+from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS
+from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena
+from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
+from vllm_lora_ext.reader import SafetensorsReader
+
+E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
+
+
+def test_tensors_are_aligned_views_and_an_arena_past_its_capacity_gives_ordinary_memory() -> None:
+    arena = HostArena(1)
+    assert arena.capacity == HUGE_PAGE  # whole huge pages
+    a = arena.empty((3,), torch.uint8)
+    b = arena.empty((5, 7), torch.float32)
+    assert arena.holds(a) and arena.holds(b)
+    assert b.data_ptr() - a.data_ptr() == 64 and b.data_ptr() % 64 == 0
+    b.fill_(2.5)
+    assert float(b.sum()) == 2.5 * 35
+    big = arena.empty((HUGE_PAGE,), torch.uint8)  # does not fit what is left
+    assert not arena.holds(big) and big.numel() == HUGE_PAGE
+    arena.close()
+    assert not arena.holds(arena.empty((4,), torch.uint8))  # closed: ordinary memory
+    with pytest.raises(RuntimeError, match="closed"):
+        arena.on_release(lambda: None)
+
+
+def test_the_release_hook_runs_once_when_the_last_view_is_gone_not_before() -> None:
+    arena = HostArena(4 << 20)
+    calls: list[int] = []
+    arena.on_release(lambda: calls.append(1))
+    t = arena.empty((16, 16), torch.bfloat16)
+    view = t[2:4].view(torch.int16)
+    arena.close()
+    del t
+    gc.collect()
+    assert calls == []  # a view still holds the memory
+    view.fill_(7)
+    del view
+    gc.collect()
+    assert calls == [1]
+
+
+def test_a_failing_release_hook_is_logged_and_the_memory_still_returned(caplog: pytest.LogCaptureFixture) -> None:
+    arena = HostArena(1)
+    after: list[int] = []
+
+    def boom() -> None:
+        raise RuntimeError("driver gone")
+
+    arena.on_release(boom)
+    arena.on_release(lambda: after.append(1))
+    t = arena.empty((8,), torch.uint8)
+    arena.close()
+    del t
+    gc.collect()
+    assert after == [1] and "release hook failed" in caplog.text
+
+
+def test_read_many_into_an_arena_equals_read_many_copying(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": torch.randn(5, 3 + i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+               for i in range(6)}
+    tensors["odd"] = torch.arange(3, dtype=torch.uint8)  # leaves the next tensor unaligned in its span
+    tensors["after"] = torch.randn(4, generator=g)
+    path = write_adapter(tmp_path, tensors, None)
+    reader = SafetensorsReader(path)
+    keys = ["t5", "t0", "odd", "after", "t2"]
+    arena = HostArena(1 << 20)
+    got = reader.read_many(keys, into=arena.empty)
+    want = reader.read_many(keys, copy=True)
+    assert list(got) == keys
+    for k in keys:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])
+    assert arena.holds(got["t5"]) and arena.holds(got["odd"])
+
+
+def _moe_tensors(built: building.BuiltAdapter) -> list[torch.Tensor]:
+    return [t for p in sorted(built.moe) for t in (*built.moe[p][0], *built.moe[p][1])]
+
+
+@pytest.mark.parametrize(("forms", "wrapper", "experts"), [
+    (["2d", "2d"], "2d", None), (["2d", "3d"], "2d", (1, 3)), (["3d", "3d"], "2d", None), (["3d", "3d_t"], "3d", None),
+    (["3d", "2d"], "3d", None),
+])
+def test_a_build_into_a_host_arena_is_bitwise_the_build_without_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forms: list[str], wrapper: str,
+        experts: tuple[int, ...] | None) -> None:
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
+    job = moe_build_job(folder, wrapper=wrapper, experts=experts)
+    monkeypatch.setenv(ENV_HOST_ARENAS, "0")
+    reference = build_adapter(job, PeftKeyRouter())
+    assert reference.host is None
+    monkeypatch.setenv(ENV_HOST_ARENAS, "1")
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")  # the test adapter is far below the default threshold
+    built = build_adapter(job, PeftKeyRouter())
+    assert built.host is not None
+    got, want = _moe_tensors(built), _moe_tensors(reference)
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    if wrapper == "3d" or forms == ["2d", "2d"]:  # nothing is split after the read: every factor lies in the arena
+        assert all(built.host.holds(t) for t in got)
+    assert built.host.used <= built.host.capacity
+
+
+def test_dense_factors_are_read_into_the_arena_and_equal_a_copying_read(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(2):
+        for m, (d_in, d_out) in {"q_proj": (16, 16), "v_proj": (16, 8)}.items():
+            p = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            tensors[f"{p}.lora_A.weight"] = torch.randn(4, d_in, generator=g).bfloat16()
+            tensors[f"{p}.lora_B.weight"] = torch.randn(d_out, 4, generator=g).bfloat16()
+    write_adapter(tmp_path, tensors, lora_config(4, 8))
+    accepted = frozenset(f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj"))
+    job = BuildJob(path=str(tmp_path), name="dense", model=ModelSpec(accepted))
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
+    built = build_adapter(job, PeftKeyRouter())
+    assert built.host is not None and list(built.dense) == list(tensors)
+    for k, t in built.dense.items():
+        assert built.host.holds(t) and torch.equal(t, tensors[k])
