@@ -314,7 +314,18 @@ def lora_host_memory_pinned() -> bool:
     return bool(PIN_MEMORY)
 
 
-def pin_in_place(arena: Any) -> bool:
+def cuda_context() -> int | None:
+    """The CUDA context bound to this thread (a worker's), to hand to [`pin_in_place`] on a helper thread."""
+    import ctypes
+
+    cuda = _libcuda()
+    ctx = ctypes.c_void_p()
+    if cuda is None or cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0:
+        return None
+    return ctx.value or None
+
+
+def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 
     vLLM copies an adapter into its GPU slot from CPU memory when it activates it. From pageable memory that
@@ -325,8 +336,8 @@ def pin_in_place(arena: Any) -> bool:
     slot copy is a DMA. The registration is undone when the arena's memory is returned (its last tensor is
     gone), before the unmap.
 
-    Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread or process
-    without a CUDA context, or when the driver refuses; the tensors then stay in ordinary memory, as before.
+    Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread without a
+    CUDA context unless ``context`` ([`cuda_context`] of the worker's thread) is given, or when the driver refuses; the tensors then stay in ordinary memory, as before.
     The driver API is used so that a refusal leaves no error behind for torch's next kernel-launch check.
     """
     import ctypes
@@ -337,7 +348,10 @@ def pin_in_place(arena: Any) -> bool:
     if cuda is None:
         return False
     ctx = ctypes.c_void_p()
-    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+    if (cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value) and context:
+        cuda.cuCtxSetCurrent(ctypes.c_void_p(context))  # a helper thread of the worker: bind the worker's context
+        cuda.cuCtxGetCurrent(ctypes.byref(ctx))
+    if not ctx.value:
         return False  # no context bound to this thread: leave the memory pageable rather than create one
     size = min(arena.capacity, -(-arena.used // 4096) * 4096)
     base = ctypes.c_void_p(arena.base)

@@ -378,10 +378,22 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, torch.Tensor, float | None
     batch: list[tuple[int, torch.Tensor, torch.Tensor, float | None]] = []
     used = 0
 
+    pinned: dict[int, bool] = {}  # per storage: a component in a pinned host arena goes up by DMA, unbounced
+
     def flush() -> None:
-        _copy_through_pinned(scratch, [(off, src.view(-1).view(torch.uint8)) for off, src, _, _ in batch
-                                       if src.numel()], stream)
+        direct: list[tuple[int, torch.Tensor]] = []
+        bounced: list[tuple[int, torch.Tensor]] = []
+        for off, src, _, _ in batch:
+            if src.numel():
+                key = src.untyped_storage().data_ptr()
+                if key not in pinned:
+                    pinned[key] = src.is_pinned()
+                (direct if pinned[key] else bounced).append((off, src.view(-1).view(torch.uint8)))
+        if bounced:
+            _copy_through_pinned(scratch, bounced, stream)
         with torch.cuda.stream(stream):
+            for off, src in direct:
+                scratch[off:off + src.numel()].copy_(src, non_blocking=True)
             for off, src, dst, c in batch:
                 part = _view(scratch, off, src.dtype, src.shape)
                 if c is None:
