@@ -90,9 +90,10 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
     Components not cached yet are built at the same time; with ``separate_process``, by the worker's build
-    process. With a CUDA ``device`` (a background build, or a mix loaded in the step), the concatenation runs
-    on the GPU into a staged buffer (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is
-    built after, off the request's path; otherwise on the CPU.
+    process. With a CUDA ``device`` (a background build), the concatenation runs on the GPU into a staged
+    buffer (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is built after, off the
+    request's path; otherwise on the CPU (a mix loaded in the step: measured on an H200, its 1,800 small GPU
+    ops took as long as the CPU build and the first token came 0.26 s later, ``new_mix_gpu_h200_r8b.json``).
 
     Raises:
         [`MixError`]: a malformed mix path.

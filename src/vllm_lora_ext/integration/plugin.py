@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import MIX_PREFIX, plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -55,11 +55,7 @@ def _make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         from vllm_lora_ext.integration.prebuild import take_built
 
         built = take_built(self, lora_request)  # built in the background: the step only registers it
-        if built is not None:
-            return built
-        # A mix loaded in the step is concatenated on the worker's GPU (its CPU copy follows in the background)
-        device = getattr(self, "device", None) if lora_request.lora_path.startswith(MIX_PREFIX) else None
-        return load_lora_model(self, lora_request, device=device)
+        return built if built is not None else load_lora_model(self, lora_request)
 
     return _load_adapter
 
