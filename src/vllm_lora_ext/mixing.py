@@ -36,7 +36,7 @@ from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MIX_NAME_PREFIX, MIX_PRE
 from vllm_lora_ext.errors import MixError
 
 __all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "concat_many",
-           "composite_shapes", "check_weight",
+           "composite_shapes", "check_weight", "weighted_parts_stay_finite",
            "parse_weight", "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 # A mix of more adapters than this is refused before anything is loaded (each costs a component load).
@@ -319,3 +319,29 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
             dst.copy_(pb).mul_(c)
         off += r
     return a, b
+
+
+def weighted_parts_stay_finite(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]],
+                               *, dtype: torch.dtype | None, max_abs: Callable[[torch.Tensor], float]) -> bool:
+    """Whether no ``c_i · B_i`` of [`concat_many`]'s ``jobs`` can round to infinity in the result dtype.
+
+    ``max_abs(B_i)`` gives the largest magnitude in a component factor (NaN if it holds a NaN). If every
+    ``|c_i| · max|B_i|`` is at most half the dtype's largest finite value, every product, rounded once, is
+    finite, so the composite needs no scan. Otherwise (or for a NaN bound) this says ``False`` and the caller
+    scans. ``A`` is a copy of finite components and needs no check either way.
+
+    Example:
+        >>> jobs = {"m": ([(torch.ones(1, 2), torch.full((3, 1), 2.0), 0.5)], 0, 1)}
+        >>> weighted_parts_stay_finite(jobs, dtype=torch.bfloat16, max_abs=lambda t: float(t.abs().max()))
+        True
+        >>> weighted_parts_stay_finite(jobs, dtype=torch.float16, max_abs=lambda t: 1e5)
+        False
+    """
+    for key, (parts, _, _) in jobs.items():
+        limit = torch.finfo(dtype or parts[0][0].dtype).max / 2
+        for _, b, c in parts:
+            bound = abs(float(c)) * max_abs(b)
+            if not bound <= limit:  # NaN-safe
+                return False
+    return True
+

@@ -377,6 +377,32 @@ def test_a_mix_whose_composite_overflows_is_refused(worker_manager: Any, tmp_pat
         load_lora_model(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
 
 
+def test_a_composite_is_scanned_only_when_its_components_bounds_allow_an_overflow(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import composite
+    from vllm_lora_ext.integration.loader import load_lora_model
+    from vllm_lora_ext.mixing import MixComponent, MixSpec
+
+    scans: list[int] = []
+    real = composite.check_finite
+    monkeypatch.setattr(composite, "check_finite", lambda *a, **k: (scans.append(1), real(*a, **k))[1])
+    big = _write(tmp_path / "big", {QA: torch.ones(4, 64), QB: torch.full((64, 4), 1e37)})
+    small = _write(tmp_path / "small", {QA: torch.ones(4, 64), QB: torch.full((64, 4), 0.5)})
+
+    def load(*parts: tuple[Path, float]) -> Any:
+        spec = MixSpec(tuple(MixComponent(p.name, str(p), w) for p, w in parts))
+        return load_lora_model(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
+
+    load((small, 3.0), (big, 1.0))  # |c|·max|B| far below the dtype's range: no scan
+    assert scans == []
+    lora = load((big, 12.0))  # 1.2e38·s (s = 2): the bound allows an overflow, so it is scanned, and found finite
+    assert scans == [1]
+    b = next(iter(lora.loras.values())).lora_b
+    assert bool(torch.isfinite(b).all()) and float(b.abs().max()) > 2e38
+
+
 # ------------------------------------------------------------------------------------------------ id reuse (3)
 
 

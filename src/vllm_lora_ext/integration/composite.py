@@ -14,6 +14,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +26,8 @@ from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.hostmem import HostArena
 from vllm_lora_ext.integration._compat import cuda_context, pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
-from vllm_lora_ext.mixing import MixComponent, MixSpec, composite_shapes, concat_many
+from vllm_lora_ext.mixing import (MixComponent, MixSpec, composite_shapes, concat_many,
+                                  weighted_parts_stay_finite)
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -154,17 +156,19 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         else:
             a, b = done[name]
             loras[name] = LoRALayerWeights(name, int(a.shape[0]), 1, a, b, scaling=1.0)
-    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned.
-    finite_b = {f"{n} lora_B[{i}]": t for n, lw in loras.items()
-                for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None}
-    if on_gpu is not None:
-        from vllm_lora_ext.integration.staging import side_stream
+    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned, and only when the
+    # components' largest magnitudes (kept per cached component) do not rule it out.
+    if not weighted_parts_stay_finite(jobs, dtype=dtype, max_abs=_max_abs):
+        finite_b = {f"{n} lora_B[{i}]": t for n, lw in loras.items()
+                    for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None}
+        if on_gpu is not None:
+            from vllm_lora_ext.integration.staging import side_stream
 
-        scan: Any = side_stream(device)  # off the engine's stream
-    else:
-        scan = contextlib.nullcontext()
-    with scan:
-        check_finite(finite_b, adapter=spec.lora_name)
+            scan: Any = side_stream(device)  # off the engine's stream
+        else:
+            scan = contextlib.nullcontext()
+        with scan:
+            check_finite(finite_b, adapter=spec.lora_name)
     model_cls = manager._lora_model_cls
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)
     composite.is_3d_lora_weight = lora_request.is_3d_lora_weight
@@ -200,6 +204,26 @@ def host_concat(jobs: Any, *, dtype: torch.dtype | None,
         return done
     finally:
         arena.close()
+
+
+# id(component factor) -> its largest magnitude, while the factor lives. No lock: single dict operations are
+# atomic, and a factor freed while a lock is held (a component evicted from the cache) must not wait for one.
+_MAX_ABS: dict[int, float] = {}
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    """The largest magnitude in a component's factor (NaN if it holds one), computed once per cached tensor."""
+    key = id(t)
+    found = _MAX_ABS.get(key)
+    if found is not None:
+        return found
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    value = max(-float(lo), float(hi)) if not (torch.isnan(lo) or torch.isnan(hi)) else float("nan")
+    _MAX_ABS[key] = value
+    weakref.finalize(t, _MAX_ABS.pop, key, None)
+    return value
 
 
 def _rank(w: Any) -> int:
