@@ -29,7 +29,7 @@ from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_ar
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
-from vllm_lora_ext.hostmem import HostArena
+from vllm_lora_ext.hostmem import HostArena, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
@@ -230,13 +230,7 @@ class SharedArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in the arena (or, once it is full, an ordinary one)."""
-        n = math.prod(shape) * dtype.itemsize
-        with self._lock:
-            offset = self.used
-            if self.buffer is None or offset + n > self.capacity:
-                return torch.empty(shape, dtype=dtype)
-            self.used = offset + _aligned(n)
-        return _view(self.buffer, offset, dtype, shape)
+        return bump_empty(self, shape, dtype)
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """The byte offset of a contiguous tensor that lies in the arena, else ``None``."""

@@ -21,10 +21,11 @@ import mmap
 import threading
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HostArena", "huge_pages_offered"]
+__all__ = ["HUGE_PAGE", "HostArena", "bump_empty", "huge_pages_offered"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,19 @@ def huge_pages_offered() -> bool:
     except OSError:
         return False
     return "[never]" not in mode
+
+
+def bump_empty(arena: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Take ``shape`` × ``dtype`` from an arena's ``buffer`` (``uint8``) at ``used``, 64-byte aligned; an ordinary
+    tensor once it is full or its ``buffer`` is ``None``. The arena has ``buffer``, ``capacity``, ``used``, ``_lock``."""
+    n = math.prod(shape) * dtype.itemsize
+    with arena._lock:
+        offset = arena.used
+        buffer = arena.buffer
+        if buffer is None or offset + n > arena.capacity:
+            return torch.empty(shape, dtype=dtype)
+        arena.used = offset + -(-n // _ALIGN) * _ALIGN
+    return buffer[offset:offset + n].view(dtype).view(shape)
 
 
 class _Mapping(mmap.mmap):
@@ -94,14 +108,7 @@ class HostArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor in the arena (or, once it is full or closed, an ordinary one)."""
-        n = math.prod(shape) * dtype.itemsize
-        with self._lock:
-            offset = self.used
-            buffer = self.buffer
-            if buffer is None or offset + n > self.capacity:
-                return torch.empty(shape, dtype=dtype)
-            self.used = offset + -(-n // _ALIGN) * _ALIGN
-        return buffer[offset:offset + n].view(dtype).view(shape)
+        return bump_empty(self, shape, dtype)
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of this arena's memory."""
