@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, print_table, write_json  # noqa: E402
+from _common import median, print_table, timeit, write_json  # noqa: E402
 
 
 def _thp_settings() -> dict[str, str]:
@@ -61,15 +61,6 @@ def _read_into(fd: int, buf: Any, threads: int) -> None:
             list(pool.map(part, range(threads)))
 
 
-def _time(fn: Callable[[], Any], reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     import torch
 
@@ -99,7 +90,7 @@ def main() -> None:
         }
         for threads in (1, 4):
             for label, make in makers.items():  # allocation included: a load allocates what it reads into
-                times = _time(lambda: _read_into(fd, make(), threads), args.reps)
+                times = timeit(lambda: _read_into(fd, make(), threads), runs=args.reps, warmup=0)
                 results[f"read {threads}t {label}"] = times
                 rows.append([f"read {args.mib} MiB, {threads} thread(s)", label, median(times), n / median(times) / 1e9])
         os.close(fd)
@@ -109,7 +100,7 @@ def main() -> None:
     dst.copy_(src)
     for label, make in {"fresh (torch.empty)": lambda: torch.empty(m, dtype=torch.uint8),
                         "huge pages (MADV_HUGEPAGE)": lambda: _huge(m), "touched before": lambda: dst}.items():
-        times = _time(lambda: make().copy_(src), args.reps)
+        times = timeit(lambda: make().copy_(src), runs=args.reps, warmup=0)
         results[f"copy {label}"] = times
         rows.append([f"copy {args.copy_mib} MiB, 1 thread", label, median(times), m / median(times) / 1e9])
     if torch.cuda.is_available():
@@ -119,7 +110,7 @@ def main() -> None:
             "pin_memory() of a filled tensor": lambda: touched.pin_memory(),
         }
         for label, fn in cases.items():
-            times = _time(fn, args.reps)
+            times = timeit(fn, runs=args.reps, warmup=0)
             results[f"pin {label}"] = times
             rows.append([f"pinned {args.mib} MiB", label, median(times), n / median(times) / 1e9])
         cudart = torch.cuda.cudart()
@@ -132,7 +123,7 @@ def main() -> None:
             results.setdefault("register only", []).append(time.perf_counter() - t0)
             cudart.cudaHostUnregister(buf.data_ptr())
 
-        times = _time(register, args.reps)
+        times = timeit(register, runs=args.reps, warmup=0)
         rows.append([f"pinned {args.mib} MiB", "fill huge pages + cudaHostRegister", median(times),
                      n / median(times) / 1e9])
         rows.append([f"pinned {args.mib} MiB", "cudaHostRegister alone", median(results["register only"]),
@@ -144,7 +135,7 @@ def main() -> None:
                 gpu.copy_(h, non_blocking=True)
                 torch.cuda.synchronize()
 
-            times = _time(h2d, args.reps)
+            times = timeit(h2d, runs=args.reps, warmup=0)
             results[f"h2d {label}"] = times
             rows.append([f"host to device {args.mib} MiB", label, median(times), n / median(times) / 1e9])
     print_table(rows, ["what", "memory", "median s", "GB/s"])

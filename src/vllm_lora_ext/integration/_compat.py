@@ -337,8 +337,9 @@ def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     gone), before the unmap.
 
     Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread without a
-    CUDA context unless ``context`` ([`cuda_context`] of the worker's thread) is given, or when the driver refuses; the tensors then stay in ordinary memory, as before.
-    The driver API is used so that a refusal leaves no error behind for torch's next kernel-launch check.
+    CUDA context unless ``context`` ([`cuda_context`] of the worker's thread) is given, or when the driver
+    refuses; the tensors then stay in ordinary memory, as before. The driver API is used so that a refusal
+    leaves no error behind for torch's next kernel-launch check.
     """
     import ctypes
 
