@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
@@ -122,6 +123,12 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
             the adapter is malformed or does not fit the model (the message names the key and the fix).
         [`AdapterCompatibilityError`]: a rank exceeds ``max_lora_rank``, or the model's MoE blocks cannot take LoRA.
     """
+    with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
+        return _build_adapter(job, router, shared=shared, arenas=arenas)
+
+
+def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None) -> BuiltAdapter:
+    """See [`build_adapter`]."""
     resolved = resolve_source(job.path)
     config = load_config(resolved, name=job.name)
     stats = ReadStats()

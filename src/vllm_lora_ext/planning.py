@@ -6,6 +6,7 @@ parser as a [`KeyRouter`]; the worker loader executes the plan (reads, vLLM obje
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterable, Mapping
@@ -14,7 +15,7 @@ from typing import Protocol
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
-from vllm_lora_ext.formats import KeyInfo, classify_key, strip_peft_prefix
+from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_peft_prefix
 from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
 from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
 
@@ -197,19 +198,49 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     moe_unmatched: list[str] = []
     block_of: dict[str, str] = {}  # experts prefix in the file -> the model's block (one routing per prefix)
     alike = routes_experts_alike(router)
-    answers: dict[tuple[str, str], str] = {}  # per-expert key pattern -> "skip", "other" or "lora"
-    for key in shapes:
+    answers: dict[object, str] = {}  # per-expert key pattern -> "skip", "other" or "lora"
+
+    def ask(key: str) -> tuple[str, str | None]:
+        if router.skip(key):
+            return "skip", None
+        module = router.module(key)
+        return ("other" if module is None else "lora"), module
+
+    def block_group(experts_prefix: str) -> dict[str, tuple[int, ...]] | None:
+        """The group of the model's block that keys of ``experts_prefix`` go to (routed once), or ``None``."""
+        prefix = block_of.get(experts_prefix)
+        if prefix is None:
+            routed = router.module(f"{experts_prefix}.lora_A.weight") or experts_prefix
+            prefix = block_of[experts_prefix] = same_layer_block(routed, model.moe)
+        return moe_groups.setdefault(prefix, {}) if prefix in model.moe else None
+
+    keys = list(shapes)
+    # Plain per-expert keys are read in one pass, and the router is asked once per block, projection and
+    # factor: per key, what is left is a lookup of its pattern and one insert.
+    rows = expert_key_rows(keys) if alike else None
+    groups: dict[str, dict[str, tuple[int, ...]] | None] = {}  # per experts prefix in the file
+    for key, row in zip(keys, rows if rows is not None else itertools.repeat(None)):
+        if row is not None and row[1]:
+            without_expert = (row[0], row[1], row[3], row[4])  # the key's pattern: all but its expert number
+            verdict = answers.get(without_expert)
+            if verdict is None:
+                verdict = answers[without_expert] = ask(key)[0]
+            if verdict == "lora":
+                group = groups[row[1]] if row[1] in groups else groups.setdefault(row[1], block_group(row[1]))
+                if group is not None:
+                    group[key] = shapes[key]
+                else:
+                    moe_unmatched.append(key)
+            elif verdict == "other":
+                not_lora.append(key)
+            continue
         info = classify_key(key)
         pattern = expert_pattern(key, info) if alike else None
         module: str | None = None
         if pattern is not None and pattern in answers:  # a per-expert key like one the router has answered for
             verdict = answers[pattern]
         else:
-            if router.skip(key):
-                verdict = "skip"
-            else:
-                module = router.module(key)
-                verdict = "other" if module is None else "lora"
+            verdict, module = ask(key)
             if pattern is not None:
                 answers[pattern] = verdict
         if verdict == "skip":
@@ -218,12 +249,9 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
             not_lora.append(key)
             continue
         if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
-            prefix = block_of.get(info.experts_prefix)
-            if prefix is None:
-                routed = router.module(f"{info.experts_prefix}.lora_A.weight") or info.experts_prefix
-                prefix = block_of[info.experts_prefix] = same_layer_block(routed, model.moe)
-            if prefix in model.moe:
-                moe_groups.setdefault(prefix, {})[key] = tuple(shapes[key])
+            group = block_group(info.experts_prefix)
+            if group is not None:
+                group[key] = tuple(shapes[key])
             else:
                 moe_unmatched.append(key)
             continue

@@ -119,7 +119,11 @@ def check_ranks(shapes: Mapping[str, tuple[int, ...]], declared: Iterable[int], 
         [`AdapterCompatibilityError`]: names the module, the rank and the ``--max-lora-rank`` that fits.
     """
     worst: tuple[int, str] | None = None
-    for key, shape in shapes.items():
+    # Only a 2-D factor whose first dim is over the limit can be named (mostly B factors: their first dim is
+    # the output size), and only if its key ends as an A factor's does (by the key grammar).
+    big = [k for k, s in shapes.items() if len(s) == 2 and s[0] > max_rank]
+    over = any(k.endswith(("_A.weight", "_A")) for k in big)
+    for key, shape in shapes.items() if over else ():
         info = classify_key(key)
         if info.which != "A" or info.kind == "moe_3d" or len(shape) != 2:
             continue

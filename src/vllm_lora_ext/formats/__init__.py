@@ -11,12 +11,13 @@ Key grammar after the optional ``base_model.model.`` prefix (PEFT):
 
 from __future__ import annotations
 
+import itertools
 import re
 from functools import lru_cache
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
-__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "group_moe_keys", "strip_peft_prefix"]
+__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "expert_key_rows", "group_moe_keys", "strip_peft_prefix"]
 
 Layout = Literal["dense", "moe_2d", "moe_3d", "moe_mixed", "empty"]
 KeyKind = Literal["dense", "moe_2d", "moe_3d", "other"]
@@ -26,6 +27,13 @@ _PEFT_LEN = len(PEFT_PREFIX)
 _LORA_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.weight$|\.(lora_embedding_A|lora_embedding_B)$")
 _EXPERT_2D = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 _EXPERT_3D = re.compile(r"^(?P<prefix>.*\.experts)(?P<nest>(\.base_layer)*)$")
+# One line of "\n".join(keys): a plain per-expert key, or (second branch, all groups empty) any other line. The
+# atomic group takes the PEFT prefix whenever it is there, as classify_key strips it whenever it is there.
+_EXPERT_LINES = re.compile(r"^(?>(base_model\.model\.)?)(.*\.experts)\.([0-9]+)\.([^.\n]+)\.lora_([AB])\.weight$|^.*$",
+                           re.MULTILINE)
+
+ExpertRow = tuple[str, str, str, str, str]
+"""``(peft_prefix, experts_prefix, expert, proj, which)`` of a per-expert key; ``experts_prefix`` is empty for others."""
 
 
 class KeyInfo(NamedTuple):
@@ -93,6 +101,29 @@ def classify_key(key: str) -> KeyInfo:
     return KeyInfo(key, module, which, "dense")
 
 
+def expert_key_rows(keys: Sequence[str]) -> list[ExpertRow] | None:
+    """Read every plain per-expert (2D) key of ``keys`` in one regex pass, without a Python call per key.
+
+    An MoE adapter has tens of thousands of keys, nearly all ``<prefix>.experts.<e>.<proj>.lora_{A,B}.weight``.
+    Returns one row per key, in order: ``(peft_prefix, experts_prefix, expert, proj, which)``, with
+    ``expert`` in ASCII digits. A row with an empty ``experts_prefix`` is a key this pass does not read
+    (dense, 3D, embedding-named or non-ASCII-digit per-expert keys): ask [`classify_key`] about those. Where a
+    row is read, it says exactly what [`classify_key`] says (``module`` is ``experts_prefix.expert.proj``).
+    Returns ``None`` if a key holds a newline (then classify each key).
+
+    Example:
+        >>> expert_key_rows(["base_model.model.m.layers.0.mlp.experts.7.up_proj.lora_B.weight", "m.q.lora_A.weight"])
+        [('base_model.model.', 'm.layers.0.mlp.experts', '7', 'up_proj', 'B'), ('', '', '', '', '')]
+    """
+    if not keys:
+        return []
+    joined = "\n".join(keys)
+    if joined.count("\n") != len(keys) - 1:
+        return None
+    rows = _EXPERT_LINES.findall(joined)
+    return rows if len(rows) == len(keys) else None
+
+
 def _classify_by_regex(key: str) -> KeyInfo:
     """The reference reading of the key grammar (used for keys with newlines, and by the tests)."""
     bare = strip_peft_prefix(key)
@@ -137,12 +168,23 @@ def group_modules(keys: Iterable[str]) -> dict[str, dict[str, str]]:
 
 def group_moe_keys(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[str, tuple[int, ...]]]:
     """Return ``{experts_prefix: {key: shape}}`` for every MoE key (2D or 3D), in file order."""
+    keys = list(shapes)
+    rows = expert_key_rows(keys)
     out: dict[str, dict[str, tuple[int, ...]]] = {}
-    for k, s in shapes.items():
-        info = classify_key(k)
-        if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix:
-            out.setdefault(info.experts_prefix, {})[k] = s
+    for k, row in zip(keys, rows if rows is not None else itertools.repeat(_NO_ROW)):
+        prefix = row[1]
+        if not prefix:
+            if ".experts" not in k:  # an MoE key's module always holds ".experts"
+                continue
+            info = classify_key(k)
+            if info.kind not in ("moe_2d", "moe_3d") or not info.experts_prefix:
+                continue
+            prefix = info.experts_prefix
+        out.setdefault(prefix, {})[k] = shapes[k]
     return out
+
+
+_NO_ROW: ExpertRow = ("", "", "", "", "")
 
 
 def layout_by_layer(keys: Iterable[str]) -> Mapping[str, str]:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from itertools import repeat
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import ExpertLayoutError
-from vllm_lora_ext.formats import classify_key
+from vllm_lora_ext.formats import classify_key, strip_peft_prefix
 from vllm_lora_ext.validation import check_finite
 
 __all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "ExpertsPlan", "plan_experts", "read_experts",
@@ -199,8 +200,9 @@ def _b(f: ExpertFactors | None, e: int, d_out: int, dtype: torch.dtype) -> torch
 # planning (shapes only)
 
 
-@dataclass(frozen=True)
-class Key2D:
+class Key2D(NamedTuple):
+    """One expert's factor pair for one projection (a tuple: a 2D block has thousands)."""
+
     key_a: str
     key_b: str
     expert: int
@@ -259,6 +261,53 @@ def _readings_3d(shape_a: tuple[int, ...], shape_b: tuple[int, ...], spec: MoESp
     return [(role, o) for role, o, a_in, b_out in table if (d_in, d_out) == (a_in, b_out)]
 
 
+def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> ExpertsPlan | None:
+    """The plan of a block that is every expert of every projection, per expert (2D), at one rank per
+    projection and with the model's shapes, found with map and set passes rather than checks per key;
+    ``None`` for anything else (which [`plan_experts`] then checks key by key, to name what is wrong).
+
+    The keys must be exactly the ones the block's prefix, the projection names the model takes and the
+    experts ``0..E-1`` spell, so that every key is accounted for and none is doubled (``01`` and ``1``, or one
+    expert with and without PEFT's prefix, make a key set that is not that one).
+    """
+    first = next(iter(shapes), None)
+    if first is None:
+        return None
+    info = classify_key(first)
+    if info.kind != "moe_2d" or info.experts_prefix is None:
+        return None
+    head = f"{first[:len(first) - len(strip_peft_prefix(first))]}{info.experts_prefix}."  # with PEFT's prefix, if any
+    names = {spec.gate, spec.up, spec.down}
+    names.update(*(group for group, own in ((GATE_NAMES, spec.gate), (UP_NAMES, spec.up), (DOWN_NAMES, spec.down))
+                   if own in group))
+    projs = [p for p in sorted(names) if f"{head}0.{p}.lora_A.weight" in shapes]
+    roles = [role for p in projs if (role := spec.proj_role(p)) is not None]
+    if len(set(roles)) != len(projs) or len(shapes) != 2 * spec.num_experts * len(projs):
+        return None
+    experts = range(spec.num_experts)
+    plan = ExpertsPlan(spec)
+    spelled = 0
+    for proj, role in zip(projs, roles):
+        keys_a = [f"{head}{e}.{proj}.lora_A.weight" for e in experts]
+        keys_b = [f"{head}{e}.{proj}.lora_B.weight" for e in experts]
+        try:
+            shapes_a, shapes_b = set(map(shapes.__getitem__, keys_a)), set(map(shapes.__getitem__, keys_b))
+        except KeyError:
+            return None
+        if len(shapes_a) != 1 or len(shapes_b) != 1:
+            return None
+        sa, sb = tuple(shapes_a.pop()), tuple(shapes_b.pop())
+        d_in = spec.intermediate if role == "down" else spec.hidden
+        d_out = spec.hidden if role == "down" else spec.intermediate
+        if len(sa) != 2 or sa != (sa[0], d_in) or sb != (d_out, sa[0]):
+            return None
+        plan.keys_2d += map(Key2D, keys_a, keys_b, experts, repeat(role), repeat(sa[0]))
+        spelled += 2 * len(keys_a)
+    # Every key spelled is in the block, all are distinct (one per projection, expert and factor) and as many
+    # as the block has: they are the block.
+    return plan if spelled == len(shapes) else None
+
+
 def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config: AdapterConfig | None = None,
                  adapter: str = "adapter") -> ExpertsPlan:
     """Assign every key of one MoE block a role and orientation, checking all shapes against ``spec``.
@@ -272,6 +321,9 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
         [`ExpertLayoutError`]: a key fits no role, ranks do not divide, expert ids are out of range,
             a projection is given twice, or the orientation is ambiguous and nothing settles it.
     """
+    complete = _plan_complete_2d(shapes, spec)
+    if complete is not None:
+        return complete
     pairs: dict[str, dict[str, str]] = {}
     infos: dict[str, Any] = {}
     for key in shapes:
@@ -561,9 +613,10 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     """
     import os
     import threading
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
+    from vllm_lora_ext._util import shared_pool
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
@@ -573,7 +626,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     n = workers if workers is not None else min(4, cores, max(1, len(items)))
     if scan_workers is None:
         scan_workers = min(2, cores - n) if n > 1 and len(items) > 1 else 0
-    scan_pool = ThreadPoolExecutor(scan_workers, thread_name_prefix="vllm-lora-ext-scan") \
+    # Process-wide pools: a block's work never waits for other work of its pool (scans go to their own).
+    scan_pool = shared_pool("vllm-lora-ext-scan", scan_workers) \
         if check_finite_as is not None and scan_workers > 0 else None
     scans: dict[str, Future[str | None]] = {}
     progress = ProgressLog(f"loading {check_finite_as or 'adapter'!r} ({len(items)} MoE blocks)")
@@ -599,13 +653,19 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         if n <= 1 or len(items) <= 1:
             out = {p: one((p, pl)) for p, pl in items}
         else:
-            with ThreadPoolExecutor(n, thread_name_prefix="vllm-lora-ext-read") as pool:
-                out = dict(zip((p for p, _ in items), pool.map(one, items)))
+            futures = [shared_pool("vllm-lora-ext-read", n).submit(one, item) for item in items]
+            try:
+                out = {p: f.result() for (p, _), f in zip(items, futures)}
+            finally:  # a failed block: the blocks not started are dropped, the running ones finish here
+                for f in futures:
+                    f.cancel()
+                wait(futures)
         for prefix, _ in items:
             bad = scans[prefix].result() if prefix in scans else None
             if bad is not None:
                 raise nonfinite_error(bad, adapter=check_finite_as or "adapter")
         return out
-    finally:
-        if scan_pool is not None:
-            scan_pool.shutdown(wait=True)
+    finally:  # nothing of this read is left queued or running once it returns or raises
+        for scan in scans.values():
+            scan.cancel()
+        wait(list(scans.values()))
