@@ -253,7 +253,9 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
         ``{key: (A, B)}`` in the order of ``jobs``.
     """
     import os
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import wait
+
+    from vllm_lora_ext._util import shared_pool
 
     n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
 
@@ -263,8 +265,13 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     if n <= 1:
         return {k: one(k) for k in jobs}
-    with ThreadPoolExecutor(n, thread_name_prefix="vllm-lora-ext-mix") as pool:
-        return dict(zip(jobs, pool.map(one, list(jobs))))
+    futures = [shared_pool("vllm-lora-ext-mix", n).submit(one, key) for key in jobs]  # a copy never waits on the pool
+    try:
+        return {key: f.result() for key, f in zip(jobs, futures)}
+    finally:  # a failed copy: the ones not started are dropped, the running ones finish here
+        for f in futures:
+            f.cancel()
+        wait(futures)
 
 
 def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], rank_dim_a: int, rank_dim_b: int,
@@ -293,11 +300,14 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
                    rank_dim_b: int = 1, dtype: torch.dtype | None = None,
                    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate ``(A_i, B_i, c_i)`` along rank: ``A = cat(A_i)``, ``B = cat(c_i · B_i)`` (``c_i = w_i·s_i``).
+    """Concatenate ``(A_i, B_i, c_i)`` along rank: ``A = cat(c_i · A_i)``, ``B = cat(B_i)`` (``c_i = w_i·s_i``).
 
-    ``B·A = Σ c_i·B_i·A_i`` exactly up to one rounding of ``c_i·B_i`` to ``dtype`` (as vLLM itself folds
-    scaling into B). ``alloc(shape, dtype)`` gives the memory A and B are written to (default: new tensors).
-    Dense factors are ``A (r, in)``, ``B (out, r)``; per-expert ones ``A (E, r, in)``, ``B (E, out, r)``
+    ``B·A = Σ c_i·B_i·A_i`` exactly up to one rounding of ``c_i·A_i`` to ``dtype``. The weight goes on ``A``
+    because each ``A_i`` lands in whole rows of the result, so scaling it is a contiguous pass, while ``B_i``
+    lands in a few columns of every row: on the dev VM, scaling a (11008, 16) bfloat16 ``B_i`` into such
+    columns took 234 µs against 73 µs for a plain ``torch.cat`` of all four, and 60 µs for scaling the four
+    ``A_i`` into their rows. ``alloc(shape, dtype)`` gives the memory A and B are written to (default: new
+    tensors). Dense factors are ``A (r, in)``, ``B (out, r)``; per-expert ones ``A (E, r, in)``, ``B (E, out, r)``
     (``rank_dim_a=1, rank_dim_b=2``).
 
     Example:
@@ -310,25 +320,31 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
     a = alloc(tuple(a_shape), out_dtype) if alloc is not None else torch.empty(a_shape, dtype=out_dtype)
     b = alloc(tuple(b_shape), out_dtype) if alloc is not None else torch.empty(b_shape, dtype=out_dtype)
     off = 0
-    for (pa, pb, c), r in zip(parts, ranks):  # one pass per part, written straight into the result
-        a.narrow(rank_dim_a, off, r).copy_(pa)
-        dst = b.narrow(rank_dim_b, off, r)
-        if pb.dtype == out_dtype:
-            torch.mul(pb, c, out=dst)
+    for (pa, _, c), r in zip(parts, ranks):  # one pass per part, written straight into the result
+        dst = a.narrow(rank_dim_a, off, r)
+        if pa.dtype == out_dtype:
+            torch.mul(pa, c, out=dst)  # computed in float32 (torch's opmath), rounded once
         else:
-            dst.copy_(pb).mul_(c)
+            dst.copy_(pa).mul_(c)
         off += r
+    if all(pb.dtype == out_dtype for _, pb, _ in parts):
+        torch.cat([pb for _, pb, _ in parts], dim=rank_dim_b, out=b)
+    else:
+        off = 0
+        for (_, pb, _), r in zip(parts, ranks):
+            b.narrow(rank_dim_b, off, r).copy_(pb)
+            off += r
     return a, b
 
 
 def weighted_parts_stay_finite(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]],
                                *, dtype: torch.dtype | None, max_abs: Callable[[torch.Tensor], float]) -> bool:
-    """Whether no ``c_i · B_i`` of [`concat_many`]'s ``jobs`` can round to infinity in the result dtype.
+    """Whether no ``c_i · A_i`` of [`concat_many`]'s ``jobs`` can round to infinity in the result dtype.
 
-    ``max_abs(B_i)`` gives the largest magnitude in a component factor (NaN if it holds a NaN). If every
-    ``|c_i| · max|B_i|`` is at most half the dtype's largest finite value, every product, rounded once, is
+    ``max_abs(A_i)`` gives the largest magnitude in a component factor (NaN if it holds a NaN). If every
+    ``|c_i| · max|A_i|`` is at most half the dtype's largest finite value, every product, rounded once, is
     finite, so the composite needs no scan. Otherwise (or for a NaN bound) this says ``False`` and the caller
-    scans. ``A`` is a copy of finite components and needs no check either way.
+    scans ``A``. ``B`` is a copy of finite components and needs no check either way.
 
     Example:
         >>> jobs = {"m": ([(torch.ones(1, 2), torch.full((3, 1), 2.0), 0.5)], 0, 1)}
@@ -339,8 +355,8 @@ def weighted_parts_stay_finite(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Ten
     """
     for key, (parts, _, _) in jobs.items():
         limit = torch.finfo(dtype or parts[0][0].dtype).max / 2
-        for _, b, c in parts:
-            bound = abs(float(c)) * max_abs(b)
+        for a, _, c in parts:
+            bound = abs(float(c)) * max_abs(a)
             if not bound <= limit:  # NaN-safe
                 return False
     return True

@@ -371,7 +371,7 @@ def test_a_mix_whose_composite_overflows_is_refused(worker_manager: Any, tmp_pat
     from vllm_lora_ext.integration.loader import load_lora_model
     from vllm_lora_ext.mixing import MixComponent, MixSpec
 
-    big = _write(tmp_path / "big", {QA: torch.ones(4, 64), QB: torch.full((64, 4), 3e37)})
+    big = _write(tmp_path / "big", {QA: torch.full((4, 64), 3e37), QB: torch.ones(64, 4)})  # the weight goes on A
     spec = MixSpec((MixComponent("big", str(big), 100.0),))
     with pytest.raises(AdapterFormatError, match="holds NaN or infinite"):
         load_lora_model(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
@@ -388,19 +388,19 @@ def test_a_composite_is_scanned_only_when_its_components_bounds_allow_an_overflo
     scans: list[int] = []
     real = composite.check_finite
     monkeypatch.setattr(composite, "check_finite", lambda *a, **k: (scans.append(1), real(*a, **k))[1])
-    big = _write(tmp_path / "big", {QA: torch.ones(4, 64), QB: torch.full((64, 4), 1e37)})
-    small = _write(tmp_path / "small", {QA: torch.ones(4, 64), QB: torch.full((64, 4), 0.5)})
+    big = _write(tmp_path / "big", {QA: torch.full((4, 64), 1e37), QB: torch.ones(64, 4)})  # the weight goes on A
+    small = _write(tmp_path / "small", {QA: torch.full((4, 64), 0.5), QB: torch.ones(64, 4)})
 
     def load(*parts: tuple[Path, float]) -> Any:
         spec = MixSpec(tuple(MixComponent(p.name, str(p), w) for p, w in parts))
         return load_lora_model(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
 
-    load((small, 3.0), (big, 1.0))  # |c|·max|B| far below the dtype's range: no scan
+    load((small, 3.0), (big, 1.0))  # |c|·max|A| far below the dtype's range: no scan
     assert scans == []
     lora = load((big, 12.0))  # 1.2e38·s (s = 2): the bound allows an overflow, so it is scanned, and found finite
     assert scans == [1]
-    b = next(iter(lora.loras.values())).lora_b
-    assert bool(torch.isfinite(b).all()) and float(b.abs().max()) > 2e38
+    a = next(iter(lora.loras.values())).lora_a
+    assert bool(torch.isfinite(a).all()) and float(a.abs().max()) > 2e38
 
 
 # ------------------------------------------------------------------------------------------------ id reuse (3)
@@ -516,15 +516,15 @@ def test_a_mix_whose_packed_moe_composite_overflows_in_any_slice_is_refused(work
     from vllm_lora_ext.mixing import MixComponent, MixSpec
 
     name = "model.layers.0.mlp.experts"
-    a = [torch.ones(2, 4, 8) for _ in range(3)]
-    b = [torch.full((2, 8, 4), 3e37), torch.zeros(2, 8, 4), torch.zeros(2, 8, 4)]  # the first slice overflows
+    a = [torch.full((2, 4, 8), 3e37), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)]  # the first slice overflows (w·A)
+    b = [torch.ones(2, 8, 4) for _ in range(3)]
     model = LoRAModel(1, 4, {name: PackedLoRALayerWeights(name, 4, [1, 1, 1], list(a), list(b), scaling=[1.0] * 3)})
     source = "/nonexistent/packed-moe-component"
     composite.clear_component_cache()
     composite._CACHE[(id(worker_manager), source)] = model
     try:
         spec = MixSpec((MixComponent("moe", source, 100.0),))
-        with pytest.raises(AdapterFormatError, match=r"holds NaN or infinite.*lora_B\[0\]|lora_B\[0\].*NaN"):
+        with pytest.raises(AdapterFormatError, match=r"holds NaN or infinite.*lora_A\[0\]|lora_A\[0\].*NaN"):
             load_lora_model_for(worker_manager, LoRARequest(spec.lora_name, MIX_ID_BASE, spec.lora_path))
     finally:
         composite.clear_component_cache()

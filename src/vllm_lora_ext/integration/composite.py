@@ -156,11 +156,11 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         else:
             a, b = done[name]
             loras[name] = LoRALayerWeights(name, int(a.shape[0]), 1, a, b, scaling=1.0)
-    # A is a copy of finite components; only w·s·B can overflow to inf, so only B is scanned, and only when the
+    # B is a copy of finite components; only w·s·A can overflow to inf, so only A is scanned, and only when the
     # components' largest magnitudes (kept per cached component) do not rule it out.
     if not weighted_parts_stay_finite(jobs, dtype=dtype, max_abs=_max_abs):
-        finite_b = {f"{n} lora_B[{i}]": t for n, lw in loras.items()
-                    for i, t in enumerate(lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]) if t is not None}
+        finite_a = {f"{n} lora_A[{i}]": t for n, lw in loras.items()
+                    for i, t in enumerate(lw.lora_a if isinstance(lw.lora_a, list) else [lw.lora_a]) if t is not None}
         if on_gpu is not None:
             from vllm_lora_ext.integration.staging import side_stream
 
@@ -168,7 +168,7 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         else:
             scan = contextlib.nullcontext()
         with scan:
-            check_finite(finite_b, adapter=spec.lora_name)
+            check_finite(finite_a, adapter=spec.lora_name)
     model_cls = manager._lora_model_cls
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)
     composite.is_3d_lora_weight = lora_request.is_3d_lora_weight

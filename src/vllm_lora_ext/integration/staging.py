@@ -305,7 +305,7 @@ _SCRATCH = 256 << 20  # GPU bytes a composite's components are uploaded through,
 def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> tuple[dict[Any, Any], _Staging] | None:
     """Build a mix's rank concatenation on the GPU: ``{key: (A, B)}`` as views of one staged buffer, or ``None``.
 
-    The same result as [`concat_many`] (``A = cat(A_i)``, ``B = cat(c_i·B_i)``, the same ops in the same
+    The same result as [`concat_many`] (``A = cat(c_i·A_i)``, ``B = cat(B_i)``, the same ops in the same
     dtype), for the same ``jobs``, without the CPU copy of every component's bytes into fresh memory (1.1-1.8 s
     for a 6.3 GB mix on an H200 host). The components go up through the pinned chunks a batch at a time
     and are concatenated on the staging stream; the engine's stream is never used. ``None`` off CUDA, past the
@@ -351,8 +351,8 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
                 off = 0
                 for pa, pb, c in parts:
                     r = int(pa.shape[dim_a])
-                    moves.append((pa, a.narrow(dim_a, off, r), None))
-                    moves.append((pb, b.narrow(dim_b, off, r), float(c)))
+                    moves.append((pa, a.narrow(dim_a, off, r), float(c)))
+                    moves.append((pb, b.narrow(dim_b, off, r), None))
                     off += r
             _upload_and_place(moves, scratch, stream)
             stream.synchronize()
