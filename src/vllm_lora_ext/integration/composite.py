@@ -145,7 +145,10 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         from vllm_lora_ext.integration.staging import concat_staged
 
         on_gpu = concat_staged(jobs, dtype=dtype, device=device)
-    done = on_gpu[0] if on_gpu is not None else host_concat(jobs, dtype=dtype)
+    t2 = time.perf_counter()
+    phases: dict[str, float] = {}
+    done = on_gpu[0] if on_gpu is not None else host_concat(jobs, dtype=dtype, timings=phases)
+    t3 = time.perf_counter()
     loras: dict[str, Any] = {}
     for name, present in present_by_name.items():
         first = present[0][1]
@@ -182,25 +185,33 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
             return [t for key in jobs for t in cpu[key]]
 
         attach_staged(composite, on_gpu[1], twins)
-    logger.info("built mix %r from %d adapters: %d modules, %.2f s (components %.2f s, concatenation %.2f s%s)",
-                spec.lora_name, len(comps), len(loras), time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
-                " on the GPU" if on_gpu is not None else "")
+    detail = "".join(f", {k} {v * 1000:.0f} ms" for k, v in phases.items())
+    logger.info("built mix %r from %d adapters: %d modules, %.2f s (components %.2f s, concatenation %.2f s%s: "
+                "planning %.0f ms, copies %.0f ms%s, the rest %.0f ms)", spec.lora_name, len(comps), len(loras),
+                time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1, " on the GPU" if on_gpu is not None else "",
+                (t2 - t1) * 1000, (t3 - t2) * 1000, detail, (time.perf_counter() - t3) * 1000)
     return composite
 
 
-def host_concat(jobs: Any, *, dtype: torch.dtype | None,
-                context: int | None = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = None,
+                timings: dict[str, float] | None = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
     """[`concat_many`] into one huge-page host arena, pinned in place where vLLM pins LoRA memory: the copy
     runs at the speed of touched memory (0.08 s against 0.16 s for 281 MiB on an H200 host), vLLM copies
-    nothing into pinned memory again, and the slot copy is a DMA."""
+    nothing into pinned memory again, and the slot copy is a DMA. ``timings`` receives the seconds of the
+    arena's mapping, the copy and the pinning."""
     shapes = composite_shapes(jobs, dtype=dtype)
     need = sum(math.prod(a) * t.itemsize + math.prod(b) * t.itemsize + 128 for a, b, t in shapes.values())
     if not host_arenas_enabled() or need < host_arena_min_bytes():
         return concat_many(jobs, dtype=dtype)
+    t0 = time.perf_counter()
     arena = HostArena(need)
     try:
+        t1 = time.perf_counter()
         done = concat_many(jobs, dtype=dtype, alloc=arena.empty)
+        t2 = time.perf_counter()
         pin_in_place(arena, context=context)
+        if timings is not None:
+            timings.update(mapping=t1 - t0, copy=t2 - t1, pinning=time.perf_counter() - t2)
         return done
     finally:
         arena.close()
