@@ -446,13 +446,13 @@ class SafetensorsReader:
                 _preadv_exactly(fd, [memoryview(buf.numpy())], start, path=self.path, key=span[0])  # type: ignore[arg-type]
                 self.stats.count(end - start)
                 for key in span:
-                    info = self.header.tensors[key]
                     a, b = offsets[key]
-                    dt = torch_dtype_of(info.dtype, key=key)
+                    dt = torch_dtype_of(self.header.dtypes[key], key=key)
+                    shape = self.header.shapes[key]
                     if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
-                        t = buf[a - start:b - start].clone().view(dt).view(info.shape)
+                        t = buf[a - start:b - start].clone().view(dt).view(shape)
                     else:
-                        t = buf[a - start:b - start].view(dt).view(info.shape)
+                        t = buf[a - start:b - start].view(dt).view(shape)
                     out[key] = t.clone() if copy and into is None else t
                     self.stats.count(tensors=1)
                 del buf
@@ -478,17 +478,17 @@ class SafetensorsReader:
         Raises:
             [`AdapterFormatError`]: the file ends before a tensor does (it is truncated).
         """
-        infos = self.header.tensors
-        offsets = self.header.offsets
+        dtypes, shapes, offsets = self.header.dtypes, self.header.shapes, self.header.offsets
         plans: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
-        for group in groups:
-            first = infos[group[0]] if group else None
-            if first is None or any(infos[k].dtype != first.dtype or tuple(infos[k].shape) != tuple(first.shape)
-                                    for k in group):
+        for group in groups:  # (the header's per-key dicts: no object per key is made here)
+            kinds = set(map(dtypes.__getitem__, group))
+            forms = set(map(tuple, map(shapes.__getitem__, group)))
+            if len(kinds) != 1 or len(forms) != 1:
                 plans.append(None)
                 continue
-            dt = torch_dtype_of(first.dtype, key=group[0])
-            plans.append((dt, tuple(first.shape), math.prod(first.shape) * dt.itemsize))
+            (dtype,), (shape,) = kinds, forms
+            dt = torch_dtype_of(dtype, key=group[0])
+            plans.append((dt, shape, math.prod(shape) * dt.itemsize))
         results: list[torch.Tensor | None] = [None] * len(groups)
         live = [g for g in range(len(groups)) if all(m < len(plans) and plans[m] is not None
                                                      for m in range(g - g % bundle, g - g % bundle + bundle))]
