@@ -1,0 +1,111 @@
+"""Probe: what a mix's CPU composite copy costs on this host, by memory kind, thread count and where the weight goes.
+
+The composite of 4 r16 adapters on 7B shapes (281 MiB, 224 modules) is concatenated with ``concat_many``
+(the weight on A since round 9) and, for comparison, with round 8's form (the weight on B, written into a
+few columns of every row), into: new tensors (``torch.empty``), a fresh huge-page ``HostArena`` (what
+``composite.host_concat`` uses), and an arena whose pages were touched before. Cases are interleaved; medians
+of ``--reps``. There is no stock counterpart: stock vLLM has no mixes (its equivalent, loading the saved
+composite, is timed by ``bench_new_mix.py``).
+
+Usage: python bench/probe_mix_copy.py [--reps 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+
+
+def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
+    """Round 8's composite: A = cat(A_i), B = cat(c_i·B_i), each part scaled into its columns of B."""
+    import torch
+
+    from vllm_lora_ext._util import shared_pool
+
+    def one(key: Any) -> tuple[Any, Any]:
+        parts, dim_a, dim_b = jobs[key]
+        ra = sum(int(p[0].shape[dim_a]) for p in parts)
+        a_shape, b_shape = list(parts[0][0].shape), list(parts[0][1].shape)
+        a_shape[dim_a], b_shape[dim_b] = ra, ra
+        a = alloc(tuple(a_shape), torch.bfloat16) if alloc else torch.empty(a_shape, dtype=torch.bfloat16)
+        b = alloc(tuple(b_shape), torch.bfloat16) if alloc else torch.empty(b_shape, dtype=torch.bfloat16)
+        off = 0
+        for pa, pb, c in parts:
+            r = int(pa.shape[dim_a])
+            a.narrow(dim_a, off, r).copy_(pa)
+            torch.mul(pb, c, out=b.narrow(dim_b, off, r))
+            off += r
+        return a, b
+
+    if workers <= 1:
+        return {k: one(k) for k in jobs}
+    futures = [shared_pool("probe-mix", workers).submit(one, k) for k in jobs]
+    return {k: f.result() for k, f in zip(jobs, futures)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.mixing import composite_shapes, concat_many
+
+    torch.set_num_threads(1)  # as in a serving process: parallelism comes from the copy threads
+    H, I, L, R = 4096, 11008, 32, 16
+    dims = {"q_proj": (H, H), "k_proj": (H, 1024), "v_proj": (H, 1024), "o_proj": (H, H), "gate_proj": (H, I),
+            "up_proj": (H, I), "down_proj": (I, H)}
+    g = torch.Generator().manual_seed(0)
+    ads = [{(layer, m): (torch.randn(R, a, generator=g).bfloat16(), torch.randn(b, R, generator=g).bfloat16())
+            for layer in range(L) for m, (a, b) in dims.items()} for _ in range(4)]
+    jobs = {k: ([(ad[k][0], ad[k][1], w) for ad, w in zip(ads, [0.4, 0.3, 0.2, 0.1])], 0, 1) for k in ads[0]}
+    need = sum(math.prod(a) * 2 + math.prod(b) * 2 + 128 for a, b, _ in composite_shapes(jobs).values())
+
+    def memory(kind: str) -> tuple[Any, Any]:
+        if kind == "torch.empty":
+            return None, None
+        arena = HostArena(need)
+        if kind == "touched arena":
+            assert arena.buffer is not None
+            arena.buffer.fill_(0)
+        return arena, arena.empty
+
+    def run(form: str, kind: str, workers: int) -> float:
+        arena, alloc = memory(kind)
+        t0 = time.perf_counter()
+        if form == "weight on A":
+            done = concat_many(jobs, dtype=torch.bfloat16, alloc=alloc, workers=workers)
+        else:
+            done = _weight_on_b(jobs, alloc, workers)
+        dt = time.perf_counter() - t0
+        if arena is not None:
+            arena.close()
+        del done
+        return dt
+
+    cases = [(f, k, w) for f in ("weight on A", "weight on B (round 8)")
+             for k in ("torch.empty", "fresh arena", "touched arena") for w in (1, 4)]
+    times: dict[tuple[str, str, int], list[float]] = {c: [] for c in cases}
+    for c in cases:  # warm-up: first-time costs of each path
+        run(*c)
+    for _ in range(args.reps):
+        for c in cases:
+            times[c].append(run(*c))
+    rows = [[f, k, w, median(ts) * 1000] for (f, k, w), ts in times.items()]
+    print_table(rows, ["composite form", "memory", "threads", "ms (median)"])
+    write_json("probe_mix_copy", {"composite_bytes": need, "reps": args.reps,
+                                  "ms": {" / ".join(map(str, c)): [t * 1000 for t in ts] for c, ts in times.items()},
+                                  "table": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
