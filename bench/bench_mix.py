@@ -19,9 +19,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
+
+
+def seven_b_adapters(n: int = 4, rank: int = 16) -> list[dict[tuple[int, str], tuple[Any, Any]]]:
+    """``n`` random bfloat16 adapters of ``rank`` on every projection of a 7B Llama (32 layers, H=4096, I=11008,
+    GQA 8 × 128): ``{(layer, module): (A, B)}``."""
+    import torch
+
+    H, I, L = 4096, 11008, 32
+    shapes = {"q_proj": (H, H), "k_proj": (H, 1024), "v_proj": (H, 1024), "o_proj": (H, H), "gate_proj": (H, I),
+              "up_proj": (H, I), "down_proj": (I, H)}
+    g = torch.Generator().manual_seed(0)
+    return [{(layer, m): (torch.randn(rank, d_in, generator=g).bfloat16(),
+                          torch.randn(d_out, rank, generator=g).bfloat16())
+             for layer in range(L) for m, (d_in, d_out) in shapes.items()} for _ in range(n)]
 
 
 def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
@@ -29,12 +44,7 @@ def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
 
     from vllm_lora_ext.mixing import concat_many
 
-    H, I, L, R = 4096, 11008, 32, 16
-    shapes = {"q_proj": (H, H), "k_proj": (H, 1024), "v_proj": (H, 1024), "o_proj": (H, H), "gate_proj": (H, I),
-              "up_proj": (H, I), "down_proj": (I, H)}
-    g = torch.Generator().manual_seed(0)
-    adapters = [{(layer, m): (torch.randn(R, d_in, generator=g).bfloat16(), torch.randn(d_out, R, generator=g).bfloat16())
-                 for layer in range(L) for m, (d_in, d_out) in shapes.items()} for _ in range(4)]
+    adapters = seven_b_adapters()
     weights = [0.4, 0.3, 0.2, 0.1]
 
     def build(workers: int | None) -> dict:

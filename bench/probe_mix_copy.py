@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
+from bench_mix import seven_b_adapters  # noqa: E402
 
 
 def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
@@ -61,12 +62,7 @@ def main() -> None:
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     torch.set_num_threads(1)  # as in a serving process: parallelism comes from the copy threads
-    H, I, L, R = 4096, 11008, 32, 16
-    dims = {"q_proj": (H, H), "k_proj": (H, 1024), "v_proj": (H, 1024), "o_proj": (H, H), "gate_proj": (H, I),
-            "up_proj": (H, I), "down_proj": (I, H)}
-    g = torch.Generator().manual_seed(0)
-    ads = [{(layer, m): (torch.randn(R, a, generator=g).bfloat16(), torch.randn(b, R, generator=g).bfloat16())
-            for layer in range(L) for m, (a, b) in dims.items()} for _ in range(4)]
+    ads = seven_b_adapters()
     jobs = {k: ([(ad[k][0], ad[k][1], w) for ad, w in zip(ads, [0.4, 0.3, 0.2, 0.1])], 0, 1) for k in ads[0]}
     need = sum(math.prod(a) * 2 + math.prod(b) * 2 + 128 for a, b, _ in composite_shapes(jobs).values())
 
