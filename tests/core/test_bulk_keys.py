@@ -220,3 +220,10 @@ def test_a_failed_block_read_returns_only_once_no_block_is_running() -> None:
     with pytest.raises(OSError, match="disk gone"):
         read_blocks(plans, read, config=config_from_dict({"r": 4}), workers=3, check_finite_as="x")
     assert running == []  # every block that started has finished; none was left to run on
+
+
+def test_a_complete_block_given_shapes_as_lists_is_planned_as_with_tuples() -> None:
+    shapes = _block()
+    as_lists = {k: list(s) for k, s in shapes.items()}
+    fast = _plan_complete_2d(as_lists, SPEC)  # type: ignore[arg-type]
+    assert fast is not None and _same(fast, _by_key(shapes))

@@ -291,12 +291,13 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
         keys_a = [f"{head}{e}.{proj}.lora_A.weight" for e in experts]
         keys_b = [f"{head}{e}.{proj}.lora_B.weight" for e in experts]
         try:
-            shapes_a, shapes_b = set(map(shapes.__getitem__, keys_a)), set(map(shapes.__getitem__, keys_b))
-        except KeyError:
+            shapes_a = set(map(tuple, map(shapes.__getitem__, keys_a)))  # (a caller's shapes may be lists)
+            shapes_b = set(map(tuple, map(shapes.__getitem__, keys_b)))
+        except (KeyError, TypeError):
             return None
         if len(shapes_a) != 1 or len(shapes_b) != 1:
             return None
-        sa, sb = tuple(shapes_a.pop()), tuple(shapes_b.pop())
+        sa, sb = shapes_a.pop(), shapes_b.pop()
         d_in = spec.intermediate if role == "down" else spec.hidden
         d_out = spec.hidden if role == "down" else spec.intermediate
         if len(sa) != 2 or sa != (sa[0], d_in) or sb != (d_out, sa[0]):
