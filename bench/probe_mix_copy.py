@@ -28,7 +28,7 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
     """Round 8's composite: A = cat(A_i), B = cat(c_i·B_i), each part scaled into its columns of B."""
     import torch
 
-    from vllm_lora_ext._util import shared_pool
+    from vllm_lora_ext.pools import shared_pool
 
     def one(key: Any) -> tuple[Any, Any]:
         parts, dim_a, dim_b = jobs[key]

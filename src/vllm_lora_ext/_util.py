@@ -6,9 +6,7 @@ import contextlib
 import gc
 import os
 import reprlib
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _REPR = reprlib.Repr()
@@ -53,24 +51,3 @@ def gc_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
-
-_POOLS: dict[tuple[str, int], tuple[int, ThreadPoolExecutor]] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads named ``name``: made on first use and kept, so that its threads
-    start once per process rather than once per adapter load (on the 2-core dev VM, starting a read pool's
-    threads took 6-12 ms of a 50 ms expert-parallel read).
-
-    A forked child gets a new pool (the parent's threads do not exist there). Work given to a shared pool
-    must never wait for other work of the same pool: concurrent callers share its threads, and a task
-    that waited on the pool could wait forever.
-    """
-    key = (name, workers)
-    pid = os.getpid()
-    with _POOLS_LOCK:
-        got = _POOLS.get(key)
-        if got is None or got[0] != pid:
-            got = _POOLS[key] = (pid, ThreadPoolExecutor(workers, thread_name_prefix=name))
-        return got[1]

@@ -255,7 +255,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
     import os
     from concurrent.futures import wait
 
-    from vllm_lora_ext._util import shared_pool
+    from vllm_lora_ext.pools import shared_pool
 
     n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
 

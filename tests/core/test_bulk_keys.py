@@ -174,7 +174,7 @@ def test_the_rank_check_names_an_a_factor_over_the_limit_and_never_a_wide_b() ->
 def test_a_shared_pool_is_kept_in_its_process_and_made_anew_in_a_forked_child() -> None:
     import os
 
-    from vllm_lora_ext._util import shared_pool
+    from vllm_lora_ext.pools import shared_pool
 
     pool = shared_pool("test-pool", 2)
     assert shared_pool("test-pool", 2) is pool and pool.submit(lambda: 7).result(timeout=10) == 7
@@ -227,3 +227,20 @@ def test_a_complete_block_given_shapes_as_lists_is_planned_as_with_tuples() -> N
     as_lists = {k: list(s) for k, s in shapes.items()}
     fast = _plan_complete_2d(as_lists, SPEC)  # type: ignore[arg-type]
     assert fast is not None and _same(fast, _by_key(shapes))
+
+
+def test_a_shared_pools_threads_run_torch_ops_on_one_thread_and_the_process_keeps_its_setting() -> None:
+    import torch
+
+    from vllm_lora_ext.pools import _openmp, shared_pool
+
+    if _openmp() is None:
+        pytest.skip("no OpenMP runtime found in this process")
+    before = torch.get_num_threads()
+
+    def threads_after_an_op() -> int:
+        (torch.ones(1 << 20) * 2).sum()  # an op large enough to be split, were the thread's team larger
+        return torch.get_num_threads()
+
+    assert shared_pool("test-omp", 2).submit(threads_after_an_op).result(timeout=30) == 1
+    assert torch.get_num_threads() == before  # the calling thread's (and the process's) setting is untouched
