@@ -3,9 +3,11 @@
 The composite of 4 r16 adapters on 7B shapes (281 MiB, 224 modules) is concatenated with ``concat_many``
 (the weight on A since round 9) and, for comparison, with round 8's form (the weight on B, written into a
 few columns of every row), into: new tensors (``torch.empty``), a fresh huge-page ``HostArena`` (what
-``composite.host_concat`` uses), and an arena whose pages were touched before. Cases are interleaved; medians
-of ``--reps``. There is no stock counterpart: stock vLLM has no mixes (its equivalent, loading the saved
-composite, is timed by ``bench_new_mix.py``).
+``composite.host_concat`` uses), and an arena whose pages were touched before. The process keeps torch's default
+intra-op threads, as a one-GPU vLLM engine does; with 4 copy threads, each copy thread runs its ops on one OpenMP
+thread (``pools.py``, round 9) or, as before, on torch's default. Cases are interleaved; medians of ``--reps``.
+There is no stock counterpart: stock vLLM has no mixes (its equivalent, loading the saved composite, is timed by
+``bench_new_mix.py``).
 
 Usage: python bench/probe_mix_copy.py [--reps 5] [--out FILE]
 """
@@ -61,7 +63,9 @@ def main() -> None:
     from vllm_lora_ext.hostmem import HostArena
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
-    torch.set_num_threads(1)  # as in a serving process: parallelism comes from the copy threads
+    from vllm_lora_ext import pools
+
+    one_thread = pools.one_intra_op_thread
     ads = seven_b_adapters()
     jobs = {k: ([(ad[k][0], ad[k][1], w) for ad, w in zip(ads, [0.4, 0.3, 0.2, 0.1])], 0, 1) for k in ads[0]}
     need = sum(math.prod(a) * 2 + math.prod(b) * 2 + 128 for a, b, _ in composite_shapes(jobs).values())
@@ -75,7 +79,10 @@ def main() -> None:
             arena.buffer.fill_(0)
         return arena, arena.empty
 
-    def run(form: str, kind: str, workers: int) -> float:
+    def run(form: str, kind: str, workers: int, omp: str = "-") -> float:
+        # the pools' threads get their OpenMP setting when made: make them again for each setting
+        pools.one_intra_op_thread = one_thread if omp != "torch default" else (lambda: None)
+        pools._POOLS.clear()
         arena, alloc = memory(kind)
         t0 = time.perf_counter()
         if form == "weight on A":
@@ -88,17 +95,19 @@ def main() -> None:
         del done
         return dt
 
-    cases = [(f, k, w) for f in ("weight on A", "weight on B (round 8)")
-             for k in ("torch.empty", "fresh arena", "touched arena") for w in (1, 4)]
-    times: dict[tuple[str, str, int], list[float]] = {c: [] for c in cases}
+    cases: list[tuple[str, str, int, str]] = [
+        (f, k, w, o) for f in ("weight on A", "weight on B (round 8)") for k in ("torch.empty", "fresh arena",
+                                                                                "touched arena")
+        for w, o in ((1, "-"), (4, "one"), (4, "torch default"))]
+    times: dict[tuple[str, str, int, str], list[float]] = {c: [] for c in cases}
     for c in cases:  # warm-up: first-time costs of each path
         run(*c)
     for _ in range(args.reps):
         for c in cases:
             times[c].append(run(*c))
-    rows = [[f, k, w, median(ts) * 1000] for (f, k, w), ts in times.items()]
-    print_table(rows, ["composite form", "memory", "threads", "ms (median)"])
-    write_json("probe_mix_copy", {"composite_bytes": need, "reps": args.reps,
+    rows = [[f, k, w, o, median(ts) * 1000] for (f, k, w, o), ts in times.items()]
+    print_table(rows, ["composite form", "memory", "copy threads", "OpenMP threads each", "ms (median)"])
+    write_json("probe_mix_copy", {"composite_bytes": need, "reps": args.reps, "torch_threads": torch.get_num_threads(),
                                   "ms": {" / ".join(map(str, c)): [t * 1000 for t in ts] for c, ts in times.items()},
                                   "table": rows}, args.out)
 
