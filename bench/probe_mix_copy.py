@@ -30,7 +30,7 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
     """Round 8's composite: A = cat(A_i), B = cat(c_i·B_i), each part scaled into its columns of B."""
     import torch
 
-    from vllm_lora_ext.pools import shared_pool
+    from vllm_lora_ext.pools import lent_pool
 
     def one(key: Any) -> tuple[Any, Any]:
         parts, dim_a, dim_b = jobs[key]
@@ -49,8 +49,9 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
 
     if workers <= 1:
         return {k: one(k) for k in jobs}
-    futures = [shared_pool("probe-mix", workers).submit(one, k) for k in jobs]
-    return {k: f.result() for k, f in zip(jobs, futures)}
+    with lent_pool("probe-mix", workers) as pool:
+        futures = [pool.submit(one, k) for k in jobs]
+        return {k: f.result() for k, f in zip(jobs, futures)}
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
     def run(form: str, kind: str, workers: int, omp: str = "-") -> float:
         # the pools' threads get their OpenMP setting when made: make them again for each setting
         pools.one_intra_op_thread = one_thread if omp != "torch default" else (lambda: None)
-        pools._POOLS.clear()
+        pools._IDLE.clear()
         arena, alloc = memory(kind)
         t0 = time.perf_counter()
         if form == "weight on A":

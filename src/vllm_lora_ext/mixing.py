@@ -255,7 +255,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
     import os
     from concurrent.futures import wait
 
-    from vllm_lora_ext.pools import shared_pool
+    from vllm_lora_ext.pools import lent_pool
 
     n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
 
@@ -265,13 +265,14 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     if n <= 1:
         return {k: one(k) for k in jobs}
-    futures = [shared_pool("vllm-lora-ext-mix", n).submit(one, key) for key in jobs]  # a copy never waits on the pool
-    try:
-        return {key: f.result() for key, f in zip(jobs, futures)}
-    finally:  # a failed copy: the ones not started are dropped, the running ones finish here
-        for f in futures:
-            f.cancel()
-        wait(futures)
+    with lent_pool("vllm-lora-ext-mix", n) as pool:
+        futures = [pool.submit(one, key) for key in jobs]
+        try:
+            return {key: f.result() for key, f in zip(jobs, futures)}
+        finally:  # a failed copy: the ones not started are dropped, the running ones finish here
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
 
 def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], rank_dim_a: int, rank_dim_b: int,

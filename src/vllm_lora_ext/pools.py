@@ -1,7 +1,7 @@
 """Process-wide thread pools for the plugin's reads, scans and copies, whose threads run torch's CPU ops alone.
 
 Two costs are avoided. Starting a pool's threads for every load: on the 2-core dev VM that took 6-12 ms of a
-50 ms expert-parallel read. And nested parallelism: a vLLM engine process keeps torch's default intra-op
+50 ms expert-parallel read; pools are lent and kept ([`lent_pool`]). And nested parallelism: a vLLM engine process keeps torch's default intra-op
 parallelism (an OpenMP team of one thread per core; vLLM lowers it to one only for its multi-process executor),
 so each of a pool's threads would start a team of that size for every op large enough, 4 × 16 threads on a
 16-core host, all copying memory at once. A pool thread here runs its ops on one OpenMP thread: the parallelism
@@ -16,38 +16,56 @@ per-thread set-up of it (which runs once, on the thread's first use of torch's t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["one_intra_op_thread", "shared_pool"]
+__all__ = ["lent_pool", "one_intra_op_thread"]
 
 logger = logging.getLogger(__name__)
 
-_POOLS: dict[tuple[str, int], tuple[int, ThreadPoolExecutor]] = {}
-_POOLS_LOCK = threading.Lock()
+_IDLE: dict[tuple[str, int], list[ThreadPoolExecutor]] = {}
+_IDLE_PID = [os.getpid()]
+_LOCK = threading.Lock()
+_MAX_IDLE = 4  # idle pools kept per name and size (concurrent loads each hold one while they run)
 
 
-def shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads named ``name``, made on first use and kept, whose threads run
+@contextlib.contextmanager
+def lent_pool(name: str, workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``workers`` threads named ``name`` for the caller alone while the block runs, whose threads run
     torch ops on one OpenMP thread each ([`one_intra_op_thread`]).
 
-    A forked child gets a new pool (the parent's threads do not exist there). Work given to a shared pool
-    must never wait for other work of the same pool: concurrent callers share its threads, and a task
-    that waited on the pool could wait forever.
+    An idle pool made earlier in this process is lent if there is one, else a new one is made; it is kept for the
+    next caller afterwards (at most four idle per name and size). Callers at the same time get pools of their
+    own, as each load had before pools were kept, so that concurrent loads (a new mix's components, background
+    builds) do not queue behind each other. A forked child makes its own (the parent's threads do not exist
+    there). Everything given to the pool must be finished or cancelled before the block ends.
     """
     key = (name, workers)
     pid = os.getpid()
-    with _POOLS_LOCK:
-        got = _POOLS.get(key)
-        if got is None or got[0] != pid:
-            got = _POOLS[key] = (pid, ThreadPoolExecutor(workers, thread_name_prefix=name,
-                                                         initializer=one_intra_op_thread))
-        return got[1]
+    with _LOCK:
+        if _IDLE_PID[0] != pid:  # a forked child: the pools it inherited have no threads
+            _IDLE.clear()
+            _IDLE_PID[0] = pid
+        idle = _IDLE.get(key)
+        pool = idle.pop() if idle else None
+    if pool is None:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=one_intra_op_thread)
+    try:
+        yield pool
+    finally:
+        with _LOCK:
+            keep = _IDLE_PID[0] == pid and len(_IDLE.setdefault(key, [])) < _MAX_IDLE
+            if keep:
+                _IDLE[key].append(pool)
+        if not keep:
+            pool.shutdown(wait=False)
 
 
 def one_intra_op_thread() -> None:

@@ -171,18 +171,23 @@ def test_the_rank_check_names_an_a_factor_over_the_limit_and_never_a_wide_b() ->
 # ------------------------------------------------------------------------------------------------ shared pools
 
 
-def test_a_shared_pool_is_kept_in_its_process_and_made_anew_in_a_forked_child() -> None:
+def test_a_pool_is_lent_to_one_caller_at_a_time_kept_after_and_made_anew_in_a_forked_child() -> None:
     import os
 
-    from vllm_lora_ext.pools import shared_pool
+    from vllm_lora_ext.pools import lent_pool
 
-    pool = shared_pool("test-pool", 2)
-    assert shared_pool("test-pool", 2) is pool and pool.submit(lambda: 7).result(timeout=10) == 7
+    with lent_pool("test-pool", 2) as first:
+        assert first.submit(lambda: 7).result(timeout=10) == 7
+        with lent_pool("test-pool", 2) as second:  # a caller at the same time gets a pool of its own
+            assert second is not first
+    with lent_pool("test-pool", 2) as again:  # given back: lent again, its threads already started
+        assert again in (first, second)
     pid = os.fork()
     if pid == 0:  # the parent's threads do not exist here: the child's work must still run
+        ok = False
         try:
-            ok = shared_pool("test-pool", 2) is not pool and shared_pool("test-pool", 2).submit(
-                lambda: 7).result(timeout=10) == 7
+            with lent_pool("test-pool", 2) as child:
+                ok = child not in (first, second) and child.submit(lambda: 7).result(timeout=10) == 7
         finally:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
@@ -229,10 +234,10 @@ def test_a_complete_block_given_shapes_as_lists_is_planned_as_with_tuples() -> N
     assert fast is not None and _same(fast, _by_key(shapes))
 
 
-def test_a_shared_pools_threads_run_torch_ops_on_one_thread_and_the_process_keeps_its_setting() -> None:
+def test_a_pools_threads_run_torch_ops_on_one_thread_and_the_process_keeps_its_setting() -> None:
     import torch
 
-    from vllm_lora_ext.pools import _openmp, shared_pool
+    from vllm_lora_ext.pools import _openmp, lent_pool
 
     if _openmp() is None:
         pytest.skip("no OpenMP runtime found in this process")
@@ -242,5 +247,6 @@ def test_a_shared_pools_threads_run_torch_ops_on_one_thread_and_the_process_keep
         (torch.ones(1 << 20) * 2).sum()  # an op large enough to be split, were the thread's team larger
         return torch.get_num_threads()
 
-    assert shared_pool("test-omp", 2).submit(threads_after_an_op).result(timeout=30) == 1
+    with lent_pool("test-omp", 2) as pool:
+        assert pool.submit(threads_after_an_op).result(timeout=30) == 1
     assert torch.get_num_threads() == before  # the calling thread's (and the process's) setting is untouched

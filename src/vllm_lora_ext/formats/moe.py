@@ -612,12 +612,13 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     Raises:
         [`AdapterFormatError`]: a factor holds NaN or infinity (the first block in ``plans`` order).
     """
+    import contextlib
     import os
     import threading
     from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
-    from vllm_lora_ext.pools import shared_pool
+    from vllm_lora_ext.pools import lent_pool
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
@@ -627,46 +628,48 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     n = workers if workers is not None else min(4, cores, max(1, len(items)))
     if scan_workers is None:
         scan_workers = min(2, cores - n) if n > 1 and len(items) > 1 else 0
-    # Process-wide pools: a block's work never waits for other work of its pool (scans go to their own).
-    scan_pool = shared_pool("vllm-lora-ext-scan", scan_workers) \
-        if check_finite_as is not None and scan_workers > 0 else None
+    scanning = check_finite_as is not None and scan_workers > 0
     scans: dict[str, Future[str | None]] = {}
     progress = ProgressLog(f"loading {check_finite_as or 'adapter'!r} ({len(items)} MoE blocks)")
     done = {"blocks": 0, "bytes": 0}
     lock = threading.Lock()
 
-    def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
-        prefix, plan = item
-        ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
-                          read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
-                          alloc=alloc, read_stacks=read_stacks,
-                          keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)))
-        factors = _factors(ex)
-        if scan_pool is not None:
-            scans[prefix] = scan_pool.submit(first_nonfinite, factors)
-        with lock:  # bytes so far, against the blocks' share of the total
-            done["blocks"] += 1
-            done["bytes"] += sum(t.numel() * t.element_size() for t in factors.values())
-            progress.update(done["bytes"], total=done["bytes"] * len(items) // done["blocks"])
-        return ex
+    with contextlib.ExitStack() as pools:  # pools lent to this read alone, kept for the next one
+        scan_pool = pools.enter_context(lent_pool("vllm-lora-ext-scan", scan_workers)) if scanning else None
 
-    try:
-        if n <= 1 or len(items) <= 1:
-            out = {p: one((p, pl)) for p, pl in items}
-        else:
-            futures = [shared_pool("vllm-lora-ext-read", n).submit(one, item) for item in items]
-            try:
-                out = {p: f.result() for (p, _), f in zip(items, futures)}
-            finally:  # a failed block: the blocks not started are dropped, the running ones finish here
-                for f in futures:
-                    f.cancel()
-                wait(futures)
-        for prefix, _ in items:
-            bad = scans[prefix].result() if prefix in scans else None
-            if bad is not None:
-                raise nonfinite_error(bad, adapter=check_finite_as or "adapter")
-        return out
-    finally:  # nothing of this read is left queued or running once it returns or raises
-        for scan in scans.values():
-            scan.cancel()
-        wait(list(scans.values()))
+        def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
+            prefix, plan = item
+            ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
+                              read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
+                              alloc=alloc, read_stacks=read_stacks,
+                              keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)))
+            factors = _factors(ex)
+            if scan_pool is not None:
+                scans[prefix] = scan_pool.submit(first_nonfinite, factors)
+            with lock:  # bytes so far, against the blocks' share of the total
+                done["blocks"] += 1
+                done["bytes"] += sum(t.numel() * t.element_size() for t in factors.values())
+                progress.update(done["bytes"], total=done["bytes"] * len(items) // done["blocks"])
+            return ex
+
+        try:
+            if n <= 1 or len(items) <= 1:
+                out = {p: one((p, pl)) for p, pl in items}
+            else:
+                pool = pools.enter_context(lent_pool("vllm-lora-ext-read", n))
+                futures = [pool.submit(one, item) for item in items]
+                try:
+                    out = {p: f.result() for (p, _), f in zip(items, futures)}
+                finally:  # a failed block: the blocks not started are dropped, the running ones finish here
+                    for f in futures:
+                        f.cancel()
+                    wait(futures)
+            for prefix, _ in items:
+                bad = scans[prefix].result() if prefix in scans else None
+                if bad is not None:
+                    raise nonfinite_error(bad, adapter=check_finite_as or "adapter")
+            return out
+        finally:  # nothing of this read is left queued or running once it returns or raises
+            for scan in scans.values():
+                scan.cancel()
+            wait(list(scans.values()))
