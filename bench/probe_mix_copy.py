@@ -30,7 +30,7 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
     """Round 8's composite: A = cat(A_i), B = cat(c_i·B_i), each part scaled into its columns of B."""
     import torch
 
-    from vllm_lora_ext.pools import lent_pool
+    from vllm_lora_ext.pools import run_in_pool
 
     def one(key: Any) -> tuple[Any, Any]:
         parts, dim_a, dim_b = jobs[key]
@@ -49,9 +49,7 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
 
     if workers <= 1:
         return {k: one(k) for k in jobs}
-    with lent_pool("probe-mix", workers) as pool:
-        futures = [pool.submit(one, k) for k in jobs]
-        return {k: f.result() for k, f in zip(jobs, futures)}
+    return dict(zip(jobs, run_in_pool("probe-mix", workers, one, list(jobs))))
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_ar
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
-from vllm_lora_ext.hostmem import HostArena, bump_empty
+from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.sources import resolve_source
@@ -41,8 +41,6 @@ __all__ = ["ArenaSupply", "BuildJob", "BuiltAdapter", "SharedArena", "SharedTens
            "pack_block", "to_shared", "trim_shared"]
 
 Wrapper = Literal["2d", "3d"]
-
-_ALIGN = 64  # every tensor in a shared file starts on a 64-byte boundary (any dtype's view is aligned)
 
 
 @dataclass(frozen=True)
@@ -183,7 +181,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:
     """The bytes of the dense tensors read into a host arena, each span's start aligned."""
-    return sum(_aligned(nbytes[k]) for k in keys) + _ALIGN * len(keys)
+    return sum(aligned(nbytes[k]) for k in keys) + ALIGN * len(keys)
 
 
 def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], job: BuildJob) -> int:
@@ -192,7 +190,7 @@ def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
     itemsize = job.dtype.itemsize if job.dtype is not None else 4
 
     def size(key: str, share: float = 1.0) -> int:
-        return _aligned(int(math.prod(shapes[key]) * share) * itemsize) + _ALIGN
+        return aligned(int(math.prod(shapes[key]) * share) * itemsize) + ALIGN
 
     total = 0
     for prefix, plan in plans.items():
@@ -437,14 +435,14 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         items += [("a", prefix, i, t) for i, t in enumerate(lora_a)]
         items += [("b", prefix, i, t) for i, t in enumerate(lora_b)]
     arena = built.arena
-    size = _aligned(arena.used) if arena is not None else 0
+    size = aligned(arena.used) if arena is not None else 0
     writes: list[tuple[int, Any]] = []
     entries = []
     for group, name, index, t in items:
         off = arena.offset_of(t) if arena is not None and t.nbytes else None
         if off is None:
             off = size
-            size += _aligned(t.nbytes)
+            size += aligned(t.nbytes)
             if t.nbytes:
                 writes.append((off, t.contiguous().view(-1).view(torch.uint8).numpy()))
         entries.append((group, name, index, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
@@ -517,8 +515,3 @@ def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
 
 def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
-def _aligned(n: int) -> int:
-    """``n`` rounded up to the alignment every tensor in a shared file starts on."""
-    return -(-n // _ALIGN) * _ALIGN

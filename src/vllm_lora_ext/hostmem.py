@@ -25,12 +25,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HostArena", "bump_empty", "huge_pages_offered"]
+__all__ = ["ALIGN", "HUGE_PAGE", "HostArena", "aligned", "bump_empty", "huge_pages_offered"]
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the x86-64 and arm64 (4 KiB base pages) transparent huge page
-_ALIGN = 64  # every tensor starts on a 64-byte boundary (any dtype's view is aligned)
+ALIGN = 64  # every tensor in an arena (host or shared file) starts on a 64-byte boundary: any dtype's view is aligned
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to [`ALIGN`].
+
+    Example:
+        >>> aligned(1), aligned(64), aligned(65)
+        (64, 64, 128)
+    """
+    return -(-n // ALIGN) * ALIGN
 
 
 @lru_cache(maxsize=1)
@@ -60,7 +70,7 @@ def bump_empty(arena: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
         buffer = arena.buffer
         if buffer is None or offset + n > arena.capacity:
             return torch.empty(shape, dtype=dtype)
-        arena.used = offset + -(-n // _ALIGN) * _ALIGN
+        arena.used = offset + aligned(n)
     return buffer[offset:offset + n].view(dtype).view(shape)
 
 

@@ -253,9 +253,8 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
         ``{key: (A, B)}`` in the order of ``jobs``.
     """
     import os
-    from concurrent.futures import wait
 
-    from vllm_lora_ext.pools import lent_pool
+    from vllm_lora_ext.pools import run_in_pool
 
     n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
 
@@ -265,14 +264,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     if n <= 1:
         return {k: one(k) for k in jobs}
-    with lent_pool("vllm-lora-ext-mix", n) as pool:
-        futures = [pool.submit(one, key) for key in jobs]
-        try:
-            return {key: f.result() for key, f in zip(jobs, futures)}
-        finally:  # a failed copy: the ones not started are dropped, the running ones finish here
-            for f in futures:
-                f.cancel()
-            wait(futures)
+    return dict(zip(jobs, run_in_pool("vllm-lora-ext-mix", n, one, list(jobs))))
 
 
 def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], rank_dim_a: int, rank_dim_b: int,
@@ -361,4 +353,3 @@ def weighted_parts_stay_finite(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Ten
             if not bound <= limit:  # NaN-safe
                 return False
     return True
-

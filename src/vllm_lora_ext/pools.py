@@ -21,12 +21,15 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["lent_pool", "one_intra_op_thread"]
+T = TypeVar("T")
+R = TypeVar("R")
+
+__all__ = ["lent_pool", "one_intra_op_thread", "run_in_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,22 @@ def lent_pool(name: str, workers: int) -> Iterator[ThreadPoolExecutor]:
                 _IDLE[key].append(pool)
         if not keep:
             pool.shutdown(wait=False)
+
+
+def run_in_pool(name: str, workers: int, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(x) for x in items]`` on a pool lent for the call ([`lent_pool`]), results in order.
+
+    If one call raises, the calls not started yet are dropped and the running ones finish before the error
+    reaches the caller: nothing of this work is left running once it returns or raises.
+    """
+    with lent_pool(name, workers) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
 
 def one_intra_op_thread() -> None:

@@ -618,7 +618,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
-    from vllm_lora_ext.pools import lent_pool
+    from vllm_lora_ext.pools import lent_pool, run_in_pool
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
@@ -634,8 +634,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
     done = {"blocks": 0, "bytes": 0}
     lock = threading.Lock()
 
-    with contextlib.ExitStack() as pools:  # pools lent to this read alone, kept for the next one
-        scan_pool = pools.enter_context(lent_pool("vllm-lora-ext-scan", scan_workers)) if scanning else None
+    with lent_pool("vllm-lora-ext-scan", scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
 
         def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
             prefix, plan = item
@@ -655,15 +654,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
         try:
             if n <= 1 or len(items) <= 1:
                 out = {p: one((p, pl)) for p, pl in items}
-            else:
-                pool = pools.enter_context(lent_pool("vllm-lora-ext-read", n))
-                futures = [pool.submit(one, item) for item in items]
-                try:
-                    out = {p: f.result() for (p, _), f in zip(items, futures)}
-                finally:  # a failed block: the blocks not started are dropped, the running ones finish here
-                    for f in futures:
-                        f.cancel()
-                    wait(futures)
+            else:  # (a failed block: the blocks not started are dropped, the running ones finish first)
+                out = dict(zip((p for p, _ in items), run_in_pool("vllm-lora-ext-read", n, one, items)))
             for prefix, _ in items:
                 bad = scans[prefix].result() if prefix in scans else None
                 if bad is not None:
