@@ -23,6 +23,7 @@ Usage (on the GPU machine)::
 
     python bench/tune_lora_kernels.py --out-dir src/vllm_lora_ext/kernel_configs --json tune.json
     python bench/tune_lora_kernels.py --grid quick ...   # the 1B decode shapes only (minutes)
+    python bench/tune_lora_kernels.py --grid decode ...  # 16-64-token decode batches, 16 and 64 slots
     python bench/tune_lora_kernels.py --rebuild r1.json r2.json --out-dir DIR   # tables from results (CPU)
 
 Shapes of the grid left untuned (``--budget-s`` ran out) are written with vLLM's default config, so that
@@ -58,6 +59,10 @@ GRIDS = {
     "quick": {"slots": [64], "slices": [1, 3], "m": [32], "hidden": [2048, 8192], "rank": [16]},
     "full": {"slots": [1, 16, 64], "slices": [1, 3], "m": [1, 16, 32, 64, 256, 2048],
              "hidden": [2048, 4096, 8192], "rank": [16, 64]},
+    # Batches of 16-64 decode tokens over many slots (issue 12 P4), where a run of "full" that stopped after
+    # m = 1 left vLLM's defaults; its shapes are all in "full", so `--rebuild` merges the two runs' results.
+    "decode": {"slots": [64, 16], "slices": [1, 3], "m": [32, 16, 64], "hidden": [2048, 4096, 8192],
+               "rank": [16]},
 }
 REPS = 10
 
@@ -226,7 +231,10 @@ def tune_shape(bench: Bench, default: dict[str, Any], budget_left: float) -> dic
 def build_tables(results: list[dict[str, Any]]) -> dict[str, dict]:
     """vLLM's nested tables from the tuned shapes, every slice count 1..16 filled from the nearest tuned one."""
     tables: dict[str, dict] = {}
+    tuned_keys = {(r["op"], tuple(r["key"])) for r in results if not r.get("untuned")}
     for r in results:
+        if r.get("untuned") and (r["op"], tuple(r["key"])) in tuned_keys:
+            continue  # another run tuned this shape: its config wins over the default, whatever the order
         slots1, slices, m, k, n = r["key"]
         t = tables.setdefault(r["op"], {}).setdefault(str(slots1), {})
         t.setdefault(str(slices), {}).setdefault(str(m), {}).setdefault(str(k), {})[str(n)] = r["tuned"]

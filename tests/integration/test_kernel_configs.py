@@ -108,7 +108,8 @@ def test_only_shrink_and_expand_read_the_shipped_tables(stem: str, monkeypatch: 
 
 
 def test_the_shipped_tables_are_rebuilt_byte_for_byte_from_the_recorded_tuning_results(tmp_path) -> None:
-    """`bench/tune_lora_kernels.py --rebuild` turns bench/results/tune_lora_*.json into exactly the shipped files."""
+    """`bench/tune_lora_kernels.py --rebuild` turns bench/results/tune_lora_*.json into exactly the shipped files
+    (a GPU's full-grid runs, then its decode-grid run where there is one: its tuned shapes win)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -120,6 +121,7 @@ def test_the_shipped_tables_are_rebuilt_byte_for_byte_from_the_recorded_tuning_r
         inputs = [results / f"tune_lora_{gpu}_{op}.json" for op in ("shrink", "expand")]
         if not all(p.is_file() for p in inputs):
             continue
+        inputs += [p for p in [results / f"tune_lora_{gpu}_decode.json"] if p.is_file()]
         out = tmp_path / gpu
         run = subprocess.run([sys.executable, str(root / "bench" / "tune_lora_kernels.py"), "--grid", "full",
                               "--rebuild", *map(str, inputs), "--out-dir", str(out), "--json", str(tmp_path / "r.json")],
@@ -130,3 +132,25 @@ def test_the_shipped_tables_are_rebuilt_byte_for_byte_from_the_recorded_tuning_r
             checked += 1
     if not checked:
         pytest.skip("no recorded tuning results")
+
+
+def test_a_rebuild_keeps_a_tuned_config_over_another_runs_default_whatever_the_order() -> None:
+    """A full-grid run that stopped early records vLLM's default for the shapes it did not reach; a later run
+    that tuned them must win in the merged table, whichever results file comes first."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tune_lora_kernels.py"
+    spec = importlib.util.spec_from_file_location("tune_lora_kernels_under_test", path)
+    assert spec is not None and spec.loader is not None
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    default = {"block_m": 64, "block_n": 16, "block_k": 256, "split_k": 64, "num_warps": 4, "num_stages": 2,
+               "group_size_m": 8, "num_ctas": 1, "max_nreg": None}
+    tuned = dict(default, block_k=32, split_k=16)
+    untuned_row = {"op": "shrink", "key": [65, 3, 32, 2048, 16], "tuned": default, "untuned": True}
+    tuned_row = {"op": "shrink", "key": [65, 3, 32, 2048, 16], "tuned": tuned}
+    for rows in ([untuned_row, tuned_row], [tuned_row, untuned_row]):
+        table = tune.build_tables(rows)["shrink"]
+        assert table["65"]["3"]["32"]["2048"]["16"] == tuned
+        assert table["65"]["1"]["32"]["2048"]["16"] == tuned  # slice counts filled from the nearest tuned one
