@@ -55,6 +55,7 @@ ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready s
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA shrink/expand configs
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
+ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 0: a mix loaded in the engine step is concatenated on the CPU
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -107,6 +108,11 @@ def plugin_disabled() -> bool:
 def kernel_configs_enabled() -> bool:
     """Return whether vLLM's shrink/expand LoRA kernels may read the tuned configs shipped in the package."""
     return _env_on(ENV_KERNEL_CONFIGS)
+
+
+def mix_on_gpu() -> bool:
+    """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (default on)."""
+    return _env_on(ENV_MIX_ON_GPU)
 
 
 def allow_unmatched_keys() -> bool:

@@ -172,3 +172,47 @@ def test_a_mix_past_the_staging_budget_is_not_built_on_the_gpu(monkeypatch: pyte
 
     monkeypatch.setenv("VLLM_LORA_EXT_STAGE_GPU_BYTES", "1024")
     assert concat_staged(_mix_jobs(), dtype=torch.bfloat16, device="cuda:0") is None
+
+
+def test_a_mix_of_components_in_pinned_arenas_goes_up_by_span_and_its_cpu_copy_comes_back_by_dma() -> None:
+    """Components built into pinned host arenas (as the worker builds them) are uploaded a storage span at a
+    time; the GPU composite equals the CPU one bitwise, and so do the CPU twins copied back from the GPU,
+    which are pinned (their later slot copies are DMAs)."""
+    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.integration.staging import _pinned_per_storage, _units, concat_staged, twins_from_gpu
+    from vllm_lora_ext.mixing import composite_shapes, concat_many
+
+    torch.zeros(1, device="cuda")  # this thread has the context, as a worker's does
+    plain = _mix_jobs()
+    arenas = []
+    jobs: dict = {}
+    for comp in range(3):  # each component's factors in one arena, as a built adapter's are
+        arena = HostArena(1 << 20)
+        arenas.append(arena)
+        for key, (parts, dim_a, dim_b) in plain.items():
+            pa, pb, c = parts[comp]
+            a, b = arena.empty(tuple(pa.shape), pa.dtype), arena.empty(tuple(pb.shape), pb.dtype)
+            a.copy_(pa)
+            b.copy_(pb)
+            jobs.setdefault(key, ([], dim_a, dim_b))[0].append((a, b, c))
+    for arena in arenas:
+        assert pin_in_place(arena)
+        arena.close()
+    srcs = [t for parts, _, _ in jobs.values() for p in parts for t in p[:2]]
+    assert sum(u.span for u in _units(srcs, _pinned_per_storage())) == 3
+    reference = concat_many(plain, dtype=torch.bfloat16)
+    built = concat_staged(jobs, dtype=torch.bfloat16, device="cuda:0")
+    assert built is not None
+    done, staging = built
+    for key in jobs:
+        assert torch.equal(done[key][0].cpu(), reference[key][0]), key
+        assert torch.equal(done[key][1].cpu(), reference[key][1]), key
+    regions = [(t, tuple(shape)) for a, b, t in composite_shapes(jobs, dtype=torch.bfloat16).values()
+               for shape in (a, b)]
+    twins = twins_from_gpu(staging, regions)
+    assert twins is not None and len(twins) == 2 * len(jobs)
+    for i, key in enumerate(jobs):
+        for j in range(2):
+            assert not twins[2 * i + j].is_cuda and twins[2 * i + j].is_pinned()
+            assert torch.equal(twins[2 * i + j], reference[key][j]), (key, j)

@@ -50,3 +50,70 @@ def test_tensors_holding_the_same_bytes_share_one_region_and_are_sized_once() ->
     assert total == 3 * region and len(regions) == 3
     assert places == [0, region, 0, 2 * region, 0]
     assert regions[0][1] is as_gate and regions[1][1] is other and regions[2][1] is strided
+
+
+def _arena_jobs() -> tuple[dict, list[torch.Tensor]]:
+    """A mix's jobs whose components each live in one storage (as in a host arena), plus a float32 component
+    and a strided part: dense modules and two slices of a packed MoE block."""
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    arenas: list[torch.Tensor] = []
+
+    def arena_parts(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        flat = torch.randn(sum(sizes) + 7 * len(sizes), generator=g).to(dtype)  # gaps between the parts
+        arenas.append(flat)
+        out, at = [], 3
+        for s, n in zip(shapes, sizes):
+            out.append(flat[at:at + n].view(s))
+            at += n + 7
+        return out
+
+    jobs: dict = {}
+    comps = [(8, 0.7, bf), (4, 1.3, bf), (16, -0.25, torch.float32)]
+    parts = [arena_parts([(r, 64), (48, r), (r, 48), (64, r), (4, r, 64), (4, 32, r)], dt) for r, _, dt in comps]
+    jobs["q_proj"] = ([(p[0], p[1], c) for p, (_, c, _) in zip(parts, comps)], 0, 1)
+    jobs["o_proj"] = ([(p[2], p[3], c) for p, (_, c, _) in zip(parts, comps)], 0, 1)
+    jobs[("experts", 0)] = ([(p[4], p[5], c) for p, (_, c, _) in zip(parts, comps)], 1, 2)
+    strided = torch.randn(64, 8, generator=g).to(bf).t()  # a part that is not contiguous
+    jobs[("experts", 1)] = ([(torch.randn(4, 8, 64, generator=g).to(bf), torch.randn(4, 32, 8, generator=g).to(bf),
+                              0.5)], 1, 2)
+    jobs["k_proj"] = ([(strided, torch.randn(48, 8, generator=g).to(bf), 2.0)], 0, 1)
+    return jobs, arenas
+
+
+def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit() -> None:
+    """The GPU build's plan (components' shared storages uploaded as spans, parts placed and scaled in
+    fused calls), run with a CPU scratch, equals `concat_many` bitwise: with spans, with every part on its
+    own, and with a scratch that holds only the largest part (spans then go part by part)."""
+    from vllm_lora_ext.integration.staging import _units, _upload_and_place
+    from vllm_lora_ext.mixing import composite_shapes, concat_many
+
+    jobs, arenas = _arena_jobs()
+    reference = concat_many(jobs, dtype=torch.bfloat16)
+    shapes = composite_shapes(jobs, dtype=torch.bfloat16)
+    arena_ptrs = {a.untyped_storage().data_ptr() for a in arenas}
+
+    def in_arena(t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in arena_ptrs
+
+    srcs = [p[i] for parts, _, _ in jobs.values() for p in parts for i in (0, 1)]
+    units = _units([t.contiguous() for t in srcs], in_arena)
+    assert sum(u.span for u in units) == 3  # one span per component storage
+    assert sorted(i for u in units for i in u.parts) == list(range(len(srcs)))
+    smallest = max(-(-t.nbytes // 256) * 256 for t in srcs)  # the scratch holds the largest part (concat_staged)
+    for pinned, room in ((in_arena, 1 << 30), (lambda t: False, 1 << 30), (in_arena, smallest)):
+        out = {k: (torch.full(a, float("nan"), dtype=t), torch.full(b, float("nan"), dtype=t))
+               for k, (a, b, t) in shapes.items()}
+        moves = []
+        for key, (parts, dim_a, dim_b) in jobs.items():
+            off = 0
+            for pa, pb, c in parts:
+                r = int(pa.shape[dim_a])
+                moves.append((pa, out[key][0].narrow(dim_a, off, r), float(c)))
+                moves.append((pb, out[key][1].narrow(dim_b, off, r), None))
+                off += r
+        _upload_and_place(moves, torch.empty(room, dtype=torch.uint8), None, pinned=pinned)
+        for key in jobs:
+            assert torch.equal(out[key][0], reference[key][0]), (key, room)
+            assert torch.equal(out[key][1], reference[key][1]), (key, room)

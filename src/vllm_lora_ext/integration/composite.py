@@ -92,10 +92,13 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
     Components not cached yet are built at the same time; with ``separate_process``, by the worker's build
-    process. With a CUDA ``device`` (a background build), the concatenation runs on the GPU into a staged
-    buffer (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is built after, off the
-    request's path; otherwise on the CPU (a mix loaded in the step: measured on an H200, its 1,800 small GPU
-    ops took as long as the CPU build and the first token came 0.26 s later, ``new_mix_gpu_h200_r8b.json``).
+    process. With a CUDA ``device`` (a background build, or one in the step unless
+    ``VLLM_LORA_EXT_MIX_ON_GPU=0``), the concatenation runs on the GPU into a staged buffer
+    (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is copied back from it afterwards, off
+    the request's path (`staging.twins_from_gpu`, one DMA into a pinned host arena; a CPU concatenation where
+    that cannot be had); otherwise on the CPU. (Round 8 tried the GPU in the step and reverted it: one Python
+    call per part and a CPU concatenation of the twins beside the step made the first token 0.26 s later,
+    ``new_mix_gpu_h200_r8b.json``; both are gone since round 10.)
 
     Raises:
         [`MixError`]: a malformed mix path.
@@ -176,15 +179,20 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     composite = model_cls(lora_request.lora_int_id, max((_rank(w) for w in loras.values()), default=1), loras)
     composite.is_3d_lora_weight = lora_request.is_3d_lora_weight
     if on_gpu is not None:
-        from vllm_lora_ext.integration.staging import attach_staged
+        from vllm_lora_ext.integration.staging import attach_staged, twins_from_gpu
 
         context = cuda_context()  # the twins are built on a helper thread, and pinned for this worker's GPU
+        staged = on_gpu[1]
 
         def twins() -> list[torch.Tensor]:  # the CPU copy vLLM keeps, region by region (each key's A, then B)
+            regions = [(t, tuple(shape)) for a, b, t in shapes.values() for shape in (a, b)]
+            back = twins_from_gpu(staged, regions, context=context)
+            if back is not None:
+                return back
             cpu = host_concat(jobs, dtype=dtype, context=context)
             return [t for key in jobs for t in cpu[key]]
 
-        attach_staged(composite, on_gpu[1], twins)
+        attach_staged(composite, staged, twins)
     detail = "".join(f", {k} {v * 1000:.0f} ms" for k, v in phases.items())
     logger.info("built mix %r from %d adapters: %d modules, %.2f s (components %.2f s, concatenation %.2f s%s: "
                 "planning %.0f ms, copies %.0f ms%s, the rest %.0f ms)", spec.lora_name, len(comps), len(loras),

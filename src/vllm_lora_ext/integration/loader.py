@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, mix_on_gpu
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
@@ -122,8 +122,9 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
-    by a build process ([`build_process`]), and only wrapped in vLLM's objects here. With a CUDA ``device``
-    (background builds), a mix is concatenated on that GPU, staged for its slot copy.
+    by a build process ([`build_process`]), and only wrapped in vLLM's objects here. A mix is concatenated on
+    the worker's GPU (``device``, else the manager's), staged for its slot copy, unless
+    ``VLLM_LORA_EXT_MIX_ON_GPU=0`` and no ``device`` is given.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -137,6 +138,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
 
+                if device is None and mix_on_gpu():  # loaded in the step: concatenated on the worker's GPU too
+                    device = getattr(manager, "device", None)
                 lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
                 setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
             else:
