@@ -55,7 +55,7 @@ ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready s
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA shrink/expand configs
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
-ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 0: a mix loaded in the engine step is concatenated on the CPU
+ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 1: a mix loaded in the engine step is concatenated on the GPU
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -111,8 +111,10 @@ def kernel_configs_enabled() -> bool:
 
 
 def mix_on_gpu() -> bool:
-    """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (default on)."""
-    return _env_on(ENV_MIX_ON_GPU)
+    """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (default off: on an
+    H100 its first token came 247 ms after a loaded adapter's that way, against 132 ms from the CPU build,
+    ``bench/results/new_mix_h100_r10b.json`` and ``r10c``). Background builds use the GPU either way."""
+    return _env_flag(ENV_MIX_ON_GPU)
 
 
 def allow_unmatched_keys() -> bool:

@@ -92,13 +92,14 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
     Components not cached yet are built at the same time; with ``separate_process``, by the worker's build
-    process. With a CUDA ``device`` (a background build, or one in the step unless
-    ``VLLM_LORA_EXT_MIX_ON_GPU=0``), the concatenation runs on the GPU into a staged buffer
-    (`staging.concat_staged`) when it fits, and the CPU copy vLLM keeps is copied back from it afterwards, off
-    the request's path (`staging.twins_from_gpu`, one DMA into a pinned host arena; a CPU concatenation where
-    that cannot be had); otherwise on the CPU. (Round 8 tried the GPU in the step and reverted it: one Python
-    call per part and a CPU concatenation of the twins beside the step made the first token 0.26 s later,
-    ``new_mix_gpu_h200_r8b.json``; both are gone since round 10.)
+    process. With a CUDA ``device`` (a background build; in the step only with ``VLLM_LORA_EXT_MIX_ON_GPU=1``),
+    the concatenation runs on the GPU into a staged buffer (`staging.concat_staged`) when it fits, and the CPU
+    copy vLLM keeps is copied back from it afterwards, off the request's path (`staging.twins_from_gpu`, one
+    DMA into a pinned host arena; a CPU concatenation where that cannot be had); otherwise on the CPU. In the
+    step the CPU is faster: on an H100 the GPU build took 120 ms in the engine (71 ms alone with every
+    component in a pinned arena, 200 ms with pageable ones, ``probe_gpu_concat_h100_r10.json``) and the first
+    token came 247 ms after a loaded adapter's, against 132 ms with the CPU build (80-105 ms)
+    (``new_mix_h100_r10b.json``, ``new_mix_h100_r10c.json``).
 
     Raises:
         [`MixError`]: a malformed mix path.

@@ -122,9 +122,9 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
-    by a build process ([`build_process`]), and only wrapped in vLLM's objects here. A mix is concatenated on
-    the worker's GPU (``device``, else the manager's), staged for its slot copy, unless
-    ``VLLM_LORA_EXT_MIX_ON_GPU=0`` and no ``device`` is given.
+    by a build process ([`build_process`]), and only wrapped in vLLM's objects here. With a CUDA ``device``
+    (background builds; in the step with ``VLLM_LORA_EXT_MIX_ON_GPU=1``, the manager's), a mix is
+    concatenated on that GPU, staged for its slot copy.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -138,7 +138,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
 
-                if device is None and mix_on_gpu():  # loaded in the step: concatenated on the worker's GPU too
+                if device is None and mix_on_gpu():  # loaded in the step, and asked to use the GPU too
                     device = getattr(manager, "device", None)
                 lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
                 setattr(lora, IDENTITY_ATTR, lora_request.lora_path)

@@ -1,0 +1,89 @@
+"""Probe: a mix's GPU concatenation (staging.concat_staged) by where its components live, with a phase split.
+
+Components are the four r16 7B-shaped adapters of bench_mix (281 MiB composite): in plain pageable tensors,
+or each adapter in one host arena pinned in place (as the worker builds them). Medians of --reps.
+
+Usage: python bench/probe_gpu_concat.py [--reps 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+from bench_mix import seven_b_adapters  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.integration import staging
+    from vllm_lora_ext.integration._compat import pin_in_place
+
+    torch.zeros(1, device="cuda")
+    ads = seven_b_adapters()
+    weights = [0.4, 0.3, 0.2, 0.1]
+    plain = {k: ([(ad[k][0], ad[k][1], w) for ad, w in zip(ads, weights)], 0, 1) for k in ads[0]}
+    pinned_ads = []
+    for ad in ads:
+        arena = HostArena(sum(a.nbytes + b.nbytes + 256 for a, b in ad.values()))
+        moved = {}
+        for k, (a, b) in ad.items():
+            ta, tb = arena.empty(tuple(a.shape), a.dtype), arena.empty(tuple(b.shape), b.dtype)
+            ta.copy_(a)
+            tb.copy_(b)
+            moved[k] = (ta, tb)
+        assert pin_in_place(arena)
+        arena.close()
+        pinned_ads.append(moved)
+    pinned = {k: ([(ad[k][0], ad[k][1], w) for ad, w in zip(pinned_ads, weights)], 0, 1) for k in ads[0]}
+    phases: dict[str, list[float]] = {}
+    orig_upload, orig_place, orig_units = staging._upload, staging._place, staging._units
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            phases.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+        return run
+
+    staging._upload, staging._place, staging._units = (timed("upload calls", orig_upload),
+                                                        timed("place calls", orig_place),
+                                                        timed("units", orig_units))
+    times: dict[str, list[float]] = {"pageable": [], "pinned arenas": []}
+    split: dict[str, dict[str, float]] = {}
+    for rep in range(args.reps + 1):
+        for name, jobs in (("pageable", plain), ("pinned arenas", pinned)):
+            phases.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            done = staging.concat_staged(jobs, dtype=torch.bfloat16, device="cuda:0")
+            dt = time.perf_counter() - t0
+            assert done is not None
+            if rep:
+                times[name].append(dt)
+                split[name] = {k: sum(v) * 1000 for k, v in phases.items()}
+            del done
+    srcs = [t for parts, _, _ in pinned.values() for p in parts for t in p[:2]]
+    units = orig_units(srcs, staging._pinned_per_storage())
+    rows = [[name, median(ts) * 1000, ", ".join(f"{k} {v:.0f} ms" for k, v in split[name].items())]
+            for name, ts in times.items()]
+    print_table(rows, ["components in", "concat_staged ms (median)", "last rep: time in"])
+    print(f"pinned arenas: {len(units)} upload units, {sum(u.span for u in units)} spans")
+    write_json("probe_gpu_concat", {"reps": args.reps, "ms": {k: [t * 1000 for t in v] for k, v in times.items()},
+                                    "split_last_rep_ms": split, "units": len(units),
+                                    "spans": sum(u.span for u in units)}, args.out)
+
+
+if __name__ == "__main__":
+    main()
