@@ -22,8 +22,8 @@ import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -380,16 +380,18 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, torch.Tensor, float | None
     with one ``mul_``, so a composite of 1,800 parts costs one call per ``A_i`` rather than about ten per part
     (round 8: 0.08-0.13 s for 224 modules on an H200, almost all of it per-part calls). ``copy`` then ``mul_``
     in the destination's dtype is [`concat_factors`]' ``torch.mul(A_i, c, out=...)`` (the product in
-    float32, rounded once). The copies into the destinations are queued
-    on ``stream`` after the batch's upload and before the next one's, so the scratch is reused in stream order.
+    float32, rounded once). The copies into the destinations are queued on ``stream`` after the batch's
+    upload and before the next one's, so the scratch is reused in stream order.
     ``pinned`` says whether a CPU part is page-locked (default: asked of torch, once per storage).
     """
     srcs = [m[0].contiguous() for m in moves]
     room = scratch.numel()
     units: list[_Unit] = []
-    for unit in _units(srcs, pinned or _pinned_per_storage()):  # a span wider than the scratch: part by part
-        units += [_Unit(0, srcs[i].nbytes, [i], False, True) for i in unit.parts] if _aligned(unit.nbytes) > room \
-            and unit.span else [unit]
+    for unit in _units(srcs, pinned or _pinned_per_storage()):
+        if unit.span and _aligned(unit.nbytes) > room:  # a span wider than the scratch goes part by part
+            units += [_Unit(0, srcs[i].nbytes, [i], False, True) for i in unit.parts]
+        else:
+            units.append(unit)
     on_stream = torch.cuda.stream(stream) if scratch.is_cuda else contextlib.nullcontext()
     for batch in _batches(units, room):
         views = _upload(batch, srcs, scratch, stream)
