@@ -60,6 +60,25 @@ def test_the_same_delta_in_different_layouts_matches_exactly(tmp_path: Path, tru
                 assert torch.equal(deltas[0][e][proj], other[e][proj])
 
 
+def test_a_fused_b_copied_by_row_blocks_equals_the_2d_read_bitwise(tmp_path: Path) -> None:
+    """A fused B taller than the copy's row block (down's B has H = 200 rows: three blocks of 64 and a rest) is
+    copied block by block; its factors equal the per-expert 2D read of the same delta bit for bit."""
+    from vllm_lora_ext.formats.moe import _ROW_BLOCK
+
+    h = 200
+    assert h > _ROW_BLOCK and h % _ROW_BLOCK
+    spec = MoESpec("model.layers.0.mlp.experts", E, h, I)
+    tall = make_truth(E, h, I, R, seed=5)
+    got = {}
+    for form in ("2d", "3d"):
+        write_moe_adapter(tmp_path / form, [tall], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+        got[form] = _load(tmp_path / form, spec)[1]
+    for e in range(E):
+        for proj in ("gate", "up", "down"):
+            assert torch.equal(got["2d"].dense_delta(e)[proj], got["3d"].dense_delta(e)[proj]), (e, proj)
+    assert torch.equal(got["2d"].down.b, got["3d"].down.b)  # the factor itself, not only the delta
+
+
 def test_3d_file_matches_peft_formula(tmp_path: Path, truth: Truth) -> None:
     tensors = block_tensors("model.layers.0.mlp", truth, "3d")
     a = tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"]

@@ -558,7 +558,8 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         # model splits it into new tensors (which are).
         b_alloc = alloc if k3.role != "gate_up" or keep_fused_gate_up else None
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
-            b3 = _into(b3, b_alloc).mul_(s)  # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
+            # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
+            b3 = (_into_by_rows(b3, b_alloc) if k3.orientation == "standard" else _into(b3, b_alloc)).mul_(s)
         else:
             b3 = _into(b3.float() * s, b_alloc, target)
         setattr(out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, alloc, target), b3))
@@ -576,6 +577,21 @@ def _into(t: torch.Tensor, alloc: Alloc | None, dtype: torch.dtype | None = None
         return t.to(dtype).contiguous()
     out = alloc(tuple(t.shape), dtype)
     out.copy_(t)
+    return out
+
+
+_ROW_BLOCK = 64  # rows of a fused B copied at a time (see `_into_by_rows`)
+
+
+def _into_by_rows(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
+    """``_into(t, alloc)`` for a fused B's ``(n, out, r)`` view of its file ``(out, r·n)`` rows, copied
+    ``_ROW_BLOCK`` rows at a time: a block's source rows (64 × 4 KiB at r=16, 128 experts) stay in cache while
+    every expert takes its ``r`` columns from them, instead of each expert's pass reading one element of
+    every cache line of the whole tensor (dev VM, a (2048, 2048) bfloat16 B: 4.3 against 6.0 ms with the
+    scaling after it). The same bytes as one copy."""
+    out = alloc(tuple(t.shape), t.dtype) if alloc is not None else torch.empty(t.shape, dtype=t.dtype)
+    for i in range(0, t.shape[1], _ROW_BLOCK):
+        out[:, i:i + _ROW_BLOCK].copy_(t[:, i:i + _ROW_BLOCK])
     return out
 
 
