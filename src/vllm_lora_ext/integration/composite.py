@@ -144,12 +144,12 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
             f"Mix {spec.lora_name!r} needs rank {need} (the sum of its adapters' ranks) but max_lora_rank is "
             f"{max_rank}: {too_big[0]}. Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need} or mix "
             f"fewer adapters.", adapter=spec.lora_name)
+    t2 = time.perf_counter()  # planning ends; "copies" below is the GPU build or the host copy
     on_gpu = None
     if device is not None and torch.device(device).type == "cuda":
         from vllm_lora_ext.integration.staging import concat_staged
 
         on_gpu = concat_staged(jobs, dtype=dtype, device=device)
-    t2 = time.perf_counter()
     phases: dict[str, float] = {}
     done = on_gpu[0] if on_gpu is not None else host_concat(jobs, dtype=dtype, timings=phases)
     t3 = time.perf_counter()
