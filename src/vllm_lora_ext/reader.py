@@ -363,6 +363,7 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     return dict(obj)
 
 
+_GATHER_BLOCK = 256 * 1024  # bytes of rows `SafetensorsReader.gather` reads at a time: they stay in cache while copied
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
@@ -528,3 +529,52 @@ class SafetensorsReader:
         for dest, origin in copies:
             dest[:] = origin
         return results
+
+    def gather(self, key: str, pieces: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+               into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+        """Copy some elements of every row of one tensor out of the file: ``torch.cat(pieces(t))``, ``t`` the tensor.
+
+        ``pieces`` takes rows of ``t`` and returns views of them (slices, reshapes, permutes) that keep those
+        rows as their second dim: ``pieces(t[i:j])`` is ``[p[:, i:j] for p in pieces(t)]``. The tensor is read
+        a block of rows at a time into one small buffer that stays in cache, and each block's pieces are
+        copied from there straight to their place in the result (``into(shape, dtype)``'s memory, default a
+        new tensor): each element is copied once, and no memory the size of ``t`` is touched.
+
+        Made for a rank's experts of a fused 3D B, whose columns sit in every row in ``(i, e)`` order: one
+        copy into ``(e, out, i)`` order instead of reading ``r`` column ranges, concatenating them and
+        reordering the result. ``stats`` counts the bytes of the pieces (what is kept).
+
+        Raises:
+            [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
+            ValueError: ``pieces`` gives no piece, or one that does not keep the rows as its second dim.
+        """
+        start, end = self.header.offsets[key]
+        dt = torch_dtype_of(self.header.dtypes[key], key=key)
+        shape = tuple(self.header.shapes[key])
+        if not shape:
+            raise ValueError(f"gather needs a tensor with rows; {key!r} is a scalar")
+        shapes = [tuple(p.shape) for p in pieces(torch.empty(shape, dtype=dt, device="meta"))]
+        if not shapes or any(len(s) < 2 or s[1] != shape[0] or s[2:] != shapes[0][2:] for s in shapes):
+            raise ValueError(f"gather: the pieces of {key!r} must keep its {shape[0]} rows as their second dim "
+                             f"and agree past it (got {shapes[:4]})")
+        offsets = list(itertools.accumulate([0] + [s[0] for s in shapes]))
+        out_shape = (offsets[-1], *shapes[0][1:])
+        out = into(out_shape, dt) if into is not None else torch.empty(out_shape, dtype=dt)
+        rows = shape[0]
+        row_bytes = (end - start) // rows if rows else 0
+        if row_bytes:
+            per = max(1, _GATHER_BLOCK // row_bytes)
+            scratch = torch.empty(min(per, rows) * row_bytes, dtype=torch.uint8)
+            view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                for i in range(0, rows, per):
+                    n = min(per, rows - i)
+                    _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
+                    block = scratch[:n * row_bytes].view(dt).view(n, *shape[1:])
+                    for j, part in enumerate(pieces(block)):
+                        out[offsets[j]:offsets[j + 1], i:i + n].copy_(part)
+            finally:
+                os.close(fd)
+        self.stats.count(math.prod(out_shape) * dt.itemsize, 1)
+        return out

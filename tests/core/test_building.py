@@ -174,3 +174,45 @@ def test_per_expert_factors_read_stacked_equal_them_read_key_by_key(
     for arena in (stacked.arena, one_by_one.arena):
         if arena is not None:
             arena.discard()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # converted to bfloat16, or already it
+@pytest.mark.parametrize(("forms", "wrapper", "experts", "shared"), [
+    (["3d", "3d"], "2d", (1, 2), False), (["3d", "3d_t"], "3d", (0, 2), True), (["3d", "2d"], "3d", (3,), False),
+    (["3d_t", "3d"], "2d", (0, 1, 3), True), (["3d", "3d"], "3d", (1, 2), True),
+])
+def test_a_ranks_fused_b_gathered_equals_it_read_by_column_ranges(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, forms: list[str], wrapper: str,
+        experts: tuple[int, ...], shared: bool) -> None:
+    """A rank's share of a 3D B copied once out of the file (`SafetensorsReader.gather`) is bitwise the column-range
+    read, reordered, and reads the same bytes; a control that reverses the rows gathered differs."""
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s, dtype) for s in (0, 1)], forms, rank=R)
+    job = _job(folder, wrapper, experts)
+    calls: list[str] = []
+    real = SafetensorsReader.gather
+
+    def counted(self: SafetensorsReader, key: str, pieces: object, into: object = None) -> torch.Tensor:
+        calls.append(key)
+        return real(self, key, pieces, into)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SafetensorsReader, "gather", counted)
+    gathered = build_adapter(job, PeftKeyRouter(), shared=shared)
+    assert len(calls) == sum(f.startswith("3d") for f in forms) * 2  # gate_up and down B of each 3D block
+    monkeypatch.setattr(SafetensorsReader, "gather", None)
+    by_ranges = build_adapter(job, PeftKeyRouter(), shared=shared)
+    assert gathered.bytes_read == by_ranges.bytes_read
+    for x, y in zip(_tensors(gathered), _tensors(by_ranges), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+    def reversed_rows(self: SafetensorsReader, key: str, pieces: object, into: object = None) -> torch.Tensor:
+        out = real(self, key, pieces, into)  # type: ignore[arg-type]
+        return out.flip(1)  # its rows in reverse order
+
+    monkeypatch.setattr(SafetensorsReader, "gather", reversed_rows)
+    control = build_adapter(job, PeftKeyRouter(), shared=False)
+    assert not all(torch.equal(x, y) for x, y in zip(_tensors(control), _tensors(by_ranges)))
+    for built in (gathered, by_ranges, control):
+        if built.arena is not None:
+            built.arena.discard()

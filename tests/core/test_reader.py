@@ -268,3 +268,74 @@ def test_read_stacks_refuses_a_truncated_file(tmp_path: Path) -> None:
               for proj in ("gate_proj", "down_proj") for w in "AB"]
     with pytest.raises(AdapterFormatError, match="truncated"):
         reader.read_stacks(groups)
+
+
+def _fused_b_file(path: Path, rows: int = 37, rank: int = 4, experts: int = 6) -> torch.Tensor:
+    """A fused 3D B as PEFT stores it, (out, r·E) in (i, e) column order, between two other tensors."""
+    g = torch.Generator().manual_seed(3)
+    b = torch.randn(rows, rank * experts, generator=g).to(torch.bfloat16)
+    save_file({"a.first": torch.randn(5, 3, generator=g), "m.experts.lora_B.weight": b,
+               "z.last": torch.randn(2, generator=g)}, str(path))
+    return b
+
+
+def _expert_columns(rank: int, experts: int, ranges: list[tuple[int, int]]) -> Any:
+    """``pieces`` for `gather`: experts [s, e) of each range, as (experts, out, r)."""
+    return lambda t: [t.view(t.shape[0], rank, experts)[:, :, s:e].permute(2, 0, 1) for s, e in ranges]
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 8, 1000])  # one row at a time, blocks with a rest, one block
+@pytest.mark.parametrize("ranges", [[(0, 2)], [(1, 2), (3, 4), (5, 6)], [(0, 6)], [(4, 6), (0, 1)]])
+def test_gather_equals_the_pieces_of_the_whole_tensor_and_counts_their_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_rows: int, ranges: list[tuple[int, int]]) -> None:
+    import vllm_lora_ext.reader as reader_mod
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "b.safetensors"
+    b = _fused_b_file(path)
+    row_bytes = b.shape[1] * b.element_size()
+    monkeypatch.setattr(reader_mod, "_GATHER_BLOCK", block_rows * row_bytes)
+    reader = SafetensorsReader(path)
+    before = reader.stats.bytes_read
+    pieces = _expert_columns(4, 6, ranges)
+    got = reader.gather("m.experts.lora_B.weight", pieces)
+    want = torch.cat(pieces(b))
+    assert got.is_contiguous() and got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert reader.stats.bytes_read - before == want.nbytes  # the kept columns, not the rows read through
+    # control: other experts' columns are other values
+    assert not torch.equal(got, torch.cat(_expert_columns(4, 6, [(s + 1, e + 1) if e < 6 else (s - 1, e - 1)
+                                                                  for s, e in ranges])(b)))
+
+
+def test_gather_writes_into_the_memory_it_is_given(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "b.safetensors"
+    b = _fused_b_file(path)
+    arena = torch.zeros(4096, dtype=torch.bfloat16)
+    given: list[torch.Tensor] = []
+
+    def into(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        given.append(arena[128:128 + math.prod(shape)].view(shape))
+        return given[-1]
+
+    got = SafetensorsReader(path).gather("m.experts.lora_B.weight", _expert_columns(4, 6, [(2, 5)]), into)
+    assert got is given[0] and got.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    assert torch.equal(got, torch.cat(_expert_columns(4, 6, [(2, 5)])(b)))
+
+
+def test_gather_refuses_pieces_that_do_not_keep_the_rows_and_a_truncated_file(tmp_path: Path) -> None:
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "b.safetensors"
+    _fused_b_file(path)
+    reader = SafetensorsReader(path)
+    key = "m.experts.lora_B.weight"
+    with pytest.raises(ValueError, match="second dim"):
+        reader.gather(key, lambda t: [t[:2]])  # rows sliced: the blocks would not line up
+    with pytest.raises(ValueError, match="second dim"):
+        reader.gather(key, lambda t: [])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 300])  # B's last rows go after the header was read
+    with pytest.raises(AdapterFormatError, match="truncated"):
+        reader.gather(key, _expert_columns(4, 6, [(0, 2)]))

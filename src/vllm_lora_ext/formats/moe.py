@@ -437,12 +437,15 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # SafetensorsReader.read_stacks: groups of keys -> each group stacked (memory from the callable), or None
 ReadStacks = Callable[..., list[torch.Tensor | None]]
+# SafetensorsReader.gather: (key, the pieces of the mapped tensor to keep, memory) -> the pieces concatenated
+Gather = Callable[..., torch.Tensor]
 
 
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                  scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None,
-                 read_stacks: ReadStacks | None = None, keep_fused_gate_up: bool = False) -> ExpertsLoRA:
+                 read_stacks: ReadStacks | None = None, keep_fused_gate_up: bool = False,
+                 gather: Gather | None = None) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
@@ -452,6 +455,8 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     while they are still hot in cache. With ``alloc``, stacked per-expert factors are written straight
     into memory it gives (a build process's shared file, a host arena), rather than into new tensors; a fused
     gate_up B too with ``keep_fused_gate_up`` (the model's wrapper keeps it fused, so it is not split later).
+    With ``gather`` (`SafetensorsReader.gather`), a rank's columns of a 3D B are copied out of the file straight
+    into their final order, once.
 
     Raises:
         [`AdapterFormatError`]: a factor holds NaN or infinity (names the block and projection).
@@ -543,23 +548,37 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             a_file = got_a[0] if got_a is not None else None
             b_file = got_b[0] if got_b is not None else None
             a_in_alloc = a_in_alloc and a_file is not None
-        if a_file is None:
-            a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in)
-        if b_file is None:
-            b_file = read(k3.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
-        target = dtype if dtype is not None else a_file.dtype
-        a3 = a_file.reshape(n, r, a_file.shape[1])
-        b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
+        # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
+        # model splits it into new tensors (which are).
+        b_alloc = alloc if k3.role != "gate_up" or keep_fused_gate_up else None
+        standard = k3.orientation == "standard"
+        b_final = False  # b3 is already (n, out, r), contiguous, in the memory it is kept in
+        if not full and gather is not None and a_file is None and b_file is None:
+            # a rank's share of B: its columns in every row, copied once, straight into (n, out, r) order
+            a_file = read(k3.key_a, a_ranges)  # (n·r, in): whole rows
+            target = dtype if dtype is not None else a_file.dtype
+            b_mem = b_alloc if standard else None
+            b3 = gather(k3.key_b, lambda t: [t.view(t.shape[0], r, e_all)[:, :, s:e].permute(2, 0, 1)
+                                             for s, e in exp_ranges], _memory(b_mem, target))
+            b_final = standard and (b_mem is None or b3.dtype == target)
+            a3 = a_file.reshape(n, r, a_file.shape[1])
+        else:
+            if a_file is None:
+                a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in)
+            if b_file is None:
+                b_file = read(k3.key_b, None if full else b_ranges)  # (out, r·n) ordered (i, e)
+            target = dtype if dtype is not None else a_file.dtype
+            a3 = a_file.reshape(n, r, a_file.shape[1])
+            b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
         if k3.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
         s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
-        # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
-        # model splits it into new tensors (which are).
-        b_alloc = alloc if k3.role != "gate_up" or keep_fused_gate_up else None
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
-            b3 = (_into_by_rows(b3, b_alloc) if k3.orientation == "standard" else _into(b3, b_alloc)).mul_(s)
+            if not b_final:
+                b3 = _into_by_rows(b3, b_alloc) if standard else _into(b3, b_alloc)
+            b3 = b3.mul_(s)
         else:
             b3 = _into(b3.float() * s, b_alloc, target)
         setattr(out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, alloc, target), b3))
@@ -567,6 +586,18 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     if check_finite_as is not None:
         check_finite(_factors(out), adapter=check_finite_as)
     return out
+
+
+def _memory(alloc: Alloc | None, want: torch.dtype | None) -> Alloc | None:
+    """Where a gathered tensor goes: ``alloc``'s memory if its dtype is the one kept (``want``; None: any), else
+    a new tensor (converted later, by a copy into ``alloc``)."""
+    if alloc is None:
+        return None
+
+    def memory(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
+        return alloc(shape, source) if want in (None, source) else torch.empty(shape, dtype=source)
+
+    return memory
 
 
 def _into(t: torch.Tensor, alloc: Alloc | None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -616,7 +647,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                 workers: int | None = None, check_finite_as: str | None = None,
                 scan_workers: int | None = None, alloc: Alloc | None = None,
                 read_stacks: ReadStacks | None = None,
-                fused_gate_up: Mapping[str, bool] | None = None) -> dict[str, ExpertsLoRA]:
+                fused_gate_up: Mapping[str, bool] | None = None, gather: Gather | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
@@ -657,7 +688,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
             ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
                               read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
                               alloc=alloc, read_stacks=read_stacks,
-                              keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)))
+                              keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)), gather=gather)
             factors = _factors(ex)
             if scan_pool is not None:
                 scans[prefix] = scan_pool.submit(first_nonfinite, factors)
