@@ -233,6 +233,9 @@ def main() -> None:
         p = ctx.Process(target=engine_main, args=(child, str(model), adapters, util, args.tokens, v != "stock"))
         p.start()
         procs[v] = (p, parent)
+        if not parent.poll(480):  # a child that died (or hangs) must not hold the GPU machine until its limit
+            p.kill()
+            raise SystemExit(f"{v}: engine not up in 480 s (exit code {p.exitcode})")
         info[v] = parent.recv()
         print(f"{v}: engine up in {info[v]['start_s']:.0f} s, VLLM_TUNED_CONFIG_FOLDER {info[v]['tuned_folder']}, "
               f"shipped configs {info[v]['kernel_configs']}", flush=True)
