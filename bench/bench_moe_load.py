@@ -168,7 +168,8 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
     blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
                          experts={p: experts for p in plans} if experts is not None else None,
                          read_many=lambda keys: reader.read_many(keys, copy=False),
-                         check_finite_as="bench" if checks else None, read_stacks=reader.read_stacks)
+                         check_finite_as="bench" if checks else None, read_stacks=reader.read_stacks,
+                         gather=reader.gather)
     return blocks, stats.bytes_read
 
 
