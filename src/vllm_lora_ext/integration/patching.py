@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 PATCH_MARK = "__vllm_lora_ext_patched__"
 IDENTITY_ATTR = "vllm_lora_ext_identity"  # the pinned lora_path a worker's LoRAModel was built from
+STAGED_ATTR = "_vllm_lora_ext_staged"  # on a LoRAModel whose tensors are still on a GPU staging buffer (staging.py)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ import torch
 
 from vllm_lora_ext.building import _view
 from vllm_lora_ext.constants import stage_gpu_bytes
+from vllm_lora_ext.integration.patching import STAGED_ATTR
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["concat_staged", "side_stream", "stage", "staged_bytes", "unstage"]
 
-STAGED_ATTR = "_vllm_lora_ext_staged"
 _ALIGN = 256
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _HEADROOM = 512 << 20  # GPU memory left free for the engine's own allocations
