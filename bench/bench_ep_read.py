@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,9 @@ def main() -> None:
     rows, payload = [], {}
     for form in ("2d", "3d"):
         folder = make_adapter(tmp / form, args.layers, form)
+        # the adapter just written is still being written back to disk: timing beside that writeback measured
+        # the disk (round 11, dev VM: a third of the CPU time in iowait, next-load ratios doubled)
+        os.sync()
         ep1 = None
         for ep in (1, 2, 4, 8):
             for which in ("stock", "plugin"):
