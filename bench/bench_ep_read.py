@@ -9,7 +9,7 @@ of B for the local experts only.
 Each case runs in a fresh subprocess and times two loads there: the first in the process (peak RSS = VmHWM
 after a reset) and the next one, as a serving process that has loaded an adapter before loads it (its
 imports, allocator and thread pools warm). A final check asserts the plugin's rank tensors equal the full
-read, then sliced.
+read, then sliced. Rounds are interleaved: each runs every case once, in alternating order.
 
 Usage: python bench/bench_ep_read.py [--layers 48] [--runs 2] [--out FILE]
 """
@@ -150,26 +150,28 @@ def main() -> None:
         # the adapter just written is still being written back to disk: timing beside that writeback measured
         # the disk (round 11, dev VM: a third of the CPU time in iowait, next-load ratios doubled)
         os.sync()
+        cases = [(ep, which) for ep in (1, 2, 4, 8) for which in ("stock", "plugin")]
+        runs: dict[tuple[int, str], list[dict]] = {c: [] for c in cases}
+        for r in range(args.runs):  # interleaved: each round runs every case once (the dev VM's speed drifts)
+            for ep, which in (cases if r % 2 == 0 else cases[::-1]):
+                o = subprocess.run([sys.executable, __file__, "--_case", which, "--_folder", str(folder), "--_form",
+                                    form, "--_ep", str(ep), "--layers", str(args.layers)], capture_output=True, text=True)
+                if o.returncode:
+                    raise RuntimeError(o.stderr[-3000:])
+                runs[(ep, which)].append(json.loads(o.stdout.strip().splitlines()[-1]))
         ep1 = None
-        for ep in (1, 2, 4, 8):
-            for which in ("stock", "plugin"):
-                outs = []
-                for _ in range(args.runs):
-                    o = subprocess.run([sys.executable, __file__, "--_case", which, "--_folder", str(folder), "--_form",
-                                        form, "--_ep", str(ep), "--layers", str(args.layers)], capture_output=True, text=True)
-                    if o.returncode:
-                        raise RuntimeError(o.stderr[-3000:])
-                    outs.append(json.loads(o.stdout.strip().splitlines()[-1]))
-                t = median([x["seconds"] for x in outs])
-                tn = median([x["next_seconds"] for x in outs])
-                b = outs[0]["bytes_read"]
-                if which == "plugin" and ep == 1:
-                    ep1 = (t, b, tn)
-                payload.setdefault(form, {}).setdefault(str(ep), {})[which] = outs
-                mine = which == "plugin" and ep1
-                rows.append([form, ep, which, t, (t / ep1[0]) if mine else "-", tn, (tn / ep1[2]) if mine else "-",
-                             (b / 2**20) if b else "(local keys)", (b / ep1[1]) if mine and b else "-",
-                             median([x["peak_extra_rss"] for x in outs]) / 2**20])
+        for ep, which in cases:
+            outs = runs[(ep, which)]
+            t = median([x["seconds"] for x in outs])
+            tn = median([x["next_seconds"] for x in outs])
+            b = outs[0]["bytes_read"]
+            if which == "plugin" and ep == 1:
+                ep1 = (t, b, tn)
+            payload.setdefault(form, {}).setdefault(str(ep), {})[which] = outs
+            mine = which == "plugin" and ep1
+            rows.append([form, ep, which, t, (t / ep1[0]) if mine else "-", tn, (tn / ep1[2]) if mine else "-",
+                         (b / 2**20) if b else "(local keys)", (b / ep1[1]) if mine and b else "-",
+                         median([x["peak_extra_rss"] for x in outs]) / 2**20])
         payload[form]["bitwise_equal_to_full_then_slice"] = _check(folder, form, args.layers)
     print_table(rows, ["layout", "EP", "loader", "first load s", "time / EP1", "next load s", "next / EP1", "MiB read",
                        "bytes / EP1", "peak extra RSS MiB"])
