@@ -10,7 +10,9 @@ per decode step:
 - wall time (median over ``--reps`` unprofiled runs, divided by the output tokens);
 - GPU busy time (the sum of kernel times in one profiled run), split into LoRA shrink, LoRA expand, other LoRA
   kernels, GEMMs, attention and the rest;
-- the CPU time of the engine's ``set_active_loras`` (mapping the batch onto slots), timed by a wrapper.
+- the host time of the LoRA worker manager's ``set_active_adapters`` per step (making the batch's adapters active and
+  mapping its tokens onto slots), timed by a wrapper. (Round 11's run wrapped the model runner mixin's
+  ``set_active_loras`` instead, which vLLM 0.26's GPU model runner does not call: its column reads 0 there.)
 
 So the extra cost of 32 adapters over one splits into GPU kernel time (and which kernels) and host time.
 
@@ -64,10 +66,10 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
-    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+    from vllm.lora.worker_manager import WorkerLoRAManager
 
     host = {"calls": 0, "s": 0.0}
-    original = LoRAModelRunnerMixin.set_active_loras
+    original = WorkerLoRAManager.set_active_adapters  # every step, from either GPU model runner
 
     def timed_set_active_loras(self: Any, *a: Any, **k: Any) -> Any:
         t = time.perf_counter()
@@ -77,7 +79,7 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
             host["calls"] += 1
             host["s"] += time.perf_counter() - t
 
-    LoRAModelRunnerMixin.set_active_loras = timed_set_active_loras  # type: ignore[method-assign]
+    WorkerLoRAManager.set_active_adapters = timed_set_active_loras  # type: ignore[method-assign]
     kwargs: dict[str, Any] = {"specialize_active_lora": True} if specialize else {}
     t0 = time.perf_counter()
     llm = LLM(model=model, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16, max_loras=SLOTS,
