@@ -437,7 +437,7 @@ def _ranges(ids: Sequence[int]) -> list[tuple[int, int]]:
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # SafetensorsReader.read_stacks: groups of keys -> each group stacked (memory from the callable), or None
 ReadStacks = Callable[..., list[torch.Tensor | None]]
-# SafetensorsReader.gather: (key, the pieces of the mapped tensor to keep, memory) -> the pieces concatenated
+# SafetensorsReader.gather: (key, the pieces of the tensor's rows to keep, memory) -> the pieces concatenated
 Gather = Callable[..., torch.Tensor]
 
 
@@ -481,11 +481,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     if read_stacks is not None and uniform:
         whole = [role for role, ks in by_role.items() if len(ks) == n and len({k.rank for k in ks}) == 1]
 
-        def into(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
-            if alloc is not None and (dtype is None or dtype == source):
-                return alloc(shape, source)  # stacked straight into alloc's memory
-            return torch.empty(shape, dtype=source)
-
+        into = _memory(alloc, dtype)  # stacked straight into alloc's memory where the dtype is the one kept
         got = read_stacks([[getattr(k, f) for k in by_role[role]] for role in whole for f in ("key_a", "key_b")], into,
                           bundle=2) if whole else []
         for i, role in enumerate(whole):
@@ -544,16 +540,12 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         a_in_alloc = False
         a_file = b_file = None
         if full and read_stacks is not None:  # whole tensors: read with preadv, A straight into alloc's memory
-            def into_a(shape: tuple[int, ...], source: torch.dtype) -> torch.Tensor:
-                nonlocal a_in_alloc
-                a_in_alloc = alloc is not None and standard and dtype in (None, source)
-                return alloc(shape, source) if alloc is not None and a_in_alloc else torch.empty(shape, dtype=source)
-
-            got_a = read_stacks([[k3.key_a]], into_a)[0]
+            a_mem = _memory(alloc if standard else None, dtype)
+            got_a = read_stacks([[k3.key_a]], a_mem)[0]
             got_b = None if gathered else read_stacks([[k3.key_b]])[0]
             a_file = got_a[0] if got_a is not None else None
             b_file = got_b[0] if got_b is not None else None
-            a_in_alloc = a_in_alloc and a_file is not None
+            a_in_alloc = a_file is not None and a_mem is not None and dtype in (None, a_file.dtype)
         if a_file is None:
             a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in): whole rows
         target = dtype if dtype is not None else a_file.dtype
@@ -591,8 +583,9 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
 
 
 def _memory(alloc: Alloc | None, want: torch.dtype | None) -> Alloc | None:
-    """Where a gathered tensor goes: ``alloc``'s memory if its dtype is the one kept (``want``; None: any), else
-    a new tensor (converted later, by a copy into ``alloc``)."""
+    """Where a tensor read straight from the file goes (`read_stacks`, `gather`): ``alloc``'s memory if its dtype
+    is the one kept (``want``; None: any), else a new tensor (converted later, by a copy into ``alloc``); None
+    (new tensors) without ``alloc``."""
     if alloc is None:
         return None
 

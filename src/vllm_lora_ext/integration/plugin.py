@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import PREBUILD_PREFIX, plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -36,6 +36,7 @@ from vllm_lora_ext.integration._compat import (
     when_imported,
 )
 from vllm_lora_ext.integration.kernels import make_get_lora_op_configs
+from vllm_lora_ext.integration.prebuild import is_probe
 from vllm_lora_ext.integration.patching import (
     IDENTITY_ATTR,
     PATCH_MARK,
@@ -68,9 +69,16 @@ def _make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     return _load_adapter
 
 
+def _from_other_source(held: Any, lora_request: Any) -> bool:
+    """Whether the model held under ``lora_request``'s id was built by the plugin from another source (serving it
+    would hand this request another adapter's tensors)."""
+    identity = getattr(held, IDENTITY_ATTR, None)
+    return identity is not None and identity != lora_request.lora_path
+
+
 def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_adapter(self: Any, lora_request: Any) -> Any:
-        from vllm_lora_ext.integration.prebuild import answer_probe, is_probe
+        from vllm_lora_ext.integration.prebuild import answer_probe
 
         if is_probe(lora_request):  # the server asks for a background build; nothing is registered
             return answer_probe(self, lora_request)
@@ -79,10 +87,10 @@ def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         manager: Any = getattr(self, "_adapter_manager", None)
         get = getattr(manager, "get_adapter", None)
         held = get(lora_request.lora_int_id) if get is not None else None
-        identity = getattr(held, IDENTITY_ATTR, None)
-        if identity is not None and identity != lora_request.lora_path:
+        if _from_other_source(held, lora_request):
             logger.warning("adapter id %d holds %r but %r was asked for under that id: reloading",
-                           lora_request.lora_int_id, identity[:200], str(lora_request.lora_path)[:200])
+                           lora_request.lora_int_id, getattr(held, IDENTITY_ATTR)[:200],
+                           str(lora_request.lora_path)[:200])
             manager.remove_adapter(lora_request.lora_int_id)
         try:
             return original(self, lora_request)
@@ -113,14 +121,12 @@ def _make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, lora_requests)
         wanted = {r.lora_int_id: r for r in lora_requests if r}
         for lora_id, request in wanted.items():
-            if (lora_id not in active or getattr(request, "load_inplace", False)
-                    or str(request.lora_path).startswith(PREBUILD_PREFIX)):
+            if lora_id not in active or getattr(request, "load_inplace", False) or is_probe(request):
                 return original(self, lora_requests)
             # add_adapter's lookup, which touches the registered cache. If vLLM's path runs after all, it
             # touches the same adapters again in the same order first, so the order it acts on is the same.
             model = registered.get(lora_id)
-            if (model is None or getattr(model, STAGED_ATTR, None) is not None
-                    or getattr(model, IDENTITY_ATTR, None) not in (None, request.lora_path)):
+            if model is None or getattr(model, STAGED_ATTR, None) is not None or _from_other_source(model, request):
                 return original(self, lora_requests)
         for lora_id in wanted:  # activate_adapter for an active adapter: a touch
             active.touch(lora_id)
