@@ -8,8 +8,13 @@ than its GPU time.
 
 This runs vLLM's own ``LRUCacheWorkerLoRAManager._apply_adapters`` on vLLM's own manager classes (their fields
 filled in directly: their constructors need a model on a GPU) holding 64 registered adapters in 64 slots, all
-active, as a warm decode batch finds them, for a batch on one adapter and on 32 distinct ones: stock (plugin not
-registered) and plugin (registered), interleaved, medians of ``--reps`` rounds of ``--steps`` steps.
+active, as a warm decode batch finds them, for a batch with no adapter (base requests), on one adapter and on 32
+distinct ones: stock (plugin not registered) and plugin (registered), interleaved, medians of ``--reps`` rounds of
+``--steps`` steps.
+
+It also times what the plugin adds to each base request's admission (``LLMEngine.add_request``, patch 5, with no
+``lora_request``): the plugin's wrapper around a no-op against the no-op alone. With the step's activation, this is
+all the plugin's host code a base request meets in an offline engine (issue 12: base requests ≤ 1% slower).
 
 Usage: python bench/bench_step_adapters.py [--steps 2000] [--reps 7] [--out FILE]
 """
@@ -74,7 +79,7 @@ def main() -> None:
     from vllm_lora_ext.integration import plugin
 
     worker, requests = make_manager()
-    cases = {"one": {requests[0]}, "distinct": set(requests[:N_DISTINCT])}
+    cases = {"none": set(), "one": {requests[0]}, "distinct": set(requests[:N_DISTINCT])}
     secs: dict[str, dict[str, list[float]]] = {v: {c: [] for c in cases} for v in ("stock", "plugin")}
     for rep in range(args.reps + 1):  # the first round warms up and is not kept
         for v in (("stock", "plugin") if rep % 2 else ("plugin", "stock")):
@@ -90,13 +95,39 @@ def main() -> None:
     rows, summary = [], {}
     for c in cases:
         st, pl = median(secs["stock"][c]) * 1e6, median(secs["plugin"][c]) * 1e6
+        per = (pl - st) / len(cases[c]) if cases[c] else None
         summary[c] = {"stock_us_per_step": st, "plugin_us_per_step": pl, "plugin_vs_stock": pl / st,
-                      "plugin_extra_us_per_adapter": (pl - st) / len(cases[c])}
-        rows.append([c, len(cases[c]), st, pl, pl / st, (pl - st) / len(cases[c])])
+                      "plugin_extra_us_per_adapter": per}
+        rows.append([c, len(cases[c]), st, pl, pl / st, "-" if per is None else per])
     print_table(rows, ["batch", "adapters", "stock µs/step", "plugin µs/step", "plugin / stock",
                        "plugin extra µs per adapter"])
+    summary["base_request_admission"] = admission = time_admission(args.steps * 50, args.reps)
+    print(f"base request admission (LLMEngine.add_request, no lora_request): the plugin's wrapper adds "
+          f"{admission['plugin_extra_us']:.3f} µs a request ({admission['wrapped_us']:.3f} µs against "
+          f"{admission['bare_us']:.3f} µs for the no-op it wraps)")
     write_json("step_adapters", {"slots": SLOTS, "steps": args.steps, "reps": args.reps, "seconds": secs,
                                  "summary": summary}, args.out)
+
+
+def time_admission(calls: int, reps: int) -> dict[str, float]:
+    """µs per call of the plugin's ``add_request`` wrapper around a no-op, and of the no-op alone (medians)."""
+    from vllm_lora_ext.integration.plugin import _make_add_request
+
+    def bare(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
+             lora_request: Any = None, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    wrapped = _make_add_request(bare)
+    out: dict[str, list[float]] = {"bare": [], "wrapped": []}
+    for rep in range(reps + 1):
+        for name, fn in (("bare", bare), ("wrapped", wrapped)) if rep % 2 else (("wrapped", wrapped), ("bare", bare)):
+            t = time.perf_counter()
+            for i in range(calls):
+                fn(None, "r", None, None, None, None)
+            if rep:
+                out[name].append((time.perf_counter() - t) / calls * 1e6)
+    b, w = median(out["bare"]), median(out["wrapped"])
+    return {"bare_us": b, "wrapped_us": w, "plugin_extra_us": w - b}
 
 
 if __name__ == "__main__":
