@@ -169,7 +169,7 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
                          experts={p: experts for p in plans} if experts is not None else None,
                          read_many=lambda keys: reader.read_many(keys, copy=False),
                          check_finite_as="bench" if checks else None, read_stacks=reader.read_stacks,
-                         gather=reader.gather)
+                         gather=reader.gather, read_transposed=reader.read_transposed)
     return blocks, stats.bytes_read
 
 

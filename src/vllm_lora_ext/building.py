@@ -164,7 +164,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                              read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
                              alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
                              fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe},
-                             gather=getattr(source, "gather", None))
+                             gather=getattr(source, "gather", None),
+                             read_transposed=getattr(source, "read_transposed", None))
         moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
         for prefix, experts in blocks.items():
             moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),

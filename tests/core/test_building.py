@@ -176,6 +176,54 @@ def test_per_expert_factors_read_stacked_equal_them_read_key_by_key(
             arena.discard()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # read another way (None), or transposed
+@pytest.mark.parametrize("alpha", [4.0, 3.0])  # a scale of 1 (r=4), and 0.75
+@pytest.mark.parametrize(("forms", "wrapper", "shared"), [
+    (["3d", "3d"], "2d", False), (["3d", "3d_t"], "3d", True), (["3d", "2d"], "3d", False), (["3d_t", "3d"], "2d", True),
+])
+def test_all_of_a_fused_b_read_transposed_equals_it_read_whole_and_reordered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, alpha: float, forms: list[str],
+        wrapper: str, shared: bool) -> None:
+    """All of a standard 3D B read, reordered to (experts, out, r) and scaled in one pass
+    (`SafetensorsReader.read_transposed`) is bitwise B read whole, reordered and scaled after, with the same bytes
+    read; the transposed 3D layout and a B stored in float32 (kept in bfloat16) are read the other way. A control
+    that reverses the rows read differs."""
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s, dtype) for s in (0, 1)], forms, rank=R,
+                               alpha=alpha)
+    job = _job(folder, wrapper, None)
+    calls: list[object] = []
+    real = SafetensorsReader.read_transposed
+
+    def counted(self: SafetensorsReader, key: str, *args: object, **kw: object) -> torch.Tensor | None:
+        got = real(self, key, *args, **kw)  # type: ignore[arg-type]
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(SafetensorsReader, "read_transposed", counted)
+    transposed = build_adapter(job, PeftKeyRouter(), shared=shared)
+    # gate_up and down B of each standard 3D block; B stored in float32 and kept in bfloat16 is read another way
+    assert sum(calls) == (2 * forms.count("3d") if dtype == torch.bfloat16 else 0)
+    assert len(calls) == 2 * forms.count("3d")
+    monkeypatch.setattr(SafetensorsReader, "read_transposed", None)
+    reordered = build_adapter(job, PeftKeyRouter(), shared=shared)
+    assert transposed.bytes_read == reordered.bytes_read
+    for x, y in zip(_tensors(transposed), _tensors(reordered), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+    def reversed_rows(self: SafetensorsReader, key: str, *args: object, **kw: object) -> torch.Tensor | None:
+        got = real(self, key, *args, **kw)  # type: ignore[arg-type]
+        return None if got is None else got.flip(1).contiguous()
+
+    monkeypatch.setattr(SafetensorsReader, "read_transposed", reversed_rows)
+    control = build_adapter(job, PeftKeyRouter(), shared=False)
+    assert dtype != torch.bfloat16 or not all(torch.equal(x, y) for x, y in zip(_tensors(control), _tensors(reordered)))
+    for built in (transposed, reordered, control):
+        if built.arena is not None:
+            built.arena.discard()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # converted to bfloat16, or already it
 @pytest.mark.parametrize(("forms", "wrapper", "experts", "shared"), [
     (["3d", "3d"], "2d", (1, 2), False), (["3d", "3d_t"], "3d", (0, 2), True), (["3d", "2d"], "3d", (3,), False),

@@ -339,3 +339,57 @@ def test_gather_refuses_pieces_that_do_not_keep_the_rows_and_a_truncated_file(tm
     path.write_bytes(data[: len(data) - 300])  # B's last rows go after the header was read
     with pytest.raises(AdapterFormatError, match="truncated"):
         reader.gather(key, _expert_columns(4, 6, [(0, 2)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 100000])  # a row at a time, blocks with a rest, one block
+@pytest.mark.parametrize(("rows", "cols"), [(96, 128), (37, 6), (5, 1)])  # above and below torch's tiled size
+@pytest.mark.parametrize("scale", [None, 2.0, 0.3])
+def test_read_transposed_is_the_transpose_of_the_bytes_scaled_bit_for_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, block_rows: int, rows: int, cols: int,
+        scale: float | None) -> None:
+    """The tensor's bytes as a (rows, cols) matrix, transposed and multiplied as torch.mul does (in float32 for
+    16-bit floats, rounded once); the control (not transposed) differs."""
+    import vllm_lora_ext.reader as reader_mod
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    g = torch.Generator().manual_seed(rows + cols)
+    stored = torch.randn(cols, rows, generator=g).to(dtype)  # stored in another shape: only its bytes count
+    path = tmp_path / "t.safetensors"
+    save_file({"a.first": torch.randn(3, generator=g), "m.b": stored, "z.last": torch.randn(2, generator=g)},
+              str(path))
+    monkeypatch.setattr(reader_mod, "_GATHER_BLOCK", block_rows * cols * stored.element_size())
+    reader = SafetensorsReader(path)
+    before = reader.stats.bytes_read
+    got = reader.read_transposed("m.b", cols, scale=scale)
+    flat = stored.reshape(-1, cols).t()
+    want = flat.contiguous() if scale is None else torch.mul(flat, scale)
+    assert got is not None and got.is_contiguous() and got.dtype == dtype and got.shape == (cols, rows)
+    assert torch.equal(got, want)
+    assert reader.stats.bytes_read - before == stored.nbytes
+    if cols > 1:
+        assert not torch.equal(got, stored.reshape(cols, rows) if scale is None else stored.reshape(cols, rows) * scale)
+
+
+def test_read_transposed_writes_into_the_memory_it_is_given_and_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    """Into an allocator's memory; ``None`` (nothing read) for another stored dtype; a ``cols`` that does not
+    divide the tensor, and a file truncated after its header was read, are refused."""
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    path = tmp_path / "b.safetensors"
+    b = _fused_b_file(path)  # (37, 24) bfloat16
+    arena = torch.zeros(4096, dtype=torch.bfloat16)
+    reader = SafetensorsReader(path)
+    got = reader.read_transposed("m.experts.lora_B.weight", 6, lambda shape, dt: arena[64:64 + math.prod(shape)]
+                                 .view(shape), scale=2.0, dtype=torch.bfloat16)
+    assert got is not None and got.data_ptr() == arena[64:].data_ptr()
+    assert torch.equal(got, b.reshape(-1, 6).t() * 2.0)
+    before = reader.stats.bytes_read
+    assert reader.read_transposed("m.experts.lora_B.weight", 6, dtype=torch.float32) is None
+    assert reader.stats.bytes_read == before
+    with pytest.raises(ValueError, match="do not divide"):
+        reader.read_transposed("m.experts.lora_B.weight", 5)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 300])
+    with pytest.raises(AdapterFormatError, match="truncated"):
+        reader.read_transposed("m.experts.lora_B.weight", 6)

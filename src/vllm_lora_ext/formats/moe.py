@@ -439,13 +439,15 @@ Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 ReadStacks = Callable[..., list[torch.Tensor | None]]
 # SafetensorsReader.gather: (key, the pieces of the tensor's rows to keep, memory) -> the pieces concatenated
 Gather = Callable[..., torch.Tensor]
+# SafetensorsReader.read_transposed: (key, columns, memory, scale=, dtype=) -> the transposed matrix, or None
+ReadTransposed = Callable[..., torch.Tensor | None]
 
 
 def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, experts: Sequence[int] | None = None,
                  dtype: torch.dtype | None = None, read_many: Callable[[Sequence[str]], Mapping[str, torch.Tensor]] | None = None,
                  scaled: bool = True, check_finite_as: str | None = None, alloc: Alloc | None = None,
                  read_stacks: ReadStacks | None = None, keep_fused_gate_up: bool = False,
-                 gather: Gather | None = None) -> ExpertsLoRA:
+                 gather: Gather | None = None, read_transposed: ReadTransposed | None = None) -> ExpertsLoRA:
     """Read one planned MoE block for the kept ``experts`` (default: all) and normalize it.
 
     2D keys of other experts are never read; 3D tensors are read as row ranges of A and column
@@ -456,7 +458,8 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
     into memory it gives (a build process's shared file, a host arena), rather than into new tensors; a fused
     gate_up B too with ``keep_fused_gate_up`` (the model's wrapper keeps it fused, so it is not split later).
     With ``gather`` (`SafetensorsReader.gather`), a rank's columns of a 3D B are copied out of the file straight
-    into their final order, once.
+    into their final order, once; with ``read_transposed`` (`SafetensorsReader.read_transposed`), all of a 3D B
+    is, scaled on the way.
 
     Raises:
         [`AdapterFormatError`]: a factor holds NaN or infinity (names the block and projection).
@@ -534,17 +537,17 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         full = n == e_all
         standard = k3.orientation == "standard"
         # A rank's share of B (its columns sit in every row) is copied once out of the file, straight into
-        # (n, out, r) order, a block of rows at a time. All of a B is read whole and reordered: gathering it too
-        # was slower (dev VM, 12-layer 3D adapter, fresh processes: 296 against 266 ms).
+        # (n, out, r) order, a block of rows at a time. All of a standard B is one transpose of its bytes as an
+        # (out·r, E) matrix, read, transposed in cache and scaled into place a block at a time (gathering it as a
+        # rank's share is, element by element, was slower than reading it whole and reordering it: dev VM,
+        # 12-layer 3D adapter, fresh processes, 296 against 266 ms).
         gathered = gather is not None and not full
         a_in_alloc = False
         a_file = b_file = None
         if full and read_stacks is not None:  # whole tensors: read with preadv, A straight into alloc's memory
             a_mem = _memory(alloc if standard else None, dtype)
             got_a = read_stacks([[k3.key_a]], a_mem)[0]
-            got_b = None if gathered else read_stacks([[k3.key_b]])[0]
             a_file = got_a[0] if got_a is not None else None
-            b_file = got_b[0] if got_b is not None else None
             a_in_alloc = a_file is not None and a_mem is not None and dtype in (None, a_file.dtype)
         if a_file is None:
             a_file = read(k3.key_a, None if full else a_ranges)  # (n·r, in): whole rows
@@ -553,6 +556,19 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
         # model splits it into new tensors (which are).
         b_alloc = alloc if k3.role != "gate_up" or keep_fused_gate_up else None
+        name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
+        s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
+        b_done = None  # all of a standard B, read, reordered to (n, out, r) and scaled in one pass over memory
+        if full and standard and read_transposed is not None:
+            b_done = read_transposed(k3.key_b, e_all, b_alloc, scale=s, dtype=target)
+        if b_done is not None:
+            b3 = b_done.view(n, -1, r)
+            setattr(out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, alloc, target), b3))
+            del a_file, a3, b3, b_done
+            continue
+        if full and read_stacks is not None and not gathered:
+            got_b = read_stacks([[k3.key_b]])[0]
+            b_file = got_b[0] if got_b is not None else None
         b_final = False  # b3 is already (n, out, r), contiguous, in the memory it is kept in
         if gathered:
             assert gather is not None
@@ -566,8 +582,6 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             b3 = b_file.reshape(b_file.shape[0], r, n).permute(2, 0, 1)  # (n, out, r)
         if k3.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
-        name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
-        s = config.scaling_for(f"{spec.prefix}.{name}", r) if scaled else 1.0
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
             # (2x faster than torch.mul(b3, s, out=...) on this permuted view)
             if not b_final:
@@ -642,7 +656,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
                 workers: int | None = None, check_finite_as: str | None = None,
                 scan_workers: int | None = None, alloc: Alloc | None = None,
                 read_stacks: ReadStacks | None = None,
-                fused_gate_up: Mapping[str, bool] | None = None, gather: Gather | None = None) -> dict[str, ExpertsLoRA]:
+                fused_gate_up: Mapping[str, bool] | None = None, gather: Gather | None = None,
+                read_transposed: ReadTransposed | None = None) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks, ``workers`` at a time (torch ops release the GIL).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
@@ -683,7 +698,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], read: ExpertRead, *, config: A
             ex = read_experts(plan, read, config=config, experts=(experts or {}).get(prefix), dtype=dtype,
                               read_many=read_many, check_finite_as=None if scan_pool is not None else check_finite_as,
                               alloc=alloc, read_stacks=read_stacks,
-                              keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)), gather=gather)
+                              keep_fused_gate_up=bool((fused_gate_up or {}).get(prefix)), gather=gather,
+                              read_transposed=read_transposed)
             factors = _factors(ex)
             if scan_pool is not None:
                 scans[prefix] = scan_pool.submit(first_nonfinite, factors)
