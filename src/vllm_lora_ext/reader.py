@@ -9,6 +9,7 @@ requested rows/columns are copied. Every read is counted in a [`ReadStats`].
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -16,7 +17,7 @@ import operator
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,6 +368,11 @@ _GATHER_BLOCK = 256 * 1024  # bytes of rows `SafetensorsReader.gather` reads at 
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
+def _rows_per_block(row_bytes: int) -> int:
+    """Whole rows in one `_GATHER_BLOCK` (at least one)."""
+    return max(1, _GATHER_BLOCK // row_bytes)
+
+
 def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path, key: str | None = None) -> int:
     """Fill the buffers ``into``, in order, from ``fd``'s bytes at ``offset`` on; return the bytes read.
 
@@ -530,6 +536,26 @@ class SafetensorsReader:
             dest[:] = origin
         return results
 
+    def _blocks_of_rows(self, key: str, rows: int, row_bytes: int) -> Generator[tuple[int, torch.Tensor], None, None]:
+        """Yield ``(first row, its block's bytes)`` for ``key``'s rows, `_GATHER_BLOCK` bytes of whole rows at a time,
+        each block read with ``preadv`` into one reused buffer (valid until the next block); close it when done.
+
+        Raises:
+            [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
+        """
+        start = self.header.offsets[key][0]
+        per = min(rows, _rows_per_block(row_bytes))
+        scratch = torch.empty(per * row_bytes, dtype=torch.uint8)
+        view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i in range(0, rows, per):
+                n = min(per, rows - i)
+                _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
+                yield i, scratch[:n * row_bytes]
+        finally:
+            os.close(fd)
+
     def gather(self, key: str, pieces: Callable[[torch.Tensor], Sequence[torch.Tensor]],
                into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
         """Copy some elements of every row of one tensor out of the file: ``torch.cat(pieces(t))``, ``t`` the tensor.
@@ -563,19 +589,11 @@ class SafetensorsReader:
         rows = shape[0]
         row_bytes = (end - start) // rows if rows else 0
         if row_bytes:
-            per = max(1, _GATHER_BLOCK // row_bytes)
-            scratch = torch.empty(min(per, rows) * row_bytes, dtype=torch.uint8)
-            view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                for i in range(0, rows, per):
-                    n = min(per, rows - i)
-                    _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
-                    block = scratch[:n * row_bytes].view(dt).view(n, *shape[1:])
+            with contextlib.closing(self._blocks_of_rows(key, rows, row_bytes)) as blocks:
+                for i, raw in blocks:
+                    block = raw.view(dt).view(-1, *shape[1:])
                     for j, part in enumerate(pieces(block)):
-                        out[offsets[j]:offsets[j + 1], i:i + n].copy_(part)
-            finally:
-                os.close(fd)
+                        out[offsets[j]:offsets[j + 1], i:i + block.shape[0]].copy_(part)
         self.stats.count(math.prod(out_shape) * dt.itemsize, 1)
         return out
 
@@ -600,7 +618,6 @@ class SafetensorsReader:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
             ValueError: ``cols`` does not divide the tensor's elements.
         """
-        start, end = self.header.offsets[key]
         dt = torch_dtype_of(self.header.dtypes[key], key=key)
         if dtype is not None and dt != dtype:
             return None
@@ -610,24 +627,16 @@ class SafetensorsReader:
         rows = numel // cols
         out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
         if numel:
-            row_bytes = cols * dt.itemsize
-            per = min(rows, max(1, _GATHER_BLOCK // row_bytes))
-            scratch = torch.empty(per * row_bytes, dtype=torch.uint8)
-            turned = torch.empty(per * cols, dtype=dt)
-            view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                for i in range(0, rows, per):
-                    n = min(per, rows - i)
-                    _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
-                    block = scratch[:n * row_bytes].view(dt).view(n, cols)
+            turned = torch.empty(min(rows, _rows_per_block(cols * dt.itemsize)) * cols, dtype=dt)
+            with contextlib.closing(self._blocks_of_rows(key, rows, cols * dt.itemsize)) as blocks:
+                for i, raw in blocks:
+                    block = raw.view(dt).view(-1, cols)
+                    n = block.shape[0]
                     flat = turned[:n * cols].view(cols, n)
                     flat.copy_(block.t())  # contiguous from a transposed view: torch's tiled transpose
                     if scale is None:
                         out[:, i:i + n].copy_(flat)
                     else:
                         torch.mul(flat, scale, out=out[:, i:i + n])
-            finally:
-                os.close(fd)
         self.stats.count(numel * dt.itemsize, 1)
         return out
