@@ -364,7 +364,7 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     return dict(obj)
 
 
-_GATHER_BLOCK = 256 * 1024  # bytes of rows `SafetensorsReader.gather` reads at a time: they stay in cache while copied
+_GATHER_BLOCK = 256 * 1024  # bytes of rows `gather` and `read_transposed` read at a time (they stay in cache)
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 

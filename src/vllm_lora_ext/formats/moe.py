@@ -538,9 +538,9 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
         standard = k3.orientation == "standard"
         # A rank's share of B (its columns sit in every row) is copied once out of the file, straight into
         # (n, out, r) order, a block of rows at a time. All of a standard B is one transpose of its bytes as an
-        # (out·r, E) matrix, read, transposed in cache and scaled into place a block at a time (gathering it as a
-        # rank's share is, element by element, was slower than reading it whole and reordering it: dev VM,
-        # 12-layer 3D adapter, fresh processes, 296 against 266 ms).
+        # (out·r, E) matrix: read, transposed in cache and scaled into place a block at a time. (Gathering all of
+        # it element by element, as a rank's share is, was slower than reading it whole and reordering it: dev VM,
+        # 12-layer 3D adapter, fresh processes, 296 against 266 ms.)
         gathered = gather is not None and not full
         a_in_alloc = False
         a_file = b_file = None
