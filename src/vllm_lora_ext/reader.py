@@ -368,11 +368,6 @@ _GATHER_BLOCK = 256 * 1024  # bytes of rows `gather` and `read_transposed` read 
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
-def _rows_per_block(row_bytes: int) -> int:
-    """Whole rows in one `_GATHER_BLOCK` (at least one)."""
-    return max(1, _GATHER_BLOCK // row_bytes)
-
-
 def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path, key: str | None = None) -> int:
     """Fill the buffers ``into``, in order, from ``fd``'s bytes at ``offset`` on; return the bytes read.
 
@@ -544,7 +539,7 @@ class SafetensorsReader:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
         """
         start = self.header.offsets[key][0]
-        per = min(rows, _rows_per_block(row_bytes))
+        per = min(rows, max(1, _GATHER_BLOCK // row_bytes))
         scratch = torch.empty(per * row_bytes, dtype=torch.uint8)
         view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
         fd = os.open(self.path, os.O_RDONLY)
@@ -627,10 +622,11 @@ class SafetensorsReader:
         rows = numel // cols
         out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
         if numel:
-            turned = torch.empty(min(rows, _rows_per_block(cols * dt.itemsize)) * cols, dtype=dt)
+            turned: torch.Tensor | None = None  # the transposed block, as large as the first (largest) one
             with contextlib.closing(self._blocks_of_rows(key, rows, cols * dt.itemsize)) as blocks:
                 for i, raw in blocks:
                     block = raw.view(dt).view(-1, cols)
+                    turned = turned if turned is not None else torch.empty(block.numel(), dtype=dt)
                     n = block.shape[0]
                     flat = turned[:n * cols].view(cols, n)
                     flat.copy_(block.t())  # contiguous from a transposed view: torch's tiled transpose

@@ -566,7 +566,7 @@ def read_experts(plan: ExpertsPlan, read: ExpertRead, *, config: AdapterConfig, 
             setattr(out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, alloc, target), b3))
             del a_file, a3, b3, b_done
             continue
-        if full and read_stacks is not None and not gathered:
+        if full and read_stacks is not None:  # (a rank's share is gathered, below)
             got_b = read_stacks([[k3.key_b]])[0]
             b_file = got_b[0] if got_b is not None else None
         b_final = False  # b3 is already (n, out, r), contiguous, in the memory it is kept in

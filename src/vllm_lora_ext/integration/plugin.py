@@ -36,7 +36,6 @@ from vllm_lora_ext.integration._compat import (
     when_imported,
 )
 from vllm_lora_ext.integration.kernels import make_get_lora_op_configs
-from vllm_lora_ext.integration.prebuild import is_probe
 from vllm_lora_ext.integration.patching import (
     IDENTITY_ATTR,
     PATCH_MARK,
@@ -46,6 +45,7 @@ from vllm_lora_ext.integration.patching import (
     applied,
     undo_all,
 )
+from vllm_lora_ext.integration.prebuild import is_probe
 
 logger = logging.getLogger(__name__)
 
