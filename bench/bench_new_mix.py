@@ -147,8 +147,11 @@ def stock_engine(args: argparse.Namespace) -> dict:
     return out
 
 
-def _run(mode: str, model: Path, adapters: list[str], reps: int, diagnose: bool = False) -> tuple[dict, list[str]]:
+def _run(mode: str, model: Path, adapters: list[str], reps: int, diagnose: bool = False,
+         mix_on_gpu: str | None = None) -> tuple[dict, list[str]]:
     env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
+    if mix_on_gpu is not None:  # where a mix loaded in the step is concatenated: 0 the CPU, 1 the GPU
+        env["VLLM_LORA_EXT_MIX_ON_GPU"] = mix_on_gpu
     if diagnose:  # the engine core in this process, so that a stall's stack can be dumped
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run([sys.executable, __file__, "--_engine", mode, "--_model", str(model), "--_adapters",
@@ -158,7 +161,8 @@ def _run(mode: str, model: Path, adapters: list[str], reps: int, diagnose: bool 
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not line:
         raise RuntimeError(f"{mode} engine failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    logs = [ln.strip() for ln in text.splitlines() if "built mix" in ln or "loaded adapter" in ln]
+    logs = [ln.strip() for ln in text.splitlines()
+            if any(k in ln for k in ("built mix", "loaded adapter", "built a mix on", "CPU copy of a mix"))]
     if diagnose:  # the stacks faulthandler dumped, each from its "Thread" line on
         lines = proc.stderr.splitlines()
         starts = [i for i, ln in enumerate(lines) if ln.startswith(("Thread 0x", "Current thread 0x"))]
@@ -173,6 +177,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--diagnose", action="store_true",
                     help="plugin only, engine core in-process: GC pauses and the stacks of any call over 0.8 s")
+    ap.add_argument("--mix-on-gpu", choices=("default", "0", "1", "both"), default="default",
+                    help="plugin: concatenate a mix loaded in the step on the CPU (0), the GPU (1), or run both engines")
     ap.add_argument("--_engine")
     ap.add_argument("--_model")
     ap.add_argument("--_adapters")
@@ -194,23 +200,35 @@ def main() -> None:
         out_dir = tmp / f"composite{i}"
         mix_adapter_files([(resolve_source(p), w) for p, w in zip(paths, _weights(i))], out_dir)
         composites.append(str(out_dir))
-    plugin, plugin_logs = _run("plugin", model, paths, args.reps, args.diagnose)
+    variants = {"default": [None], "0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.mix_on_gpu]
+    runs = {v: _run("plugin", model, paths, args.reps, args.diagnose, mix_on_gpu=v) for v in variants}
+    plugin, plugin_logs = runs[variants[0]]
     if args.diagnose:
         write_json("new_mix_diagnose", {"plugin": plugin, "plugin_logs": plugin_logs}, args.out)
         return
     stock, _ = _run("stock", model, composites, args.reps)
-    loaded, new, stock_load = median(plugin["loaded"]), median(plugin["new_mix"]), median(stock["composite_load"])
-    rows = [["loaded adapter, one token (plugin)", loaded, "-"],
-            ["new mix of 4 cached r16 adapters, one token (plugin)", new, f"+{(new - loaded) * 1e3:.0f} ms"],
-            ["saved composite r64: add_lora + one token (stock)", stock_load, f"plugin new mix / stock = {new / stock_load:.2f}"]]
+    stock_load = median(stock["composite_load"])
+    rows = []
+    for v, (res, _) in runs.items():
+        where = {None: "", "0": ", mix built on the CPU", "1": ", mix built on the GPU"}[v]
+        loaded, new = median(res["loaded"]), median(res["new_mix"])
+        rows += [[f"loaded adapter, one token (plugin{where})", loaded, "-"],
+                 [f"new mix of 4 cached r16 adapters, one token (plugin{where})", new,
+                  f"+{(new - loaded) * 1e3:.0f} ms; / stock = {new / stock_load:.2f}"]]
+    rows.append(["saved composite r64: add_lora + one token (stock)", stock_load, "-"])
     print_table(rows, ["case (median)", "seconds", "against"])
     size = sum(f.stat().st_size for f in Path(composites[0]).glob("*.safetensors"))
-    write_json("new_mix_gpu", {"mode": "gpu", "model": "Llama 7B-shaped (GQA 8x128), dummy weights, eager",
-                               "adapters": "4 x r16, all 7 projections", "composite_bytes": size, "reps": args.reps,
-                               "plugin": plugin, "stock": stock, "plugin_logs": plugin_logs,
-                               "extra_over_loaded_s": new - loaded, "ratio_new_mix_vs_stock_load": new / stock_load},
-               args.out)
-
+    loaded, new = median(plugin["loaded"]), median(plugin["new_mix"])
+    payload = {"mode": "gpu", "model": "Llama 7B-shaped (GQA 8x128), dummy weights, eager",
+               "adapters": "4 x r16, all 7 projections", "composite_bytes": size, "reps": args.reps,
+               "mix_on_gpu": variants[0], "plugin": plugin, "stock": stock, "plugin_logs": plugin_logs,
+               "extra_over_loaded_s": new - loaded, "ratio_new_mix_vs_stock_load": new / stock_load}
+    if len(runs) > 1:  # the GPU build, same run
+        res, logs = runs["1"]
+        g_loaded, g_new = median(res["loaded"]), median(res["new_mix"])
+        payload["gpu_build"] = {"mix_on_gpu": "1", "plugin": res, "plugin_logs": logs,
+                                "extra_over_loaded_s": g_new - g_loaded, "ratio_new_mix_vs_stock_load": g_new / stock_load}
+    write_json("new_mix_gpu", payload, args.out)
 
 if __name__ == "__main__":
     main()

@@ -117,3 +117,82 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
         for key in jobs:
             assert torch.equal(out[key][0], reference[key][0]), (key, room)
             assert torch.equal(out[key][1], reference[key][1]), (key, room)
+
+
+def _layered_jobs(layers: int) -> tuple[dict, list]:
+    """A mix of three components over ``layers`` layers, each component in one host arena filled in file order
+    (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and v_proj of equal shapes."""
+    from vllm_lora_ext.hostmem import HostArena
+
+    g = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    mods = {"k_proj": (64, 16), "o_proj": (32, 64), "q_proj": (64, 32), "v_proj": (64, 16)}  # (in, out)
+    names = sorted(str(n) for n in range(layers))
+    comps = [(8, 0.7, bf), (4, 1.3, bf), (16, -0.25, torch.float32)]
+    arenas = []
+    jobs: dict = {}
+    for r, c, dt in comps:
+        arena = HostArena(1 << 20)
+        arenas.append(arena)
+        for layer in names:
+            for m, (d_in, d_out) in mods.items():
+                a, b = arena.empty((r, d_in), dt), arena.empty((d_out, r), dt)
+                a.copy_(torch.randn(r, d_in, generator=g))
+                b.copy_(torch.randn(d_out, r, generator=g))
+                jobs.setdefault(f"layers.{layer}.{m}", ([], 0, 1))[0].append((a, b, c))
+    return jobs, arenas
+
+
+def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for_bit() -> None:
+    """A composite laid out in its components' order (as `concat_staged` lays out `in_source_order` jobs):
+    each component's part of one module in every layer is one strided copy (k_proj and v_proj, alike,
+    interleave), and the result equals `concat_many` bitwise. A layout out of step gives more calls, same bytes;
+    moving a part off its step (the control) breaks a run there."""
+    import math
+
+    from vllm_lora_ext.integration.staging import _aligned, _stacked, _upload_and_place, in_source_order
+    from vllm_lora_ext.mixing import composite_shapes, concat_many
+
+    jobs, arenas = _layered_jobs(12)
+    reference = concat_many(jobs, dtype=torch.bfloat16)
+    stores = {a.base for a in arenas}
+
+    def in_arena(t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in stores
+
+    def place(ordered: dict) -> int:
+        shapes = composite_shapes(ordered, dtype=torch.bfloat16)
+        total = sum(_aligned(math.prod(a) * t.itemsize) + _aligned(math.prod(b) * t.itemsize)
+                    for a, b, t in shapes.values())
+        buffer = torch.full((total // 2,), float("nan"), dtype=torch.bfloat16)
+        out, at, moves = {}, 0, []
+        for key, (a_shape, b_shape, _) in shapes.items():
+            a = buffer[at // 2:at // 2 + math.prod(a_shape)].view(a_shape)
+            at += _aligned(math.prod(a_shape) * 2)
+            b = buffer[at // 2:at // 2 + math.prod(b_shape)].view(b_shape)
+            at += _aligned(math.prod(b_shape) * 2)
+            out[key] = (a, b)
+            parts, dim_a, dim_b = ordered[key]
+            off = 0
+            for pa, pb, c in parts:
+                r = int(pa.shape[dim_a])
+                moves.append((pa, a.narrow(dim_a, off, r), float(c)))
+                moves.append((pb, b.narrow(dim_b, off, r), None))
+                off += r
+        _upload_and_place(moves, torch.empty(1 << 22, dtype=torch.uint8), None, pinned=in_arena)
+        for key in ordered:
+            assert torch.equal(out[key][0], reference[key][0]), key
+            assert torch.equal(out[key][1], reference[key][1]), key
+        # the calls the same moves make from the components themselves (the upload keeps their relative offsets)
+        return len(_stacked([m[1] for m in moves], [m[0] for m in moves], [m[2] for m in moves]))
+
+    numeric = {k: jobs[k] for k in sorted(jobs, key=lambda k: (int(k.split(".")[1]), k))}  # out of the file's order
+    assert list(in_source_order(numeric)) == list(jobs)
+    calls = place(in_source_order(numeric))
+    assert calls == 3 * 4 * 2  # per component: each module's A and B in all 12 layers at once
+    assert place(numeric) > calls  # same bytes, more calls
+    a, b, c = jobs["layers.3.q_proj"][0][0]
+    jobs["layers.3.q_proj"][0][0] = (a.clone(), b, c)  # the control: one part no longer at its step
+    assert place(jobs) > calls
+    for arena in arenas:
+        arena.close()
