@@ -159,6 +159,9 @@ def main() -> None:
                 if o.returncode:
                     raise RuntimeError(o.stderr[-3000:])
                 runs[(ep, which)].append(json.loads(o.stdout.strip().splitlines()[-1]))
+                got = runs[(ep, which)][-1]  # as it comes: a run cut short still shows what it measured
+                print(f"{form} EP={ep} {which}: first {got['seconds']:.3f} s, next {got['next_seconds']:.3f} s",
+                      flush=True)
         ep1 = None
         for ep, which in cases:
             outs = runs[(ep, which)]
@@ -173,6 +176,7 @@ def main() -> None:
                          (b / 2**20) if b else "(local keys)", (b / ep1[1]) if mine and b else "-",
                          median([x["peak_extra_rss"] for x in outs]) / 2**20])
         payload[form]["bitwise_equal_to_full_then_slice"] = _check(folder, form, args.layers)
+        write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)  # so far
     print_table(rows, ["layout", "EP", "loader", "first load s", "time / EP1", "next load s", "next / EP1", "MiB read",
                        "bytes / EP1", "peak extra RSS MiB"])
     print("plugin rank tensors == full read then slice (contiguous and round-robin):",

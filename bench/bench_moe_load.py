@@ -303,6 +303,7 @@ def cpu_bench(args: argparse.Namespace) -> dict:
                 if out.returncode != 0:
                     raise RuntimeError(out.stderr[-3000:])
                 res[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"{form} {case}: {res[case][-1]['seconds']:.3f} s", flush=True)  # as it comes
         raw_t = median([r["seconds"] for r in res["raw"]])
         for case in ("raw", "stock", "plugin"):
             t = median([r["seconds"] for r in res[case]])
@@ -312,6 +313,9 @@ def cpu_bench(args: argparse.Namespace) -> dict:
                          peak / kept])
         payload[form] = {"file_bytes": size, "tensors": ntensors, "runs": res}
         print(f"{form}: {size / 2**30:.2f} GiB, {ntensors} tensors")
+        if args.out:  # so far: a run cut short keeps the layouts it finished
+            write_json("moe_load_cpu", {"mode": "cpu", "layers": args.layers, "results": payload, "table": rows},
+                       args.out)
     print_table(rows, ["layout", "case", "seconds", "x raw read", "GB/s", "MiB read", "peak extra RSS MiB",
                        "peak / kept bytes"])
     return {"mode": "cpu", "layers": args.layers, "shape": {"E": E, "H": H, "I": I, "r": R}, "results": payload,

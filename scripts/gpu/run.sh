@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu/run.sh stage            # copy the carried chunk(s) (.gpu/*/: bundle, Ray wheels) to /tmp/b
 #   bash scripts/gpu/run.sh test [ARGS...]   # stage, install the bundle once, install this repo, run pytest tests/gpu
+#                                            # (ARGS naming tests/gpu/... files run those files only)
 #   bash scripts/gpu/run.sh bench SCRIPT [ARGS...]   # same set-up, then run a bench/ script
 #
 # Results land in $OUT: pytest.log, gpu-results.json (numbers the tests recorded), serve.log, gpu.txt.
@@ -47,6 +48,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 python3 -c "import vllm, torch, transformers, peft; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 case "$what" in
-  test) python3 -m pytest -p no:cacheprovider -o addopts="-ra" --import-mode=importlib tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log" ;;
+  test)
+    where=tests/gpu  # the whole suite, unless the arguments name its files (pytest would run both)
+    for arg in "$@"; do case "$arg" in tests/gpu/*) where= ;; esac; done
+    python3 -m pytest -p no:cacheprovider -o addopts="-ra" --import-mode=importlib $where "$@" 2>&1 | tee "$OUT/pytest.log" ;;
   bench) script=$1; shift; python3 "$script" "$@" 2>&1 | tee "$OUT/bench.log" ;;
 esac
