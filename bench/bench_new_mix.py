@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true",
                     help="plugin only, engine core in-process: GC pauses and the stacks of any call over 0.8 s")
     ap.add_argument("--mix-on-gpu", choices=("default", "0", "1", "both"), default="default",
-                    help="plugin: concatenate a mix loaded in the step on the CPU (0), the GPU (1), or run both engines")
+                    help="plugin: concatenate a mix loaded in the step on the CPU (0), the GPU (1), or both engines")
     ap.add_argument("--_engine")
     ap.add_argument("--_model")
     ap.add_argument("--_adapters")
@@ -227,7 +227,8 @@ def main() -> None:
         res, logs = runs["1"]
         g_loaded, g_new = median(res["loaded"]), median(res["new_mix"])
         payload["gpu_build"] = {"mix_on_gpu": "1", "plugin": res, "plugin_logs": logs,
-                                "extra_over_loaded_s": g_new - g_loaded, "ratio_new_mix_vs_stock_load": g_new / stock_load}
+                                "extra_over_loaded_s": g_new - g_loaded,
+                                "ratio_new_mix_vs_stock_load": g_new / stock_load}
     write_json("new_mix_gpu", payload, args.out)
 
 if __name__ == "__main__":

@@ -433,9 +433,10 @@ def _stacked(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scales: list[fl
 
     Pairs are alike when their sources share a storage, shape, strides and dtype, their destinations do too,
     and their scales are equal. Alike pairs sorted by source offset, or up to 16 interleaved sequences of them
-    (a 7B layer holds six A's of one shape, in the same order in every layer), whose offsets advance by a fixed positive
-    step on both sides are one pair of ``as_strided`` views: element ``[k]`` of each is exactly the ``k``-th
-    pair's tensor, so the copy and the scaling touch the same elements as the pairs one by one."""
+    (a 7B layer holds six A's of one shape, in the same order in every layer), whose offsets advance by a fixed
+    positive step on both sides are one pair of ``as_strided`` views: element ``[k]`` of each is exactly the
+    ``k``-th pair's tensor, so the copy and the scaling touch the same elements as the pairs one by one. The
+    destinations must not overlap (they are distinct parts of a composite); sources may."""
     groups: dict[tuple, list[int]] = {}
     for i, (d, s) in enumerate(zip(dsts, srcs)):
         if d.numel():
