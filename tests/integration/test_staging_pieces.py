@@ -148,9 +148,8 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
     each component's part of one module in every layer is one strided copy (k_proj and v_proj, alike,
     interleave), and the result equals `concat_many` bitwise. A layout out of step gives more calls, same bytes;
     moving a part off its step (the control) breaks a run there."""
-    import math
-
-    from vllm_lora_ext.integration.staging import _aligned, _stacked, _upload_and_place, in_source_order
+    from vllm_lora_ext.integration.staging import (_composite_layout, _composite_moves, _stacked, _upload_and_place,
+                                                   in_source_order)
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _layered_jobs(12)
@@ -162,23 +161,9 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
 
     def place(ordered: dict) -> int:
         shapes = composite_shapes(ordered, dtype=torch.bfloat16)
-        total = sum(_aligned(math.prod(a) * t.itemsize) + _aligned(math.prod(b) * t.itemsize)
-                    for a, b, t in shapes.values())
-        buffer = torch.full((total // 2,), float("nan"), dtype=torch.bfloat16)
-        out, at, moves = {}, 0, []
-        for key, (a_shape, b_shape, _) in shapes.items():
-            a = buffer[at // 2:at // 2 + math.prod(a_shape)].view(a_shape)
-            at += _aligned(math.prod(a_shape) * 2)
-            b = buffer[at // 2:at // 2 + math.prod(b_shape)].view(b_shape)
-            at += _aligned(math.prod(b_shape) * 2)
-            out[key] = (a, b)
-            parts, dim_a, dim_b = ordered[key]
-            off = 0
-            for pa, pb, c in parts:
-                r = int(pa.shape[dim_a])
-                moves.append((pa, a.narrow(dim_a, off, r), float(c)))
-                moves.append((pb, b.narrow(dim_b, off, r), None))
-                off += r
+        offsets, _, total = _composite_layout(shapes)
+        buffer = torch.full((total,), 255, dtype=torch.uint8)  # bfloat16 NaNs wherever nothing is written
+        out, moves = _composite_moves(ordered, shapes, offsets, buffer)
         _upload_and_place(moves, torch.empty(1 << 22, dtype=torch.uint8), None, pinned=in_arena)
         for key in ordered:
             assert torch.equal(out[key][0], reference[key][0]), key

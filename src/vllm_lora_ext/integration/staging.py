@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -322,16 +322,7 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
     if device.type != "cuda" or not torch.cuda.is_available() or not lora_jobs:
         return None
     shapes = composite_shapes(lora_jobs, dtype=dtype)
-    offsets: dict[Any, tuple[int, int]] = {}
-    starts: list[int] = []
-    total = 0
-    for key, (a_shape, b_shape, out_dtype) in shapes.items():
-        a_off = total
-        total += _aligned(math.prod(a_shape) * out_dtype.itemsize)
-        b_off = total
-        total += _aligned(math.prod(b_shape) * out_dtype.itemsize)
-        offsets[key] = (a_off, b_off)
-        starts += [a_off, b_off]
+    offsets, starts, total = _composite_layout(shapes)
     largest = max((t.nbytes for parts, _, _ in lora_jobs.values() for p in parts for t in p[:2]), default=0)
     scratch_bytes = min(max(_SCRATCH, _aligned(largest)), max(_aligned(largest), total))
     if not _room(total + scratch_bytes, device, "mix"):
@@ -342,20 +333,7 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
         with torch.cuda.device(device), torch.cuda.stream(stream):
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
             scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-            done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-            moves: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []  # (CPU part, destination, c)
-            for key, (parts, dim_a, dim_b) in lora_jobs.items():
-                a_shape, b_shape, out_dtype = shapes[key]
-                a_off, b_off = offsets[key]
-                a = _view(buffer, a_off, out_dtype, tuple(a_shape))
-                b = _view(buffer, b_off, out_dtype, tuple(b_shape))
-                done[key] = (a, b)
-                off = 0
-                for pa, pb, c in parts:
-                    r = int(pa.shape[dim_a])
-                    moves.append((pa, a.narrow(dim_a, off, r), float(c)))
-                    moves.append((pb, b.narrow(dim_b, off, r), None))
-                    off += r
+            done, moves = _composite_moves(lora_jobs, shapes, offsets, buffer)
             _upload_and_place(moves, scratch, stream)
             stream.synchronize()
             del scratch
@@ -364,6 +342,44 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
         return None
     logger.info("built a mix on %s: %.0f MiB in %.3f s", device, total / 2**20, time.perf_counter() - t0)
     return done, _Staging(buffer, starts, None)
+
+
+def _composite_layout(shapes: Any) -> tuple[dict[Any, tuple[int, int]], list[int], int]:
+    """Where each key's ``A`` and ``B`` go in a composite's buffer (byte offsets, in the keys' order, aligned):
+    ``({key: (A offset, B offset)}, every region's start in order, total bytes)``."""
+    offsets: dict[Any, tuple[int, int]] = {}
+    starts: list[int] = []
+    total = 0
+    for key, (a_shape, b_shape, out_dtype) in shapes.items():
+        a_off = total
+        total += _aligned(math.prod(a_shape) * out_dtype.itemsize)
+        b_off = total
+        total += _aligned(math.prod(b_shape) * out_dtype.itemsize)
+        offsets[key] = (a_off, b_off)
+        starts += [a_off, b_off]
+    return offsets, starts, total
+
+
+def _composite_moves(lora_jobs: Any, shapes: Any, offsets: Mapping[Any, tuple[int, int]], buffer: torch.Tensor,
+                     ) -> tuple[dict[Any, tuple[torch.Tensor, torch.Tensor]],
+                                list[tuple[torch.Tensor, torch.Tensor, float | None]]]:
+    """Each key's ``(A, B)`` as views of ``buffer`` (``uint8``, laid out by [`_composite_layout`]) and the moves
+    that fill them: ``(CPU part, destination, c)``, ``A_i`` times ``c_i`` into its rank rows, ``B_i`` as it is."""
+    done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+    moves: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []
+    for key, (parts, dim_a, dim_b) in lora_jobs.items():
+        a_shape, b_shape, out_dtype = shapes[key]
+        a_off, b_off = offsets[key]
+        a = _view(buffer, a_off, out_dtype, tuple(a_shape))
+        b = _view(buffer, b_off, out_dtype, tuple(b_shape))
+        done[key] = (a, b)
+        off = 0
+        for pa, pb, c in parts:
+            r = int(pa.shape[dim_a])
+            moves.append((pa, a.narrow(dim_a, off, r), float(c)))
+            moves.append((pb, b.narrow(dim_b, off, r), None))
+            off += r
+    return done, moves
 
 
 def in_source_order(jobs: Any) -> Any:
