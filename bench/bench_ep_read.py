@@ -176,12 +176,11 @@ def main() -> None:
                          (b / 2**20) if b else "(local keys)", (b / ep1[1]) if mine and b else "-",
                          median([x["peak_extra_rss"] for x in outs]) / 2**20])
         payload[form]["bitwise_equal_to_full_then_slice"] = _check(folder, form, args.layers)
-        write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)  # so far
+        write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)  # each layout
     print_table(rows, ["layout", "EP", "loader", "first load s", "time / EP1", "next load s", "next / EP1", "MiB read",
                        "bytes / EP1", "peak extra RSS MiB"])
     print("plugin rank tensors == full read then slice (contiguous and round-robin):",
           {f: payload[f]["bitwise_equal_to_full_then_slice"] for f in ("2d", "3d")})
-    write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)
 
 
 if __name__ == "__main__":

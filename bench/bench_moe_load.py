@@ -287,7 +287,13 @@ def _run_case(case: str, folder: Path, layers: int, form: str) -> dict:
 def cpu_bench(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-moe-"))
     rows, payload = [], {}
-    for form in args.forms.split(","):
+
+    def summary() -> dict:
+        return {"mode": "cpu", "layers": args.layers, "shape": {"E": E, "H": H, "I": I, "r": R}, "results": payload,
+                "table": rows}
+
+    forms = args.forms.split(",")
+    for form in forms:
         folder = make_adapter(tmp / form, args.layers, form)
         size = (folder / "adapter_model.safetensors").stat().st_size
         from safetensors import safe_open
@@ -313,13 +319,11 @@ def cpu_bench(args: argparse.Namespace) -> dict:
                          peak / kept])
         payload[form] = {"file_bytes": size, "tensors": ntensors, "runs": res}
         print(f"{form}: {size / 2**30:.2f} GiB, {ntensors} tensors")
-        if args.out:  # so far: a run cut short keeps the layouts it finished
-            write_json("moe_load_cpu", {"mode": "cpu", "layers": args.layers, "results": payload, "table": rows},
-                       args.out)
+        if args.out and form != forms[-1]:  # so far (main writes the whole): a cut-short run keeps these
+            write_json("moe_load_cpu", summary(), args.out)
     print_table(rows, ["layout", "case", "seconds", "x raw read", "GB/s", "MiB read", "peak extra RSS MiB",
                        "peak / kept bytes"])
-    return {"mode": "cpu", "layers": args.layers, "shape": {"E": E, "H": H, "I": I, "r": R}, "results": payload,
-            "table": rows}
+    return summary()
 
 
 # ----------------------------------------------------------------------------------------------- GPU
