@@ -55,6 +55,7 @@ ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready s
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA shrink/expand configs
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
+ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
 ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 1: a mix loaded in the engine step is concatenated on the GPU
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
@@ -213,6 +214,12 @@ def host_arena_min_bytes() -> int:
     """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
     an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
     return int(_env_number(ENV_HOST_ARENA_MIN, 4 * 2**20, minimum=0))
+
+
+def host_spare_bytes() -> int:
+    """Return the largest host arena whose memory is kept, once released or prepared, for the next arena of about its
+    size (``VLLM_LORA_EXT_HOST_SPARE_BYTES``, default 1 GiB; 0: none). One such mapping is kept at a time."""
+    return int(_env_number(ENV_HOST_SPARE, 2**30, minimum=0))
 
 
 def build_process_enabled() -> bool:

@@ -11,10 +11,15 @@ An arena is also one contiguous range, which a GPU worker can pin in place in on
 0.04 s for 1.6 GB of huge pages on that host, against 0.30 s for vLLM's ``pin_memory()`` copy). Hooks given to
 [`HostArena.on_release`] run when the last view is gone and before the mapping is unmapped, which is where such
 a registration is undone. This module has no CUDA code; ``integration`` pins.
+
+A mix's composite is rebuilt for every new set of weights, each time into fresh memory (faults, then a
+registration). One mapping can therefore be kept ready ([`prepare_spare`]), or kept once released, for the next
+arena of about its size that asks for it (``reuse``): its pages are taken and it stays pinned.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -25,7 +30,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "HUGE_PAGE", "HostArena", "aligned", "bump_empty", "huge_pages_offered"]
+from vllm_lora_ext.constants import host_spare_bytes
+
+__all__ = ["ALIGN", "HUGE_PAGE", "HostArena", "aligned", "bump_empty", "clear_spare", "huge_pages_offered",
+           "prepare_spare"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +82,27 @@ def bump_empty(arena: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.
     return buffer[offset:offset + n].view(dtype).view(shape)
 
 
-class _Mapping(mmap.mmap):
-    """An anonymous mapping that runs its release hooks before it is unmapped (``mmap``'s own dealloc unmaps)."""
+class _Memory:
+    """One anonymous mapping and what holds it: arenas are carved from it, and it outlives them as the spare.
 
-    hooks: list[Callable[[], None]]
+    ``hooks`` run when the mapping is finally unmapped, not when an arena over it is released (its memory may
+    be kept as the spare and serve another arena first). ``registered``: bytes from the base page-locked by
+    ``integration`` (0: none), which a reuse keeps.
+    """
+
+    def __init__(self, capacity: int, huge_pages: bool) -> None:
+        self.capacity = capacity
+        self.mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and huge_pages_offered():
+            try:
+                self.mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # refused (e.g. a seccomp filter): ordinary pages, still one range
+                pass
+        # The export keeps the mapping from being closed while this object lives.
+        self._export = ctypes.c_char.from_buffer(self.mapping)
+        self.base = ctypes.addressof(self._export)
+        self.hooks: list[Callable[[], None]] = []
+        self.registered = 0
 
     def __del__(self) -> None:
         for hook in getattr(self, "hooks", ()):
@@ -87,12 +112,119 @@ class _Mapping(mmap.mmap):
                 logger.exception("a host arena's release hook failed")
 
 
+@lru_cache(maxsize=64)
+def _lease_type(n: int) -> Any:
+    """A ctypes byte array of ``n`` whose instances hand their memory back when they die: the object torch's
+    tensors over an arena keep alive, so its ``__del__`` runs exactly when the last view is gone."""
+    return type("_Lease", (ctypes.c_uint8 * n,), {"__del__": _lease_ended, "__slots__": ()})
+
+
+def _lease_ended(lease: Any) -> None:
+    memory = lease.__dict__.pop("memory", None)
+    if memory is not None and lease.__dict__.get("keep"):
+        try:
+            _SPARE.returned(memory)
+        except Exception:  # the interpreter is ending, say: the memory is simply returned
+            pass
+
+
+class _Spare:
+    """The one released (or prepared) mapping kept for the next arena: its pages taken, and pinned if they were.
+
+    A mapping touched and pinned before costs an arena neither page faults (about half a fresh arena's fill
+    time) nor a registration. Released arenas' memory is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one
+    mapping at a time, the latest, which is dropped (hooks, then the unmap) when another takes its place.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a lease may end (the GC) while this thread holds it
+        self._memory: _Memory | None = None
+        self._preparing = False
+        self.reused = 0  # arenas given a kept mapping (tests, logs)
+
+    def take(self, capacity: int) -> _Memory | None:
+        """The kept mapping, if it holds ``capacity`` and not much more (at most half again, or a huge page)."""
+        with self._lock:
+            memory = self._memory
+            if memory is None or not capacity <= memory.capacity <= capacity + max(capacity // 2, HUGE_PAGE):
+                return None
+            self._memory = None
+            self.reused += 1
+            return memory
+
+    def returned(self, memory: _Memory) -> None:
+        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget."""
+        dropped: _Memory | None = memory
+        if memory.capacity <= host_spare_bytes():
+            with self._lock:
+                dropped, self._memory = self._memory, memory
+        del dropped  # outside the lock: its hooks run and it is unmapped, unless something still holds it
+
+    def prepare(self, capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
+        """Make a spare of ``capacity`` bytes on a background thread, its pages touched and ``ready(arena)`` run
+        over it (pinning, where a GPU worker asks), unless one that fits is kept or being made, or it would
+        exceed the budget. Returns whether it started one."""
+        capacity = _pages(capacity)
+        with self._lock:
+            kept = self._memory
+            if (self._preparing or capacity > host_spare_bytes() or
+                    (kept is not None and capacity <= kept.capacity <= capacity + max(capacity // 2, HUGE_PAGE))):
+                return False
+            self._preparing = True
+        threading.Thread(target=self._make, args=(capacity, ready), name="vllm-lora-ext-host-spare",
+                         daemon=True).start()
+        return True
+
+    def _make(self, capacity: int, ready: Callable[[HostArena], object] | None) -> None:
+        try:
+            arena = HostArena(capacity, reuse=True, _take=False)
+            assert arena.buffer is not None
+            arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
+            arena.used = arena.capacity
+            if ready is not None:
+                ready(arena)
+            arena.close()  # its lease ends here: the mapping becomes the spare
+        except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
+            logger.exception("could not prepare a spare host arena of %d bytes", capacity)
+        finally:
+            with self._lock:
+                self._preparing = False
+
+    def clear(self) -> None:
+        """Drop the kept mapping (tests; memory pressure)."""
+        with self._lock:
+            dropped, self._memory = self._memory, None
+        del dropped
+
+
+_SPARE = _Spare()
+
+
+def prepare_spare(capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
+    """Have a host arena of ``capacity`` bytes ready for the next build of that size (see [`_Spare.prepare`])."""
+    return _SPARE.prepare(capacity, ready=ready)
+
+
+def clear_spare() -> None:
+    """Drop the kept spare mapping: its memory is returned (after its release hooks)."""
+    _SPARE.clear()
+
+
+def _pages(capacity: int) -> int:
+    return max(HUGE_PAGE, -(-int(capacity) // HUGE_PAGE) * HUGE_PAGE)
+
+
 class HostArena:
     """A bump allocator over one anonymous mapping, advised to use transparent huge pages.
 
-    Tensors from [`empty`] are views of the mapping; the memory is returned when the arena is closed and the
+    Tensors from [`empty`] are views of the mapping; the memory is released when the arena is closed and the
     last view is gone. Pages are only taken as tensors are written, so an upper bound is a fine capacity.
     Memory past the capacity comes from ordinary tensors. Thread-safe (MoE blocks are read on several threads).
+
+    With ``reuse``, the arena may be given the kept spare mapping ([`prepare_spare`], or an earlier ``reuse``
+    arena's memory), pages already taken and still pinned, and its own memory is kept as the spare once
+    released (up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``). Such memory holds an earlier arena's bytes, not
+    zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does).
 
     Example:
         >>> arena = HostArena(1 << 20)
@@ -101,18 +233,18 @@ class HostArena:
         (True, 64)
     """
 
-    def __init__(self, capacity: int, *, huge_pages: bool = True) -> None:
-        self.capacity = max(HUGE_PAGE, -(-int(capacity) // HUGE_PAGE) * HUGE_PAGE)
-        mapping = _Mapping(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.hooks = []
-        if huge_pages and huge_pages_offered():
-            try:
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # refused (e.g. a seccomp filter): ordinary pages, still one range
-                pass
-        self._mapping: _Mapping | None = mapping
-        self.buffer: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.base = self.buffer.data_ptr()
+    def __init__(self, capacity: int, *, huge_pages: bool = True, reuse: bool = False, _take: bool = True) -> None:
+        wanted = _pages(capacity)
+        memory = _SPARE.take(wanted) if reuse and _take else None
+        self.reused = memory is not None  # kept from an earlier arena (its pages taken, pinned if they were)
+        if memory is None:
+            memory = _Memory(wanted, huge_pages)
+        self.memory: _Memory | None = memory
+        self.capacity = memory.capacity
+        lease = _lease_type(memory.capacity).from_address(memory.base)
+        lease.memory, lease.keep = memory, reuse
+        self.buffer: torch.Tensor | None = torch.frombuffer(lease, dtype=torch.uint8)
+        self.base = memory.base
         self.used = 0
         self._lock = threading.Lock()
 
@@ -125,13 +257,14 @@ class HostArena:
         return t.device.type == "cpu" and self.base <= t.data_ptr() < self.base + self.capacity
 
     def on_release(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` when the memory is returned: after [`close`] and the last view, before the unmap."""
-        if self._mapping is None:
+        """Run ``hook`` when the memory is returned: after [`close`] and the last view, before the unmap (later,
+        if the memory is kept as the spare first)."""
+        if self.memory is None:
             raise RuntimeError("the host arena is closed")
-        self._mapping.hooks.append(hook)
+        self.memory.hooks.append(hook)
 
     def close(self) -> None:
         """Give no more memory; the mapping lives on as long as any tensor from it does."""
         with self._lock:
             self.buffer = None
-            self._mapping = None
+            self.memory = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from factories import lora_config, write_adapter
 from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext import building
 from vllm_lora_ext.building import BuildJob, build_adapter
-from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS
-from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena
+from vllm_lora_ext import hostmem
+from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_SPARE
+from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena, clear_spare, prepare_spare
+from vllm_lora_ext.mixing import concat_many
 from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
 from vllm_lora_ext.reader import SafetensorsReader
 
@@ -37,8 +40,11 @@ def test_tensors_are_aligned_views_and_an_arena_past_its_capacity_gives_ordinary
         arena.on_release(lambda: None)
 
 
-def test_the_release_hook_runs_once_when_the_last_view_is_gone_not_before() -> None:
-    arena = HostArena(4 << 20)
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_release_hook_runs_once_when_the_last_view_is_gone_not_before(monkeypatch: pytest.MonkeyPatch,
+                                                                           reuse: bool) -> None:
+    monkeypatch.setenv(ENV_HOST_SPARE, "0")  # nothing kept: a reuse arena's memory is returned as well
+    arena = HostArena(4 << 20, reuse=reuse)
     calls: list[int] = []
     arena.on_release(lambda: calls.append(1))
     t = arena.empty((16, 16), torch.bfloat16)
@@ -133,3 +139,92 @@ def test_dense_factors_are_read_into_the_arena_and_equal_a_copying_read(tmp_path
     assert built.host is not None and list(built.dense) == list(tensors)
     for k, t in built.dense.items():
         assert built.host.holds(t) and torch.equal(t, tensors[k])
+
+
+def _release(arena: HostArena, *views: torch.Tensor) -> None:
+    arena.close()
+    del views
+    gc.collect()
+
+
+@pytest.fixture()
+def spare(monkeypatch: pytest.MonkeyPatch) -> object:
+    monkeypatch.setenv(ENV_HOST_SPARE, str(64 << 20))
+    clear_spare()
+    yield hostmem._SPARE
+    clear_spare()
+
+
+def test_a_reuse_arena_is_given_a_released_reuse_arenas_memory_of_about_its_size(spare: object) -> None:
+    first = HostArena(4 << 20, reuse=True)
+    t = first.empty((1024,), torch.float32)
+    t.fill_(1.5)
+    base = first.base
+    _release(first, t)
+    del t
+    gc.collect()
+    other = HostArena(4 << 20)
+    assert other.base != base  # an arena that did not ask is never given used memory
+    larger = HostArena(32 << 20, reuse=True)
+    assert larger.base != base  # too small for it (and this arena's memory, once released, takes its place)
+    second = HostArena(3 << 20, reuse=True)  # 4 MiB of pages for 3 MiB asked: close enough
+    assert second.base == base and second.reused and second.capacity == 4 << 20
+    # Kept memory holds the earlier arena's bytes (which is why only writers of every byte ask for it).
+    assert float(second.empty((1024,), torch.float32)[0]) == 1.5
+
+
+def test_kept_memory_is_returned_when_displaced_or_cleared_and_not_kept_past_the_budget(
+        spare: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    a = HostArena(4 << 20, reuse=True)
+    a.on_release(lambda: calls.append("a"))
+    _release(a)
+    assert calls == []  # kept as the spare
+    b = HostArena(8 << 20, reuse=True)  # does not fit the kept 4 MiB: new memory
+    b.on_release(lambda: calls.append("b"))
+    _release(b)
+    assert calls == ["a"]  # b's memory took a's place
+    clear_spare()
+    assert calls == ["a", "b"]
+    monkeypatch.setenv(ENV_HOST_SPARE, str(2 << 20))
+    c = HostArena(4 << 20, reuse=True)
+    c.on_release(lambda: calls.append("c"))
+    _release(c)
+    assert calls == ["a", "b", "c"]  # over the budget: returned at once
+
+
+def _wait_prepared(spare: object) -> None:
+    for _ in range(500):
+        if not spare._preparing:  # type: ignore[attr-defined]
+            return
+        time.sleep(0.01)
+    raise AssertionError("the spare was not prepared in 5 s")
+
+
+def test_a_prepared_spare_is_touched_readied_and_given_to_the_next_arena_of_its_size(spare: object) -> None:
+    readied: list[tuple[int, int]] = []
+    assert prepare_spare(5 << 20, ready=lambda arena: readied.append((arena.used, arena.capacity)))
+    _wait_prepared(spare)
+    assert readied == [(6 << 20, 6 << 20)]  # every page (whole huge pages) touched, then readied (pinned)
+    assert not prepare_spare(5 << 20)  # one that fits is kept already
+    assert not prepare_spare(128 << 20)  # past the budget
+    arena = HostArena(5 << 20, reuse=True)
+    assert arena.reused and arena.capacity == 6 << 20
+    assert not HostArena(5 << 20, reuse=True).reused  # the one spare is taken
+
+
+def test_a_mix_concatenated_into_kept_memory_is_bitwise_one_into_fresh_memory(spare: object) -> None:
+    g = torch.Generator().manual_seed(5)
+    jobs = {f"m{i}": ([(torch.randn(r, 96, generator=g).bfloat16(), torch.randn(80, r, generator=g).bfloat16(), c)
+                       for r, c in ((4, 0.3), (8, -1.7), (2, 2.0))], 0, 1) for i in range(6)}
+    want = concat_many(jobs)
+    dirty = HostArena(2 << 20, reuse=True)
+    assert dirty.buffer is not None
+    dirty.buffer.fill_(0xFF)  # NaN in bfloat16: any byte left unwritten would show
+    _release(dirty)
+    arena = HostArena(2 << 20, reuse=True)
+    assert arena.reused
+    got = concat_many(jobs, alloc=arena.empty)
+    for key in jobs:
+        for x, y in zip(got[key], want[key]):
+            assert arena.holds(x) and torch.equal(x, y)

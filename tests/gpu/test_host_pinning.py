@@ -79,3 +79,60 @@ def test_nothing_is_pinned_in_a_thread_without_a_cuda_context() -> None:
     thread.start()
     thread.join()
     assert result == [False] and not tensors[0].is_pinned()
+
+
+def test_kept_memory_stays_pinned_is_widened_when_used_further_and_unregistered_when_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.constants import ENV_HOST_SPARE
+    from vllm_lora_ext.hostmem import HostArena, clear_spare, prepare_spare
+    from vllm_lora_ext.integration._compat import cuda_context, pin_in_place
+
+    monkeypatch.setenv(ENV_HOST_SPARE, str(256 << 20))
+    clear_spare()
+    torch.zeros(1, device="cuda")
+    context = cuda_context()
+    # A spare prepared on a helper thread, pinned there with the worker's context.
+    assert prepare_spare(64 << 20, ready=lambda arena: pin_in_place(arena, context=context))
+    for _ in range(1000):
+        if not hostmem._SPARE._preparing:
+            break
+        time.sleep(0.01)
+    arena = HostArena(64 << 20, reuse=True)
+    assert arena.reused and arena.memory is not None and arena.memory.registered == 64 << 20
+    t = arena.empty((1024, 1024), torch.bfloat16)
+    assert t.is_pinned()  # pinned before this arena asked
+    assert pin_in_place(arena)  # nothing to register
+    released: list[int] = []
+    arena.on_release(lambda: released.append(1))
+    arena.close()
+    del t
+    gc.collect()
+    assert released == []  # kept as the spare, still registered
+    clear_spare()
+    assert released == [1]
+    # Kept memory registered over less than the next arena uses is registered again over all of it.
+    first = HostArena(16 << 20, reuse=True)
+    x = first.empty((1 << 20,), torch.uint8)
+    assert pin_in_place(first) and first.memory is not None and first.memory.registered == 1 << 20
+    first.close()
+    del x
+    gc.collect()
+    second = HostArena(16 << 20, reuse=True)
+    assert second.reused
+    head = second.empty((2 << 20,), torch.uint8)
+    tail = second.empty((4 << 20,), torch.uint8)
+    tail.copy_(torch.arange(4 << 20, dtype=torch.int64).remainder_(251).to(torch.uint8))
+    assert head.is_pinned() and not tail.is_pinned()
+    assert pin_in_place(second) and tail.is_pinned()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_gpu = tail.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(on_gpu.cpu(), tail)
+    second.close()
+    del head, tail
+    gc.collect()
+    clear_spare()

@@ -121,3 +121,40 @@ def test_a_mix_whose_components_build_side_by_side_in_the_build_process_equals_o
     assert sorted(there.loras) == sorted(here.loras)
     for name, w in here.loras.items():
         assert torch.equal(there.loras[name].lora_a, w.lora_a) and torch.equal(there.loras[name].lora_b, w.lora_b)
+
+
+def test_a_mix_built_into_kept_memory_equals_one_built_into_fresh_memory_and_leaves_the_last_one_alone(
+        worker_manager: Any, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_SPARE
+
+    def mix(w: float) -> MixSpec:
+        return MixSpec((MixComponent("a", str(adapters["a"]), w), MixComponent("b", str(adapters["b"]), 1 - w)))
+
+    def factors(model: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {n: (w.lora_a, w.lora_b) for n, w in model.loras.items()}
+
+    monkeypatch.setenv(ENV_HOST_ARENAS, "0")
+    fresh = [factors(_load(worker_manager, mix(w))) for w in (0.25, 0.6)]
+    monkeypatch.setenv(ENV_HOST_ARENAS, "1")
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
+    monkeypatch.setenv(ENV_HOST_SPARE, str(64 << 20))
+    hostmem.clear_spare()
+    first = factors(_load(worker_manager, mix(0.25)))  # fresh memory; a spare of its size is made after it
+    kept_before = first["model.layers.0.self_attn.q_proj"][0].clone()
+    for _ in range(500):
+        if not hostmem._SPARE._preparing:
+            break
+        time.sleep(0.01)
+    taken = hostmem._SPARE.reused
+    second = factors(_load(worker_manager, mix(0.6)))
+    assert hostmem._SPARE.reused == taken + 1  # the second mix went into the prepared memory
+    for got, want in ((first, fresh[0]), (second, fresh[1])):
+        assert list(got) == list(want)
+        for name in want:
+            for x, y in zip(got[name], want[name]):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+    assert torch.equal(first["model.layers.0.self_attn.q_proj"][0], kept_before)  # not the memory the first holds
+    hostmem.clear_spare()

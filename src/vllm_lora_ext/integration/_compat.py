@@ -334,7 +334,8 @@ def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     (``pin_memory()``, 0.30 s for 1.6 GB). Registering the arena (``cuMemHostRegister``: 0.04 s for 1.6 GB of
     huge pages) makes its tensors pinned where they are: ``pin_memory()`` returns them as they are, and the
     slot copy is a DMA. The registration is undone when the arena's memory is returned (its last tensor is
-    gone), before the unmap.
+    gone, and it is not kept as the spare), before the unmap. Memory kept from an earlier arena stays
+    registered, so an arena over it costs no call unless it uses more of it.
 
     Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread without a
     CUDA context unless ``context`` ([`cuda_context`] of the worker's thread) is given, or when the driver
@@ -343,8 +344,12 @@ def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """
     import ctypes
 
-    if not lora_host_memory_pinned() or arena.buffer is None or arena.used == 0:
+    memory = getattr(arena, "memory", None)
+    if not lora_host_memory_pinned() or arena.buffer is None or arena.used == 0 or memory is None:
         return False
+    size = min(arena.capacity, -(-arena.used // 4096) * 4096)
+    if memory.registered >= size:  # memory kept from an earlier arena, pinned already
+        return True
     cuda = _libcuda()
     if cuda is None:
         return False
@@ -354,18 +359,27 @@ def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
         cuda.cuCtxGetCurrent(ctypes.byref(ctx))
     if not ctx.value:
         return False  # no context bound to this thread: leave the memory pageable rather than create one
-    size = min(arena.capacity, -(-arena.used // 4096) * 4096)
     base = ctypes.c_void_p(arena.base)
+    first = memory.registered == 0
+    if not first:  # a kept mapping pinned over less than this arena uses: register the wider range instead
+        cuda.cuMemHostUnregister(base)
+        memory.registered = 0
     if cuda.cuMemHostRegister_v2(base, ctypes.c_size_t(size), ctypes.c_uint(1)) != 0:  # 1: PORTABLE
         return False
+    memory.registered = size
+    if not first:
+        return True  # the hook below is in place already
     owner = ctx.value
 
     def unregister() -> None:  # any thread may drop the last tensor: bind the context first
+        if not memory.registered:
+            return
         current = ctypes.c_void_p()
         cuda.cuCtxGetCurrent(ctypes.byref(current))
         if current.value != owner:
             cuda.cuCtxSetCurrent(ctypes.c_void_p(owner))
         cuda.cuMemHostUnregister(base)
+        memory.registered = 0
         if current.value != owner:
             cuda.cuCtxSetCurrent(current)
 

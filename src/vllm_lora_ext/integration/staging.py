@@ -624,7 +624,7 @@ def twins_from_gpu(staging: _Staging, regions: list[tuple[torch.dtype, tuple[int
 
     if not host_arenas_enabled() or staging.nbytes == 0:
         return None
-    arena = HostArena(staging.nbytes)
+    arena = HostArena(staging.nbytes, reuse=True)  # the DMA below writes every byte
     try:
         flat = arena.empty((staging.nbytes,), torch.uint8)
         # Fault the pages in here, on this helper thread: registering memory not yet touched makes the driver
