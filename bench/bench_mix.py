@@ -1,7 +1,9 @@
 """Benchmark exact weighted mixes.
 
 CPU (default): composite build time for 4 adapters of r=16 on 7B shapes (32 layers, q/k/v/o + MLP,
-H=4096, I=11008), i.e. the rank concatenation of every module, vs a dense Σ w·s·B·A (goal <= 50 ms).
+H=4096, I=11008), i.e. the rank concatenation of every module, vs a dense Σ w·s·B·A (goal <= 50 ms): into new
+tensors, and as the worker builds one, into a fresh huge-page host arena or into the spare arena kept ready
+(touched beforehand, off the timed path; on a GPU worker it is pinned too).
 
 GPU (``--gpu``): decode throughput on a 1B-shaped Llama (dummy weights), 32 concurrent requests
   (a) all on one adapter, (b) each on a different 2-adapter mix, (c) the same 32 mixes bucketed by
@@ -47,21 +49,46 @@ def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
     adapters = seven_b_adapters()
     weights = [0.4, 0.3, 0.2, 0.1]
 
-    def build(workers: int | None) -> dict:
-        jobs = {k: ([(ad[k][0], ad[k][1], w * 2.0) for ad, w in zip(adapters, weights)], 0, 1) for k in adapters[0]}
-        return concat_many(jobs, dtype=torch.bfloat16, workers=workers)
+    from vllm_lora_ext import hostmem
+
+    jobs = {k: ([(ad[k][0], ad[k][1], w * 2.0) for ad, w in zip(adapters, weights)], 0, 1) for k in adapters[0]}
+    need = sum(2 * (a.numel() + b.numel()) * len(adapters) + 128 for a, b in adapters[0].values())
+
+    def build(workers: int | None, memory: str = "") -> dict:
+        if not memory:  # new tensors
+            return concat_many(jobs, dtype=torch.bfloat16, workers=workers)
+        # The worker's way: one huge-page host arena, fresh, or the spare kept ready after the last build
+        arena = hostmem.HostArena(need, reuse=memory == "kept")
+        assert arena.reused == (memory == "kept")
+        try:
+            return concat_many(jobs, dtype=torch.bfloat16, workers=workers, alloc=arena.empty)
+        finally:
+            arena.close()
+
+    def ready(memory: str) -> None:  # untimed: the spare is made in the background between two mixes
+        if memory == "kept":
+            hostmem.prepare_spare(need)
+            while hostmem._SPARE._preparing:
+                time.sleep(0.005)
 
     torch.set_num_threads(1)  # as in vLLM workers
-    cases: list[tuple[str, int | None]] = [("one thread", 1), ("threads (default)", None)]
-    cases += [(f"{n} threads", n) for n in workers_list]
-    for _, workers in cases:
-        build(workers)
-    times: dict[str, list[float]] = {label: [] for label, _ in cases}
+    cases: list[tuple[str, int | None, str]] = [("one thread", 1, ""), ("threads (default)", None, "")]
+    cases += [(f"{n} threads", n, "") for n in workers_list]
+    cases += [("default threads, into a fresh host arena", None, "fresh"),
+              ("default threads, into the kept host arena", None, "kept")]
+    cases += [(f"{n} threads, into the kept host arena", n, "kept") for n in workers_list]
+    for _, workers, memory in cases:
+        ready(memory)
+        build(workers, memory)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in cases}
     for _ in range(runs):  # interleaved
-        for label, workers in cases:
+        for label, workers, memory in cases:
+            ready(memory)
             t0 = time.perf_counter()
-            out = build(workers)
+            out = build(workers, memory)
             times[label].append(time.perf_counter() - t0)
+            del out
+    out = build(None, "fresh")
     one = build(1)
     same = all(torch.equal(one[k][0], out[k][0]) and torch.equal(one[k][1], out[k][1]) for k in out)
     # correctness on one module after timing
@@ -162,7 +189,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--workers", default="", help="CPU mode: more thread counts to time, e.g. 2,8")
+    ap.add_argument("--workers", default="", help="CPU mode: more thread counts to time (new tensors and the kept "
+                    "arena), e.g. 2,8")
     args = ap.parse_args()
     payload = gpu_bench(args) if args.gpu else cpu_bench(args.runs, tuple(int(n) for n in args.workers.split(",") if n))
     write_json("mix_gpu" if args.gpu else "mix_cpu", payload, args.out)

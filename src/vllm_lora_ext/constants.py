@@ -57,6 +57,7 @@ ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary to
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
 ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 1: a mix loaded in the engine step is concatenated on the GPU
+ENV_MIX_THREADS = "VLLM_LORA_EXT_MIX_THREADS"  # threads a CPU concatenation of a mix uses (default: up to 4)
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
 ENV_CLIENT_SOURCES = "VLLM_LORA_EXT_CLIENT_SOURCES"
@@ -116,6 +117,13 @@ def mix_on_gpu() -> bool:
     H100 its first token came 247 ms after a loaded adapter's that way, against 132 ms from the CPU build,
     ``bench/results/new_mix_h100_r10b.json`` and ``r10c``). Background builds use the GPU either way."""
     return _env_flag(ENV_MIX_ON_GPU)
+
+
+def mix_threads() -> int | None:
+    """Return the threads a mix's CPU concatenation uses (``VLLM_LORA_EXT_MIX_THREADS``; unset: ``None``, up to 4,
+    at most the host's cores); at most 64."""
+    n = int(_env_number(ENV_MIX_THREADS, 0, minimum=0))
+    return min(n, 64) or None
 
 
 def allow_unmatched_keys() -> bool:

@@ -245,8 +245,9 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
     Args:
         jobs: ``{key: (parts, rank_dim_a, rank_dim_b)}``, one entry per module (or per packed slice).
         dtype: the result dtype (default: each module's first ``A``'s).
-        workers: threads (default: up to 4, at most the host's cores). A composite is a memory copy of every
-            component factor; one thread does not saturate a host's memory bandwidth.
+        workers: threads (default: ``VLLM_LORA_EXT_MIX_THREADS``, else up to 4, at most the host's cores). A
+            composite is a memory copy of every component factor; one thread does not saturate a host's memory
+            bandwidth.
         alloc: gives the memory each result is written to (default: new tensors), e.g. pinned host memory.
 
     Returns:
@@ -256,7 +257,11 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     from vllm_lora_ext.pools import run_in_pool
 
-    n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
+    from vllm_lora_ext.constants import mix_threads
+
+    if workers is None:
+        workers = mix_threads()
+    n = min(workers, len(jobs)) if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
 
     def one(key: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts, dim_a, dim_b = jobs[key]

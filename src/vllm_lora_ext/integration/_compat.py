@@ -371,15 +371,14 @@ def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
         return True  # the hook below is in place already
     owner = ctx.value
 
-    def unregister() -> None:  # any thread may drop the last tensor: bind the context first
-        if not memory.registered:
-            return
+    # Any thread may drop the last tensor: bind the context first. The hook holds nothing of the memory it is
+    # a hook of (a reference cycle would leave the memory pinned and mapped until the cyclic GC ran).
+    def unregister() -> None:
         current = ctypes.c_void_p()
         cuda.cuCtxGetCurrent(ctypes.byref(current))
         if current.value != owner:
             cuda.cuCtxSetCurrent(ctypes.c_void_p(owner))
-        cuda.cuMemHostUnregister(base)
-        memory.registered = 0
+        cuda.cuMemHostUnregister(base)  # an error if a widening failed and left nothing registered: harmless
         if current.value != owner:
             cuda.cuCtxSetCurrent(current)
 
