@@ -125,8 +125,9 @@ def test_kept_memory_stays_pinned_is_widened_when_used_further_and_unregistered_
     head = second.empty((2 << 20,), torch.uint8)
     tail = second.empty((4 << 20,), torch.uint8)
     tail.copy_(torch.arange(4 << 20, dtype=torch.int64).remainder_(251).to(torch.uint8))
-    assert head.is_pinned() and not tail.is_pinned()
-    assert pin_in_place(second) and tail.is_pinned()
+    assert head.is_pinned() and second.memory is not None and second.memory.registered == 1 << 20
+    # (The driver reported ``tail`` pinned already on an H100, past the 1 MiB registered: not asserted either way.)
+    assert pin_in_place(second) and second.memory.registered == 6 << 20 and tail.is_pinned()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         on_gpu = tail.to("cuda", non_blocking=True)
