@@ -175,6 +175,7 @@ def main() -> None:
             rows.append([form, ep, which, t, (t / ep1[0]) if mine else "-", tn, (tn / ep1[2]) if mine else "-",
                          (b / 2**20) if b else "(local keys)", (b / ep1[1]) if mine and b else "-",
                          median([x["peak_extra_rss"] for x in outs]) / 2**20])
+        write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)  # before the check
         payload[form]["bitwise_equal_to_full_then_slice"] = _check(folder, form, args.layers)
         write_json("ep_read", {"layers": args.layers, "results": payload, "table": rows}, args.out)  # each layout
     print_table(rows, ["layout", "EP", "loader", "first load s", "time / EP1", "next load s", "next / EP1", "MiB read",
