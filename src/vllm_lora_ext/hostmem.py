@@ -143,10 +143,10 @@ class _Spare:
         self.reused = 0  # arenas given a kept mapping (tests, logs)
 
     def take(self, capacity: int) -> _Memory | None:
-        """The kept mapping, if it holds ``capacity`` and not much more (at most half again, or a huge page)."""
+        """The kept mapping, if it [`_fits`] ``capacity``."""
         with self._lock:
             memory = self._memory
-            if memory is None or not capacity <= memory.capacity <= capacity + max(capacity // 2, HUGE_PAGE):
+            if memory is None or not _fits(capacity, memory):
                 return None
             self._memory = None
             self.reused += 1
@@ -167,8 +167,7 @@ class _Spare:
         capacity = _pages(capacity)
         with self._lock:
             kept = self._memory
-            if (self._preparing or capacity > host_spare_bytes() or
-                    (kept is not None and capacity <= kept.capacity <= capacity + max(capacity // 2, HUGE_PAGE))):
+            if self._preparing or capacity > host_spare_bytes() or (kept is not None and _fits(capacity, kept)):
                 return False
             self._preparing = True
         threading.Thread(target=self._make, args=(capacity, ready), name="vllm-lora-ext-host-spare",
@@ -208,6 +207,12 @@ def prepare_spare(capacity: int, *, ready: Callable[[HostArena], object] | None 
 def clear_spare() -> None:
     """Drop the kept spare mapping: its memory is returned (after its release hooks)."""
     _SPARE.clear()
+
+
+def _fits(capacity: int, memory: _Memory) -> bool:
+    """Whether kept ``memory`` may serve an arena of ``capacity``: it holds it, and not much more (at most half
+    again, or one huge page), so a small build does not hold on to a large mapping."""
+    return capacity <= memory.capacity <= capacity + max(capacity // 2, HUGE_PAGE)
 
 
 def _pages(capacity: int) -> int:
