@@ -23,6 +23,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -197,6 +198,19 @@ class _Spare:
 
 
 _SPARE = _Spare()
+
+
+def _forget_spare_in_child() -> None:
+    """After a fork: the child starts with no spare and no preparation under way (the parent's thread making one
+    does not exist here), and never undoes the parent's registration of a kept mapping (its hooks are dropped)."""
+    memory, _SPARE._memory = _SPARE._memory, None
+    if memory is not None:
+        memory.hooks.clear()
+    _SPARE._preparing = False
+    _SPARE._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_spare_in_child)
 
 
 def prepare_spare(capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:

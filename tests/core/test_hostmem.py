@@ -228,3 +228,25 @@ def test_a_mix_concatenated_into_kept_memory_is_bitwise_one_into_fresh_memory(sp
     for key in jobs:
         for x, y in zip(got[key], want[key]):
             assert arena.holds(x) and torch.equal(x, y)
+
+
+def test_a_forked_child_starts_with_no_spare_and_can_prepare_one(spare: object) -> None:
+    import os
+
+    kept = HostArena(4 << 20, reuse=True)
+    calls: list[int] = []
+    kept.on_release(lambda: calls.append(1))
+    _release(kept)
+    spare._preparing = True  # type: ignore[attr-defined]  # as if the parent's helper thread were at work
+    pid = os.fork()
+    if pid == 0:  # the child: nothing kept, nothing in preparation, and a spare of its own can be made
+        fresh = HostArena(4 << 20, reuse=True)
+        ok = (spare._memory is None and not spare._preparing  # type: ignore[attr-defined]
+              and not fresh.reused and prepare_spare(4 << 20))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    spare._preparing = False  # type: ignore[attr-defined]
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert spare._memory is not None and calls == []  # the parent keeps its spare
+    clear_spare()
+    assert calls == [1]
