@@ -114,8 +114,9 @@ def kernel_configs_enabled() -> bool:
 
 def mix_on_gpu() -> bool:
     """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (default off: on an
-    H100 its first token came 247 ms after a loaded adapter's that way, against 132 ms from the CPU build,
-    ``bench/results/new_mix_h100_r10b.json`` and ``r10c``). Background builds use the GPU either way."""
+    H100 its first token came 153 ms after a loaded adapter's that way, against 154 ms from the CPU build into
+    fresh memory, ``bench/results/new_mix_both_h100_r14.json``, and 76-100 ms from the CPU build into the kept
+    host arena, ``new_mix_h100_r14*.json``). Background builds use the GPU either way."""
     return _env_flag(ENV_MIX_ON_GPU)
 
 

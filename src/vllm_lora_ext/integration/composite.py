@@ -96,10 +96,9 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     the concatenation runs on the GPU into a staged buffer (`staging.concat_staged`) when it fits, and the CPU
     copy vLLM keeps is copied back from it afterwards, off the request's path (`staging.twins_from_gpu`, one
     DMA into a pinned host arena; a CPU concatenation where that cannot be had); otherwise on the CPU. In the
-    step the CPU is faster: on an H100 the GPU build took 120 ms in the engine (71 ms alone with every
-    component in a pinned arena, 200 ms with pageable ones, ``probe_gpu_concat_h100_r10.json``) and the first
-    token came 247 ms after a loaded adapter's, against 132 ms with the CPU build (80-105 ms)
-    (``new_mix_h100_r10b.json``, ``new_mix_h100_r10c.json``).
+    step the CPU is faster: on an H100 the GPU build took 59-161 ms in the engine even in 56 calls, and the
+    first token came 153 ms after a loaded adapter's, against 76-100 ms with the CPU build into the kept host
+    arena (``new_mix_both_h100_r14.json``, ``new_mix_h100_r14*.json``).
 
     Raises:
         [`MixError`]: a malformed mix path.
