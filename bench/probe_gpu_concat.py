@@ -74,6 +74,29 @@ def main() -> None:
                 times[name].append(dt)
                 split[name] = {k: sum(v) * 1000 for k, v in phases.items()}
             del done
+    # What the upload would cost as bare DMAs: each component's pinned arena span to one GPU buffer, timed alone.
+    spans = []
+    for ad in pinned_ads:
+        ts = [t for ab in ad.values() for t in ab]
+        lo = min(t.data_ptr() for t in ts)
+        hi = max(t.data_ptr() + t.nbytes for t in ts)
+        flat = torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage())
+        spans.append(flat[lo - flat.data_ptr():hi - flat.data_ptr()])
+    target = torch.empty(sum(s.numel() for s in spans), dtype=torch.uint8, device="cuda")
+    dma: list[float] = []
+    for rep in range(args.reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        off = 0
+        for span in spans:
+            target[off:off + span.numel()].copy_(span, non_blocking=True)
+            off += span.numel()
+        issued = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        if rep:
+            dma.append(time.perf_counter() - t0)
+    print(f"bare DMA of the four pinned spans ({target.numel() / 2**20:.0f} MiB): {median(dma) * 1000:.1f} ms "
+          f"(last issue {issued * 1000:.1f} ms); all pinned: {all(s.is_pinned() for s in spans)}")
     srcs = [t for parts, _, _ in pinned.values() for p in parts for t in p[:2]]
     units = orig_units(srcs, staging._pinned_per_storage())
     rows = [[name, median(ts) * 1000, ", ".join(f"{k} {v:.0f} ms" for k, v in split[name].items())]
@@ -82,7 +105,8 @@ def main() -> None:
     print(f"pinned arenas: {len(units)} upload units, {sum(u.span for u in units)} spans")
     write_json("probe_gpu_concat", {"reps": args.reps, "ms": {k: [t * 1000 for t in v] for k, v in times.items()},
                                     "split_last_rep_ms": split, "units": len(units),
-                                    "spans": sum(u.span for u in units)}, args.out)
+                                    "spans": sum(u.span for u in units), "bare_dma_ms": [t * 1000 for t in dma],
+                                    "bare_dma_issue_ms_last": issued * 1000}, args.out)
 
 
 if __name__ == "__main__":
