@@ -154,7 +154,12 @@ class _Spare:
             return memory
 
     def returned(self, memory: _Memory) -> None:
-        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget."""
+        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget.
+
+        No tensor views it any more, so nothing reads it through torch. A slot copy vLLM queued from it
+        (``non_blocking``) ran in the step that activated the adapter, whose outputs the engine reads back on
+        the CPU; vLLM evicts the least recently used adapter later, in the step that loads another, so that copy
+        is done before the memory can be written again."""
         dropped: _Memory | None = memory
         if memory.capacity <= host_spare_bytes():
             with self._lock:
