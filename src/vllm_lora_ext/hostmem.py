@@ -156,10 +156,9 @@ class _Spare:
     def returned(self, memory: _Memory) -> None:
         """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget.
 
-        No tensor views it any more, so nothing reads it through torch. A slot copy vLLM queued from it
-        (``non_blocking``) ran in the step that activated the adapter, whose outputs the engine reads back on
-        the CPU; vLLM evicts the least recently used adapter later, in the step that loads another, so that copy
-        is done before the memory can be written again."""
+        No tensor views it any more, but a GPU copy queued from it may still be reading it (vLLM's slot copy of
+        an adapter it has just evicted). Whoever takes kept memory on a GPU worker waits for the GPU's queued
+        copies before writing it (``integration._compat.await_gpu_reads``)."""
         dropped: _Memory | None = memory
         if memory.capacity <= host_spare_bytes():
             with self._lock:
@@ -248,7 +247,9 @@ class HostArena:
     With ``reuse``, the arena may be given the kept spare mapping ([`prepare_spare`], or an earlier ``reuse``
     arena's memory), pages already taken and still pinned, and its own memory is kept as the spare once
     released (up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``). Such memory holds an earlier arena's bytes, not
-    zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does).
+    zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does). On a GPU
+    worker a copy queued from the earlier arena may still be reading it: the caller waits for the GPU's queued
+    copies before writing (``integration._compat.await_gpu_reads``) whenever ``reused`` is true.
 
     Example:
         >>> arena = HostArena(1 << 20)

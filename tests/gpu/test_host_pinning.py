@@ -137,3 +137,41 @@ def test_kept_memory_stays_pinned_is_widened_when_used_further_and_unregistered_
     del head, tail
     gc.collect()
     clear_spare()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_kept_memory_is_written_only_after_a_copy_still_reading_it_has_run(monkeypatch: pytest.MonkeyPatch,
+                                                                           wait: bool) -> None:
+    """An evicted adapter's slot copy may still be queued when its memory is taken again: writing it at once puts
+    the new bytes into that copy (the control, ``wait=False``, shows it happens), waiting first does not."""
+    from vllm_lora_ext.constants import ENV_HOST_SPARE
+    from vllm_lora_ext.hostmem import HostArena, clear_spare
+    from vllm_lora_ext.integration._compat import await_gpu_reads, pin_in_place
+
+    monkeypatch.setenv(ENV_HOST_SPARE, str(512 << 20))
+    clear_spare()
+    torch.zeros(1, device="cuda")
+    n = 128 << 20
+    old = HostArena(n, reuse=True)
+    x = old.empty((n,), torch.uint8)
+    x.fill_(1)
+    assert pin_in_place(old)
+    old.close()
+    on_gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued before the copy
+    on_gpu.copy_(x, non_blocking=True)  # as vLLM's slot copy: queued, the CPU goes on
+    del x  # the adapter is evicted: its memory is kept as the spare
+    gc.collect()
+    new = HostArena(n, reuse=True)
+    assert new.reused
+    if wait:
+        await_gpu_reads()
+    new.empty((n,), torch.uint8).fill_(2)  # the next mix's bytes
+    torch.cuda.synchronize()
+    ones = int((on_gpu == 1).sum())
+    if wait:
+        assert ones == n  # the copy read the evicted adapter's bytes only
+    else:
+        assert ones < n  # the control: without the wait, the copy read the next mix's bytes
+    new.close()
+    clear_spare()

@@ -325,6 +325,21 @@ def cuda_context() -> int | None:
     return ctx.value or None
 
 
+def await_gpu_reads(device: Any = None) -> None:
+    """Wait until every copy queued on this process's GPU has run, before host memory kept for reuse is written.
+
+    vLLM queues an adapter's slot copy from its CPU tensors without waiting for it, and with async scheduling the
+    step that evicts the adapter can start while that copy still reads. Pinned memory from torch's caching host
+    allocator is not handed out again until such copies are done (it records an event); a kept host arena
+    (``hostmem``'s spare) has no such guard, so its user waits here first: a wrong byte would put another
+    adapter's weights into the slot. No-op where CUDA is not in use.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+
+
 def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 
