@@ -157,8 +157,8 @@ class _Spare:
         """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget.
 
         No tensor views it any more, but a GPU copy queued from it may still be reading it (vLLM's slot copy of
-        an adapter it has just evicted). Whoever takes kept memory on a GPU worker waits for the GPU's queued
-        copies before writing it (``integration._compat.await_gpu_reads``)."""
+        an adapter it has just evicted). On a GPU worker kept memory is taken through
+        ``integration._compat.kept_host_arena``, which waits for the GPU's queued copies first."""
         dropped: _Memory | None = memory
         if memory.capacity <= host_spare_bytes():
             with self._lock:
@@ -248,8 +248,8 @@ class HostArena:
     arena's memory), pages already taken and still pinned, and its own memory is kept as the spare once
     released (up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``). Such memory holds an earlier arena's bytes, not
     zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does). On a GPU
-    worker a copy queued from the earlier arena may still be reading it: the caller waits for the GPU's queued
-    copies before writing (``integration._compat.await_gpu_reads``) whenever ``reused`` is true.
+    worker a copy queued from the earlier arena may still be reading it: ``integration._compat.kept_host_arena``
+    takes such arenas and, whenever ``reused`` is true, waits for the GPU's queued copies before handing it out.
 
     Example:
         >>> arena = HostArena(1 << 20)

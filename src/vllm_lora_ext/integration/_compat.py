@@ -340,6 +340,20 @@ def await_gpu_reads(device: Any = None) -> None:
         torch.cuda.synchronize(device)
 
 
+def kept_host_arena(nbytes: int, *, device: Any = None) -> Any:
+    """A ``HostArena(nbytes, reuse=True)``, ready to write: where it was given kept memory, the GPU's queued
+    copies (one may still read that memory) have run first ([`await_gpu_reads`] on ``device``).
+
+    Only for callers that write every byte they read (kept memory holds an earlier arena's bytes).
+    """
+    from vllm_lora_ext.hostmem import HostArena
+
+    arena = HostArena(nbytes, reuse=True)
+    if arena.reused:
+        await_gpu_reads(device)
+    return arena
+
+
 def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 

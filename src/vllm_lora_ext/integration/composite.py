@@ -23,8 +23,8 @@ import torch
 
 from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
-from vllm_lora_ext.hostmem import HostArena, prepare_spare
-from vllm_lora_ext.integration._compat import await_gpu_reads, cuda_context, pin_in_place
+from vllm_lora_ext.hostmem import prepare_spare
+from vllm_lora_ext.integration._compat import cuda_context, kept_host_arena, pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import (MixComponent, MixSpec, composite_shapes, concat_many,
                                   weighted_parts_stay_finite)
@@ -225,11 +225,9 @@ def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = N
     if not host_arenas_enabled() or need < host_arena_min_bytes():
         return concat_many(jobs, dtype=dtype)
     t0 = time.perf_counter()
-    arena = HostArena(need, reuse=True)  # concat_many writes every byte of its tensors
+    arena = kept_host_arena(need)  # concat_many writes every byte of its tensors
     reused = arena.reused
     try:
-        if reused:  # an evicted mix's memory: no slot copy may still read it
-            await_gpu_reads()
         t1 = time.perf_counter()
         done = concat_many(jobs, dtype=dtype, alloc=arena.empty)
         t2 = time.perf_counter()

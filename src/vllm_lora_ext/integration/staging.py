@@ -619,15 +619,12 @@ def twins_from_gpu(staging: _Staging, regions: list[tuple[torch.dtype, tuple[int
     concatenates on the CPU). Runs on a helper thread: ``context`` is the worker's CUDA context.
     """
     from vllm_lora_ext.constants import host_arenas_enabled
-    from vllm_lora_ext.hostmem import HostArena
-    from vllm_lora_ext.integration._compat import await_gpu_reads, pin_in_place
+    from vllm_lora_ext.integration._compat import kept_host_arena, pin_in_place
 
     if not host_arenas_enabled() or staging.nbytes == 0:
         return None
-    arena = HostArena(staging.nbytes, reuse=True)  # the DMA below writes every byte
+    arena = kept_host_arena(staging.nbytes, device=staging.buffer.device)  # the DMA below writes every byte
     try:
-        if arena.reused:  # an evicted mix's memory: no slot copy may still read it
-            await_gpu_reads(staging.buffer.device)
         flat = arena.empty((staging.nbytes,), torch.uint8)
         # Fault the pages in here, on this helper thread: registering memory not yet touched makes the driver
         # fault and zero it inside the call, which may hold up the engine thread's CUDA calls meanwhile.
