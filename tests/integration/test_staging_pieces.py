@@ -86,7 +86,7 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
     """The GPU build's plan (components' shared storages uploaded as spans, parts placed and scaled in
     fused calls), run with a CPU scratch, equals `concat_many` bitwise: with spans, with every part on its
     own, and with a scratch that holds only the largest part (spans then go part by part)."""
-    from vllm_lora_ext.integration.staging import _units, _upload_and_place
+    from vllm_lora_ext.integration.staging import _Place, _units, _upload_and_place
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _arena_jobs()
@@ -110,8 +110,8 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
             off = 0
             for pa, pb, c in parts:
                 r = int(pa.shape[dim_a])
-                moves.append((pa, out[key][0].narrow(dim_a, off, r), float(c)))
-                moves.append((pb, out[key][1].narrow(dim_b, off, r), None))
+                moves.append((pa, _Place.of(out[key][0].narrow(dim_a, off, r)), float(c)))
+                moves.append((pb, _Place.of(out[key][1].narrow(dim_b, off, r)), None))
                 off += r
         _upload_and_place(moves, torch.empty(room, dtype=torch.uint8), None, pinned=pinned)
         for key in jobs:
@@ -148,8 +148,8 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
     each component's part of one module in every layer is one strided copy (k_proj and v_proj, alike,
     interleave), and the result equals `concat_many` bitwise. A layout out of step gives more calls, same bytes;
     moving a part off its step (the control) breaks a run there."""
-    from vllm_lora_ext.integration.staging import (_composite_layout, _composite_moves, _stacked, _upload_and_place,
-                                                   in_source_order)
+    from vllm_lora_ext.integration.staging import (_composite_layout, _composite_moves, _Place, _stacked,
+                                                   _upload_and_place, in_source_order)
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _layered_jobs(12)
@@ -169,7 +169,7 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
             assert torch.equal(out[key][0], reference[key][0]), key
             assert torch.equal(out[key][1], reference[key][1]), key
         # the calls the same moves make from the components themselves (the upload keeps their relative offsets)
-        return len(_stacked([m[1] for m in moves], [m[0] for m in moves], [m[2] for m in moves]))
+        return len(_stacked([m[1] for m in moves], [_Place.of(m[0]) for m in moves], [m[2] for m in moves]))
 
     numeric = {k: jobs[k] for k in sorted(jobs, key=lambda k: (int(k.split(".")[1]), k))}  # out of the file's order
     assert list(in_source_order(numeric)) == list(jobs)
