@@ -119,8 +119,8 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
             assert torch.equal(out[key][1], reference[key][1]), (key, room)
 
 
-def _layered_jobs(layers: int) -> tuple[dict, list]:
-    """A mix of three components over ``layers`` layers, each component in one host arena filled in file order
+def _layered_jobs(layers: int, comps: list | None = None) -> tuple[dict, list]:
+    """A mix of three components (``comps``: their rank, weight and dtype) over ``layers`` layers, each component in one host arena filled in file order
     (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and v_proj of equal shapes."""
     from vllm_lora_ext.hostmem import HostArena
 
@@ -128,7 +128,7 @@ def _layered_jobs(layers: int) -> tuple[dict, list]:
     bf = torch.bfloat16
     mods = {"k_proj": (64, 16), "o_proj": (32, 64), "q_proj": (64, 32), "v_proj": (64, 16)}  # (in, out)
     names = sorted(str(n) for n in range(layers))
-    comps = [(8, 0.7, bf), (4, 1.3, bf), (16, -0.25, torch.float32)]
+    comps = comps or [(8, 0.7, bf), (4, 1.3, bf), (16, -0.25, torch.float32)]
     arenas = []
     jobs: dict = {}
     for r, c, dt in comps:
@@ -179,5 +179,42 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
     a, b, c = jobs["layers.3.q_proj"][0][0]
     jobs["layers.3.q_proj"][0][0] = (a.clone(), b, c)  # the control: one part no longer at its step
     assert place(jobs) > calls
+    for arena in arenas:
+        arena.close()
+
+
+def test_components_uploaded_into_one_scratch_are_stacked_one_component_at_a_time(monkeypatch) -> None:
+    """In the scratch, all components' parts share one storage, so the B's of components of one rank and dtype
+    (alike, unscaled) fall in one group: grouped by upload unit as well, each component's part of a module in
+    every layer is still one copy. The control groups the same places without units and breaks into runs where
+    one component's parts end."""
+    from vllm_lora_ext.integration import staging
+    from vllm_lora_ext.mixing import composite_shapes, concat_many
+
+    jobs, arenas = _layered_jobs(12, [(8, 0.7, torch.bfloat16), (8, 1.3, torch.bfloat16), (8, -0.4, torch.bfloat16)])
+    reference = concat_many(jobs, dtype=torch.bfloat16)
+    stores = {a.base for a in arenas}
+    calls: list[tuple[int, int]] = []
+    real = staging._stacked
+
+    def counting(dsts, srcs, scales, units=None):
+        out = real(dsts, srcs, scales, units)
+        calls.append((len(out), len(real(dsts, srcs, scales))))
+        return out
+
+    monkeypatch.setattr(staging, "_stacked", counting)
+    ordered = staging.in_source_order(jobs)
+    shapes = composite_shapes(ordered, dtype=torch.bfloat16)
+    offsets, _, total = staging._composite_layout(shapes)
+    buffer = torch.full((total,), 255, dtype=torch.uint8)
+    out, moves = staging._composite_moves(ordered, shapes, offsets, buffer)
+    staging._upload_and_place(moves, torch.empty(1 << 22, dtype=torch.uint8), None,
+                              pinned=lambda t: t.untyped_storage().data_ptr() in stores)
+    for key in ordered:
+        assert torch.equal(out[key][0], reference[key][0]) and torch.equal(out[key][1], reference[key][1]), key
+    assert len(calls) == 1  # one batch: the three spans fit the scratch
+    with_units, without = calls[0]
+    assert with_units == 3 * 4 * 2
+    assert without > with_units
     for arena in arenas:
         arena.close()
