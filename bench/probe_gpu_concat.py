@@ -73,7 +73,7 @@ def main() -> None:
 
         spec = importlib.util.spec_from_file_location("staging_baseline", args.baseline)
         assert spec is not None and spec.loader is not None
-        versions["baseline"] = importlib.util.module_from_spec(spec)
+        versions["baseline"] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses)
         spec.loader.exec_module(versions["baseline"])
     orig_units = staging._units
     for mod in versions.values():

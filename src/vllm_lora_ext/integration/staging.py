@@ -475,7 +475,7 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
                                  _contiguous_strides(shape)))
         with on_stream:
             _place([moves[i][1] for i in order], places, [moves[i][2] for i in order],
-                   [u for u, unit in enumerate(batch) for _ in unit.parts])
+                   [u if unit.span else -1 for u, unit in enumerate(batch) for _ in unit.parts])
 
 
 def _place(dsts: list[_Place], srcs: list[_Place], scales: list[float | None], units: list[int] | None = None,
@@ -502,14 +502,15 @@ def _stacked(dsts: list[_Place], srcs: list[_Place], scales: list[float | None],
 
     Pairs are alike when their sources share a storage, shape, strides and dtype, their destinations do too,
     their scales are equal and (given ``units``) their sources came up in one upload unit, as one component's
-    parts do. Alike pairs sorted by source offset, or up to 16 interleaved sequences of them (a 7B layer holds
-    six A's of one shape, in the same order in every layer), whose offsets advance by a fixed positive step on
-    both sides are one pair of ``as_strided`` views: element ``[k]`` of each is exactly the ``k``-th pair's
-    tensor, so the copy and the scaling touch the same elements as the pairs one by one. The destinations must
-    not overlap (they are distinct parts of a composite); sources may. It is all planned on integers: a tensor
-    is made per run, not per pair. Without ``units``, the B's of several components (alike, unscaled) share a
-    group, sorted one component after another, and break into runs where one component ends: a 7B mix of four
-    got 476 runs where it gets 56 with them."""
+    parts do (``-1``: parts uploaded one by one, which group as one). Alike pairs sorted by source offset, or up
+    to 16 interleaved sequences of them (a 7B layer holds six A's of one shape, in the same order in every
+    layer), whose offsets advance by a fixed positive step on both sides are one pair of ``as_strided`` views:
+    element ``[k]`` of each is exactly the ``k``-th pair's tensor, so the copy and the scaling touch the same
+    elements as the pairs one by one. The destinations must not overlap (they are distinct parts of a
+    composite); sources may. It is all planned on integers: a tensor is made per run, not per pair. Without
+    ``units``, the B's of several components (alike, unscaled) share a group, sorted one component after
+    another, and break into runs where one component ends: a 7B mix of four got 476 runs where it gets 56 with
+    them (371 and 56 on an H100, whose arenas lay the components out a little differently)."""
     bases: dict[int, tuple[int, torch.dtype, torch.device]] = {}
 
     def memory(t: torch.Tensor) -> tuple[int, torch.dtype, torch.device]:
