@@ -175,3 +175,33 @@ def test_kept_memory_is_written_only_after_a_copy_still_reading_it_has_run(monke
         assert ones < n  # the control: without the wait, the copy read the next mix's bytes
     new.close()
     clear_spare()
+
+
+def test_a_helper_thread_pins_in_place_once_bound_to_the_worker_gpu() -> None:
+    """A fresh thread (a mix's component load, a background build) has no CUDA context, so `pin_in_place` leaves
+    an arena pageable there, and vLLM would copy every factor into pinned memory of its own (the control). Bound
+    to the worker's GPU first (`bind_worker_gpu`, as `load_lora_model` does), it pins the arena in place."""
+    import threading
+
+    from vllm_lora_ext.integration._compat import bind_worker_gpu, pin_in_place
+
+    torch.zeros(1, device="cuda:0")  # the worker's own thread has used CUDA
+    seen: dict[object, object] = {}
+
+    def load(bind: bool) -> None:
+        arena, (a, _, _) = _filled_arena(8 << 20, 3)
+        if bind:
+            seen["bound"] = bind_worker_gpu(torch.device("cuda:0"))
+        seen[bind] = pin_in_place(arena)
+        arena.close()  # type: ignore[attr-defined]
+        seen[(bind, "pinned")] = a.is_pinned()
+        seen[(bind, "no copy")] = a.pin_memory().data_ptr() == a.data_ptr()
+
+    for bind in (False, True):
+        thread = threading.Thread(target=load, args=(bind,))
+        thread.start()
+        thread.join()
+    assert seen[False] is False and seen[(False, "pinned")] is False and seen[(False, "no copy")] is False
+    assert seen["bound"] is True and seen[True] is True
+    assert seen[(True, "pinned")] is True and seen[(True, "no copy")] is True
+    assert bind_worker_gpu("cpu") is False and bind_worker_gpu(None) is False

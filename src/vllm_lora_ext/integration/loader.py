@@ -22,8 +22,8 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, pin_in_place,
-                                                unstacked_mapper, validate_loaded)
+from vllm_lora_ext.integration._compat import (bind_worker_gpu, is_first_model_rank, mapper_ignores_expert_numbers,
+                                                pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -133,6 +133,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """
     kind = "mix" if lora_request.lora_path.startswith(MIX_PREFIX) else "adapter"
     t0 = time.perf_counter()
+    bind_worker_gpu(getattr(manager, "device", None))  # a helper thread's host memory is pinned for this GPU too
     try:
         with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
             if kind == "mix":

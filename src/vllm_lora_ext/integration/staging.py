@@ -334,14 +334,21 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
         with torch.cuda.device(device), torch.cuda.stream(stream):
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
             scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+            t1 = time.perf_counter()
             done, moves = _composite_moves(lora_jobs, shapes, offsets, buffer)
-            _upload_and_place(moves, scratch, stream)
+            t2 = time.perf_counter()
+            n_units, n_spans, n_copies = _upload_and_place(moves, scratch, stream)
+            t3 = time.perf_counter()
             stream.synchronize()
             del scratch
     except torch.cuda.OutOfMemoryError:
         logger.info("mix not built on the GPU: out of memory for %.0f MiB", (total + scratch_bytes) / 2**20)
         return None
-    logger.info("built a mix on %s: %.0f MiB in %.3f s", device, total / 2**20, time.perf_counter() - t0)
+    t4 = time.perf_counter()
+    logger.info("built a mix on %s: %.0f MiB in %.3f s (allocation %.1f ms, planning %.1f ms, issuing the copies "
+                "%.1f ms: %d uploads, %d of them spans, %d placing copies; waiting for them %.1f ms)", device,
+                total / 2**20, t4 - t0, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, n_units, n_spans, n_copies,
+                (t4 - t3) * 1e3)
     return done, _Staging(buffer, starts, None)
 
 
@@ -441,7 +448,7 @@ def _aligned(n: int) -> int:
 
 
 def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], scratch: torch.Tensor,
-                      stream: Any, *, pinned: Callable[[torch.Tensor], bool] | None = None) -> None:
+                      stream: Any, *, pinned: Callable[[torch.Tensor], bool] | None = None) -> tuple[int, int, int]:
     """Upload CPU parts into ``scratch`` a batch at a time and put each in its place (``c``: times ``c``).
 
     Parts that are views of one pinned host storage (a component built into a pinned host arena) go up as
@@ -453,6 +460,7 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
     float32, rounded once). The copies into the destinations are queued on ``stream`` after the batch's
     upload and before the next one's, so the scratch is reused in stream order.
     ``pinned`` says whether a CPU part is page-locked (default: asked of torch, once per storage).
+    Returns the upload units, how many of them are spans, and the copies placing the parts.
     """
     srcs = [m[0].contiguous() for m in moves]
     room = scratch.numel()
@@ -464,6 +472,7 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
             units.append(unit)
     on_stream = torch.cuda.stream(stream) if scratch.is_cuda else contextlib.nullcontext()
     typed: dict[torch.dtype, torch.Tensor] = {}
+    copies = 0
     for batch in _batches(units, room):
         where = _upload(batch, srcs, scratch, stream)
         order = [i for unit in batch for i in unit.parts]
@@ -474,25 +483,28 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
             places.append(_Place(_typed(scratch, t.dtype, typed), where[i] // t.itemsize, shape,
                                  _contiguous_strides(shape)))
         with on_stream:
-            _place([moves[i][1] for i in order], places, [moves[i][2] for i in order],
-                   [u if unit.span else -1 for u, unit in enumerate(batch) for _ in unit.parts])
+            copies += _place([moves[i][1] for i in order], places, [moves[i][2] for i in order],
+                             [u if unit.span else -1 for u, unit in enumerate(batch) for _ in unit.parts])
+    return len(units), sum(u.span for u in units), copies
 
 
 def _place(dsts: list[_Place], srcs: list[_Place], scales: list[float | None], units: list[int] | None = None,
-           ) -> None:
+           ) -> int:
     """``dst.copy_(src)`` for every pair, then ``dst.mul_(c)`` where ``c`` is given, in few calls.
 
     Pairs that repeat one shape at a fixed step in both memories (one module's part in every layer) are
     stacked into one strided view each side ([`_stacked`]): a 7B mix's 1,792 parts become 56 copies.
     The rest go in one fused ``_foreach_copy_``. The scaling stays a ``mul_`` per (stacked) part: ``copy_``
     then ``mul_`` is ``torch.mul(src, c, out=dst)`` bit for bit, element by element, while ``_foreach_mul_``
-    is not everywhere (on the CPU it rounds differently for bfloat16). ``units``: each pair's upload unit."""
+    is not everywhere (on the CPU it rounds differently for bfloat16). ``units``: each pair's upload unit.
+    Returns the number of copies."""
     runs = _stacked(dsts, srcs, scales, units)
     if runs:
         torch._foreach_copy_([d for d, _, _ in runs], [s for _, s, _ in runs])
     for d, _, c in runs:
         if c is not None:
             d.mul_(float(c))
+    return len(runs)
 
 
 def _stacked(dsts: list[_Place], srcs: list[_Place], scales: list[float | None], units: list[int] | None = None,
