@@ -92,13 +92,12 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
     Components not cached yet are built at the same time; with ``separate_process``, by the worker's build
-    process. With a CUDA ``device`` (a background build; in the step only with ``VLLM_LORA_EXT_MIX_ON_GPU=1``),
+    process. With a CUDA ``device`` (background builds, and the step unless ``VLLM_LORA_EXT_MIX_ON_GPU=0``),
     the concatenation runs on the GPU into a staged buffer (`staging.concat_staged`) when it fits, and the CPU
     copy vLLM keeps is copied back from it afterwards, off the request's path (`staging.twins_from_gpu`, one
-    DMA into a pinned host arena; a CPU concatenation where that cannot be had); otherwise on the CPU. In the
-    step the CPU is faster: on an H100 the GPU build took 59-161 ms in the engine even in 56 calls, and the
-    first token came 153 ms after a loaded adapter's, against 76-100 ms with the CPU build into the kept host
-    arena (``new_mix_both_h100_r14.json``, ``new_mix_h100_r14*.json``).
+    DMA into a pinned host arena; a CPU concatenation where that cannot be had); otherwise on the CPU. On an
+    H100 the GPU build of four 7B r16 components took 12-24 ms in the engine (one upload per component, 56
+    placing copies) and the CPU build 62-77 ms (``new_mix_both_h100_r15b.json``).
 
     Raises:
         [`MixError`]: a malformed mix path.

@@ -123,7 +123,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
     by a build process ([`build_process`]), and only wrapped in vLLM's objects here. With a CUDA ``device``
-    (background builds; in the step with ``VLLM_LORA_EXT_MIX_ON_GPU=1``, the manager's), a mix is
+    (background builds; in the step the manager's, unless ``VLLM_LORA_EXT_MIX_ON_GPU=0``), a mix is
     concatenated on that GPU, staged for its slot copy.
 
     Raises:
@@ -139,7 +139,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
 
-                if device is None and mix_on_gpu():  # loaded in the step, and asked to use the GPU too
+                if device is None and mix_on_gpu():  # loaded in the step: the GPU too, unless turned off
                     device = getattr(manager, "device", None)
                 lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
                 setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
