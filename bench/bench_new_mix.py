@@ -124,6 +124,21 @@ def plugin_engine(args: argparse.Namespace) -> dict:
         out["new_mix"].append(timed(lambda: gen(lora_request(dict(zip(paths, _weights(rep))), llm=llm))))
     if args.diagnose:
         out["gc_pauses"] = pauses
+    if args.profile:  # where a new mix's time goes in this (engine-core) thread: three more new mixes, profiled
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        for rep in range(3):
+            weights = _weights(20 + rep)  # (weights no earlier rep used)
+            prof.enable()
+            gen(lora_request(dict(zip(paths, weights)), llm=llm))
+            prof.disable()
+        for key in ("cumulative", "tottime"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+            out[f"profile_{key}"] = text.getvalue().splitlines()
     return out
 
 
@@ -148,14 +163,15 @@ def stock_engine(args: argparse.Namespace) -> dict:
 
 
 def _run(mode: str, model: Path, adapters: list[str], reps: int, diagnose: bool = False,
-         mix_on_gpu: str | None = None) -> tuple[dict, list[str]]:
+         mix_on_gpu: str | None = None, profile: bool = False) -> tuple[dict, list[str]]:
     env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
     if mix_on_gpu is not None:  # where a mix loaded in the step is concatenated: 0 the CPU, 1 the GPU
         env["VLLM_LORA_EXT_MIX_ON_GPU"] = mix_on_gpu
-    if diagnose:  # the engine core in this process, so that a stall's stack can be dumped
+    if diagnose or profile:  # the engine core in this process (a stall's stack can be dumped, a profile sees it)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run([sys.executable, __file__, "--_engine", mode, "--_model", str(model), "--_adapters",
-                           json.dumps(adapters), "--reps", str(reps), *(["--diagnose"] if diagnose else [])],
+                           json.dumps(adapters), "--reps", str(reps), *(["--diagnose"] if diagnose else []),
+                           *(["--profile"] if profile else [])],
                           capture_output=True, text=True, env=env)
     text = proc.stdout + proc.stderr
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -175,6 +191,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="plugin: three more new mixes under cProfile, the engine core in process (slower)")
     ap.add_argument("--diagnose", action="store_true",
                     help="plugin only, engine core in-process: GC pauses and the stacks of any call over 0.8 s")
     ap.add_argument("--mix-on-gpu", choices=("default", "0", "1", "both"), default="default",
@@ -201,7 +219,8 @@ def main() -> None:
         mix_adapter_files([(resolve_source(p), w) for p, w in zip(paths, _weights(i))], out_dir)
         composites.append(str(out_dir))
     variants = {"default": [None], "0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.mix_on_gpu]
-    runs = {v: _run("plugin", model, paths, args.reps, args.diagnose, mix_on_gpu=v) for v in variants}
+    runs = {v: _run("plugin", model, paths, args.reps, args.diagnose, mix_on_gpu=v, profile=args.profile)
+            for v in variants}
     plugin, plugin_logs = runs[variants[0]]
     if args.diagnose:
         write_json("new_mix_diagnose", {"plugin": plugin, "plugin_logs": plugin_logs}, args.out)
