@@ -96,8 +96,8 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
     the concatenation runs on the GPU into a staged buffer (`staging.concat_staged`) when it fits, and the CPU
     copy vLLM keeps is copied back from it afterwards, off the request's path (`staging.twins_from_gpu`, one
     DMA into a pinned host arena; a CPU concatenation where that cannot be had); otherwise on the CPU. On an
-    H100 the GPU build of four 7B r16 components took 12-24 ms in the engine (one upload per component, 56
-    placing copies) and the CPU build 62-77 ms (``new_mix_both_h100_r15b.json``).
+    H100 the GPU build of four 7B r16 components took 11-24 ms in the engine (one upload per component, 56
+    placing copies) and the CPU build 59-79 ms, in two runs (``new_mix_both_h100_r15b.json``, ``_r15c.json``).
 
     Raises:
         [`MixError`]: a malformed mix path.
