@@ -180,3 +180,13 @@ def test_every_post_load_check_of_vllms_own_loader_runs_in_the_plugins_loader_to
     original = inspect.unwrap(WorkerLoRAManager._load_adapter)
     called = set(re.findall(r"_adapter_manager\.(_validate_\w+)", inspect.getsource(original)))
     assert called <= set(POST_LOAD_VALIDATORS), called - set(POST_LOAD_VALIDATORS)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", object(), "not a device"])
+def test_binding_a_helper_thread_to_no_gpu_is_a_no_op(device: object) -> None:
+    # load_lora_model binds every thread it runs on to the manager's GPU; a CPU manager, a device without an index,
+    # a GPU this process has not used (CUDA not initialized here) or something that is no device at all must leave
+    # the thread as it is, never raise
+    from vllm_lora_ext.integration._compat import bind_worker_gpu
+
+    assert bind_worker_gpu(device) is False
