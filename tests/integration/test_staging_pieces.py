@@ -162,9 +162,12 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
     def place(ordered: dict) -> int:
         shapes = composite_shapes(ordered, dtype=torch.bfloat16)
         offsets, _, total = _composite_layout(shapes)
-        buffer = torch.full((total,), 255, dtype=torch.uint8)  # bfloat16 NaNs wherever nothing is written
+        # bfloat16 NaNs wherever nothing is written; buffer and scratch start past their storages' starts
+        memory = torch.full((total + 512,), 255, dtype=torch.uint8)
+        buffer = memory[256:256 + total]
         out, moves = _composite_moves(ordered, shapes, offsets, buffer)
-        _upload_and_place(moves, torch.empty(1 << 22, dtype=torch.uint8), None, pinned=in_arena)
+        _upload_and_place(moves, torch.empty((1 << 22) + 64, dtype=torch.uint8)[64:], None, pinned=in_arena)
+        assert memory[:256].eq(255).all() and memory[256 + total:].eq(255).all()  # nothing outside the buffer
         for key in ordered:
             assert torch.equal(out[key][0], reference[key][0]), key
             assert torch.equal(out[key][1], reference[key][1]), key

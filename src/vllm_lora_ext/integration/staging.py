@@ -399,7 +399,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _typed(buffer: torch.Tensor, dtype: torch.dtype, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
-    """``buffer`` (``uint8``, its size a multiple of 16) seen as ``dtype``, one view per dtype."""
+    """``buffer`` (``uint8``, its size and offset multiples of 16) seen as ``dtype``, one view per dtype. Places
+    over it count from its storage's start, so they add its ``storage_offset()``."""
     found = cache.get(dtype)
     if found is None:
         found = cache[dtype] = buffer.view(dtype)
@@ -419,7 +420,7 @@ def _composite_moves(lora_jobs: Any, shapes: Any, offsets: Mapping[Any, tuple[in
         a_shape, b_shape, out_dtype = shapes[key]
         a_shape, b_shape = tuple(a_shape), tuple(b_shape)
         base = _typed(buffer, out_dtype, typed)
-        a_at, b_at = (off // out_dtype.itemsize for off in offsets[key])
+        a_at, b_at = (int(base.storage_offset()) + off // out_dtype.itemsize for off in offsets[key])
         a_stride, b_stride = _contiguous_strides(a_shape), _contiguous_strides(b_shape)
         done[key] = (base.as_strided(a_shape, a_stride, a_at), base.as_strided(b_shape, b_stride, b_at))
         off = 0
@@ -480,7 +481,8 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
         for i in order:
             t = srcs[i]
             shape = tuple(t.shape)
-            places.append(_Place(_typed(scratch, t.dtype, typed), where[i] // t.itemsize, shape,
+            base = _typed(scratch, t.dtype, typed)
+            places.append(_Place(base, int(base.storage_offset()) + where[i] // t.itemsize, shape,
                                  _contiguous_strides(shape)))
         with on_stream:
             copies += _place([moves[i][1] for i in order], places, [moves[i][2] for i in order],
