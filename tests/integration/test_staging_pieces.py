@@ -120,8 +120,9 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
 
 
 def _layered_jobs(layers: int, comps: list | None = None) -> tuple[dict, list]:
-    """A mix of three components (``comps``: their rank, weight and dtype) over ``layers`` layers, each component in one host arena filled in file order
-    (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and v_proj of equal shapes."""
+    """A mix of three components (``comps``: their rank, weight and dtype) over ``layers`` layers, each component
+    in one host arena filled in file order (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and
+    v_proj of equal shapes."""
     from vllm_lora_ext.hostmem import HostArena
 
     g = torch.Generator().manual_seed(5)

@@ -133,8 +133,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """
     kind = "mix" if lora_request.lora_path.startswith(MIX_PREFIX) else "adapter"
     t0 = time.perf_counter()
-    bind_worker_gpu(getattr(manager, "device", None))  # a helper thread's host memory is pinned for this GPU too
     try:
+        bind_worker_gpu(getattr(manager, "device", None))  # a helper thread's host memory is pinned for this GPU too
         with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
             if kind == "mix":
                 from vllm_lora_ext.integration.composite import build_composite
