@@ -205,3 +205,46 @@ def test_a_helper_thread_pins_in_place_once_bound_to_the_worker_gpu() -> None:
     assert seen["bound"] is True and seen[True] is True
     assert seen[(True, "pinned")] is True and seen[(True, "no copy")] is True
     assert bind_worker_gpu("cpu") is False and bind_worker_gpu(None) is False
+
+
+def test_memory_made_ready_for_a_read_is_pinned_there_and_unregistered_once_that_read_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_READY
+    from vllm_lora_ext.hostmem import HostArena, clear_spare
+    from vllm_lora_ext.integration._compat import pin_in_place, ready_next_read
+
+    monkeypatch.setenv(ENV_HOST_READY, str(256 << 20))
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
+    clear_spare()
+    torch.zeros(1, device="cuda")  # the worker's thread: the helper thread pins with its context
+    assert ready_next_read(64 << 20)
+    for _ in range(1000):
+        if not hostmem._READY._preparing:
+            break
+        time.sleep(0.01)
+    arena = HostArena(64 << 20, ready=True)  # an adapter read
+    assert arena.prepared and arena.memory is not None and arena.memory.registered == 64 << 20
+    assert arena.buffer is not None and int(arena.buffer.count_nonzero()) == 0  # never used: zeros
+    t = arena.empty((1024, 1024), torch.bfloat16)
+    t.copy_(torch.randn(1024, 1024))
+    assert t.is_pinned() and pin_in_place(arena)  # pinned before the read: nothing to register
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_gpu = t.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(on_gpu.cpu(), t)
+    released: list[int] = []
+    arena.on_release(lambda: released.append(1))
+    arena.close()
+    del t
+    gc.collect()
+    assert released == [1] and hostmem._READY._memory is None  # returned, not kept for another read
+    # The same addresses may come back from the kernel: registering them again works only if this was undone.
+    again = HostArena(64 << 20)
+    again.empty((16,), torch.uint8).zero_()
+    assert pin_in_place(again)
+    again.close()
+    clear_spare()

@@ -376,6 +376,24 @@ def kept_host_arena(nbytes: int, *, device: Any = None) -> Any:
     return arena
 
 
+def ready_next_read(nbytes: int) -> bool:
+    """Have a host arena of ``nbytes`` made ready in the background for the next adapter read of about that size:
+    its pages touched and, where vLLM pins LoRA memory, pinned with this thread's CUDA context
+    ([`hostmem.prepare_ready`]); return whether one is being made.
+
+    A read into fresh memory pays its page faults, and its registration after (on the dev VM a 12-layer 2D MoE
+    build took 183 ms into fresh memory against 122 ms into touched memory). Ready memory was never used, so
+    it holds zeros as fresh memory does and any adapter may be read into it.
+    """
+    from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled
+    from vllm_lora_ext.hostmem import prepare_ready
+
+    if not host_arenas_enabled() or nbytes < max(1, host_arena_min_bytes()):
+        return False
+    context = cuda_context()
+    return prepare_ready(nbytes, ready=lambda arena: pin_in_place(arena, context=context))
+
+
 def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 
