@@ -352,7 +352,7 @@ def gpu_engine(args: argparse.Namespace) -> None:
     out = {}
     i = 0
     for rep in range(args.runs):
-        for form in ("2d", "3d"):
+        for form in args.forms.split(","):
             i += 1
             req = LoRARequest(lora_name=f"{form}-{rep}", lora_int_id=i, lora_path=str(Path(args._adapters) / form),
                               is_3d_lora_weight=form == "3d")
@@ -382,7 +382,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         if mode == "plugin-noready":  # no host memory made ready for the next read (round 16's change, off)
             env["VLLM_LORA_EXT_HOST_READY_BYTES"] = "0"
         out = subprocess.run([sys.executable, __file__, "--_engine", "--_model", str(model), "--_adapters", str(adapters),
-                              "--runs", str(args.runs)], capture_output=True, text=True, env=env)
+                              "--runs", str(args.runs), "--forms", args.forms], capture_output=True, text=True, env=env)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not line:
             raise RuntimeError(f"{mode} engine failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
@@ -394,7 +394,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         got = results[mode][form]
         return {k: median([r[k] for r in got[1:] or got]) for k in ("add_lora", "first_step", "total")}
 
-    for form in ("2d", "3d"):
+    for form in args.forms.split(","):
         s = runs_2on("stock", form)
         for mode in modes[1:]:
             p = runs_2on(mode, form)
@@ -415,7 +415,7 @@ def main() -> None:
     ap.add_argument("--modes", default="stock,plugin",
                     help="GPU mode: engines to run in turn, stock first (plugin-noready: no ready host memory)")
     ap.add_argument("--checks", action="store_true", help="CPU: cost of the load-time checks, same run")
-    ap.add_argument("--forms", default="2d,3d", help="CPU mode: which layouts (2d,3d)")
+    ap.add_argument("--forms", default="2d,3d", help="which layouts (2d,3d), in this order")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--_case")

@@ -198,10 +198,11 @@ class _Spare:
         try:
             arena = HostArena(capacity, _keep_in=self)
             assert arena.buffer is not None
-            arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
             arena.used = arena.capacity
-            if ready is not None:
-                ready(arena)
+            # Every page is faulted in here, off the path of the arena that takes it: by the registration, where
+            # ``ready`` pins the memory (the driver takes each page as it locks it), else by a write.
+            if ready is None or ready(arena) is not True:
+                arena.buffer[::4096].zero_()
             arena.close()  # its lease ends here: the mapping becomes the spare
         except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
             logger.exception("could not prepare a spare host arena of %d bytes", capacity)

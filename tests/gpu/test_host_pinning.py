@@ -220,11 +220,13 @@ def test_memory_made_ready_for_a_read_is_pinned_there_and_unregistered_once_that
     monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
     clear_spare()
     torch.zeros(1, device="cuda")  # the worker's thread: the helper thread pins with its context
+    rss = _rss_bytes()
     assert ready_next_read(64 << 20)
     for _ in range(1000):
         if not hostmem._READY._preparing:
             break
         time.sleep(0.01)
+    assert _rss_bytes() - rss >= 60 << 20  # the registration took every page (no write touched them)
     arena = HostArena(64 << 20, ready=True)  # an adapter read
     assert arena.prepared and arena.memory is not None and arena.memory.registered == 64 << 20
     assert arena.buffer is not None and int(arena.buffer.count_nonzero()) == 0  # never used: zeros
@@ -248,3 +250,8 @@ def test_memory_made_ready_for_a_read_is_pinned_there_and_unregistered_once_that
     assert pin_in_place(again)
     again.close()
     clear_spare()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
