@@ -17,9 +17,9 @@ registration). One mapping can therefore be kept ready ([`prepare_spare`]), or k
 arena of about its size that asks for it (``reuse``): its pages are taken and it stays pinned.
 
 An adapter read from a file must not be given memory another adapter used (kept memory holds its bytes). One
-mapping that no arena has used yet can be made ready for it instead ([`prepare_ready`]): touched (zeros, as fresh
-memory is) and pinned in the background, and given only to the next arena that asks for ``ready`` memory of about
-its size. It is never kept again once that arena is released.
+mapping that no arena has used yet can be made ready for it instead ([`prepare_ready`]): touched in the background
+(zeros, as fresh memory is), and given only to the next arena that asks for ``ready`` memory of about its size.
+It is never kept again once that arena is released.
 """
 
 from __future__ import annotations
@@ -254,8 +254,9 @@ def prepare_spare(capacity: int, *, ready: Callable[[HostArena], object] | None 
 
 
 def prepare_ready(capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
-    """Have a never-used host arena of ``capacity`` bytes, touched and readied (``ready(arena)``: pinned, on a GPU
-    worker), for the next build of about that size that asks for ``ready`` memory: an adapter read from a file.
+    """Have a never-used host arena of ``capacity`` bytes, touched (or readied by ``ready(arena)``, which faults
+    every page in where it returns ``True``), for the next build of about that size that asks for ``ready``
+    memory: an adapter read from a file.
 
     Its pages are zeros, as fresh memory's are; once an arena has used it, it is returned, never kept. At most
     ``VLLM_LORA_EXT_HOST_READY_BYTES`` (default 2 GiB), one mapping per process, and none while the host has less
@@ -299,7 +300,7 @@ class HostArena:
     takes such arenas and, whenever ``reused`` is true, waits for the GPU's queued copies before handing it out.
 
     With ``ready``, the arena may be given the mapping [`prepare_ready`] made: never used, its pages touched
-    (zeros) and pinned where the preparer pinned them, so it is as clean as fresh memory and any build may take
+    (zeros), pinned only if its preparer pinned it, so it is as clean as fresh memory and any build may take
     it (``prepared`` is then true). Its memory is returned, not kept, once released.
 
     Example:
