@@ -11,8 +11,6 @@ import pytest
 
 # Build processes the tests start keep a small spare shared file, not the 2 GiB default.
 os.environ.setdefault("VLLM_LORA_EXT_BUILD_SPARE_BYTES", str(8 << 20))
-# Workers the tests load adapters in keep small ready host memory for the next read, not up to 2 GiB.
-os.environ.setdefault("VLLM_LORA_EXT_HOST_READY_BYTES", str(64 << 20))
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

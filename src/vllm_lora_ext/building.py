@@ -151,7 +151,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         need = _dense_bytes(plan.dense_keys, source.header.nbytes) + (_stacked_bytes(plan.moe, shapes, job)
                                                                       if plan.moe else 0)
         if need >= host_arena_min_bytes():
-            host = HostArena(need, ready=True)  # memory made ready for a read, if one of about this size is
+            host = HostArena(need)
     alloc = arena.empty if arena is not None else host.empty if host is not None else None
     try:
         if host is not None:  # read straight into the arena: each tensor a view of its span there

@@ -56,7 +56,6 @@ ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoR
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
-ENV_HOST_READY = "VLLM_LORA_EXT_HOST_READY_BYTES"  # the largest never-used host arena made ready for a read (0: none)
 ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 0: a mix loaded in the engine step is concatenated on the CPU
 ENV_MIX_THREADS = "VLLM_LORA_EXT_MIX_THREADS"  # threads a CPU concatenation of a mix uses (default: up to 4)
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
@@ -231,12 +230,6 @@ def host_spare_bytes() -> int:
     """Return the largest host arena whose memory is kept, once released or prepared, for the next arena of about its
     size (``VLLM_LORA_EXT_HOST_SPARE_BYTES``, default 1 GiB; 0: none). One such mapping is kept at a time."""
     return int(_env_number(ENV_HOST_SPARE, 2**30, minimum=0))
-
-
-def host_ready_bytes() -> int:
-    """Return the largest host arena made ready, touched and pinned but never used, for the next adapter read of about
-    its size (``VLLM_LORA_EXT_HOST_READY_BYTES``, default 2 GiB; 0: none). One such mapping is kept at a time."""
-    return int(_env_number(ENV_HOST_READY, 2 * 2**30, minimum=0))
 
 
 def build_process_enabled() -> bool:

@@ -15,11 +15,6 @@ a registration is undone. This module has no CUDA code; ``integration`` pins.
 A mix's composite is rebuilt for every new set of weights, each time into fresh memory (faults, then a
 registration). One mapping can therefore be kept ready ([`prepare_spare`]), or kept once released, for the next
 arena of about its size that asks for it (``reuse``): its pages are taken and it stays pinned.
-
-An adapter read from a file must not be given memory another adapter used (kept memory holds its bytes). One
-mapping that no arena has used yet can be made ready for it instead ([`prepare_ready`]): touched in the background
-(zeros, as fresh memory is), and given only to the next arena that asks for ``ready`` memory of about its size.
-It is never kept again once that arena is released.
 """
 
 from __future__ import annotations
@@ -36,10 +31,10 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import host_ready_bytes, host_spare_bytes
+from vllm_lora_ext.constants import host_spare_bytes
 
 __all__ = ["ALIGN", "HUGE_PAGE", "HostArena", "aligned", "bump_empty", "clear_spare", "huge_pages_offered",
-           "prepare_ready", "prepare_spare"]
+           "prepare_spare"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +122,9 @@ def _lease_type(n: int) -> Any:
 
 def _lease_ended(lease: Any) -> None:
     memory = lease.__dict__.pop("memory", None)
-    keep_in = lease.__dict__.pop("keep_in", None)
-    if memory is not None and keep_in is not None:
+    if memory is not None and lease.__dict__.get("keep"):
         try:
-            keep_in.returned(memory)
+            _SPARE.returned(memory)
         except Exception:  # the interpreter is ending, say: the memory is simply returned
             pass
 
@@ -139,17 +133,11 @@ class _Spare:
     """The one released (or prepared) mapping kept for the next arena: its pages taken, and pinned if they were.
 
     A mapping touched and pinned before costs an arena neither page faults (about half a fresh arena's fill
-    time) nor a registration. Memory is kept up to ``budget()`` bytes; one mapping at a time, the latest, which
-    is dropped (hooks, then the unmap) when another takes its place.
-
-    There are two: ``_SPARE`` keeps released ``reuse`` arenas' memory (``VLLM_LORA_EXT_HOST_SPARE_BYTES``) and
-    prepares spares for them; ``_READY`` only ever holds a mapping it prepared, which no arena has used
-    (``VLLM_LORA_EXT_HOST_READY_BYTES``), for arenas that ask for ``ready`` memory.
+    time) nor a registration. Released arenas' memory is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one
+    mapping at a time, the latest, which is dropped (hooks, then the unmap) when another takes its place.
     """
 
-    def __init__(self, budget: Callable[[], int], name: str) -> None:
-        self.budget = budget
-        self.name = name
+    def __init__(self) -> None:
         self._lock = threading.RLock()  # re-entrant: a lease may end (the GC) while this thread holds it
         self._memory: _Memory | None = None
         self._preparing = False
@@ -172,37 +160,33 @@ class _Spare:
         an adapter it has just evicted). On a GPU worker kept memory is taken through
         ``integration._compat.kept_host_arena``, which waits for the GPU's queued copies first."""
         dropped: _Memory | None = memory
-        if memory.capacity <= self.budget():
+        if memory.capacity <= host_spare_bytes():
             with self._lock:
                 dropped, self._memory = self._memory, memory
         del dropped  # outside the lock: its hooks run and it is unmapped, unless something still holds it
 
     def prepare(self, capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
         """Make a spare of ``capacity`` bytes on a background thread, its pages touched and ``ready(arena)`` run
-        over it (pinning, where a GPU worker asks), unless one that fits is kept or being made, it would exceed
-        the budget, or the host has less than four times that much memory available. Returns whether it started
-        one."""
+        over it (pinning, where a GPU worker asks), unless one that fits is kept or being made, or it would
+        exceed the budget. Returns whether it started one."""
         capacity = _pages(capacity)
         with self._lock:
             kept = self._memory
-            if self._preparing or capacity > self.budget() or (kept is not None and _fits(capacity, kept)):
-                return False
-            if _available_bytes() < 4 * capacity:  # memory is short: hold none idle
+            if self._preparing or capacity > host_spare_bytes() or (kept is not None and _fits(capacity, kept)):
                 return False
             self._preparing = True
-        threading.Thread(target=self._make, args=(capacity, ready), name=f"vllm-lora-ext-host-{self.name}",
+        threading.Thread(target=self._make, args=(capacity, ready), name="vllm-lora-ext-host-spare",
                          daemon=True).start()
         return True
 
     def _make(self, capacity: int, ready: Callable[[HostArena], object] | None) -> None:
         try:
-            arena = HostArena(capacity, _keep_in=self)
+            arena = HostArena(capacity, reuse=True, _take=False)
             assert arena.buffer is not None
+            arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
             arena.used = arena.capacity
-            # Every page is faulted in here, off the path of the arena that takes it: by the registration, where
-            # ``ready`` pins the memory (the driver takes each page as it locks it), else by a write.
-            if ready is None or ready(arena) is not True:
-                arena.buffer[::4096].zero_()
+            if ready is not None:
+                ready(arena)
             arena.close()  # its lease ends here: the mapping becomes the spare
         except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
             logger.exception("could not prepare a spare host arena of %d bytes", capacity)
@@ -217,62 +201,30 @@ class _Spare:
         del dropped
 
 
-_SPARE = _Spare(host_spare_bytes, "spare")
-_READY = _Spare(host_ready_bytes, "ready")
+_SPARE = _Spare()
 
 
 def _forget_spare_in_child() -> None:
     """After a fork: the child starts with no spare and no preparation under way (the parent's thread making one
     does not exist here), and never undoes the parent's registration of a kept mapping (its hooks are dropped)."""
-    for spare in (_SPARE, _READY):
-        memory, spare._memory = spare._memory, None
-        if memory is not None:
-            memory.hooks.clear()
-        spare._preparing = False
-        spare._lock = threading.RLock()
+    memory, _SPARE._memory = _SPARE._memory, None
+    if memory is not None:
+        memory.hooks.clear()
+    _SPARE._preparing = False
+    _SPARE._lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_spare_in_child)
 
 
-def _available_bytes() -> int:
-    """The host memory available without swapping (``MemAvailable``), or a very large number where unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 62
-
-
 def prepare_spare(capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
-    """Have a host arena of ``capacity`` bytes ready for the next ``reuse`` build of that size (see
-    [`_Spare.prepare`])."""
+    """Have a host arena of ``capacity`` bytes ready for the next build of that size (see [`_Spare.prepare`])."""
     return _SPARE.prepare(capacity, ready=ready)
 
 
-def prepare_ready(capacity: int, *, ready: Callable[[HostArena], object] | None = None) -> bool:
-    """Have a never-used host arena of ``capacity`` bytes, touched (or readied by ``ready(arena)``, which faults
-    every page in where it returns ``True``), for the next build of about that size that asks for ``ready``
-    memory: an adapter read from a file.
-
-    Its pages are zeros, as fresh memory's are; once an arena has used it, it is returned, never kept. At most
-    ``VLLM_LORA_EXT_HOST_READY_BYTES`` (default 2 GiB), one mapping per process, and none while the host has less
-    than four times its size available. Returns whether it started making one.
-
-    Example:
-        >>> prepare_ready(1 << 20) in (True, False)
-        True
-    """
-    return _READY.prepare(capacity, ready=ready)
-
-
 def clear_spare() -> None:
-    """Drop the kept spare mapping and the ready one: their memory is returned (after its release hooks)."""
+    """Drop the kept spare mapping: its memory is returned (after its release hooks)."""
     _SPARE.clear()
-    _READY.clear()
 
 
 def _fits(capacity: int, memory: _Memory) -> bool:
@@ -299,10 +251,6 @@ class HostArena:
     worker a copy queued from the earlier arena may still be reading it: ``integration._compat.kept_host_arena``
     takes such arenas and, whenever ``reused`` is true, waits for the GPU's queued copies before handing it out.
 
-    With ``ready``, the arena may be given the mapping [`prepare_ready`] made: never used, its pages touched
-    (zeros), pinned only if its preparer pinned it, so it is as clean as fresh memory and any build may take
-    it (``prepared`` is then true). Its memory is returned, not kept, once released.
-
     Example:
         >>> arena = HostArena(1 << 20)
         >>> t = arena.empty((4, 8), torch.bfloat16)
@@ -310,23 +258,16 @@ class HostArena:
         (True, 64)
     """
 
-    def __init__(self, capacity: int, *, huge_pages: bool = True, reuse: bool = False, ready: bool = False,
-                 _keep_in: _Spare | None = None) -> None:
+    def __init__(self, capacity: int, *, huge_pages: bool = True, reuse: bool = False, _take: bool = True) -> None:
         wanted = _pages(capacity)
-        memory = None
-        if _keep_in is None and reuse:
-            memory = _SPARE.take(wanted)
+        memory = _SPARE.take(wanted) if reuse and _take else None
         self.reused = memory is not None  # kept from an earlier arena (its pages taken, pinned if they were)
-        if _keep_in is None and ready and not reuse:
-            memory = _READY.take(wanted)
-        self.prepared = memory is not None and not self.reused  # made ready, never used (zeros; pinned if it was)
         if memory is None:
             memory = _Memory(wanted, huge_pages)
         self.memory: _Memory | None = memory
-        self.wanted = wanted  # the capacity asked for, in whole huge pages (what a like build will ask for)
         self.capacity = memory.capacity
         lease = _lease_type(memory.capacity).from_address(memory.base)
-        lease.memory, lease.keep_in = memory, (_keep_in or (_SPARE if reuse else None))
+        lease.memory, lease.keep = memory, reuse
         self.buffer: torch.Tensor | None = torch.frombuffer(lease, dtype=torch.uint8)
         self.base = memory.base
         self.used = 0

@@ -14,8 +14,8 @@ from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_bu
 from vllm_lora_ext import building
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext import hostmem
-from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_READY, ENV_HOST_SPARE
-from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena, clear_spare, prepare_ready, prepare_spare
+from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_SPARE
+from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena, clear_spare, prepare_spare
 from vllm_lora_ext.mixing import concat_many
 from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
 from vllm_lora_ext.reader import SafetensorsReader
@@ -230,81 +230,6 @@ def test_a_mix_concatenated_into_kept_memory_is_bitwise_one_into_fresh_memory(sp
             assert arena.holds(x) and torch.equal(x, y)
 
 
-@pytest.fixture()
-def ready(monkeypatch: pytest.MonkeyPatch) -> object:
-    monkeypatch.setenv(ENV_HOST_SPARE, str(64 << 20))
-    monkeypatch.setenv(ENV_HOST_READY, str(64 << 20))
-    clear_spare()
-    yield hostmem._READY
-    clear_spare()
-
-
-def test_a_read_is_given_only_memory_made_ready_for_it_never_memory_an_arena_used(ready: object) -> None:
-    dirty = HostArena(4 << 20, reuse=True)
-    assert dirty.buffer is not None
-    dirty.buffer.fill_(0xFF)
-    dirty_base = dirty.base
-    _release(dirty)
-    assert hostmem._SPARE._memory is not None  # kept for the next mix
-    read = HostArena(4 << 20, ready=True)
-    assert read.base != dirty_base and not read.reused and not read.prepared  # kept memory is never a read's
-    assert read.buffer is not None and int(read.buffer.count_nonzero()) == 0
-    readied: list[tuple[int, int]] = []
-    assert prepare_ready(4 << 20, ready=lambda arena: readied.append((arena.used, arena.capacity)))
-    _wait_prepared(ready)
-    assert readied == [(4 << 20, 4 << 20)]  # every page touched, then readied (pinned, on a GPU worker)
-    assert not prepare_ready(4 << 20)  # one that fits is ready already
-    ready_base = ready._memory.base  # type: ignore[attr-defined]
-    assert HostArena(4 << 20, reuse=True).base != ready_base  # a mix never takes it
-    assert HostArena(4 << 20).base != ready_base  # nor an arena that did not ask
-    taken = HostArena(3 << 20, ready=True)  # 4 MiB of pages for 3 MiB asked: close enough
-    assert taken.base == ready_base and taken.prepared and not taken.reused and taken.wanted == 4 << 20
-    assert taken.buffer is not None and int(taken.buffer.count_nonzero()) == 0  # zeros, as fresh memory
-    assert not HostArena(3 << 20, ready=True).prepared  # the one ready mapping is taken
-    released: list[int] = []
-    taken.on_release(lambda: released.append(1))
-    t = taken.empty((16,), torch.float32)
-    t.fill_(2.5)
-    _release(taken, t)
-    del t
-    gc.collect()
-    assert released == [1]  # used once: returned, not kept for another read or a mix
-    assert ready._memory is None  # type: ignore[attr-defined]
-    assert hostmem._SPARE._memory is None or hostmem._SPARE._memory.base != ready_base
-
-
-def test_ready_memory_is_bounded_by_its_budget_and_by_the_memory_available(
-        ready: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not prepare_ready(128 << 20)  # past the 64 MiB budget
-    monkeypatch.setenv(ENV_HOST_READY, "0")
-    assert not prepare_ready(2 << 20)  # off
-    monkeypatch.setenv(ENV_HOST_READY, str(64 << 20))
-    monkeypatch.setattr(hostmem, "_available_bytes", lambda: 6 << 20)
-    assert not prepare_ready(2 << 20)  # the host has less than four times as much available
-    monkeypatch.setattr(hostmem, "_available_bytes", lambda: 1 << 40)
-    assert prepare_ready(2 << 20)
-    _wait_prepared(ready)
-    assert ready._memory is not None  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("forms", [["2d", "2d"], ["3d", "3d"]])
-def test_a_build_into_ready_memory_is_bitwise_one_into_fresh_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                    ready: object, forms: list[str]) -> None:
-    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
-    job = moe_build_job(folder, wrapper="2d")
-    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
-    fresh = build_adapter(job, PeftKeyRouter())
-    assert fresh.host is not None and not fresh.host.prepared
-    assert prepare_ready(fresh.host.wanted)  # as the loader does after a load
-    _wait_prepared(ready)
-    built = build_adapter(job, PeftKeyRouter())
-    assert built.host is not None and built.host.prepared
-    got, want = _moe_tensors(built), _moe_tensors(fresh)
-    assert len(got) == len(want)
-    for x, y in zip(got, want):
-        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-
-
 def test_a_forked_child_starts_with_no_spare_and_can_prepare_one(spare: object) -> None:
     import os
 
@@ -312,20 +237,16 @@ def test_a_forked_child_starts_with_no_spare_and_can_prepare_one(spare: object) 
     calls: list[int] = []
     kept.on_release(lambda: calls.append(1))
     _release(kept)
-    assert prepare_ready(2 << 20)
-    _wait_prepared(hostmem._READY)
     spare._preparing = True  # type: ignore[attr-defined]  # as if the parent's helper thread were at work
     pid = os.fork()
-    if pid == 0:  # the child: nothing kept or ready, nothing in preparation, and a spare of its own can be made
+    if pid == 0:  # the child: nothing kept, nothing in preparation, and a spare of its own can be made
         fresh = HostArena(4 << 20, reuse=True)
         ok = (spare._memory is None and not spare._preparing  # type: ignore[attr-defined]
-              and hostmem._READY._memory is None and not HostArena(2 << 20, ready=True).prepared
               and not fresh.reused and prepare_spare(4 << 20))
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     spare._preparing = False  # type: ignore[attr-defined]
     assert os.waitstatus_to_exitcode(status) == 0
     assert spare._memory is not None and calls == []  # the parent keeps its spare
-    assert hostmem._READY._memory is not None  # and its ready mapping
     clear_spare()
     assert calls == [1]

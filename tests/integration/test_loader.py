@@ -150,38 +150,3 @@ def test_worker_state_reports_the_adapters_and_bytes_this_process_read(worker_ma
     assert after["adapter_reads"]["adapters"] == before["adapters"] + 1
     assert after["adapter_reads"]["bytes"] - before["bytes"] == weights  # every tensor is kept: the whole file
     assert after["registered"] and after["load_adapter_patched"] and after["rank"] is None
-
-
-def test_a_load_into_a_host_arena_has_memory_made_ready_for_the_next_read_which_takes_it(
-        worker_manager: Any, peft_adapter: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
-    from vllm_lora_ext import hostmem
-    from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_READY
-
-    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")  # the test adapter is far below the default threshold
-    monkeypatch.setenv(ENV_HOST_READY, str(64 << 20))
-    hostmem.clear_spare()
-    taken: list[tuple[bool, int]] = []  # per read: (given ready memory, capacity asked for)
-    real = hostmem.HostArena
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        arena = real(*args, **kwargs)
-        taken.append((arena.prepared, arena.wanted))
-        return arena
-
-    monkeypatch.setattr("vllm_lora_ext.building.HostArena", recorded)
-    stock, plugin_load = _stock_and_plugin()
-    req = _request(str(peft_adapter))
-    first = plugin_load(worker_manager, req)
-    for _ in range(500):  # made on a helper thread
-        if hostmem._READY._memory is not None:
-            break
-        time.sleep(0.01)
-    assert hostmem._READY._memory is not None and hostmem._READY._memory.capacity == taken[0][1]
-    second = plugin_load(worker_manager, req)
-    assert [p for p, _ in taken] == [False, True]  # the second read went into the ready memory
-    _assert_same_lora_model(first, second)
-    _assert_same_lora_model(stock(worker_manager, req), second)
-    hostmem.clear_spare()
-

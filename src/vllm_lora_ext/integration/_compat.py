@@ -376,25 +376,6 @@ def kept_host_arena(nbytes: int, *, device: Any = None) -> Any:
     return arena
 
 
-def ready_next_read(nbytes: int) -> bool:
-    """Have a host arena of ``nbytes`` made ready in the background for the next adapter read of about that size,
-    its pages touched ([`hostmem.prepare_ready`]); return whether one is being made.
-
-    A read into fresh memory pays its page faults (on the dev VM a 12-layer 2D MoE build took 183 ms into fresh
-    memory against 122 ms into touched memory). Ready memory was never used, so it holds zeros as fresh memory
-    does and any adapter may be read into it. It is not pinned here: ``cuMemHostRegister`` on a helper thread
-    held up the worker's own CUDA calls while it ran (on an H100 host, ``add_lora`` of the next 3D adapter and
-    its first step took 0.2-0.3 s longer), so the read's arena is pinned where every arena is, in
-    [`pin_in_place`] (0.02-0.05 s for 1.2 GB of touched memory there).
-    """
-    from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled
-    from vllm_lora_ext.hostmem import prepare_ready
-
-    if not host_arenas_enabled() or nbytes < max(1, host_arena_min_bytes()):
-        return False
-    return prepare_ready(nbytes)
-
-
 def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 

@@ -23,7 +23,7 @@ from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (bind_worker_gpu, is_first_model_rank, mapper_ignores_expert_numbers,
-                                                pin_in_place, ready_next_read, unstacked_mapper, validate_loaded)
+                                                pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -204,7 +204,6 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmK
     if built.host is not None:  # pinned where it lies, before vLLM looks (it copies what is not pinned)
         pin_in_place(built.host)
         built.host.close()
-        ready_next_read(built.host.wanted)  # the next adapter read, likely of its size
     raw = dict(built.config.raw)
     raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
     peft_helper = PEFTHelper.from_dict(raw)
@@ -264,10 +263,9 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
 
 
 def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:
-    where = " into ready memory" if built.host is not None and built.host.prepared else ""
-    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read%s, %.2f s (%s)",
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s (%s)",
                 lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
-                ",".join(built.layouts) or "-", built.bytes_read / 2**20, where, seconds, phases)
+                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds, phases)
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:
