@@ -1,0 +1,88 @@
+"""Probe how many threads an MoE adapter's build should read its blocks on, on this host's CPU.
+
+The worker's build (``building.build_adapter``: header, plan, reads into a huge-page host arena, checks, pack)
+reads MoE blocks on ``read_blocks``' pool, 4 threads by default (a 16-core H200 host, round 5, 2D: 1 thread
+3.0 s, 4 threads 1.6 s, 8 threads 2.7 s, when each key cost more Python than now). A 3D block is a few large
+reads and transposes that release the GIL, so it may take more. This times the same builds of the
+Qwen3-30B-A3B-shaped 2D and 3D adapters (48 layers, r16) at several pool sizes, interleaved, in one process
+after one warm-up build of each, with the plugin's defaults otherwise (scans on their own pool). No GPU, no
+stock counterpart: it only picks the default. Each build's factors are compared bitwise with the first.
+
+Usage: python bench/probe_read_threads.py [--threads 2,4,6,8,12] [--reps 5] [--layers 48] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+from bench_moe_load import E, H, I, make_adapter  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", default="2,4,6,8,12")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--forms", default="3d,2d")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    from vllm_lora_ext import building
+    from vllm_lora_ext.building import BuildJob, build_adapter
+    from vllm_lora_ext.formats.moe import MoESpec, read_blocks
+    from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
+
+    threads = [int(x) for x in args.threads.split(",")]
+    blocks = [f"model.layers.{layer}.mlp.experts" for layer in range(args.layers)]
+    model = ModelSpec(frozenset(), moe={p: MoESpec(p, E, H, I) for p in blocks}, max_rank=16)
+    tmp = Path(tempfile.mkdtemp(prefix="probe-threads-"))
+    times: dict[str, dict[int, list[float]]] = {}
+    same: dict[str, bool] = {}
+    for form in args.forms.split(","):
+        folder = make_adapter(tmp / form, args.layers, form)
+        job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
+
+        def build(n: int) -> tuple[float, list[torch.Tensor]]:
+            building.read_blocks = functools.partial(read_blocks, workers=n)  # type: ignore[attr-defined]
+            try:
+                gc.collect()
+                t0 = time.perf_counter()
+                built = build_adapter(job, PeftKeyRouter())
+                dt = time.perf_counter() - t0
+            finally:
+                building.read_blocks = read_blocks  # type: ignore[attr-defined]
+            return dt, [t for p in blocks for side in built.moe[p][:2] for t in side]
+
+        _, reference = build(threads[0])  # warm-up: imports, pools, the page cache
+        same[form] = True
+        times[form] = {n: [] for n in threads}
+        for rep in range(args.reps):
+            for n in (threads if rep % 2 == 0 else threads[::-1]):
+                dt, got = build(n)
+                times[form][n].append(dt)
+                same[form] = same[form] and all(torch.equal(x, y) for x, y in zip(got, reference))
+                del got
+                print(f"{form} {n} threads: {dt:.3f} s", flush=True)
+        del reference
+    rows = []
+    for form, by_n in times.items():
+        base = median(by_n[4]) if 4 in by_n else None
+        for n, ts in by_n.items():
+            rows.append([form, n, median(ts), min(ts), max(ts), (median(ts) / base) if base else "-"])
+    print_table(rows, ["layout", "threads", "median s", "min s", "max s", "/ 4 threads"])
+    print("every build bitwise equal to the first:", same)
+    write_json("read_threads", {"layers": args.layers, "reps": args.reps, "times": times, "table": rows,
+                                "bitwise_equal": same}, args.out)
+
+
+if __name__ == "__main__":
+    main()
