@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
@@ -32,6 +33,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--forms", default="3d,2d")
+    ap.add_argument("--bound", action="store_true",
+                    help="also time 3D builds whose B is read as it lies, untransposed and unscaled (wrong values): "
+                         "the bound any offload of that transpose could reach, before its transfers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -62,6 +66,13 @@ def main() -> None:
                 building.read_blocks = read_blocks  # type: ignore[attr-defined]
             return dt, [t for p in blocks for side in built.moe[p][:2] for t in side]
 
+        if form == "3d" and args.bound:
+            times["3d-B-untransposed"] = {4: []}
+            for rep in range(args.reps):
+                with _b_as_it_lies():
+                    dt = build(4)[0]
+                times["3d-B-untransposed"][4].append(dt)
+                print(f"3d, B untransposed, 4 threads: {dt:.3f} s", flush=True)
         _, reference = build(threads[0])  # warm-up: imports, pools, the page cache
         same[form] = True
         times[form] = {n: [] for n in threads}
@@ -82,6 +93,41 @@ def main() -> None:
     print("every build bitwise equal to the first:", same)
     write_json("read_threads", {"layers": args.layers, "reps": args.reps, "times": times, "table": rows,
                                 "bitwise_equal": same}, args.out)
+
+
+def _b_as_it_lies() -> Any:
+    """A context in which ``SafetensorsReader.read_transposed`` reads the tensor's bytes into its result as they lie."""
+    import contextlib
+    import math
+    import os
+
+    import torch
+
+    from vllm_lora_ext import reader
+
+    real = reader.SafetensorsReader.read_transposed
+
+    def as_it_lies(self: Any, key: str, cols: int, into: Any = None, *, scale: Any = None, dtype: Any = None) -> Any:
+        dt = reader.torch_dtype_of(self.header.dtypes[key], key=key)
+        rows = math.prod(self.header.shapes[key]) // cols
+        out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            reader._preadv_exactly(fd, [memoryview(out.view(-1).view(torch.uint8).numpy())],
+                                   self.header.offsets[key][0], path=self.path, key=key)
+        finally:
+            os.close(fd)
+        return out
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        reader.SafetensorsReader.read_transposed = as_it_lies  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            reader.SafetensorsReader.read_transposed = real  # type: ignore[method-assign]
+
+    return patched()
 
 
 if __name__ == "__main__":
