@@ -8,7 +8,11 @@ Qwen3-30B-A3B-shaped 2D and 3D adapters (48 layers, r16) at several pool sizes, 
 after one warm-up build of each, with the plugin's defaults otherwise (scans on their own pool). No GPU, no
 stock counterpart: it only picks the default. Each build's factors are compared bitwise with the first.
 
-Usage: python bench/probe_read_threads.py [--threads 2,4,6,8,12] [--reps 5] [--layers 48] [--out FILE]
+``--bound`` also times 3D builds whose B is read untransposed (wrong values: the bound an offload of that
+transpose could reach); ``--gpu`` times 3D builds that transpose B on this machine's GPU
+(``build_adapter(transpose_on=...)``), interleaved with the CPU's and checked bitwise against them.
+
+Usage: python bench/probe_read_threads.py [--threads 2,4,6,8,12] [--reps 5] [--layers 48] [--bound] [--gpu] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main() -> None:
     ap.add_argument("--bound", action="store_true",
                     help="also time 3D builds whose B is read as it lies, untransposed and unscaled (wrong values): "
                          "the bound any offload of that transpose could reach, before its transfers")
+    ap.add_argument("--gpu", action="store_true",
+                    help="also time 3D builds whose B is transposed on this machine's GPU (4 threads), bitwise checked")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -55,12 +61,12 @@ def main() -> None:
         folder = make_adapter(tmp / form, args.layers, form)
         job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
 
-        def build(n: int) -> tuple[float, list[torch.Tensor]]:
+        def build(n: int, on: torch.device | None = None) -> tuple[float, list[torch.Tensor]]:
             building.read_blocks = functools.partial(read_blocks, workers=n)  # type: ignore[attr-defined]
             try:
                 gc.collect()
                 t0 = time.perf_counter()
-                built = build_adapter(job, PeftKeyRouter())
+                built = build_adapter(job, PeftKeyRouter(), transpose_on=on)
                 dt = time.perf_counter() - t0
             finally:
                 building.read_blocks = read_blocks  # type: ignore[attr-defined]
@@ -76,6 +82,11 @@ def main() -> None:
         _, reference = build(threads[0])  # warm-up: imports, pools, the page cache
         same[form] = True
         times[form] = {n: [] for n in threads}
+        gpu = torch.device("cuda", torch.cuda.current_device()) if args.gpu and form == "3d" else None
+        if gpu is not None:
+            build(4, gpu)  # warm-up: the streams, the allocator
+            times["3d-B-on-gpu"] = {4: []}
+            same["3d-B-on-gpu"] = True
         for rep in range(args.reps):
             for n in (threads if rep % 2 == 0 else threads[::-1]):
                 dt, got = build(n)
@@ -83,13 +94,19 @@ def main() -> None:
                 same[form] = same[form] and all(torch.equal(x, y) for x, y in zip(got, reference))
                 del got
                 print(f"{form} {n} threads: {dt:.3f} s", flush=True)
+                if gpu is not None and n == 4:
+                    dt, got = build(4, gpu)
+                    times["3d-B-on-gpu"][4].append(dt)
+                    same["3d-B-on-gpu"] = same["3d-B-on-gpu"] and all(torch.equal(x, y) for x, y in zip(got, reference))
+                    del got
+                    print(f"3d, B on the GPU, 4 threads: {dt:.3f} s", flush=True)
         del reference
     rows = []
     for form, by_n in times.items():
-        base = median(by_n[4]) if 4 in by_n else None
+        base = median(times[form.split("-")[0]][4]) if 4 in times.get(form.split("-")[0], {}) else None
         for n, ts in by_n.items():
             rows.append([form, n, median(ts), min(ts), max(ts), (median(ts) / base) if base else "-"])
-    print_table(rows, ["layout", "threads", "median s", "min s", "max s", "/ 4 threads"])
+    print_table(rows, ["layout", "threads", "median s", "min s", "max s", "/ its layout at 4 threads"])
     print("every build bitwise equal to the first:", same)
     write_json("read_threads", {"layers": args.layers, "reps": args.reps, "times": times, "table": rows,
                                 "bitwise_equal": same}, args.out)

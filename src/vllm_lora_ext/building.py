@@ -11,6 +11,7 @@ copy on the receiving side), away from the engine thread's GIL.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -109,11 +110,13 @@ class _DictSource:
 
 
 def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
-                  arenas: ArenaSupply | None = None) -> BuiltAdapter:
+                  arenas: ArenaSupply | None = None, transpose_on: torch.device | None = None) -> BuiltAdapter:
     """Resolve, plan, read, check and pack ``job``'s adapter for the model it describes.
 
     With ``shared``, MoE factors are built straight into a [`SharedArena`] (``built.arena``, from
-    ``arenas`` if given), which [`to_shared`] then hands over without copying them again.
+    ``arenas`` if given), which [`to_shared`] then hands over without copying them again. With a CUDA
+    ``transpose_on`` (the worker's GPU), a fused 3D B is transposed and scaled there
+    ([`SafetensorsReader.read_transposed`]): the same tensors, bit for bit.
 
     Raises:
         [`AdapterNotFoundError`]: the source does not exist.
@@ -122,10 +125,11 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
         [`AdapterCompatibilityError`]: a rank exceeds ``max_lora_rank``, or the model's MoE blocks cannot take LoRA.
     """
     with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
-        return _build_adapter(job, router, shared=shared, arenas=arenas)
+        return _build_adapter(job, router, shared=shared, arenas=arenas, transpose_on=transpose_on)
 
 
-def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None) -> BuiltAdapter:
+def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None,
+                   transpose_on: torch.device | None = None) -> BuiltAdapter:
     """See [`build_adapter`]."""
     resolved = resolve_source(job.path)
     config = load_config(resolved, name=job.name)
@@ -165,7 +169,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                              alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
                              fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe},
                              gather=getattr(source, "gather", None),
-                             read_transposed=getattr(source, "read_transposed", None))
+                             read_transposed=_transposer(source, transpose_on))
         moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
         for prefix, experts in blocks.items():
             moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
@@ -179,6 +183,14 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         raise
     layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
     return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host)
+
+
+def _transposer(source: Any, device: torch.device | None) -> Any:
+    """The source's ``read_transposed``, on ``device`` where that is a GPU."""
+    read_transposed = getattr(source, "read_transposed", None)
+    if read_transposed is None or device is None or device.type != "cuda":
+        return read_transposed
+    return functools.partial(read_transposed, device=device)
 
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:

@@ -57,6 +57,7 @@ ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary to
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
 ENV_MIX_ON_GPU = "VLLM_LORA_EXT_MIX_ON_GPU"  # 0: a mix loaded in the engine step is concatenated on the CPU
+ENV_TRANSPOSE_ON_GPU = "VLLM_LORA_EXT_TRANSPOSE_ON_GPU"  # 0: a fused 3D B is transposed on the CPU
 ENV_MIX_THREADS = "VLLM_LORA_EXT_MIX_THREADS"  # threads a CPU concatenation of a mix uses (default: up to 4)
 ENV_STALL_TRACE = "VLLM_LORA_EXT_STALL_TRACE_S"  # a diagnostic: log the main thread's stack when it stalls
 # Ray Serve LLM: source prefixes (hf:acme/) that clients may name in model="<base>:<source>"; unset: none.
@@ -224,6 +225,13 @@ def host_arena_min_bytes() -> int:
     """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
     an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
     return int(_env_number(ENV_HOST_ARENA_MIN, 4 * 2**20, minimum=0))
+
+
+def transpose_on_gpu() -> bool:
+    """Return whether a worker's read of a fused 3D MoE adapter transposes and scales its B factors on the worker's GPU
+    (``VLLM_LORA_EXT_TRANSPOSE_ON_GPU``, default on; 0 turns it off): the same tensors, bit for bit, without the
+    CPU's strided pass over them."""
+    return _env_on(ENV_TRANSPOSE_ON_GPU)
 
 
 def host_spare_bytes() -> int:

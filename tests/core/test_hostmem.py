@@ -250,3 +250,15 @@ def test_a_forked_child_starts_with_no_spare_and_can_prepare_one(spare: object) 
     assert spare._memory is not None and calls == []  # the parent keeps its spare
     clear_spare()
     assert calls == [1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback where the GPU cannot be used")
+@pytest.mark.parametrize("wrapper", ["2d", "3d"])
+def test_a_build_asked_to_transpose_on_a_gpu_it_cannot_use_transposes_on_the_cpu_bitwise_alike(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapper: str) -> None:
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], ["3d", "3d"], rank=R)
+    job = moe_build_job(folder, wrapper=wrapper)
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
+    want = _moe_tensors(build_adapter(job, PeftKeyRouter()))
+    got = _moe_tensors(build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", 0)))
+    assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, mix_on_gpu
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, mix_on_gpu, transpose_on_gpu
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
@@ -250,7 +250,7 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
             if found is None:
                 logger.info("adapter %r: no build process has finished starting; building in this thread",
                             lora_request.lora_name)
-        built = found[0] if found is not None else build_adapter(job, router)
+        built = found[0] if found is not None else build_adapter(job, router, transpose_on=_gpu_of(manager))
     except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
         raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
     t_built = time.perf_counter()
@@ -260,6 +260,17 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
                 f"describing the model {t_job - t0:.2f} s, building {t_built - t_job:.2f} s"
                 f"{' (build process)' if found is not None else ''}, wrapping {now - t_built:.2f} s")
     return lora
+
+
+def _gpu_of(manager: Any) -> torch.device | None:
+    """The worker's GPU, for a build in this process to transpose 3D factors on (unless turned off)."""
+    if not transpose_on_gpu():
+        return None
+    try:
+        device = torch.device(getattr(manager, "device", None))
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return device if device.type == "cuda" and torch.cuda.is_initialized() else None
 
 
 def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:

@@ -1,0 +1,86 @@
+"""A fused 3D B transposed and scaled on the worker's GPU (``read_transposed(device=...)``) is the CPU's result bit
+for bit, read straight or into a host arena, and a whole build with it equals the build without."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_transpose_on_the_gpu_is_the_cpus_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
+    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {"b": (torch.randn(96, 16 * 24, generator=g) * 3).to(dtype),
+               "odd": torch.randn(37, 5 * 7, generator=g).to(dtype), "one": torch.randn(1, 8, generator=g).to(dtype)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    reader = SafetensorsReader(tmp_path / "t.safetensors")
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    for key, cols in (("b", 24), ("b", 16 * 24), ("odd", 7), ("one", 8)):
+        for scale in (None, 1.0, 2.0, 0.3, 1 / 3, -7.25):
+            want = reader.read_transposed(key, cols, scale=scale, dtype=dtype)
+            got = reader.read_transposed(key, cols, scale=scale, dtype=dtype, device=gpu)
+            assert got is not None and want is not None and got.device.type == "cpu"
+            assert got.shape == want.shape and torch.equal(got, want), (key, cols, scale)
+            arena = HostArena(1 << 20)
+            into = reader.read_transposed(key, cols, arena.empty, scale=scale, dtype=dtype, device=gpu)
+            assert into is not None and arena.holds(into) and torch.equal(into, want)
+    ref = tensors["b"].reshape(-1, 24).t() * 2.0
+    assert torch.equal(reader.read_transposed("b", 24, scale=2.0, device=gpu), ref.to(dtype))
+
+
+def test_a_tensor_past_the_limit_or_the_gpus_free_memory_is_transposed_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext import reader as reader_module
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    save_file({"b": torch.randn(64, 48).bfloat16()}, str(tmp_path / "t.safetensors"))
+    reader = SafetensorsReader(tmp_path / "t.safetensors")
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    want = reader.read_transposed("b", 12, scale=0.5)
+    calls: list[bool] = []
+    real = SafetensorsReader._transposed_on
+
+    def spy(self: SafetensorsReader, *args: object, **kwargs: object) -> bool:
+        calls.append(real(self, *args, **kwargs))  # type: ignore[arg-type]
+        return calls[-1]
+
+    monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
+    assert torch.equal(reader.read_transposed("b", 12, scale=0.5, device=gpu), want) and calls == [True]
+    monkeypatch.setattr(reader_module, "_GPU_TRANSPOSE_MAX", 16)
+    assert torch.equal(reader.read_transposed("b", 12, scale=0.5, device=gpu), want) and calls[-1] is False
+    monkeypatch.setattr(reader_module, "_GPU_TRANSPOSE_MAX", 64 << 20)
+    monkeypatch.setattr(reader_module, "_GPU_HEADROOM", 1 << 50)
+    assert torch.equal(reader.read_transposed("b", 12, scale=0.5, device=gpu), want) and calls[-1] is False
+
+
+@pytest.mark.parametrize(("forms", "wrapper", "experts"), [
+    (["3d", "3d"], "2d", None), (["3d", "3d"], "3d", None), (["3d", "3d_t"], "3d", None), (["3d", "2d"], "2d", (1, 3)),
+])
+def test_a_build_transposing_on_the_gpu_equals_the_build_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forms: list[str], wrapper: str,
+        experts: tuple[int, ...] | None) -> None:
+    from vllm_lora_ext.building import build_adapter
+    from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN
+    from vllm_lora_ext.planning import PeftKeyRouter
+
+    monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(BUILD_E, BUILD_H, BUILD_I, BUILD_R, s) for s in (0, 1)],
+                               forms, rank=BUILD_R, alpha=24)
+    job = moe_build_job(folder, wrapper=wrapper, experts=experts)
+    want = build_adapter(job, PeftKeyRouter())
+    got = build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", torch.cuda.current_device()))
+    for prefix in want.moe:
+        for x, y in zip((*got.moe[prefix][0], *got.moe[prefix][1]), (*want.moe[prefix][0], *want.moe[prefix][1])):
+            assert x.device.type == "cpu" and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
