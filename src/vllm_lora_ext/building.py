@@ -81,6 +81,7 @@ class BuiltAdapter:
         arena: the shared file the MoE factors were built in (a build process's builds).
         host: the huge-page host arena the tensors were read into (builds in the worker), which the worker
             pins in place; closed (``host.close()``) once nothing more is allocated from it.
+        turned_on_gpu: fused 3D factors transposed and scaled on the worker's GPU (``transpose_on``).
     """
 
     identity: str
@@ -91,6 +92,7 @@ class BuiltAdapter:
     layouts: tuple[str, ...] = ()
     arena: SharedArena | None = None
     host: HostArena | None = None
+    turned_on_gpu: int = 0
 
 
 class _DictSource:
@@ -182,7 +184,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             host.close()
         raise
     layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
-    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host)
+    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
+                        stats.turned_on_gpu)
 
 
 def _transposer(source: Any, device: torch.device | None) -> Any:

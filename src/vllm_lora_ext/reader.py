@@ -110,13 +110,16 @@ class ReadStats:
     bytes_read: int = 0
     tensors_read: int = 0
     files: list[str] = field(default_factory=list)
+    turned_on_gpu: int = 0  # tensors `read_transposed` turned on a GPU
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def count(self, nbytes: int = 0, tensors: int = 0) -> None:
-        """Add ``nbytes`` read and ``tensors`` read (MoE blocks are read on several threads at once)."""
+    def count(self, nbytes: int = 0, tensors: int = 0, *, on_gpu: int = 0) -> None:
+        """Add ``nbytes`` read and ``tensors`` read, ``on_gpu`` of them turned on a GPU (MoE blocks are read on
+        several threads at once)."""
         with self._lock:
             self.bytes_read += nbytes
             self.tensors_read += tensors
+            self.turned_on_gpu += on_gpu
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -688,7 +691,7 @@ class SafetensorsReader:
         rows = numel // cols
         out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
         if numel and device is not None and self._transposed_on(device, key, out, rows, cols, scale):
-            self.stats.count(numel * dt.itemsize, 1)
+            self.stats.count(numel * dt.itemsize, 1, on_gpu=1)
             return out
         if numel:
             turned: torch.Tensor | None = None  # the transposed block, as large as the first (largest) one

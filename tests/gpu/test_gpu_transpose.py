@@ -81,6 +81,8 @@ def test_a_build_transposing_on_the_gpu_equals_the_build_on_the_cpu(
     job = moe_build_job(folder, wrapper=wrapper, experts=experts)
     want = build_adapter(job, PeftKeyRouter())
     got = build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", torch.cuda.current_device()))
+    # A whole standard 3D block's B's (gate_up, down) are turned on the GPU; a rank's share is gathered on the CPU.
+    assert want.turned_on_gpu == 0 and got.turned_on_gpu == (experts is None) * sum(f == "3d" for f in forms) * 2
     for prefix in want.moe:
         for x, y in zip((*got.moe[prefix][0], *got.moe[prefix][1]), (*want.moe[prefix][0], *want.moe[prefix][1])):
             assert x.device.type == "cpu" and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)

@@ -190,3 +190,24 @@ def test_binding_a_helper_thread_to_no_gpu_is_a_no_op(device: object) -> None:
     from vllm_lora_ext.integration._compat import bind_worker_gpu
 
     assert bind_worker_gpu(device) is False
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", object(), "not a device"])
+def test_a_worker_whose_gpu_is_not_in_use_transposes_3d_factors_on_the_cpu(device: object,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # a build in the worker is handed the GPU to turn fused 3D factors on only where the manager's device is a CUDA
+    # device this process uses; anything else builds as before, and so does a worker with the switch off
+    import types
+
+    import torch
+
+    from vllm_lora_ext.constants import ENV_TRANSPOSE_ON_GPU
+    from vllm_lora_ext.integration.loader import _gpu_of
+
+    manager = types.SimpleNamespace(device=device)
+    assert _gpu_of(manager) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as in a worker that has used its GPU
+    want = torch.device("cuda", 0) if device == "cuda:0" else torch.device("cuda") if device == "cuda" else None
+    assert _gpu_of(manager) == want
+    monkeypatch.setenv(ENV_TRANSPOSE_ON_GPU, "0")
+    assert _gpu_of(manager) is None

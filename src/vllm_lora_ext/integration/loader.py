@@ -266,17 +266,21 @@ def _gpu_of(manager: Any) -> torch.device | None:
     """The worker's GPU, for a build in this process to transpose 3D factors on (unless turned off)."""
     if not transpose_on_gpu():
         return None
+    where = getattr(manager, "device", None)
+    if where is None:
+        return None
     try:
-        device = torch.device(getattr(manager, "device", None))
+        device = torch.device(where)
     except (TypeError, RuntimeError, ValueError):
         return None
     return device if device.type == "cuda" and torch.cuda.is_initialized() else None
 
 
 def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:
-    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read, %.2f s (%s)",
+    turned = f", {built.turned_on_gpu} 3D factors transposed on the GPU" if built.turned_on_gpu else ""
+    logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read%s, %.2f s (%s)",
                 lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
-                ",".join(built.layouts) or "-", built.bytes_read / 2**20, seconds, phases)
+                ",".join(built.layouts) or "-", built.bytes_read / 2**20, turned, seconds, phases)
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:
