@@ -256,9 +256,20 @@ def test_a_forked_child_starts_with_no_spare_and_can_prepare_one(spare: object) 
 @pytest.mark.parametrize("wrapper", ["2d", "3d"])
 def test_a_build_asked_to_transpose_on_a_gpu_it_cannot_use_transposes_on_the_cpu_bitwise_alike(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapper: str) -> None:
-    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], ["3d", "3d"], rank=R)
+    truths = [make_truth(E, H, I, R, s, dtype=torch.bfloat16) for s in (0, 1)]  # the job's dtype: read transposed
+    folder = write_moe_adapter(tmp_path / "a", truths, ["3d", "3d"], rank=R, alpha=24)
     job = moe_build_job(folder, wrapper=wrapper)
     monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
     want = _moe_tensors(build_adapter(job, PeftKeyRouter()))
-    got = _moe_tensors(build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", 0)))
+    tried: list[bool] = []
+    real = SafetensorsReader._transposed_on
+
+    def spy(self: SafetensorsReader, *args: object, **kwargs: object) -> bool:
+        tried.append(real(self, *args, **kwargs))  # type: ignore[arg-type]
+        return tried[-1]
+
+    monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
+    built = build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", 0))
+    assert tried == [False] * 4 and built.turned_on_gpu == 0  # every B offered to the GPU, and done here instead
+    got = _moe_tensors(built)
     assert len(got) == len(want) and all(torch.equal(x, y) for x, y in zip(got, want))
