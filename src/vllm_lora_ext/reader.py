@@ -386,6 +386,8 @@ def _thread_stream(device: torch.device) -> Any:
     if stream is None:
         stream = streams[index] = torch.cuda.Stream(device=index)
     return stream
+
+
 _IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
 
