@@ -369,22 +369,22 @@ def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]
 
 _GATHER_BLOCK = 256 * 1024  # bytes of rows `gather` and `read_transposed` read at a time (they stay in cache)
 _GPU_HEADROOM = 512 << 20  # GPU memory `read_transposed` leaves free on a worker's GPU
-# The largest tensor `read_transposed` turns on a GPU. Its two temporaries come from the reading thread's own
-# stream, whose blocks torch's allocator keeps for that stream: at most 4 readers x 2 x 64 MiB stay cached.
+# The largest tensor `read_transposed` turns on a GPU. Its two temporaries come from one stream per device, and
+# torch's allocator keeps their blocks cached for that stream: as much as the turns in flight at once took (a
+# build's 4 readers: at most 4 x 2 x 64 MiB), whichever threads ran them (mix components load on new threads).
 _GPU_TRANSPOSE_MAX = 64 << 20
-_STREAMS = threading.local()  # per reading thread: {device index: its CUDA stream}
+_STREAMS: dict[int, Any] = {}  # device index -> the stream `read_transposed` works on there
+_STREAMS_LOCK = threading.Lock()
 
 
-def _thread_stream(device: torch.device) -> Any:
-    """This thread's own CUDA stream on ``device`` (reads on several threads do not wait for each other's copies,
-    nor for the engine's stream)."""
+def _turning_stream(device: torch.device) -> Any:
+    """The process's stream for `read_transposed` on ``device``: off the engine's stream (a background build does
+    not wait for its steps, nor they for it); reads on several threads queue there and each waits for its own."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = getattr(_STREAMS, "by_device", None)
-    if streams is None:
-        streams = _STREAMS.by_device = {}
-    stream = streams.get(index)
-    if stream is None:
-        stream = streams[index] = torch.cuda.Stream(device=index)
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(index)
+        if stream is None:
+            stream = _STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
 
 
@@ -594,7 +594,7 @@ class SafetensorsReader:
                             path=self.path, key=key)
         finally:
             os.close(fd)
-        stream = _thread_stream(device)
+        stream = _turning_stream(device)
         try:
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 lying = torch.empty((rows, cols), dtype=out.dtype, device=device)
@@ -604,10 +604,12 @@ class SafetensorsReader:
                     turned.copy_(lying.t())
                 else:
                     torch.mul(lying.t(), scale, out=turned)
-                del lying
-                out.copy_(turned)
+                del lying  # (its block goes back to this stream's pool, behind the work queued on it)
+                done = torch.cuda.Event()
+                out.copy_(turned)  # synchronous: ``out`` is host memory (pageable or pinned; torch waits either way)
+                done.record(stream)
                 del turned
-            stream.synchronize()
+            done.synchronize()
         except torch.cuda.OutOfMemoryError:
             stream.synchronize()
             return False
