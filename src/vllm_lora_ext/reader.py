@@ -382,8 +382,9 @@ _NEXT = itertools.count()
 
 def _turning_stream(device: torch.device) -> Any:
     """This thread's stream for `read_transposed` on ``device``, one of a few: off the engine's stream, and apart
-    from the other reading threads' (a 4-thread 3D build on one shared stream, each copy back waiting for the
-    others' queued work, took 0.45 s against 0.24 s on streams of their own)."""
+    from the other reading threads'. On one shared stream each copy back waited for the others' queued work: on an
+    H100 host a 4-thread 3D build took 0.45 s that way against 0.52 s on the CPU, and 0.30 s against 0.55 s on
+    streams of their own (``bench/results/read_threads_gpu_h100host_r16b.json``, ``_r16c.json``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     mine = getattr(_THREAD_STREAM, "by_device", None)
     if mine is None:
