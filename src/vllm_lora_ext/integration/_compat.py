@@ -333,18 +333,30 @@ def bind_worker_gpu(device: Any) -> bool:
     factor into pinned memory of its own, one tensor at a time: on an H100 a 70 MiB 7B component took 0.65 s to
     wrap this way against 0.01 s on the worker's thread, and a mix built on the GPU then went up in 1,792 copies
     instead of one per component (``new_mix_gpu_diag_h100_r15.json``). Setting the device binds its primary
-    context, the one torch made for the worker already. No-op (``False``) off CUDA or before the worker used CUDA.
+    context, the one torch made for the worker already. No-op (``False``) off CUDA, before the worker used CUDA,
+    or for a CUDA device without an index.
     """
     import torch
 
-    try:
-        where = torch.device(device) if device is not None else None
-    except (TypeError, RuntimeError, ValueError):
-        return False
-    if where is None or where.type != "cuda" or where.index is None or not torch.cuda.is_initialized():
+    where = cuda_device_in_use(device)
+    if where is None or where.index is None:
         return False
     torch.cuda.set_device(where)
     return True
+
+
+def cuda_device_in_use(device: Any) -> Any:
+    """``device`` (a manager's: a ``torch.device``, a string, ``None``) as a CUDA ``torch.device``, where it is one and
+    this process has used CUDA; else ``None`` (a CPU manager, something that is no device)."""
+    import torch
+
+    if device is None:
+        return None
+    try:
+        where = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return where if where.type == "cuda" and torch.cuda.is_initialized() else None
 
 
 def await_gpu_reads(device: Any = None) -> None:

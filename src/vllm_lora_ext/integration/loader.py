@@ -22,8 +22,9 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import (bind_worker_gpu, is_first_model_rank, mapper_ignores_expert_numbers,
-                                                pin_in_place, unstacked_mapper, validate_loaded)
+from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
+                                                mapper_ignores_expert_numbers, pin_in_place, unstacked_mapper,
+                                                validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -264,16 +265,7 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
 
 def _gpu_of(manager: Any) -> torch.device | None:
     """The worker's GPU, for a build in this process to transpose 3D factors on (unless turned off)."""
-    if not transpose_on_gpu():
-        return None
-    where = getattr(manager, "device", None)
-    if where is None:
-        return None
-    try:
-        device = torch.device(where)
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    return device if device.type == "cuda" and torch.cuda.is_initialized() else None
+    return cuda_device_in_use(getattr(manager, "device", None)) if transpose_on_gpu() else None
 
 
 def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:
