@@ -129,3 +129,19 @@ def moe_build_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] |
                                     local_experts={p: experts or tuple(range(e)) for p in BUILD_BLOCKS},
                                     max_rank=max_rank),
                     wrappers={p: wrapper for p in BUILD_BLOCKS}, dtype=torch.bfloat16)
+
+
+def spy_gpu_transposes(monkeypatch: Any) -> list[bool]:
+    """Record, in the list returned, whether each B offered to a GPU by ``read_transposed(device=...)`` was turned
+    there (``True``) or left to the CPU (``False``); the reads themselves run as they would."""
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    tried: list[bool] = []
+    real = SafetensorsReader._transposed_on
+
+    def spy(self: SafetensorsReader, *args: Any, **kwargs: Any) -> bool:
+        tried.append(real(self, *args, **kwargs))
+        return tried[-1]
+
+    monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
+    return tried

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from factories import lora_config, write_adapter
-from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
+from moe_factories import (BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, spy_gpu_transposes,
+                           write_moe_adapter)
 from vllm_lora_ext import building
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext import hostmem
@@ -261,14 +262,7 @@ def test_a_build_asked_to_transpose_on_a_gpu_it_cannot_use_transposes_on_the_cpu
     job = moe_build_job(folder, wrapper=wrapper)
     monkeypatch.setenv(ENV_HOST_ARENA_MIN, "0")
     want = _moe_tensors(build_adapter(job, PeftKeyRouter()))
-    tried: list[bool] = []
-    real = SafetensorsReader._transposed_on
-
-    def spy(self: SafetensorsReader, *args: object, **kwargs: object) -> bool:
-        tried.append(real(self, *args, **kwargs))  # type: ignore[arg-type]
-        return tried[-1]
-
-    monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
+    tried = spy_gpu_transposes(monkeypatch)
     built = build_adapter(job, PeftKeyRouter(), transpose_on=torch.device("cuda", 0))
     assert tried == [False] * 4 and built.turned_on_gpu == 0  # every B offered to the GPU, and done here instead
     got = _moe_tensors(built)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter  # noqa: E402
+from moe_factories import (BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job,  # noqa: E402
+                           spy_gpu_transposes, write_moe_adapter)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,14 +50,7 @@ def test_a_tensor_past_the_limit_or_the_gpus_free_memory_is_transposed_on_the_cp
     reader = SafetensorsReader(tmp_path / "t.safetensors")
     gpu = torch.device("cuda", torch.cuda.current_device())
     want = reader.read_transposed("b", 12, scale=0.5)
-    calls: list[bool] = []
-    real = SafetensorsReader._transposed_on
-
-    def spy(self: SafetensorsReader, *args: object, **kwargs: object) -> bool:
-        calls.append(real(self, *args, **kwargs))  # type: ignore[arg-type]
-        return calls[-1]
-
-    monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
+    calls = spy_gpu_transposes(monkeypatch)
     assert torch.equal(reader.read_transposed("b", 12, scale=0.5, device=gpu), want) and calls == [True]
     monkeypatch.setattr(reader_module, "_GPU_TRANSPOSE_MAX", 16)
     assert torch.equal(reader.read_transposed("b", 12, scale=0.5, device=gpu), want) and calls[-1] is False
