@@ -619,11 +619,10 @@ class SafetensorsReader:
                 else:
                     torch.mul(lying.t(), scale, out=turned)
                 del lying  # (its block goes back to this stream's pool, behind the work queued on it)
-                done = torch.cuda.Event()
-                out.copy_(turned)  # synchronous: ``out`` is host memory (pageable or pinned; torch waits either way)
-                done.record(stream)
+                # Synchronous: ``out`` is host memory (pageable or pinned), so torch waits for this stream's work
+                # before it returns, and ``turned``'s block is free to go back then.
+                out.copy_(turned)
                 del turned
-            done.synchronize()
         except torch.cuda.OutOfMemoryError:
             stream.synchronize()
             return False
