@@ -12,7 +12,10 @@ then times bare reads of the same bytes, one thread, ``preadv`` into memory of t
 for all of the file's tensor bytes (EP=1) and for the runs of the rank's experts (EP=8), so that a rank's read rate
 can be put beside EP=1's. It is a probe: no stock counterpart (stock's phases differ), nothing here is a loader.
 
-Usage: python bench/probe_ep_phases.py [--layers 12] [--ep 8] [--reps 7] [--out FILE]
+With ``--workers 1,2``, the rank's build is also timed with that many reading threads (``read_blocks``'s own choice
+is 4 on a host with 4 or more cores).
+
+Usage: python bench/probe_ep_phases.py [--layers 12] [--ep 8] [--reps 7] [--workers 1,2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--folder", default=None, help="an adapter made by bench_moe_load.make_adapter (2D) to reuse")
+    ap.add_argument("--workers", default="", help="also time the rank's build with these read_blocks thread counts "
+                                                   "(e.g. 1,2; default: the build's own choice only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a serving process runs torch
@@ -72,7 +77,15 @@ def main() -> None:
     building.SafetensorsReader = timed("header", building.SafetensorsReader)
     building.plan_adapter = timed("plan", building.plan_adapter)
     building.HostArena = timed("arena", building.HostArena)
-    building.read_blocks = timed("read_blocks", building.read_blocks)
+    threads: dict[str, int | None] = {"workers": None}
+    read_blocks = building.read_blocks
+
+    def read_blocks_with(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        if threads["workers"] is not None:
+            k["workers"] = threads["workers"]
+        return read_blocks(*a, **k)
+
+    building.read_blocks = timed("read_blocks", read_blocks_with)
     building.pack_block = timed("pack", building.pack_block)
     reader._preadv_exactly = timed("preadv (sum over threads)", reader._preadv_exactly)
 
@@ -82,8 +95,9 @@ def main() -> None:
         return ModelSpec(frozenset(), moe={p: MoESpec(p, E, H, I) for p in blocks},
                          local_experts={p: tuple(range(E // ep)) for p in blocks} if ep > 1 else {}, max_rank=16)
 
-    def build(ep: int) -> dict[str, float]:
+    def build(ep: int, workers: int | None = None) -> dict[str, float]:
         acc.clear()
+        threads["workers"] = workers
         t = time.perf_counter()
         built = build_adapter(BuildJob(str(folder), "probe", model(ep), dtype=torch.bfloat16), PeftKeyRouter())
         acc["total"] = time.perf_counter() - t
@@ -94,9 +108,13 @@ def main() -> None:
     for ep in (1, args.ep):  # warm: imports, allocator, pools
         build(ep)
     runs: dict[int, list[dict[str, float]]] = {1: [], args.ep: []}
+    sweep = [int(w) for w in args.workers.split(",") if w]
+    by_workers: dict[int, list[dict[str, float]]] = {w: [] for w in sweep}
     for r in range(args.reps):
         for ep in ((1, args.ep) if r % 2 == 0 else (args.ep, 1)):
             runs[ep].append(build(ep))
+        for w in sweep:
+            by_workers[w].append(build(args.ep, w))
 
     # Bare reads of the same bytes: all of the tensors (EP=1); the rank's experts' runs (EP=ep).
     hdr = reader.read_header(path)
@@ -150,6 +168,10 @@ def main() -> None:
     for p in phases:
         rows.append([p, med[1][p], med[args.ep][p], med[args.ep][p] / med[1][p] if med[1][p] else "-"])
     print_table(rows, ["phase (build_adapter)", "EP=1 ms", f"EP={args.ep} ms", "ratio"])
+    if sweep:
+        print_table([[w, median([x["total"] for x in by_workers[w]]) * 1e3,
+                      median([x["read_blocks"] for x in by_workers[w]]) * 1e3] for w in sweep],
+                    [f"EP={args.ep} read threads", "total ms", "read_blocks ms"])
     rows2 = []
     for name, rr in cases.items():
         nbytes = sum(b - a for a, b in rr)
@@ -157,7 +179,7 @@ def main() -> None:
             ms = median(bare[name][kind]) * 1e3
             rows2.append([name, len(rr), nbytes / 2**20, kind, ms, nbytes / ms / 1e6])
     print_table(rows2, ["bytes of", "preadv runs", "MiB", "into", "ms", "GB/s"])
-    write_json("ep_phases", {"layers": args.layers, "ep": args.ep, "reps": args.reps, "builds": runs,
+    write_json("ep_phases", {"layers": args.layers, "ep": args.ep, "reps": args.reps, "builds": runs, "rank_builds_by_read_threads": by_workers,
                              "build_median_ms": med, "bare_seconds": bare, "bare_table": rows2,
                              "bytes_read": {ep: runs[ep][0]["bytes"] for ep in runs}}, args.out)
 

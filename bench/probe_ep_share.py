@@ -12,9 +12,9 @@ This probe times the work such a rank would do, in one process, interleaved with
 - **today**: `build_adapter` of rank 0 at EP (header, plan and checks of every key, the read of its experts);
 - its **header + plan** alone (`read_header`, `plan_adapter`), so that **read** = today − header + plan;
 - **share**: the header's bytes split into entries at their ``]},"`` boundaries (a probe: it assumes
-  safetensors' own compact form, and the key pattern below), ``json.loads`` of the rank's slice and the bulk
-  entry checks on it, the entries of the rank's experts found by one search of the header for their key endings,
-  and every entry whose key has no ``.experts.``, parsed and planned with `plan_adapter`;
+  safetensors' own compact form, and the key pattern below), the bulk parse and checks of the rank's slice
+  (`_check_header_in_bulk`, as `read_header` runs them), the entries of the rank's experts found by one search of
+  the header for their key endings, and every entry whose key has no ``.experts.``, parsed and planned with `plan_adapter`;
 - **estimate** = share + read, against today's EP=1 build in the same process.
 
 It builds no loader and checks nothing of its own output beyond the key counts; it measures a cost, not a
@@ -49,7 +49,7 @@ def main() -> None:
     from vllm_lora_ext.config import config_from_dict
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter, plan_adapter
-    from vllm_lora_ext.reader import _check_entries_in_bulk, read_header
+    from vllm_lora_ext.reader import _check_header_in_bulk, read_header
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -92,8 +92,8 @@ def main() -> None:
             body = f.read(n).rstrip(b" ")
         parts = body[2:-1].split(b']},"')  # entry texts: 'key":{"dtype":...,"data_offsets":[s,e' 
         cut = len(parts) // args.ep  # rank 0's slice
-        piece = json.loads(b'{"' + b']},"'.join(parts[:cut]) + b"]}}")
-        _check_entries_in_bulk(piece, 0)  # every check runs; the slice's end is not the file's, so it answers None
+        # the slice parsed and checked as the header is (every check runs; its end is not the file's: it answers None)
+        _check_header_in_bulk(b'{"' + b']},"'.join(parts[:cut]) + b"]}}", 0)
         # this rank's experts' entries, found where their keys end (a literal-led search), each cut out whole,
         # then every entry whose key has no ".experts." (C-level passes over the entry texts)
         mine = [body[body.rfind(b'"', 0, m.start()) + 1:body.find(b"]}", m.end())] for m in own.finditer(body)]
@@ -101,7 +101,7 @@ def main() -> None:
         entries = json.loads(b'{"' + b']},"'.join(mine) + b"]}}")
         shapes = {k: tuple(v["shape"]) for k, v in entries.items()}
         plan_adapter(shapes, config, spec(args.ep), router=PeftKeyRouter(), dtypes={k: v["dtype"] for k, v in entries.items()})
-        counts.update(entries=len(parts), slice=len(piece), own=len(entries))
+        counts.update(entries=len(parts), slice=cut, own=len(entries))
         return time.perf_counter() - t
 
     for f in (today, header_and_plan, share):  # warm every path once

@@ -18,11 +18,16 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+try:
+    import msgspec
+except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
+    msgspec = None  # type: ignore[assignment]
 
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
@@ -164,6 +169,105 @@ def _read_header(path: str | os.PathLike[str]) -> FileHeader:
         blob = f.read(n)
     if len(blob) != n:
         raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
+    base = 8 + n
+    bulk = _check_header_in_bulk(blob, size - base)
+    if bulk is not None:
+        (keys, dtypes, shapes, starts, ends), meta = bulk
+    else:  # refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong
+        keys, dtypes, shapes, starts, ends, meta = _check_header_one_by_one(blob, where, base, size)
+    at = itertools.repeat(base)
+    return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
+                      nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
+                      offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))))
+
+
+_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]
+_BITS = {name: bits for name, (bits, _) in DTYPES.items()}
+
+
+# msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types
+# are the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
+# integers, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec decodes
+# strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__`` decodes
+# as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after. Without
+# msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
+if msgspec is not None:
+    _Count = Annotated[int, msgspec.Meta(ge=0)]
+
+    class _Entry(msgspec.Struct, gc=False):
+        dtype: str | None = None
+        shape: Annotated[tuple[_Count, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
+        data_offsets: tuple[_Count, _Count] | None = None
+
+    class _Metadata(msgspec.Struct, gc=False):
+        metadata: dict[str, str] | None = msgspec.field(default=None, name="__metadata__")
+
+    _DECODERS: tuple[Any, Any] | None = (msgspec.json.Decoder(dict[str, _Entry]), msgspec.json.Decoder(_Metadata))
+else:  # pragma: no cover
+    _DECODERS = None
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_OFFSETS = operator.attrgetter("data_offsets")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+
+
+def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
+    """Parse and validate a header's JSON with typed decoding and list-wide operations; return its entries sorted
+    by offset and its metadata, or ``None`` if anything is off (or msgspec is missing).
+
+    The same rules as `_check_header_one_by_one`, which runs instead on ``None`` to name what is wrong, and which
+    alone decides the few headers json reads and msgspec does not (a lone surrogate in a key, ``"__metadata__":
+    0``). msgspec checks the types while it parses (`_DECODERS`); what is left is a few C-level passes over
+    lists, about 1 µs per entry in all (dev VM: 9 ms for 9,216 entries, against 19 ms for ``json.loads`` and the
+    same checks on its dicts).
+    """
+    if _DECODERS is None:
+        return None
+    entries_of, metadata_of = _DECODERS
+    try:
+        decoded = entries_of.decode(blob)
+        meta = metadata_of.decode(blob).metadata if "__metadata__" in decoded else None
+    except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
+        return None
+    decoded.pop("__metadata__", None)
+    # A duplicate key collapses entries silently (the last wins), as in json.loads: unequal counts send the
+    # header to the entry-by-entry parse, which finds and names it (a metadata value naming a field costs only
+    # that parse).
+    if not blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == len(decoded):
+        return None
+    entries = list(decoded.values())
+    dtypes = list(map(_DTYPE, entries))
+    shapes = list(map(_SHAPE, entries))
+    offs = list(map(_OFFSETS, entries))
+    if None in dtypes or None in shapes or None in offs:  # an entry without one of its fields
+        return None
+    try:
+        bits = list(map(_BITS.__getitem__, dtypes))
+    except KeyError:  # an unknown dtype
+        return None
+    starts = list(map(_FIRST, offs))
+    ends = list(map(_SECOND, offs))
+    sizes = list(map(operator.sub, ends, starts))
+    if sizes and min(sizes) < 0:
+        return None
+    if list(map(operator.mul, map(math.prod, shapes), bits)) != list(map(operator.mul, sizes, itertools.repeat(8))):
+        return None
+    keys = list(decoded)
+    if starts != sorted(starts) or (len(set(starts)) != len(starts)):  # out of file order, or empty tensors
+        spans = sorted(zip(starts, ends, keys, range(len(entries))))
+        idx = [x[3] for x in spans]
+        keys, dtypes, shapes = [x[2] for x in spans], [dtypes[i] for i in idx], [shapes[i] for i in idx]
+        starts, ends = [x[0] for x in spans], [x[1] for x in spans]
+    if (starts and starts[0] != 0) or starts[1:] != ends[:-1] or (ends[-1] if ends else 0) != data_bytes:
+        return None
+    return (keys, dtypes, shapes, starts, ends), meta or {}
+
+
+def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[
+        list[str], list[str], list[tuple[int, ...]], list[int], list[int], dict[str, str]]:
+    """Parse the header with json and validate entry by entry; raise [`AdapterFormatError`] naming what is wrong."""
     try:
         raw = json.loads(blob)
         # A duplicate key collapses entries silently in json.loads. Each entry names "dtype", "shape" and
@@ -180,70 +284,7 @@ def _read_header(path: str | os.PathLike[str]) -> FileHeader:
     meta = raw.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise AdapterFormatError(f"{where!r}: '__metadata__' must map strings to strings. Re-save the file.")
-    base = 8 + n
-    fast = _check_entries_in_bulk(raw, size - base)
-    if fast is not None:
-        keys, dtypes, shapes, starts, ends = fast
-    else:
-        keys, dtypes, shapes, starts, ends = _check_entries_one_by_one(raw, where, base, size)
-    at = itertools.repeat(base)
-    return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
-                      nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
-                      offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))))
-
-
-_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]
-_BITS = {name: bits for name, (bits, _) in DTYPES.items()}
-
-
-def _check_entries_in_bulk(raw: dict[str, Any], data_bytes: int) -> _Entries | None:
-    """Validate every entry with list-wide operations; return them sorted by offset, or ``None`` if any is invalid.
-
-    The same rules as `_check_entries_one_by_one`, which runs instead on ``None`` to name the bad entry.
-    Every step is a C-level pass over a list (``map``, ``set``, ``chain``), about 1 µs per entry in all.
-    """
-    entries = list(raw.values())
-    if set(map(type, entries)) - {dict}:
-        return None
-    try:
-        dtypes = list(map(_DTYPE, entries))
-        shapes = list(map(_SHAPE, entries))
-        offs = list(map(_OFFSETS, entries))
-        bits = list(map(_BITS.__getitem__, dtypes))
-    except (KeyError, TypeError):  # a missing field, or an unhashable dtype
-        return None
-    if set(map(type, shapes)) - {list} or set(map(type, offs)) - {list} or set(map(len, offs)) - {2}:
-        return None
-    if max(map(len, shapes), default=0) > _MAX_NDIM:
-        return None
-    flat = list(itertools.chain.from_iterable(shapes))
-    starts = list(map(_FIRST, offs))
-    ends = list(map(_SECOND, offs))
-    if set(map(type, flat)) - {int} or set(map(type, starts)) - {int} or set(map(type, ends)) - {int}:
-        return None
-    if (flat and min(flat) < 0) or (starts and min(starts) < 0):
-        return None
-    sizes = list(map(operator.sub, ends, starts))
-    if sizes and min(sizes) < 0:
-        return None
-    if list(map(operator.mul, map(math.prod, shapes), bits)) != list(map(operator.mul, sizes, itertools.repeat(8))):
-        return None
-    keys = list(raw)
-    if starts != sorted(starts) or (len(set(starts)) != len(starts)):  # out of file order, or empty tensors
-        spans = sorted(zip(starts, ends, keys, range(len(entries))))
-        idx = [x[3] for x in spans]
-        keys, dtypes, shapes = [x[2] for x in spans], [dtypes[i] for i in idx], [shapes[i] for i in idx]
-        starts, ends = [x[0] for x in spans], [x[1] for x in spans]
-    if (starts and starts[0] != 0) or starts[1:] != ends[:-1] or (ends[-1] if ends else 0) != data_bytes:
-        return None
-    return keys, dtypes, list(map(tuple, shapes)), starts, ends
-
-
-_DTYPE = operator.itemgetter("dtype")
-_SHAPE = operator.itemgetter("shape")
-_OFFSETS = operator.itemgetter("data_offsets")
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
+    return (*_check_entries_one_by_one(raw, where, base, size), dict(meta))
 
 
 def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: int) -> _Entries:

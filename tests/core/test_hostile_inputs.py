@@ -102,7 +102,7 @@ def test_pickle_sources_are_refused_without_opt_in(source: str, tmp_path: Path) 
     _expect(lambda: parse_source(source), UnsafeFormatError, "VLLM_LORA_EXT_ALLOW_PICKLE=1", tmp_path)
 
 
-# ------------------------------------------------------------------------------------------------ files (29)
+# ------------------------------------------------------------------------------------------------ files (31)
 
 
 def _st(header: Any, data: bytes = b"", *, raw_header: bytes | None = None, declared: int | None = None) -> bytes:
@@ -122,6 +122,10 @@ FILES: list[tuple[str, bytes, str]] = [
     ("header-not-json", _st(None, raw_header=b"{nope"), "not valid JSON"),
     ("header-not-utf8", _st(None, raw_header=b"\xff\xfe{}"), "not valid JSON"),
     ("header-array", _st([1, 2]), "not a JSON object"),
+    ("header-nested-deep", _st(None, raw_header=b'{"a":{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"),
+     "not valid JSON"),
+    ("metadata-nested-deep", _st(None, raw_header=b'{"__metadata__":{"x":' + b'{"y":' * 100_000 + b"1"
+                                                + b"}" * 100_001 + b"}"), "not valid JSON"),
     ("duplicate-key", _st(None, raw_header=b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
                                            b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}')
      + b"\0" * 4, "duplicate key 'a'"),

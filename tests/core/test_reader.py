@@ -1,9 +1,9 @@
 """The safetensors header parse: the bulk check accepts exactly what the entry-by-entry check accepts.
 
-``read_header`` validates in bulk (list-wide operations, fast on 37k-key MoE adapters) and falls
-back to the entry-by-entry check, which names the bad entry. A bulk check that accepted an entry
-the other refuses would let a hostile header through, so thousands of mutated headers are run
-through both and must agree: the same result, or both refuse.
+``read_header`` validates in bulk (msgspec's typed decoding, then list-wide operations: fast on 37k-key MoE
+adapters) and falls back to json and the entry-by-entry check, which names the bad entry. A bulk check that
+accepted an entry the other refuses would let a hostile header through, so thousands of mutated headers are run
+through both and must agree: the same result, or the bulk check refuses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.reader import _check_entries_in_bulk, _check_entries_one_by_one, read_header
+import vllm_lora_ext.reader as reader_module
+from vllm_lora_ext.reader import _check_header_in_bulk, _check_header_one_by_one, read_header
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int, int]:
@@ -34,9 +35,12 @@ def _header(path: Path) -> tuple[dict[str, Any], int, int]:
 
 
 def _both(raw: dict[str, Any], base: int, size: int) -> tuple[Any, Any]:
-    bulk = _check_entries_in_bulk(copy.deepcopy(raw), size - base)
+    """Both checks of ``raw`` written as a header: ``(entries, metadata)`` each, or ``None`` where refused."""
+    blob = json.dumps(raw).encode()
+    bulk = _check_header_in_bulk(blob, size - base)
     try:
-        slow = _check_entries_one_by_one(copy.deepcopy(raw), "f", base, size)
+        *entries, meta = _check_header_one_by_one(blob, "f", base, size)
+        slow = (tuple(entries), meta)
     except AdapterFormatError:
         slow = None
     return bulk, slow
@@ -56,14 +60,19 @@ def test_bulk_and_one_by_one_agree_on_a_valid_file(sample: Path) -> None:
     raw, base, size = _header(sample)
     bulk, slow = _both(raw, base, size)
     assert bulk is not None and bulk == slow
+    assert _both({**raw, "__metadata__": {"format": "pt"}}, base, size)[0][1] == {"format": "pt"}
     header = read_header(sample)
-    assert list(header.shapes) == bulk[0]
+    assert list(header.shapes) == bulk[0][0] and header.metadata == {"format": "pt"}
     assert header.tensors["b"].shape == (3, 5) and header.tensors["b"].nbytes == 30
     assert header.offsets["a"][1] - header.offsets["a"][0] == 8
 
 
 _BAD_VALUES: list[Any] = [None, True, False, -1, 1.5, 2**70, "3", [], [1], [1, 2, 3], {}, [True, 2], [-1, 2],
                           [0, 2**64], ["BF16"], "BF16", "F4", "bf16", 0]
+
+
+_BAD_METADATA: list[Any] = [{"format": "pt"}, None, 0, [], {}, "pt", {"a": 1}, {"a": None}, {"dtype": "F32"},
+                             {"shape": [1], "data_offsets": [0, 4], "dtype": "F32"}, [["a", "b"]]]
 
 
 def _mutate(raw: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -75,7 +84,7 @@ def _mutate(raw: dict[str, Any], rng: random.Random) -> dict[str, Any]:
         return raw
     key = rng.choice(whole)
     entry = raw[key]
-    what = rng.randrange(8)
+    what = rng.randrange(9)
     if what == 0:
         entry["dtype"] = rng.choice(["BF16", "F32", "F16", "I8", "F64", "XX", "F4", "F6_E2M3", 7, None, ["BF16"]])
     elif what == 1:
@@ -89,6 +98,8 @@ def _mutate(raw: dict[str, Any], rng: random.Random) -> dict[str, Any]:
         del entry[rng.choice(["dtype", "shape", "data_offsets"])]
     elif what == 5:
         raw[key] = rng.choice(_BAD_VALUES)
+    elif what == 7:
+        raw["__metadata__"] = rng.choice(_BAD_METADATA)
     elif what == 6 and entry["shape"] and all(isinstance(d, int) for d in entry["shape"]):
         i = rng.randrange(len(entry["shape"]))
         entry["shape"][i] = rng.choice([entry["shape"][i] + 1, 0, -entry["shape"][i], float(entry["shape"][i]), True])
@@ -102,7 +113,7 @@ def _mutate(raw: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 def test_bulk_check_never_accepts_what_the_entry_by_entry_check_refuses(sample: Path) -> None:
     raw, base, size = _header(sample)
     rng = random.Random(0)
-    refused = 0
+    refused = accepted_in_bulk = 0
     for _ in range(3000):
         bad = _mutate(raw, rng)
         if rng.random() < 0.3:
@@ -110,8 +121,20 @@ def test_bulk_check_never_accepts_what_the_entry_by_entry_check_refuses(sample: 
         for data_end in (size, size + rng.choice([-1, 1])):  # and truncated or trailing bytes
             bulk, slow = _both(bad, base, data_end)
             assert bulk is None or bulk == slow, bad
+            accepted_in_bulk += bulk is not None
             refused += slow is None
     assert refused > 2000  # the mutations are mostly invalid
+    assert accepted_in_bulk > 100  # and the valid ones mostly pass in bulk
+
+
+def test_without_msgspec_headers_are_parsed_entry_by_entry(monkeypatch: pytest.MonkeyPatch, sample: Path) -> None:
+    fast = read_header(sample)
+    monkeypatch.setattr(reader_module, "_DECODERS", None)
+    assert _check_header_in_bulk(b"{}", 0) is None
+    slow = read_header(sample)
+    assert (slow.shapes, slow.dtypes, slow.offsets, slow.nbytes, slow.metadata) == \
+        (fast.shapes, fast.dtypes, fast.offsets, fast.nbytes, fast.metadata)
+    assert list(slow.offsets) == list(fast.offsets)
 
 
 def test_a_refused_header_names_the_entry(tmp_path: Path, sample: Path) -> None:
