@@ -213,6 +213,16 @@ _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 
 
+def _one_of_each_field(blob: bytes, entries: int) -> bool:
+    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse.
+
+    A duplicate key collapses entries silently (the last wins) in json and in msgspec alike. Each entry names
+    each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
+    the duplicate (a metadata value mentioning those words only costs that parse).
+    """
+    return blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
+
+
 def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
     """Parse and validate a header's JSON with typed decoding and list-wide operations; return its entries sorted
     by offset and its metadata, or ``None`` if anything is off (or msgspec is missing).
@@ -232,10 +242,7 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
         return None
     decoded.pop("__metadata__", None)
-    # A duplicate key collapses entries silently (the last wins), as in json.loads: unequal counts send the
-    # header to the entry-by-entry parse, which finds and names it (a metadata value naming a field costs only
-    # that parse).
-    if not blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == len(decoded):
+    if not _one_of_each_field(blob, len(decoded)):  # a duplicate key: named by the entry-by-entry parse
         return None
     entries = list(decoded.values())
     dtypes = list(map(_DTYPE, entries))
@@ -270,12 +277,8 @@ def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> t
     """Parse the header with json and validate entry by entry; raise [`AdapterFormatError`] naming what is wrong."""
     try:
         raw = json.loads(blob)
-        # A duplicate key collapses entries silently in json.loads. Each entry names "dtype", "shape" and
-        # "data_offsets" once, so unequal counts (cheap, in C) send the header through the slow parse that
-        # finds and names the duplicate (a metadata value mentioning those words only costs that parse).
-        n_entries = len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1
-        if not blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == n_entries:
-            raw = json.loads(blob, object_pairs_hook=_no_duplicates)
+        if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
+            raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({str(err)[:200]}); not a "
                                  f"safetensors file.") from None
