@@ -137,6 +137,20 @@ def test_without_msgspec_headers_are_parsed_entry_by_entry(monkeypatch: pytest.M
     assert list(slow.offsets) == list(fast.offsets)
 
 
+def test_the_shared_decoders_parse_the_same_header_on_many_threads_at_once(tmp_path: Path) -> None:
+    """Mix components are read on several threads at once: they share the module's msgspec decoders."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"m.layers.{i}.mlp.experts.{e}.up_proj.lora_A.weight": torch.zeros(2, 3) for i in range(8)
+               for e in range(16)}, str(path), metadata={"format": "pt"})
+    want = read_header(path)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: read_header(path), range(32)))
+    assert all(list(h.offsets.items()) == list(want.offsets.items()) and h.shapes == want.shapes
+               and h.metadata == want.metadata for h in got)
+
+
 def test_a_refused_header_names_the_entry(tmp_path: Path, sample: Path) -> None:
     raw, base, size = _header(sample)
     raw["b"]["shape"] = [3, 6]
