@@ -170,11 +170,9 @@ def _read_header(path: str | os.PathLike[str]) -> FileHeader:
     if len(blob) != n:
         raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
     base = 8 + n
-    bulk = _check_header_in_bulk(blob, size - base)
-    if bulk is not None:
-        (keys, dtypes, shapes, starts, ends), meta = bulk
-    else:  # refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong
-        keys, dtypes, shapes, starts, ends, meta = _check_header_one_by_one(blob, where, base, size)
+    # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
+    checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
+    (keys, dtypes, shapes, starts, ends), meta = checked
     at = itertools.repeat(base)
     return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
                       nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
@@ -272,9 +270,9 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     return (keys, dtypes, shapes, starts, ends), meta or {}
 
 
-def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[
-        list[str], list[str], list[tuple[int, ...]], list[int], list[int], dict[str, str]]:
-    """Parse the header with json and validate entry by entry; raise [`AdapterFormatError`] naming what is wrong."""
+def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[_Entries, dict[str, str]]:
+    """Parse the header with json and validate entry by entry; return what `_check_header_in_bulk` returns, or
+    raise [`AdapterFormatError`] naming what is wrong."""
     try:
         raw = json.loads(blob)
         if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
@@ -287,7 +285,7 @@ def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> t
     meta = raw.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise AdapterFormatError(f"{where!r}: '__metadata__' must map strings to strings. Re-save the file.")
-    return (*_check_entries_one_by_one(raw, where, base, size), dict(meta))
+    return _check_entries_one_by_one(raw, where, base, size), dict(meta)
 
 
 def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: int) -> _Entries:
