@@ -1,0 +1,433 @@
+"""GPU: every MoE architecture vLLM serves with LoRA, each module group against HF + PEFT (issue 36).
+
+The matrix is made from the installed vLLM itself: every text-generation class in its registry that has routed
+experts (its module uses vLLM's fused MoE layer) and supports LoRA. For each one transformers can build:
+
+1. a tiny random model (2 layers, 8 experts; the first layer dense where the family has ``first_k_dense_replace``),
+   saved in bf16 with a small tokenizer;
+2. a PEFT adapter (``init_lora_weights=False``) on every ``nn.Linear`` but ``lm_head`` (what ``all-linear`` takes,
+   plus the dense and shared-expert MLPs PEFT 0.21 leaves out on DeepSeek-V2), and the fused 3D expert parameters
+   through ``target_parameters``;
+3. the adapter split into module groups (each attention projection, routed experts, shared experts, dense MLP,
+   anything else), each group written as its own adapter;
+4. teacher-forced logprobs of 4 random sequences: HF + PEFT in float32 (the other groups' ``lora_B`` zeroed), and
+   vLLM with the plugin (bf16, eager) loading each group's adapter.
+
+Per group: ``gap`` = mean |vLLM − HF| with the group, ``noise`` = mean |vLLM base − HF base|, ``control`` = mean
+|vLLM base − HF with the group| (the gap if vLLM did not apply the group at all). A cell is
+
+- ``verified``: the load succeeded and ``gap <= tol`` while ``control > tol`` (tol = max(0.1, 3 · noise));
+- ``refused``: the plugin refused the adapter (the message is kept);
+- ``no effect``: ``control <= tol``, so this check cannot tell applied from ignored;
+- ``WRONG``: accepted and served with ``gap > tol`` — accepted but not applied as trained.
+
+An architecture transformers or vLLM cannot build is listed with the reason. Stock vLLM has no column: it has no
+refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issue 36).
+
+    python bench/moe_matrix.py --out bench/results/moe_matrix.json [--archs A,B] [--parallel 4]
+    python bench/moe_matrix.py --archs A,B --quantization fp8 --out ...  # the base quantized online by vLLM
+    python bench/moe_matrix.py --one ARCH --workdir W --json OUT   # one architecture (what the driver runs)
+    python bench/moe_matrix.py --one ARCH --no-vllm --device cpu   # HF + PEFT side only (no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+
+VOCAB = 512
+SEQS, SEQ_LEN, PROMPT_LEN = 4, 24, 4
+RANK, ALPHA = 8, 16
+TINY = {  # applied only where the family's config has the field
+    "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 96,
+    "shared_expert_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+    "topk_group": 1, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 512, "initializer_range": 0.1,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "use_cache": False,
+}
+ROUTER_SCALE = 8.0
+
+
+# ---- which architectures -------------------------------------------------------------------------------------
+
+def candidates() -> list[tuple[str, str]]:
+    """(architecture, status) for every registry class with fused MoE experts; status 'lora' or why not."""
+    import transformers
+    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    out = []
+    for arch, (mod, cls) in sorted(_TEXT_GENERATION_MODELS.items()):
+        try:
+            module = importlib.import_module(f"vllm.model_executor.models.{mod}")
+            model_cls = getattr(module, cls)
+        except Exception as err:  # a model whose optional dependency is not installed
+            out.append((arch, f"not importable in vLLM: {type(err).__name__}: {err}"[:200]))
+            continue
+        if not any("FusedMoE" in k or "MoERunner" in k for k in vars(module)):
+            continue
+        if not supports_lora(model_cls):
+            out.append((arch, "vLLM does not support LoRA on it"))
+        elif not hasattr(transformers, arch):
+            out.append((arch, f"transformers {transformers.__version__} has no {arch}"))
+        else:
+            out.append((arch, "lora"))
+    return out
+
+
+# ---- the tiny model and its adapter ----------------------------------------------------------------------------
+
+def tiny_config(arch: str) -> Any:
+    import transformers
+
+    cfg_cls = getattr(transformers, arch).config_class
+    fields = cfg_cls().to_dict()
+    kwargs = {k: v for k, v in TINY.items() if k in fields}
+    if fields.get("q_lora_rank") is not None:
+        kwargs["q_lora_rank"] = 96
+    if isinstance(fields.get("layer_types"), list):
+        kwargs["layer_types"] = fields["layer_types"][:1] * TINY["num_hidden_layers"]
+    if "rope_scaling" in fields:
+        kwargs["rope_scaling"] = None
+    return cfg_cls(**kwargs)
+
+
+def build_model(arch: str, folder: Path) -> Any:
+    import transformers
+    from tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(tiny_config(arch)).float()
+    with torch.no_grad():  # decisive routers: bf16 vs fp32 then pick the same experts (see tests/gpu/tiny.py)
+        for name, p in model.named_parameters():
+            if name.endswith((".gate.weight", ".router.weight")) and p.ndim == 2:
+                p.mul_(ROUTER_SCALE)
+    model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
+    build_tokenizer(folder)
+    return model
+
+
+def expert_parameters(model: Any) -> list[str]:
+    """Suffixes (``experts.gate_up_proj``) of the fused 3D expert parameters, for PEFT's ``target_parameters``."""
+    names = {".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.ndim == 3 and ".experts." in n}
+    return sorted(names)
+
+
+@contextlib.contextmanager
+def modules_as_named() -> Iterator[None]:
+    """PEFT targets the named ``nn.Linear`` modules, without its transformers-v4 -> v5 MoE config conversion.
+
+    That conversion (PEFT 0.21) maps every ``gate_proj``/``up_proj``/``down_proj`` target onto the fused experts,
+    so a DeepSeek-V2 dense MLP or shared expert could not be targeted at all; the experts are targeted here
+    through ``target_parameters`` explicitly instead. Used for building the adapter and for loading it back.
+    """
+    try:
+        import peft.utils.transformers_weight_conversion as conv
+    except ImportError:  # a PEFT without the conversion targets modules as named already
+        yield
+        return
+    saved = conv.convert_peft_config_for_transformers
+    conv.convert_peft_config_for_transformers = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        conv.convert_peft_config_for_transformers = saved
+
+
+def build_adapter(model_dir: Path, folder: Path) -> dict[str, Any]:
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    params = expert_parameters(model)
+    torch.manual_seed(1)
+    # Every linear module by name: PEFT 0.21's "all-linear" leaves out DeepSeek-V2's dense and shared-expert MLPs.
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+    kwargs: dict[str, Any] = {"r": RANK, "lora_alpha": ALPHA, "init_lora_weights": False, "target_modules": linears}
+    if params:
+        kwargs["target_parameters"] = params
+    with modules_as_named():
+        peft.get_peft_model(model, peft.LoraConfig(**kwargs)).save_pretrained(str(folder))
+    return {"target_modules": linears, "target_parameters": params}
+
+
+def group_of(key: str) -> str:
+    """The module group of an adapter key (or a PEFT parameter name)."""
+    path = key.split(".lora_")[0].replace(".base_layer", "")
+    leaf = path.rsplit(".", 1)[-1]
+    if "shared_expert" in path:
+        return "shared experts"
+    if ".experts" in path:
+        return "routed experts"
+    if "attn" in path or "attention" in path:
+        return f"attn.{leaf}"
+    if ".mlp." in path or ".feed_forward." in path or ".block_sparse_moe." in path:
+        return f"mlp.{leaf}" if leaf in ("gate", "router") else "dense mlp"
+    return f"other.{leaf}"
+
+
+def write_group_adapters(adapter: Path, dest: Path) -> dict[str, Path]:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    config = (adapter / "adapter_config.json").read_text()
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        groups.setdefault(group_of(key), {})[key] = t
+    out = {"all": adapter}
+    for g, part in sorted(groups.items()):
+        d = dest / g.replace(" ", "_")
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(part, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (d / "adapter_config.json").write_text(config)
+        out[g] = d
+    return out
+
+
+# ---- both sides' logprobs --------------------------------------------------------------------------------------
+
+def sequences() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(3, 400, (SEQ_LEN - 1,), generator=g).tolist() for _ in range(SEQS)]
+
+
+@torch.no_grad()
+def hf_logprobs(model_dir: Path, adapter: Path, groups: list[str], device: str) -> dict[str, list[list[float]]]:
+    """Teacher-forced logprobs: the base, then each group alone (other groups' lora_B zeroed), fp32."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with modules_as_named():
+        model = peft.PeftModel.from_pretrained(base, str(adapter)).to(device).eval()
+    b_params = {n: p for n, p in model.named_parameters() if ".lora_B." in n}
+    saved = {n: p.detach().clone() for n, p in b_params.items()}
+
+    def run() -> list[list[float]]:
+        rows = []
+        for ids in sequences():
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            rows.append([float(lp[i - 1, ids[i]]) for i in range(PROMPT_LEN, len(ids))])
+        return rows
+
+    out: dict[str, list[list[float]]] = {}
+    with model.disable_adapter():
+        out["base"] = run()
+    for g in groups:
+        for n, p in b_params.items():
+            p.copy_(saved[n] if g == "all" or group_of(n) == g else torch.zeros_like(p))
+        out[g] = run()
+    return out
+
+
+def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str | None) -> dict[str, Any]:
+    """vLLM with the plugin: the base, then each group's adapter; a refused load keeps its message."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(str(model_dir), enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=2,
+              enforce_eager=True, gpu_memory_utilization=0.12, max_model_len=256, dtype="bfloat16", seed=0,
+              quantization=quantization)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences()]
+
+    def run(req: Any) -> list[list[float]]:
+        outs = llm.generate(prompts, params, lora_request=req, use_tqdm=False)
+        return [[float(o.prompt_logprobs[i][ids[i]].logprob) for i in range(PROMPT_LEN, len(ids))]
+                for o, ids in zip(outs, sequences())]
+
+    out: dict[str, Any] = {"base": run(None)}
+    for i, (g, path) in enumerate(adapters.items(), 1):
+        try:
+            out[g] = run(LoRARequest(f"m{i}", i, str(path)))
+        except Exception as err:
+            out[g] = {"refused": f"{type(err).__name__}: {err}"[:600]}
+    return out
+
+
+def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    x, y = torch.tensor(a), torch.tensor(b)
+    return float((x - y).abs().mean())
+
+
+def judge(hf: dict[str, Any], vl: dict[str, Any]) -> dict[str, Any]:
+    noise = _mean_gap(vl["base"], hf["base"])
+    tol = max(0.1, 3 * noise)
+    cells = {}
+    for g in hf:
+        if g == "base":
+            continue
+        control = _mean_gap(vl["base"], hf[g])
+        if isinstance(vl.get(g), dict):
+            cells[g] = {"verdict": "refused", "why": vl[g]["refused"], "control": control}
+            continue
+        gap = _mean_gap(vl[g], hf[g])
+        verdict = "no effect" if control <= tol else ("verified" if gap <= tol else "WRONG")
+        cells[g] = {"verdict": verdict, "gap": gap, "control": control}
+    return {"noise": noise, "tol": tol, "groups": cells}
+
+
+def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None
+            ) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        model_dir = workdir / "model"
+        model = build_model(arch, model_dir)
+        del model
+        info = build_adapter(model_dir, workdir / "adapter")
+        adapters = write_group_adapters(workdir / "adapter", workdir / "groups")
+    except Exception as err:
+        return {"arch": arch, "status": "not buildable",
+                "why": f"transformers: {type(err).__name__}: {err}"[:400], "trace": traceback.format_exc()[-2000:]}
+    hf = hf_logprobs(model_dir, workdir / "adapter", list(adapters), device)
+    name = f"{arch} ({quantization})" if quantization else arch
+    result: dict[str, Any] = {"arch": name, "status": "built", **info, "groups": sorted(adapters)}
+    if not use_vllm:
+        return result
+    try:
+        vl = vllm_logprobs(model_dir, adapters, quantization)
+    except Exception as err:
+        return {**result, "status": "not buildable", "why": f"vLLM: {type(err).__name__}: {err}"[:400],
+                "trace": traceback.format_exc()[-2000:]}
+    return {**result, "status": "ran", **judge(hf, vl)}
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------
+
+def _one_in_subprocess(arch: str, workdir: Path, timeout: float, quantization: str | None) -> dict[str, Any]:
+    js = workdir / arch / "result.json"
+    cmd = [sys.executable, __file__, "--one", arch, "--workdir", str(workdir / arch), "--json", str(js)]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    log = workdir / f"{arch}.log"
+    t0 = time.time()
+    try:
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return {"arch": arch, "status": "not buildable", "why": f"timed out after {timeout:.0f} s"}
+    if js.exists():
+        return {**json.loads(js.read_text()), "seconds": round(time.time() - t0, 1)}
+    return {"arch": arch, "status": "not buildable", "why": f"exit {rc}: {log.read_text()[-400:]}"}
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"{'architecture':34} {'group':22} {'verdict':10} {'gap':>7} {'noise':>7} {'control':>8}")
+    for r in results:
+        if r["status"] != "ran":
+            print(f"{r['arch']:34} {'-':22} {r['status']:10}  {r.get('why', '')[:90]}")
+            continue
+        for g, c in r["groups"].items():
+            gap = f"{c['gap']:.3f}" if "gap" in c else "-"
+            print(f"{r['arch']:34} {g:22} {c['verdict']:10} {gap:>7} {r['noise']:7.3f} {c['control']:8.3f}"
+                  + (f"  {c['why'][:80]}" if "why" in c else ""))
+
+
+COLUMNS = ("attention", "routed experts", "shared experts", "dense mlp", "other")
+
+
+def _column(group: str) -> str:
+    if group.startswith("attn."):
+        return "attention"
+    return group if group in COLUMNS else "other"
+
+
+def _cell(cells: dict[str, dict[str, Any]]) -> str:
+    if not cells:
+        return "—"
+    verdicts = {c["verdict"] for c in cells.values()}
+    if len(verdicts) == 1:
+        return next(iter(verdicts))
+    return ", ".join(f"{g.split('.', 1)[-1]} {c['verdict']}" for g, c in sorted(cells.items()))
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """The README's table: one row per architecture, one column per module group, from a results file."""
+    lines = ["| architecture | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for r in sorted(doc["results"], key=lambda r: r["arch"]):
+        if r["status"] != "ran":
+            lines.append(f"| {r['arch']} | not buildable: {r.get('why', '').splitlines()[0][:90]} |" + " |" * (len(COLUMNS) - 1))
+            continue
+        by_col: dict[str, dict[str, Any]] = {c: {} for c in COLUMNS}
+        for g, c in r["groups"].items():
+            if g != "all":
+                by_col[_column(g)][g] = c
+        lines.append(f"| {r['arch']} | " + " | ".join(_cell(by_col[c]) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/moe_matrix.json"))
+    ap.add_argument("--archs", default="", help="comma-separated architectures (default: the registry's)")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-matrix"))
+    ap.add_argument("--one", default="")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quantization", default=None, help="vLLM's online quantization of the base, e.g. fp8")
+    ap.add_argument("--render", type=Path, help="print the README table of a results file and exit")
+    args = ap.parse_args()
+    if args.render:
+        print(render_table(json.loads(args.render.read_text())))
+        return 0
+    if args.one:
+        res = run_one(args.one, args.workdir, use_vllm=not args.no_vllm, device=args.device,
+                      quantization=args.quantization)
+        text = json.dumps(res, indent=1)
+        args.json.write_text(text) if args.json else print(text)
+        return 0
+    found = candidates()
+    wanted = set(filter(None, args.archs.split(",")))
+    todo = [a for a, s in found if s == "lora" and (not wanted or a in wanted)]
+    skipped = [{"arch": a, "status": "not buildable", "why": s} for a, s in found if s != "lora"]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with cf.ThreadPoolExecutor(args.parallel) as pool:
+        ran = list(pool.map(lambda a: _one_in_subprocess(a, args.workdir, args.timeout, args.quantization), todo))
+    # Engines started side by side can trip vLLM's memory profiling (another process freed memory meanwhile):
+    # those run again, one at a time.
+    ran = [_one_in_subprocess(r["arch"].split(" ")[0], args.workdir, args.timeout, args.quantization)
+           if r["status"] != "ran" and "profil" in r.get("why", "") else r for r in ran]
+    results = ran + ([] if wanted else skipped)
+    import transformers
+    import vllm
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {"card": card, "vllm": vllm.__version__, "transformers": transformers.__version__,
+           "quantization": args.quantization,
+           "rank": RANK, "sequences": SEQS, "positions_per_sequence": SEQ_LEN - PROMPT_LEN, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print_table(results)
+    wrong = [(r["arch"], g) for r in results if r["status"] == "ran" for g, c in r["groups"].items()
+             if c["verdict"] == "WRONG"]
+    print(f"wrote {args.out}; {len(ran)} architectures run, WRONG cells: {wrong or 'none'}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(main())
