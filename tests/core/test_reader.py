@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_lora_ext.errors import AdapterFormatError
-import vllm_lora_ext.reader as reader_module
-from vllm_lora_ext.reader import _check_header_in_bulk, _check_header_one_by_one, read_header
+import vllm_lora_ext.headers as reader_module
+from vllm_lora_ext.headers import _check_header_in_bulk, _check_header_one_by_one, read_header
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int, int]:
