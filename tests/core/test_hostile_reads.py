@@ -9,12 +9,10 @@ an event the reader's own ``__init__`` sets once it returns (the real reader run
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from factories import dense_tensors, lora_config, llama_shapes, write_adapter
+from hostile_files import deploy_between_header_and_data, swap_for_link
 from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext.errors import AdapterAccessError, AdapterFormatError
@@ -121,39 +120,6 @@ def test_a_closed_reader_reads_nothing(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ whole builds
 
 
-@contextlib.contextmanager
-def deploy_between_header_and_data(monkeypatch: pytest.MonkeyPatch, path: Path, staged: Path,
-                                   *, in_place: bool = False) -> Iterator[threading.Event]:
-    """A deploy tool on another thread swaps ``staged`` in at ``path`` (``os.replace``; with ``in_place``, writes
-    its bytes over the old file) once a load's reader has read the header, before the load reads any tensor."""
-    header_read, deployed = threading.Event(), threading.Event()
-    real_init = SafetensorsReader.__init__
-
-    def init(self: SafetensorsReader, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        if Path(self.path) == path and not header_read.is_set():
-            header_read.set()
-            assert deployed.wait(10)
-
-    def deploy() -> None:
-        if header_read.wait(10):
-            if in_place:
-                with open(path, "r+b") as f:
-                    f.write(staged.read_bytes())
-            else:
-                os.replace(staged, path)
-        deployed.set()
-
-    monkeypatch.setattr(SafetensorsReader, "__init__", init)
-    tool = threading.Thread(target=deploy)
-    tool.start()
-    try:
-        yield deployed
-    finally:
-        tool.join()
-    assert deployed.is_set()
-
-
 def _moe_pair(tmp_path: Path, form: str) -> tuple[Path, Path, Path]:
     """An MoE adapter folder, a twin folder (same bytes) to build a reference from, and a staged newer file."""
     truths = [make_truth(BUILD_E, BUILD_H, BUILD_I, BUILD_R, s) for s in (0, 1)]
@@ -224,15 +190,6 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     return inside.resolve(), outside.resolve()
 
 
-def _swap_for_link(place: Path, target: Path) -> None:
-    """Swap ``place`` (a folder or file) for a symlink to ``target`` in one rename, as an attacker would."""
-    link = place.with_name(place.name + ".link")
-    os.symlink(target, link)
-    if place.is_dir() and not place.is_symlink():
-        place.rename(place.with_name(place.name + ".old"))
-    os.replace(link, place)
-
-
 def _refused_naming_the_root(job: BuildJob, root: Path) -> None:
     with pytest.raises(AdapterAccessError, match="outside the folders this server may read") as info:
         build_adapter(job, PeftKeyRouter())
@@ -253,7 +210,7 @@ def test_a_link_swapped_to_leave_the_root_after_a_load_is_refused_on_the_rebuild
                                      outside / "team" / "a" / "adapter_model.safetensors"),
                      "config file": (inside / "team" / "a" / "adapter_config.json",
                                      outside / "team" / "a" / "adapter_config.json")}[what]
-    _swap_for_link(place, target)
+    swap_for_link(place, target)
     _refused_naming_the_root(job, inside)  # the rebuild (after an eviction): refused, nothing read from outside
 
 
@@ -332,7 +289,7 @@ def test_a_folder_swapped_for_a_link_at_the_worst_moment_is_refused_not_opened(
     def swap_once() -> None:
         if not swapped:
             swapped.append(True)
-            _swap_for_link(inside / "team", outside / "team")
+            swap_for_link(inside / "team", outside / "team")
 
     if moment.startswith("after the real path is found"):
         real_realpath = os.path.realpath
