@@ -34,7 +34,7 @@ from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
 from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
-from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
+from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
@@ -97,25 +97,6 @@ class BuiltAdapter:
     turned_on_gpu: int = 0
 
 
-class _DictSource:
-    """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def read(self, key: str, ranges: Any = None) -> torch.Tensor:
-        t = self.tensors[key]
-        if not ranges:
-            return t
-        return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
-
-    def read_many(self, keys: Any, *, copy: bool = True) -> dict[str, torch.Tensor]:
-        return {k: self.tensors[k] for k in keys}
-
-    def close(self) -> None:  # (the file was read whole and closed)
-        pass
-
-
 def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
                   arenas: ArenaSupply | None = None, transpose_on: torch.device | None = None) -> BuiltAdapter:
     """Resolve, plan, read, check and pack ``job``'s adapter for the model it describes.
@@ -143,7 +124,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
     known = resolved.config_path is not None or resolved.is_pickle
     config = load_config(resolved, name=job.name, roots=roots) if known else None
     stats = ReadStats()  # below: the header, an inferred config and every tensor from one open file (one snapshot)
-    source: Any = (_DictSource(load_pickle_tensors(resolved.weights_path, roots=roots)) if resolved.is_pickle
+    source: Any = (DictSource(load_pickle_tensors(resolved.weights_path, roots=roots)) if resolved.is_pickle
                    else SafetensorsReader(resolved.weights_path, stats=stats, roots=roots))
     with contextlib.closing(source):
         # (an inferred config: from the header the tensors are read with)

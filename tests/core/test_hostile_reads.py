@@ -359,3 +359,18 @@ def test_a_client_source_inside_its_prefix_however_spelled_is_registered_by_its_
     fill = {"L": str(admitted), "T": str(admitted.parent)}
     plan = plan_model_id(f"qwen:{source.format(**fill)}", names=set(), client_sources=(prefix.format(**fill),))
     assert plan.plan is Plan.SOURCE and plan.adapter == str(admitted / "a")
+
+
+def test_an_opted_in_pickle_adapter_is_held_to_the_roots_too(roots: tuple[Path, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    inside, outside = roots
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOW_PICKLE", "1")
+    for place, seed in ((inside / "team" / "a", 0), (outside / "team" / "a", 9)):
+        (place / "adapter_model.safetensors").unlink()
+        torch.save(dense_tensors(llama_shapes(), seed=seed), place / "adapter_model.bin")
+    job = _dense_job(inside / "team" / "a")
+    built = build_adapter(job, PeftKeyRouter())  # read through one open file, inside the root
+    want = dense_tensors(llama_shapes(), seed=0)
+    assert all(torch.equal(built.dense[k], want[k]) for k in want)
+    swap_for_link(inside / "team" / "a" / "adapter_model.bin", outside / "team" / "a" / "adapter_model.bin")
+    _refused_naming_the_root(job, inside)
