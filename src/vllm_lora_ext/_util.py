@@ -77,7 +77,7 @@ def _kernel_path(fd: int) -> str | None:
 
 def _outside(path: str | os.PathLike[str], roots: Sequence[str], how: str) -> AdapterAccessError:
     shown = os.pathsep.join(roots)
-    fix = (f"Put the adapter under one of them, or load it from the Hub (hf:org/repo).")
+    fix = "Put the adapter under one of them, or load it from the Hub (hf:org/repo)."
     err = AdapterAccessError(f"Adapter file {short_repr(str(path))} {how}outside the folders this server may read "
                              f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}", source=str(path)[:200], part="path")
     err.public_message = (f"Adapter file {short_repr(str(path))} is outside the folders this server may read "

@@ -115,9 +115,9 @@ def admitted_source(adapter: str, prefixes: Collection[str]) -> str | None:
     (``~``, ``.``, ``..``, repeated separators and symlinks resolved), so ``<L>/../private`` or a link inside
     ``<L>`` that leads out of it is not under ``<L>/``; a prefix that ends in a separator or is a folder admits
     what lies in that folder (not ``<L>-other``), another (``/srv/loras/team-``) admits real paths that start
-    with its own real path. A hub source is compared in its
-    canonical form (a malformed one, ``..`` in it included, is admitted by nothing). The local source comes back
-    as its real path, which is what gets registered and read.
+    with its own real path. A hub source is compared in its canonical form (a malformed one, ``..`` in it
+    included, is admitted by nothing). The local source comes back as its real path, which is what gets
+    registered and read.
     """
     if adapter.startswith(HF_PREFIX):
         try:
