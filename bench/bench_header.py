@@ -43,7 +43,7 @@ def _load_module(path: str) -> Any:
 def main() -> None:
     from safetensors import safe_open
 
-    import vllm_lora_ext.reader as reader
+    import vllm_lora_ext.headers as reader  # (the header parse and its decoders)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="12,48")

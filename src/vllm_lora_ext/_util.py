@@ -6,8 +6,10 @@ import contextlib
 import gc
 import os
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+from vllm_lora_ext.errors import AdapterAccessError
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = 80
@@ -16,11 +18,71 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 _REPR.maxlevel = 3
 
 
-def read_capped(path: str | os.PathLike[str], limit: int) -> tuple[bytes, bool]:
-    """Read at most ``limit + 1`` bytes of a file; return them and whether the file is larger than ``limit``."""
-    with open(path, "rb") as f:
+def read_capped(path: str | os.PathLike[str], limit: int, *,
+                roots: Sequence[str] | None = None) -> tuple[bytes, bool]:
+    """Read at most ``limit + 1`` bytes of a file; return them and whether the file is larger than ``limit``.
+
+    With ``roots``, the file is opened with `open_confined` (its real path must lie in one of them).
+    """
+    with os.fdopen(open_confined(path, roots), "rb") as f:
         data = f.read(limit + 1)
     return data, len(data) > limit
+
+
+def root_of(real: str, roots: Sequence[str]) -> str | None:
+    """Return the root (a real path) that the real path ``real`` lies in, or ``None``."""
+    for root in roots:
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return root
+    return None
+
+
+def open_confined(path: str | os.PathLike[str], roots: Sequence[str] | None) -> int:
+    """Open a file for reading and return its descriptor; with ``roots``, only a file whose real path lies in one.
+
+    The check cannot race the open: the real path (symlinks and ``..`` resolved) is checked, that path is
+    opened with ``O_NOFOLLOW``, and the file opened must be the one checked (the same device and inode,
+    and, where ``/proc/self/fd`` exists, the same path as the kernel sees it). A symlink swapped in at any
+    moment is refused, never read.
+
+    Raises:
+        [`AdapterAccessError`]: the real path is outside ``roots``, or the file changed while it was opened.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if roots is None:
+        return os.open(path, flags)
+    real = os.path.realpath(path)
+    if root_of(real, roots) is None:
+        raise _outside(path, roots, f"resolves to {short_repr(real)}, which is ")
+    before = os.stat(real)
+    fd = os.open(real, flags | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        after = os.fstat(fd)
+        seen = _kernel_path(fd)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or (seen is not None and seen != real):
+            raise _outside(path, roots, "changed while it was opened (a link or folder swapped); it may now be ")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kernel_path(fd: int) -> str | None:
+    """The path the kernel gives an open descriptor (Linux), or ``None`` where it cannot say."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def _outside(path: str | os.PathLike[str], roots: Sequence[str], how: str) -> AdapterAccessError:
+    shown = os.pathsep.join(roots)
+    fix = "Put the adapter under one of them, or load it from the Hub (hf:org/repo)."
+    err = AdapterAccessError(f"Adapter file {short_repr(str(path))} {how}outside the folders this server may read "
+                             f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}", source=str(path)[:200], part="path")
+    err.public_message = (f"Adapter file {short_repr(str(path))} is outside the folders this server may read "
+                          f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}")
+    return err
 
 
 def short_repr(value: Any) -> str:

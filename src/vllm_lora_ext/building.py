@@ -11,6 +11,7 @@ copy on the receiving side), away from the engine thread's GIL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -33,7 +34,8 @@ from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
 from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
-from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
+from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
+from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
@@ -95,22 +97,6 @@ class BuiltAdapter:
     turned_on_gpu: int = 0
 
 
-class _DictSource:
-    """A pickle adapter already in memory, read through the same interface as SafetensorsReader."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def read(self, key: str, ranges: Any = None) -> torch.Tensor:
-        t = self.tensors[key]
-        if not ranges:
-            return t
-        return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
-
-    def read_many(self, keys: Any, *, copy: bool = True) -> dict[str, torch.Tensor]:
-        return {k: self.tensors[k] for k in keys}
-
-
 def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
                   arenas: ArenaSupply | None = None, transpose_on: torch.device | None = None) -> BuiltAdapter:
     """Resolve, plan, read, check and pack ``job``'s adapter for the model it describes.
@@ -134,58 +120,63 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                    transpose_on: torch.device | None = None) -> BuiltAdapter:
     """See [`build_adapter`]."""
     resolved = resolve_source(job.path)
-    config = load_config(resolved, name=job.name)
-    stats = ReadStats()
-    source: Any
-    if resolved.is_pickle:
-        source = _DictSource(load_pickle_tensors(resolved.weights_path))
-        shapes = {k: tuple(v.shape) for k, v in source.tensors.items()}
-        dtypes = None
-    else:
-        source = SafetensorsReader(resolved.weights_path, stats=stats)
-        shapes, dtypes = source.header.shapes, source.header.dtypes
-    if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
-        raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
-    plan = plan_adapter(shapes, config, job.model, router=router, dtypes=dtypes, name=job.name,
-                        identity=resolved.identity, allow_unmatched=job.allow_unmatched)
-    arena = None
-    host = None
-    if shared and plan.moe:
-        need = _stacked_bytes(plan.moe, shapes, job)
-        arena = arenas.take(need) if arenas is not None else SharedArena(need)
-    elif not shared and host_arenas_enabled() and not resolved.is_pickle:
-        need = _dense_bytes(plan.dense_keys, source.header.nbytes) + (_stacked_bytes(plan.moe, shapes, job)
-                                                                      if plan.moe else 0)
-        if need >= host_arena_min_bytes():
-            host = HostArena(need)
-    alloc = arena.empty if arena is not None else host.empty if host is not None else None
-    try:
-        if host is not None:  # read straight into the arena: each tensor a view of its span there
-            dense = source.read_many(plan.dense_keys, into=host.empty)
+    roots = confining_roots(resolved)  # a local source inside an allowed root: held to the roots on every build
+    known = resolved.config_path is not None or resolved.is_pickle
+    config = load_config(resolved, name=job.name, roots=roots) if known else None
+    stats = ReadStats()  # below: the header, an inferred config and every tensor from one open file (one snapshot)
+    source: Any = (DictSource(load_pickle_tensors(resolved.weights_path, roots=roots)) if resolved.is_pickle
+                   else SafetensorsReader(resolved.weights_path, stats=stats, roots=roots))
+    with contextlib.closing(source):
+        # (an inferred config: from the header the tensors are read with)
+        config = config or load_config(resolved, name=job.name, header=source.header)
+        if resolved.is_pickle:
+            shapes, dtypes = {k: tuple(v.shape) for k, v in source.tensors.items()}, None
         else:
-            dense = source.read_many(plan.dense_keys, copy=True)
-        check_finite(dense, adapter=job.name)
-        blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
-                             experts={p: job.model.local_experts.get(p) for p in plan.moe},
-                             read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
-                             alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
-                             fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe},
-                             gather=getattr(source, "gather", None),
-                             read_transposed=_transposer(source, transpose_on))
-        moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
-        for prefix, experts in blocks.items():
-            moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
-                                     max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
-        del blocks
-    except BaseException:
-        if arena is not None:
-            arena.discard()
-        if host is not None:
-            host.close()
-        raise
-    layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
-    return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
-                        stats.turned_on_gpu)
+            shapes, dtypes = source.header.shapes, source.header.dtypes
+        if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
+            raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
+        plan = plan_adapter(shapes, config, job.model, router=router, dtypes=dtypes, name=job.name,
+                            identity=resolved.identity, allow_unmatched=job.allow_unmatched)
+        arena = None
+        host = None
+        if shared and plan.moe:
+            need = _stacked_bytes(plan.moe, shapes, job)
+            arena = arenas.take(need) if arenas is not None else SharedArena(need)
+        elif not shared and host_arenas_enabled() and not resolved.is_pickle:
+            need = _dense_bytes(plan.dense_keys, source.header.nbytes) + (_stacked_bytes(plan.moe, shapes, job)
+                                                                          if plan.moe else 0)
+            if need >= host_arena_min_bytes():
+                host = HostArena(need)
+        alloc = arena.empty if arena is not None else host.empty if host is not None else None
+        try:
+            if host is not None:  # read straight into the arena: each tensor a view of its span there
+                dense = source.read_many(plan.dense_keys, into=host.empty)
+            else:
+                dense = source.read_many(plan.dense_keys, copy=True)
+            check_finite(dense, adapter=job.name)
+            blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
+                                 experts={p: job.model.local_experts.get(p) for p in plan.moe},
+                                 read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
+                                 alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
+                                 fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe},
+                                 gather=getattr(source, "gather", None),
+                                 read_transposed=_transposer(source, transpose_on))
+            moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
+            for prefix, experts in blocks.items():
+                moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
+                                         max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
+            del blocks
+            if not resolved.is_pickle:  # written over in place meanwhile: refused (replaced: never read)
+                source.check_unchanged()
+        except BaseException:
+            if arena is not None:
+                arena.discard()
+            if host is not None:
+                host.close()
+            raise
+        layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
+        return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
+                            stats.turned_on_gpu)
 
 
 def _transposer(source: Any, device: torch.device | None) -> Any:

@@ -12,14 +12,14 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
-from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
 _MAX_RANK = 1 << 16
 _BOOL_FIELDS = ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "inference_mode")
@@ -202,23 +202,25 @@ def config_from_dict(raw: Mapping[str, Any], *, name: str = "adapter", inferred:
     )
 
 
-def read_config(path: str | os.PathLike[str], *, name: str = "adapter") -> AdapterConfig:
-    """Read and validate an ``adapter_config.json``.
+def read_config(path: str | os.PathLike[str], *, name: str = "adapter",
+                roots: Sequence[str] | None = None) -> AdapterConfig:
+    """Read and validate an ``adapter_config.json`` (with ``roots``: only if its real path lies in one).
 
     Raises:
         [`AdapterFormatError`]: the file is not JSON, not an object, or asks for an unsupported feature.
     """
     p = Path(path)
     try:
-        data, too_big = read_capped(p, MAX_CONFIG_BYTES)
+        data, too_big = read_capped(p, MAX_CONFIG_BYTES, roots=roots)
         if too_big:
             raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes; an "
                                      f"adapter_config.json is a few KiB. Fix or replace it.", adapter=name, key=None)
         raw = json.loads(data.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        if isinstance(err, AdapterFormatError):
+        if isinstance(err, VllmLoraExtError):  # too large, or outside the allowed roots
             raise
-        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} is not valid JSON ({str(err)[:200]}). Fix or "
+        what = "could not be read" if isinstance(err, OSError) else "is not valid JSON"  # (e.g. gone since found)
+        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} {what} ({str(err)[:200]}). Fix or "
                                  f"replace it.", adapter=name, key=None) from None
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} must be a JSON object.", adapter=name, key=None)

@@ -18,6 +18,7 @@ Ray, and `vllm_lora_ext.integration.ray` carries the plan out in a replica.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ from enum import Enum
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import HF_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
+from vllm_lora_ext.sources import parse_source
 
 # The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
 MAX_ADAPTER_ID_CHARS = 4096
@@ -90,8 +92,9 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     if adapter in names:
         return ModelIdPlan(Plan.NAME, model_id, adapter)
     if looks_like_source(adapter):
-        if any(adapter.startswith(p) for p in client_sources if p):
-            return ModelIdPlan(Plan.SOURCE, model_id, adapter)
+        admitted = admitted_source(adapter, client_sources)
+        if admitted is not None:
+            return ModelIdPlan(Plan.SOURCE, model_id, admitted)
         raise AdapterAccessError(
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
             f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
@@ -103,3 +106,41 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     shown = ", ".join(repr(n) for n in sorted(names)[:20]) or "none"
     raise AdapterNotFoundError(f"Adapter {short_repr(adapter)} is not served here (served: {shown}). Name one of "
                                f"them, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
+
+
+def admitted_source(adapter: str, prefixes: Collection[str]) -> str | None:
+    """Return the source a client names, normalised, if a prefix in ``prefixes`` admits it, else ``None``.
+
+    Both sides are compared normalised, never as raw text: a local path and a local prefix by their real paths
+    (``~``, ``.``, ``..``, repeated separators and symlinks resolved), so ``<L>/../private`` or a link inside
+    ``<L>`` that leads out of it is not under ``<L>/``; a prefix that ends in a separator or is a folder admits
+    what lies in that folder (not ``<L>-other``), another (``/srv/loras/team-``) admits real paths that start
+    with its own real path. A hub source is compared in its canonical form (a malformed one, ``..`` in it
+    included, is admitted by nothing). The local source comes back as its real path, which is what gets
+    registered and read.
+    """
+    if adapter.startswith(HF_PREFIX):
+        try:
+            canonical = parse_source(adapter).canonical()
+        except ValueError:
+            return None
+        hub = [p for p in prefixes if p.startswith(HF_PREFIX)]
+        return canonical if any(canonical.startswith(p) for p in hub) else None
+    try:
+        real = _real(adapter)
+        for prefix in prefixes:
+            if not prefix or prefix.startswith(HF_PREFIX):
+                continue
+            folder = _real(prefix)
+            if prefix.endswith(("/", os.sep, "/.", "/..")) or os.path.isdir(folder):  # a folder: what lies in it
+                if real.startswith(folder.rstrip(os.sep) + os.sep):
+                    return real
+            elif real.startswith(folder):
+                return real
+    except (ValueError, OSError):  # a NUL byte, a loop of links: admitted by nothing
+        return None
+    return None
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))

@@ -1,111 +1,35 @@
 """Read adapter weight files: headers without tensors, then only the requested keys and row/column slices.
 
-A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header
-(``{key: {dtype, shape, data_offsets}, "__metadata__": {...}}``) and a byte buffer. The header is
-parsed here directly, so shapes, dtypes and byte sizes are known before any tensor is read.
-Tensors are read with ``safetensors.safe_open``; slices go through ``get_slice`` so that only the
-requested rows/columns are copied. Every read is counted in a [`ReadStats`].
+A [`SafetensorsReader`] opens its file once and reads everything through that one descriptor: the header
+([`read_header`], in `vllm_lora_ext.headers`) and then every tensor, slice, stack, gather and transposed read,
+with ``pread``/``preadv`` (positional, so threads share it). A load is one snapshot: a file replaced at its path
+meanwhile (a deploy tool's atomic ``os.replace``) is never read from, and no offset of one file is applied to
+another's bytes. Every read is counted in a [`ReadStats`].
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
 import operator
 import os
-import struct
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Annotated, Any, NamedTuple
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import torch
 
-try:
-    import msgspec
-except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
-    msgspec = None  # type: ignore[assignment]
-
-from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, file_stamp, read_header, torch_dtype_of
+from vllm_lora_ext.preads import preadv_exactly as _preadv_exactly, read_ranges as _read_ranges
 
-__all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "read_header", "read_tensors", "load_pickle_tensors",
-           "DTYPES", "torch_dtype_of"]
-
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-_MAX_NDIM = 8
-
-
-def _torch_dtype(name: str) -> torch.dtype | None:
-    return getattr(torch, name, None)
-
-
-# The one dtype table: safetensors name -> (bits per element, torch dtype or None where torch has none).
-DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "BOOL": (8, torch.bool), "U8": (8, torch.uint8), "I8": (8, torch.int8), "I16": (16, torch.int16),
-    "U16": (16, _torch_dtype("uint16")), "I32": (32, torch.int32), "U32": (32, _torch_dtype("uint32")),
-    "I64": (64, torch.int64), "U64": (64, _torch_dtype("uint64")), "F16": (16, torch.float16),
-    "BF16": (16, torch.bfloat16), "F32": (32, torch.float32), "F64": (64, torch.float64),
-    "C64": (64, _torch_dtype("complex64")), "F8_E4M3": (8, _torch_dtype("float8_e4m3fn")),
-    "F8_E5M2": (8, _torch_dtype("float8_e5m2")), "F8_E8M0": (8, _torch_dtype("float8_e8m0fnu")),
-    "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),
-}
-
-
-def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
-    """Return the torch dtype of a safetensors dtype name.
-
-    Raises:
-        [`AdapterFormatError`]: the name is unknown, or this torch has no such dtype.
-    """
-    entry = DTYPES.get(name)
-    if entry is None or entry[1] is None:
-        raise AdapterFormatError(f"Tensor {key!r} has dtype {name!r}, which this torch cannot read. Re-save the "
-                                 f"adapter in bfloat16, float16 or float32.", key=key)
-    return entry[1]
-
-
-class TensorInfo(NamedTuple):
-    """One tensor's entry in a safetensors header (a tuple: 37k of them are built per MoE adapter)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class FileHeader:
-    """A parsed safetensors header: per-key shapes, dtypes, sizes and byte ranges in file order, and metadata.
-
-    The maps are plain dicts built in bulk (an MoE adapter has tens of thousands of keys);
-    ``tensors`` gives the same facts as one [`TensorInfo`] per key, built on first use.
-    """
-
-    path: Path
-    shapes: Mapping[str, tuple[int, ...]]
-    dtypes: Mapping[str, str]
-    nbytes: Mapping[str, int]
-    metadata: Mapping[str, str]
-    header_bytes: int
-    offsets: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # absolute byte ranges in the file
-
-    @property
-    def tensors(self) -> Mapping[str, TensorInfo]:
-        """Return ``{key: TensorInfo}`` in file order."""
-        cached = self.__dict__.get("_tensors")
-        if cached is None:
-            cached = {k: TensorInfo(d, s, n) for (k, s), d, n in
-                      zip(self.shapes.items(), self.dtypes.values(), self.nbytes.values())}
-            object.__setattr__(self, "_tensors", cached)
-        return cached
-
-    @property
-    def total_bytes(self) -> int:
-        """Return the bytes of all tensors (without the header)."""
-        return sum(self.nbytes.values())
+__all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "DictSource", "read_header", "read_tensors",
+           "load_pickle_tensors", "DTYPES", "torch_dtype_of"]
 
 
 @dataclass
@@ -127,209 +51,6 @@ class ReadStats:
             self.turned_on_gpu += on_gpu
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup[:200]!r}")
-    return out
-
-
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse and validate a safetensors header without reading any tensor data.
-
-    The header is checked as strictly as safetensors checks it, before any offset is trusted or
-    any memory is sized from it: a JSON object with no duplicate keys; string ``__metadata__``;
-    for every tensor a known dtype, a shape of at most 8 non-negative integers and two integer
-    ``data_offsets``; ``shape × dtype`` equal to its byte span; spans that start at 0, follow each
-    other with no gap or overlap, and end exactly at the end of the file.
-
-    Raises:
-        [`AdapterFormatError`]: the file is not a valid safetensors file; the message names the entry.
-    """
-    with gc_paused():  # tens of thousands of small objects: no heap walks in between
-        return _read_header(path)
-
-
-def _read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Parse and validate (see `read_header`)."""
-    p = Path(path)
-    where = str(p)
-    with p.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) != 8:
-            raise AdapterFormatError(f"{where!r} is not a safetensors file (shorter than 8 bytes). Re-download or "
-                                     f"re-save it.")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise AdapterFormatError(f"{where!r} declares a {n}-byte header but the file has {size} bytes (limit "
-                                     f"100 MB); it is truncated, corrupt or not safetensors. Re-download it.")
-        blob = f.read(n)
-    if len(blob) != n:
-        raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
-    base = 8 + n
-    # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
-    checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
-    (keys, dtypes, shapes, starts, ends), meta = checked
-    at = itertools.repeat(base)
-    return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
-                      nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
-                      offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))))
-
-
-_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]
-_BITS = {name: bits for name, (bits, _) in DTYPES.items()}
-
-
-# msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types
-# are the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
-# integers, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec decodes
-# strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__`` decodes
-# as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after. Without
-# msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
-if msgspec is not None:
-    _Count = Annotated[int, msgspec.Meta(ge=0)]
-
-    class _Entry(msgspec.Struct, gc=False):
-        dtype: str | None = None
-        shape: Annotated[tuple[_Count, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
-        data_offsets: tuple[_Count, _Count] | None = None
-
-    class _Metadata(msgspec.Struct, gc=False):
-        metadata: dict[str, str] | None = msgspec.field(default=None, name="__metadata__")
-
-    _DECODERS: tuple[Any, Any] | None = (msgspec.json.Decoder(dict[str, _Entry]), msgspec.json.Decoder(_Metadata))
-else:  # pragma: no cover
-    _DECODERS = None
-
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
-_OFFSETS = operator.attrgetter("data_offsets")
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-
-
-def _one_of_each_field(blob: bytes, entries: int) -> bool:
-    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse.
-
-    A duplicate key collapses entries silently (the last wins) in json and in msgspec alike. Each entry names
-    each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
-    the duplicate (a metadata value mentioning those words only costs that parse).
-    """
-    return blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
-
-
-def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
-    """Parse and validate a header's JSON with typed decoding and list-wide operations; return its entries sorted
-    by offset and its metadata, or ``None`` if anything is off (or msgspec is missing).
-
-    The same rules as `_check_header_one_by_one`, which runs instead on ``None`` to name what is wrong, and which
-    alone decides the few headers json reads and msgspec does not (a lone surrogate in a key, ``"__metadata__":
-    0``). msgspec checks the types while it parses (`_DECODERS`); what is left is a few C-level passes over
-    lists, about 1 µs per entry in all (dev VM: 9 ms for 9,216 entries, against 19 ms for ``json.loads`` and the
-    same checks on its dicts).
-    """
-    if _DECODERS is None:
-        return None
-    entries_of, metadata_of = _DECODERS
-    try:
-        decoded = entries_of.decode(blob)
-        meta = metadata_of.decode(blob).metadata if "__metadata__" in decoded else None
-    except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
-        return None
-    decoded.pop("__metadata__", None)
-    if not _one_of_each_field(blob, len(decoded)):  # a duplicate key: named by the entry-by-entry parse
-        return None
-    entries = list(decoded.values())
-    dtypes = list(map(_DTYPE, entries))
-    shapes = list(map(_SHAPE, entries))
-    offs = list(map(_OFFSETS, entries))
-    if None in dtypes or None in shapes or None in offs:  # an entry without one of its fields
-        return None
-    try:
-        bits = list(map(_BITS.__getitem__, dtypes))
-    except KeyError:  # an unknown dtype
-        return None
-    starts = list(map(_FIRST, offs))
-    ends = list(map(_SECOND, offs))
-    sizes = list(map(operator.sub, ends, starts))
-    if sizes and min(sizes) < 0:
-        return None
-    if list(map(operator.mul, map(math.prod, shapes), bits)) != list(map(operator.mul, sizes, itertools.repeat(8))):
-        return None
-    keys = list(decoded)
-    if starts != sorted(starts) or (len(set(starts)) != len(starts)):  # out of file order, or empty tensors
-        spans = sorted(zip(starts, ends, keys, range(len(entries))))
-        idx = [x[3] for x in spans]
-        keys, dtypes, shapes = [x[2] for x in spans], [dtypes[i] for i in idx], [shapes[i] for i in idx]
-        starts, ends = [x[0] for x in spans], [x[1] for x in spans]
-    if (starts and starts[0] != 0) or starts[1:] != ends[:-1] or (ends[-1] if ends else 0) != data_bytes:
-        return None
-    return (keys, dtypes, shapes, starts, ends), meta or {}
-
-
-def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[_Entries, dict[str, str]]:
-    """Parse the header with json and validate entry by entry; return what `_check_header_in_bulk` returns, or
-    raise [`AdapterFormatError`] naming what is wrong."""
-    try:
-        raw = json.loads(blob)
-        if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
-            raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({str(err)[:200]}); not a "
-                                 f"safetensors file.") from None
-    if not isinstance(raw, dict):
-        raise AdapterFormatError(f"{where!r} has a header that is not a JSON object; not a safetensors file.")
-    meta = raw.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise AdapterFormatError(f"{where!r}: '__metadata__' must map strings to strings. Re-save the file.")
-    return _check_entries_one_by_one(raw, where, base, size), dict(meta)
-
-
-def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: int) -> _Entries:
-    """Validate entry by entry and raise [`AdapterFormatError`] naming the first bad one."""
-    spans: list[tuple[int, int, str, str, tuple[int, ...]]] = []
-    for key, entry in raw.items():
-        try:
-            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            bits = DTYPES[dtype][0]
-        except (TypeError, KeyError, ValueError):
-            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} is malformed or has an unknown dtype "
-                                     f"({str(entry)[:120]}); it needs a known 'dtype', 'shape' and two "
-                                     f"'data_offsets'. Re-save the file.", key=key[:200]) from None
-        numel = 1
-        ok = type(start) is int and type(end) is int and 0 <= start <= end and type(shape) is list \
-            and len(shape) <= _MAX_NDIM
-        if ok:
-            for d in shape:
-                if type(d) is not int or d < 0:
-                    ok = False
-                    break
-                numel *= d
-        if not ok:
-            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} has an invalid shape or offsets "
-                                     f"({str(entry)[:120]}). Re-save the file.", key=key[:200])
-        if numel * bits != (end - start) * 8:
-            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} declares shape {shape} of {dtype} "
-                                     f"({numel * bits / 8:g} bytes) but spans {end - start} bytes. Re-save the file.",
-                                     key=key[:200])
-        spans.append((start, end, key, dtype, tuple(shape)))
-    spans.sort()
-    expected = 0
-    for start, end, key, _, _ in spans:
-        if start != expected:
-            what = "overlaps the tensor before it" if start < expected else "leaves a gap before it"
-            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} at byte {start} {what} (expected {expected}). "
-                                     f"Re-save the file.", key=key[:200])
-        expected = end
-    if base + expected != size:
-        raise AdapterFormatError(f"{where!r}: its tensors end at byte {base + expected} but the file has {size} "
-                                 f"bytes; it is truncated or has trailing data. Re-download it.")
-    return ([x[2] for x in spans], [x[3] for x in spans], [x[4] for x in spans], [x[0] for x in spans],
-            [x[1] for x in spans])
-
 
 def read_tensors(
     path: str | os.PathLike[str],
@@ -339,74 +60,56 @@ def read_tensors(
     stats: ReadStats | None = None,
     header: FileHeader | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read the named tensors (all if ``keys`` is None), each fully or as a union of slices.
+    """Read the named tensors (all if ``keys`` is None), each fully or as a union of slices, from one open file.
 
     Args:
         path: the ``.safetensors`` file.
         keys: which tensors to read, in this order.
         slices: for some keys, a list of ``(dim, start, stop)`` ranges; the tensor returned is the
-            concatenation of those ranges along ``dim`` (all ranges of one key share one ``dim``),
-            read through ``get_slice`` so that no other rows or columns are copied.
+            concatenation of those ranges along ``dim`` (all ranges of one key share one ``dim``).
         stats: counts bytes and tensors read.
-        header: a header already parsed by [`read_header`].
+        header: a header already parsed by [`read_header`] (used only if the file is still the one it was read from).
 
     Returns:
         ``{key: tensor}`` in the order of ``keys``; tensors own their memory (no mmap views).
     """
-    from safetensors import safe_open
-
-    hdr = header or read_header(path)
-    wanted = list(hdr.tensors) if keys is None else list(keys)
-    missing = [k for k in wanted if k not in hdr.tensors]
-    if missing:
-        raise AdapterFormatError(f"{str(path)!r} has no tensor {missing[0]!r} ({len(missing)} missing).", key=missing[0])
-    out: dict[str, torch.Tensor] = {}
-    slices = slices or {}
-    if stats is not None:
-        stats.bytes_read += hdr.header_bytes
-        stats.files.append(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        for key in wanted:
-            info = hdr.tensors[key]
-            ranges = slices.get(key)
-            if ranges is None:
-                t = f.get_tensor(key)
-                nbytes = info.nbytes
-            else:
-                t, nbytes = _read_ranges(f.get_slice(key), info, ranges)
-            out[key] = t
-            if stats is not None:
-                stats.bytes_read += nbytes
-                stats.tensors_read += 1
-    return out
+    with SafetensorsReader(path, header=header, stats=stats) as reader:
+        wanted = list(reader.header.shapes) if keys is None else list(keys)
+        missing = [k for k in wanted if k not in reader.header.shapes]
+        if missing:
+            raise AdapterFormatError(f"{str(path)!r} has no tensor {missing[0]!r} ({len(missing)} missing).",
+                                     key=missing[0])
+        ranges = slices or {}
+        return {key: reader.read(key, ranges.get(key)) for key in wanted}
 
 
-def _read_ranges(sl: object, info: TensorInfo, ranges: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
-    dims = {d for d, _, _ in ranges}
-    if len(dims) != 1:
-        raise ValueError("all ranges of one tensor must share one dim")
-    (dim,) = dims
-    parts = []
-    elem = DTYPES[info.dtype][0] // 8
-    other = 1
-    for i, s in enumerate(info.shape):
-        if i != dim:
-            other *= s
-    nbytes = 0
-    for _, start, stop in ranges:
-        index = tuple([slice(None)] * dim + [slice(start, stop)])
-        parts.append(sl[index])  # type: ignore[index]
-        nbytes += (stop - start) * other * elem
-    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-    return t.contiguous(), nbytes
-
-
-def load_pickle_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Load a pickle weight file with ``torch.load(weights_only=True)`` (only after the user opted in)."""
-    obj = torch.load(str(path), map_location="cpu", weights_only=True)
+def load_pickle_tensors(path: str | os.PathLike[str], *, roots: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load a pickle weight file with ``torch.load(weights_only=True)`` (only after the user opted in), from one
+    open file (with ``roots``: one whose real path lies in them, `open_confined`)."""
+    with os.fdopen(open_confined(path, roots), "rb") as f:
+        obj = torch.load(f, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise AdapterFormatError(f"{str(path)!r} does not hold a flat dict of tensors.")
     return dict(obj)
+
+
+class DictSource:
+    """A pickle adapter already in memory (`load_pickle_tensors`), read through the interface of `SafetensorsReader`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read(self, key: str, ranges: Any = None) -> torch.Tensor:
+        t = self.tensors[key]
+        if not ranges:
+            return t
+        return torch.cat([t.narrow(d, s, e - s) for d, s, e in ranges], dim=ranges[0][0]).contiguous()
+
+    def read_many(self, keys: Any, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        return {k: self.tensors[k] for k in keys}
+
+    def close(self) -> None:  # (the file was read whole and closed)
+        pass
 
 
 # Bytes of rows `gather` and `read_transposed` read at a time (the block stays in a core's L2). Dev VM (2-core EPYC,
@@ -444,56 +147,97 @@ def _turning_stream(device: torch.device) -> Any:
     return stream
 
 
-_IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
-
-
-def _preadv_exactly(fd: int, into: list[memoryview], offset: int, *, path: Path, key: str | None = None) -> int:
-    """Fill the buffers ``into``, in order, from ``fd``'s bytes at ``offset`` on; return the bytes read.
-
-    ``preadv`` may read less than asked, and takes at most ``IOV_MAX`` buffers a call: it is called until all are full.
-
-    Raises:
-        [`AdapterFormatError`]: the file ends first (it is truncated).
-    """
-    bufs = [b for b in into if len(b)]
-    total = sum(len(b) for b in bufs)
-    at, got = 0, 0
-    while at < len(bufs):
-        n = os.preadv(fd, bufs[at:at + _IOV_MAX], offset + got)
-        if n <= 0:
-            raise AdapterFormatError(f"{str(path)!r} ended early at byte {offset + got}"
-                                     f"{f' while reading {key!r}' if key else ''}; the file is truncated. "
-                                     f"Re-download it.", key=key)
-        got += n
-        while at < len(bufs) and n >= len(bufs[at]):  # skip the buffers filled, keep the rest of a partial one
-            n -= len(bufs[at])
-            at += 1
-        if n:
-            bufs[at] = bufs[at][n:]
-    return total
-
-
 class SafetensorsReader:
     """Reads one safetensors file key by key, slice by slice, or many keys at once; counts every byte.
 
-    ``read_many`` reads runs of adjacent tensors with one ``pread`` each (no per-key file open), which
-    matters for MoE adapters with tens of thousands of small tensors. No file stays open between calls.
+    The file is opened once, here, and the header and every tensor are read through that descriptor (``pread``:
+    threads share it), so one reader sees one file even if its path is replaced meanwhile. Close the reader
+    (``close()``, or use it as a context manager) when the load is done; it is closed when collected otherwise.
+    ``read_many`` reads runs of adjacent tensors with one ``preadv`` each, which matters for MoE adapters with
+    tens of thousands of small tensors.
+
+    Args:
+        path: the ``.safetensors`` file.
+        header: a header [`read_header`] parsed; used only if it was read from the file opened here (else the
+            header is read again, through the descriptor).
+        stats: counts bytes and tensors read (header bytes included).
+        roots: real folders the file must lie in (`open_confined`: checked race-free, then opened).
+
+    Raises:
+        [`AdapterFormatError`]: the header is invalid.
+        [`AdapterAccessError`]: with ``roots``, the file's real path is outside them.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, header: FileHeader | None = None,
-                 stats: ReadStats | None = None) -> None:
+                 stats: ReadStats | None = None, roots: Sequence[str] | None = None) -> None:
         self.path = Path(path)
-        self.header = header or read_header(self.path)
+        self._fd = -1
+        fd = open_confined(self.path, roots)
+        try:
+            if header is None or header.stamp is None or header.stamp != file_stamp(os.fstat(fd)):
+                header = read_header(self.path, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.header = header
         self.stats = stats if stats is not None else ReadStats()
         self.stats.bytes_read += self.header.header_bytes
         self.stats.files.append(str(self.path))
 
+    def fileno(self) -> int:
+        """Return the descriptor every read goes through."""
+        if self._fd < 0:
+            raise ValueError(f"the reader of {str(self.path)!r} is closed")
+        return self._fd
+
+    def close(self) -> None:
+        """Close the file (reads after this raise ``ValueError``)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def check_unchanged(self) -> None:
+        """Refuse a file written over in place while it was read (its size or modification time changed since the
+        header was read): the bytes read may mix two versions. (A file replaced at its path is another file, never
+        read here.)
+
+        Raises:
+            [`AdapterFormatError`]: the file changed.
+        """
+        if self.header.stamp is not None and file_stamp(os.fstat(self.fileno())) != self.header.stamp:
+            raise AdapterFormatError(f"{str(self.path)!r} was written over while it was being read, so the tensors "
+                                     f"read may mix two versions of it. Load it again once it is written; deploy "
+                                     f"adapter files by writing a new file and renaming it over the old one.")
+
     def read(self, key: str, ranges: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
-        """Read one tensor, or only the ``(dim, start, stop)`` ranges of it (concatenated along ``dim``)."""
-        local = ReadStats()
-        t = read_tensors(self.path, [key], slices={key: ranges} if ranges else None, stats=local, header=self.header)
-        self.stats.count(local.bytes_read - self.header.header_bytes, local.tensors_read)  # the header was counted once
-        return t[key]
+        """Read one tensor, or only the ``(dim, start, stop)`` ranges of it (concatenated along ``dim``).
+
+        Raises:
+            [`AdapterFormatError`]: the file has no such tensor, or ends before it does.
+            ValueError: the ranges name more than one dim, or a dim the tensor lacks.
+        """
+        if key not in self.header.offsets:
+            raise AdapterFormatError(f"{str(self.path)!r} has no tensor {key!r}.", key=key)
+        dt = torch_dtype_of(self.header.dtypes[key], key=key)
+        if ranges:
+            return _read_ranges(self, key, dt, ranges)
+        out = torch.empty(tuple(self.header.shapes[key]), dtype=dt)
+        if out.numel():
+            raw = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+            _preadv_exactly(self.fileno(), [raw], self.header.offsets[key][0], path=self.path, key=key)
+        self.stats.count(self.header.nbytes[key], 1)
+        return out
 
     def read_many(self, keys: Sequence[str], *, copy: bool = True,
                   into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -518,27 +262,24 @@ class SafetensorsReader:
             else:
                 spans.append([key])
         out: dict[str, torch.Tensor] = {}
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for span in spans:
-                start, end = offsets[span[0]][0], offsets[span[-1]][1]
-                buf = into((end - start,), torch.uint8) if into is not None else torch.empty(end - start,
-                                                                                               dtype=torch.uint8)
-                _preadv_exactly(fd, [memoryview(buf.numpy())], start, path=self.path, key=span[0])  # type: ignore[arg-type]
-                self.stats.count(end - start)
-                for key in span:
-                    a, b = offsets[key]
-                    dt = torch_dtype_of(self.header.dtypes[key], key=key)
-                    shape = self.header.shapes[key]
-                    if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
-                        t = buf[a - start:b - start].clone().view(dt).view(shape)
-                    else:
-                        t = buf[a - start:b - start].view(dt).view(shape)
-                    out[key] = t.clone() if copy and into is None else t
-                    self.stats.count(tensors=1)
-                del buf
-        finally:
-            os.close(fd)
+        fd = self.fileno()
+        for span in spans:
+            start, end = offsets[span[0]][0], offsets[span[-1]][1]
+            buf = into((end - start,), torch.uint8) if into is not None else torch.empty(end - start,
+                                                                                           dtype=torch.uint8)
+            _preadv_exactly(fd, [memoryview(buf.numpy())], start, path=self.path, key=span[0])  # type: ignore[arg-type]
+            self.stats.count(end - start)
+            for key in span:
+                a, b = offsets[key]
+                dt = torch_dtype_of(self.header.dtypes[key], key=key)
+                shape = self.header.shapes[key]
+                if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
+                    t = buf[a - start:b - start].clone().view(dt).view(shape)
+                else:
+                    t = buf[a - start:b - start].view(dt).view(shape)
+                out[key] = t.clone() if copy and into is None else t
+                self.stats.count(tensors=1)
+            del buf
         return {k: out[k] for k in keys}
 
     def read_stacks(self, groups: Sequence[Sequence[str]],
@@ -600,12 +341,9 @@ class SafetensorsReader:
             else:
                 runs.append((a, [dest]))
             end = max(end, b)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for start, dests in runs:
-                self.stats.count(_preadv_exactly(fd, dests, start, path=self.path))
-        finally:
-            os.close(fd)
+        fd = self.fileno()
+        for start, dests in runs:
+            self.stats.count(_preadv_exactly(fd, dests, start, path=self.path))
         for dest, origin in copies:
             dest[:] = origin
         return results
@@ -621,14 +359,11 @@ class SafetensorsReader:
         per = min(rows, max(1, _GATHER_BLOCK // row_bytes))
         scratch = torch.empty(per * row_bytes, dtype=torch.uint8)
         view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for i in range(0, rows, per):
-                n = min(per, rows - i)
-                _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
-                yield i, scratch[:n * row_bytes]
-        finally:
-            os.close(fd)
+        fd = self.fileno()
+        for i in range(0, rows, per):
+            n = min(per, rows - i)
+            _preadv_exactly(fd, [view[:n * row_bytes]], start + i * row_bytes, path=self.path, key=key)
+            yield i, scratch[:n * row_bytes]
 
     def _transposed_on(self, device: torch.device, key: str, out: torch.Tensor, rows: int, cols: int,
                        scale: float | None) -> bool:
@@ -644,12 +379,8 @@ class SafetensorsReader:
         if free < 2 * nbytes + _GPU_HEADROOM:
             return False
         raw = out.view(-1).view(torch.uint8)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            _preadv_exactly(fd, [memoryview(raw.numpy())], self.header.offsets[key][0],  # type: ignore[arg-type]
-                            path=self.path, key=key)
-        finally:
-            os.close(fd)
+        _preadv_exactly(self.fileno(), [memoryview(raw.numpy())], self.header.offsets[key][0],  # type: ignore[arg-type]
+                        path=self.path, key=key)
         stream = _turning_stream(device)
         try:
             with torch.cuda.device(device), torch.cuda.stream(stream):

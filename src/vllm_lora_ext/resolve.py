@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import MIX_PREFIX
+from vllm_lora_ext._util import root_of, short_repr
+from vllm_lora_ext.constants import MIX_PREFIX, allowed_roots
 from vllm_lora_ext.errors import AdapterAccessError
 from vllm_lora_ext.mixing import MixComponent, MixSpec
 from vllm_lora_ext.sources import ResolvedAdapter, _looks_like_repo_id, parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
 
-__all__ = ["resolve_and_check", "pin_path", "check_allowed_root"]
+__all__ = ["resolve_and_check", "pin_path", "check_allowed_root", "confining_roots"]
 
 
 def resolve_and_check(path: str, *, name: str = "adapter") -> ResolvedAdapter:
@@ -42,8 +42,10 @@ def pin_path(path: str, *, name: str = "adapter") -> str:
     return resolve_and_check(path, name=name).source.canonical()
 
 
-def check_allowed_root(path: str, roots: Sequence[str]) -> None:
-    """Refuse a local source whose real path (symlinks followed) lies outside every allowed root.
+def check_allowed_root(path: str, roots: Sequence[str]) -> str:
+    """Refuse a local source whose real path (symlinks followed) lies outside every allowed root; return the path
+    to load: a local source's real path (so that a worker holds it to ``roots`` again on every build, see
+    `confining_roots`), any other source as given.
 
     Hub sources pass (they are read from the Hub cache). Checked before any file is opened.
 
@@ -52,21 +54,37 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> None:
 
     Example:
         >>> check_allowed_root("hf:acme/lora", ["/srv/loras"])
+        'hf:acme/lora'
         >>> check_allowed_root("/etc/passwd", ["/srv/loras"])
         Traceback (most recent call last):
         ...
-        vllm_lora_ext.errors.AdapterAccessError: Adapter path '/etc/passwd' is outside the folders this server may read. Put the adapter under one of them, or load it from the Hub (hf:org/repo).
+        vllm_lora_ext.errors.AdapterAccessError: Adapter path '/etc/passwd' is outside the folders this server may read (VLLM_LORA_EXT_ALLOWED_ROOTS=/srv/loras). Put the adapter under one of them, or load it from the Hub (hf:org/repo).
     """
     src = parse_source(path)
     if src.kind != "local" or src.local_path is None:
-        return
+        return path
     if not src.local_path.exists() and _looks_like_repo_id(path):
-        return  # read as 'hf:org/repo' (vLLM's own rule), not as a local path
+        return path  # read as 'hf:org/repo' (vLLM's own rule), not as a local path
     real = os.path.realpath(src.local_path)
-    for root in roots:
-        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
-            return
+    if root_of(real, roots) is not None:
+        return real
     raise AdapterAccessError(
-        f"Adapter path {short_repr(path)} is outside the folders this server may read. Put the adapter under one "
-        f"of them, or load it from the Hub (hf:org/repo).", source=path, part="path")
+        f"Adapter path {short_repr(path)} is outside the folders this server may read "
+        f"(VLLM_LORA_EXT_ALLOWED_ROOTS={os.pathsep.join(roots)}). Put the adapter under one of them, or load it "
+        f"from the Hub (hf:org/repo).", source=path, part="path")
 
+
+def confining_roots(resolved: ResolvedAdapter) -> tuple[str, ...] | None:
+    """Return the allowed roots (``VLLM_LORA_EXT_ALLOWED_ROOTS``) a build holds ``resolved``'s files to, or ``None``.
+
+    A local source written inside a root is held to the roots on every build, (re)builds after an eviction
+    included: its files are opened only if their real paths still lie in a root, checked race-free
+    (`open_confined`), so a link swapped to lead out of the root since the load is refused. A runtime-loaded
+    source is always written inside a root (the server registers its real path, `check_allowed_root`); an
+    adapter the operator named at start-up by a path outside every root is the operator's and is not held.
+    """
+    roots = allowed_roots()
+    if roots is None or resolved.source.kind != "local" or resolved.source.local_path is None:
+        return None
+    written = os.path.normpath(os.path.abspath(resolved.source.local_path))
+    return roots if root_of(written, roots) is not None else None

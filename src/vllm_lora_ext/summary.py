@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm_lora_ext.config import AdapterConfig, infer_config, read_config
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
-from vllm_lora_ext.reader import read_header
+from vllm_lora_ext.reader import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config"]
@@ -53,14 +54,19 @@ class AdapterSummary:
         return asdict(self)
 
 
-def load_config(resolved: ResolvedAdapter, *, name: str = "adapter") -> AdapterConfig:
-    """Read the adapter's config file, or infer one from the weight file's header when there is none."""
+def load_config(resolved: ResolvedAdapter, *, name: str = "adapter", header: FileHeader | None = None,
+                roots: Sequence[str] | None = None) -> AdapterConfig:
+    """Read the adapter's config file, or infer one from the weight file's header when there is none.
+
+    ``header``: the weight file's header as the load reads it (the config is then inferred from the very file
+    whose tensors are read). ``roots``: the config file must lie in one of them (`open_confined`).
+    """
     if resolved.config_path is not None:
-        return read_config(resolved.config_path, name=name)
+        return read_config(resolved.config_path, name=name, roots=roots)
     if resolved.is_pickle:
         raise AdapterFormatError(f"Adapter {name!r}: pickle weights need an adapter_config.json beside them.",
                                  adapter=name)
-    header = read_header(resolved.weights_path)
+    header = header or read_header(resolved.weights_path)
     return infer_config(header.shapes, header.metadata, name=name)
 
 

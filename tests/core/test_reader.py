@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_lora_ext.errors import AdapterFormatError
-import vllm_lora_ext.reader as reader_module
-from vllm_lora_ext.reader import _check_header_in_bulk, _check_header_one_by_one, read_header
+import vllm_lora_ext.headers as reader_module
+from vllm_lora_ext.headers import _check_header_in_bulk, _check_header_one_by_one, read_header
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int, int]:
@@ -270,12 +270,12 @@ def test_read_stacks_reads_a_key_asked_for_twice_once(tmp_path: Path) -> None:
 
 
 def test_read_stacks_splits_runs_longer_than_one_call_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_lora_ext.reader as reader_mod
+    import vllm_lora_ext.preads as preads_mod
     from vllm_lora_ext.reader import SafetensorsReader
 
     path = tmp_path / "a.safetensors"
     tensors = _experts_file(path)
-    monkeypatch.setattr(reader_mod, "_IOV_MAX", 5)  # a block's 48 adjacent tensors take ten calls
+    monkeypatch.setattr(preads_mod, "IOV_MAX", 5)  # a block's 48 adjacent tensors take ten calls
     calls: list[int] = []
     real = os.preadv
 
@@ -283,7 +283,7 @@ def test_read_stacks_splits_runs_longer_than_one_call_takes(tmp_path: Path, monk
         calls.append(len(buffers))
         return real(fd, buffers[:2], offset) if len(buffers) > 2 else real(fd, buffers, offset)  # short reads too
 
-    monkeypatch.setattr(reader_mod.os, "preadv", counted)
+    monkeypatch.setattr(preads_mod.os, "preadv", counted)
     groups = [[f"m.layers.0.mlp.experts.{e}.{proj}.lora_{w}.weight" for e in range(12)]
               for proj in ("gate_proj", "down_proj") for w in "AB"]
     got = SafetensorsReader(path).read_stacks(groups)

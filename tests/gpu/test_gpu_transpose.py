@@ -81,3 +81,21 @@ def test_a_build_transposing_on_the_gpu_equals_the_build_on_the_cpu(
     for prefix in want.moe:
         for x, y in zip((*got.moe[prefix][0], *got.moe[prefix][1]), (*want.moe[prefix][0], *want.moe[prefix][1])):
             assert x.device.type == "cpu" and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+def test_a_file_replaced_after_its_header_is_transposed_on_the_gpu_from_the_old_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    g = torch.Generator().manual_seed(4)
+    old, new = (torch.randn(64, 48, generator=g).bfloat16() for _ in range(2))
+    save_file({"b": old}, str(tmp_path / "t.safetensors"))
+    save_file({"b": new}, str(tmp_path / "staged.safetensors"), metadata={"padding": "x" * 1001})
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    calls = spy_gpu_transposes(monkeypatch)
+    with SafetensorsReader(tmp_path / "t.safetensors") as reader:
+        os.replace(tmp_path / "staged.safetensors", tmp_path / "t.safetensors")  # a deploy, longer header
+        got = reader.read_transposed("b", 12, scale=0.5, device=gpu)
+    assert calls == [True] and torch.equal(got, (old.reshape(-1, 12).t() * 0.5).bfloat16())

@@ -112,11 +112,9 @@ async def pre_resolve(request: Any) -> Any:
         check_client_adapter(name, path)
         if not path:
             return request
-        if not STARTUP.get():
-            roots = allowed_roots()
-            if roots is not None:
-                check_allowed_root(path, roots)
-        pinned = await asyncio.to_thread(pin_path, path, name=name or "adapter")
+        roots = None if STARTUP.get() else allowed_roots()
+        inside = check_allowed_root(path, roots) if roots is not None else path  # a local path: its real path
+        pinned = await asyncio.to_thread(pin_path, inside, name=name or "adapter")
     except Exception as err:  # every failure becomes a clean HTTP error
         return http_error(err)
     if pinned != path:

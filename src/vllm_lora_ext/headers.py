@@ -1,0 +1,342 @@
+"""Parse and validate a safetensors header: the dtype table, per-key shapes, dtypes and exact byte spans.
+
+A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header
+(``{key: {dtype, shape, data_offsets}, "__metadata__": {...}}``) and a byte buffer. The header is parsed here
+directly, so shapes, dtypes and byte sizes are known before any tensor is read. [`read_header`] reads it from a path
+or from an open file descriptor (the one a [`SafetensorsReader`] then reads the tensors through).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import operator
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, NamedTuple
+
+import torch
+
+try:
+    import msgspec
+except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
+    msgspec = None  # type: ignore[assignment]
+
+from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext.errors import AdapterFormatError
+
+__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of"]
+
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_NDIM = 8
+
+
+def _torch_dtype(name: str) -> torch.dtype | None:
+    return getattr(torch, name, None)
+
+
+# The one dtype table: safetensors name -> (bits per element, torch dtype or None where torch has none).
+DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
+    "BOOL": (8, torch.bool), "U8": (8, torch.uint8), "I8": (8, torch.int8), "I16": (16, torch.int16),
+    "U16": (16, _torch_dtype("uint16")), "I32": (32, torch.int32), "U32": (32, _torch_dtype("uint32")),
+    "I64": (64, torch.int64), "U64": (64, _torch_dtype("uint64")), "F16": (16, torch.float16),
+    "BF16": (16, torch.bfloat16), "F32": (32, torch.float32), "F64": (64, torch.float64),
+    "C64": (64, _torch_dtype("complex64")), "F8_E4M3": (8, _torch_dtype("float8_e4m3fn")),
+    "F8_E5M2": (8, _torch_dtype("float8_e5m2")), "F8_E8M0": (8, _torch_dtype("float8_e8m0fnu")),
+    "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),
+}
+
+
+def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
+    """Return the torch dtype of a safetensors dtype name.
+
+    Raises:
+        [`AdapterFormatError`]: the name is unknown, or this torch has no such dtype.
+    """
+    entry = DTYPES.get(name)
+    if entry is None or entry[1] is None:
+        raise AdapterFormatError(f"Tensor {key!r} has dtype {name!r}, which this torch cannot read. Re-save the "
+                                 f"adapter in bfloat16, float16 or float32.", key=key)
+    return entry[1]
+
+
+class TensorInfo(NamedTuple):
+    """One tensor's entry in a safetensors header (a tuple: 37k of them are built per MoE adapter)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A parsed safetensors header: per-key shapes, dtypes, sizes and byte ranges in file order, and metadata.
+
+    The maps are plain dicts built in bulk (an MoE adapter has tens of thousands of keys);
+    ``tensors`` gives the same facts as one [`TensorInfo`] per key, built on first use.
+    """
+
+    path: Path
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, str]
+    nbytes: Mapping[str, int]
+    metadata: Mapping[str, str]
+    header_bytes: int
+    offsets: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # absolute byte ranges in the file
+    # (st_dev, st_ino, st_size, st_mtime_ns) of the file the header was read from: a reader given this header
+    # reads its tensors only from that same file (`SafetensorsReader`)
+    stamp: tuple[int, int, int, int] | None = None
+
+    @property
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        """Return ``{key: TensorInfo}`` in file order."""
+        cached = self.__dict__.get("_tensors")
+        if cached is None:
+            cached = {k: TensorInfo(d, s, n) for (k, s), d, n in
+                      zip(self.shapes.items(), self.dtypes.values(), self.nbytes.values())}
+            object.__setattr__(self, "_tensors", cached)
+        return cached
+
+    @property
+    def total_bytes(self) -> int:
+        """Return the bytes of all tensors (without the header)."""
+        return sum(self.nbytes.values())
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup[:200]!r}")
+    return out
+
+
+def read_header(path: str | os.PathLike[str], *, fd: int | None = None) -> FileHeader:
+    """Parse and validate a safetensors header without reading any tensor data.
+
+    The header is checked as strictly as safetensors checks it, before any offset is trusted or
+    any memory is sized from it: a JSON object with no duplicate keys; string ``__metadata__``;
+    for every tensor a known dtype, a shape of at most 8 non-negative integers and two integer
+    ``data_offsets``; ``shape × dtype`` equal to its byte span; spans that start at 0, follow each
+    other with no gap or overlap, and end exactly at the end of the file.
+
+    Args:
+        path: the file (named in messages; opened only when no ``fd`` is given).
+        fd: a descriptor of the file open for reading, to read the header through it (``pread``: its offset is
+            not moved). The tensors read through the same descriptor then come from the same file, even if its
+            path is replaced meanwhile.
+
+    Raises:
+        [`AdapterFormatError`]: the file is not a valid safetensors file; the message names the entry.
+    """
+    with gc_paused():  # tens of thousands of small objects: no heap walks in between
+        if fd is not None:
+            return _read_header(path, fd)
+        own = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            return _read_header(path, own)
+        finally:
+            os.close(own)
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """Return what tells one file's version from another: device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _pread_upto(fd: int, n: int, offset: int) -> bytes:
+    """Read up to ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        part = os.pread(fd, n - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
+    """Parse and validate (see `read_header`)."""
+    p = Path(path)
+    where = str(p)
+    st = os.fstat(fd)
+    size = st.st_size
+    head = _pread_upto(fd, 8, 0)
+    if len(head) != 8:
+        raise AdapterFormatError(f"{where!r} is not a safetensors file (shorter than 8 bytes). Re-download or "
+                                 f"re-save it.")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise AdapterFormatError(f"{where!r} declares a {n}-byte header but the file has {size} bytes (limit "
+                                 f"100 MB); it is truncated, corrupt or not safetensors. Re-download it.")
+    blob = _pread_upto(fd, n, 8)
+    if len(blob) != n:
+        raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
+    base = 8 + n
+    # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
+    checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
+    (keys, dtypes, shapes, starts, ends), meta = checked
+    at = itertools.repeat(base)
+    return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
+                      nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
+                      offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))),
+                      stamp=file_stamp(st))
+
+
+_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]
+_BITS = {name: bits for name, (bits, _) in DTYPES.items()}
+
+
+# msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types
+# are the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
+# integers, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec decodes
+# strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__`` decodes
+# as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after. Without
+# msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
+if msgspec is not None:
+    _Count = Annotated[int, msgspec.Meta(ge=0)]
+
+    class _Entry(msgspec.Struct, gc=False):
+        dtype: str | None = None
+        shape: Annotated[tuple[_Count, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
+        data_offsets: tuple[_Count, _Count] | None = None
+
+    class _Metadata(msgspec.Struct, gc=False):
+        metadata: dict[str, str] | None = msgspec.field(default=None, name="__metadata__")
+
+    _DECODERS: tuple[Any, Any] | None = (msgspec.json.Decoder(dict[str, _Entry]), msgspec.json.Decoder(_Metadata))
+else:  # pragma: no cover
+    _DECODERS = None
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_OFFSETS = operator.attrgetter("data_offsets")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+
+
+def _one_of_each_field(blob: bytes, entries: int) -> bool:
+    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse.
+
+    A duplicate key collapses entries silently (the last wins) in json and in msgspec alike. Each entry names
+    each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
+    the duplicate (a metadata value mentioning those words only costs that parse).
+    """
+    return blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
+
+
+def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
+    """Parse and validate a header's JSON with typed decoding and list-wide operations; return its entries sorted
+    by offset and its metadata, or ``None`` if anything is off (or msgspec is missing).
+
+    The same rules as `_check_header_one_by_one`, which runs instead on ``None`` to name what is wrong, and which
+    alone decides the few headers json reads and msgspec does not (a lone surrogate in a key, ``"__metadata__":
+    0``). msgspec checks the types while it parses (`_DECODERS`); what is left is a few C-level passes over
+    lists, about 1 µs per entry in all (dev VM: 9 ms for 9,216 entries, against 19 ms for ``json.loads`` and the
+    same checks on its dicts).
+    """
+    if _DECODERS is None:
+        return None
+    entries_of, metadata_of = _DECODERS
+    try:
+        decoded = entries_of.decode(blob)
+        meta = metadata_of.decode(blob).metadata if "__metadata__" in decoded else None
+    except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
+        return None
+    decoded.pop("__metadata__", None)
+    if not _one_of_each_field(blob, len(decoded)):  # a duplicate key: named by the entry-by-entry parse
+        return None
+    entries = list(decoded.values())
+    dtypes = list(map(_DTYPE, entries))
+    shapes = list(map(_SHAPE, entries))
+    offs = list(map(_OFFSETS, entries))
+    if None in dtypes or None in shapes or None in offs:  # an entry without one of its fields
+        return None
+    try:
+        bits = list(map(_BITS.__getitem__, dtypes))
+    except KeyError:  # an unknown dtype
+        return None
+    starts = list(map(_FIRST, offs))
+    ends = list(map(_SECOND, offs))
+    sizes = list(map(operator.sub, ends, starts))
+    if sizes and min(sizes) < 0:
+        return None
+    if list(map(operator.mul, map(math.prod, shapes), bits)) != list(map(operator.mul, sizes, itertools.repeat(8))):
+        return None
+    keys = list(decoded)
+    if starts != sorted(starts) or (len(set(starts)) != len(starts)):  # out of file order, or empty tensors
+        spans = sorted(zip(starts, ends, keys, range(len(entries))))
+        idx = [x[3] for x in spans]
+        keys, dtypes, shapes = [x[2] for x in spans], [dtypes[i] for i in idx], [shapes[i] for i in idx]
+        starts, ends = [x[0] for x in spans], [x[1] for x in spans]
+    if (starts and starts[0] != 0) or starts[1:] != ends[:-1] or (ends[-1] if ends else 0) != data_bytes:
+        return None
+    return (keys, dtypes, shapes, starts, ends), meta or {}
+
+
+def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[_Entries, dict[str, str]]:
+    """Parse the header with json and validate entry by entry; return what `_check_header_in_bulk` returns, or
+    raise [`AdapterFormatError`] naming what is wrong."""
+    try:
+        raw = json.loads(blob)
+        if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
+            raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({str(err)[:200]}); not a "
+                                 f"safetensors file.") from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"{where!r} has a header that is not a JSON object; not a safetensors file.")
+    meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise AdapterFormatError(f"{where!r}: '__metadata__' must map strings to strings. Re-save the file.")
+    return _check_entries_one_by_one(raw, where, base, size), dict(meta)
+
+
+def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: int) -> _Entries:
+    """Validate entry by entry and raise [`AdapterFormatError`] naming the first bad one."""
+    spans: list[tuple[int, int, str, str, tuple[int, ...]]] = []
+    for key, entry in raw.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            bits = DTYPES[dtype][0]
+        except (TypeError, KeyError, ValueError):
+            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} is malformed or has an unknown dtype "
+                                     f"({str(entry)[:120]}); it needs a known 'dtype', 'shape' and two "
+                                     f"'data_offsets'. Re-save the file.", key=key[:200]) from None
+        numel = 1
+        ok = type(start) is int and type(end) is int and 0 <= start <= end and type(shape) is list \
+            and len(shape) <= _MAX_NDIM
+        if ok:
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    ok = False
+                    break
+                numel *= d
+        if not ok:
+            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} has an invalid shape or offsets "
+                                     f"({str(entry)[:120]}). Re-save the file.", key=key[:200])
+        if numel * bits != (end - start) * 8:
+            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} declares shape {shape} of {dtype} "
+                                     f"({numel * bits / 8:g} bytes) but spans {end - start} bytes. Re-save the file.",
+                                     key=key[:200])
+        spans.append((start, end, key, dtype, tuple(shape)))
+    spans.sort()
+    expected = 0
+    for start, end, key, _, _ in spans:
+        if start != expected:
+            what = "overlaps the tensor before it" if start < expected else "leaves a gap before it"
+            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} at byte {start} {what} (expected {expected}). "
+                                     f"Re-save the file.", key=key[:200])
+        expected = end
+    if base + expected != size:
+        raise AdapterFormatError(f"{where!r}: its tensors end at byte {base + expected} but the file has {size} "
+                                 f"bytes; it is truncated or has trailing data. Re-download it.")
+    return ([x[2] for x in spans], [x[3] for x in spans], [x[4] for x in spans], [x[0] for x in spans],
+            [x[1] for x in spans])
