@@ -91,7 +91,8 @@ def _layer_holder(config: Mapping[str, Any]) -> tuple[str | None, Mapping[str, A
     """The (sub-)config that holds ``num_hidden_layers``: the config itself, else its one nested text config."""
     if isinstance(config.get("num_hidden_layers"), int):
         return None, config
-    nested = [(k, v) for k, v in config.items() if isinstance(v, Mapping) and isinstance(v.get("num_hidden_layers"), int)]
+    nested = [(k, v) for k, v in config.items()
+              if isinstance(v, Mapping) and isinstance(v.get("num_hidden_layers"), int)]
     text = [(k, v) for k, v in nested if "text" in k or "language" in k or "llm" in k]
     found = text or nested
     if len(found) != 1:

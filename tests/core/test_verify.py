@@ -276,3 +276,45 @@ def test_verify_is_a_listed_command_with_its_options(capsys: pytest.CaptureFixtu
     text = capsys.readouterr().out
     for option in ("--layers", "--load-format", "--json", "--served", "--prompt"):
         assert option in text
+
+
+def test_the_job_holds_each_sides_adapter_cut_to_k_layers_with_one_ablation_per_group(tmp_path: Path) -> None:
+    from vllm_lora_ext.cli import _parser
+    from vllm_lora_ext.cli.verify import prepare_job
+
+    config = _configs()["qwen3_moe"]  # 6 layers; layers 0 and 5 are dense, so experts start in layer 1
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(config.to_json_string())
+    torch.manual_seed(0)
+    make_peft_adapter(transformers.AutoModelForCausalLM.from_config(config), tmp_path / "trained", rank=8,
+                      targets=["q_proj", "v_proj"], target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"])
+    trained = load_file(str(tmp_path / "trained" / "adapter_model.safetensors"))
+    peft_config = json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
+    write_adapter(tmp_path / "served", {k: v for k, v in trained.items() if ".experts." not in k}, peft_config)
+    args = _parser().parse_args(["verify", str(tmp_path / "model"), str(tmp_path / "trained"), "--layers", "2",
+                                 "--served", str(tmp_path / "served")])
+    job, groups = prepare_job(args, tmp_path / "work")
+    assert job["overrides"] == {"num_hidden_layers": 2, "mlp_only_layers": [0]} and job["layers"] == 2
+    assert groups == ["attention", "routed_experts"] and job["vllm"]["max_lora_rank"] == 8
+    kept = keep_layers(list(trained), 2)
+    assert {layer_of(k) for k in kept} == {0, 1} and len(kept) < len(trained)
+    hf_runs, vllm_runs = job["hf_adapters"], job["vllm_adapters"]
+    assert list(hf_runs) == list(vllm_runs) == [FULL, "without attention", "without routed_experts"]
+    for run, folder in hf_runs.items():
+        got = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        assert sorted(got) == sorted(kept)
+        assert json.loads((Path(folder) / "adapter_config.json").read_text()) == peft_config
+        removed = run.removeprefix("without ") if run != FULL else None
+        for k, v in got.items():
+            module = k.split(".lora_")[0].removeprefix("base_model.model.")
+            zero = removed is not None and group_of(module) == removed and ".lora_B." in k
+            assert torch.equal(v, torch.zeros_like(v) if zero else trained[k]), (run, k)
+    served_full = load_file(str(Path(vllm_runs[FULL]) / "adapter_model.safetensors"))
+    served_cut = load_file(str(Path(vllm_runs["without routed_experts"]) / "adapter_model.safetensors"))
+    assert not any(".experts." in k for k in served_full)
+    assert served_full.keys() == served_cut.keys()
+    assert all(torch.equal(served_full[k], served_cut[k]) for k in served_full)
+    one = _parser().parse_args(["verify", str(tmp_path / "model"), str(tmp_path / "trained"), "--layers", "1"])
+    with pytest.raises(AdapterCompatibilityError, match=r"routed_experts \(first in layer 1\).*--layers 2 or more"):
+        prepare_job(one, tmp_path / "work1")

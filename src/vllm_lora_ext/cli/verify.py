@@ -13,6 +13,7 @@ This process never imports vLLM, transformers or PEFT: each side runs in a proce
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -138,7 +139,16 @@ def _side(side: str, job_path: Path, log: Path, verbose: bool) -> None:
         raise VerifyError(f"The {label} side failed (exit {done.returncode}); its log is {log}. Last lines: {tail}")
 
 
-def _prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list[str]]:
+def prepare_job(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list[str]]:
+    """Read the model's config and the adapter(s), cut them to ``--layers``, and write the adapter runs under ``work``
+    (the adapter, and the adapter without each module group, for each side). Needs no GPU.
+
+    Returns:
+        `tuple[dict, list[str]]`: the job both sides read, and the module groups ablated.
+
+    Raises:
+        [`VerifyError`], [`AdapterCompatibilityError`]: a config or adapter verify cannot check (the message says why).
+    """
     from vllm_lora_ext.offline_ops import load_base_config
 
     model, config_src = _hub_or_path(args.model)
@@ -148,9 +158,9 @@ def _prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list
     trained, trained_cfg, trained_id = _read_adapter(args.adapter)
     served, served_cfg, served_id = _read_adapter(args.served) if args.served else (trained, trained_cfg, trained_id)
     if overrides:
+        check_layers_cover(list(trained), args.layers, adapter=trained_id)
         trained = {k: trained[k] for k in keep_layers(list(trained), args.layers)}
         served = {k: served[k] for k in keep_layers(list(served), args.layers)}
-        check_layers_cover(list(trained), args.layers, adapter=trained_id)
     groups = sorted({*adapter_groups(list(trained)), *adapter_groups(list(served))})
     if not groups:
         raise VerifyError(f"Adapter {trained_id!r} holds no LoRA weights (lora_A/lora_B) to check.")
@@ -163,7 +173,8 @@ def _prepare(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list
         "trust_remote_code": args.trust_remote_code, "hf_adapters": hf_runs, "vllm_adapters": vllm_runs,
         "hf_out": str(work / "hf.json"), "vllm_out": str(work / "vllm.json"),
         "vllm": {"dtype": args.dtype, "quantization": args.quantization, "enforce_eager": not args.cuda_graphs,
-                 "tensor_parallel_size": args.tensor_parallel_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+                 "tensor_parallel_size": args.tensor_parallel_size,
+                 "gpu_memory_utilization": args.gpu_memory_utilization,
                  "max_lora_rank": max(_max_rank(trained_cfg, trained_id), _max_rank(served_cfg, served_id))},
         "adapter": trained_id, "served": served_id,
         "group_keys": {g: len(adapter_groups(list(trained)).get(g, [])) for g in groups},
@@ -196,35 +207,46 @@ def _check_args(args: argparse.Namespace) -> None:
         raise VerifyError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: give a fraction in (0, 1].")
 
 
+def _compare(args: argparse.Namespace, work: Path) -> VerifyReport:
+    job, groups = prepare_job(args, work)
+    job_path = work / "job.json"
+    job_path.write_text(json.dumps(job))
+    verbose = bool(getattr(args, "verbose", 0))
+    _side("hf", job_path, work / "hf.log", verbose)
+    _side("vllm", job_path, work / "vllm.log", verbose)
+    hf, vl = json.loads((work / "hf.json").read_text()), json.loads((work / "vllm.json").read_text())
+    report = judge(hf["logprobs"], vl["logprobs"], groups, thresholds=Thresholds(tolerance=args.tolerance))
+    extra = {"model": args.model, "adapter": job["adapter"], "served": job["served"], "layers": args.layers,
+             "load_format": args.load_format, "sequences": len(hf["sequences"]), "tokens": args.tokens,
+             "group_keys": job["group_keys"], "device": hf.get("device"),
+             "versions": {**hf.get("versions", {}), **vl.get("versions", {})}}
+    return dataclasses.replace(report, extra=extra)
+
+
 def run(args: argparse.Namespace) -> int:
     problem = gpu_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     _check_args(args)
-    work = Path(args.workdir).expanduser().absolute() if args.workdir else Path(tempfile.mkdtemp(prefix="vllm-lora-verify-"))
+    temporary = not args.workdir
+    work = (Path(tempfile.mkdtemp(prefix="vllm-lora-verify-")) if temporary
+            else Path(args.workdir).expanduser().absolute())
     work.mkdir(parents=True, exist_ok=True)
     try:
-        job, groups = _prepare(args, work)
-        job_path = work / "job.json"
-        job_path.write_text(json.dumps(job))
-        verbose = bool(getattr(args, "verbose", 0))
-        _side("hf", job_path, work / "hf.log", verbose)
-        _side("vllm", job_path, work / "vllm.log", verbose)
-        hf, vl = json.loads((work / "hf.json").read_text()), json.loads((work / "vllm.json").read_text())
-        report = judge(hf["logprobs"], vl["logprobs"], groups, thresholds=Thresholds(tolerance=args.tolerance))
-        extra = {"model": args.model, "adapter": job["adapter"], "served": job["served"], "layers": args.layers,
-                 "load_format": args.load_format, "sequences": len(hf["sequences"]), "tokens": args.tokens,
-                 "group_keys": job["group_keys"], "device": hf.get("device"),
-                 "versions": {**hf.get("versions", {}), **vl.get("versions", {})}}
-        report = VerifyReport(**{**report.__dict__, "extra": extra})
-        print(format_report(report))
-        if args.json:
-            Path(args.json).expanduser().write_text(json.dumps(report.as_dict(), indent=2))
-        return 0 if report.passed else 1
-    finally:
-        if not args.workdir:
+        report = _compare(args, work)
+    except BaseException:
+        if temporary and (work / "job.json").exists():
+            print(f"verify: kept {work} (the job, both sides' logs)", file=sys.stderr)
+        elif temporary:
             shutil.rmtree(work, ignore_errors=True)
+        raise
+    if temporary:
+        shutil.rmtree(work, ignore_errors=True)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).expanduser().write_text(json.dumps(report.as_dict(), indent=2))
+    return 0 if report.passed else 1
 
 
-__all__ = ["DEFAULT_PROMPTS", "add_parser", "format_report", "gpu_problem", "run"]
+__all__ = ["DEFAULT_PROMPTS", "add_parser", "format_report", "gpu_problem", "prepare_job", "run"]

@@ -166,7 +166,8 @@ def run_hf(job: Mapping[str, Any]) -> dict[str, Any]:
     tok = transformers.AutoTokenizer.from_pretrained(model_dir, revision=revision,
                                                      trust_remote_code=job["trust_remote_code"])
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, revision=revision, dtype=torch.float32,
-                                                             device_map="auto", trust_remote_code=job["trust_remote_code"])
+                                                             device_map="auto",
+                                                             trust_remote_code=job["trust_remote_code"])
     runs: dict[str, str] = job["hf_adapters"]
     names = {run: f"run{i}" for i, run in enumerate(runs)}  # PEFT adapter names may not hold '.' or spaces
     model = peft.PeftModel.from_pretrained(base, runs[FULL], adapter_name=names[FULL])
@@ -181,9 +182,10 @@ def run_hf(job: Mapping[str, Any]) -> dict[str, Any]:
     for run in runs:
         model.set_adapter(names[run])
         logprobs[run] = [_score(model, s) for s in sequences]
-    return {"model_dir": str(model_dir), "sequences": sequences, "logprobs": logprobs,
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "versions": {"transformers": transformers.__version__,
-                                                                   "peft": peft.__version__, "torch": torch.__version__}}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    versions = {"transformers": transformers.__version__, "peft": peft.__version__, "torch": torch.__version__}
+    return {"model_dir": str(model_dir), "sequences": sequences, "logprobs": logprobs, "device": device,
+            "versions": versions}
 
 
 def run_vllm(job: Mapping[str, Any], hf: Mapping[str, Any]) -> dict[str, Any]:
