@@ -41,9 +41,9 @@ import torch
 from vllm_lora_ext.errors import AdapterCompatibilityError, VerifyError
 from vllm_lora_ext.formats import classify_key
 
-__all__ = ["BASE", "FULL", "GapStats", "GroupCheck", "Thresholds", "VerifyReport", "adapter_groups", "ablation_name",
-           "group_of", "judge", "keep_layers", "layer_of", "layers_needed", "measure_gap", "truncate_config",
-           "apply_overrides", "without_group"]
+__all__ = ["BASE", "FULL", "GapStats", "GroupCheck", "Thresholds", "VerifyReport", "ablation_name", "adapter_groups",
+           "apply_overrides", "check_layers_cover", "group_of", "judge", "keep_layers", "layer_of", "layers_needed",
+           "measure_gap", "truncate_config", "without_group"]
 
 BASE = "base"
 FULL = "adapter"

@@ -318,3 +318,19 @@ def test_the_job_holds_each_sides_adapter_cut_to_k_layers_with_one_ablation_per_
     one = _parser().parse_args(["verify", str(tmp_path / "model"), str(tmp_path / "trained"), "--layers", "1"])
     with pytest.raises(AdapterCompatibilityError, match=r"routed_experts \(first in layer 1\).*--layers 2 or more"):
         prepare_job(one, tmp_path / "work1")
+
+
+@pytest.mark.parametrize(("option", "value", "fragment"), [
+    ("--layers", "0", "out of range"), ("--tokens", "x", "not an integer"),
+    ("--gpu-memory-utilization", "1.5", "fraction in (0, 1]"), ("--tolerance", "-1", "not a positive number"),
+    ("--prompt", " ", "empty prompt"), ("--load-format", "pt", "invalid choice"),
+])
+def test_verify_usage_errors_exit_2_naming_the_option(option: str, value: str, fragment: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_lora_ext.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", "org/model", "adapter", option, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and fragment in err

@@ -136,3 +136,24 @@ def test_hf_side_refuses_an_adapter_with_keys_peft_would_leave_out(tmp_path: Pat
     write_adapter(tmp_path / "a", tensors, lora_config(2, 4, ["q_proj"]))
     with pytest.raises(VerifyError, match=r"2 keys of the adapter match no module PEFT built \(first: '.*x_proj"):
         run_hf(_job(model, tmp_path, hf_adapters={FULL: str(tmp_path / "a")}))
+
+
+def test_a_bare_config_folder_runs_on_random_weights_with_random_prompt_ids(tmp_path: Path) -> None:
+    # what the benchmarks keep: config.json alone, no weights, no tokenizer
+    src = _tiny_moe(tmp_path / "full", 3)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((src / "config.json").read_text())
+    adapter = build_peft_adapter(src, tmp_path / "adapter", seed=1, rank=4, targets=["q_proj"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    write_adapter(tmp_path / "cut", {k: v for k, v in tensors.items() if ".layers.2." not in k},
+                  json.loads((adapter / "adapter_config.json").read_text()))
+    raw = json.loads((src / "config.json").read_text())
+    job = _job(tmp_path / "bare", tmp_path, overrides=truncate_config(raw, 2), layers=2, load_format="dummy",
+               hf_adapters={FULL: str(tmp_path / "cut")})
+    out = run_hf(job)
+    assert out["tokenizer"] is False and [len(s) for s in out["sequences"]] == [24 + 4] * 4
+    assert all(3 <= t < 512 for s in out["sequences"] for t in s[:24])
+    assert out["model_dir"] == job["checkpoint_dir"] and not (Path(job["checkpoint_dir"]) / "tokenizer.json").exists()
+    with pytest.raises(VerifyError, match="has no tokenizer, so the --prompt texts cannot be tokenized"):
+        run_hf({**job, "prompts_given": True})

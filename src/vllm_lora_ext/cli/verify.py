@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_lora_ext.cli import positive_int
 from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError, VerifyError
 from vllm_lora_ext.verification import (FULL, Thresholds, VerifyReport, ablation_name, adapter_groups,
@@ -38,26 +39,52 @@ DEFAULT_PROMPTS = (
 )
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; give a fraction in (0, 1]")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty prompt has nothing to score; give some text")
+    return text
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("verify", help="check on a GPU that vLLM applies an adapter as HF + PEFT does (start here "
                                       "when LoRA outputs look wrong)")
     p.add_argument("model", help="the base model: hub id (org/model or hf:org/model) or local folder")
     p.add_argument("adapter", help="the adapter as trained (PEFT folder with adapter_config.json, or hf: source)")
-    p.add_argument("--layers", type=int, default=None, metavar="K",
+    p.add_argument("--layers", type=positive_int, default=None, metavar="K",
                    help="keep only the first K decoder layers on both sides (adapter keys of later layers dropped)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights (seeded), written once and loaded by both sides")
     p.add_argument("--served", default=None, metavar="SOURCE",
                    help="the adapter vLLM serves, if not ADAPTER itself (e.g. the output of convert or mix)")
-    p.add_argument("--prompt", action="append", default=None, help="a prompt to score (repeatable)")
-    p.add_argument("--tokens", type=int, default=16, help="greedy tokens appended to each prompt (default 16)")
-    p.add_argument("--tolerance", type=float, default=None,
+    p.add_argument("--prompt", action="append", type=_prompt, default=None, help="a prompt to score (repeatable)")
+    p.add_argument("--tokens", type=positive_int, default=16, help="greedy tokens appended to each prompt (default 16)")
+    p.add_argument("--tolerance", type=_positive, default=None,
                    help="mean |Δ logprob| allowed (default: max(3 x base noise, 0.02))")
     p.add_argument("--json", default=None, metavar="PATH", help="write the numbers as JSON")
     p.add_argument("--dtype", default="auto", help="vLLM's dtype (default auto)")
     p.add_argument("--quantization", default=None, help="vLLM's --quantization (the HF side stays float32)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (default: eager)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--revision", default=None, help="the model's revision on the hub")
@@ -127,9 +154,11 @@ def _write_runs(tensors: Mapping[str, Any], config: Mapping[str, Any], groups: S
     return paths
 
 
-def _side(side: str, job_path: Path, log: Path, verbose: bool) -> None:
+def _side(side: str, job_path: Path, log: Path, args: argparse.Namespace) -> None:
     label = {"hf": "HF transformers + PEFT (float32)", "vllm": "vLLM with the plugin"}[side]
-    print(f"verify: scoring with {label} ...", file=sys.stderr, flush=True)
+    verbose = bool(getattr(args, "verbose", 0))
+    if not getattr(args, "quiet", False):
+        print(f"verify: scoring with {label} ...", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "vllm_lora_ext.integration.verify_run", side, str(job_path)]
     with open(log, "wb") as f:
         done = subprocess.run(cmd, stdout=None if verbose else f, stderr=subprocess.STDOUT if not verbose else None,
@@ -169,7 +198,8 @@ def prepare_job(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], l
     job = {
         "model": model, "model_config": model_config, "overrides": overrides, "layers": args.layers,
         "load_format": args.load_format, "checkpoint_dir": str(work / "model"), "revision": args.revision,
-        "prompts": list(args.prompt or DEFAULT_PROMPTS), "tokens": args.tokens, "seed": args.seed,
+        "prompts": list(args.prompt or DEFAULT_PROMPTS), "prompts_given": bool(args.prompt), "tokens": args.tokens,
+        "seed": args.seed,
         "trust_remote_code": args.trust_remote_code, "hf_adapters": hf_runs, "vllm_adapters": vllm_runs,
         "hf_out": str(work / "hf.json"), "vllm_out": str(work / "vllm.json"),
         "vllm": {"dtype": args.dtype, "quantization": args.quantization, "enforce_eager": not args.cuda_graphs,
@@ -198,22 +228,12 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.layers is not None and args.layers < 1:
-        raise VerifyError(f"--layers {args.layers}: give a number of decoder layers from 1 up.")
-    if not 0 < args.tokens <= 512:
-        raise VerifyError(f"--tokens {args.tokens}: give 1 to 512 tokens to generate after each prompt.")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise VerifyError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: give a fraction in (0, 1].")
-
-
 def _compare(args: argparse.Namespace, work: Path) -> VerifyReport:
     job, groups = prepare_job(args, work)
     job_path = work / "job.json"
     job_path.write_text(json.dumps(job))
-    verbose = bool(getattr(args, "verbose", 0))
-    _side("hf", job_path, work / "hf.log", verbose)
-    _side("vllm", job_path, work / "vllm.log", verbose)
+    _side("hf", job_path, work / "hf.log", args)
+    _side("vllm", job_path, work / "vllm.log", args)
     hf, vl = json.loads((work / "hf.json").read_text()), json.loads((work / "vllm.json").read_text())
     report = judge(hf["logprobs"], vl["logprobs"], groups, thresholds=Thresholds(tolerance=args.tolerance))
     extra = {"model": args.model, "adapter": job["adapter"], "served": job["served"], "layers": args.layers,
@@ -228,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    _check_args(args)
+    if args.tokens > 512:
+        raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
     temporary = not args.workdir
     work = (Path(tempfile.mkdtemp(prefix="vllm-lora-verify-")) if temporary
             else Path(args.workdir).expanduser().absolute())

@@ -19,6 +19,7 @@ the truncation overrides, the prompts and the adapter runs; each side writes its
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -112,9 +113,37 @@ def write_random_checkpoint(job: Mapping[str, Any], out: Path) -> None:
                                                               trust_remote_code=job["trust_remote_code"])
     model.save_pretrained(str(out), safe_serialization=True)
     del model
-    tok = transformers.AutoTokenizer.from_pretrained(job["model"], revision=job.get("revision"),
-                                                     trust_remote_code=job["trust_remote_code"])
-    tok.save_pretrained(str(out))
+    tok = _tokenizer(job["model"], job.get("revision"), job)
+    if tok is not None:
+        tok.save_pretrained(str(out))
+
+
+def _tokenizer(model: str, revision: str | None, job: Mapping[str, Any]) -> Any:
+    """The model's tokenizer, or ``None`` where it has none (a bare config folder, as benchmarks use)."""
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(model, revision=revision,
+                                                         trust_remote_code=job["trust_remote_code"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    # transformers 5 answers a folder without tokenizer files with an empty tokenizer (a vocabulary of one)
+    return tok if len(tok) > 2 else None
+
+
+def _prompt_ids(job: Mapping[str, Any], tok: Any, vocab: int) -> list[list[int]]:
+    """The prompts as token ids; without a tokenizer, seeded random ids (4 prompts of 24 tokens), unless the user
+    gave prompts, which then cannot be read."""
+    if tok is not None:
+        ids = [list(tok(p)["input_ids"]) for p in job["prompts"]]
+        if any(len(x) < 1 for x in ids):
+            raise VerifyError(f"The tokenizer of {job['model']!r} gives no tokens for a prompt; give other --prompt texts.")
+        return ids
+    if job.get("prompts_given"):
+        raise VerifyError(f"Model {job['model']!r} has no tokenizer, so the --prompt texts cannot be tokenized. Add "
+                          f"the tokenizer's files to the model folder, or leave --prompt out (random token ids).")
+    g = random.Random(job["seed"])
+    return [[g.randrange(3, vocab) for _ in range(24)] for _ in range(4)]
 
 
 def _check_peft_loaded(result: Any, path: str) -> None:
@@ -163,8 +192,7 @@ def run_hf(job: Mapping[str, Any]) -> dict[str, Any]:
         model_dir = job["checkpoint_dir"]
         write_truncated_checkpoint(job, Path(model_dir))
     revision = job.get("revision") if model_dir == job["model"] else None
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir, revision=revision,
-                                                     trust_remote_code=job["trust_remote_code"])
+    tok = _tokenizer(model_dir, revision, job)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, revision=revision, dtype=torch.float32,
                                                              device_map="auto",
                                                              trust_remote_code=job["trust_remote_code"])
@@ -175,7 +203,8 @@ def run_hf(job: Mapping[str, Any]) -> dict[str, Any]:
         _check_peft_loaded(model.load_adapter(path, adapter_name=names[run]), path)
     model.eval()
     model.set_adapter(names[FULL])
-    sequences = [_greedy(model, tok(p)["input_ids"], job["tokens"]) for p in job["prompts"]]
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    sequences = [_greedy(model, ids, job["tokens"]) for ids in _prompt_ids(job, tok, vocab)]
     logprobs: dict[str, list[list[float]]] = {}
     with model.disable_adapter():
         logprobs[BASE] = [_score(model, s) for s in sequences]
@@ -185,7 +214,7 @@ def run_hf(job: Mapping[str, Any]) -> dict[str, Any]:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     versions = {"transformers": transformers.__version__, "peft": peft.__version__, "torch": torch.__version__}
     return {"model_dir": str(model_dir), "sequences": sequences, "logprobs": logprobs, "device": device,
-            "versions": versions}
+            "versions": versions, "tokenizer": tok is not None}
 
 
 def run_vllm(job: Mapping[str, Any], hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -199,12 +228,14 @@ def run_vllm(job: Mapping[str, Any], hf: Mapping[str, Any]) -> dict[str, Any]:
     model_dir = hf["model_dir"]
     sequences: list[list[int]] = hf["sequences"]
     runs: dict[str, str] = job["vllm_adapters"]
+    # Token ids in, logprobs out: vLLM needs no tokenizer (and a bare config folder has none).
     llm = LLM(model=model_dir, revision=job.get("revision") if model_dir == job["model"] else None,
-              trust_remote_code=job["trust_remote_code"], enable_lora=True, max_lora_rank=opts["max_lora_rank"],
-              max_loras=1, max_cpu_loras=len(runs) + 1, enforce_eager=opts["enforce_eager"], dtype=opts["dtype"],
+              trust_remote_code=job["trust_remote_code"], skip_tokenizer_init=True, enable_lora=True,
+              max_lora_rank=opts["max_lora_rank"], max_loras=1, max_cpu_loras=len(runs) + 1,
+              enforce_eager=opts["enforce_eager"], dtype=opts["dtype"], quantization=opts["quantization"],
               gpu_memory_utilization=opts["gpu_memory_utilization"], tensor_parallel_size=opts["tensor_parallel_size"],
-              quantization=opts["quantization"], max_model_len=max(map(len, sequences)) + 16, seed=job["seed"])
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+              max_model_len=max(map(len, sequences)) + 16, seed=job["seed"])
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=s) for s in sequences]
     logprobs: dict[str, list[list[float]]] = {}
     requests: list[tuple[str, Any]] = [(BASE, None)]
