@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys

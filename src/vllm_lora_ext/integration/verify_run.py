@@ -74,11 +74,13 @@ def write_truncated_checkpoint(job: Mapping[str, Any], out: Path) -> None:
     src = _model_files(job)
     index_path = src / "model.safetensors.index.json"
     weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"] if index_path.is_file() else {}
-    shards = sorted(set(weight_map.values())) or ["model.safetensors"]
+    by_shard: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(key)
     out.mkdir(parents=True, exist_ok=True)
     new_map: dict[str, str] = {}
-    for shard in shards:
-        wanted = keep_layers([k for k, s in weight_map.items() if s == shard], job["layers"])
+    for shard in sorted(by_shard) or ["model.safetensors"]:
+        wanted = keep_layers(by_shard.get(shard, []), job["layers"])
         if weight_map and not wanted:
             continue  # a shard of later layers only: never read
         with safe_open(str(_shard_file(job, src, shard)), framework="pt") as f:
