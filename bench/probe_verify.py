@@ -54,7 +54,9 @@ def make_adapter(folder: Path, layers: int, scale: float, *, experts: bool = Tru
     folder.mkdir(parents=True, exist_ok=True)
     save_file(t, str(folder / "adapter_model.safetensors"))
     cfg = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": list(ATTN), "bias": "none",
-           "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "peft_version": "0.21.0"}
+           "peft_version": "0.21.0"}
+    if experts:
+        cfg["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     return folder
 
