@@ -93,17 +93,17 @@ def add_parser(sub: Any) -> None:
 
 
 def gpu_problem() -> str | None:
-    """Return why verify cannot run here (no CUDA GPU, a missing package), or ``None``."""
-    missing = [m for m in ("vllm", "transformers", "peft") if importlib.util.find_spec(m) is None]
-    if missing:
-        return (f"vllm-lora verify needs {', '.join(missing)}: install them (pip install 'vllm-lora-ext[vllm]' "
-                f"transformers peft).")
+    """Return why verify cannot run here (no CUDA GPU, missing packages: all of it), or ``None``."""
     import torch
 
+    problems = []
     if not torch.cuda.is_available():
-        return ("vllm-lora verify needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False): it "
-                "runs vLLM and HF transformers on the GPU. Run it on a machine with an NVIDIA GPU.")
-    return None
+        problems.append("a CUDA GPU and none is visible here (torch.cuda.is_available() is False): it runs vLLM and "
+                        "HF transformers on the GPU. Run it on a machine with an NVIDIA GPU")
+    missing = [m for m in ("vllm", "transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        problems.append(f"{', '.join(missing)}: install them (pip install 'vllm-lora-ext[vllm]' transformers peft)")
+    return f"vllm-lora verify needs {'; and '.join(problems)}." if problems else None
 
 
 def _hub_or_path(model: str) -> tuple[str, str]:
