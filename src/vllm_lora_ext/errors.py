@@ -28,6 +28,7 @@ __all__ = [
     "UnmatchedKeysError",
     "UnsafeFormatError",
     "UnsupportedVLLMError",
+    "VerifyError",
     "VllmLoraExtError",
 ]
 
@@ -179,3 +180,8 @@ class BuildProcessError(VllmLoraExtError, RuntimeError):
 
 class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):
     """The installed vLLM is outside the tested range (raised only by `vllm_lora_ext.integration`)."""
+
+
+class VerifyError(VllmLoraExtError, RuntimeError):
+    """``vllm-lora verify`` could not compare: the model cannot be truncated, a side failed, or HF + PEFT would not
+    apply every key of the adapter (then its reference would be wrong)."""

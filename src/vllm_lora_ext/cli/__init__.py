@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_parser(sub)
     convert.add_parser(sub)
     mix.add_parser(sub)
+    from vllm_lora_ext.cli import verify
+    verify.add_parser(sub)
     return p
 
 
