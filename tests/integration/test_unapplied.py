@@ -237,3 +237,133 @@ def test_lora_modules_at_server_start_refuse_it_before_serving(deepseek: Any, ad
         asyncio.run(models.init_static_loras())
     _assert_mla_refusal(str(e.value))
     assert models.lora_requests == {}
+
+
+# ------------------------------------------------------------------------------------------------ quantized MoE
+
+MOE, EXPERTS, MOE_INTER = "model.layers.1.mlp.experts", 4, 32
+
+
+def _moe_wrapper(kernel: type) -> Any:
+    """vLLM's FusedMoEWithLoRA for a 4-expert block whose modular kernel runs ``kernel`` (vLLM's own class).
+
+    Its ``__init__`` selects that kernel from the quantization on a GPU; here the fields it sets are filled in.
+    """
+    from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
+
+    wrapper = FusedMoEWithLoRA.__new__(FusedMoEWithLoRA)
+    torch.nn.Module.__init__(wrapper)
+    wrapper.base_layer = SimpleNamespace(expert_map=None)
+    wrapper.moe_config = SimpleNamespace(
+        num_experts=EXPERTS, num_local_experts=EXPERTS, hidden_dim=HIDDEN, intermediate_size_per_partition=MOE_INTER,
+        intermediate_size_per_partition_unpadded=None,
+        moe_parallel_config=SimpleNamespace(ep_rank=0, use_ep=False, tp_size=1))
+    wrapper.tp_size = 1
+    wrapper._moe_kernel = SimpleNamespace(fused_experts=kernel.__new__(kernel))
+    return wrapper
+
+
+def _with_moe_block(manager: Any, kernel: type) -> Any:
+    import types
+
+    from vllm.lora.model_manager import LoRAModelManager
+
+    view = manager._adapter_manager
+    for name in ("_get_text_lora_name", "_get_text_lora_names"):  # 0.33's post-load check looks MoE blocks up so
+        if hasattr(LoRAModelManager, name):
+            setattr(view, name, types.MethodType(getattr(LoRAModelManager, name), view))
+    view.modules[MOE] = _moe_wrapper(kernel)
+    view.packed_modules[MOE] = [f"{MOE}.{e}.{p}" for e in range(EXPERTS) for p in ("gate_proj", "down_proj", "up_proj")]
+    return manager
+
+
+def _expert_adapter(folder: Path) -> Path:
+    from factories import PREFIX, lora_config, write_adapter
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for e in range(EXPERTS):
+        for proj, (d_in, d_out) in (("gate_proj", (HIDDEN, MOE_INTER)), ("up_proj", (HIDDEN, MOE_INTER)),
+                                    ("down_proj", (MOE_INTER, HIDDEN))):
+            tensors[f"{PREFIX}{MOE}.{e}.{proj}.lora_A.weight"] = torch.randn(4, d_in, generator=g)
+            tensors[f"{PREFIX}{MOE}.{e}.{proj}.lora_B.weight"] = torch.randn(d_out, 4, generator=g)
+    for proj, (d_in, d_out) in (("q_proj", (HIDDEN, HEADS * (NOPE + ROPE))), ("o_proj", (HEADS * V, HIDDEN))):
+        tensors[f"{PREFIX}model.layers.0.self_attn.{proj}.lora_A.weight"] = torch.randn(4, d_in, generator=g)
+        tensors[f"{PREFIX}model.layers.0.self_attn.{proj}.lora_B.weight"] = torch.randn(d_out, 4, generator=g)
+    write_adapter(folder, tensors, lora_config(4, 8, ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+    return folder
+
+
+def test_expert_lora_on_a_moe_kernel_that_ignores_it_is_refused_and_dropped_only_on_opt_in(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+
+    monkeypatch.delenv("VLLM_LORA_EXT_DROP_UNAPPLIED", raising=False)
+    manager = _with_moe_block(_deepseek(worker_manager, mla=False), TritonWNA16Experts)
+    adapter = _expert_adapter(tmp_path / "a")
+    with pytest.raises(AdapterCompatibilityError) as e:
+        _load(manager, str(adapter))
+    msg = str(e.value)
+    assert "TritonWNA16Experts kernel" in msg and MOE in msg and "VLLM_LORA_EXT_DROP_UNAPPLIED=experts" in msg
+    assert f"{MOE}.0.gate_proj.lora_A.weight" in msg  # the first keys
+    monkeypatch.setenv("VLLM_LORA_EXT_DROP_UNAPPLIED", "experts")
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
+        lora = _load(manager, str(adapter))
+    assert sorted(lora.loras) == ["model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.q_proj"]
+    assert any(MOE in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_expert_lora_on_a_moe_kernel_that_applies_it_loads(worker_manager: Any, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    monkeypatch.delenv("VLLM_LORA_EXT_DROP_UNAPPLIED", raising=False)
+    manager = _with_moe_block(_deepseek(worker_manager, mla=False), TritonExperts)  # unquantized and FP8 MoE
+    lora = _load(manager, str(_expert_adapter(tmp_path / "a")))
+    assert MOE in lora.loras and "model.layers.0.self_attn.q_proj" in lora.loras
+
+
+def _experts_classes() -> list[type]:
+    """Every experts kernel class the installed vLLM defines (the modules that import on this machine)."""
+    import importlib
+    import pkgutil
+
+    import vllm.model_executor.layers.fused_moe.experts as pkg
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        try:
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+        except Exception:  # a backend this machine lacks (ROCm, FlashInfer builds)
+            continue
+    seen: list[type] = []
+    todo = [mk.FusedMoEExpertsModular]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+def test_the_table_of_moe_kernels_that_drop_lora_matches_the_installed_vllm() -> None:
+    """A kernel whose supports_lora() is true applies LoRA only if its own apply reads the LoRA context or calls
+    its parent's: every other such kernel must be in the table, and every kernel in the table is one of them."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA
+
+    dropping = set()
+    for cls in _experts_classes():
+        if not cls.supports_lora() or "apply" not in cls.__dict__:
+            continue
+        code = ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(cls.__dict__["apply"]))))  # no comments
+        if "lora" not in code.lower() and "super().apply" not in code:
+            dropping.add(cls.__name__)
+    assert "TritonWNA16Experts" in dropping
+    assert dropping <= MOE_KERNELS_DROPPING_LORA, dropping - MOE_KERNELS_DROPPING_LORA
+    installed = {c.__name__ for c in _experts_classes()}
+    assert dropping == MOE_KERNELS_DROPPING_LORA & installed
