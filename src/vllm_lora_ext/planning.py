@@ -302,5 +302,5 @@ def _screen(modules: Mapping[str, list[str]], moe_groups: Mapping[str, Mapping[s
     """[`screen_unapplied`] over a plan's routed keys (only those on modules the model accepts)."""
     unmatched = set(find_unmatched(modules, set(model.accepted), pooling=model.pooling))  # refused as unmatched
     return screen_unapplied({m: ks for m, ks in modules.items() if m not in unmatched},
-                            {p: list(g) for p, g in moe_groups.items()}, model.traits, drop=model.drop_unapplied, adapter=name, identity=identity)
-
+                            {p: list(g) for p, g in moe_groups.items()}, model.traits,
+                            drop=model.drop_unapplied, adapter=name, identity=identity)

@@ -130,7 +130,8 @@ def test_keys_that_match_no_module_are_still_refused_as_unmatched_when_unapplied
     ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536}, {"mla": "deepseek_v3"}),
     ({"model_type": "kimi_k2", "kv_lora_rank": 512}, {"mla": "kimi_k2"}),
     ({"model_type": "glm_moe_dsa", "kv_lora_rank": 512}, {"mla": "glm_moe_dsa"}),
-    ({"model_type": "kimi_vl", "text_config": {"model_type": "deepseek_v3", "kv_lora_rank": 512}}, {"mla": "deepseek_v3"}),
+    ({"model_type": "kimi_vl", "text_config": {"model_type": "deepseek_v3", "kv_lora_rank": 512}},
+     {"mla": "deepseek_v3"}),
     ({"model_type": "deepseek_v2", "kv_lora_rank": None}, {}),  # DeepSeek without MLA
     ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "is_causal": False}, {}),  # vLLM runs it without MLA
     ({"model_type": "minicpm3", "kv_lora_rank": 256}, {}),  # has kv_b_proj, runs it as a plain layer

@@ -173,17 +173,19 @@ def test_vllm_serve_refuses_it_on_the_load_route_and_at_start(mla: dict[str, Pat
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     with vllm_serve(mla["model"], SERVE_ARGS, env=env, log_path=gpu_workdir / "mla-serve.log",
                     keep_log_as="mla-serve.log") as srv:
-        status, body = _post(f"{srv['base']}/v1/load_lora_adapter", {"lora_name": "full", "lora_path": str(mla["full"])})
-        ok_status, _ = _post(f"{srv['base']}/v1/load_lora_adapter", {"lora_name": "ok", "lora_path": str(mla["no_kv_b"])})
-        completion_status, _ = _post(f"{srv['base']}/v1/completions", {"model": "ok", "prompt": prompts()[0],
-                                                                       "max_tokens": 2})
+        load = f"{srv['base']}/v1/load_lora_adapter"
+        status, body = _post(load, {"lora_name": "full", "lora_path": str(mla["full"])})
+        ok_status, _ = _post(load, {"lora_name": "ok", "lora_path": str(mla["no_kv_b"])})
+        completion_status, _ = _post(f"{srv['base']}/v1/completions",
+                                     {"model": "ok", "prompt": prompts()[0], "max_tokens": 2})
     start_log = gpu_workdir / "mla-serve-start.log"
     with pytest.raises(AssertionError) as start:  # --lora-modules: the server stops before serving anything
         with vllm_serve(mla["model"], [*SERVE_ARGS, "--lora-modules", f"full={mla['full']}"], env=env,
                         log_path=start_log, keep_log_as="mla-serve-start.log"):
             pass
-    record("mla_serve", {"load_route_status": status, "load_route_message": body[:600], "without_kv_b_status": ok_status,
-                         "completion_status": completion_status, "lora_modules_start_refused": "exited" in str(start.value)})
+    record("mla_serve", {"load_route_status": status, "load_route_message": body[:600],
+                         "without_kv_b_status": ok_status, "completion_status": completion_status,
+                         "lora_modules_start_refused": "exited" in str(start.value)})
     assert status == 400, body
     _assert_refusal(body)
     assert ok_status == 200 and completion_status == 200
