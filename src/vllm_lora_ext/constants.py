@@ -258,3 +258,15 @@ def stall_trace_seconds() -> float:
 def build_spare_bytes() -> int:
     """Return the spare shared file a build process keeps ready (default 2 GiB, growing to twice that; 0: none)."""
     return int(_env_number(ENV_BUILD_SPARE, 2 * 2**30, minimum=0))
+
+
+# Module groups vLLM accepts a LoRA for and never applies on some models (unapplied.RULES: kv_b_proj under MLA,
+# experts under a quantized MoE kernel that ignores LoRA). Set, the adapter is served without them, with a warning.
+ENV_DROP_UNAPPLIED = "VLLM_LORA_EXT_DROP_UNAPPLIED"
+
+
+def drop_unapplied() -> frozenset[str]:
+    """Return the module groups whose never-applied LoRA weights are dropped with a warning instead of refused
+    (``VLLM_LORA_EXT_DROP_UNAPPLIED``, a comma-separated list such as ``kv_b_proj``; unset, the default: none)."""
+    raw = os.environ.get(ENV_DROP_UNAPPLIED, "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())

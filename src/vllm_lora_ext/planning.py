@@ -17,6 +17,7 @@ from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
 from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_peft_prefix
 from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
+from vllm_lora_ext.unapplied import screen_unapplied
 from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
 
 __all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "expert_pattern", "find_unmatched", "plan_adapter",
@@ -137,6 +138,10 @@ class ModelSpec:
         local_experts: per MoE block, the global expert ids this rank holds, in local order.
         max_rank: ``--max-lora-rank``.
         pooling: a pooling model (vLLM's names then lack the ``model.`` prefix).
+        traits: how vLLM runs the model where that decides whether a LoRA is applied (``{"mla": ...}``), see
+            [`unapplied`]; adapters with weights on modules vLLM would accept and never apply are refused.
+        drop_unapplied: module groups whose never-applied weights are dropped with a warning instead
+            (``VLLM_LORA_EXT_DROP_UNAPPLIED``).
     """
 
     accepted: frozenset[str]
@@ -145,6 +150,8 @@ class ModelSpec:
     local_experts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     max_rank: int = 16
     pooling: bool = False
+    traits: Mapping[str, str] = field(default_factory=dict)
+    drop_unapplied: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -155,7 +162,8 @@ class AdapterPlan:
         dense_keys: dense LoRA keys to read, in file order.
         module_of: each dense key's module name in the model.
         moe: per MoE block (model name), the plan that assigns each key a role and orientation.
-        dropped: keys matching no module, dropped because ``VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS`` is set.
+        dropped: keys matching no module, dropped because ``VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS`` is set, and keys
+            on modules vLLM would never apply, dropped because ``VLLM_LORA_EXT_DROP_UNAPPLIED`` names them.
     """
 
     dense_keys: list[str]
@@ -171,14 +179,15 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
 
     In order: factor dtypes; ranks against ``max_rank``; every key to a module or an MoE block (a
     transformers-v5 block name goes to the only MoE block of its layer); keys that match nothing
-    (refused, or dropped with ``allow_unmatched``); dense factor pairs, ranks and dims; every MoE
+    (refused, or dropped with ``allow_unmatched``); keys on modules vLLM would accept and never apply
+    ([`screen_unapplied`]: refused, or dropped where ``model.drop_unapplied`` names them); dense factor pairs, ranks and dims; every MoE
     block's roles and orientations by shape.
 
     Raises:
         [`AdapterFormatError`]: a dtype, a factor pair or a dim is wrong.
         [`UnmatchedKeysError`]: keys match no module (all of them in ``keys``).
         [`ExpertLayoutError`]: an MoE block does not fit the model.
-        [`AdapterCompatibilityError`]: a rank exceeds ``max_rank``.
+        [`AdapterCompatibilityError`]: a rank exceeds ``max_rank``, or keys sit on modules vLLM never applies.
 
     Example:
         >>> from vllm_lora_ext.config import config_from_dict
@@ -259,9 +268,17 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         modules.setdefault(module, []).append(key)
         module_of[key] = module
         dense_keys.append(key)
+    dropped: list[str] = []
+    if model.traits or model.drop_unapplied:
+        drop = _screen(modules, moe_groups, model, name=name, identity=identity)
+        if drop:
+            dropped = [k for k in keys if k in drop]
+            dense_keys = [k for k in dense_keys if k not in drop]
+            module_of = {k: m for k, m in module_of.items() if k not in drop}
+            modules = {m: ks for m, ks in modules.items() if not drop.issuperset(ks)}
+            moe_groups = {p: g for p, g in moe_groups.items() if not drop.issuperset(g)}
     unmatched = not_lora + moe_unmatched + [k for m in find_unmatched(modules, set(model.accepted),
                                                                       pooling=model.pooling) for k in modules[m]]
-    dropped: list[str] = []
     if unmatched:
         where = f" ({identity})" if identity else ""
         msg = (f"Adapter {name!r}{where} has {len(unmatched)} keys that match no LoRA module of the base model "
@@ -270,7 +287,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         if not allow_unmatched:
             raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
         logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
-        dropped = unmatched
+        dropped = dropped + unmatched
         bad = set(unmatched)
         dense_keys = [k for k in dense_keys if k not in bad]
         module_of = {k: m for k, m in module_of.items() if k not in bad}
@@ -278,3 +295,12 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
              for prefix, group in moe_groups.items()}
     return AdapterPlan(dense_keys, module_of, plans, dropped)
+
+
+def _screen(modules: Mapping[str, list[str]], moe_groups: Mapping[str, Mapping[str, tuple[int, ...]]],
+            model: ModelSpec, *, name: str, identity: str) -> set[str]:
+    """[`screen_unapplied`] over a plan's routed keys (only those on modules the model accepts)."""
+    unmatched = set(find_unmatched(modules, set(model.accepted), pooling=model.pooling))  # refused as unmatched
+    return screen_unapplied({m: ks for m, ks in modules.items() if m not in unmatched},
+                            {p: list(g) for p, g in moe_groups.items()}, model.traits,
+                            drop=model.drop_unapplied, adapter=name, identity=identity)

@@ -11,6 +11,7 @@ from vllm_lora_ext.cli import positive_int
 from vllm_lora_ext.offline_ops import load_base_config
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import AdapterSummary, summarize_adapter
+from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
 
 
 def add_parser(sub: Any) -> None:
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
     summary = summarize_adapter(resolved)
     base = load_base_config(args.base_config) if args.base_config else None
+    if base is not None:  # modules vLLM would accept and never apply on this base (unapplied.RULES)
+        summary.problems.extend(unapplied_problems([m.module for m in summary.modules], traits_from_config(base)))
     moe = _moe_report(resolved, base, args.ep_size) if summary.layout.startswith("moe") else {}
     if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:
         print("note: no EP read plan: some MoE block's sizes are not settled (see below); pass --base-config",

@@ -465,3 +465,19 @@ def _libcuda() -> Any:
             lib = None
         _LIBCUDA.append(lib)
     return _LIBCUDA[0]
+
+
+def mla_attention_cls() -> type | None:
+    """vLLM's MLA attention layer (0.26–0.33: ``model_executor.layers.attention.mla_attention.MLAAttention``),
+    built where ``model_config.use_mla`` holds; ``None`` if this vLLM has none there."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:
+        return None
+    return MLAAttention  # type: ignore[no-any-return]
+
+
+def moe_experts_kernel(module: Any) -> str | None:
+    """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
+    experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
+    return None if experts is None else type(experts).__name__

@@ -17,17 +17,18 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, mix_on_gpu, transpose_on_gpu
+from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, drop_unapplied, mix_on_gpu, transpose_on_gpu
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
-                                                mapper_ignores_expert_numbers, pin_in_place, unstacked_mapper,
-                                                validate_loaded)
+                                                mapper_ignores_expert_numbers, mla_attention_cls, moe_experts_kernel,
+                                                pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
+from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_MLA, TRAIT_MOE_KERNEL
 from vllm_lora_ext.validation import ModuleDims
 
 
@@ -90,7 +91,34 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         accepted=frozenset(expected_module_names(manager)), dims=module_dims(manager),
         moe={p: t.spec for p, t in targets.items()}, local_experts={p: t.local_experts for p, t in targets.items()},
         max_rank=int(manager.lora_config.max_lora_rank),
-        pooling=bool(getattr(manager._adapter_manager, "is_pooling_model", False)))
+        pooling=bool(getattr(manager._adapter_manager, "is_pooling_model", False)),
+        traits=model_traits(manager), drop_unapplied=drop_unapplied())
+
+
+_TRAITS_ATTR = "_vllm_lora_ext_traits"
+
+
+def model_traits(manager: Any) -> dict[str, str]:
+    """Return the traits of the worker's model that decide whether vLLM applies a LoRA (see `unapplied`).
+
+    ``mla``: the model holds vLLM's MLA attention layers (what ``model_config.use_mla`` builds; they fold
+    ``kv_b_proj`` into ``W_UK``/``W_UV``). ``moe_kernel_drops_lora``: an MoE block runs an experts kernel
+    that accepts LoRA and never applies it. Worked out once per model (the model does not change).
+    """
+    adapter_manager = manager._adapter_manager
+    found: dict[str, str] | None = adapter_manager.__dict__.get(_TRAITS_ATTR)
+    if found is not None:
+        return found
+    found = {}
+    mla, model = mla_attention_cls(), getattr(adapter_manager, "model", None)
+    if mla is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, mla) for m in model.modules()):
+        found[TRAIT_MLA] = type(model).__name__
+    kernels = sorted({k for m in adapter_manager.modules.values() if (k := moe_experts_kernel(m)) is not None})
+    dropping = [k for k in kernels if k in MOE_KERNELS_DROPPING_LORA]
+    if dropping:
+        found[TRAIT_MOE_KERNEL] = ", ".join(dropping)
+    adapter_manager.__dict__[_TRAITS_ATTR] = found
+    return found
 
 
 def module_dims(manager: Any) -> dict[str, ModuleDims]:

@@ -1,0 +1,204 @@
+"""Modules vLLM accepts a LoRA for and never applies, by model trait: the refusal table.
+
+A *trait* is a fact about how vLLM runs the base model that decides whether a LoRA on some module
+reaches the output. The worker reports the running model's traits ([`ModelSpec.traits`], name ->
+detail for messages); ``vllm-lora inspect`` derives them from the base model's ``config.json``.
+An adapter with weights on such a module is refused before any tensor is read, naming the module,
+the reason and the fix. ``VLLM_LORA_EXT_DROP_UNAPPLIED=<group>[,<group>]`` (never the default) drops
+those weights instead, with a warning naming them: the adapter is then served without them.
+
+| trait | module group | why vLLM does not apply the LoRA |
+|---|---|---|
+| ``mla`` | ``kv_b_proj`` | MLA attention computes ``W_UK``/``W_UV`` from ``kv_b_proj``'s weight when the model loads, and its prefill calls the base layer it was built with, not the LoRA wrapper (vLLM 0.26–0.33) |
+| ``moe_kernel_drops_lora`` | ``experts`` | the quantized MoE kernel vLLM picked says it supports LoRA, but its ``apply`` never reads the LoRA context (``TritonWNA16Experts``: int4/int8 weight-only MoE through compressed-tensors; ``Mxfp8NativeTritonExperts``; ROCm's ``AiterMxfp8Experts``) |
+
+Pure core: names and rules only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED
+from vllm_lora_ext.errors import AdapterCompatibilityError
+
+__all__ = ["MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_MLA", "TRAIT_MOE_KERNEL", "UnappliedRule",
+           "find_unapplied", "screen_unapplied", "traits_from_config", "unapplied_problems"]
+
+logger = logging.getLogger(__name__)
+
+TRAIT_MLA = "mla"
+TRAIT_MOE_KERNEL = "moe_kernel_drops_lora"
+EXPERTS = "experts"  # the module group of a rule that covers every routed-expert key of an MoE block
+
+# The model types vLLM runs with MLA attention when the config has ``kv_lora_rank`` (vLLM 0.26–0.33,
+# ``is_deepseek_mla``; ``VLLM_MLA_DISABLE=1`` turns MLA off). Used where there is no running model: inspect.
+MLA_MODEL_TYPES = frozenset({
+    "axk1", "bailing_hybrid", "bailing_hybrid_mtp", "bailing_hybrid_v3_mtp", "deepseek_mtp", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots3_note", "glm4_moe_lite", "glm4_moe_lite_mtp",
+    "glm5_next", "glm5_next_text", "glm_moe_dsa", "hy_v4", "hy_v4_mtp", "k3_dspark", "kimi_k2", "kimi_linear",
+    "longcat_flash", "longcat_flash_ngram", "pangu_ultra_moe", "pangu_ultra_moe_mtp",
+})
+
+# vLLM MoE expert kernels whose ``supports_lora()`` is true (inherited from ``TritonExperts``) but whose
+# ``apply`` never reads the LoRA context: an expert LoRA on such a block is accepted and never applied.
+MOE_KERNELS_DROPPING_LORA = frozenset({"TritonWNA16Experts", "Mxfp8NativeTritonExperts", "AiterMxfp8Experts"})
+
+
+@dataclass(frozen=True)
+class UnappliedRule:
+    """One row of the refusal table.
+
+    Attributes:
+        trait: the model trait under which the rule holds (``"mla"``).
+        group: the module group: a module's last name part (``"kv_b_proj"``), or ``"experts"`` for every
+            routed-expert key of an MoE block. ``VLLM_LORA_EXT_DROP_UNAPPLIED`` names groups.
+        reason: why vLLM does not apply such a LoRA (``{detail}``: the trait's detail).
+        fix: what the user can do.
+    """
+
+    trait: str
+    group: str
+    reason: str
+    fix: str
+
+    def covers(self, module: str) -> bool:
+        """Whether a dense module name falls under this rule (its last name part is the group)."""
+        return self.group != EXPERTS and module.rsplit(".", 1)[-1] == self.group
+
+
+RULES: tuple[UnappliedRule, ...] = (
+    UnappliedRule(
+        TRAIT_MLA, "kv_b_proj",
+        "MLA folds kv_b_proj into its attention weights (vLLM computes W_UK/W_UV from the base weight when the model "
+        "loads, and its prefill calls the base layer, not the LoRA wrapper), so vLLM accepts a LoRA on kv_b_proj and "
+        "never applies it",
+        "Retrain without kv_b_proj (PEFT LoraConfig target_modules listing the other modules, e.g. ['q_proj', "
+        "'kv_a_proj_with_mqa', 'o_proj', ...], not 'all-linear')"),
+    UnappliedRule(
+        TRAIT_MOE_KERNEL, EXPERTS,
+        "this quantized MoE base runs its experts with vLLM's {detail} kernel, which accepts expert LoRA weights and "
+        "never applies them",
+        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton/Marlin MoE kernels apply expert LoRA), or "
+        "retrain it without expert modules"),
+)
+
+
+def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
+    """Return the traits a base model's ``config.json`` implies where no running model can be asked (``inspect``).
+
+    MLA: a ``kv_lora_rank`` and a model type vLLM runs with MLA ([`MLA_MODEL_TYPES`]), as vLLM decides
+    ``model_config.use_mla`` (the config of a multimodal model's text part counts too).
+
+    Example:
+        >>> traits_from_config({"model_type": "deepseek_v3", "kv_lora_rank": 512})
+        {'mla': 'deepseek_v3'}
+        >>> traits_from_config({"model_type": "minicpm3", "kv_lora_rank": 256})
+        {}
+    """
+    for part in (config, config.get("text_config") or {}):
+        if not isinstance(part, Mapping):
+            continue
+        if part.get("kv_lora_rank") is not None and part.get("model_type") in MLA_MODEL_TYPES \
+                and part.get("is_causal", True) is not False:
+            return {TRAIT_MLA: str(part["model_type"])}
+    return {}
+
+
+def find_unapplied(modules: Iterable[str], moe_blocks: Iterable[str], traits: Mapping[str, str]
+                   ) -> list[tuple[UnappliedRule, list[str]]]:
+    """Return each rule that holds for ``traits`` with the modules (dense names, MoE block names) it covers.
+
+    Example:
+        >>> [(r.group, m) for r, m in find_unapplied(["l.0.kv_b_proj", "l.0.q_proj"], [], {"mla": "deepseek_v2"})]
+        [('kv_b_proj', ['l.0.kv_b_proj'])]
+    """
+    dense, blocks = list(modules), list(moe_blocks)
+    found: list[tuple[UnappliedRule, list[str]]] = []
+    for rule in RULES:
+        if rule.trait not in traits:
+            continue
+        hit = list(blocks) if rule.group == EXPERTS else [m for m in dense if rule.covers(m)]
+        if hit:
+            found.append((rule, hit))
+    return found
+
+
+def _describe(rule: UnappliedRule, traits: Mapping[str, str], names: list[str]) -> str:
+    reason = rule.reason.format(detail=traits.get(rule.trait) or "its")
+    return f"{rule.group} ({len(names)} module(s), first: {names[:3]}): {reason}"
+
+
+def screen_unapplied(module_keys: Mapping[str, list[str]], moe_keys: Mapping[str, list[str]],
+                     traits: Mapping[str, str], *, drop: frozenset[str] = frozenset(), adapter: str = "adapter",
+                     identity: str = "") -> set[str]:
+    """Refuse an adapter whose weights sit on modules vLLM accepts and never applies; return the keys to drop
+    where the user opted in (``drop``, from ``VLLM_LORA_EXT_DROP_UNAPPLIED``), with a warning naming them.
+
+    Args:
+        module_keys: the adapter's dense keys by the model's module name.
+        moe_keys: the adapter's routed-expert keys by the model's MoE block name.
+        traits: the running model's traits.
+
+    Raises:
+        [`AdapterCompatibilityError`]: names each module group, the first few keys, the reason and the fix;
+            or ``drop`` names a group no rule has.
+
+    Example:
+        >>> screen_unapplied({"l.0.kv_b_proj": ["k.lora_A.weight"]}, {}, {"mla": "deepseek_v2"}, adapter="a")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterCompatibilityError: Adapter 'a' has LoRA weights that vLLM would accept and never apply on this model: kv_b_proj (1 module(s), first: ['l.0.kv_b_proj']): MLA folds kv_b_proj into its attention weights (vLLM computes W_UK/W_UV from the base weight when the model loads, and its prefill calls the base layer, not the LoRA wrapper), so vLLM accepts a LoRA on kv_b_proj and never applies it (first keys: ['k.lora_A.weight']). Retrain without kv_b_proj (PEFT LoraConfig target_modules listing the other modules, e.g. ['q_proj', 'kv_a_proj_with_mqa', 'o_proj', ...], not 'all-linear'); or set VLLM_LORA_EXT_DROP_UNAPPLIED=kv_b_proj to serve the adapter without these weights.
+    """
+    known = {r.group for r in RULES}
+    if drop - known:
+        raise AdapterCompatibilityError(
+            f"{ENV_DROP_UNAPPLIED} names {sorted(drop - known)}, which no rule has. Use a comma-separated list of "
+            f"{sorted(known)}, or unset it.", adapter=adapter)
+    if not traits:
+        return set()
+    found = find_unapplied(module_keys, moe_keys, traits)
+    refused = [(rule, names) for rule, names in found if rule.group not in drop]
+    if refused:
+        where = f" ({identity})" if identity else ""
+        parts = []
+        for rule, names in refused:
+            keys = [k for n in names for k in (moe_keys if rule.group == EXPERTS else module_keys)[n]]
+            parts.append(f"{_describe(rule, traits, names)} (first keys: {keys[:3]}). {rule.fix}")
+        groups = ",".join(rule.group for rule, _ in refused)
+        raise AdapterCompatibilityError(
+            f"Adapter {adapter!r}{where} has LoRA weights that vLLM would accept and never apply on this model: "
+            + " ".join(parts) + f"; or set {ENV_DROP_UNAPPLIED}={groups} to serve the adapter without these weights.",
+            adapter=adapter)
+    dropped: set[str] = set()
+    for rule, names in found:
+        keys = [k for n in names for k in (moe_keys if rule.group == EXPERTS else module_keys)[n]]
+        logger.warning("Adapter %r: dropping %d LoRA tensors on %s because %s=%s is set; the adapter is served "
+                       "WITHOUT them (%s).", adapter, len(keys), names[:3] + (["..."] if len(names) > 3 else []),
+                       ENV_DROP_UNAPPLIED, rule.group, rule.reason.format(detail=traits.get(rule.trait) or "its"))
+        dropped.update(keys)
+    return dropped
+
+
+def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> list[str]:
+    """Return one line per rule the adapter's modules fall under, for ``vllm-lora inspect``'s ``problem:`` lines.
+
+    ``modules`` are the adapter's module names (PEFT's, ``base_model.model.`` removed); an MoE block's
+    routed experts are named ``...experts`` or ``...experts.<n>.<proj>``.
+
+    Example:
+        >>> unapplied_problems(["model.layers.0.self_attn.kv_b_proj"], {"mla": "deepseek_v2"})[0][:40]
+        'vLLM would accept and never apply this a'
+    """
+    dense, blocks = [], []
+    for m in modules:
+        head, sep, _ = m.partition(".experts")
+        (blocks if sep else dense).append(head + sep if sep else m)
+    lines = []
+    for rule, names in find_unapplied(dense, dict.fromkeys(blocks), traits):
+        lines.append(f"vLLM would accept and never apply this adapter's {_describe(rule, traits, names)}. {rule.fix}; "
+                     f"or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights with a warning.")
+    return lines
