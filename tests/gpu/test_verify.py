@@ -99,7 +99,7 @@ def test_verify_names_mla_kv_b_proj_when_the_opt_in_drops_it(gpu_workdir: Path, 
                                  targets=["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
                                  target_parameters=EXPERTS)
     out_json = gpu_workdir / "verify-mla.json"
-    out = _verify(str(model), str(adapter), "--json", str(out_json), env={"VLLM_LORA_EXT_DROP_UNAPPLIED": "1"})
+    out = _verify(str(model), str(adapter), "--json", str(out_json), env={"VLLM_LORA_EXT_DROP_UNAPPLIED": "kv_b_proj"})
     assert out.returncode == 1, out.stdout + out.stderr
     assert "vLLM does not apply attention.kv_b_proj" in out.stdout.strip().splitlines()[-1], out.stdout
     data = json.loads(out_json.read_text())
