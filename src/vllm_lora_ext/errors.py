@@ -18,6 +18,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterSourceError",
     "DeploymentConfigError",
+    "DiskCacheFullError",
     "ExpertLayoutError",
     "KernelConfigError",
     "MixCapacityError",
@@ -179,3 +180,22 @@ class BuildProcessError(VllmLoraExtError, RuntimeError):
 
 class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):
     """The installed vLLM is outside the tested range (raised only by `vllm_lora_ext.integration`)."""
+
+
+class DiskCacheFullError(VllmLoraExtError, RuntimeError):
+    """A download would pass the disk cache bound (``VLLM_LORA_EXT_DISK_CACHE_BYTES``) and every revision that could
+    make room is in use. Nothing was evicted for it; retry once adapters are unloaded, or raise the bound.
+
+    Not an ``OSError``: the download path maps those to a retryable download failure, and this one is not.
+
+    Example message: ``Adapter source 'hf:acme/sql' needs 64.0 MiB in the Hugging Face cache, but the disk cache
+    bound VLLM_LORA_EXT_DISK_CACHE_BYTES is 256.0 MiB and 224.0 MiB of it is held by revisions in use (pinned,
+    registered, or being read). Unload adapters that are no longer needed, or raise VLLM_LORA_EXT_DISK_CACHE_BYTES.``
+    """
+
+    def __init__(self, message: str, *, source: str, limit: int, in_use: int, needed: int) -> None:
+        super().__init__(message)
+        self.source = source
+        self.limit = limit
+        self.in_use = in_use
+        self.needed = needed

@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_parser(sub)
     convert.add_parser(sub)
     mix.add_parser(sub)
+    from vllm_lora_ext.cli import cache as cache_cli  # issue 41: the disk tier
+
+    cache_cli.add_parser(sub)
     return p
 
 
