@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_lora_ext import metrics
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
@@ -199,12 +199,11 @@ def _scan(cache: Path, root: Path) -> _State:
     holds = live_holds(root)
     revisions: dict[str, CachedRevision] = {}
     blobs: dict[str, dict[str, int]] = {}
-    for key, entry in list(entries.items()):
-        found = by_key.get((entry["repo_id"], entry["commit"]))
-        if found is None:
-            del entries[key]  # deleted outside the plugin (hf cache delete, rm): nothing left to count
-            continue
-        _, rev = found
+    gone = [key for key, entry in entries.items() if (entry["repo_id"], entry["commit"]) not in by_key]
+    for key in gone:  # deleted outside the plugin (hf cache delete, rm): nothing left to count
+        del entries[key]
+    for key, entry in entries.items():
+        _, rev = by_key[(entry["repo_id"], entry["commit"])]
         listed = set(entry["files"])
         on_disk = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
         blobs[key] = {str(f.blob_path): f.size_on_disk for name, f in on_disk.items() if name in listed}
@@ -217,27 +216,34 @@ def _scan(cache: Path, root: Path) -> _State:
         whys = tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)}))
         revisions[key] = CachedRevision(rev.repo_id, rev.commit, rev.nbytes, rev.last_use, rev.files, whys,
                                         rev.evictable)
-    _write_ledger(root, entries)
+    if gone:
+        _write_ledger(root, entries)
     return state
 
 
-def _plan(state: _State, need: int, limit: int, *, protect: Sequence[str] = (),
-          skip: DiskHold | None = None) -> list[str] | None:
+def _plan(state: _State, need: int, limit: int, *, protect: Sequence[str] = ()) -> list[str] | None:
     """The least recently used revisions to evict so that the listed bytes plus ``need`` fit ``limit``.
 
     ``None`` when even evicting every revision that may go leaves no room (then nothing may be evicted).
+    A blob shared by several listed revisions leaves the count with the last of them.
     """
-    keep = list(state.revisions)
-    if state.total(keep) + need <= limit:
+    refs: dict[str, int] = {}
+    for key in state.revisions:
+        for blob in state.blobs[key]:
+            refs[blob] = refs.get(blob, 0) + 1
+    total = state.total()
+    if total + need <= limit:
         return []
     candidates = sorted((r for r in state.revisions.values()
-                         if r.evictable and r.key not in protect and not state.held(r, skip)),
+                         if r.evictable and r.key not in protect and not state.held(r)),
                         key=lambda r: (r.last_use, r.key))
     chosen: list[str] = []
     for rev in candidates:
         chosen.append(rev.key)
-        keep.remove(rev.key)
-        if state.total(keep) + need <= limit:
+        for blob, size in state.blobs[rev.key].items():
+            refs[blob] -= 1
+            total -= size if refs[blob] == 0 else 0
+        if total + need <= limit:
             return chosen
     return None
 
@@ -366,12 +372,15 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     return path
 
 
+_T = TypeVar("_T")
+
+
 class _Use:
-    """What a resolve used: set [`done`](_Use.done) with its result to count the use in the ledger."""
+    """What a resolve used: pass its result through [`done`](_Use.done) to count the use in the ledger."""
 
     commit: str | None = None
 
-    def done(self, resolved: Any) -> Any:
+    def done(self, resolved: _T) -> _T:
         self.commit = getattr(resolved, "commit", None)
         return resolved
 

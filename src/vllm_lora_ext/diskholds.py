@@ -28,12 +28,12 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["DiskHold", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root"]
+__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,48 @@ def hold(repo_id: str, revision: str | None, *, why: str,
     return DiskHold(root, token, entry)
 
 
+class HeldSources:
+    """One server's holds on the revisions its registered adapters and live mixes point at.
+
+    [`sync`](HeldSources.sync) makes this object's holds exactly ``wanted``, in one write: new entries are
+    held, entries no longer wanted (an unloaded adapter, an evicted mix) are released. Thread-safe.
+    """
+
+    def __init__(self, *, cache_dir: str | os.PathLike[str] | None = None) -> None:
+        self.cache_dir = cache_dir
+        self._lock = threading.Lock()
+        self._tokens: dict[tuple[str, str | None], str] = {}
+
+    def sync(self, wanted: Mapping[tuple[str, str | None], str]) -> None:
+        """Hold every ``(repo_id, revision) -> why`` of ``wanted`` and release every other hold this object made.
+
+        A failure (a read-only cache) is logged, never raised: it must not fail an adapter's registration.
+        """
+        root = state_root(self.cache_dir)
+        with self._lock:
+            try:
+                state = _root_state(root)
+                with locked(root):
+                    for key, token in list(self._tokens.items()):
+                        if state.holds.get(token, {}).get("why") != wanted.get(key):
+                            state.holds.pop(token, None)
+                            del self._tokens[key]
+                    for (repo_id, revision), why in wanted.items():
+                        if (repo_id, revision) not in self._tokens:
+                            state.take_owner()
+                            token = secrets.token_hex(8)
+                            state.holds[token] = {"repo_id": repo_id, "revision": revision, "why": why}
+                            self._tokens[(repo_id, revision)] = token
+                    state.write()
+            except Exception as err:
+                logger.warning("could not update the disk cache holds of this server's adapters: %s", err)
+
+    def held(self) -> list[tuple[str, str | None]]:
+        """Return the ``(repo_id, revision)`` pairs held now."""
+        with self._lock:
+            return sorted(self._tokens, key=lambda k: (k[0], k[1] or ""))
+
+
 class _SourceLike(Protocol):
     kind: str
     repo_id: str | None
@@ -220,9 +262,11 @@ def holding(source: _SourceLike, *, why: str, cache_dir: str | os.PathLike[str] 
         return
     try:
         made: DiskHold | None = hold(source.repo_id, source.revision, why=why, cache_dir=cache_dir)
-    except Exception as err:
-        logger.warning("could not mark %s@%s in use in the disk cache (%s): %s", source.repo_id,
-                       source.revision or "main", why, err)
+    except Exception as err:  # warned once per process (an offline server often mounts the cache read-only)
+        level = logging.DEBUG if _STATE.setdefault("warned", False) else logging.WARNING
+        _STATE["warned"] = True
+        logger.log(level, "could not mark %s@%s in use in the disk cache (%s): %s; an eviction by another "
+                   "process could remove it meanwhile", source.repo_id, source.revision or "main", why, err)
         made = None
     try:
         yield

@@ -302,3 +302,48 @@ def test_the_bound_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     assert disk_cache_bytes() is None
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "0")
     assert disk_cache_bytes() is None
+
+
+def test_a_servers_registered_adapters_and_mixes_stay_and_an_unloaded_ones_revision_may_go(
+        adapters: dict[str, str], isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.diskholds import HeldSources
+    from vllm_lora_ext.diskuse import sync_server_holds
+    from vllm_lora_ext.mixing import MixComponent, MixSpec
+
+    bound(monkeypatch, 4.5)
+    pin = {i: f"hf:acme/a{i:02d}@{adapters[f'acme/a{i:02d}']}" for i in range(12)}
+    for i in range(3):
+        resolve_source(pin[i])
+    mix = MixSpec((MixComponent("a01", pin[1], 0.5), MixComponent("a02", pin[2], 0.5)))
+    registered = {"a00": pin[0], "a01": pin[1], mix.lora_name: mix.lora_path}
+    held = HeldSources()
+    sync_server_holds(held, registered, pinned={"a00"})
+    for i in range(3, 9):
+        resolve_source(pin[i])
+    assert all(cached(isolated_hf_cache, f"acme/a{i:02d}", adapters[f"acme/a{i:02d}"]) for i in range(3))
+    whys = {r.repo_id: r.held_by for r in list_cache()}
+    assert whys["acme/a00"] == (f"pid {os.getpid()}: adapter 'a00' (pinned at start-up)",)
+    assert whys["acme/a02"] == (f"pid {os.getpid()}: mix {mix.lora_name!r} (registered)",)
+    del registered[mix.lora_name]  # the mix was evicted: a02 is no longer in use; a01 still is (registered)
+    sync_server_holds(held, registered, pinned={"a00"})
+    assert held.held() == [("acme/a00", adapters["acme/a00"]), ("acme/a01", adapters["acme/a01"])]
+    for i in range(9, 12):
+        resolve_source(pin[i])
+    assert not cached(isolated_hf_cache, "acme/a02", adapters["acme/a02"])
+    assert cached(isolated_hf_cache, "acme/a00", adapters["acme/a00"]) and cached(isolated_hf_cache, "acme/a01",
+                                                                                  adapters["acme/a01"])
+
+
+def test_revisions_of_one_repo_count_a_blob_they_share_once(hub: Any, isolated_hf_cache: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = hub.repo("acme/rev")
+    shas = [repo.commit({"adapter_model.safetensors": weights_of(i), "adapter_config.json": CONFIG})
+            for i in range(6)]  # six commits of one repo: the config's blob is the same for all of them
+    weights = len(weights_of(0))
+    limit = 3 * weights + len(CONFIG) + len(CONFIG) // 2  # three revisions fit only if the config counts once
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(limit))
+    for sha in shas:
+        resolve_source(f"hf:acme/rev@{sha}")
+        assert disk_bytes(isolated_hf_cache) <= limit
+    assert [r.commit for r in list_cache()] == shas[:2:-1]
+    assert disk_bytes(isolated_hf_cache) == 3 * weights + len(CONFIG)
