@@ -38,7 +38,8 @@ from typing import Any, TypeVar
 
 from vllm_lora_ext import metrics
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
-from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, hold, live_holds, locked, state_root
+from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, state_root,
+                                     write_in_place)
 from vllm_lora_ext.errors import DiskCacheFullError
 
 __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
@@ -48,8 +49,9 @@ logger = logging.getLogger(__name__)
 _LEDGER = "ledger.json"
 _MAX_LEDGER = 16 << 20
 _DOWNLOAD_TIMEOUT_S = 3600.0
-# The hold of the resolve running in this context: the one hold a refused download may look past.
-_RESOLVING: contextvars.ContextVar[DiskHold | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
+# The resolve running in this context: its hold is taken at its first download, and a refused download may look
+# past it.
+_RESOLVING: contextvars.ContextVar[_Use | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
 
 
 @dataclass(frozen=True)
@@ -126,10 +128,16 @@ def _read_ledger(root: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _write_ledger(root: Path, entries: dict[str, dict[str, Any]]) -> None:
+def _write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
+    """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
+    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `_read_ledger` moves aside)."""
+    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)
     path = root / _LEDGER
+    if in_place:
+        write_in_place(path, text)
+        return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": 1, "revisions": entries}, sort_keys=True))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -290,7 +298,8 @@ def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) 
     keys = _plan(state, 0, limit, protect=(key,))
     if keys is None:
         new = state.revisions.get(key)
-        skip = _RESOLVING.get()
+        use = _RESOLVING.get()
+        skip = use.hold if use is not None else None
         if new is not None and new.evictable and not state.held(new, skip):
             need = new.nbytes
             _evict(cache, root, state, [key])
@@ -344,6 +353,9 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
 
     if local_files_only:
         return fetch()
+    use = _RESOLVING.get()
+    if use is not None:
+        use.take_hold()
     cache, root, limit = cache_path(cache_dir), state_root(cache_dir), disk_cache_bytes()
     source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
     if limit is None:
@@ -376,37 +388,43 @@ _T = TypeVar("_T")
 
 
 class _Use:
-    """What a resolve used: pass its result through [`done`](_Use.done) to count the use in the ledger."""
+    """One resolve: its hold (taken at its first download), and the commit it used (set through `done`)."""
 
-    commit: str | None = None
+    def __init__(self, repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> None:
+        self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
+        self.commit: str | None = None
+        self.hold: DiskHold | None = None
 
     def done(self, resolved: _T) -> _T:
+        """Record the resolve's result (its ``commit``) and return it."""
         self.commit = getattr(resolved, "commit", None)
         return resolved
+
+    def take_hold(self) -> None:
+        if self.hold is None:
+            try:
+                self.hold = hold(self.repo_id, self.revision, cache_dir=self.cache_dir,
+                                 why=f"resolve of hf:{self.repo_id}@{self.revision or 'main'}")
+            except Exception as err:  # a read-only cache: nothing here evicts from it either
+                logger.debug("could not mark %s@%s in use in the disk cache: %s", self.repo_id, self.revision, err)
 
 
 @contextlib.contextmanager
 def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[_Use]:
-    """Hold ``repo_id@revision`` while a resolve downloads and reads it; on success, mark the revision used now.
+    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now.
 
-    The hold keeps the revision's files from eviction between its first and last download (weights, then
-    config) and while the caller reads them in the block. A hold that cannot be written (a read-only cache)
-    is logged and the resolve goes on.
+    The hold keeps the files already downloaded from eviction while the next ones download (weights, then
+    config). A resolve that downloads nothing writes no hold: the caller that reads the files holds them
+    itself ([`diskholds.holding`], as a build does), since they may go once the resolve returns.
     """
-    use = _Use()
-    try:
-        made: DiskHold | None = hold(repo_id, revision, why=f"resolve of hf:{repo_id}@{revision or 'main'}",
-                                     cache_dir=cache_dir)
-    except Exception as err:
-        logger.debug("could not mark %s@%s in use in the disk cache: %s", repo_id, revision, err)
-        made = None
-    token = _RESOLVING.set(made)
+    use = _Use(repo_id, revision, cache_dir)
+    token = _RESOLVING.set(use)
     try:
         yield use
     finally:
         _RESOLVING.reset(token)
-        if made is not None:
-            made.release()
+        if use.hold is not None:
+            use.hold.release()
     if use.commit is not None:
         _touch(state_root(cache_dir), f"{repo_id}@{use.commit}")
 
@@ -417,7 +435,7 @@ def _touch(root: Path, key: str) -> None:
             entries = _read_ledger(root)
             if key in entries:
                 entries[key]["last_use"] = time.time()
-                _write_ledger(root, entries)
+                _write_ledger(root, entries, in_place=True)
     except Exception as err:  # recency is advice: a failure costs eviction order, never a request
         logger.debug("could not mark %s used in the disk cache ledger: %s", key, err)
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root"]
+__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root",
+           "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +107,17 @@ class _Root:
             self.owner = owner
 
     def write(self) -> None:
-        path = self.root / "holds" / f"{self.name}.json"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
-        os.replace(tmp, path)
+        write_in_place(self.root / "holds" / f"{self.name}.json",
+                       json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """Rewrite a small file without a rename. Call under [`locked`]: every reader reads under the same lock, so
+    none sees it half-written (a holds file torn by its owner's crash is void anyway: its owner is dead)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "r+") as f:
+        f.write(text)
+        f.truncate()
 
 
 _STATE_LOCK = threading.Lock()

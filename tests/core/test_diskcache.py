@@ -56,10 +56,14 @@ def disk_bytes(cache: Path) -> int:
     """Bytes in the cache's repo folders, partial downloads included (independent of the plugin's ledger)."""
     total = 0
     for repo in cache.glob("models--*"):
-        for blob in (repo / "blobs").glob("*"):
+        try:
+            blobs = list(os.scandir(repo / "blobs"))
+        except FileNotFoundError:  # evicted while we looked
+            continue
+        for blob in blobs:
             try:
                 total += blob.stat().st_size
-            except FileNotFoundError:  # evicted while we looked
+            except FileNotFoundError:
                 pass
     return total
 
