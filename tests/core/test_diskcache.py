@@ -351,3 +351,19 @@ def test_revisions_of_one_repo_count_a_blob_they_share_once(hub: Any, isolated_h
         assert disk_bytes(isolated_hf_cache) <= limit
     assert [r.commit for r in list_cache()] == shas[:2:-1]
     assert disk_bytes(isolated_hf_cache) == 3 * weights + len(CONFIG)
+
+
+def test_an_unreadable_ledger_is_moved_aside_and_what_it_listed_is_never_evicted(
+        adapters: dict[str, str], isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    for i in range(2):
+        resolve_source(f"hf:acme/a{i:02d}")
+    ledger = state_root() / "ledger.json"
+    ledger.write_text('{"version": 1, "revisions": {"acme/a00@')  # torn
+    bound(monkeypatch, 1.5)
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.diskcache"):
+        for i in range(2, 5):
+            resolve_source(f"hf:acme/a{i:02d}")
+    assert "could not be read" in caplog.text and (state_root() / "ledger.json.unreadable").exists()
+    assert all(cached(isolated_hf_cache, f"acme/a{i:02d}", adapters[f"acme/a{i:02d}"]) for i in (0, 1, 4))
+    assert [r.repo_id for r in list_cache()] == ["acme/a04"]
