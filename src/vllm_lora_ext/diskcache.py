@@ -11,8 +11,8 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   whole, through huggingface_hub's ``scan_cache_dir().delete_revisions(...)``. **After it**, the bound is
   checked again from the disk (for a Hub that did not tell the size).
 - **Never evicted:** a revision any live process holds ([`diskholds`]: pinned by the deployment config or
-  ``--lora-modules``, a registered adapter or live mix, a resolve or a build reading it); a revision whose
-  snapshot also holds files the plugin did not place; a commit that another cached repo also has.
+  ``--lora-modules``, a registered adapter or live mix, a resolve downloading it, a build reading it); a
+  revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
 - **Refusal.** If evicting every revision that may go still leaves no room, nothing is evicted and the
   download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use.
 - **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process;

@@ -63,8 +63,8 @@ def run_prune(args: argparse.Namespace) -> int:
     for rev in report.evicted:
         print(json.dumps({"evicted": _record(rev)}) if args.json else f"evicted {_line(rev)}")
     summary = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after, "max_bytes": report.max_bytes}
-    print(json.dumps(summary) if args.json else
-          f"{len(report.evicted)} evicted; {report.bytes_before} -> {report.bytes_after} bytes (target {report.max_bytes})")
+    print(json.dumps(summary) if args.json else f"{len(report.evicted)} evicted; {report.bytes_before} -> "
+                                                f"{report.bytes_after} bytes (target {report.max_bytes})")
     if report.bytes_after > report.max_bytes:
         print(f"error: {report.bytes_after} bytes stay in use (held by a live process, or shared with files the "
               f"plugin did not download), above --max-bytes {report.max_bytes}; see 'vllm-lora cache ls'.",
