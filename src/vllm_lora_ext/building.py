@@ -29,6 +29,7 @@ import torch
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
+from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it (issue 41)
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
@@ -36,7 +37,7 @@ from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
-from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
 
@@ -112,7 +113,7 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
             the adapter is malformed or does not fit the model (the message names the key and the fix).
         [`AdapterCompatibilityError`]: a rank exceeds ``max_lora_rank``, or the model's MoE blocks cannot take LoRA.
     """
-    with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
+    with gc_paused(), holding(parse_source(job.path), why=f"build of adapter {job.name!r}"):  # gc: ~10^5 objects
         return _build_adapter(job, router, shared=shared, arenas=arenas, transpose_on=transpose_on)
 
 

@@ -270,3 +270,35 @@ def drop_unapplied() -> frozenset[str]:
     (``VLLM_LORA_EXT_DROP_UNAPPLIED``, a comma-separated list such as ``kv_b_proj``; unset, the default: none)."""
     raw = os.environ.get(ENV_DROP_UNAPPLIED, "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+# ----------------------------------------------------------------------------------------- disk tier (issue 41)
+ENV_DISK_CACHE_BYTES = "VLLM_LORA_EXT_DISK_CACHE_BYTES"
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_byte_size(text: str, *, setting: str) -> int:
+    """Parse a byte count: digits with an optional unit (``B``, ``KB``/``MB``/``GB``/``TB``, ``KiB``..``TiB``).
+
+    Raises:
+        ValueError: the text is not such a size (the message names ``setting`` and the accepted forms).
+
+    Example:
+        >>> parse_byte_size("20GiB", setting="X"), parse_byte_size("20 GB", setting="X"), parse_byte_size("512", setting="X")
+        (21474836480, 20000000000, 512)
+    """
+    raw = text.strip()
+    end = next((i for i, c in enumerate(raw) if c not in "0123456789"), len(raw))
+    digits, unit = raw[:end], raw[end:].strip().lower()
+    if not digits or unit not in _SIZE_UNITS:
+        raise ValueError(f"{setting}={text!r} is not a size; give bytes or a number with a unit, e.g. '20GiB', "
+                         f"'20GB' or '21474836480'.")
+    return int(digits) * _SIZE_UNITS[unit]
+
+
+def disk_cache_bytes() -> int | None:
+    """Return the bound on the bytes of adapter revisions the plugin downloaded into the HF cache
+    (``VLLM_LORA_EXT_DISK_CACHE_BYTES``, e.g. ``20GiB``); unset or 0: no bound (the default)."""
+    raw = os.environ.get(ENV_DISK_CACHE_BYTES, "").strip()
+    return (parse_byte_size(raw, setting=ENV_DISK_CACHE_BYTES) or None) if raw else None

@@ -18,6 +18,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterSourceError",
     "DeploymentConfigError",
+    "DiskCacheFullError",
     "ExpertLayoutError",
     "KernelConfigError",
     "MixCapacityError",
@@ -185,3 +186,22 @@ class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):
 class VerifyError(VllmLoraExtError, RuntimeError):
     """``vllm-lora verify`` could not compare: the model cannot be truncated, a side failed, or HF + PEFT would not
     apply every key of the adapter (then its reference would be wrong)."""
+
+
+class DiskCacheFullError(VllmLoraExtError, RuntimeError):
+    """A download would pass the disk cache bound (``VLLM_LORA_EXT_DISK_CACHE_BYTES``) and every revision that could
+    make room is in use. Nothing was evicted for it; retry once adapters are unloaded, or raise the bound.
+
+    Not an ``OSError``: the download path maps those to a retryable download failure, and this one is not.
+
+    Example message: ``Adapter source 'hf:acme/sql' needs 64.0 MiB in the Hugging Face cache, but the disk cache
+    bound VLLM_LORA_EXT_DISK_CACHE_BYTES is 256.0 MiB and 224.0 MiB of it is held by revisions in use (pinned,
+    registered, or being read). Unload adapters that are no longer needed, or raise VLLM_LORA_EXT_DISK_CACHE_BYTES.``
+    """
+
+    def __init__(self, message: str, *, source: str, limit: int, in_use: int, needed: int) -> None:
+        super().__init__(message)
+        self.source = source
+        self.limit = limit
+        self.in_use = in_use
+        self.needed = needed

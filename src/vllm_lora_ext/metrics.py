@@ -31,6 +31,8 @@ The metrics:
 | ``vllm_lora_ext_mixes_evicted_total`` | counter | |
 | ``vllm_lora_ext_mixes_active`` | gauge | |
 | ``vllm_lora_ext_errors_total`` | counter | ``where`` (server, worker), ``type`` (the error class) |
+| ``vllm_lora_ext_disk_cache_bytes`` | gauge (last set) | |
+| ``vllm_lora_ext_disk_cache_evictions_total`` | counter | |
 
 Loads are counted once per engine (by its first tensor/pipeline rank); bytes read are summed over
 every worker, so with expert parallelism they are the bytes all ranks read together.
@@ -54,7 +56,7 @@ from vllm_lora_ext.constants import ENV_METRICS_DIR
 __all__ = [
     "ADAPTER_BYTES_READ", "ADAPTER_LOADS", "ADAPTER_LOAD_SECONDS", "ERRORS", "MIXES_ACTIVE", "MIXES_EVICTED",
     "MIXES_REGISTERED", "SOURCES_RESOLVED", "SOURCE_DOWNLOAD_SECONDS", "Counter", "Gauge", "Histogram",
-    "metrics_dir", "record_error", "setup",
+    "metrics_dir", "record_error", "setup", "DISK_CACHE_BYTES", "DISK_CACHE_EVICTIONS", "LatestGauge",
 ]
 
 logger = logging.getLogger(__name__)
@@ -258,3 +260,33 @@ ERRORS = Counter("vllm_lora_ext_errors", "Errors answered or raised by the plugi
 def record_error(err: BaseException, *, where: str) -> None:
     """Count ``err`` in ``vllm_lora_ext_errors_total`` by its class name (``where``: server or worker)."""
     ERRORS.inc(where=where, type=type(err).__name__)
+
+
+# ----------------------------------------------------------------------------------------- disk tier (issue 41)
+# The disk cache is one quantity shared by every process that uses it, so its gauge is the value set last
+# (prometheus_client's 'mostrecent' mode), not a sum over processes.
+
+
+class LatestGauge(_Metric):
+    """A gauge whose value is the one any process set last (``multiprocess_mode='mostrecent'``)."""
+
+    def set(self, value: float, **labels: str) -> None:
+        """Set the sample with ``labels`` to ``value``, stamped now."""
+        import time
+
+        key = _key(self.name, self.name, self.labelnames, self._values(labels), self.help)
+        if not key:
+            return
+        try:
+            with _LOCK:
+                f = _file("gauge_mostrecent")
+                if f is not None:
+                    f.write_value(key, float(value), time.time())
+        except Exception:  # a metric must never fail a load or a request
+            logger.debug("could not record metric %s", key, exc_info=True)
+
+
+DISK_CACHE_BYTES = LatestGauge("vllm_lora_ext_disk_cache_bytes",
+                               "Bytes of the adapter revisions the plugin downloaded into the Hugging Face cache.")
+DISK_CACHE_EVICTIONS = Counter("vllm_lora_ext_disk_cache_evictions",
+                               "Adapter revisions evicted from the Hugging Face cache to keep its bound.")

@@ -46,7 +46,7 @@ from vllm_lora_ext.constants import (
     allow_pickle as _env_allow_pickle,
     hf_offline,
 )
-from vllm_lora_ext import metrics
+from vllm_lora_ext import diskcache, metrics
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 
@@ -347,7 +347,7 @@ class _HubClient:
 
     def fetch(self, filename: str, revision: str | None) -> Path | None:
         """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache
         from huggingface_hub import errors as hf_errors
 
         cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
@@ -361,7 +361,7 @@ class _HubClient:
             if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
         try:
-            path = Path(hf_hub_download(
+            path = Path(diskcache.download_file(  # hf_hub_download within the disk cache bound (issue 41)
                 self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
                 token=self.token, local_files_only=self.local_only,
                 tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
@@ -522,7 +522,8 @@ def resolve_source(
     offline = hf_offline() if local_files_only is None else local_files_only
     client = _HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline)
     t0 = time.perf_counter()
-    resolved = _resolve_hub(src, pickle_ok, client)
+    with diskcache.resolving(src.repo_id or "", src.revision, cache_dir=cache_dir) as use:  # no eviction meanwhile
+        resolved = use.done(_resolve_hub(src, pickle_ok, client))
     metrics.SOURCES_RESOLVED.inc(cache="miss" if client.downloaded else "hit")
     if client.downloaded:
         metrics.SOURCE_DOWNLOAD_SECONDS.observe(time.perf_counter() - t0)

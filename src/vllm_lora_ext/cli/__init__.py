@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     mix.add_parser(sub)
     from vllm_lora_ext.cli import verify
     verify.add_parser(sub)
+
+    from vllm_lora_ext.cli import cache as cache_cli  # issue 41: the disk tier
+
+    cache_cli.add_parser(sub)
     return p
 
 

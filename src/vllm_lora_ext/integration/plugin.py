@@ -186,6 +186,7 @@ def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
 
         from vllm_lora_ext.integration.server import build_failure, ensure_built, http_error, pre_resolve, recently_used
 
+        await _sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
             return request_or_error  # an ErrorResponse
@@ -198,9 +199,26 @@ def _make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         result = await original(self, request_or_error, base_model_name)
         if isinstance(result, str) and path:
             recently_used(self.engine_client).touch(path)
+            await _sync_disk_holds(self)  # its revision is in use while it stays registered
         return result
 
     return load_lora_adapter
+
+
+async def _sync_disk_holds(models: Any) -> None:
+    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix (issue 41)."""
+    import asyncio
+
+    from vllm_lora_ext.diskholds import HeldSources
+    from vllm_lora_ext.diskuse import sync_server_holds
+    from vllm_lora_ext.integration.server import STARTUP
+
+    held = models.__dict__.setdefault("vllm_lora_ext_disk_holds", HeldSources())
+    pinned = models.__dict__.setdefault("vllm_lora_ext_pinned_names", set())
+    paths = {name: str(req.lora_path) for name, req in list(models.lora_requests.items())}
+    if STARTUP.get():
+        pinned.update(paths)
+    await asyncio.to_thread(sync_server_holds, held, paths, pinned=frozenset(pinned))
 
 
 def _make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:

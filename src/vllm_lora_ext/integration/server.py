@@ -42,6 +42,7 @@ from vllm_lora_ext.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,
+    DiskCacheFullError,
     MixCapacityError,
     MixError,
     MixIdCollisionError,
@@ -75,7 +76,7 @@ def http_error(err: BaseException) -> Any:
         return error_response(err.client_message(), err_type="NotFoundError", status=404)
     if isinstance(err, AdapterAccessError):
         return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
-    if isinstance(err, MixCapacityError):
+    if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later (issue 41)
         return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
     if isinstance(err, VllmLoraExtError):
         return error_response(err.client_message(), err_type="BadRequestError", status=400)

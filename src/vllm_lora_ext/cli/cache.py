@@ -1,0 +1,73 @@
+"""``vllm-lora cache ls`` and ``vllm-lora cache prune --max-bytes N``: the adapters the plugin downloaded.
+
+``ls`` lists each revision the plugin downloaded into the Hugging Face cache: its size, last use and what
+holds it now (a live server's registered adapter, pin or build). ``prune`` evicts the least recently used
+revisions that nothing holds until the rest fit ``--max-bytes``, as a server does under
+``VLLM_LORA_EXT_DISK_CACHE_BYTES`` (exit code 1 if the revisions in use alone pass it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from vllm_lora_ext.constants import parse_byte_size
+from vllm_lora_ext.diskcache import CachedRevision, list_cache, prune_cache
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_byte_size(text, setting="--max-bytes")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cache", help="list or prune the adapters the plugin downloaded into the HF cache")
+    verbs = p.add_subparsers(dest="cache_command", required=True)
+    ls = verbs.add_parser("ls", help="list downloaded adapter revisions: size, last use, held by")
+    prune = verbs.add_parser("prune", help="evict least recently used, unused revisions down to --max-bytes")
+    prune.add_argument("--max-bytes", required=True, type=_size, help="target size, e.g. 20GiB, 20GB or bytes")
+    for q in (ls, prune):
+        q.add_argument("--cache-dir", default=None, help="HF cache folder (default: huggingface_hub's)")
+        q.add_argument("--json", action="store_true", help="print JSON lines")
+    ls.set_defaults(func=run_ls)
+    prune.set_defaults(func=run_prune)
+
+
+def _record(rev: CachedRevision) -> dict[str, Any]:
+    return {"repo_id": rev.repo_id, "commit": rev.commit, "bytes": rev.nbytes, "last_use": rev.last_use,
+            "files": list(rev.files), "held_by": list(rev.held_by), "evictable": rev.evictable}
+
+
+def _line(rev: CachedRevision) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use))
+    held = "; ".join(rev.held_by) if rev.held_by else ("-" if rev.evictable else "shares its snapshot or commit")
+    return f"{rev.repo_id}@{rev.commit[:12]}  {rev.nbytes:>12d} B  last use {when}  held by: {held}"
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    revisions = list_cache(cache_dir=args.cache_dir)
+    for rev in revisions:
+        print(json.dumps(_record(rev)) if args.json else _line(rev))
+    if not args.json:
+        print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed")
+    return 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    report = prune_cache(args.max_bytes, cache_dir=args.cache_dir)
+    for rev in report.evicted:
+        print(json.dumps({"evicted": _record(rev)}) if args.json else f"evicted {_line(rev)}")
+    summary = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after, "max_bytes": report.max_bytes}
+    print(json.dumps(summary) if args.json else f"{len(report.evicted)} evicted; {report.bytes_before} -> "
+                                                f"{report.bytes_after} bytes (target {report.max_bytes})")
+    if report.bytes_after > report.max_bytes:
+        print(f"error: {report.bytes_after} bytes stay in use (held by a live process, or shared with files the "
+              f"plugin did not download), above --max-bytes {report.max_bytes}; see 'vllm-lora cache ls'.",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,483 @@
+"""The disk tier: a bound on the bytes of the adapter revisions the plugin downloaded into the Hugging Face cache.
+
+Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules:
+
+- **What counts.** The ledger ``<HF cache>/.locks/vllm_lora_ext/ledger.json`` lists each revision the plugin
+  downloaded (repo, commit, the files it placed, its last use). A revision the plugin only read from the
+  cache (the user's own download, another model) is never listed, so never counted and never evicted.
+  The bytes of a set of revisions are the bytes of the distinct blobs their files point at.
+- **Before a download** the Hub's file metadata (one ``HEAD``) gives the size; if the listed revisions plus
+  the new file would pass the bound, the least recently used revisions that nothing holds are evicted first,
+  whole, through huggingface_hub's ``scan_cache_dir().delete_revisions(...)``. **After it**, the bound is
+  checked again from the disk (for a Hub that did not tell the size).
+- **Never evicted:** a revision any live process holds ([`diskholds`]: pinned by the deployment config or
+  ``--lora-modules``, a registered adapter or live mix, a resolve downloading it, a build reading it); a
+  revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
+- **Refusal.** If evicting every revision that may go still leaves no room, nothing is evicted and the
+  download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use.
+- **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process;
+  with the bound on, one download lock keeps downloads one at a time, so two processes never both count
+  on the same free room. Recency (``last_use``) is the ledger's, shared by every process and server.
+
+With the bound off, downloads are still listed (best effort: a failure is logged, never raised), so
+``vllm-lora cache ls`` shows them and a bound set later knows what the plugin may evict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from vllm_lora_ext import metrics
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
+from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, state_root,
+                                     write_in_place)
+from vllm_lora_ext.errors import DiskCacheFullError
+
+__all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
+
+logger = logging.getLogger(__name__)
+
+_LEDGER = "ledger.json"
+_MAX_LEDGER = 16 << 20
+_DOWNLOAD_TIMEOUT_S = 3600.0
+# The resolve running in this context: its hold is taken at its first download, and a refused download may look
+# past it.
+_RESOLVING: contextvars.ContextVar[_Use | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
+
+
+@dataclass(frozen=True)
+class CachedRevision:
+    """A revision the plugin downloaded, as ``vllm-lora cache ls`` shows it.
+
+    Attributes:
+        repo_id: ``org/repo``.
+        commit: the commit sha.
+        nbytes: the bytes of the blobs its listed files point at.
+        last_use: when a resolve last used it (seconds since the epoch).
+        files: the files the plugin placed in its snapshot.
+        held_by: what holds it now (``"pid 123: adapter 'sql' (registered)"``); empty: it may be evicted.
+        evictable: ``False`` when its snapshot also holds files the plugin did not place, or its commit is
+            shared with another cached repo.
+    """
+
+    repo_id: str
+    commit: str
+    nbytes: int
+    last_use: float
+    files: tuple[str, ...]
+    held_by: tuple[str, ...] = ()
+    evictable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            raise ValueError(f"revision {self.repo_id}@{self.commit} has negative size {self.nbytes}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.repo_id}@{self.commit}"
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """What a prune did: the revisions evicted, the listed bytes before and after, and the target."""
+
+    evicted: tuple[CachedRevision, ...]
+    bytes_before: int
+    bytes_after: int
+    max_bytes: int
+
+
+def _fmt(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------------------------- the ledger
+
+
+def _read_ledger(root: Path) -> dict[str, dict[str, Any]]:
+    path = root / _LEDGER
+    if not path.exists():
+        return {}
+    try:
+        if path.stat().st_size > _MAX_LEDGER:
+            raise ValueError(f"larger than {_MAX_LEDGER} bytes")
+        data = json.loads(path.read_text())
+        entries = {str(k): dict(v) for k, v in data["revisions"].items()}
+        for v in entries.values():
+            str(v["repo_id"]), str(v["commit"]), list(v["files"]), float(v["last_use"])
+        return entries
+    except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
+        aside = path.with_name(f"{_LEDGER}.unreadable")
+        os.replace(path, aside)
+        logger.warning("the disk cache ledger %s could not be read (%s); it was moved to %s and the plugin now "
+                       "counts only what it downloads from here on", path, err, aside.name)
+        return {}
+
+
+def _write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
+    """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
+    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `_read_ledger` moves aside)."""
+    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)
+    path = root / _LEDGER
+    if in_place:
+        write_in_place(path, text)
+        return
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _repo_folder(cache: Path, repo_id: str) -> Path:
+    return cache / ("models--" + repo_id.replace("/", "--"))
+
+
+def _commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:
+    snapshots = _repo_folder(cache, repo_id) / "snapshots"
+    if not snapshots.is_dir():
+        return set()
+    return {s.name for s in snapshots.iterdir() if os.path.lexists(s / filename)}
+
+
+def _commit_of(path: Path) -> str | None:
+    parts = path.parts
+    return next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "snapshots"), None)
+
+
+def _record(root: Path, repo_id: str, commit: str, filename: str) -> None:
+    """List ``filename`` of ``repo_id@commit`` as placed by the plugin, used now. Call under `locked`."""
+    entries = _read_ledger(root)
+    key = f"{repo_id}@{commit}"
+    entry = entries.setdefault(key, {"repo_id": repo_id, "commit": commit, "files": [], "downloaded": time.time()})
+    if filename not in entry["files"]:
+        entry["files"] = sorted([*entry["files"], filename])
+    entry["last_use"] = time.time()
+    _write_ledger(root, entries)
+
+
+# ----------------------------------------------------------------------------------------- sizes and eviction
+
+
+@dataclass
+class _State:
+    """The listed revisions as found on disk now (built under `locked`)."""
+
+    info: Any  # huggingface_hub's HFCacheInfo
+    revisions: dict[str, CachedRevision]
+    blobs: dict[str, dict[str, int]]  # key -> {blob path: size}
+    holds: list[Hold]
+
+    def total(self, keys: Sequence[str] | None = None) -> int:
+        sizes: dict[str, int] = {}
+        for key in self.revisions if keys is None else keys:
+            sizes.update(self.blobs[key])
+        return sum(sizes.values())
+
+    def held(self, rev: CachedRevision, skip: DiskHold | None = None) -> list[Hold]:
+        return [h for h in self.holds if h.covers(rev.repo_id, rev.commit)
+                and not (skip is not None and h.pid == os.getpid() and h.repo_id == skip.repo_id
+                         and h.revision == skip.revision and h.why == skip.why)]
+
+
+def _scan(cache: Path, root: Path) -> _State:
+    """Match the ledger against huggingface_hub's scan of the cache; drop entries no longer on disk."""
+    from huggingface_hub import scan_cache_dir
+
+    entries = _read_ledger(root)
+    info = scan_cache_dir(cache)
+    by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
+              for rev in repo.revisions}
+    commit_repos: dict[str, int] = {}
+    for repo in info.repos:
+        for rev in repo.revisions:
+            commit_repos[rev.commit_hash] = commit_repos.get(rev.commit_hash, 0) + 1
+    holds = live_holds(root)
+    revisions: dict[str, CachedRevision] = {}
+    blobs: dict[str, dict[str, int]] = {}
+    gone = [key for key, entry in entries.items() if (entry["repo_id"], entry["commit"]) not in by_key]
+    for key in gone:  # deleted outside the plugin (hf cache delete, rm): nothing left to count
+        del entries[key]
+    for key, entry in entries.items():
+        _, rev = by_key[(entry["repo_id"], entry["commit"])]
+        listed = set(entry["files"])
+        on_disk = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
+        blobs[key] = {str(f.blob_path): f.size_on_disk for name, f in on_disk.items() if name in listed}
+        cached = CachedRevision(entry["repo_id"], entry["commit"], sum(blobs[key].values()),
+                                float(entry["last_use"]), tuple(sorted(listed & set(on_disk))),
+                                evictable=set(on_disk) <= listed and commit_repos[entry["commit"]] == 1)
+        revisions[key] = cached
+    state = _State(info, revisions, blobs, holds)
+    for key, rev in revisions.items():
+        whys = tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)}))
+        revisions[key] = CachedRevision(rev.repo_id, rev.commit, rev.nbytes, rev.last_use, rev.files, whys,
+                                        rev.evictable)
+    if gone:
+        _write_ledger(root, entries)
+    return state
+
+
+def _plan(state: _State, need: int, limit: int, *, protect: Sequence[str] = ()) -> list[str] | None:
+    """The least recently used revisions to evict so that the listed bytes plus ``need`` fit ``limit``.
+
+    ``None`` when even evicting every revision that may go leaves no room (then nothing may be evicted).
+    A blob shared by several listed revisions leaves the count with the last of them.
+    """
+    refs: dict[str, int] = {}
+    for key in state.revisions:
+        for blob in state.blobs[key]:
+            refs[blob] = refs.get(blob, 0) + 1
+    total = state.total()
+    if total + need <= limit:
+        return []
+    candidates = sorted((r for r in state.revisions.values()
+                         if r.evictable and r.key not in protect and not state.held(r)),
+                        key=lambda r: (r.last_use, r.key))
+    chosen: list[str] = []
+    for rev in candidates:
+        chosen.append(rev.key)
+        for blob, size in state.blobs[rev.key].items():
+            refs[blob] -= 1
+            total -= size if refs[blob] == 0 else 0
+        if total + need <= limit:
+            return chosen
+    return None
+
+
+def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
+    """Delete ``keys`` through huggingface_hub's cache API and drop them from the ledger. Call under `locked`."""
+    if not keys:
+        return
+    commits = [state.revisions[k].commit for k in keys]
+    state.info.delete_revisions(*commits).execute()
+    entries = _read_ledger(root)
+    for key in keys:
+        entries.pop(key, None)
+        rev = state.revisions.pop(key)
+        logger.info("disk cache: evicted %s (%s, last used %s)", key, _fmt(rev.nbytes),
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use)))
+    _write_ledger(root, entries)
+    metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
+
+
+def _refusal(source: str, need: int, limit: int, state: _State) -> DiskCacheFullError:
+    in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable])
+    return DiskCacheFullError(
+        f"Adapter source {source!r} needs {_fmt(need)} in the Hugging Face cache, but the disk cache bound "
+        f"{ENV_DISK_CACHE_BYTES} is {_fmt(limit)} and {_fmt(in_use)} of it is held by revisions in use (pinned, "
+        f"registered, or being read) or shared with files the plugin did not download; nothing was evicted. "
+        f"Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
+        source=source, limit=limit, in_use=in_use, needed=need)
+
+
+def _make_room(cache: Path, root: Path, source: str, need: int, limit: int, protect: Sequence[str]) -> None:
+    with locked(root):
+        state = _scan(cache, root)
+        keys = _plan(state, need, limit, protect=protect)
+        if keys is None:
+            raise _refusal(source, need, limit, state)
+        _evict(cache, root, state, keys)
+        metrics.DISK_CACHE_BYTES.set(state.total())
+
+
+def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) -> None:
+    """Keep the bound once the file is on disk (the Hub may not have told its size)."""
+    state = _scan(cache, root)
+    keys = _plan(state, 0, limit, protect=(key,))
+    if keys is None:
+        new = state.revisions.get(key)
+        use = _RESOLVING.get()
+        skip = use.hold if use is not None else None
+        if new is not None and new.evictable and not state.held(new, skip):
+            need = new.nbytes
+            _evict(cache, root, state, [key])
+        else:
+            need = new.nbytes if new is not None else 0
+        metrics.DISK_CACHE_BYTES.set(state.total())
+        raise _refusal(source, need, limit, state)
+    _evict(cache, root, state, keys)
+    metrics.DISK_CACHE_BYTES.set(state.total())
+
+
+# -------------------------------------------------------------------------------------------- the entry points
+
+
+def _incoming(cache: Path, repo_id: str, filename: str, revision: str | None,
+              token: str | bool | None) -> tuple[int, str | None]:
+    """The bytes a download of ``filename`` adds, and its commit, from the Hub's metadata (0 if it cannot tell)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    try:
+        meta = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), token=token)
+    except Exception as err:  # hf_hub_download reports it; the check after the download keeps the bound
+        logger.debug("no size for %s:%s before its download: %s", repo_id, filename, err)
+        return 0, None
+    if meta.etag and (_repo_folder(cache, repo_id) / "blobs" / meta.etag).exists():
+        return 0, meta.commit_hash  # the blob is cached (another revision has it): only a link is added
+    return int(meta.size or 0), meta.commit_hash
+
+
+def download_file(repo_id: str, filename: str, *, revision: str | None,
+                  cache_dir: str | os.PathLike[str] | None = None, token: str | bool | None = None,
+                  local_files_only: bool = False, tqdm_class: Any = None) -> str:
+    """Download one file with ``hf_hub_download`` within the disk cache bound, and list it in the ledger.
+
+    Takes ``hf_hub_download``'s arguments and raises its errors. With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set,
+    downloads run one at a time per cache; room is made first (least recently used, unheld revisions the
+    plugin downloaded are evicted) from the size the Hub tells, and the bound is checked again afterwards.
+
+    Returns:
+        `str`: the cached file's path, as ``hf_hub_download`` returns it.
+
+    Raises:
+        [`DiskCacheFullError`]: the file does not fit the bound even with every revision that may go evicted.
+    """
+    from filelock import FileLock
+    from huggingface_hub import hf_hub_download
+
+    def fetch() -> str:
+        return str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
+                                   local_files_only=local_files_only, tqdm_class=tqdm_class))
+
+    if local_files_only:
+        return fetch()
+    use = _RESOLVING.get()
+    if use is not None:
+        use.take_hold()
+    cache, root, limit = cache_path(cache_dir), state_root(cache_dir), disk_cache_bytes()
+    source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
+    if limit is None:
+        before = _commits_having(cache, repo_id, filename)
+        path = fetch()
+        commit = _commit_of(Path(path))
+        if commit is not None and commit not in before:
+            try:
+                with locked(root):
+                    _record(root, repo_id, commit, filename)
+            except Exception as err:  # the bound is off: listing is a convenience, never a failure
+                logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "download.lock")).acquire(timeout=_DOWNLOAD_TIMEOUT_S):
+        need, commit = _incoming(cache, repo_id, filename, revision, token)
+        if need:
+            _make_room(cache, root, source, need, limit, (f"{repo_id}@{commit}",) if commit else ())
+        before = _commits_having(cache, repo_id, filename)
+        path = fetch()
+        commit = _commit_of(Path(path))
+        if commit is not None and commit not in before:
+            with locked(root):
+                _record(root, repo_id, commit, filename)
+                _after_download(cache, root, source, f"{repo_id}@{commit}", limit)
+    return path
+
+
+_T = TypeVar("_T")
+
+
+class _Use:
+    """One resolve: its hold (taken at its first download), and the commit it used (set through `done`)."""
+
+    def __init__(self, repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> None:
+        self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
+        self.commit: str | None = None
+        self.hold: DiskHold | None = None
+
+    def done(self, resolved: _T) -> _T:
+        """Record the resolve's result (its ``commit``) and return it."""
+        self.commit = getattr(resolved, "commit", None)
+        return resolved
+
+    def take_hold(self) -> None:
+        if self.hold is None:
+            try:
+                self.hold = hold(self.repo_id, self.revision, cache_dir=self.cache_dir,
+                                 why=f"resolve of hf:{self.repo_id}@{self.revision or 'main'}")
+            except Exception as err:  # a read-only cache: nothing here evicts from it either
+                logger.debug("could not mark %s@%s in use in the disk cache: %s", self.repo_id, self.revision, err)
+
+
+@contextlib.contextmanager
+def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[_Use]:
+    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now.
+
+    The hold keeps the files already downloaded from eviction while the next ones download (weights, then
+    config). A resolve that downloads nothing writes no hold: the caller that reads the files holds them
+    itself ([`diskholds.holding`], as a build does), since they may go once the resolve returns.
+    """
+    use = _Use(repo_id, revision, cache_dir)
+    token = _RESOLVING.set(use)
+    try:
+        yield use
+    finally:
+        _RESOLVING.reset(token)
+        if use.hold is not None:
+            use.hold.release()
+    if use.commit is not None:
+        _touch(state_root(cache_dir), f"{repo_id}@{use.commit}")
+
+
+def _touch(root: Path, key: str) -> None:
+    try:
+        with locked(root):
+            entries = _read_ledger(root)
+            if key in entries:
+                entries[key]["last_use"] = time.time()
+                _write_ledger(root, entries, in_place=True)
+    except Exception as err:  # recency is advice: a failure costs eviction order, never a request
+        logger.debug("could not mark %s used in the disk cache ledger: %s", key, err)
+
+
+def list_cache(*, cache_dir: str | os.PathLike[str] | None = None) -> list[CachedRevision]:
+    """Return the revisions the plugin downloaded into the cache, most recently used first.
+
+    Example:
+        >>> import tempfile
+        >>> list_cache(cache_dir=tempfile.mkdtemp())
+        []
+    """
+    cache, root = cache_path(cache_dir), state_root(cache_dir)
+    if not (root / _LEDGER).exists():
+        return []
+    with locked(root):
+        state = _scan(cache, root)
+    return sorted(state.revisions.values(), key=lambda r: (-r.last_use, r.key))
+
+
+def prune_cache(max_bytes: int, *, cache_dir: str | os.PathLike[str] | None = None) -> PruneReport:
+    """Evict the least recently used revisions the plugin downloaded until they fit ``max_bytes``.
+
+    Revisions in use (held by any live process) or shared with files the plugin did not download stay; if
+    they alone pass ``max_bytes``, every other revision goes and ``bytes_after`` says what is left.
+    """
+    from filelock import FileLock
+
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    cache, root = cache_path(cache_dir), state_root(cache_dir)
+    if not (root / _LEDGER).exists():
+        return PruneReport((), 0, 0, max_bytes)
+    with FileLock(str(root / "download.lock")).acquire(timeout=_DOWNLOAD_TIMEOUT_S), locked(root):
+        state = _scan(cache, root)
+        before = state.total()
+        keys = _plan(state, 0, max_bytes)
+        if keys is None:
+            keys = [r.key for r in sorted(state.revisions.values(), key=lambda r: (r.last_use, r.key))
+                    if r.evictable and not state.held(r)]
+        evicted = tuple(state.revisions[k] for k in keys)
+        _evict(cache, root, state, keys)
+        after = state.total()
+    metrics.DISK_CACHE_BYTES.set(after)
+    return PruneReport(evicted, before, after, max_bytes)

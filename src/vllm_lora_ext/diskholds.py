@@ -1,0 +1,327 @@
+"""In-use marks ("holds") on cached adapter revisions, shared by every process that uses one Hugging Face cache.
+
+A hold says: do not evict this revision. It is ``(repo_id, revision, why)``. A commit sha holds that one
+revision; a branch, a tag or no revision holds every revision of the repo, because an evictor cannot tell
+which commit the name meant when the hold was made (a build of ``hf:acme/sql@main`` is safe from eviction
+before it knows its commit).
+
+Layout, under ``<HF cache>/.locks/vllm_lora_ext/`` (huggingface_hub's cache scan skips ``.locks``)::
+
+    state.lock                one lock (``filelock``) for the ledger and every holds file; held briefly
+    holds/<pid>-<hex>.json    one process's holds, rewritten whole (write, then rename) under ``state.lock``
+    holds/<pid>-<hex>.lock    held by that process for as long as it lives
+
+A process takes its ``.lock`` before it writes its first hold and never lets it go; the OS drops it when
+the process dies. An evictor (under ``state.lock``) tries each ``.lock``: if it can take it, the owner is
+dead and its holds are void, so it removes both files. Holds are therefore kept per process, survive
+nothing but their process, and two servers sharing one cache see each other's.
+
+This module keeps per-process state (the holds this process made and its owner lock), reset in a forked child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root",
+           "write_in_place"]
+
+logger = logging.getLogger(__name__)
+
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_MAX_FILE = 16 << 20  # a holds file or the ledger larger than this is not read (it is not one we wrote)
+_LOCK_TIMEOUT_S = 120.0
+_ANY_REPO = "*"  # a live process whose holds file cannot be read holds every revision
+
+
+def cache_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return the Hugging Face hub cache folder (``cache_dir``, else huggingface_hub's, read now)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def state_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return the folder of the plugin's bookkeeping inside the hub cache."""
+    return cache_path(cache_dir) / ".locks" / "vllm_lora_ext"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One live hold, as an evictor sees it.
+
+    Attributes:
+        repo_id: ``org/repo`` (``"*"``: every repo, for a live process whose holds cannot be read).
+        revision: a commit sha (that revision), or a branch, tag or ``None`` (every revision of the repo).
+        why: what holds it, e.g. ``"adapter 'sql' (registered)"``.
+        pid: the holding process.
+    """
+
+    repo_id: str
+    revision: str | None
+    why: str
+    pid: int
+
+    def covers(self, repo_id: str, commit: str) -> bool:
+        """Whether this hold keeps revision ``commit`` of ``repo_id`` from eviction."""
+        if self.repo_id == _ANY_REPO:
+            return True
+        if self.repo_id != repo_id:
+            return False
+        return self.revision is None or not _SHA.match(self.revision) or self.revision == commit
+
+
+class _Root:
+    """This process's state for one cache: the state lock, the owner lock and the holds it made."""
+
+    def __init__(self, root: Path) -> None:
+        from filelock import FileLock
+
+        self.root = root
+        self.tlock = threading.RLock()  # one thread at a time; a thread may nest `locked`
+        self.state_lock = FileLock(str(root / "state.lock"), thread_local=False)
+        self.depth = 0
+        self.name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.owner: Any = None
+        self.holds: dict[str, dict[str, Any]] = {}
+
+    def take_owner(self) -> None:
+        if self.owner is None:
+            from filelock import FileLock
+
+            (self.root / "holds").mkdir(parents=True, exist_ok=True)
+            owner = FileLock(str(self.root / "holds" / f"{self.name}.lock"), thread_local=False)
+            owner.acquire(timeout=_LOCK_TIMEOUT_S)
+            self.owner = owner
+
+    def write(self) -> None:
+        write_in_place(self.root / "holds" / f"{self.name}.json",
+                       json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """Rewrite a small file without a rename. Call under [`locked`]: every reader reads under the same lock, so
+    none sees it half-written (a holds file torn by its owner's crash is void anyway: its owner is dead)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "r+") as f:
+        f.write(text)
+        f.truncate()
+
+
+_STATE_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"pid": None, "roots": {}}
+
+
+def _root_state(root: Path) -> _Root:
+    with _STATE_LOCK:
+        if _STATE["pid"] != os.getpid():  # first use, or a forked child: never share the parent's holds file
+            _STATE.update(pid=os.getpid(), roots={})
+        roots: dict[str, _Root] = _STATE["roots"]
+        key = os.path.abspath(root)
+        if key not in roots:
+            root.mkdir(parents=True, exist_ok=True)
+            roots[key] = _Root(root)
+        return roots[key]
+
+
+@contextlib.contextmanager
+def locked(root: Path) -> Iterator[None]:
+    """Hold the cache's state lock (re-entrant within a thread; other threads and processes wait)."""
+    state = _root_state(root)
+    with state.tlock:
+        if state.depth == 0:
+            state.state_lock.acquire(timeout=_LOCK_TIMEOUT_S)
+        state.depth += 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+            if state.depth == 0:
+                state.state_lock.release()
+
+
+class DiskHold:
+    """A hold this process made; [`release`](DiskHold.release) ends it (idempotent). Usable as a context manager."""
+
+    def __init__(self, root: Path, token: str, entry: dict[str, Any]) -> None:
+        self.root = root
+        self.token = token
+        self.repo_id: str = entry["repo_id"]
+        self.revision: str | None = entry["revision"]
+        self.why: str = entry["why"]
+
+    def release(self) -> None:
+        """End the hold (nothing happens if it already ended, or in a forked child that did not make it)."""
+        try:
+            state = _root_state(self.root)
+            with locked(self.root):
+                if state.holds.pop(self.token, None) is not None:
+                    state.write()
+        except Exception as err:  # a release must never fail a request; the hold then ends with the process
+            logger.warning("could not release the disk cache hold on %s (%s): %s", self.repo_id, self.why, err)
+
+    def __enter__(self) -> DiskHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold(repo_id: str, revision: str | None, *, why: str,
+         cache_dir: str | os.PathLike[str] | None = None) -> DiskHold:
+    """Keep ``repo_id`` at ``revision`` from eviction until the hold is released or this process ends.
+
+    Args:
+        repo_id (`str`): ``org/repo``.
+        revision (`str`, *optional*): a commit sha (that revision) or a branch/tag/``None`` (every revision).
+        why (`str`): what holds it, shown by ``vllm-lora cache ls``.
+        cache_dir (`str` or `os.PathLike`, *optional*): the hub cache (default: huggingface_hub's).
+
+    Returns:
+        [`DiskHold`]: the hold; once this returns, no eviction in any process removes the revision.
+
+    Raises:
+        OSError, filelock.Timeout: the cache's bookkeeping folder cannot be written or its lock not taken.
+    """
+    root = state_root(cache_dir)
+    state = _root_state(root)
+    token = secrets.token_hex(8)
+    entry = {"repo_id": repo_id, "revision": revision, "why": why}
+    with locked(root):
+        state.take_owner()
+        state.holds[token] = entry
+        try:
+            state.write()
+        except BaseException:
+            state.holds.pop(token, None)
+            raise
+    return DiskHold(root, token, entry)
+
+
+class HeldSources:
+    """One server's holds on the revisions its registered adapters and live mixes point at.
+
+    [`sync`](HeldSources.sync) makes this object's holds exactly ``wanted``, in one write: new entries are
+    held, entries no longer wanted (an unloaded adapter, an evicted mix) are released. Thread-safe.
+    """
+
+    def __init__(self, *, cache_dir: str | os.PathLike[str] | None = None) -> None:
+        self.cache_dir = cache_dir
+        self._lock = threading.Lock()
+        self._tokens: dict[tuple[str, str | None], str] = {}
+
+    def sync(self, wanted: Mapping[tuple[str, str | None], str]) -> None:
+        """Hold every ``(repo_id, revision) -> why`` of ``wanted`` and release every other hold this object made.
+
+        A failure (a read-only cache) is logged, never raised: it must not fail an adapter's registration.
+        """
+        root = state_root(self.cache_dir)
+        with self._lock:
+            try:
+                state = _root_state(root)
+                with locked(root):
+                    for key, token in list(self._tokens.items()):
+                        if state.holds.get(token, {}).get("why") != wanted.get(key):
+                            state.holds.pop(token, None)
+                            del self._tokens[key]
+                    for (repo_id, revision), why in wanted.items():
+                        if (repo_id, revision) not in self._tokens:
+                            state.take_owner()
+                            token = secrets.token_hex(8)
+                            state.holds[token] = {"repo_id": repo_id, "revision": revision, "why": why}
+                            self._tokens[(repo_id, revision)] = token
+                    state.write()
+            except Exception as err:
+                logger.warning("could not update the disk cache holds of this server's adapters: %s", err)
+
+    def held(self) -> list[tuple[str, str | None]]:
+        """Return the ``(repo_id, revision)`` pairs held now."""
+        with self._lock:
+            return sorted(self._tokens, key=lambda k: (k[0], k[1] or ""))
+
+
+class _SourceLike(Protocol):
+    kind: str
+    repo_id: str | None
+    revision: str | None
+
+
+@contextlib.contextmanager
+def holding(source: _SourceLike, *, why: str, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Hold a hub source's revision for the ``with`` block (a local source holds nothing).
+
+    A hold that cannot be written (a read-only cache) is logged and the block runs anyway: nothing in this
+    process can evict from such a cache either.
+    """
+    if source.kind != "hf" or not source.repo_id:
+        yield
+        return
+    try:
+        made: DiskHold | None = hold(source.repo_id, source.revision, why=why, cache_dir=cache_dir)
+    except Exception as err:  # warned once per process (an offline server often mounts the cache read-only)
+        level = logging.DEBUG if _STATE.setdefault("warned", False) else logging.WARNING
+        _STATE["warned"] = True
+        logger.log(level, "could not mark %s@%s in use in the disk cache (%s): %s; an eviction by another "
+                   "process could remove it meanwhile", source.repo_id, source.revision or "main", why, err)
+        made = None
+    try:
+        yield
+    finally:
+        if made is not None:
+            made.release()
+
+
+def live_holds(root: Path) -> list[Hold]:
+    """Return every live process's holds on this cache, removing dead processes' files. Call under [`locked`].
+
+    A live process whose holds file cannot be read holds every revision (an evictor then evicts nothing).
+    """
+    folder = root / "holds"
+    if not folder.is_dir():
+        return []
+    from filelock import FileLock, Timeout
+
+    out: list[Hold] = []
+    for lock_path in sorted(folder.glob("*.lock")):
+        name = lock_path.name[: -len(".lock")]
+        data_path = folder / f"{name}.json"
+        probe = FileLock(str(lock_path), thread_local=False)
+        try:
+            probe.acquire(timeout=0)
+        except Timeout:  # its owner lives
+            out.extend(_read_holds(data_path))
+            continue
+        try:  # its owner is gone: its holds are void
+            data_path.unlink(missing_ok=True)
+            lock_path.unlink(missing_ok=True)
+            logger.debug("removed the disk cache holds of a process that ended (%s)", name)
+        finally:
+            probe.release()
+    return out
+
+
+def _read_holds(path: Path) -> list[Hold]:
+    try:
+        if not path.exists():
+            return []  # the owner took its lock and has not written a hold yet
+        if path.stat().st_size > _MAX_FILE:
+            raise ValueError(f"larger than {_MAX_FILE} bytes")
+        data = json.loads(path.read_text())
+        pid = int(data["pid"])
+        return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid)
+                for h in data["holds"]]
+    except Exception as err:
+        logger.warning("disk cache holds file %s of a live process cannot be read (%s); evicting nothing", path, err)
+        return [Hold(_ANY_REPO, None, f"unreadable holds file {path.name}", -1)]
