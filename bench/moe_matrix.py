@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 VOCAB = 512
 SEQS, SEQ_LEN, PROMPT_LEN = 4, 24, 4
 RANK, ALPHA = 8, 16
-TINY = {  # applied only where the family's config has the field
+TINY = {  # applied only where the family's config has the field; MLA keeps DeepSeek's head sizes (its kernels want them)
     "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 96,
     "shared_expert_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
-    "topk_group": 1, "kv_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64,
+    "topk_group": 1, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 512, "initializer_range": 0.1,
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "use_cache": False,
 }
