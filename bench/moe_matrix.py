@@ -102,6 +102,8 @@ def tiny_config(arch: str) -> Any:
     kwargs = {k: v for k, v in TINY.items() if k in fields}
     if fields.get("q_lora_rank") is not None:
         kwargs["q_lora_rank"] = 96
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:  # MLA: one latent per head
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if isinstance(fields.get("layer_types"), list):
         kwargs["layer_types"] = fields["layer_types"][:1] * TINY["num_hidden_layers"]
     if "rope_scaling" in fields:
@@ -296,10 +298,10 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
         del model
         info = build_adapter(model_dir, workdir / "adapter")
         adapters = write_group_adapters(workdir / "adapter", workdir / "groups")
+        hf = hf_logprobs(model_dir, workdir / "adapter", list(adapters), device)
     except Exception as err:
         return {"arch": arch, "status": "not buildable",
                 "why": f"transformers: {type(err).__name__}: {err}"[:400], "trace": traceback.format_exc()[-2000:]}
-    hf = hf_logprobs(model_dir, workdir / "adapter", list(adapters), device)
     name = f"{arch} ({quantization})" if quantization else arch
     result: dict[str, Any] = {"arch": name, "status": "built", **info, "groups": sorted(adapters)}
     if not use_vllm:
