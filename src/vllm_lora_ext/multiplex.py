@@ -11,7 +11,7 @@ Ray, and `vllm_lora_ext.integration.ray` carries the plan out in a replica.
 |---|---|---|
 | a name the replica registered (deployment config, ``--lora-modules``, a mix name it made) | ``NAME`` | runs the request on that name |
 | a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``) | ``MIX`` | the plugin's mix routing |
-| a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it |
+| a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it (an id holding ``+``/``=`` or starting with ``mix-`` is refused: the name rule of `vllm_lora_ext.naming`) |
 | anything else, where Ray's own downloader is configured | ``RAY`` | Ray's downloader, unchanged |
 | anything else | an error | 403 for a source clients may not name, else 404 naming the fix |
 """
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import HF_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
+from vllm_lora_ext.constants import HF_PREFIX, MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
+from vllm_lora_ext.naming import reserved_chars
 
 # The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
 MAX_ADAPTER_ID_CHARS = 4096
@@ -91,6 +92,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
         return ModelIdPlan(Plan.NAME, model_id, adapter)
     if looks_like_source(adapter):
         if any(adapter.startswith(p) for p in client_sources if p):
+            _check_source_id(model_id, adapter)
             return ModelIdPlan(Plan.SOURCE, model_id, adapter)
         raise AdapterAccessError(
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
@@ -103,3 +105,15 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     shown = ", ".join(repr(n) for n in sorted(names)[:20]) or "none"
     raise AdapterNotFoundError(f"Adapter {short_repr(adapter)} is not served here (served: {shown}). Name one of "
                                f"them, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
+
+
+def _check_source_id(model_id: str, adapter: str) -> None:
+    """Refuse a client-named source whose model id cannot be an adapter name (the replica registers it under it)."""
+    held = reserved_chars(model_id)
+    if held or model_id.startswith(MIX_NAME_PREFIX):
+        what = f"contains {' and '.join(repr(c) for c in held)}" if held else f"starts with {MIX_NAME_PREFIX!r}"
+        raise AdapterSourceError(
+            f"Model id {short_repr(model_id)} {what}, which the mix grammar reserves; a source named in a model id is "
+            f"registered under the whole id, so it cannot hold '+' or '=' or start with {MIX_NAME_PREFIX!r}. Ask the "
+            f"operator to add the source {short_repr(adapter)} to the deployment config (VLLM_LORA_EXT_CONFIG) under "
+            f"a name.", source=adapter[:200], part="name")
