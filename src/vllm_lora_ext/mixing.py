@@ -220,6 +220,10 @@ def parse_mix_expression(expr: str) -> list[tuple[str, float | None]]:
         if not eq:
             out.append((name, None))
             continue
+        if not weight.strip():
+            raise MixError(f"Mix {short_repr(expr)} gives adapter {short_repr(name)} an empty weight after '='. Write "
+                           f"NAME=0.7, or NAME alone for its default weight ('+' separates adapters, so a weight is "
+                           f"written without a '+' sign).")
         out.append((name, parse_weight(weight, name=name)))
     if len(out) > MAX_MIX_COMPONENTS:
         raise MixError(f"Mix {short_repr(expr)} names {len(out)} adapters, more than the {MAX_MIX_COMPONENTS} allowed.")
