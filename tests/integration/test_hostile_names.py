@@ -297,3 +297,55 @@ def test_a_weight_out_of_range_is_quoted_as_given_never_as_the_value_it_was_clam
         await api.serves_the_real_mix()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ offline ids (3)
+
+class _OfflineEngine:
+    """The outer boundary of the offline helpers: vLLM's LLMEngine as its add/remove/list_loras calls see it."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, str] = {}  # what the workers hold: id -> path
+        self.added: list[Any] = []
+
+    def add_lora(self, req: Any) -> bool:
+        self.added.append(req)
+        self.held[req.lora_int_id] = req.lora_path
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.held.pop(lora_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.held)
+
+
+@pytest.mark.parametrize("how", ["generate", "add_lora", "after_the_mix_was_made_without_llm"])
+def test_an_offline_mix_never_takes_an_id_the_users_own_adapter_holds(tmp_path: Path, how: str) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.errors import MixIdCollisionError
+    from vllm_lora_ext.integration import offline
+    from vllm_lora_ext.integration.plugin import preload_offline
+
+    a, b, mine = (str(make_dense_adapter(tmp_path / n, seed=i)) for i, n in enumerate(("a", "b", "mine")))
+    engine = _OfflineEngine()
+    llm = SimpleNamespace(llm_engine=engine)
+    weights = {a: 0.5, b: 0.25}  # its sources lie in this test's folder: a mix no other test made
+    if how == "after_the_mix_was_made_without_llm":
+        user_id = offline.lora_request(weights).lora_int_id  # the user then picks that very id for their adapter
+    else:
+        user_id = offline._REGISTRY.first_id + offline._REGISTRY._next  # the id the next mix would get
+    user = LoRARequest("mine", user_id, mine)
+    if how == "add_lora":
+        engine.add_lora(user)
+    else:
+        preload_offline(engine, user)  # what LLM.generate(..., lora_request=user) runs first
+    req = offline.lora_request(weights, llm=llm)
+    assert req.lora_int_id != user_id and req.lora_path.startswith("mix:")
+    assert engine.held == {user_id: mine, req.lora_int_id: req.lora_path}  # both served, each its own tensors
+    preload_offline(engine, LoRARequest("mine", user_id, mine))  # the user's next generate: unchanged
+    assert offline.lora_request(weights, llm=llm).lora_int_id == req.lora_int_id  # the mix keeps its id
+    with pytest.raises(MixIdCollisionError, match=f"lora_int_id {req.lora_int_id} already names another adapter"):
+        preload_offline(engine, LoRARequest("other", req.lora_int_id, mine))  # an id the mix holds is refused
+    assert engine.held == {user_id: mine, req.lora_int_id: req.lora_path}
