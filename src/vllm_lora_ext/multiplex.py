@@ -10,7 +10,7 @@ Ray, and `vllm_lora_ext.integration.ray` carries the plan out in a replica.
 | adapter part of the id | plan | the replica then |
 |---|---|---|
 | a name the replica registered (deployment config, ``--lora-modules``, a mix name it made) | ``NAME`` | runs the request on that name |
-| a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``) | ``MIX`` | the plugin's mix routing |
+| a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``), or a ``mix-`` name | ``MIX`` | the plugin's mix routing |
 | a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it (an id holding ``+``/``=`` or starting with ``mix-`` is refused: the name rule of `vllm_lora_ext.naming`) |
 | anything else, where Ray's own downloader is configured | ``RAY`` | Ray's downloader, unchanged |
 | anything else | an error | 403 for a source clients may not name, else 404 naming the fix |
@@ -98,7 +98,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
             f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
             f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=adapter[:200])
-    if "+" in adapter or "=" in adapter:
+    if reserved_chars(adapter) or adapter.startswith(MIX_NAME_PREFIX):  # a mix, or a mix name the server made
         return ModelIdPlan(Plan.MIX, model_id, adapter)
     if ray_downloads:
         return ModelIdPlan(Plan.RAY, model_id, adapter)

@@ -208,7 +208,7 @@ def test_a_ray_id_naming_a_source_cannot_register_a_name_that_spells_a_mix(model
     assert fragment in message and "deployment config (VLLM_LORA_EXT_CONFIG) under a name" in message, message
 
 
-@pytest.mark.parametrize("adapter", ["style=0.7+domain=0.3", "style+domain"])
+@pytest.mark.parametrize("adapter", ["style=0.7+domain=0.3", "style+domain", "mix-style", "mix-a=1-" + DIGEST])
 def test_a_ray_id_spelling_a_mix_goes_to_the_plugins_mix_routing(adapter: str) -> None:
     got = plan_model_id(f"qwen:{adapter}", names={"style", "domain"}, client_sources=("hf:acme/",), ray_downloads=True)
     assert (got.plan, got.adapter) == (Plan.MIX, adapter)

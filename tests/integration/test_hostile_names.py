@@ -225,6 +225,8 @@ def _evicted_names() -> list[str]:
         "mix-style=1e400+domain=1-" + DIGEST,
         "mix-=0.5-" + DIGEST,
         "mix-" + "style=0.5+" * 8 + "...-" + DIGEST,  # a label cut short
+        "mix-" + "s" * 77 + "...-" + DIGEST,  # cut short before its first '=': never looked up elsewhere
+        "mix-style",
     ]
 
 

@@ -2,7 +2,7 @@
 
 ``--lora-modules name=SOURCE``, ``POST /v1/load_lora_adapter`` and the deployment config all end in
 ``OpenAIServingModels.load_lora_adapter``; the plugin runs `pre_resolve` first. It refuses what a
-client may not ask for (a reserved ``mix-`` name, a hand-made ``mix:`` path, a local path outside
+client may not ask for (a name the mix grammar reserves, a hand-made ``mix:`` path, a local path outside
 ``VLLM_LORA_EXT_ALLOWED_ROOTS``), downloads in a worker thread (the engine loop keeps serving),
 validates the config, and replaces the path with the pinned source (``hf:org/repo@<commit>:file``).
 
@@ -448,8 +448,8 @@ async def _route(serving: Any, request: Any) -> Any:
     sources, default_weights, default = _known_adapters(models)
     if adapters is None and weights is not None:
         raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")
-    if adapters is None and model and model not in models.lora_requests and ("+" in model or "=" in model) \
-            and not _is_base_model(serving, model):
+    if adapters is None and model and model not in models.lora_requests and not _is_base_model(serving, model) \
+            and ("+" in model or "=" in model or model.startswith(MIX_NAME_PREFIX)):
         adapters, weights = mix_in_model(model, sources=sources, default_weights=default_weights)
     elif adapters is None:
         if not default or (model and not serving._is_model_supported(model)):
