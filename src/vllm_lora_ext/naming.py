@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import cast
 
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MIX_NAME_PREFIX
@@ -147,10 +148,10 @@ def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | Non
     """
     if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
         raise MixError(f"'adapters' must be a list of adapter names, got {short_repr(adapters)}.")
+    names = cast("list[str] | None", adapters)
     if weights is None:
-        return adapters, None
+        return names, None
     if not isinstance(weights, list):
         raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")
-    names = adapters if adapters is not None and len(adapters) == len(weights) else [f"#{i}" for i in
-                                                                                       range(len(weights))]
-    return adapters, [check_weight(w, name=n) for n, w in zip(names, weights)]
+    shown = names if names is not None and len(names) == len(weights) else [f"#{i}" for i in range(len(weights))]
+    return names, [check_weight(w, name=n) for n, w in zip(shown, weights)]
