@@ -415,7 +415,7 @@ def test_the_one_weight_rule_refuses_non_finite_huge_and_non_numbers(weight: Any
 
 
 EXPRESSIONS = [
-    ("", "empty adapter name"), ("a=", "is not a number"), ("=0.5", "empty adapter name"), ("a=x", "is not a number"),
+    ("", "empty adapter name"), ("a=", "empty weight after '='"), ("=0.5", "empty adapter name"), ("a=x", "is not a number"),
     ("a=nan", "is not finite"), ("a=1e400", "is not finite"), ("a=-inf", "is not finite"), ("a=1e300", "outside"),
     ("a=0.5+", "empty adapter name"), ("+".join(f"a{i}" for i in range(17)), "more than the 16 allowed"),
 ]
