@@ -25,7 +25,7 @@ from enum import Enum
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import HF_PREFIX, MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
-from vllm_lora_ext.naming import reserved_chars
+from vllm_lora_ext.naming import reserved_part
 
 # The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
 MAX_ADAPTER_ID_CHARS = 4096
@@ -98,7 +98,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
             f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
             f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=adapter[:200])
-    if reserved_chars(adapter) or adapter.startswith(MIX_NAME_PREFIX):  # a mix, or a mix name the server made
+    if reserved_part(adapter) is not None:  # a mix, or a mix name the server made
         return ModelIdPlan(Plan.MIX, model_id, adapter)
     if ray_downloads:
         return ModelIdPlan(Plan.RAY, model_id, adapter)
@@ -109,11 +109,10 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
 
 def _check_source_id(model_id: str, adapter: str) -> None:
     """Refuse a client-named source whose model id cannot be an adapter name (the replica registers it under it)."""
-    held = reserved_chars(model_id)
-    if held or model_id.startswith(MIX_NAME_PREFIX):
-        what = f"contains {' and '.join(repr(c) for c in held)}" if held else f"starts with {MIX_NAME_PREFIX!r}"
+    part = reserved_part(model_id)
+    if part is not None:
         raise AdapterSourceError(
-            f"Model id {short_repr(model_id)} {what}, which the mix grammar reserves; a source named in a model id is "
+            f"Model id {short_repr(model_id)} {part}, which the mix grammar reserves; a source named in a model id is "
             f"registered under the whole id, so it cannot hold '+' or '=' or start with {MIX_NAME_PREFIX!r}. Ask the "
             f"operator to add the source {short_repr(adapter)} to the deployment config (VLLM_LORA_EXT_CONFIG) under "
             f"a name.", source=adapter[:200], part="name")

@@ -27,21 +27,27 @@ from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixEr
 from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
 
 __all__ = ["RESERVED_NAME_CHARS", "check_adapter_name", "check_mix_fields", "mix_name_expression", "mix_in_model",
-           "reserved_chars"]
+           "reserved_part"]
 
 # The characters of the mix grammar: an adapter name holding one would be read as a mix.
 RESERVED_NAME_CHARS = ("+", "=")
 _MIX_NAME = re.compile(r"mix-(.+)-([0-9a-f]{24})", re.DOTALL)
 
 
-def reserved_chars(text: str) -> list[str]:
-    """Return the characters of the mix grammar that ``text`` holds, in `RESERVED_NAME_CHARS` order.
+def reserved_part(name: str) -> str | None:
+    """Say what part of ``name`` the mix grammar reserves (``None``: nothing): the one rule of this module.
+
+    A ``model`` for which this is not ``None`` is read as a mix (unless it is a served or registered name),
+    and no adapter may be registered under such a name.
 
     Example:
-        >>> reserved_chars("style=0.7+domain"), reserved_chars("acme/style-v2")
-        (['+', '='], [])
+        >>> reserved_part("style=0.7+domain"), reserved_part("mix-a"), reserved_part("acme/style-v2")
+        ("contains '+' and '='", "starts with 'mix-'", None)
     """
-    return [c for c in RESERVED_NAME_CHARS if c in text]
+    held = [c for c in RESERVED_NAME_CHARS if c in name]
+    if name.startswith(MIX_NAME_PREFIX):
+        return f"starts with {MIX_NAME_PREFIX!r}" + (" and contains " + " and ".join(map(repr, held)) if held else "")
+    return "contains " + " and ".join(map(repr, held)) if held else None
 
 
 def check_adapter_name(name: object) -> None:
@@ -59,25 +65,19 @@ def check_adapter_name(name: object) -> None:
         >>> check_adapter_name("style=0.7+domain=0.3")
         Traceback (most recent call last):
         ...
-        vllm_lora_ext.errors.AdapterSourceError: Adapter name 'style=0.7+domain=0.3' contains '+' and '=', which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name without '+' or '=', e.g. 'style-0.7_domain-0.3'.
+        vllm_lora_ext.errors.AdapterSourceError: Adapter name 'style=0.7+domain=0.3' contains '+' and '=', which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name without '+' or '=' or the prefix 'mix-', e.g. 'style-0.7_domain-0.3'.
     """
-    if not isinstance(name, str):
+    part = reserved_part(name) if isinstance(name, str) else None
+    if part is None:
         return
     fix = name.replace("+", "_").replace("=", "-")
     while fix.startswith(MIX_NAME_PREFIX):
         fix = fix[len(MIX_NAME_PREFIX):]
     hint = f", e.g. {short_repr(fix)}" if fix else ""
-    held = reserved_chars(name)
-    if name.startswith(MIX_NAME_PREFIX):
-        also = " (and without '+' or '=')" if held else ""
-        raise AdapterSourceError(
-            f"Adapter name {short_repr(name)} starts with {MIX_NAME_PREFIX!r}, which is reserved for the server's "
-            f"weighted mixes. Choose a name without that prefix{also}{hint}.", source=name[:200], part="name")
-    if held:
-        raise AdapterSourceError(
-            f"Adapter name {short_repr(name)} contains {' and '.join(repr(c) for c in held)}, which the mix grammar "
-            f"reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name "
-            f"without '+' or '='{hint}.", source=name[:200], part="name")
+    why = ("which is reserved for the server's weighted mixes" if name.startswith(MIX_NAME_PREFIX) else
+           "which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix")
+    raise AdapterSourceError(f"Adapter name {short_repr(name)} {part}, {why}. Choose a name without '+' or '=' or the "
+                             f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=name[:200], part="name")
 
 
 def mix_name_expression(name: str) -> str | None:

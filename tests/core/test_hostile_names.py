@@ -35,10 +35,10 @@ RESERVED: list[tuple[str, list[str]]] = [
     ("a\n+b", ["contains '+'"]),
     ("x" * 300 + "+y", ["contains '+'", "..."]),
     ("mix-a", ["starts with 'mix-'", "reserved for the server's weighted mixes", "e.g. 'a'"]),
-    ("mix-", ["starts with 'mix-'", "Choose a name without that prefix."]),
+    ("mix-", ["starts with 'mix-'", "or the prefix 'mix-'."]),
     ("mix-mix-a", ["starts with 'mix-'", "e.g. 'a'"]),
-    ("mix-a=0.5-" + DIGEST, ["starts with 'mix-'", "(and without '+' or '=')", "e.g. 'a-0.5-" + DIGEST + "'"]),
-    ("mix-a=0.5+b=0.5-" + DIGEST, ["starts with 'mix-'", "(and without '+' or '=')"]),
+    ("mix-a=0.5-" + DIGEST, ["starts with 'mix-' and contains '='", "e.g. 'a-0.5-" + DIGEST + "'"]),
+    ("mix-a=0.5+b=0.5-" + DIGEST, ["starts with 'mix-' and contains '+' and '='"]),
 ]
 
 

@@ -125,7 +125,7 @@ SQUATS: list[tuple[str, list[str]]] = [
     ("=", ["contains '='"]),
     ("style =0.7+domain", ["contains '+' and '='"]),
     ("acme/llama+sft", ["contains '+'"]),
-    ("mix-style=0.7+domain=0.3-" + DIGEST, ["starts with 'mix-'", "(and without '+' or '=')"]),
+    ("mix-style=0.7+domain=0.3-" + DIGEST, ["starts with 'mix-' and contains '+' and '='"]),
     ("mix-style", ["starts with 'mix-'", "e.g. 'style'"]),
     ("mix-", ["starts with 'mix-'"]),
     ("mix-mix-x", ["starts with 'mix-'", "e.g. 'x'"]),

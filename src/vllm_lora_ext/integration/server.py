@@ -49,7 +49,7 @@ from vllm_lora_ext.errors import (
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
-from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model
+from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part
 from vllm_lora_ext.prebuild import RecentlyUsed
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 from vllm_lora_ext.resolve import check_allowed_root, pin_path
@@ -448,8 +448,8 @@ async def _route(serving: Any, request: Any) -> Any:
     sources, default_weights, default = _known_adapters(models)
     if adapters is None and weights is not None:
         raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")
-    if adapters is None and model and model not in models.lora_requests and not _is_base_model(serving, model) \
-            and ("+" in model or "=" in model or model.startswith(MIX_NAME_PREFIX)):
+    if adapters is None and model and model not in models.lora_requests and reserved_part(model) is not None \
+            and not _is_base_model(serving, model):
         adapters, weights = mix_in_model(model, sources=sources, default_weights=default_weights)
     elif adapters is None:
         if not default or (model and not serving._is_model_supported(model)):
