@@ -9,8 +9,8 @@ Format::
     default: sql                          # optional: applied to requests that name the base model
 
 Names follow vLLM's model-name rules for adapters: 1–128 characters of letters, digits and
-``_ . - /``, not starting with ``-``; ``+``, ``=``, ``,``, ``:`` and ``@`` are reserved for the
-mix syntax, and names starting with ``mix-`` are reserved for the server's mixes. A name given twice
+``_ . - /``, not starting with ``-``. The mix grammar's rule (`vllm_lora_ext.naming`: no ``+`` or
+``=``, no ``mix-`` prefix) is checked first, so such a name is refused with that rule's message. A name given twice
 is an error (in YAML and JSON alike). Weights follow the one weight rule (finite, ``|w| <= 100``).
 Every source is parsed (not resolved) when the file is read, so a typo fails at start-up.
 """
@@ -78,8 +78,8 @@ def _check_name(name: str, *, where: str) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise DeploymentConfigError(
             f"{where}: Invalid adapter name {short_repr(name)}: use 1-128 letters, digits, '_', '.', '-' or '/', not "
-            f"starting with '-' or '{MIX_NAME_PREFIX}' ('+', '=', ',', ':' and '@' and the prefix '{MIX_NAME_PREFIX}' "
-            f"are reserved for mixes).")
+            f"starting with '-' (no spaces, ',', ':' or '@'; '+', '=' and the prefix '{MIX_NAME_PREFIX}' are reserved "
+            f"for mixes).")
 
 
 def _check_weight(name: str, weight: Any, *, where: str) -> float:
