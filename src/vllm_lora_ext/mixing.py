@@ -48,6 +48,8 @@ __all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "co
 # A mix of more adapters than this is refused before anything is loaded (each costs a component load).
 MAX_MIX_COMPONENTS = 16
 _MAX_MIX_PATH = 64 * 1024
+
+
 def _number_text(weight: object) -> str:
     """A weight as the user gave it, bounded: ``10**30`` stays ``1000...0``, never the value it was clamped to."""
     if isinstance(weight, int) and not isinstance(weight, bool):

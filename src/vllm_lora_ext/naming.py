@@ -75,7 +75,8 @@ def check_adapter_name(name: object) -> None:
         fix = fix[len(MIX_NAME_PREFIX):]
     hint = f", e.g. {short_repr(fix)}" if fix else ""
     why = ("which is reserved for the server's weighted mixes" if name.startswith(MIX_NAME_PREFIX) else
-           "which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix")
+           "which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read "
+           "as a mix")
     raise AdapterSourceError(f"Adapter name {short_repr(name)} {part}, {why}. Choose a name without '+' or '=' or the "
                              f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=name[:200], part="name")
 

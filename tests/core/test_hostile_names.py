@@ -94,7 +94,8 @@ DEPLOY_WEIGHTS: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("weight", "fragment"), DEPLOY_WEIGHTS, ids=[f"dweight{i}" for i in range(len(DEPLOY_WEIGHTS))])
+@pytest.mark.parametrize(("weight", "fragment"), DEPLOY_WEIGHTS,
+                         ids=[f"dweight{i}" for i in range(len(DEPLOY_WEIGHTS))])
 def test_a_deployment_weight_out_of_range_is_quoted_as_written(tmp_path: Path, weight: str, fragment: str) -> None:
     p = tmp_path / "d.yaml"
     p.write_text(f"adapters:\n  a: {{source: /x, weight: {weight}}}\n")
