@@ -3,7 +3,7 @@
 One small server: a tiny dense model, two adapters from a deployment config (``style`` 0.7, ``domain`` 0.3),
 runtime loading on. A client tries to take the mix ``style=0.7+domain=0.3`` over by loading ``style`` under that
 name (and under ``style+domain`` and the mix's own ``mix-`` name) through ``/v1/load_lora_adapter``. Each load gets
-a 400 naming the fix, ``/v1/models`` never lists it, and the mix, asked for before and after through the real
+a 400 naming the fix, ``/v1/models`` never lists the squatter, and the mix, asked for before and after through the real
 ``openai`` client, is served under its own name with the same tokens. A load under a plain name still works.
 """
 
@@ -66,7 +66,7 @@ def test_a_mix_squatted_through_the_load_route_is_refused_and_the_real_mix_still
         style_name, style_tokens = complete("style")
         squats = {name: _post(base, "load_lora_adapter", {"lora_name": name, "lora_path": str(roots / "style")})
                   for name in (MIX, "style+domain", mix_name)}
-        listed = {m.id for m in client.models.list().data}
+        listed = {m.id: m.root for m in client.models.list().data}
         after_name, after = complete(MIX)
         default_name, default_tokens = complete("style+domain")  # the config's default weights: the same mix
         plain = _post(base, "load_lora_adapter", {"lora_name": "style-copy", "lora_path": str(roots / "style")})
@@ -79,7 +79,8 @@ def test_a_mix_squatted_through_the_load_route_is_refused_and_the_real_mix_still
     for name, (status, body) in squats.items():
         assert status == 400, (name, status, body)
         assert "Choose a name" in body and ("contains '+'" in body or "starts with 'mix-'" in body), body
-    assert not set(squats) & listed and {"style", "domain"} <= listed
+    assert MIX not in listed and "style+domain" not in listed and {"style", "domain"} <= set(listed)
+    assert listed[mix_name].startswith("mix:")  # the mix's own name lists the mix, not the squatter's folder
     assert (after_name, after) == (mix_name, before)  # the real mix, under its own name, the same tokens
     assert (default_name, default_tokens) == (mix_name, before)
     assert plain[0] == 200 and copy_tokens == style_tokens  # a plain name still loads and serves
