@@ -9,8 +9,8 @@ Format::
     default: sql                          # optional: applied to requests that name the base model
 
 Names follow vLLM's model-name rules for adapters: 1–128 characters of letters, digits and
-``_ . - /``, not starting with ``-``; ``+``, ``=``, ``,``, ``:`` and ``@`` are reserved for the
-mix syntax, and names starting with ``mix-`` are reserved for the server's mixes. A name given twice
+``_ . - /``, not starting with ``-``. The mix grammar's rule (`vllm_lora_ext.naming`: no ``+`` or
+``=``, no ``mix-`` prefix) is checked first, so such a name is refused with that rule's message. A name given twice
 is an error (in YAML and JSON alike). Weights follow the one weight rule (finite, ``|w| <= 100``).
 Every source is parsed (not resolved) when the file is read, so a typo fails at start-up.
 """
@@ -29,6 +29,7 @@ from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MIX_NAME_PREFIX
 from vllm_lora_ext.errors import AdapterSourceError, DeploymentConfigError, MixError
 from vllm_lora_ext.mixing import check_weight
+from vllm_lora_ext.naming import check_adapter_name
 from vllm_lora_ext.sources import AdapterSource, parse_source
 
 __all__ = ["DeploymentAdapter", "DeploymentConfig", "DeploymentConfigError", "read_deployment_config"]
@@ -68,20 +69,24 @@ class DeploymentConfig:
                 f"Unknown adapter {short_repr(name)}; the deployment defines {short_repr(sorted(self.adapters))}.") from None
 
 
-def check_adapter_name(name: str, *, where: str = "adapter") -> None:
-    """Raise unless ``name`` is a valid adapter name (see the module docstring)."""
-    if not isinstance(name, str) or not _NAME.match(name) or name.startswith(MIX_NAME_PREFIX):
+def _check_name(name: str, *, where: str) -> None:
+    """Raise unless ``name`` is a valid adapter name: the mix grammar's rule first, then the config's stricter form."""
+    try:
+        check_adapter_name(name)
+    except AdapterSourceError as err:
+        raise DeploymentConfigError(f"{where}: {err}") from None
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise DeploymentConfigError(
-            f"Invalid {where} name {short_repr(name)}: use 1-128 letters, digits, '_', '.', '-' or '/', not starting "
-            f"with '-' or '{MIX_NAME_PREFIX}' ('+', '=', ',', ':' and '@' and the prefix '{MIX_NAME_PREFIX}' are "
-            f"reserved for mixes).")
+            f"{where}: Invalid adapter name {short_repr(name)}: use 1-128 letters, digits, '_', '.', '-' or '/', not "
+            f"starting with '-' (no spaces, ',', ':' or '@'; '+', '=' and the prefix '{MIX_NAME_PREFIX}' are reserved "
+            f"for mixes).")
 
 
-def _check_weight(name: str, weight: Any) -> float:
+def _check_weight(name: str, weight: Any, *, where: str) -> float:
     try:
         return check_weight(weight, name=name)
     except MixError as err:
-        raise DeploymentConfigError(str(err)) from None
+        raise DeploymentConfigError(f"{where}: {err}") from None
 
 
 def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> DeploymentConfig:
@@ -98,7 +103,7 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
         raise DeploymentConfigError(f"{where}: 'adapters' must map names to sources or {{source, weight}}.")
     adapters: dict[str, DeploymentAdapter] = {}
     for name, entry in entries.items():
-        check_adapter_name(name)
+        _check_name(name, where=where)
         if isinstance(entry, str):
             entry = {"source": entry}
         if not isinstance(entry, Mapping) or "source" not in entry:
@@ -113,7 +118,7 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
             source = parse_source(entry["source"])
         except AdapterSourceError as err:
             raise DeploymentConfigError(f"{where}: adapter {name!r}: {err}") from err
-        adapters[name] = DeploymentAdapter(name, source, _check_weight(name, entry.get("weight", 1.0)))
+        adapters[name] = DeploymentAdapter(name, source, _check_weight(name, entry.get("weight", 1.0), where=where))
     default = raw.get("default")
     if default is not None and not isinstance(default, str):
         raise DeploymentConfigError(f"{where}: 'default' must be an adapter name, got {short_repr(default)}.")

@@ -17,7 +17,13 @@ Mix grammar (the OpenAI ``model`` field, a deployment's names)::
 
 A missing weight takes the adapter's default weight from the deployment config. A resolved mix
 (names in order, weights, pinned sources) has one canonical key; equal keys share one composite,
-one vLLM adapter name (vLLM's prefix cache keys on it) and one id.
+one vLLM adapter name (vLLM's prefix cache keys on it) and one id. Weights have one canonical form
+(``-0`` is ``0``), so ``domain=0`` and ``domain=-0`` are one mix.
+
+The whole grammar is reserved: no adapter name (``--lora-modules``, ``/v1/load_lora_adapter``, a
+deployment config, a Ray multiplexed id) may hold ``+`` or ``=``, or start with ``mix-``, the prefix
+of the names the server gives its mixes; `vllm_lora_ext.naming` holds that rule. A served base-model
+name may hold them: it is matched before any mix parsing.
 """
 
 from __future__ import annotations
@@ -44,35 +50,52 @@ MAX_MIX_COMPONENTS = 16
 _MAX_MIX_PATH = 64 * 1024
 
 
-def check_weight(weight: object, *, name: str = "adapter") -> float:
+def _number_text(weight: object) -> str:
+    """A weight as the user gave it, bounded: ``10**30`` stays ``1000...0``, never the value it was clamped to."""
+    if isinstance(weight, int) and not isinstance(weight, bool):
+        if weight.bit_length() <= 256:
+            return str(weight)
+        return f"{'-' if weight < 0 else ''}~10^{round(weight.bit_length() * math.log10(2))}"
+    if isinstance(weight, float):
+        return repr(weight)
+    return short_repr(weight)
+
+
+def check_weight(weight: object, *, name: str = "adapter", text: str | None = None) -> float:
     """Return ``weight`` as a float if it obeys the one weight rule, else raise naming the adapter.
 
     The rule, applied at every entry point (server body fields and model syntax, offline helper,
     deployment config, ``vllm-lora mix``): a real number (not a bool, not a string), finite, and
-    ``|w| <= 100`` (`MAX_ABS_MIX_WEIGHT`). Negative weights subtract an adapter's delta.
+    ``|w| <= 100`` (`MAX_ABS_MIX_WEIGHT`). Negative weights subtract an adapter's delta. The result is
+    canonical: ``-0`` becomes ``0``, so equal weights make one mix key. An error quotes the number as
+    given (``text``, when it was written as text), never a value it was converted or clamped to.
 
     Raises:
         [`MixError`]: the weight breaks the rule.
 
     Example:
-        >>> check_weight(0.7)
-        0.7
+        >>> check_weight(0.7), check_weight(-0.0)
+        (0.7, 0.0)
         >>> check_weight(1e308)
         Traceback (most recent call last):
         ...
         vllm_lora_ext.errors.MixError: Weight 1e+308 of adapter 'adapter' is outside [-100, 100]. Use a weight with |w| <= 100.
+        >>> check_weight(10**30)
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.MixError: Weight 1000000000000000000000000000000 of adapter 'adapter' is outside [-100, 100]. Use a weight with |w| <= 100.
     """
+    shown = text if text is not None else _number_text(weight)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise MixError(f"Weight {short_repr(weight)} of adapter {short_repr(name)} is not a number. "
                        f"Give a number such as 0.7.")
-    w = float(weight) if isinstance(weight, float) or abs(weight) <= MAX_ABS_MIX_WEIGHT else MAX_ABS_MIX_WEIGHT * 2
-    if not math.isfinite(w):
-        raise MixError(f"Weight {short_repr(weight)} of adapter {short_repr(name)} is not finite. "
+    if isinstance(weight, float) and not math.isfinite(weight):
+        raise MixError(f"Weight {shown} of adapter {short_repr(name)} is not finite. "
                        f"Give a finite number such as 0.7.")
-    if abs(w) > MAX_ABS_MIX_WEIGHT:
-        raise MixError(f"Weight {w:g} of adapter {short_repr(name)} is outside [-{MAX_ABS_MIX_WEIGHT:g}, "
+    if abs(weight) > MAX_ABS_MIX_WEIGHT:  # an int is compared exactly, never converted (10**400 overflows float)
+        raise MixError(f"Weight {shown} of adapter {short_repr(name)} is outside [-{MAX_ABS_MIX_WEIGHT:g}, "
                        f"{MAX_ABS_MIX_WEIGHT:g}]. Use a weight with |w| <= {MAX_ABS_MIX_WEIGHT:g}.")
-    return w
+    return float(weight) + 0.0  # + 0.0 turns -0.0 into 0.0: one canonical form
 
 
 def parse_weight(text: str, *, name: str = "adapter") -> float:
@@ -82,12 +105,13 @@ def parse_weight(text: str, *, name: str = "adapter") -> float:
         >>> parse_weight("0.25")
         0.25
     """
+    written = text.strip()
     try:
-        value = float(text.strip())
+        value = float(written)
     except ValueError:
         raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
                        f"Write it as NAME=0.7.") from None
-    return check_weight(value, name=name)
+    return check_weight(value, name=name, text=written if len(written) <= 40 else written[:37] + "...")
 
 
 @dataclass(frozen=True)
@@ -198,6 +222,10 @@ def parse_mix_expression(expr: str) -> list[tuple[str, float | None]]:
         if not eq:
             out.append((name, None))
             continue
+        if not weight.strip():
+            raise MixError(f"Mix {short_repr(expr)} gives adapter {short_repr(name)} an empty weight after '='. Write "
+                           f"NAME=0.7, or NAME alone for its default weight ('+' separates adapters, so a weight is "
+                           f"written without a '+' sign).")
         out.append((name, parse_weight(weight, name=name)))
     if len(out) > MAX_MIX_COMPONENTS:
         raise MixError(f"Mix {short_repr(expr)} names {len(out)} adapters, more than the {MAX_MIX_COMPONENTS} allowed.")

@@ -10,8 +10,8 @@ Ray, and `vllm_lora_ext.integration.ray` carries the plan out in a replica.
 | adapter part of the id | plan | the replica then |
 |---|---|---|
 | a name the replica registered (deployment config, ``--lora-modules``, a mix name it made) | ``NAME`` | runs the request on that name |
-| a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``) | ``MIX`` | the plugin's mix routing |
-| a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it |
+| a mix written as in ``model`` on ``vllm serve`` (``a=0.7+b=0.3``, ``a+b``), or a ``mix-`` name | ``MIX`` | the plugin's mix routing |
+| a source under a prefix the operator lets clients name (``VLLM_LORA_EXT_CLIENT_SOURCES``) | ``SOURCE`` | registers the source under the whole id, pinned, then runs the request on it (an id holding ``+``/``=`` or starting with ``mix-`` is refused: the name rule of `vllm_lora_ext.naming`) |
 | anything else, where Ray's own downloader is configured | ``RAY`` | Ray's downloader, unchanged |
 | anything else | an error | 403 for a source clients may not name, else 404 naming the fix |
 """
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import HF_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
+from vllm_lora_ext.constants import HF_PREFIX, MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
+from vllm_lora_ext.naming import reserved_part
 from vllm_lora_ext.sources import parse_source
 
 # The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
@@ -92,6 +93,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     if adapter in names:
         return ModelIdPlan(Plan.NAME, model_id, adapter)
     if looks_like_source(adapter):
+        _check_source_id(model_id, adapter)  # the id names the registered adapter: never a mix's spelling
         admitted = admitted_source(adapter, client_sources)
         if admitted is not None:
             return ModelIdPlan(Plan.SOURCE, model_id, admitted)
@@ -99,7 +101,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
             f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
             f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=adapter[:200])
-    if "+" in adapter or "=" in adapter:
+    if reserved_part(adapter) is not None:  # a mix, or a mix name the server made
         return ModelIdPlan(Plan.MIX, model_id, adapter)
     if ray_downloads:
         return ModelIdPlan(Plan.RAY, model_id, adapter)
@@ -144,3 +146,14 @@ def admitted_source(adapter: str, prefixes: Collection[str]) -> str | None:
 
 def _real(path: str) -> str:
     return os.path.realpath(os.path.expanduser(path))
+
+
+def _check_source_id(model_id: str, adapter: str) -> None:
+    """Refuse a client-named source whose model id cannot be an adapter name (the replica registers it under it)."""
+    part = reserved_part(model_id)
+    if part is not None:
+        raise AdapterSourceError(
+            f"Model id {short_repr(model_id)} {part}, which the mix grammar reserves; a source named in a model id is "
+            f"registered under the whole id, so it cannot hold '+' or '=' or start with {MIX_NAME_PREFIX!r}. Ask the "
+            f"operator to add the source {short_repr(adapter)} to the deployment config (VLLM_LORA_EXT_CONFIG) under "
+            f"a name.", source=adapter[:200], part="name")

@@ -24,7 +24,7 @@ def test_yaml_and_json_configs_read_the_same(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("body", "fragment"), [
     ({"adapters": {"a": "hf:x/y"}, "default": "b"}, "default adapter 'b' is not among"),
     ({"adapters": {"a": {"source": "hf:x/y", "weight": float("nan")}}}, "finite"),
-    ({"adapters": {"a+b": "hf:x/y"}}, "reserved for mixes"),
+    ({"adapters": {"a+b": "hf:x/y"}}, "which the mix grammar reserves"),
     ({"adapters": {"a": {"weight": 1}}}, "needs a 'source'"),
     ({"adapters": {"a": "hf:x/y:../z.safetensors"}}, "'..' in path"),
     ({"adapters": {}, "defaults": "a"}, "unknown keys"),

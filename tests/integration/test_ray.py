@@ -193,6 +193,8 @@ def test_an_unknown_id_still_goes_to_rays_downloader_when_a_bucket_is_configured
     (f"{BASE}:style=nan+domain", 400, "finite"),
     (f"{BASE}:style=0.5+ghost=0.5", 400, "ghost"),
     (f'{BASE}:mix:{{"v":1}}', 400, "only the server makes"),
+    (f"{BASE}:mix-style", 404, "Ask for the mix by its adapters"),
+    (f"{BASE}:mix-style=0.7+domain=0.3-{'0' * 24}", 404, "is not registered on this server"),
 ])
 def test_bad_ids_get_a_clean_4xx_and_nothing_is_loaded(deployment: Path, model: str, status: int, match: str) -> None:
     server = _server()
@@ -200,6 +202,25 @@ def test_bad_ids_get_a_clean_4xx_and_nothing_is_loaded(deployment: Path, model: 
     assert out["error"] == status and match in out["message"], out
     added = server.engine._oai_models.engine_client.added
     assert [r.lora_name for r in added] == ["style", "domain"]  # the deployment config's, nothing else
+    assert _RecordingDownloader.calls == []
+
+
+def test_a_mix_in_the_model_id_cannot_be_squatted_through_the_replicas_load_route(
+        deployment: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    server = _server()
+    models = server.engine._oai_models
+    squat = LoadLoRAAdapterRequest(lora_name="style=0.7+domain=0.3", lora_path=str(deployment.parent / "a"))
+    result = asyncio.run(models.load_lora_adapter(squat))
+    assert not isinstance(result, str) and result.error.code == 400 and "contains '+' and '='" in result.error.message
+    assert "style=0.7+domain=0.3" not in models.lora_requests
+    monkeypatch.setenv("VLLM_LORA_EXT_CLIENT_SOURCES", "hf:acme/")
+    out = _ask(server, f"{BASE}:hf:acme/a=1")  # a source id would register under a name that spells a mix
+    assert out["error"] == 400 and "contains '='" in out["message"], out
+    out = _ask(server, f"{BASE}:style=0.7+domain=0.3")
+    assert out["model"].startswith("mix-style=0.7+domain=0.3-") and out["lora"][1].startswith(MIX_PREFIX)
+    assert [r.lora_name for r in models.engine_client.added][:2] == ["style", "domain"]
     assert _RecordingDownloader.calls == []
 
 

@@ -68,21 +68,45 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
         return None
     pinned = MixSpec(tuple(MixComponent(c.name, resolve_and_check(c.source, name=c.name).source.canonical(), c.weight)
                            for c in spec.components))
-    entry, evicted = _REGISTRY.register(pinned)
-    if llm is not None:
-        for old in evicted:
-            llm.llm_engine.remove_lora(old.lora_int_id)
-    if len(pinned.components) == 1 and pinned.components[0].weight == 1.0:
-        c = pinned.components[0]
-        req = LoRARequest(lora_name=c.name, lora_int_id=entry.lora_int_id, lora_path=c.source)
-    else:
-        req = LoRARequest(lora_name=pinned.lora_name, lora_int_id=entry.lora_int_id, lora_path=pinned.lora_path)
-    if llm is not None:
-        try:
-            llm.llm_engine.add_lora(req)
-        except Exception:
-            _REGISTRY.remove(pinned)
-            raise
+    one = pinned.components[0] if len(pinned.components) == 1 and pinned.components[0].weight == 1.0 else None
+    name, path = (one.name, one.source) if one is not None else (pinned.lora_name, pinned.lora_path)
+    if llm is None:
+        return LoRARequest(lora_name=name, lora_int_id=_REGISTRY.register(pinned)[0].lora_int_id, lora_path=path)
+    return _load(llm.llm_engine, pinned, name, path)
+
+
+def _load(engine: Any, pinned: MixSpec, name: str, path: str) -> Any:
+    """Register ``pinned`` under an id none of the engine's own adapters holds, load it, and record it there.
+
+    The user's own ``LoRARequest``s reach the engine through ``add_request`` (recorded by
+    `plugin.preload_offline`) or ``add_lora`` (listed by the workers): a mix never takes one of their
+    ids, and a later user request reusing the mix's id is refused by ``preload_offline``.
+    """
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration.plugin import offline_loaded
+
+    loaded = offline_loaded(engine)
+    listed = set(engine.list_loras()) if callable(getattr(engine, "list_loras", None)) else set()
+
+    def taken(lora_id: int) -> bool:  # called under the registry's lock: reads only the engine's records
+        return loaded.get(lora_id, path) != path or (lora_id in listed and lora_id not in loaded)
+
+    entry, evicted = _REGISTRY.register(pinned, taken=taken)
+    if taken(entry.lora_int_id):  # a live mix whose id the user has since given one of their own adapters
+        _REGISTRY.remove(pinned)
+        entry, more = _REGISTRY.register(pinned, taken=taken)
+        evicted += more
+    for old in evicted:
+        engine.remove_lora(old.lora_int_id)
+        loaded.pop(old.lora_int_id, None)
+    req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=path)
+    try:
+        engine.add_lora(req)
+    except Exception:
+        _REGISTRY.remove(pinned)
+        raise
+    loaded[req.lora_int_id] = path
     return req
 
 

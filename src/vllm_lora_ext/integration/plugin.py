@@ -145,6 +145,13 @@ def _make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     return add_request
 
 
+def offline_loaded(engine: Any) -> collections.OrderedDict[int, str]:
+    """The adapters an offline engine was given through `preload_offline`: ``{lora_int_id: pinned path}``."""
+    loaded: collections.OrderedDict[int, str] = engine.__dict__.setdefault("_vllm_lora_ext_loaded",
+                                                                            collections.OrderedDict())
+    return loaded
+
+
 def preload_offline(engine: Any, lora_request: Any) -> None:
     """Pin, check and load a request's adapter through ``add_lora`` before the request is queued.
 
@@ -158,8 +165,7 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
     """
     from vllm_lora_ext.resolve import pin_path
 
-    loaded: collections.OrderedDict[int, str] = engine.__dict__.setdefault("_vllm_lora_ext_loaded",
-                                                                            collections.OrderedDict())
+    loaded = offline_loaded(engine)
     lora_id = int(lora_request.lora_int_id)
     if loaded.get(lora_id) == lora_request.lora_path:
         loaded.move_to_end(lora_id)
@@ -303,8 +309,8 @@ PATCHES: tuple[Patch, ...] = (
           delete_when="vLLM validates/preloads LoRA in LLM.generate (InputProcessor) before queueing"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.load_lora_adapter", ("request", "base_model_name"),
           _make_load_lora_adapter,
-          why="resolve (download) a source in a thread and pin it before the engine sees it; refuse reserved mix- "
-              "names, client mix: paths and paths outside VLLM_LORA_EXT_ALLOWED_ROOTS",
+          why="resolve (download) a source in a thread and pin it before the engine sees it; refuse names the mix "
+              "grammar reserves (+, =, mix-), client mix: paths and paths outside VLLM_LORA_EXT_ALLOWED_ROOTS",
           delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), _make_init_static_loras,
           why="register the deployment config (VLLM_LORA_EXT_CONFIG) at start-up; mark start-up loads as the "

@@ -2,7 +2,7 @@
 
 ``--lora-modules name=SOURCE``, ``POST /v1/load_lora_adapter`` and the deployment config all end in
 ``OpenAIServingModels.load_lora_adapter``; the plugin runs `pre_resolve` first. It refuses what a
-client may not ask for (a reserved ``mix-`` name, a hand-made ``mix:`` path, a local path outside
+client may not ask for (a name the mix grammar reserves, a hand-made ``mix:`` path, a local path outside
 ``VLLM_LORA_EXT_ALLOWED_ROOTS``), downloads in a worker thread (the engine loop keeps serving),
 validates the config, and replaces the path with the pinned source (``hf:org/repo@<commit>:file``).
 
@@ -49,7 +49,8 @@ from vllm_lora_ext.errors import (
     VllmLoraExtError,
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of
-from vllm_lora_ext.mixing import MixSpec, check_weight, parse_mix_expression, resolve_mix
+from vllm_lora_ext.mixing import MixSpec, resolve_mix
+from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part
 from vllm_lora_ext.prebuild import RecentlyUsed
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 from vllm_lora_ext.resolve import check_allowed_root, pin_path
@@ -86,15 +87,13 @@ def http_error(err: BaseException) -> Any:
 
 
 def check_client_adapter(name: str | None, path: str | None) -> None:
-    """Refuse what no client (or config) may register: a ``mix-`` name or a hand-made ``mix:`` path.
+    """Refuse what no client (or config) may register: a name the mix grammar reserves (`check_adapter_name`:
+    ``+``, ``=``, the ``mix-`` prefix) or a hand-made ``mix:`` path.
 
     Raises:
         [`AdapterSourceError`]: the name is reserved for mixes, or the path is a ``mix:`` spec.
     """
-    if isinstance(name, str) and name.startswith(MIX_NAME_PREFIX):
-        raise AdapterSourceError(
-            f"Adapter name {short_repr(name)} starts with {MIX_NAME_PREFIX!r}, which is reserved for the server's "
-            f"weighted mixes. Choose another name.", source=str(path), part="name")
+    check_adapter_name(name)
     if isinstance(path, str) and path.startswith(PREBUILD_PREFIX):
         raise AdapterSourceError(f"Adapter path {short_repr(path)} starts with {PREBUILD_PREFIX!r}, which only the "
                                  f"server uses. Give the adapter's source.", source=path[:200], part="path")
@@ -167,17 +166,16 @@ def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str 
 
 
 def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | None]:
-    adapters = getattr(request, "adapters", None)
-    weights = getattr(request, "adapter_weights", None)
-    if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
-        raise MixError(f"'adapters' must be a list of adapter names, got {short_repr(adapters)}.")
-    if weights is not None:
-        if not isinstance(weights, list):
-            raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")
-        names = adapters if adapters is not None and len(adapters) == len(weights) else [f"#{i}" for i in
-                                                                                           range(len(weights))]
-        weights = [check_weight(w, name=n) for n, w in zip(names, weights)]
-    return adapters, weights
+    return check_mix_fields(getattr(request, "adapters", None), getattr(request, "adapter_weights", None))
+
+
+def _is_base_model(serving: Any, model: str) -> bool:
+    """Whether ``model`` is a served model name (matched before any mix parsing: ``acme/llama+sft`` is a name).
+
+    vLLM's ``_is_model_supported`` says yes to every name under ``VLLM_SKIP_MODEL_NAME_VALIDATION``, so the
+    served names themselves are asked where they can be."""
+    is_base = getattr(serving.models, "is_base_model", None)
+    return bool(is_base(model)) if callable(is_base) else bool(serving._is_model_supported(model))
 
 
 # ------------------------------------------------------------------------------------------- background builds
@@ -449,11 +447,9 @@ async def _route(serving: Any, request: Any) -> Any:
     sources, default_weights, default = _known_adapters(models)
     if adapters is None and weights is not None:
         raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")
-    if adapters is None and model and model not in models.lora_requests and ("+" in model or "=" in model):
-        parsed = parse_mix_expression(model)
-        adapters = [n for n, _ in parsed]
-        if any(w is not None for _, w in parsed):
-            weights = [default_weights.get(n, 1.0) if w is None else w for n, w in parsed]
+    if adapters is None and model and model not in models.lora_requests and reserved_part(model) is not None \
+            and not _is_base_model(serving, model):
+        adapters, weights = mix_in_model(model, sources=sources, default_weights=default_weights)
     elif adapters is None:
         if not default or (model and not serving._is_model_supported(model)):
             await _build_if_evicted(models, model)

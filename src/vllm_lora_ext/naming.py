@@ -1,0 +1,158 @@
+"""Adapter names and the mix grammar: which names an adapter may take, and what a ``model`` field asks for.
+
+The mix grammar (`vllm_lora_ext.mixing`) reads ``a=0.7+b=0.3`` as a mix, and the server names each mix
+it makes ``mix-<label>-<digest prefix>`` ([`MixSpec.lora_name`]). So the whole grammar is reserved:
+
+- no adapter name, on any route that registers one (``--lora-modules``, ``/v1/load_lora_adapter``, a
+  deployment config, a Ray multiplexed id), may hold ``+`` or ``=`` (`RESERVED_NAME_CHARS`) or start
+  with ``mix-`` ([`check_adapter_name`]); otherwise a client could register an adapter under a mix's
+  spelling and be served to every client asking for that mix;
+- a served base-model name may hold them (``acme/llama+sft``, ``llama-ckpt=step5000``): the server matches
+  served names before any mix parsing;
+- a ``model`` naming a mix the server made and later evicted names that mix again, when its label spells
+  the mix out and the mix it spells has this very name ([`mix_in_model`]); else it is a 404 naming the fix;
+- the body fields ``adapters`` (names) and ``adapter_weights`` (numbers) are checked for type and the one
+  weight rule before any name is looked up ([`check_mix_fields`]).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import cast
+
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MIX_NAME_PREFIX
+from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixError
+from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
+
+__all__ = ["RESERVED_NAME_CHARS", "check_adapter_name", "check_mix_fields", "mix_name_expression", "mix_in_model",
+           "reserved_part"]
+
+# The characters of the mix grammar: an adapter name holding one would be read as a mix.
+RESERVED_NAME_CHARS = ("+", "=")
+_MIX_NAME = re.compile(r"mix-(.+)-([0-9a-f]{24})", re.DOTALL)
+
+
+def reserved_part(name: str) -> str | None:
+    """Say what part of ``name`` the mix grammar reserves (``None``: nothing): the one rule of this module.
+
+    A ``model`` for which this is not ``None`` is read as a mix (unless it is a served or registered name),
+    and no adapter may be registered under such a name.
+
+    Example:
+        >>> reserved_part("style=0.7+domain"), reserved_part("mix-a"), reserved_part("acme/style-v2")
+        ("contains '+' and '='", "starts with 'mix-'", None)
+    """
+    held = [c for c in RESERVED_NAME_CHARS if c in name]
+    if name.startswith(MIX_NAME_PREFIX):
+        return f"starts with {MIX_NAME_PREFIX!r}" + (" and contains " + " and ".join(map(repr, held)) if held else "")
+    return "contains " + " and ".join(map(repr, held)) if held else None
+
+
+def check_adapter_name(name: object) -> None:
+    """Refuse an adapter name that the mix grammar reserves: one holding ``+`` or ``=``, or starting with ``mix-``.
+
+    The one name rule of every route that registers an adapter. A non-string passes (the route's own
+    type checks answer it).
+
+    Raises:
+        [`AdapterSourceError`]: the name is reserved (``part="name"``); the message names the reserved
+            characters or prefix and a name to use instead.
+
+    Example:
+        >>> check_adapter_name("style-v2")
+        >>> check_adapter_name("style=0.7+domain=0.3")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterSourceError: Adapter name 'style=0.7+domain=0.3' contains '+' and '=', which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name without '+' or '=' or the prefix 'mix-', e.g. 'style-0.7_domain-0.3'.
+    """
+    part = reserved_part(name) if isinstance(name, str) else None
+    if part is None:
+        return
+    fix = name.replace("+", "_").replace("=", "-")
+    while fix.startswith(MIX_NAME_PREFIX):
+        fix = fix[len(MIX_NAME_PREFIX):]
+    hint = f", e.g. {short_repr(fix)}" if fix else ""
+    why = ("which is reserved for the server's weighted mixes" if name.startswith(MIX_NAME_PREFIX) else
+           "which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read "
+           "as a mix")
+    raise AdapterSourceError(f"Adapter name {short_repr(name)} {part}, {why}. Choose a name without '+' or '=' or the "
+                             f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=name[:200], part="name")
+
+
+def mix_name_expression(name: str) -> str | None:
+    """Return the mix a server-made mix name spells out, or ``None`` if it spells none out whole.
+
+    Example:
+        >>> mix_name_expression("mix-style=0.7+domain=0.3-0123456789abcdef01234567")
+        'style=0.7+domain=0.3'
+        >>> mix_name_expression("mix-" + "a" * 77 + "...-0123456789abcdef01234567") is None
+        True
+    """
+    m = _MIX_NAME.fullmatch(name) if isinstance(name, str) else None
+    if m is None or m.group(1).endswith("..."):
+        return None
+    return m.group(1)
+
+
+def mix_in_model(model: str, *, sources: Mapping[str, str], default_weights: Mapping[str, float]
+                 ) -> tuple[list[str], list[float] | None]:
+    """Return the adapters and weights (``None``: defaults) of the mix a ``model`` field writes out.
+
+    ``model`` is a mix in the grammar (``a=0.7+b=0.3``), or the name the server gave a mix
+    (``mix-a=0.7+b=0.3-<digest>``, e.g. read from an earlier response) that is no longer registered.
+    Such a name is made again only if its label spells a mix out and that mix, resolved against the
+    adapters registered now, has this very name (its digest covers the pinned sources and exact weights).
+
+    Raises:
+        [`AdapterNotFoundError`]: a ``mix-`` name that cannot be made again (its label was cut short, or
+            the adapters registered now give another mix); the message says to ask by the adapters.
+        [`MixError`]: a malformed mix (quoting the part that is wrong).
+
+    Example:
+        >>> mix_in_model("a=0.7+b", sources={"a": "/a", "b": "/b"}, default_weights={"b": 0.2})
+        (['a', 'b'], [0.7, 0.2])
+    """
+    made = model.startswith(MIX_NAME_PREFIX)
+    expr = mix_name_expression(model) if made else model
+    try:
+        parsed = parse_mix_expression(expr) if expr is not None else None
+        if parsed is not None:
+            adapters = [n for n, _ in parsed]
+            weights = ([default_weights.get(n, 1.0) if w is None else w for n, w in parsed]
+                       if any(w is not None for _, w in parsed) else None)
+            if not made:
+                return adapters, weights
+            spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights)
+            if spec is not None and spec.lora_name == model:
+                return adapters, weights
+    except MixError:
+        if not made:
+            raise
+    raise AdapterNotFoundError(
+        f"Mix {short_repr(model)} is not registered on this server: unused mixes are evicted, and this name cannot "
+        f"be made again from the adapters registered now. Ask for the mix by its adapters instead: "
+        f"model='a=0.7+b=0.3', or the body fields 'adapters' and 'adapter_weights'.", source=model[:200])
+
+
+def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | None, list[float] | None]:
+    """Return a request's ``adapters`` and ``adapter_weights`` body fields, checked (weights made canonical).
+
+    Raises:
+        [`MixError`]: ``adapters`` is not a list of strings, ``adapter_weights`` not a list, or a weight breaks
+            the one weight rule (the message quotes the weight as given and names its adapter, or ``#i``).
+
+    Example:
+        >>> check_mix_fields(["a", "b"], [0.5, -0.0])
+        (['a', 'b'], [0.5, 0.0])
+    """
+    if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
+        raise MixError(f"'adapters' must be a list of adapter names, got {short_repr(adapters)}.")
+    names = cast("list[str] | None", adapters)
+    if weights is None:
+        return names, None
+    if not isinstance(weights, list):
+        raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")
+    shown = names if names is not None and len(names) == len(weights) else [f"#{i}" for i in range(len(weights))]
+    return names, [check_weight(w, name=n) for n, w in zip(shown, weights)]
