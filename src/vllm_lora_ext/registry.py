@@ -13,19 +13,18 @@ engine each take their own block (``block=`` their index).
 
 The registry is bounded: at most ``capacity`` mixes. Registering one more evicts the least
 recently used mix that no request holds; when every mix is held, [`MixCapacityError`] is raised
-(the server waits, then answers 503). A request holds its mix with a lease: ``lease()`` when the
-request is routed (pending, expiring after ``lease_ttl`` seconds if the request never reaches the
-engine, so a request that fails on the way cannot pin a slot), ``claim()`` when generation starts,
-``release()`` when it ends.
+(the server waits, then answers 503). A hold is a [`MixLease`]: ``lease(entry)`` (a request being
+routed, until its handler returns) or ``claim(id)`` (a generation, until it ends); ``release()`` ends
+it. Nothing expires: whoever takes a lease releases it, so a request that never generates holds its
+mix only while it is being handled.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_lora_ext.errors import MixCapacityError, MixIdCollisionError
 from vllm_lora_ext.mixing import MixSpec
@@ -38,12 +37,11 @@ MIX_ID_BLOCK = 1 << 24  # ids per API-server process: 64 processes fit below 2**
 
 @dataclass
 class MixEntry:
-    """One registered mix: its spec, id and name, and the leases that pin it."""
+    """One registered mix: its spec, id and name, and how many leases pin it."""
 
     spec: MixSpec
     lora_int_id: int
     active: int = 0
-    pending: list[float] = field(default_factory=list)  # expiry times of leases not yet claimed
 
     @property
     def key(self) -> str:
@@ -53,10 +51,9 @@ class MixEntry:
     def lora_name(self) -> str:
         return self.spec.lora_name
 
-    def in_use(self, now: float) -> bool:
-        """Whether a request holds this mix (an active lease, or a pending one not yet expired)."""
-        self.pending = [t for t in self.pending if t > now]
-        return self.active > 0 or bool(self.pending)
+    def in_use(self) -> bool:
+        """Whether a request holds this mix."""
+        return self.active > 0
 
 
 class MixLease:
@@ -66,6 +63,11 @@ class MixLease:
         self._registry = registry
         self.entry = entry
         self._held = True
+
+    @property
+    def held(self) -> bool:
+        """Whether this lease still holds its mix (not released yet)."""
+        return self._held
 
     def release(self) -> None:
         """Let the mix be evicted again (once no other request holds it)."""
@@ -88,18 +90,15 @@ class MixRegistry:
         True
     """
 
-    def __init__(self, capacity: int, *, block: int = 0, first_id: int = MIX_ID_BASE, span: int = MIX_ID_BLOCK,
-                 lease_ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, capacity: int, *, block: int = 0, first_id: int = MIX_ID_BASE, span: int = MIX_ID_BLOCK) -> None:
         if capacity < 1:
             raise ValueError("MixRegistry capacity must be >= 1")
         if not 0 <= block or first_id + (block + 1) * span > (1 << 31):
             raise ValueError(f"id block {block} of {span} ids does not fit below 2**31")
         self.capacity = capacity
-        self.lease_ttl = lease_ttl
         self._lo = first_id + block * span
         self._span = span
         self._next = 0
-        self._clock = clock
         self._lock = threading.Lock()
         self._by_key: OrderedDict[str, MixEntry] = OrderedDict()  # LRU order: oldest first
         self._by_id: dict[int, MixEntry] = {}
@@ -156,8 +155,7 @@ class MixRegistry:
                 return hit, []
             evicted: list[MixEntry] = []
             if len(self._by_key) >= self.capacity:
-                now = self._clock()
-                victim = next((e for e in self._by_key.values() if not e.in_use(now)), None)
+                victim = next((e for e in self._by_key.values() if not e.in_use()), None)
                 if victim is None:
                     raise MixCapacityError(
                         f"All {self.capacity} mix slots are held by requests in flight, so mix {spec.lora_name!r} "
@@ -191,30 +189,20 @@ class MixRegistry:
                 del self._by_id[entry.lora_int_id]
             return entry
 
-    def lease(self, entry: MixEntry) -> None:
-        """Hold ``entry`` for a routed request until it is claimed, or ``lease_ttl`` seconds pass."""
+    def lease(self, entry: MixEntry) -> MixLease:
+        """Hold ``entry`` (it is not evicted) until the returned lease is released."""
         with self._lock:
-            entry.pending.append(self._clock() + self.lease_ttl)
+            entry.active += 1
+            return MixLease(self, entry)
 
     def claim(self, lora_int_id: int) -> MixLease | None:
-        """Turn one pending lease of ``lora_int_id`` into an active one (generation started).
-
-        Returns the lease to release when generation ends, or ``None`` if no live mix has this id.
-        """
+        """Hold the live mix with id ``lora_int_id`` (a generation starts); ``None`` if no live mix has this id."""
         with self._lock:
             entry = self._by_id.get(lora_int_id)
             if entry is None:
                 return None
-            if entry.pending:
-                entry.pending.pop(0)
             entry.active += 1
             return MixLease(self, entry)
-
-    def unlease(self, entry: MixEntry) -> None:
-        """Drop one pending lease of ``entry`` (its request failed before generation)."""
-        with self._lock:
-            if entry.pending:
-                entry.pending.pop()
 
     @property
     def first_id(self) -> int:
@@ -227,6 +215,5 @@ class MixRegistry:
 
     def in_use(self) -> int:
         """Return how many live mixes a request holds."""
-        now = self._clock()
         with self._lock:
-            return sum(e.in_use(now) for e in self._by_key.values())
+            return sum(e.in_use() for e in self._by_key.values())

@@ -13,14 +13,6 @@ def _spec(i: int, w: float = 0.5) -> MixSpec:
     return MixSpec((MixComponent("a", "/a", w), MixComponent("b", f"/b{i}", 0.25)))
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_million_canonical_mixes_get_a_million_distinct_ids_under_eviction() -> None:
     # 1,000,000 distinct canonical mixes through a registry bounded at 1,000: every id handed out is
     # unique (the id of an evicted mix is not reused until the whole block has been used once).
@@ -77,22 +69,22 @@ def test_registry_is_bounded_and_evicts_least_recently_used() -> None:
 
 
 def test_held_mixes_are_never_evicted_and_a_full_registry_says_so() -> None:
-    clock = _Clock()
-    reg = MixRegistry(capacity=2, lease_ttl=10.0, clock=clock)
+    reg = MixRegistry(capacity=2)
     a, _ = reg.register(_spec(0))
     b, _ = reg.register(_spec(1))
-    reg.lease(a)
-    lease_b = (reg.lease(b), reg.claim(b.lora_int_id))[1]
+    lease_a = reg.lease(a)  # a request being routed
+    lease_b = reg.claim(b.lora_int_id)  # a generation
     with pytest.raises(MixCapacityError, match="All 2 mix slots are held by requests in flight"):
         reg.register(_spec(2))
-    assert lease_b is not None
+    assert lease_b is not None and lease_b.held
     lease_b.release()
     lease_b.release()  # idempotent
+    assert not lease_b.held and b.active == 0
     _, evicted = reg.register(_spec(2))
-    assert evicted == [b]  # a is still held by its pending lease
-    clock.t = 11.0  # the pending lease on a was never claimed: it expires
+    assert evicted == [b]  # a is still held
+    lease_a.release()  # nothing expires: a is free once its lease is released, and only then
     _, evicted = reg.register(_spec(3))
-    assert evicted == [a]
+    assert evicted == [a] and reg.in_use() == 0
 
 
 def test_claim_of_an_unknown_id_holds_nothing() -> None:

@@ -115,8 +115,11 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     from vllm_lora_ext.integration.patching import applied
 
     plugin.register()
+    import vllm.entrypoints.generate.base.serving  # noqa: F401
+    import vllm.entrypoints.generate.beam_search.online  # noqa: F401
     import vllm.entrypoints.openai.models.serving  # noqa: F401
     import vllm.entrypoints.serve.engine.serving  # noqa: F401
+    import vllm.entrypoints.pooling.base.serving  # noqa: F401
     import vllm.lora.ops.triton_ops.lora_expand_op  # noqa: F401
     import vllm.lora.ops.triton_ops.lora_shrink_op  # noqa: F401
     import vllm.lora.worker_manager  # noqa: F401

@@ -34,6 +34,22 @@ ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
 LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"
 LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"
+GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completions, chat and responses (0.26-0.33)
+BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
+POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
+# Serving classes and request types that never generate (0.26-0.33): a mix named there is checked, never built.
+_NON_GENERATING = (("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization"),
+                   ("vllm.entrypoints.scale_out.render.serving", "ServingRender"),
+                   ("vllm.entrypoints.scale_out.derender.serving", "ServingDerender"),
+                   ("vllm.entrypoints.serve.tokenize.protocol", "TokenizeCompletionRequest"),
+                   ("vllm.entrypoints.serve.tokenize.protocol", "TokenizeChatRequest"),
+                   ("vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest"))
+
+
+def never_generates(*objects: Any) -> bool:
+    """Whether any of ``objects`` (a serving object, a request) is one of vLLM's tokenize or render kinds."""
+    kinds = tuple(getattr(sys.modules.get(module), name, None) for module, name in _NON_GENERATING)
+    return any(isinstance(obj, k) for k in kinds if isinstance(k, type) for obj in objects)
 
 
 # Where vLLM keeps create_error_response, newest first (found by feature, not by version string).

@@ -15,7 +15,7 @@ import collections
 import functools
 import logging
 import os
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
 
@@ -26,9 +26,12 @@ from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
     BASE_SERVING_MODULE,
+    BEAM_SEARCH_MODULE,
+    GENERATE_SERVING_MODULE,
     LLM_ENGINE_MODULE,
     LORA_EXPAND_OP_MODULE,
     LORA_SHRINK_OP_MODULE,
+    POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
     WORKER_MANAGER_MODULE,
     cancel_hooks,
@@ -264,19 +267,34 @@ def _make_maybe_get_adapters(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def _make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
-    async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        from vllm_lora_ext.integration.server import claim_lease, on_lease_released
+    def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Hold the request's mix from this call (generation admitted) until its outputs end (``leases.leased``)."""
+        from vllm_lora_ext.integration.leases import leased
+        from vllm_lora_ext.integration.server import claim_lease
 
-        lease = claim_lease(kwargs.get("lora_request"))
-        try:
-            async for out in original(self, *args, **kwargs):
-                yield out
-        finally:
-            if lease is not None:
-                lease.release()
-                on_lease_released()
+        return leased(original(self, *args, **kwargs), claim_lease(kwargs.get("lora_request")))
 
     return generate
+
+
+def _make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def _with_kv_transfer_rejection_cleanup(self: Any, awaitable: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.integration.leases import request_scope
+
+        with request_scope():  # what the request's routing holds is released when its handler returns
+            return await original(self, awaitable, *args, **kwargs)
+
+    return _with_kv_transfer_rejection_cleanup
+
+
+def _make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def _check_model(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.leases import refuse_mix
+
+        refuse_mix(self, request)
+        return await original(self, request)
+
+    return _check_model
 
 
 _KERNEL_CONFIG_PARAMS = ("op_type", "max_loras", "batch", "hidden_size", "rank", "num_slices", "add_inputs")
@@ -325,8 +343,8 @@ PATCHES: tuple[Patch, ...] = (
               "generation; vLLM's lookup by name would then fall back to the base model",
           delete_when="as BaseServing._check_model"),
     Patch(ASYNC_LLM_MODULE, "AsyncLLM.generate", ("prompt", "sampling_params", "request_id"), _make_generate,
-          why="hold a request's mix in the bounded registry until its generation ends, so it is never evicted "
-              "(or its id reused) while in flight",
+          why="hold a request's mix in the bounded registry from the call (generation admitted) until its outputs "
+              "end, so it is never evicted (or its id reused) while in flight",
           delete_when="mixes are native vLLM adapters with their own lifetime"),
     *(Patch(module, "get_lora_op_configs", _KERNEL_CONFIG_PARAMS, make_get_lora_op_configs,
             why=f"{op}: vLLM's default config launches far more blocks than a batch over many adapters needs; read the "
@@ -334,6 +352,21 @@ PATCHES: tuple[Patch, ...] = (
                 "fused-MoE LoRA kernels away from vLLM's own config choice",
             delete_when="vLLM ships tuned shrink/expand configs for these GPUs, or reads a tuned folder per op type")
       for module, op in ((LORA_SHRINK_OP_MODULE, "shrink"), (LORA_EXPAND_OP_MODULE, "expand"))),
+    Patch(GENERATE_SERVING_MODULE, "GenerateBaseServing._with_kv_transfer_rejection_cleanup",
+          ("awaitable", "request", "raw_request"), _make_request_scope,
+          why="the one wrapper around the completions, chat and responses handlers: the mix a request's routing "
+              "holds is released when its handler returns, so a request that fails before generating (a too-long "
+              "prompt, a render error) frees its slot at once",
+          delete_when="as BaseServing._check_model"),
+    Patch(BEAM_SEARCH_MODULE, "BeamSearchOnlineMixin.beam_search", ("prompt", "request_id", "params", "lora_request"),
+          _make_generate,
+          why="online beam search calls generate once per step; one lease for the whole request keeps its mix "
+              "from being evicted between steps",
+          delete_when="as AsyncLLM.generate"),
+    Patch(POOLING_SERVING_MODULE, "PoolingBaseServing._check_model", ("request",), _make_pooling_check_model,
+          why="pooling routes (embeddings, score, classify) never route adapter fields: a mix named there would be "
+              "answered by the base model; refuse it with a 400 instead",
+          delete_when="as BaseServing._check_model"),
 )
 
 

@@ -9,7 +9,8 @@ validates the config, and replaces the path with the pinned source (``hf:org/rep
 Mixes (`route_adapters`) get their adapter id and name from one [`MixRegistry`] per API-server
 process: ids never collide with another mix or a user adapter, at most ``VLLM_LORA_EXT_MAX_MIXES``
 mixes are registered (default: ``--max-cpu-loras``), and the least recently used mix that no request
-holds is evicted (``remove_lora``). A request holds its mix from routing until its generation ends.
+holds is evicted (``remove_lora``). A request holds its mix while its handler runs and while its
+generation runs, never longer (`integration.leases`); routes that never generate never build one.
 
 Every failure in these routes is an HTTP error with a message: 400 for bad input, 403 for a path
 outside the allowed roots, 404 for a source that does not exist, 503 when every mix slot is held,
@@ -22,7 +23,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from vllm_lora_ext import metrics
@@ -33,7 +33,6 @@ from vllm_lora_ext.constants import (
     PREBUILD_PREFIX,
     allowed_roots,
     max_mixes,
-    mix_wait_seconds,
     prebuild_enabled,
     prebuild_wait_seconds,
 )
@@ -48,7 +47,15 @@ from vllm_lora_ext.errors import (
     MixIdCollisionError,
     VllmLoraExtError,
 )
-from vllm_lora_ext.integration._compat import error_response, lora_config_of
+from vllm_lora_ext.integration._compat import error_response, lora_config_of, never_generates
+from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
+    _KEY_LOCKS,
+    KeyLock,
+    keep_for_request,
+    on_lease_released,
+    register_when_free,
+    release,
+)
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
 from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part
 from vllm_lora_ext.prebuild import RecentlyUsed
@@ -255,8 +262,6 @@ def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtE
 # ------------------------------------------------------------------------------------------------ registry
 
 _REGISTRY: MixRegistry | None = None
-_KEY_LOCKS: dict[str, tuple[asyncio.Lock, int]] = {}
-_WAITERS: set[asyncio.Future[None]] = set()  # requests waiting for a free mix slot
 
 
 def registry(engine_client: Any = None) -> MixRegistry:
@@ -285,61 +290,10 @@ def reset_registry() -> None:
 
 
 def claim_lease(lora_request: Any) -> MixLease | None:
-    """Called when generation starts: turn the routed request's pending hold on its mix into an active one."""
+    """Called when vLLM asks the engine to generate: hold the request's mix until the returned lease is released."""
     if lora_request is None or _REGISTRY is None:
         return None
     return _REGISTRY.claim(int(lora_request.lora_int_id))
-
-
-def on_lease_released() -> None:
-    """Wake requests waiting for a free mix slot."""
-    for waiter in list(_WAITERS):
-        if not waiter.done():
-            waiter.get_loop().call_soon_threadsafe(_wake, waiter)
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-class _KeyLock:
-    """One lock per mix key while requests for it are being routed (the dict never outgrows the keys in flight)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    async def __aenter__(self) -> None:
-        lock, n = _KEY_LOCKS.get(self.key, (asyncio.Lock(), 0))
-        _KEY_LOCKS[self.key] = (lock, n + 1)
-        await lock.acquire()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        lock, n = _KEY_LOCKS[self.key]
-        lock.release()
-        if n <= 1:
-            del _KEY_LOCKS[self.key]
-        else:
-            _KEY_LOCKS[self.key] = (lock, n - 1)
-
-
-async def _register(reg: MixRegistry, spec: MixSpec, taken: Callable[[int], bool]) -> tuple[MixEntry, list[MixEntry]]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + mix_wait_seconds()
-    while True:
-        try:
-            return reg.register(spec, taken=taken)
-        except MixCapacityError:
-            if loop.time() >= deadline:
-                raise
-        waiter: asyncio.Future[None] = loop.create_future()
-        _WAITERS.add(waiter)
-        try:  # woken by a release; the timeout also catches pending leases that expired
-            await asyncio.wait_for(waiter, timeout=min(0.5, max(0.0, deadline - loop.time())))
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            _WAITERS.discard(waiter)
 
 
 async def _unload(models: Any, entry: MixEntry) -> None:
@@ -369,56 +323,79 @@ def routed_lora(request: Any) -> Any:
 
 
 async def register_mix(models: Any, spec: MixSpec) -> Any:
-    """Make ``spec`` a registered adapter of the engine, held for one request; return its ``LoRARequest``.
+    """Make ``spec`` a registered adapter of the engine, held for the request being handled; return its ``LoRARequest``.
+
+    The mix is held from before any await until the request's handler returns (`leases.keep_for_request`);
+    outside a request's handler, only while it loads.
 
     Raises:
         [`MixCapacityError`]: every mix slot stayed held for ``VLLM_LORA_EXT_MIX_WAIT_S`` seconds.
         [`MixIdCollisionError`]: the name is registered for another spec (never serves it).
         [`MixError`]: the engine refused the composite (the message names the cause).
     """
-    from vllm.lora.request import LoRARequest
-
     reg = registry(models.engine_client)
-    name = spec.lora_name
-    async with _KeyLock(spec.key):
+    async with KeyLock(spec.key):
         entry = reg.get(spec)
+        evicted: list[MixEntry] = []
         if entry is None:
             user_ids = {r.lora_int_id for r in models.lora_requests.values() if not r.lora_name.startswith(MIX_NAME_PREFIX)}
-            entry, evicted = await _register(reg, spec, user_ids.__contains__)
-            reg.lease(entry)  # before any await: nothing may evict it while it loads
+            entry, evicted = await register_when_free(reg, spec, taken=user_ids.__contains__)
+        lease = reg.lease(entry)  # before any await: nothing may evict it while it loads
+        try:
             for old in evicted:
                 await _unload(models, old)
-        else:
-            reg.lease(entry)
-        held = models.lora_requests.get(name)
-        if held is not None and held.lora_path != spec.lora_path:  # a squatter (or a digest collision)
-            _drop_pending(reg, entry)
-            raise MixIdCollisionError(f"Adapter name {name!r} is registered for another adapter; refusing to serve "
-                                      f"this mix under it. Unload that adapter.")
-        if held is None or held.lora_int_id != entry.lora_int_id:
-            req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=spec.lora_path)
-            try:
-                await ensure_built(models.engine_client, req)  # off the engine loop; add_lora then only registers
-                await models.engine_client.add_lora(req)
-            except Exception as err:  # the worker's message names the problem (rank, keys, ...)
-                _drop_pending(reg, entry)
-                reg.remove(spec)
-                metrics.MIXES_ACTIVE.set(len(reg))
-                raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
-            models.lora_requests[name] = req
-            recently_used(models.engine_client).touch(req.lora_path)
-            metrics.MIXES_REGISTERED.inc()
-            metrics.MIXES_ACTIVE.set(len(reg))
-            logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
-                        ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
-        else:
-            req = held
+            req = await _load_mix(models, reg, spec, entry)
+        except BaseException:  # refused, failed or cancelled: the slot is free again at once
+            release(lease)
+            raise
+        keep_for_request(lease)
     return req
 
 
-def _drop_pending(reg: MixRegistry, entry: MixEntry) -> None:
-    reg.unlease(entry)
-    on_lease_released()
+async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntry) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    name = spec.lora_name
+    held = models.lora_requests.get(name)
+    if held is not None and held.lora_path != spec.lora_path:  # a squatter (or a digest collision)
+        raise MixIdCollisionError(f"Adapter name {name!r} is registered for another adapter; refusing to serve "
+                                  f"this mix under it. Unload that adapter.")
+    if held is not None and held.lora_int_id == entry.lora_int_id:
+        return held
+    req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=spec.lora_path)
+    try:
+        await ensure_built(models.engine_client, req)  # off the engine loop; add_lora then only registers
+        await models.engine_client.add_lora(req)
+    except Exception as err:  # the worker's message names the problem (rank, keys, ...)
+        reg.remove(spec)
+        metrics.MIXES_ACTIVE.set(len(reg))
+        raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
+    models.lora_requests[name] = req
+    recently_used(models.engine_client).touch(req.lora_path)
+    metrics.MIXES_REGISTERED.inc()
+    metrics.MIXES_ACTIVE.set(len(reg))
+    logger.info("registered mix %r as id %d (%s)", name, entry.lora_int_id,
+                ", ".join(f"{c.name}={c.weight:g}" for c in spec.components))
+    return req
+
+
+def _hold_named_mix(models: Any, request: Any) -> None:
+    """A request naming a registered mix by its name is routed to it and holds it: it cannot be evicted (and the
+    request answered 404) between vLLM's model check and its adapter lookup."""
+    lora = models.lora_requests.get(request.model) if isinstance(request.model, str) else None
+    if lora is None or _REGISTRY is None:
+        return
+    entry = _REGISTRY.by_id(int(lora.lora_int_id))
+    if entry is None or entry.lora_name != lora.lora_name or entry.spec.lora_path != lora.lora_path:
+        return
+    _REGISTRY.get(entry.spec)  # recently used
+    keep_for_request(_REGISTRY.lease(entry))
+    object.__setattr__(request, ROUTED_ATTR, lora)
+
+
+def _base_model_name(models: Any) -> str | None:
+    paths = getattr(models, "base_model_paths", None)
+    return paths[0].name if paths else None
 
 
 async def route_adapters(serving: Any, request: Any) -> Any:
@@ -427,7 +404,9 @@ async def route_adapters(serving: Any, request: Any) -> Any:
     Rules: body ``adapters`` (+ ``adapter_weights``) win; else a mix written in ``model``
     (``a=0.7+b=0.3``); else, for a request naming the base model (or none), the deployment default.
     A single adapter at weight 1 is that adapter; anything else is a composite registered through
-    the mix registry and shared by every request naming the same canonical mix.
+    the mix registry and shared by every request naming the same canonical mix. On a route that never
+    generates (tokenize, detokenize, render) a mix is checked but not built: the request goes to the
+    base model, whose tokenizer a mix shares, and the deployment default does not apply.
 
     Returns ``None`` (request ready) or an ``ErrorResponse`` naming what is wrong.
     """
@@ -440,6 +419,7 @@ async def route_adapters(serving: Any, request: Any) -> Any:
 
 async def _route(serving: Any, request: Any) -> Any:
     models = serving.models
+    generates = not never_generates(serving, request)
     adapters, weights = _mix_request_fields(request)
     model = getattr(request, "model", None)
     if isinstance(model, str) and len(model) > _MAX_MODEL_FIELD:
@@ -451,15 +431,21 @@ async def _route(serving: Any, request: Any) -> Any:
             and not _is_base_model(serving, model):
         adapters, weights = mix_in_model(model, sources=sources, default_weights=default_weights)
     elif adapters is None:
-        if not default or (model and not serving._is_model_supported(model)):
-            await _build_if_evicted(models, model)
+        if not generates or not default or (model and not serving._is_model_supported(model)):
+            if generates:
+                await _build_if_evicted(models, model)
+                _hold_named_mix(models, request)
             return None  # a named adapter or the base model: vLLM's own handling
     spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights, default=default)
     if spec is None:
         return None
     if len(spec.components) == 1 and spec.components[0].weight == 1.0 and spec.components[0].name in models.lora_requests:
         request.model = spec.components[0].name
-        await _build_if_evicted(models, request.model)
+        if generates:
+            await _build_if_evicted(models, request.model)
+        return None
+    if not generates:
+        request.model = _base_model_name(models)
         return None
     lora = await register_mix(models, spec)
     request.model = lora.lora_name

@@ -1,0 +1,175 @@
+"""Which requests hold a mix, and for how long: leases follow generation, not routing.
+
+A request on a generation route (completions, chat completions, responses: vLLM wraps each of their
+handlers in ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``) is handled inside a
+`request_scope`. The hold its routing takes on its mix (`keep_for_request`) ends when its handler
+returns, whatever the outcome: an answer, a too-long prompt, a render error, a disconnect. Each
+generation takes its own lease when vLLM asks the engine to generate (`AsyncLLM.generate`, and once
+for a whole online beam search, whose steps each generate) and releases it when its output ends
+(`leased`); a stream that is dropped before it starts releases it when it is collected.
+
+Routes that never generate (tokenize, detokenize, render) check a mix but never build or hold one;
+pooling routes (embeddings, score, classify, ...) refuse mixes with a 400 (`refuse_mix`). Routing
+outside a request scope (a vLLM route whose handler the plugin does not wrap) builds the mix and
+holds it only while it loads: the request still runs on its exact mix (``server.routed_lora``), and
+an eviction before its generation costs a rebuild in the engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from typing import Any
+
+from vllm_lora_ext._util import short_repr
+from vllm_lora_ext.constants import MIX_PREFIX, mix_wait_seconds
+from vllm_lora_ext.errors import MixCapacityError, MixError
+from vllm_lora_ext.mixing import MixSpec
+from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
+
+__all__ = ["KeyLock", "keep_for_request", "leased", "on_lease_released", "refuse_mix", "register_when_free", "release",
+           "request_scope"]
+
+# The leases the request being handled took while it was routed (None outside a generation handler).
+_SCOPE: contextvars.ContextVar[list[MixLease] | None] = contextvars.ContextVar("vllm_lora_ext_request_scope",
+                                                                               default=None)
+_KEY_LOCKS: dict[str, tuple[asyncio.Lock, int]] = {}  # mix key -> (its routing lock, requests using it)
+_WAITERS: set[asyncio.Future[None]] = set()  # requests waiting for a free mix slot
+GENERATION_ROUTES = "/v1/completions, /v1/chat/completions and /v1/responses"
+
+
+@contextlib.contextmanager
+def request_scope() -> Iterator[None]:
+    """Handle one request: every lease its routing keeps (`keep_for_request`) is released when the block exits."""
+    held: list[MixLease] = []
+    token = _SCOPE.set(held)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+        for lease in held:
+            lease.release()
+        if held:
+            on_lease_released()
+
+
+def keep_for_request(lease: MixLease) -> None:
+    """Hold ``lease`` until the handler of the request being routed returns; outside a request scope, release it now."""
+    scope = _SCOPE.get()
+    if scope is None:
+        release(lease)
+    else:
+        scope.append(lease)
+
+
+def release(lease: MixLease | None) -> None:
+    """Release ``lease`` (idempotent) and wake requests waiting for a mix slot."""
+    if lease is not None and lease.held:
+        lease.release()
+        on_lease_released()
+
+
+def leased(outputs: AsyncIterator[Any], lease: MixLease | None) -> AsyncIterator[Any]:
+    """Return ``outputs`` holding ``lease`` until they end, fail or are closed, or are dropped without starting."""
+    if lease is None:
+        return outputs
+    stream = _leased(outputs, lease)
+    weakref.finalize(stream, release, lease)  # a stream never iterated runs no finally of its own
+    return stream
+
+
+async def _leased(outputs: AsyncIterator[Any], lease: MixLease) -> AsyncGenerator[Any, None]:
+    try:
+        async for out in outputs:
+            yield out
+    finally:
+        release(lease)
+
+
+async def register_when_free(reg: MixRegistry, spec: MixSpec, *, taken: Callable[[int], bool]
+                             ) -> tuple[MixEntry, list[MixEntry]]:
+    """``reg.register(spec)``, waiting up to ``VLLM_LORA_EXT_MIX_WAIT_S`` seconds for a slot no request holds.
+
+    Raises:
+        [`MixCapacityError`]: every slot stayed held that long.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + mix_wait_seconds()
+    while True:
+        try:
+            return reg.register(spec, taken=taken)
+        except MixCapacityError:
+            if loop.time() >= deadline:
+                raise
+        waiter: asyncio.Future[None] = loop.create_future()
+        _WAITERS.add(waiter)
+        try:  # woken by a release (the timeout is a backstop)
+            await asyncio.wait_for(waiter, timeout=min(0.5, max(0.0, deadline - loop.time())))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            _WAITERS.discard(waiter)
+
+
+def on_lease_released() -> None:
+    """Wake requests waiting for a free mix slot."""
+    for waiter in list(_WAITERS):
+        if not waiter.done():
+            waiter.get_loop().call_soon_threadsafe(_wake, waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class KeyLock:
+    """One lock per mix key while requests for it are being routed; it goes with its last user, cancelled or not."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def __aenter__(self) -> None:
+        lock, n = _KEY_LOCKS.get(self.key, (None, 0))
+        lock = lock or asyncio.Lock()
+        _KEY_LOCKS[self.key] = (lock, n + 1)
+        try:
+            await lock.acquire()
+        except BaseException:  # cancelled while waiting: this user leaves without the lock
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: Any) -> None:
+        _KEY_LOCKS[self.key][0].release()
+        self._leave()
+
+    def _leave(self) -> None:
+        lock, n = _KEY_LOCKS[self.key]
+        if n <= 1:
+            del _KEY_LOCKS[self.key]
+        else:
+            _KEY_LOCKS[self.key] = (lock, n - 1)
+
+
+def refuse_mix(serving: Any, request: Any) -> None:
+    """Refuse a mix on a route that does not generate with it (embeddings, score, classify, ...).
+
+    Raises:
+        [`MixError`]: the request has ``adapters``/``adapter_weights``, or its ``model`` is a mix
+            (``a=0.7+b=0.3`` or a registered mix's name); vLLM answers 400 with the message.
+    """
+    fields = [f for f in ("adapters", "adapter_weights") if getattr(request, f, None) is not None]
+    model = getattr(request, "model", None)
+    lora = serving.models.lora_requests.get(model) if isinstance(model, str) else None
+    if lora is not None:
+        is_mix = str(lora.lora_path).startswith(MIX_PREFIX)
+    else:
+        is_mix = isinstance(model, str) and ("+" in model or "=" in model) and not serving._is_model_supported(model)
+    if fields or is_mix:
+        what = f"the field(s) {', '.join(fields)}" if fields else f"model {short_repr(model)}"
+        raise MixError(f"This route does not serve adapter mixes, and the request names one ({what}). Mixes are "
+                       f"served on the generation routes ({GENERATION_ROUTES}); here name the base model or a "
+                       f"loaded adapter.")
