@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import reprlib
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +19,18 @@ _REPR.maxlevel = 3
 
 
 def read_capped(path: str | os.PathLike[str], limit: int) -> tuple[bytes, bool]:
-    """Read at most ``limit + 1`` bytes of a file; return them and whether the file is larger than ``limit``."""
-    with open(path, "rb") as f:
+    """Read at most ``limit + 1`` bytes of a file; return them and whether the file is larger than ``limit``.
+
+    Raises:
+        OSError: also when ``path`` is not a regular file (a FIFO, a device, a folder); the open never waits.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+    with open(fd, "rb", closefd=True) as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise OSError(errno.EINVAL, f"is {kind}; a regular file is needed", os.fspath(path))
+        os.set_blocking(fd, True)
         data = f.read(limit + 1)
     return data, len(data) > limit
 

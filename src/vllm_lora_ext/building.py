@@ -34,6 +34,7 @@ from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
 from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
+from vllm_lora_ext.sharedfiles import claim_owner, sweep_dead_owners
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
@@ -232,8 +233,7 @@ class SharedArena:
     def __init__(self, capacity: int, directory: str | None = None, *, populate: bool = False) -> None:
         self.capacity = max(int(capacity), 1)
         tag = "spare-" if populate else ""
-        self.path = os.path.join(directory or shared_dir(self.capacity),
-                                 f"{_SHARED_PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}.bin")
+        self.path = _owned_name(directory or shared_dir(self.capacity), tag)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.capacity)
@@ -387,38 +387,17 @@ _SHARED_PREFIX = "vllm-lora-ext-"
 
 
 def sweep_stale(directory: str) -> list[str]:
-    """Remove shared files whose build process is gone and that nobody mapped (a worker that died mid-hand-over).
+    """Remove shared files whose owner (a build process) is gone: a worker that died mid-hand-over left them.
 
-    A file's name carries the pid of the process that wrote it; files of live processes are left alone.
-    Returns the names removed.
+    Owners are told apart by a lock they hold, not by pid ([`sharedfiles`]), so a live server in another PID
+    namespace that shares ``/dev/shm`` keeps its files. Returns the names removed.
     """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not (name.startswith(_SHARED_PREFIX) and name.endswith(".bin")):
-            continue
-        pid = name[len(_SHARED_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return sweep_dead_owners(directory, _SHARED_PREFIX, suffix=".bin")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owned_name(directory: str, tag: str = "") -> str:
+    """A new shared file's path in ``directory``, named for this process's owner lock there."""
+    return os.path.join(directory, f"{_SHARED_PREFIX}{claim_owner(directory, _SHARED_PREFIX)}-{tag}{uuid.uuid4().hex}.bin")
 
 
 def shared_dir(size: int) -> str:
@@ -468,7 +447,7 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         arena.close()
         fd = os.open(path, os.O_RDWR)
     else:
-        path = os.path.join(directory or shared_dir(size), f"{_SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin")
+        path = _owned_name(directory or shared_dir(size))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Written with pwrite, not through a mapping: running out of space is an OSError rather than

@@ -24,6 +24,7 @@ __all__ = [
     "MixError",
     "MixIdCollisionError",
     "OutputPathError",
+    "SettingsError",
     "BuildProcessError",
     "UnmatchedKeysError",
     "UnsafeFormatError",
@@ -179,3 +180,11 @@ class BuildProcessError(VllmLoraExtError, RuntimeError):
 
 class UnsupportedVLLMError(VllmLoraExtError, RuntimeError):
     """The installed vLLM is outside the tested range (raised only by `vllm_lora_ext.integration`)."""
+
+
+class SettingsError(VllmLoraExtError, ValueError):
+    """An environment setting (``VLLM_LORA_EXT_*``) has a value the plugin cannot use; the message names it.
+
+    Raised at start-up (``register()``) for every bad setting at once, so a typo never surfaces later in a
+    background build or a request.
+    """

@@ -38,10 +38,11 @@ from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedT
                                    sweep_stale, to_shared, trim_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError
+from vllm_lora_ext.sharedfiles import folder_problem
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 
-__all__ = ["build_elsewhere", "prestart", "shutdown"]
+__all__ = ["build_dir_usable", "build_elsewhere", "prestart", "shutdown"]
 
 _START_TIMEOUT_S = 300.0
 _BUILD_THREADS = 4  # builds one process runs at once (a mix's components; more wait their turn)
@@ -238,6 +239,33 @@ _POOL = _Pool()
 atexit.register(_POOL.shutdown)
 
 
+_DIR_CHECKED: dict[str, bool] = {}
+
+
+def build_dir_usable() -> bool:
+    """Whether ``VLLM_LORA_EXT_BUILD_DIR``, if set, can hold a build process's files; if not, warn once for that value.
+
+    A folder that is missing, a file or read-only would fail every background build: builds then run in the
+    worker (as with ``VLLM_LORA_EXT_BUILD_PROCESS=0``) instead.
+    """
+    configured = os.environ.get(ENV_BUILD_DIR)
+    if not configured:
+        return True
+    with _CHECK_LOCK:
+        usable = _DIR_CHECKED.get(configured)
+        if usable is None:
+            problem = folder_problem(configured)
+            usable = _DIR_CHECKED[configured] = problem is None
+            if problem is not None:
+                logger.warning("%s=%r %s: background builds run in the worker instead of a build process. Point %s "
+                               "at a writable folder (e.g. /dev/shm) or unset it.", ENV_BUILD_DIR, configured[:200],
+                               problem, ENV_BUILD_DIR)
+    return usable
+
+
+_CHECK_LOCK = threading.Lock()
+
+
 def prestart() -> None:
     """Start the build process now (it takes about 15 s to import), so that it is ready for the builds to come."""
     _POOL.prestart()
@@ -379,7 +407,12 @@ def main() -> None:
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
-    arenas = ArenaSupply(build_spare_bytes())
+    try:
+        spare = build_spare_bytes()
+    except ValueError as err:  # refused at the server's start; never a reason for this process to die
+        logger.warning("%s; the build process keeps no spare file", err)
+        spare = 0
+    arenas = ArenaSupply(spare)
     _send(out, ("ready", os.getpid()))
     arenas.prepare()  # the first spare, while no build is asked for yet
     try:
