@@ -277,13 +277,26 @@ class _BackedFile:
         from prometheus_client.mmap_dict import MmapedDict
 
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR)  # this pid's file from before (a reused pid): kept, fully allocated
+            fresh = None
+        except FileNotFoundError:  # made under another name and renamed once allocated: a reader never sees it empty
+            fresh = f"{path}.new"
+            self.fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             self.size = max(os.fstat(self.fd).st_size, _INITIAL_FILE_BYTES)
             os.posix_fallocate(self.fd, 0, self.size)
+            if fresh is not None:
+                os.rename(fresh, path)
             self.data = MmapedDict(path)  # type: ignore[no-untyped-call]
         except BaseException:
             os.close(self.fd)
+            if fresh is not None:
+                for leftover in (fresh, path):
+                    try:
+                        os.unlink(leftover)
+                    except OSError:
+                        pass
             raise
         self.keys: set[str] = set()
 
@@ -351,6 +364,7 @@ class _Collector:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         files = glob.glob(os.path.join(self.path, "*.db")) if self.path and os.path.isdir(self.path) else []
+        files = [f for f in files if _readable_size(f)]  # a file another writer left empty would fail every scrape
         if not hasattr(MultiProcessCollector, "_read_metrics"):  # another prometheus_client: the files alone
             return MultiProcessCollector(None, path=self.path).collect() if files else []  # type: ignore[no-untyped-call]
         found = MultiProcessCollector._read_metrics(files)
@@ -359,6 +373,13 @@ class _Collector:
                 if _HEALTH["pid"] == os.getpid() else []
         _add_memory_samples(found, memory)
         return MultiProcessCollector._accumulate_metrics(found, True)
+
+
+def _readable_size(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8
+    except OSError:
+        return False
 
 
 def _add_memory_samples(found: dict[str, Any], memory: list[tuple[str, str, float]]) -> None:
