@@ -188,6 +188,8 @@ def parse_size(raw: str, *, name: str) -> int:
         if value == value and value not in (float("inf"),) and value >= 0 and value == int(value):
             return int(value)
         raise SettingsError(f"{name}={raw[:80]!r} is not a size. Give {SIZE_FORMS}.")
+    if m.group(2) is None and "." in m.group(1):
+        raise SettingsError(f"{name}={raw[:80]!r} is not a whole number of bytes. Give {SIZE_FORMS}.")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 

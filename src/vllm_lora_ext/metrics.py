@@ -55,6 +55,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -364,7 +365,7 @@ class _Collector:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         files = glob.glob(os.path.join(self.path, "*.db")) if self.path and os.path.isdir(self.path) else []
-        files = [f for f in files if _readable_size(f)]  # a file another writer left empty would fail every scrape
+        files = [f for f in files if _readable_size(f)]  # an empty file (or a folder) would fail every scrape
         if not hasattr(MultiProcessCollector, "_read_metrics"):  # another prometheus_client: the files alone
             return MultiProcessCollector(None, path=self.path).collect() if files else []  # type: ignore[no-untyped-call]
         found = MultiProcessCollector._read_metrics(files)
@@ -377,9 +378,10 @@ class _Collector:
 
 def _readable_size(path: str) -> bool:
     try:
-        return os.path.getsize(path) >= 8
+        st = os.stat(path)
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_size >= 8
 
 
 def _add_memory_samples(found: dict[str, Any], memory: list[tuple[str, str, float]]) -> None:
