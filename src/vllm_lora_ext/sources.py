@@ -208,9 +208,12 @@ _NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX; the hub's own li
 
 def _check_component_lengths(source: str, path: str, part: str) -> None:
     for c in path.split("/"):
-        if len(os.fsencode(c)) > _NAME_MAX:
-            raise _fail(source, part, f"path component {c[:40]!r}... is {len(os.fsencode(c))} bytes long",
-                        f"A file or folder name is at most {_NAME_MAX} bytes; check the path.")
+        n = len(os.fsencode(c))
+        if n > _NAME_MAX:  # quoted shortened: the source itself is at least this long
+            shown = source if len(source) <= 80 else source[:60] + "..." + source[-10:]
+            raise AdapterSourceError(
+                f"Invalid adapter source {shown!r}: path component {c[:24]!r}... is {n} bytes long, and a file or "
+                f"folder name is at most {_NAME_MAX} bytes. Check the path.", source=source, part=part)
 
 
 def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
