@@ -397,7 +397,8 @@ def sweep_stale(directory: str) -> list[str]:
 
 def _owned_name(directory: str, tag: str = "") -> str:
     """A new shared file's path in ``directory``, named for this process's owner lock there."""
-    return os.path.join(directory, f"{_SHARED_PREFIX}{claim_owner(directory, _SHARED_PREFIX)}-{tag}{uuid.uuid4().hex}.bin")
+    owner = claim_owner(directory, _SHARED_PREFIX)
+    return os.path.join(directory, f"{_SHARED_PREFIX}{owner}-{tag}{uuid.uuid4().hex}.bin")
 
 
 def shared_dir(size: int) -> str:

@@ -119,18 +119,19 @@ def setup() -> str | None:
             _check_free(path)
             return path
         if _OWNED.get("pid") == os.getpid():
-            return str(_OWNED["path"])
+            return _OWNED["path"]  # type: ignore[no-any-return]
         current = metrics_dir()
         if current is not None and multiprocessing.parent_process() is not None:
             _check_free(current)
             return current  # an engine or worker process: its parent made the directory and serves /metrics
         # A top-level process (``vllm serve``, a script with ``LLM``): a fresh directory, even if one was inherited
         # from an unrelated parent, so two servers started by one program never add up each other's counts.
-        root = tempfile.gettempdir()
-        swept = sweep_dead_owners(root, _DIR_STEM)
-        if swept:
-            logger.info("removed %d metrics folders of processes that are gone from %s", len(swept), root)
+        root = "the temp dir"
         try:
+            root = tempfile.gettempdir()  # raises when no candidate folder takes a file
+            swept = sweep_dead_owners(root, _DIR_STEM)
+            if swept:
+                logger.info("removed %d metrics folders of processes that are gone from %s", len(swept), root)
             path = tempfile.mkdtemp(prefix=f"{_DIR_STEM}{claim_owner(root, _DIR_STEM)}-", dir=root)
         except OSError as err:
             os.environ.pop(ENV_METRICS_DIR, None)  # never an inherited one: the children keep theirs in memory too

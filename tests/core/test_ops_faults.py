@@ -259,6 +259,7 @@ def test_without_room_for_a_metrics_folder_metrics_stay_in_memory_and_show(
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.metrics"):
             assert metrics.setup() is None
+            assert metrics.setup() is None  # idempotent: no second collector, no second warning
             for _ in range(3):
                 metrics.MIXES_EVICTED.inc()
             metrics.MIXES_ACTIVE.set(2)
