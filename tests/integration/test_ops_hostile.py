@@ -181,3 +181,24 @@ def test_the_server_keeps_loading_after_long_path_refusals(tmp_path: Path) -> No
     for _ in range(3):
         assert _pre(str(tmp_path / ("z" * 400))).error.code == 400
     assert _pre(str(good)).lora_path == str(good)
+
+
+def test_a_build_process_started_with_a_bad_spare_setting_builds_without_a_spare_instead_of_dying(
+        tmp_path: Path, build_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at register; a build process that still sees such a value (its worker's environment changed) lives."""
+    from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
+    from vllm_lora_ext.integration.loader import VllmKeyRouter
+
+    build_process.shutdown()
+    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_SPARE_BYTES", "2 bananas")
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(BUILD_E, BUILD_H, BUILD_I, BUILD_R, s) for s in (0, 1)],
+                               ["2d", "2d"], rank=BUILD_R)
+    try:
+        for _ in range(2):  # the same process answers both: it did not crash-loop
+            built, _mapping = build_process.build_elsewhere(moe_build_job(folder, wrapper="2d"), VllmKeyRouter(None, None))
+            assert built.moe
+        child = build_process._POOL.get()
+        assert child.alive and child.proc.returncode is None
+        assert not any("-spare-" in n for n in os.listdir(build_dir))  # no spare file made from the bad value
+    finally:
+        build_process.shutdown()
