@@ -202,3 +202,31 @@ def test_a_build_process_started_with_a_bad_spare_setting_builds_without_a_spare
         assert not any("-spare-" in n for n in os.listdir(build_dir))  # no spare file made from the bad value
     finally:
         build_process.shutdown()
+
+
+def test_a_build_dir_removed_while_serving_makes_builds_run_in_the_worker_with_one_warning(
+        tmp_path: Path, build_dir: Path, worker_manager: Any, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration.loader import load_lora_model
+
+    build_process.shutdown()
+    build_process._HAND_OVER_WARNED.clear()
+    adapters = [make_peft_adapter(tiny_llama(), tmp_path / f"a{i}", targets=["q_proj"], rank=4, alpha=8, seed=i)
+                for i in range(3)]
+    try:
+        build_process.prestart()
+        build_process._POOL.get()  # started, with its spare in the folder
+        shutil.rmtree(build_dir)  # an operator's cleanup, a tmpfs unmounted
+        with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.integration.build_process"):
+            for i, adapter in enumerate(adapters):
+                lora = load_lora_model(worker_manager, LoRARequest(f"a{i}", 30 + i, str(adapter)), separate_process=True)
+                assert lora.loras and lora.id == 30 + i
+        warnings = [r.getMessage() for r in caplog.records if "could not hand it over" in r.getMessage()]
+        assert len(warnings) == 1 and "VLLM_LORA_EXT_BUILD_DIR" in warnings[0]
+        assert build_process._POOL.get().alive  # the build process lives on
+        assert not build_dir.exists()  # nothing re-made the folder
+    finally:
+        build_process.shutdown()

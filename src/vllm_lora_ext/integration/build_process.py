@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
                                    sweep_stale, to_shared, trim_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
-from vllm_lora_ext.errors import BuildProcessError
+from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
 from vllm_lora_ext.sharedfiles import folder_problem
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
@@ -283,6 +283,9 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     to start (it imports vLLM's key parser). With ``wait_for_start=False`` this returns ``None`` at once
     while it starts, and the caller builds where it is; later builds find it started.
 
+    A build whose shared file could not be made or mapped (the folder was removed or is full) also returns
+    ``None``, with one warning, and the caller builds where it is.
+
     Raises:
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
         [`BuildProcessError`] if the process could not start or died (the next build starts a new one).
@@ -290,8 +293,23 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     child = _POOL.get() if wait_for_start else _POOL.get_started()
     if child is None:
         return None
-    shared = child.run(job, router.mapper, router.skip_prefixes)
-    return from_shared(shared)
+    try:
+        return from_shared(child.run(job, router.mapper, router.skip_prefixes))
+    except OSError as err:
+        if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
+            raise
+        _warn_hand_over(job.name, err)  # the shared folder failed (removed, full): the caller builds here instead
+        return None
+
+
+_HAND_OVER_WARNED = threading.Event()
+
+
+def _warn_hand_over(name: str, err: OSError) -> None:
+    log = logger.debug if _HAND_OVER_WARNED.is_set() else logger.warning
+    _HAND_OVER_WARNED.set()
+    log("adapter %r: the build process could not hand it over (%s: %s); it is built in the worker instead. Check "
+        "that %s (or /dev/shm) exists, is writable and has room.", name, type(err).__name__, err, ENV_BUILD_DIR)
 
 
 # ------------------------------------------------------------------------------------------------ the child
