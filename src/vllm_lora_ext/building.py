@@ -34,7 +34,7 @@ from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
 from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, load_pickle_tensors
-from vllm_lora_ext.sharedfiles import claim_owner, sweep_dead_owners
+from vllm_lora_ext.sharedfiles import claim_owner, reserve_when_tight, sweep_dead_owners
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
@@ -227,7 +227,8 @@ class SharedArena:
     """A bump allocator over one new shared file: tensors built in it are handed over without a copy.
 
     Memory past ``capacity`` is allocated as ordinary tensors (copied at hand-over). The file is sparse:
-    pages are only taken as tensors are written. Thread-safe (MoE blocks are read on several threads).
+    pages are only taken as tensors are written, unless its folder is nearly full (then all are taken at once,
+    or ``OSError``). Thread-safe (MoE blocks are read on several threads).
     """
 
     def __init__(self, capacity: int, directory: str | None = None, *, populate: bool = False) -> None:
@@ -239,6 +240,8 @@ class SharedArena:
             os.ftruncate(fd, self.capacity)
             if populate:  # take every page now: a write then costs a copy and a minor fault, not an allocation
                 os.posix_fallocate(fd, 0, self.capacity)
+            else:  # sparse, unless the folder is nearly full: then no write through the mapping can meet ENOSPC
+                reserve_when_tight(fd, os.path.dirname(self.path), self.capacity)
             self.buffer: torch.Tensor | None = torch.from_file(self.path, shared=True, size=self.capacity,
                                                                dtype=torch.uint8)
         except BaseException:

@@ -22,7 +22,8 @@ import tempfile
 import threading
 import uuid
 
-__all__ = ["claim_owner", "dead_owner_lock", "folder_problem", "release_owner", "sweep_dead_owners"]
+__all__ = ["claim_owner", "dead_owner_lock", "folder_problem", "release_owner", "reserve_when_tight",
+           "sweep_dead_owners"]
 
 _LOCK_SUFFIX = ".lock"
 _GUARD = threading.Lock()
@@ -137,6 +138,26 @@ def _remove(path: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 20) -> None:
+    """Allocate the first ``size`` bytes of the file ``fd`` now when ``folder`` has less than ``size + margin`` free.
+
+    A sparse file written through a mapping takes its pages as they are written, and a page that a full
+    ``/dev/shm`` cannot give kills the writer (SIGBUS). With plenty of room the file stays sparse (its
+    unwritten pages cost nothing); when room is tight, running out is an ``OSError`` here instead.
+
+    Raises:
+        OSError: ``size`` bytes do not fit (``ENOSPC``).
+    """
+    import shutil
+
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = 0
+    if free < size + margin:
+        os.posix_fallocate(fd, 0, size)
 
 
 def folder_problem(folder: str) -> str | None:

@@ -346,3 +346,51 @@ def test_a_metrics_file_that_must_grow_on_a_full_disk_degrades_instead_of_dying(
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "full" in result["health"]["degraded"] and result["lines"] == 1501  # none lost: file + memory
     assert done.stderr.count("in memory") == 1 and left == ["filler"]
+
+
+_ARENA_CHILD = """
+import json, os, sys
+from vllm_lora_ext.building import SharedArena
+disk = sys.argv[1]
+out = {}
+try:
+    SharedArena(4 << 20, disk)  # twice what the disk holds: refused at once, not a SIGBUS at the first write past it
+    out["big"] = "made"
+except OSError as err:
+    out["big"] = err.__class__.__name__
+arena = SharedArena(1 << 20, disk)  # fits, but the folder is tight: every page taken now
+fd = os.open(os.path.join(disk, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+try:
+    while True:
+        os.write(fd, bytes(4096))
+except OSError:
+    os.close(fd)
+arena.buffer.fill_(7)  # the disk is full now; every page of the arena is still there
+out["sum"] = int(arena.buffer[::4096].sum())
+out["files"] = sorted(n for n in os.listdir(disk) if n.endswith(".bin"))
+print(json.dumps(out))
+"""
+
+
+def test_a_shared_arena_in_a_nearly_full_folder_is_refused_or_fully_allocated_never_a_sigbus(tmp_path: Path) -> None:
+    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"
+    disk.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    except OSError:
+        mounted = None
+    if mounted is None or mounted.returncode != 0:
+        disk.rmdir()
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        done = subprocess.run([sys.executable, "-c", _ARENA_CHILD, str(disk)], env=_env(), capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+        disk.rmdir()
+    assert done.returncode == 0, f"exit status {done.returncode} (negative: a signal)\n{done.stderr[-2000:]}"
+    import json
+
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["big"] == "OSError" and result["sum"] == 7 * 256
+    assert len(result["files"]) == 1  # only the arena that was made: the refused one left no file
