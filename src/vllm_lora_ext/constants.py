@@ -304,6 +304,8 @@ def build_spare_bytes() -> int:
 _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
           ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU)
+ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read in integration/composite.py; checked here
+_WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 
 
@@ -325,6 +327,18 @@ def check_settings() -> None:
             accessor()
         except SettingsError as err:
             problems.append(str(err))
+    for name in _WHOLE:
+        raw = os.environ.get(name, "").strip()
+        if raw and not raw.lstrip("+").isdigit():
+            try:
+                _env_number(name, 0, minimum=0)
+            except SettingsError:
+                continue  # not a number at all: named by its accessor (above) or below
+            problems.append(f"{name}={raw[:80]!r} must be a whole number, e.g. 8.")
+    try:
+        _env_number(ENV_COMPONENT_CACHE, 8, minimum=0)
+    except SettingsError as err:
+        problems.append(str(err))
     for name in _FLAGS:
         raw = os.environ.get(name, "").strip().lower()
         if raw and raw not in _TRUE | _FALSE:

@@ -84,6 +84,15 @@ def test_check_settings_names_every_bad_setting_at_once(monkeypatch: pytest.Monk
     assert all(name in str(caught.value) for name in bad)
 
 
+@pytest.mark.parametrize(("name", "raw"), [("VLLM_LORA_EXT_MAX_MIXES", "2.5"), ("VLLM_LORA_EXT_PREBUILD_BUILDS", "1e1"),
+                                         ("VLLM_LORA_EXT_COMPONENT_CACHE", "lots"), ("VLLM_LORA_EXT_MIX_THREADS", "0.5")])
+def test_counts_must_be_whole_numbers_never_silently_rounded(name: str, raw: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(SettingsError, match=name):
+        check_settings()
+
+
 def test_good_settings_pass_and_flags_take_every_documented_spelling(monkeypatch: pytest.MonkeyPatch) -> None:
     for i, word in enumerate(["1", "true", "YES", "On", "0", "false", "no", "OFF"]):
         monkeypatch.setenv(["VLLM_LORA_EXT_PREBUILD", "VLLM_LORA_EXT_BUILD_PROCESS"][i % 2], word)
