@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import reprlib
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,14 +50,14 @@ def open_confined(path: str | os.PathLike[str], roots: Sequence[str] | None) -> 
     Raises:
         [`AdapterAccessError`]: the real path is outside ``roots``, or the file changed while it was opened.
     """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK  # a FIFO opens at once, never waits
     if roots is None:
-        return os.open(path, flags)
+        return _regular(os.open(path, flags), path)
     real = os.path.realpath(path)
     if root_of(real, roots) is None:
         raise _outside(path, roots, f"resolves to {short_repr(real)}, which is ")
     before = os.stat(real)
-    fd = os.open(real, flags | getattr(os, "O_NOFOLLOW", 0))
+    fd = _regular(os.open(real, flags | getattr(os, "O_NOFOLLOW", 0)), path)
     try:
         after = os.fstat(fd)
         seen = _kernel_path(fd)
@@ -64,6 +66,17 @@ def open_confined(path: str | os.PathLike[str], roots: Sequence[str] | None) -> 
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def _regular(fd: int, path: str | os.PathLike[str]) -> int:
+    """Return ``fd``, blocking again, if it is a regular file; else close it and raise ``OSError`` naming the kind."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise OSError(errno.EINVAL, f"is {kind}; a regular file is needed", os.fspath(path))
+    os.set_blocking(fd, True)
     return fd
 
 

@@ -37,6 +37,7 @@ from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
+from vllm_lora_ext.sharedfiles import claim_owner, reserve_when_tight, sweep_dead_owners
 from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.validation import check_finite
@@ -218,19 +219,21 @@ class SharedArena:
     """A bump allocator over one new shared file: tensors built in it are handed over without a copy.
 
     Memory past ``capacity`` is allocated as ordinary tensors (copied at hand-over). The file is sparse:
-    pages are only taken as tensors are written. Thread-safe (MoE blocks are read on several threads).
+    pages are only taken as tensors are written, unless its folder is nearly full (then all are taken at once,
+    or ``OSError``). Thread-safe (MoE blocks are read on several threads).
     """
 
     def __init__(self, capacity: int, directory: str | None = None, *, populate: bool = False) -> None:
         self.capacity = max(int(capacity), 1)
         tag = "spare-" if populate else ""
-        self.path = os.path.join(directory or shared_dir(self.capacity),
-                                 f"{_SHARED_PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}.bin")
+        self.path = _owned_name(directory or shared_dir(self.capacity), tag)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.capacity)
             if populate:  # take every page now: a write then costs a copy and a minor fault, not an allocation
                 os.posix_fallocate(fd, 0, self.capacity)
+            else:  # sparse, unless the folder is nearly full: then no write through the mapping can meet ENOSPC
+                reserve_when_tight(fd, os.path.dirname(self.path), self.capacity)
             self.buffer: torch.Tensor | None = torch.from_file(self.path, shared=True, size=self.capacity,
                                                                dtype=torch.uint8)
         except BaseException:
@@ -379,38 +382,18 @@ _SHARED_PREFIX = "vllm-lora-ext-"
 
 
 def sweep_stale(directory: str) -> list[str]:
-    """Remove shared files whose build process is gone and that nobody mapped (a worker that died mid-hand-over).
+    """Remove shared files whose owner (a build process) is gone: a worker that died mid-hand-over left them.
 
-    A file's name carries the pid of the process that wrote it; files of live processes are left alone.
-    Returns the names removed.
+    Owners are told apart by a lock they hold, not by pid ([`sharedfiles`]), so a live server in another PID
+    namespace that shares ``/dev/shm`` keeps its files. Returns the names removed.
     """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not (name.startswith(_SHARED_PREFIX) and name.endswith(".bin")):
-            continue
-        pid = name[len(_SHARED_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return sweep_dead_owners(directory, _SHARED_PREFIX, suffix=".bin")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _owned_name(directory: str, tag: str = "") -> str:
+    """A new shared file's path in ``directory``, named for this process's owner lock there."""
+    owner = claim_owner(directory, _SHARED_PREFIX)
+    return os.path.join(directory, f"{_SHARED_PREFIX}{owner}-{tag}{uuid.uuid4().hex}.bin")
 
 
 def shared_dir(size: int) -> str:
@@ -460,7 +443,7 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         arena.close()
         fd = os.open(path, os.O_RDWR)
     else:
-        path = os.path.join(directory or shared_dir(size), f"{_SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.bin")
+        path = _owned_name(directory or shared_dir(size))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Written with pwrite, not through a mapping: running out of space is an OSError rather than

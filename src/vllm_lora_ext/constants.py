@@ -7,7 +7,11 @@ time, so tests and offline switches behave.
 from __future__ import annotations
 
 import os
+import re
+import stat
 from typing import Literal
+
+from vllm_lora_ext.errors import SettingsError
 
 HF_PREFIX = "hf:"
 MIX_PREFIX = "mix:"
@@ -151,10 +155,47 @@ def _env_number(name: str, default: float, *, minimum: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number; unset it or give a number >= {minimum:g}.") from None
+        raise SettingsError(f"{name}={raw!r} is not a number; unset it or give a number >= {minimum:g}.") from None
     if not value >= minimum or value != value or value == float("inf"):
-        raise ValueError(f"{name}={raw!r} must be a finite number >= {minimum:g}.")
+        raise SettingsError(f"{name}={raw!r} must be a finite number >= {minimum:g}.")
     return value
+
+
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_FORMS = "a number of bytes (2147483648), or a number with a unit: 2GiB, 512MiB (powers of 1024) or 2GB, 500MB " \
+             "(powers of 1000)"
+
+
+def parse_size(raw: str, *, name: str) -> int:
+    """Return the bytes a size setting means: plain bytes, or ``2GiB``/``512MiB``/``2GB``/``500MB``/``1.5TiB``.
+
+    Raises:
+        [`SettingsError`]: the value is none of these forms (the message names ``name`` and the forms).
+
+    Example:
+        >>> parse_size("2GiB", name="X"), parse_size("2GB", name="X"), parse_size("1024", name="X")
+        (2147483648, 2000000000, 1024)
+    """
+    text = raw.strip()
+    m = _SIZE.match(text)
+    if m is None:
+        try:  # plain numbers as before (e.g. 1e9), whole and finite
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if value == value and value not in (float("inf"),) and value >= 0 and value == int(value):
+            return int(value)
+        raise SettingsError(f"{name}={raw[:80]!r} is not a size. Give {SIZE_FORMS}.")
+    if m.group(2) is None and "." in m.group(1):
+        raise SettingsError(f"{name}={raw[:80]!r} is not a whole number of bytes. Give {SIZE_FORMS}.")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def _env_size(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return parse_size(raw, name=name) if raw else default
 
 
 def max_mixes(default: int) -> int:
@@ -207,7 +248,7 @@ def prebuild_builds() -> int:
 
 def prebuild_bytes() -> int:
     """Return the CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)."""
-    return int(_env_number(ENV_PREBUILD_BYTES, 8 * 2**30, minimum=0))
+    return _env_size(ENV_PREBUILD_BYTES, 8 * 2**30)
 
 
 def prebuild_wait_seconds() -> float:
@@ -224,7 +265,7 @@ def host_arenas_enabled() -> bool:
 def host_arena_min_bytes() -> int:
     """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
     an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
-    return int(_env_number(ENV_HOST_ARENA_MIN, 4 * 2**20, minimum=0))
+    return _env_size(ENV_HOST_ARENA_MIN, 4 * 2**20)
 
 
 def transpose_on_gpu() -> bool:
@@ -237,7 +278,7 @@ def transpose_on_gpu() -> bool:
 def host_spare_bytes() -> int:
     """Return the largest host arena whose memory is kept, once released or prepared, for the next arena of about its
     size (``VLLM_LORA_EXT_HOST_SPARE_BYTES``, default 1 GiB; 0: none). One such mapping is kept at a time."""
-    return int(_env_number(ENV_HOST_SPARE, 2**30, minimum=0))
+    return _env_size(ENV_HOST_SPARE, 2**30)
 
 
 def build_process_enabled() -> bool:
@@ -247,7 +288,7 @@ def build_process_enabled() -> bool:
 
 def stage_gpu_bytes() -> int:
     """Return the GPU memory a worker may hold in built adapters staged for their slot copy (default 8 GiB; 0: off)."""
-    return int(_env_number(ENV_STAGE_BYTES, 8 * 2**30, minimum=0))
+    return _env_size(ENV_STAGE_BYTES, 8 * 2**30)
 
 
 def stall_trace_seconds() -> float:
@@ -257,7 +298,7 @@ def stall_trace_seconds() -> float:
 
 def build_spare_bytes() -> int:
     """Return the spare shared file a build process keeps ready (default 2 GiB, growing to twice that; 0: none)."""
-    return int(_env_number(ENV_BUILD_SPARE, 2 * 2**30, minimum=0))
+    return _env_size(ENV_BUILD_SPARE, 2 * 2**30)
 
 
 # Module groups vLLM accepts a LoRA for and never applies on some models (unapplied.RULES: kv_b_proj under MLA,
@@ -274,31 +315,89 @@ def drop_unapplied() -> frozenset[str]:
 
 # ----------------------------------------------------------------------------------------- disk tier (issue 41)
 ENV_DISK_CACHE_BYTES = "VLLM_LORA_EXT_DISK_CACHE_BYTES"
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_byte_size(text: str, *, setting: str) -> int:
-    """Parse a byte count: digits with an optional unit (``B``, ``KB``/``MB``/``GB``/``TB``, ``KiB``..``TiB``).
-
-    Raises:
-        ValueError: the text is not such a size (the message names ``setting`` and the accepted forms).
-
-    Example:
-        >>> parse_byte_size("20GiB", setting="X"), parse_byte_size("20 GB", setting="X"), parse_byte_size("512", setting="X")
-        (21474836480, 20000000000, 512)
-    """
-    raw = text.strip()
-    end = next((i for i, c in enumerate(raw) if c not in "0123456789"), len(raw))
-    digits, unit = raw[:end], raw[end:].strip().lower()
-    if not digits or unit not in _SIZE_UNITS:
-        raise ValueError(f"{setting}={text!r} is not a size; give bytes or a number with a unit, e.g. '20GiB', "
-                         f"'20GB' or '21474836480'.")
-    return int(digits) * _SIZE_UNITS[unit]
 
 
 def disk_cache_bytes() -> int | None:
     """Return the bound on the bytes of adapter revisions the plugin downloaded into the HF cache
     (``VLLM_LORA_EXT_DISK_CACHE_BYTES``, e.g. ``20GiB``); unset or 0: no bound (the default)."""
     raw = os.environ.get(ENV_DISK_CACHE_BYTES, "").strip()
-    return (parse_byte_size(raw, setting=ENV_DISK_CACHE_BYTES) or None) if raw else None
+    return (parse_size(raw, name=ENV_DISK_CACHE_BYTES) or None) if raw else None
+
+
+    return _env_size(ENV_BUILD_SPARE, 2 * 2**30)
+
+
+_FALSE = {"0", "false", "no", "off"}
+_FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
+          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU)
+ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read in integration/composite.py; checked here
+_WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
+
+
+def check_settings() -> None:
+    """Parse every ``VLLM_LORA_EXT_*`` setting now and refuse bad ones, all named in one error.
+
+    Called once at start-up (the plugin's ``register()``), so a typo stops the server at once rather than
+    failing a background build or a request later. ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a
+    folder that cannot be used makes builds run in the worker, with a warning that names it.
+
+    Raises:
+        [`SettingsError`]: one or more settings are malformed; the message names each, its value and the fix.
+    """
+    problems: list[str] = []
+    for accessor in (max_mixes_setting, mix_wait_seconds, max_client_sources, prebuild_builds, prebuild_bytes,
+                     prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
+                     stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes):
+        try:
+            accessor()
+        except SettingsError as err:
+            problems.append(str(err))
+    for name in _WHOLE:
+        raw = os.environ.get(name, "").strip()
+        if raw and not raw.lstrip("+").isdigit():
+            try:
+                _env_number(name, 0, minimum=0)
+            except SettingsError:
+                continue  # not a number at all: named by its accessor (above) or below
+            problems.append(f"{name}={raw[:80]!r} must be a whole number, e.g. 8.")
+    try:
+        _env_number(ENV_COMPONENT_CACHE, 8, minimum=0)
+    except SettingsError as err:
+        problems.append(str(err))
+    for name in _FLAGS:
+        raw = os.environ.get(name, "").strip().lower()
+        if raw and raw not in _TRUE | _FALSE:
+            problems.append(f"{name}={os.environ[name][:80]!r} is not a switch; give 1/true/yes/on or 0/false/no/off.")
+    if log_level() not in _LOG_LEVELS:
+        problems.append(f"{ENV_LOG_LEVEL}={os.environ.get(ENV_LOG_LEVEL, '')[:80]!r} is not a log level; give one of "
+                        f"{', '.join(_LOG_LEVELS[:2] + _LOG_LEVELS[3:])}.")
+    config = deployment_config_path()
+    if config is not None:
+        problem = not_a_regular_file(config)
+        if problem:
+            problems.append(f"{ENV_CONFIG}={config[:200]!r} {problem}; point it at a .json or .yaml file.")
+    if problems:
+        raise SettingsError("Bad settings: " + " ".join(problems))
+
+
+def max_mixes_setting() -> int | None:
+    """Return ``VLLM_LORA_EXT_MAX_MIXES`` if set (``None`` otherwise), checked."""
+    return max_mixes(0) if os.environ.get(ENV_MAX_MIXES, "").strip() else None
+
+
+def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
+    """Return why ``path`` cannot be read as a config file (missing, a folder, a FIFO, a device), or ``None``.
+
+    Only ``stat`` is used: a FIFO is never opened (opening one for reading waits for a writer).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    return f"is {kind}, not a regular file"

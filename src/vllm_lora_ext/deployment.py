@@ -148,7 +148,7 @@ def read_deployment_config(path: str | os.PathLike[str]) -> DeploymentConfig:
         raise DeploymentConfigError(f"Deployment config {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes. Split it or "
                                     f"check VLLM_LORA_EXT_CONFIG points at the right file.")
     try:
-        raw = _load_yaml(text) if p.suffix in (".yaml", ".yml") else json.loads(text, object_pairs_hook=_unique_json)
+        raw = _load_yaml(text) if p.suffix.lower() in (".yaml", ".yml") else json.loads(text, object_pairs_hook=_unique_json)
     except DeploymentConfigError as err:
         raise DeploymentConfigError(f"Deployment config {str(p)!r}: {err}") from None
     except Exception as err:

@@ -25,6 +25,7 @@ __all__ = [
     "MixError",
     "MixIdCollisionError",
     "OutputPathError",
+    "SettingsError",
     "BuildProcessError",
     "UnmatchedKeysError",
     "UnsafeFormatError",
@@ -205,3 +206,11 @@ class DiskCacheFullError(VllmLoraExtError, RuntimeError):
         self.limit = limit
         self.in_use = in_use
         self.needed = needed
+
+
+class SettingsError(VllmLoraExtError, ValueError):
+    """An environment setting (``VLLM_LORA_EXT_*``) has a value the plugin cannot use; the message names it.
+
+    Raised at start-up (``register()``) for every bad setting at once, so a typo never surfaces later in a
+    background build or a request.
+    """

@@ -14,6 +14,15 @@ servers): each process writes its samples to memory-mapped ``.db`` files in one 
   Processes started another way (Ray workers) write to a directory of their own, which no
   ``/metrics`` reads.
 
+Metrics never fail or kill anything. prometheus_client writes through a memory mapping, and a write
+to a page a full disk cannot back kills the process (SIGBUS, which Python cannot catch); so every page
+of a file is allocated (``posix_fallocate``) before prometheus_client maps or grows into it. When that
+fails, when the folder has less than 1 MiB free at start, or when it cannot be made, the process keeps
+its metrics in memory from then on, with one warning (the API server's collector shows its own; other
+processes' are then not shown). A write that fails anyway is dropped and counted ([`health`]), with one
+warning. Each top-level process holds a lock on its folder's lock file ([`sharedfiles`]); the next one
+removes the folders of owners that died without removing theirs (a SIGKILLed server).
+
 Only this package's samples live in these files (named ``<type>_<pid>-vllm_lora_ext.db``, so they
 never share a file with vLLM's own); vLLM's metrics are untouched. Without prometheus_client, or
 before [`setup`] has made a directory (e.g. the ``vllm-lora`` CLI), every record call does nothing.
@@ -41,32 +50,42 @@ every worker, so with expert parallelism they are the bytes all ranks read toget
 from __future__ import annotations
 
 import atexit
+import glob
+import json
 import logging
 import math
 import multiprocessing
 import os
 import shutil
+import stat
+import struct
 import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_lora_ext.constants import ENV_METRICS_DIR
+from vllm_lora_ext.sharedfiles import claim_owner, release_owner, sweep_dead_owners
 
 __all__ = [
     "ADAPTER_BYTES_READ", "ADAPTER_LOADS", "ADAPTER_LOAD_SECONDS", "ERRORS", "MIXES_ACTIVE", "MIXES_EVICTED",
     "MIXES_REGISTERED", "SOURCES_RESOLVED", "SOURCE_DOWNLOAD_SECONDS", "Counter", "Gauge", "Histogram",
-    "metrics_dir", "record_error", "setup", "DISK_CACHE_BYTES", "DISK_CACHE_EVICTIONS", "LatestGauge",
+    "health", "metrics_dir", "record_error", "setup", "DISK_CACHE_BYTES", "DISK_CACHE_EVICTIONS", "LatestGauge",
 ]
 
 logger = logging.getLogger(__name__)
 
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _FILE_TAG = "vllm_lora_ext"
+_DIR_STEM = "vllm_lora_ext_metrics_"  # <stem><owner tag>-<random>: the folder a top-level process makes
+_MIN_FREE_BYTES = 1 << 20  # less free space than this in the metrics folder at start: metrics stay in memory
+_INITIAL_FILE_BYTES = 1 << 16  # prometheus_client's first size of a file (it doubles it as keys are added)
 _LOCK = threading.Lock()
-_FILES: dict[str, Any] = {}  # file prefix -> MmapedDict, for _FILES_PID
+_FILES: dict[str, Any] = {}  # file prefix -> _BackedFile or _MemoryFile, for _FILES_PID
 _FILES_PID: int | None = None
 _OWNED: dict[str, Any] = {}  # the directory this process made, and its collector
+_MEMORY: dict[str, dict[str, float]] = {}  # file prefix -> key -> value, once this process's metrics are in memory
+_HEALTH: dict[str, Any] = {"pid": None, "degraded": None, "write_failures": 0}
 
 
 def metrics_dir() -> str | None:
@@ -75,47 +94,89 @@ def metrics_dir() -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
+def health() -> dict[str, Any]:
+    """Return this process's metrics state: ``degraded`` (why its metrics are kept in memory, or ``None``) and
+    ``write_failures`` (metric writes that failed and were dropped)."""
+    with _LOCK:
+        _this_process()
+        return {"degraded": _HEALTH["degraded"], "write_failures": _HEALTH["write_failures"]}
+
+
 def setup() -> str | None:
     """Make sure this process tree has a metrics directory and that ``/metrics`` reads it; return it.
 
     Idempotent. Called by the plugin's ``register()`` in every vLLM process: the first one (the API
-    server or the ``LLM`` process) makes the directory, the processes it starts inherit it.
-    Returns ``None`` when prometheus_client is not installed.
+    server or the ``LLM`` process) makes the directory, the processes it starts inherit it. A top-level
+    process first removes the folders of top-level processes that died without removing theirs.
+    When the directory cannot be made or has less than 1 MiB free, this process's metrics are kept in
+    memory (one warning) and ``None`` is returned. Returns ``None`` when prometheus_client is not installed.
     """
     try:
         from prometheus_client import REGISTRY
-        from prometheus_client.multiprocess import MultiProcessCollector
     except ImportError:
         return None
     with _LOCK:
         if os.environ.get(PROMETHEUS_DIR_ENV):
-            return metrics_dir()  # vLLM's collector (get_prometheus_registry) reads this directory
+            path = metrics_dir()  # vLLM's collector (get_prometheus_registry) reads this directory
+            _check_free(path)
+            return path
         if _OWNED.get("pid") == os.getpid():
-            return str(_OWNED["path"])
+            return _OWNED["path"]  # type: ignore[no-any-return]
         current = metrics_dir()
         if current is not None and multiprocessing.parent_process() is not None:
+            _check_free(current)
             return current  # an engine or worker process: its parent made the directory and serves /metrics
         # A top-level process (``vllm serve``, a script with ``LLM``): a fresh directory, even if one was inherited
         # from an unrelated parent, so two servers started by one program never add up each other's counts.
-        path = tempfile.mkdtemp(prefix="vllm_lora_ext_metrics_")
+        root = "the temp dir"
+        try:
+            root = tempfile.gettempdir()  # raises when no candidate folder takes a file
+            swept = sweep_dead_owners(root, _DIR_STEM)
+            if swept:
+                logger.info("removed %d metrics folders of processes that are gone from %s", len(swept), root)
+            path = tempfile.mkdtemp(prefix=f"{_DIR_STEM}{claim_owner(root, _DIR_STEM)}-", dir=root)
+        except OSError as err:
+            os.environ.pop(ENV_METRICS_DIR, None)  # never an inherited one: the children keep theirs in memory too
+            _degrade(f"no metrics folder could be made in {root} ({err.strerror or err})")
+            collector = _Collector(None)
+            REGISTRY.register(collector)
+            _OWNED.update(path=None, pid=os.getpid(), collector=collector)
+            return None
         os.environ[ENV_METRICS_DIR] = path
-        collector = MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+        collector = _Collector(path)
         REGISTRY.register(collector)
-        _OWNED.update(path=path, pid=os.getpid(), collector=collector)
+        _OWNED.update(path=path, pid=os.getpid(), collector=collector, root=root)
         atexit.register(_remove_owned_dir)
+        _check_free(path)
         logger.debug("metrics directory %s", path)
         return path
 
 
+def _check_free(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as err:
+        _degrade(f"the metrics folder {path} cannot be checked ({err.strerror or err})")
+        return
+    if free < _MIN_FREE_BYTES:
+        _degrade(f"the metrics folder {path} has {free} bytes free")
+
+
 def _remove_owned_dir() -> None:
-    if _OWNED.get("pid") == os.getpid():  # never from a forked child, which inherits this hook
+    if _OWNED.get("pid") == os.getpid() and _OWNED.get("path"):  # never from a forked child, which inherits this hook
+        _close_files()
         shutil.rmtree(_OWNED["path"], ignore_errors=True)
+        release_owner(_OWNED["root"], _DIR_STEM)
 
 
 def teardown() -> None:
     """Undo [`setup`] in this process (tests): unregister the collector, remove its directory, close files."""
     with _LOCK:
         _close_files()
+        _MEMORY.clear()
+        _HEALTH.update(pid=None, degraded=None, write_failures=0)
         if _OWNED.get("pid") == os.getpid():
             from prometheus_client import REGISTRY
 
@@ -123,9 +184,11 @@ def teardown() -> None:
                 REGISTRY.unregister(_OWNED["collector"])
             except KeyError:
                 pass
-            shutil.rmtree(_OWNED["path"], ignore_errors=True)
-            if os.environ.get(ENV_METRICS_DIR) == _OWNED["path"]:
-                del os.environ[ENV_METRICS_DIR]
+            if _OWNED["path"]:
+                shutil.rmtree(_OWNED["path"], ignore_errors=True)
+                release_owner(_OWNED["root"], _DIR_STEM)
+                if os.environ.get(ENV_METRICS_DIR) == _OWNED["path"]:
+                    del os.environ[ENV_METRICS_DIR]
         _OWNED.clear()
 
 
@@ -137,24 +200,53 @@ def _close_files() -> None:
     _FILES_PID = None
 
 
-def _file(prefix: str) -> Any:
-    """This process's mmap file for ``prefix`` (``counter``, ``histogram``, ``gauge_sum``); ``None`` if metrics are off."""
+def _this_process() -> None:
+    """Forget a parent's open files, memory values and state after a fork (under the lock)."""
     global _FILES_PID
     pid = os.getpid()
     if _FILES_PID != pid:  # first use, or a fork: never write into the parent's files
         _FILES.clear()
         _FILES_PID = pid
+    if _HEALTH["pid"] != pid:
+        _MEMORY.clear()
+        _HEALTH.update(pid=pid, write_failures=0)  # "degraded" is kept: a full disk is full for the child too
+
+
+def _degrade(reason: str) -> None:
+    """Keep this process's metrics in memory from now on; warn once (under the lock, or before any thread)."""
+    _this_process()
+    if _HEALTH["degraded"] is not None:
+        return
+    _HEALTH["degraded"] = reason
+    logger.warning("vllm_lora_ext metrics: %s; this process keeps its metrics in memory from now on (only the "
+                   "API server's own appear on /metrics). Free space there, or set %s to a folder with room.",
+                   reason, PROMETHEUS_DIR_ENV)
+    for prefix, f in list(_FILES.items()):
+        if isinstance(f, _BackedFile):
+            f.close(zero_gauges=prefix == "gauge_sum")  # counters stay in the file; memory adds to them
+    _FILES.clear()
+
+
+def _file(prefix: str) -> Any:
+    """This process's store for ``prefix`` (``counter``, ``histogram``, ``gauge_sum``); ``None`` if metrics are off."""
+    _this_process()
     f = _FILES.get(prefix)
     if f is None:
+        if _HEALTH["degraded"] is not None:
+            f = _FILES[prefix] = _MemoryFile(_MEMORY.setdefault(prefix, {}))
+            return f
         path = metrics_dir()
         if path is None:
             return None
         try:
-            from prometheus_client.mmap_dict import MmapedDict
+            import prometheus_client.mmap_dict  # noqa: F401
         except ImportError:
             return None
-        f = _FILES[prefix] = MmapedDict(  # type: ignore[no-untyped-call]
-            os.path.join(path, f"{prefix}_{pid}-{_FILE_TAG}.db"))
+        try:
+            f = _FILES[prefix] = _BackedFile(os.path.join(path, f"{prefix}_{os.getpid()}-{_FILE_TAG}.db"))
+        except OSError as err:
+            _degrade(f"a metrics file cannot be made in {path} ({err.strerror or err})")
+            f = _FILES[prefix] = _MemoryFile(_MEMORY.setdefault(prefix, {}))
     return f
 
 
@@ -166,10 +258,151 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
             f = _file(prefix)
             if f is None:
                 return
+            if isinstance(f, _BackedFile) and not f.make_room(key):
+                _degrade(f"the metrics folder {os.path.dirname(f.path)} is full")
+                f = _file(prefix)
             value = amount if replace else f.read_value(key)[0] + amount
             f.write_value(key, value, 0.0)
-    except Exception:  # a metric must never fail a load or a request
+    except Exception as err:  # a metric must never fail a load or a request
+        with _LOCK:
+            _HEALTH["write_failures"] += 1
+            first = _HEALTH["write_failures"] == 1
+        if first:
+            logger.warning("vllm_lora_ext metrics: a metric write failed (%s: %s); metric writes that fail are "
+                           "dropped and counted (metrics.health())", type(err).__name__, err)
         logger.debug("could not record metric %s", key, exc_info=True)
+
+
+class _BackedFile:
+    """One of prometheus_client's mmap files whose pages are all allocated (``posix_fallocate``) before it writes
+    them: a write through the mapping can then never meet a full disk, which would kill the process (SIGBUS)."""
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client.mmap_dict import MmapedDict
+
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR)  # this pid's file from before (a reused pid): kept, fully allocated
+            fresh = None
+        except FileNotFoundError:  # made under another name and renamed once allocated: a reader never sees it empty
+            fresh = f"{path}.new"
+            self.fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.size = max(os.fstat(self.fd).st_size, _INITIAL_FILE_BYTES)
+            os.posix_fallocate(self.fd, 0, self.size)
+            if fresh is not None:
+                os.rename(fresh, path)
+            self.data = MmapedDict(path)  # type: ignore[no-untyped-call]
+        except BaseException:
+            os.close(self.fd)
+            if fresh is not None:
+                for leftover in (fresh, path):
+                    try:
+                        os.unlink(leftover)
+                    except OSError:
+                        pass
+            raise
+        self.keys: set[str] = set()
+
+    def make_room(self, key: str) -> bool:
+        """Allocate what the file grows to when ``key`` is added (as prometheus_client doubles it); ``False``: no room."""
+        if key in self.keys:
+            return True
+        encoded = len(key.encode("utf-8"))
+        entry = 4 + encoded + (8 - (encoded + 4) % 8) + 16
+        used = struct.unpack("i", os.pread(self.fd, 4, 0))[0]
+        size = self.size
+        while used + entry > size:
+            size *= 2
+        if size != self.size:
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError:
+                return False
+            self.size = size
+        self.keys.add(key)
+        return True
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        return self.data.read_value(key)  # type: ignore[no-any-return]
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        self.data.write_value(key, value, timestamp)
+
+    def close(self, *, zero_gauges: bool = False) -> None:
+        try:
+            if zero_gauges:  # the entries' pages are allocated already: these writes are safe
+                for key in list(self.keys):
+                    self.data.write_value(key, 0.0, 0.0)
+            self.data.close()
+        finally:
+            os.close(self.fd)
+
+
+class _MemoryFile:
+    """This process's metrics in memory, once its metrics folder has no room (shown by the API server's collector)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        return self.values.get(key, 0.0), 0.0
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        self.values[key] = value
+
+    def close(self) -> None:
+        pass
+
+
+class _Collector:
+    """prometheus_client's multi-process collector over ``path`` (if any), plus this process's in-memory samples."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def describe(self) -> list[Any]:
+        return []  # names vary with the files; prometheus_client then skips its duplicate-name check
+
+    def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = glob.glob(os.path.join(self.path, "*.db")) if self.path and os.path.isdir(self.path) else []
+        files = [f for f in files if _readable_size(f)]  # an empty file (or a folder) would fail every scrape
+        if not hasattr(MultiProcessCollector, "_read_metrics"):  # another prometheus_client: the files alone
+            return MultiProcessCollector(None, path=self.path).collect() if files else []  # type: ignore[no-untyped-call]
+        found = MultiProcessCollector._read_metrics(files)
+        with _LOCK:
+            memory = [(prefix, key, value) for prefix, values in _MEMORY.items() for key, value in values.items()] \
+                if _HEALTH["pid"] == os.getpid() else []
+        _add_memory_samples(found, memory)
+        return MultiProcessCollector._accumulate_metrics(found, True)
+
+
+def _readable_size(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size >= 8
+
+
+def _add_memory_samples(found: dict[str, Any], memory: list[tuple[str, str, float]]) -> None:
+    """Add in-memory samples to ``found`` as prometheus_client's file reader would (before accumulating)."""
+    from prometheus_client.metrics_core import Metric
+
+    for prefix, key, value in memory:
+        metric_name, name, labels, help_text = json.loads(key)
+        typ = "gauge" if prefix.startswith("gauge") else prefix
+        metric = found.get(metric_name)
+        if metric is None:
+            metric = found[metric_name] = Metric(metric_name, help_text, typ)
+        labels_key = tuple(sorted(labels.items()))
+        if typ == "gauge":
+            metric._multiprocess_mode = "sum"
+            metric.add_sample(name, labels_key + (("pid", str(os.getpid())),), value, None)
+        else:
+            metric.add_sample(name, labels_key, value)
 
 
 def _key(metric: str, sample: str, labelnames: Sequence[str], labelvalues: Sequence[str], help_text: str) -> str:

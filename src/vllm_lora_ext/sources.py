@@ -200,6 +200,20 @@ def _check_relative_path(source: str, path: str, part: str) -> None:
         raise _fail(source, part, f"'..' in path {path!r}", "Paths may not leave the repo; name the file from the repo root.")
     if any(c in ("", ".") for c in components):
         raise _fail(source, part, f"empty or '.' component in path {path!r}", "Remove the doubled or trailing '/'.")
+    _check_component_lengths(source, path, part)
+
+
+_NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX; the hub's own limit is no larger)
+
+
+def _check_component_lengths(source: str, path: str, part: str) -> None:
+    for c in path.split("/"):
+        n = len(os.fsencode(c))
+        if n > _NAME_MAX:  # quoted shortened: the source itself is at least this long
+            shown = source if len(source) <= 80 else source[:60] + "..." + source[-10:]
+            raise AdapterSourceError(
+                f"Invalid adapter source {shown!r}: path component {c[:24]!r}... is {n} bytes long, and a file or "
+                f"folder name is at most {_NAME_MAX} bytes. Check the path.", source=source, part=part)
 
 
 def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
@@ -247,6 +261,7 @@ def parse_source(source: str | os.PathLike[str], *, allow_pickle: bool | None = 
         raise _fail(raw, "source", "unknown scheme",
                     f"Write hub sources as 'hf:org/repo[@rev][:path]', e.g. 'hf:{raw.split('//', 1)[-1].split(':', 1)[-1]}'.")
     if not raw.startswith(HF_PREFIX):
+        _check_component_lengths(raw, raw, "path")
         path = Path(raw).expanduser()
         if _is_weight_file_name(path.name):
             _check_weight_suffix(raw, path.name, pickle_ok)

@@ -17,6 +17,11 @@ E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
 pytestmark = pytest.mark.usefixtures("build_dir")
 
 
+
+def _files(folder: Path) -> list[str]:
+    """The files in a build folder, without the owners' lock files (see sharedfiles)."""
+    return [n for n in os.listdir(folder) if not n.endswith(".lock")]
+
 def _job(path: Path, wrapper: str, experts: tuple[int, ...] | None = None) -> BuildJob:
     return moe_build_job(path, wrapper=wrapper, experts=experts)  # type: ignore[no-any-return]
 
@@ -39,7 +44,7 @@ def test_a_build_handed_over_in_shared_memory_is_bitwise_the_build(tmp_path: Pat
         if shared and wrapper == "2d":  # every factor was built in the file: the hand-over copies nothing
             assert all(built.arena.offset_of(t) is not None for t in _tensors(built))
         handed, mapping = from_shared(to_shared(built))
-        assert os.listdir(build_dir) == []  # mapped, then unlinked
+        assert _files(build_dir) == []  # mapped, then unlinked (the owner's lock stays while it lives)
         got, want = _tensors(handed), _tensors(reference)
         assert len(got) == len(want)
         for x, y in zip(got, want):
@@ -59,7 +64,7 @@ def test_a_build_failing_while_it_reads_leaves_no_shared_file(tmp_path: Path, bu
     save_file(tensors, str(weights))
     with pytest.raises(AdapterFormatError, match="NaN"):
         build_adapter(_job(folder, "2d"), PeftKeyRouter(), shared=True)
-    assert os.listdir(build_dir) == []
+    assert _files(build_dir) == []
 
 
 def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
@@ -68,14 +73,24 @@ def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_p
 
     folder = tmp_path / "sweep"
     folder.mkdir()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    names = {"dead": f"vllm-lora-ext-{gone.pid}-abc.bin", "live": f"vllm-lora-ext-{os.getpid()}-def.bin",
-             "other": "unrelated-123-x.bin"}
-    for name in names.values():
-        (folder / name).write_bytes(b"x")
-    assert sweep_stale(str(folder)) == [names["dead"]]
-    assert sorted(os.listdir(folder)) == sorted([names["live"], names["other"]])
+    code = ("import sys; from vllm_lora_ext.building import SharedArena; a = SharedArena(4096, sys.argv[1]); "
+            "print(a.path, flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    dead, live = (os.path.basename(p.stdout.readline().strip()) for p in procs)  # type: ignore[union-attr]
+    procs[0].kill()
+    procs[0].wait()
+    legacy = f"vllm-lora-ext-{procs[0].pid}-abc.bin"  # the old pid naming: no lock tells its owner's fate, so kept
+    (folder / legacy).write_bytes(b"x")
+    (folder / "unrelated-123-x.bin").write_bytes(b"x")
+    try:
+        assert sweep_stale(str(folder)) == [dead]
+        assert sorted(_files(folder)) == sorted([live, legacy, "unrelated-123-x.bin"])
+        assert len([n for n in os.listdir(folder) if n.endswith(".lock")]) == 1  # the dead owner's lock is gone too
+    finally:
+        procs[1].stdin.close()  # type: ignore[union-attr]
+        procs[1].wait()
+    assert sweep_stale(str(folder)) == [live] and not any(n.endswith(".lock") for n in os.listdir(folder))
 
 
 def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_is_cut_to_its_size(
@@ -87,7 +102,7 @@ def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_i
     reference = build_adapter(job, PeftKeyRouter())
     supply = ArenaSupply(1 << 20)
     supply.prepare(wait=True)
-    spares = os.listdir(build_dir)
+    spares = _files(build_dir)
     assert len(spares) == 1 and "-spare-" in spares[0] and os.path.getsize(build_dir / spares[0]) == 1 << 20
     built = build_adapter(job, PeftKeyRouter(), shared=True, arenas=supply)
     assert supply.taken == 1 and built.arena is not None and built.arena.path == str(build_dir / spares[0])
@@ -126,7 +141,7 @@ def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
     supply = ArenaSupply(0)
     supply.prepare(wait=True)
     arena = supply.take(4096)
-    assert supply.taken == 0 and os.listdir(build_dir) == [os.path.basename(arena.path)]
+    assert supply.taken == 0 and _files(build_dir) == [os.path.basename(arena.path)]
     arena.discard()
 
 

@@ -22,7 +22,7 @@ from factories import dense_tensors, llama_shapes, lora_config, scrape
 from vllm_lora_ext import resolve_source
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext.cli import main
-from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes, parse_byte_size
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes, parse_size
 from vllm_lora_ext.diskcache import list_cache, prune_cache
 from vllm_lora_ext.diskholds import hold, state_root
 from vllm_lora_ext.errors import DiskCacheFullError
@@ -290,14 +290,14 @@ def test_cli_cache_ls_lists_downloads_and_prune_evicts_offline_down_to_max_bytes
 @pytest.mark.parametrize(("text", "value"), [("20GiB", 20 * 2**30), ("20GB", 20 * 10**9), ("20 gib", 20 * 2**30),
                                              ("512", 512), ("64KiB", 65536), ("1TB", 10**12), ("0", 0)])
 def test_sizes_accept_bytes_and_decimal_or_binary_units(text: str, value: int) -> None:
-    assert parse_byte_size(text, setting="X") == value
+    assert parse_size(text, name="X") == value
 
 
-@pytest.mark.parametrize("text", ["1.5GB", "GB", "-1", "20XB", "20 G", "２０GB", "1e9"])
+@pytest.mark.parametrize("text", ["GB", "-1", "20XB", "20 G", "２０GB", "1.5", "inf"])
 def test_a_malformed_bound_names_the_setting_and_the_accepted_forms(text: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, text)
-    with pytest.raises(ValueError, match=f"{ENV_DISK_CACHE_BYTES}=.*e.g. '20GiB'"):
+    with pytest.raises(ValueError, match=f"{ENV_DISK_CACHE_BYTES}=.*2GiB"):
         disk_cache_bytes()
 
 

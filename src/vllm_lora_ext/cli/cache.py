@@ -14,13 +14,13 @@ import sys
 import time
 from typing import Any
 
-from vllm_lora_ext.constants import parse_byte_size
+from vllm_lora_ext.constants import parse_size
 from vllm_lora_ext.diskcache import CachedRevision, list_cache, prune_cache
 
 
 def _size(text: str) -> int:
     try:
-        return parse_byte_size(text, setting="--max-bytes")
+        return parse_size(text, name="--max-bytes")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 

@@ -37,11 +37,12 @@ from typing import Any, BinaryIO
 from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
                                    sweep_stale, to_shared, trim_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
-from vllm_lora_ext.errors import BuildProcessError
+from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
+from vllm_lora_ext.sharedfiles import folder_problem
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 
-__all__ = ["build_elsewhere", "prestart", "shutdown"]
+__all__ = ["build_dir_usable", "build_elsewhere", "prestart", "shutdown"]
 
 _START_TIMEOUT_S = 300.0
 _BUILD_THREADS = 4  # builds one process runs at once (a mix's components; more wait their turn)
@@ -238,6 +239,33 @@ _POOL = _Pool()
 atexit.register(_POOL.shutdown)
 
 
+_DIR_CHECKED: dict[str, bool] = {}
+
+
+def build_dir_usable() -> bool:
+    """Whether ``VLLM_LORA_EXT_BUILD_DIR``, if set, can hold a build process's files; if not, warn once for that value.
+
+    A folder that is missing, a file or read-only would fail every background build: builds then run in the
+    worker (as with ``VLLM_LORA_EXT_BUILD_PROCESS=0``) instead.
+    """
+    configured = os.environ.get(ENV_BUILD_DIR)
+    if not configured:
+        return True
+    with _CHECK_LOCK:
+        usable = _DIR_CHECKED.get(configured)
+        if usable is None:
+            problem = folder_problem(configured)
+            usable = _DIR_CHECKED[configured] = problem is None
+            if problem is not None:
+                logger.warning("%s=%r %s: background builds run in the worker instead of a build process. Point %s "
+                               "at a writable folder (e.g. /dev/shm) or unset it.", ENV_BUILD_DIR, configured[:200],
+                               problem, ENV_BUILD_DIR)
+    return usable
+
+
+_CHECK_LOCK = threading.Lock()
+
+
 def prestart() -> None:
     """Start the build process now (it takes about 15 s to import), so that it is ready for the builds to come."""
     _POOL.prestart()
@@ -255,6 +283,9 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     to start (it imports vLLM's key parser). With ``wait_for_start=False`` this returns ``None`` at once
     while it starts, and the caller builds where it is; later builds find it started.
 
+    A build whose shared file could not be made or mapped (the folder was removed or is full) also returns
+    ``None``, with one warning, and the caller builds where it is.
+
     Raises:
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
         [`BuildProcessError`] if the process could not start or died (the next build starts a new one).
@@ -262,8 +293,23 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     child = _POOL.get() if wait_for_start else _POOL.get_started()
     if child is None:
         return None
-    shared = child.run(job, router.mapper, router.skip_prefixes)
-    return from_shared(shared)
+    try:
+        return from_shared(child.run(job, router.mapper, router.skip_prefixes))
+    except OSError as err:
+        if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
+            raise
+        _warn_hand_over(job.name, err)  # the shared folder failed (removed, full): the caller builds here instead
+        return None
+
+
+_HAND_OVER_WARNED = threading.Event()
+
+
+def _warn_hand_over(name: str, err: OSError) -> None:
+    log = logger.debug if _HAND_OVER_WARNED.is_set() else logger.warning
+    _HAND_OVER_WARNED.set()
+    log("adapter %r: the build process could not hand it over (%s: %s); it is built in the worker instead. Check "
+        "that %s (or /dev/shm) exists, is writable and has room.", name, type(err).__name__, err, ENV_BUILD_DIR)
 
 
 # ------------------------------------------------------------------------------------------------ the child
@@ -379,7 +425,12 @@ def main() -> None:
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
-    arenas = ArenaSupply(build_spare_bytes())
+    try:
+        spare = build_spare_bytes()
+    except ValueError as err:  # refused at the server's start; never a reason for this process to die
+        logger.warning("%s; the build process keeps no spare file", err)
+        spare = 0
+    arenas = ArenaSupply(spare)
     _send(out, ("ready", os.getpid()))
     arenas.prepare()  # the first spare, while no build is asked for yet
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.constants import check_settings, plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -379,6 +379,7 @@ def register() -> None:
     """Install the plugin in this vLLM process (idempotent; safe to call many times).
 
     Raises:
+        [`SettingsError`]: a ``VLLM_LORA_EXT_*`` setting is malformed (each one is named).
         [`UnsupportedVLLMError`]: the installed vLLM is outside the tested range (set
             ``VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1`` to try anyway), or a patched name is missing
             or has another signature in it.
@@ -393,6 +394,7 @@ def register() -> None:
         _REGISTERED = True
         return
     vllm_version = check_vllm_version()
+    check_settings()  # every VLLM_LORA_EXT_* setting, strictly, with one error naming the bad ones
     metrics.setup()
     stall_threshold = stall_trace_seconds()
     if stall_threshold:

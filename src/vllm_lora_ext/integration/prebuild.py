@@ -63,11 +63,20 @@ def table(manager: Any) -> PrebuildTable[Any]:
                 found = PrebuildTable(lambda path: _build(manager, path), size_of=model_bytes,
                                       max_builds=prebuild_builds(), budget_bytes=prebuild_bytes())
                 manager.__dict__[_TABLE_ATTR] = found
-                if build_process_enabled():
+                if _use_build_process():
                     from vllm_lora_ext.integration.build_process import prestart
 
                     prestart()
     return found
+
+
+def _use_build_process() -> bool:
+    """Whether background builds go to a build process: switched on, and its folder usable (else one warning)."""
+    if not build_process_enabled():
+        return False
+    from vllm_lora_ext.integration.build_process import build_dir_usable
+
+    return build_dir_usable()
 
 
 def _build(manager: Any, path: str) -> Any:
@@ -80,7 +89,7 @@ def _build(manager: Any, path: str) -> Any:
     logger.info("adapter %r: building in the background", name)
     device = getattr(manager, "device", "cpu")
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
-                           separate_process=build_process_enabled(), device=device)
+                           separate_process=_use_build_process(), device=device)
     stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
     return lora
 

@@ -1,0 +1,59 @@
+"""A full temp dir (the metrics folder's home without PROMETHEUS_MULTIPROC_DIR) never fails or kills anything.
+
+Each case mounts a tiny tmpfs as the temp dir of a child process (``full_disk_child.py``) that loads
+adapters through vLLM's worker manager, routes mixes through the server and answers bad requests, with
+the disk full at start, right after the metrics folder was made (before this fix, the first metric write
+died there of SIGBUS in prometheus_client's mapping), or after the first loads. Skipped where a tmpfs
+cannot be mounted (not root, or no mount permission in a container).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+CHILD = Path(__file__).with_name("full_disk_child.py")
+HEALTHY = {"loads_ok": 4.0, "mixes_registered": 2.0, "mix_errors": 1.0}  # what a run with room records
+
+
+def _mount_tmpfs(folder: Path, size: str) -> None:
+    folder.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[:200]}")
+
+
+@pytest.mark.parametrize(("when", "size"), [("start", "64k"), ("after-setup", "2m"), ("mid-run", "2m")])
+def test_loads_mixes_and_errors_succeed_with_metrics_in_memory_when_the_temp_dir_is_full(
+        tmp_path: Path, when: str, size: str) -> None:
+    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"  # a mount point outside tmp_path's disk
+    _mount_tmpfs(disk, size)
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        done = subprocess.run([sys.executable, str(CHILD), str(disk), when, str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        left = sorted(n for n in os.listdir(disk) if not n.startswith("torchinductor"))  # torch's own cache folder
+    finally:
+        subprocess.run(["umount", str(disk)], check=False, timeout=60)
+        disk.rmdir()
+    assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-3000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = {"good": "ok", "big": "AdapterCompatibilityError", "gone": "LoRAAdapterNotFoundError", "mix": "ok"}
+    assert result["first"] == result["second"] == expected  # loads and their errors as with room
+    assert result["routed"] == [None, None, 400]  # two mixes routed, a NaN weight answered 400
+    assert result["health"]["degraded"] and result["health"]["write_failures"] == 0
+    assert result["samples"] == HEALTHY  # the API server's own samples still show on /metrics
+    assert done.stderr.count("keeps its metrics in memory") == 1  # one warning, not one per write
+    assert left == ["filler"]  # the metrics folder and the owner's lock file are gone at exit
