@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_lora_ext.config import AdapterConfig, infer_config, read_config
+from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.reader import FileHeader, read_header
@@ -142,15 +142,45 @@ def check_adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str 
             raise err
 
 
+# Config fields the loader refuses to serve (config._REJECT, init_lora_weights) and their neutral values.
+_REFUSED_FIELDS = {"use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
+                   "fan_in_fan_out": False, "init_lora_weights": True, "peft_type": "LORA"}
+
+
+def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> AdapterConfig | None:
+    """The adapter's config with the features the loader refuses set to neutral values, or ``None`` if it still
+    fails (so ``inspect`` lists the refusal as a problem and still shows the tensors)."""
+    import json
+
+    from vllm_lora_ext._util import read_capped
+    from vllm_lora_ext.constants import MAX_CONFIG_BYTES
+
+    if resolved.config_path is None:
+        return None
+    try:
+        data, too_big = read_capped(resolved.config_path, MAX_CONFIG_BYTES)
+        raw = json.loads(data.decode("utf-8")) if not too_big else None
+        if not isinstance(raw, dict):
+            return None
+        return config_from_dict({**raw, **{k: v for k, v in _REFUSED_FIELDS.items() if k in raw}}, name=name)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
 def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
                       extra_rules: Iterable[Rule] = ()) -> AdapterSummary:
     """Summarize an adapter from its config and safetensors header, reading no tensor data.
 
     ``problems`` holds every failure of [`adapter_rules`] and ``extra_rules`` (what the loader would refuse).
     """
-    config = load_config(resolved, name=name)
+    try:
+        config, refused = load_config(resolved, name=name), None
+    except AdapterFormatError as err:  # a config the loader refuses (DoRA, bias, ...): still show the tensors
+        config, refused = _config_without_refused_features(resolved, name), err
+        if config is None:
+            raise
     header = read_header(resolved.weights_path)
-    problems: list[str] = collect_problems(run_rules([*adapter_rules(header, config, name=name), *extra_rules]))
+    problems = collect_problems([refused, *run_rules([*adapter_rules(header, config, name=name), *extra_rules])])
     modules: list[ModuleSummary] = []
     for module, pair in group_modules(header.tensors).items():
         if "A" not in pair or "B" not in pair:

@@ -94,6 +94,19 @@ def test_inspect_shows_what_the_loader_would_refuse_or_misscale_as_a_problem_lin
     assert not (tmp_path / "out").exists() and _left_beside(tmp_path / "out") == []
 
 
+def test_inspect_shows_the_tensors_of_an_adapter_whose_config_the_loader_refuses_with_the_refusal_as_a_problem(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    write_adapter(tmp_path / "x", {QA: torch.randn(8, 64, generator=g), QB: torch.randn(64, 8, generator=g)},
+                  lora_config(8, 16, ["q_proj"], use_dora=True))
+    assert main(["inspect", "x", "--strict"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(Q) for line in out)
+    assert ("problem: Adapter 'x' cannot be served: DoRA (use_dora=true) is not supported by vLLM's LoRA kernels; "
+            "Merge the magnitude vector into the base model, or retrain without DoRA.") in out
+
+
 def test_convert_and_mix_refuse_factors_holding_nan_and_write_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

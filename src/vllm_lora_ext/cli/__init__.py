@@ -85,9 +85,12 @@ def _logging(verbose: int, quiet: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def strict_warnings() -> Iterator[None]:
-    """Turn every warning raised from this package's code (torch's included) into an error, for the block."""
+    """Turn every ``UserWarning``/``RuntimeWarning`` raised from this package's code (torch's included: they carry
+    the module of the Python line that called torch) into an error, for the block. Deprecation notices stay
+    warnings: they never mean a tensor is wrong."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", module=r"vllm_lora_ext(\.|$)")
+        for category in (UserWarning, RuntimeWarning):
+            warnings.filterwarnings("error", category=category, module=r"vllm_lora_ext(\.|$)")
         yield
 
 
