@@ -20,7 +20,7 @@ from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
-           "adapter_rules", "run_rules", "collect_problems", "check_adapter_rules"]
+           "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
 
 Rule = Callable[[], object]
 
@@ -115,6 +115,28 @@ def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "ada
     return [lambda: check_factor_dtypes(header.dtypes, adapter=name),
             lambda: check_dense_factors(header.shapes, dense, adapter=name),
             lambda: check_declared_ranks(header.shapes, config, adapter=name)]
+
+
+def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter", batch_bytes: int = 256 << 20) -> Rule:
+    """A rule that reads every LoRA factor (``batch_bytes`` at a time) and refuses NaN or infinity, as the loader
+    does while it reads (there after scaling; here as stored)."""
+    def rule() -> None:
+        from vllm_lora_ext.reader import SafetensorsReader
+        from vllm_lora_ext.validation import check_finite
+
+        reader = SafetensorsReader(resolved.weights_path)
+        keys = [k for k in reader.header.shapes if classify_key(k).kind != "other"]
+        batch: list[str] = []
+        size = 0
+        for key in [*keys, None]:
+            if key is not None:
+                batch.append(key)
+                size += reader.header.nbytes[key]
+            if batch and (key is None or size >= batch_bytes):
+                check_finite(reader.read_many(batch), adapter=name)
+                batch, size = [], 0
+
+    return rule
 
 
 def run_rules(rules: Iterable[Rule]) -> list[VllmLoraExtError | None]:

@@ -121,6 +121,10 @@ def test_convert_and_mix_refuse_factors_holding_nan_and_write_nothing(
         line = _error_line(capsys.readouterr().err)
         assert line.startswith("error: Adapter 'src': ") and "holds NaN or infinite values" in line, line
         assert not (tmp_path / "out").exists() and _left_beside(tmp_path / "out") == []
+    assert main(["inspect", "src", "--values", "--strict"]) == 1  # inspect reads the values only when asked
+    assert (f"problem: Adapter 'src': tensor '{key}' holds NaN or infinite values (after scaling). Re-train or re-save "
+            f"the adapter; check lora_alpha and the mix weights.") in capsys.readouterr().out.splitlines()
+    assert main(["inspect", "src", "--strict"]) == 0
 
 
 def _tensors(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -11,11 +11,11 @@ from typing import Any
 from vllm_lora_ext.cli import plural, positive_int
 from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
 from vllm_lora_ext.sources import resolve_source
-from vllm_lora_ext.summary import AdapterSummary, summarize_adapter
+from vllm_lora_ext.summary import AdapterSummary, finite_rule, summarize_adapter
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="show what an adapter holds (reads headers only)",
+    p = sub.add_parser("inspect", help="show what an adapter holds (reads headers only, unless --values)",
                        description="Show an adapter's layout, modules, ranks, alpha, scaling, shapes, dtypes and "
                                    "bytes, reading headers only, and a problem: line for everything the loader would "
                                    "refuse or scale wrongly. A fused 3D adapter's sizes come from --base-config, else "
@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
                    help="the base model's config.json, its folder, or hf:org/model (MoE sizes for 3D adapters)")
     p.add_argument("--ep-size", type=positive_int, default=None, metavar="N",
                    help="show what each expert-parallel rank would read")
+    p.add_argument("--values", action="store_true",
+                   help="also read every factor and report NaN or infinity (the loader refuses them as it reads)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any problem: line is printed")
     p.set_defaults(func=run)
 
@@ -124,7 +126,8 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
     require_safetensors(resolved, name=args.source)
-    summary = summarize_adapter(resolved, name=args.source)
+    summary = summarize_adapter(resolved, name=args.source,
+                                extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])
     base = load_base_config(args.base_config) if args.base_config else None
     moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
     if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:
