@@ -4,7 +4,7 @@ A write is one claim on the target folder ``DIR``:
 
 1. an exclusive ``flock`` on the lock file ``.DIR.lock`` beside it (a second writer is refused at once, so two
    runs never both "succeed" into one folder); stale ``.DIR.tmp-*``/``.DIR.old-*`` folders left by a killed run
-   are removed under that lock;
+   are removed under that lock (an old adapter a killed fallback swap left aside is first put back);
 2. the checks: ``DIR`` is not a file; without ``force`` it is new or empty and holds no input adapter;
 3. every file is written into a fresh folder ``.DIR.tmp-*`` beside it (files of an existing ``DIR`` that the new
    adapter does not replace are linked in first), then that folder is swapped in with one
@@ -103,6 +103,8 @@ class OutputClaim(os.PathLike[str]):
         for stale in self.path.parent.glob(f".{self.path.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         for stale in self.path.parent.glob(f".{self.path.name}.old-*"):
+            if (stale / "old").is_dir() and not self.path.exists():  # killed between the two fallback renames
+                os.rename(stale / "old", self.path)
             shutil.rmtree(stale, ignore_errors=True)
         return self
 

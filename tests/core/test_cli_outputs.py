@@ -112,3 +112,25 @@ def test_a_killed_write_leaves_the_old_adapter_whole_and_the_next_write_removes_
     write_atomically(tmp_path / "out", lambda tmp: (tmp / "adapter_config.json").write_text("{}"))
     assert _beside(tmp_path / "out") == []  # ...which the next write to that folder removes under the lock
     assert (tmp_path / "out" / "adapter_config.json").read_text() == "{}"
+
+
+def test_an_old_adapter_left_aside_by_a_killed_fallback_swap_is_put_back_by_the_next_claim(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "aside" / "old", seed=2)  # where the fallback swap keeps it between its renames
+    before = _files(tmp_path / "aside" / "old")
+    (tmp_path / "aside").rename(tmp_path / ".out.old-x1")  # ...killed before the new folder was renamed in
+    with claim_output(tmp_path / "out", force=True):
+        assert _files(tmp_path / "out") == before
+    assert _beside(tmp_path / "out") == []
+
+
+def test_without_rename_exchange_the_fallback_swap_replaces_the_folder_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext import outputs
+
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    make_dense_adapter(tmp_path / "a", seed=1, rank=4)
+    make_dense_adapter(tmp_path / "out", seed=2, rank=8)
+    (tmp_path / "out" / "README.md").write_text("notes")
+    assert main(["mix", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "out"), "--force"]) == 0
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+    assert (tmp_path / "out" / "README.md").read_text() == "notes" and _beside(tmp_path / "out") == []
