@@ -311,3 +311,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                           "metrics files (default: a private folder, or `PROMETHEUS_MULTIPROC_DIR` when set); not"
                           " a setting"),
 }
+
+
+def proxy_configured() -> bool:
+    """Return whether an HTTP(S) proxy is set (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, any case)."""
+    return any(os.environ.get(v) for n in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY") for v in (n, n.lower()))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from vllm_lora_ext._progress import logging_tqdm_class
-from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline
+from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 
 if TYPE_CHECKING:  # sources.py imports this module; only the type comes from there
@@ -30,7 +30,6 @@ __all__ = ["HubClient", "hub_endpoint", "hub_cache", "hub_unreachable", "offline
 
 _COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 
-_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
 
@@ -55,7 +54,7 @@ def hub_unreachable(endpoint: str | None = None) -> str | None:
     ``None`` also where the answer is not certain: a proxy is set, or the connection does not answer within
     1.5 s (huggingface_hub then decides, with its own timeouts and retries).
     """
-    if any(os.environ.get(v) for v in _PROXY_VARS):
+    if proxy_configured():
         return None
     url = urlsplit(endpoint or hub_endpoint())
     host = url.hostname

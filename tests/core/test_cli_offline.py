@@ -182,3 +182,11 @@ def test_an_offline_hub_base_config_is_named_a_base_model_not_an_adapter_source(
         f"revision 'main'; cache '{isolated_hf_cache}'), and offline mode is on (HF_HUB_OFFLINE=1), so the Hub was not "
         f"asked. Download it where the Hub is reachable ('hf download Qwen/Qwen3-30B-A3B config.json' into this "
         f"cache), or pass the model's config.json or its folder to --base-config, or unset HF_HUB_OFFLINE.")
+
+
+def test_the_hub_probe_is_certain_only_without_a_proxy(closed_hub: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.hub_client import hub_unreachable
+
+    assert hub_unreachable() == "Connection refused"
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:3128")  # a proxy may reach what this host cannot
+    assert hub_unreachable() is None
