@@ -205,7 +205,7 @@ def main() -> None:
         res = plugin_engine(args) if args._engine == "plugin" else stock_engine(args)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    from vllm_lora_ext.offline_ops import mix_adapter_files
+    from vllm_lora_ext.offline_writes import mix_adapter_files
     from vllm_lora_ext.sources import resolve_source
 
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-new-mix-"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -82,8 +83,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="send one request of each kind, then exit")
     args = ap.parse_args()
 
-    import ray
-    from ray import serve
+    try:
+        import ray
+        from ray import serve
+        import ray.serve.llm  # noqa: F401  (Ray Serve LLM, what build_app uses)
+    except ImportError as err:
+        sys.exit(f"error: this example needs Ray Serve LLM, which is not installed ({err.msg}). Install it with "
+                 f"pip install 'ray[serve]' (or pip install 'vllm-lora-ext[ray]'), then run it again.")
 
     from vllm_lora_ext.deployment import read_deployment_config
 

@@ -9,7 +9,8 @@ Routes (what huggingface_hub's ``hf_hub_download`` uses):
   (``GET /api/models/{org}/{repo}``: the same for ``main``).
 
 Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` makes the next GETs of
-that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads).
+that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads);
+``busy[path] = n`` answers the next ``n`` requests for that file with 503 (a Hub that asks for a retry).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class HubServer:
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
         self.drop_once: dict[str, list[int]] = {}
+        self.busy: dict[str, int] = {}
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -104,6 +106,12 @@ class HubServer:
                 repo_id = parts[0] + "/" + parts[1]
                 revision = unquote(parts[3])
                 filename = unquote("/".join(parts[4:]))
+                with server.lock:
+                    busy = server.busy.get(filename, 0)
+                    if busy:
+                        server.busy[filename] = busy - 1
+                if busy:
+                    return self._error(503, "ServiceUnavailable")
                 repo = server.repos.get(repo_id)
                 if repo is None:
                     return self._error(401, "RepoNotFound")

@@ -171,8 +171,8 @@ def _check_supported(raw: Mapping[str, Any], name: str) -> None:
         problems.append(f"init_lora_weights={init!r} changes the base weights, so the adapter alone is wrong on the "
                         f"original base model; convert it to a plain LoRA with PEFT first")
     if problems:
-        raise AdapterFormatError(f"Adapter {name!r} cannot be served: " + "; ".join(problems) + ".", adapter=name,
-                                 key=None)
+        raise AdapterFormatError(f"Adapter {name!r} cannot be served: " + "; ".join(p.rstrip(".") for p in problems)
+                                 + ".", adapter=name, key=None)
 
 
 def config_from_dict(raw: Mapping[str, Any], *, name: str = "adapter", inferred: bool = False) -> AdapterConfig:

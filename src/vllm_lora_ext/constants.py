@@ -324,9 +324,6 @@ def disk_cache_bytes() -> int | None:
     return (parse_size(raw, name=ENV_DISK_CACHE_BYTES) or None) if raw else None
 
 
-    return _env_size(ENV_BUILD_SPARE, 2 * 2**30)
-
-
 _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
           ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU)
@@ -401,3 +398,64 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
             else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "not a regular file")
     return f"is {kind}, not a regular file"
+
+# The README's environment-variable table is generated from this one (`python -m vllm_lora_ext.cli.readme`; a test
+# keeps them equal, and fails for an ENV_* name above without a row): {variable: (the setting shown, its effect)}.
+ENV_DOCS: dict[str, tuple[str, str]] = {
+    ENV_CONFIG: ("", "deployment config file (JSON/YAML) registered at `vllm serve` start-up"),
+    ENV_ALLOW_PICKLE: ("=1", "accept `.bin`/`.pt` weights (read with `weights_only=True`)"),
+    ENV_ALLOW_UNMATCHED: ("=1", "warn instead of refusing keys that match no module"),
+    ENV_ALLOW_UNSUPPORTED_VLLM: ("=1", "run on an untested vLLM version"),
+    ENV_DISABLE: ("=1", "keep the plugin installed but inert (stock vLLM behaviour)"),
+    ENV_COMPONENT_CACHE: ("", "mix components cached per worker (default 8)"),
+    ENV_MAX_MIXES: ("", "mixes one API server keeps registered (default `--max-cpu-loras`)"),
+    ENV_MIX_WAIT: ("", "how long a new mix waits for a free registry slot before a 503 (default 60)"),
+    ENV_ALLOWED_ROOTS: ("", "`os.pathsep`-separated folders runtime-loaded local sources must lie in (default: any)"),
+    ENV_LOG_LEVEL: ("", "the plugin's log level (default INFO)"),
+    ENV_PREBUILD: ("=0", "build adapters inside the engine step, as stock vLLM does (default: in the background)"),
+    ENV_PREBUILD_BUILDS: ("", "background builds one worker runs at once (default 2)"),
+    ENV_PREBUILD_BYTES: ("", "CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)"),
+    ENV_PREBUILD_WAIT: ("", "how long a request waits for its adapter's build before the engine builds it itself "
+                            "(default 600)"),
+    ENV_BUILD_PROCESS: ("=0", "run background builds in a worker thread instead of a build process"),
+    ENV_BUILD_DIR: ("", "where build processes put the shared files they hand over (default `/dev/shm` if it has "
+                        "room, else the temp dir)"),
+    ENV_STAGE_BYTES: ("", "GPU memory a worker may use for built adapters waiting for their slot copy (default 8 "
+                          "GiB; 0: never stage)"),
+    ENV_TRANSPOSE_ON_GPU: ("=0", "transpose a fused 3D adapter's B factors on the CPU when the worker loads it "
+                                 "(default: on the worker's GPU, the same bytes; an H100 host's 48-layer 3D build"
+                                 " 0.55 → 0.30 s)"),
+    ENV_MIX_ON_GPU: ("=0", "concatenate a mix loaded in the engine step on the CPU (default: on the worker's GPU,"
+                           " as background builds do, where it fits; on an H100, 11-24 ms against 59-79 ms on the"
+                           " CPU)"),
+    ENV_HOST_ARENAS: ("=0", "build adapters and mixes in ordinary torch memory (default: one huge-page host arena"
+                            " per build, pinned in place on a GPU worker; see \"Host memory\")"),
+    ENV_HOST_ARENA_MIN: ("", "smallest build that gets a host arena (default 4 MiB)"),
+    ENV_HOST_SPARE: ("", "largest host arena kept ready (touched, pinned) for the next mix of its size (default 1"
+                         " GiB; 0: none)"),
+    ENV_MIX_THREADS: ("", "threads a mix's CPU concatenation uses (default: up to 4, at most the host's cores)"),
+    ENV_BUILD_SPARE: ("", "smallest spare shared file (pages taken ahead) a build process keeps ready (default 2 "
+                          "GiB; 0: none)"),
+    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand kernel configs (default: the tuned tables shipped "
+                               "for this GPU, see \"Tuned LoRA kernels\")"),
+    ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
+                          " this (default 0: off)"),
+    ENV_CLIENT_SOURCES: ("", "Ray Serve LLM: comma-separated source prefixes (`hf:acme/`, `/srv/loras/`) clients may "
+                             "name in `model=\"<id>:<source>\"`, compared after resolving `.`, `..`, `//` and "
+                             "symlinks (default: none)"),
+    ENV_MAX_CLIENT_SOURCES: ("", "Ray Serve LLM: client-named sources one replica keeps registered, least "
+                                 "recently used dropped first (default 64)"),
+    ENV_METRICS_DIR: ("", "set by the plugin for the vLLM processes it starts: where they write the plugin's "
+                          "metrics files (default: a private folder, or `PROMETHEUS_MULTIPROC_DIR` when set); not"
+                          " a setting"),
+    ENV_DROP_UNAPPLIED: ("", "comma-separated module groups (`kv_b_proj`, `experts`) that vLLM would never apply on "
+                             "this model: drop them with a warning instead of refusing the adapter (default: refuse; "
+                             "see \"Modules vLLM would accept and never apply\")"),
+    ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
+                               "or `20GB` (default: off); see \"Disk cache\""),
+}
+
+
+def proxy_configured() -> bool:
+    """Return whether an HTTP(S) proxy is set (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, any case)."""
+    return any(os.environ.get(v) for n in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY") for v in (n, n.lower()))

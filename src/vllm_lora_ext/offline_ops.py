@@ -8,31 +8,33 @@ from the base model's ``config.json`` (``num_experts``/``num_local_experts``, ``
 from __future__ import annotations
 
 import json
-import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext._util import read_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
 from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
-from vllm_lora_ext.outputs import write_atomically
-from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
-from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts, read_experts
-from vllm_lora_ext.mixing import concat_factors
+from vllm_lora_ext.formats import classify_key, group_moe_keys
+from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec, plan_experts, read_experts
 from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.summary import load_config
+from vllm_lora_ext.summary import check_adapter_rules, load_config
 from vllm_lora_ext.validation import check_finite
 
-__all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "convert_adapter",
-           "mix_adapter_files", "ep_read_plan"]
+__all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "ep_read_plan",
+           "MOE_SIZES_KEY", "recorded_moe_sizes", "require_safetensors"]
+
+# The safetensors ``__metadata__`` key under which ``vllm-lora convert`` records each MoE block's sizes and 2D
+# projection names, so that its own output reads back without ``--base-config`` and keeps ``w1/w2/w3`` names. It is
+# in the weight file's metadata, not in adapter_config.json: PEFT warns about unknown config keys as if its own
+# version were too old, while neither PEFT nor vLLM reads a safetensors file's metadata.
+MOE_SIZES_KEY = "vllm_lora_ext.moe_sizes"
+_PROJ_NAMES = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
 
 
 def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -69,11 +71,12 @@ def load_base_config(value: str) -> dict[str, Any]:
         _check_repo_id(value, repo_id)
         if at:
             _check_revision(value, revision)
-        from vllm_lora_ext.sources import AdapterSource, _HubClient
+        from vllm_lora_ext.sources import AdapterSource
+        from vllm_lora_ext.hub_client import HubClient
         from vllm_lora_ext.constants import hf_offline
 
-        client = _HubClient(AdapterSource(value, "hf", repo_id=repo_id, revision=revision or None), cache_dir=None,
-                            token=None, local_files_only=hf_offline())
+        client = HubClient(AdapterSource(value, "hf", repo_id=repo_id, revision=revision or None), cache_dir=None,
+                            token=None, local_files_only=hf_offline(), label="base model")
         found = client.fetch("config.json", revision or None)
         if found is None:
             raise AdapterNotFoundError(f"Base model {value!r} has no config.json. Name the base model's repo.",
@@ -154,27 +157,28 @@ def _solve_3d(pairs: list[tuple[int, int]], orientation: str | None) -> set[tupl
 
 
 def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
-                    num_experts: int | None = None, config: AdapterConfig | None = None
+                    num_experts: int | None = None, config: AdapterConfig | None = None,
+                    recorded: Mapping[str, tuple[int, int, int, tuple[str, str, str]]] | None = None,
                     ) -> tuple[dict[str, MoESpec], dict[str, str]]:
     """Return a [`MoESpec`] per experts block, and per block a note on what was inferred or is ambiguous.
 
-    Sizes come from the base config when given; otherwise from the adapter itself: 2D keys carry H and I
-    and the highest expert index; fused 3D tensors give ``E = rows / r`` (``r`` from the adapter config)
-    and H and I wherever their shapes allow only one reading (both tensors present, or an orientation
-    known from ``moe_3d_orientation``/``peft_version``).
+    Sizes come from the base config when given; else from what ``vllm-lora convert`` recorded in the weight
+    file's metadata (``recorded``, see [`recorded_moe_sizes`]); otherwise from the adapter itself: 2D keys
+    carry H and I and the highest expert index; fused 3D tensors give ``E = rows / r`` (``r`` from the
+    adapter config) and H and I wherever their shapes allow only one reading (both tensors present, or an
+    orientation known from ``moe_3d_orientation``/``peft_version``). Recorded 2D projection names
+    (``w1/w3/w2``) are kept.
 
     Raises:
         [`ExpertLayoutError`]: a block's sizes cannot be settled from the adapter; the message says what is
             ambiguous and that ``--base-config`` settles it.
     """
-    from vllm_lora_ext.formats.moe import _orientation_hint
-
     blocks = group_moe_keys(shapes)
     dims = _base_dims(base_config) if base_config is not None else None
     out: dict[str, MoESpec] = {}
     notes: dict[str, str] = {}
     for prefix, keys in blocks.items():
-        names = ("gate_proj", "up_proj", "down_proj")
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
         experts: set[int] = set()
         h: int | None = None
         i: int | None = None
@@ -198,53 +202,92 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
         if experts and max(experts) >= MAX_EXPERTS:
             raise ExpertLayoutError(f"MoE block {prefix!r} names expert {max(experts)}; at most {MAX_EXPERTS} experts "
                                     f"are supported. The adapter is corrupt or not an MoE LoRA.", key=prefix)
-        pairs = [(ab["A"][1], ab["B"][0]) for ab in fused.values()
-                 if set(ab) == {"A", "B"} and len(ab["A"]) == 2 and len(ab["B"]) == 2]
-        e = num_experts
+        mark = (recorded or {}).get(prefix)
+        if mark is not None and not experts:
+            names = mark[3]
         if dims is not None:
-            e, h, i = dims
-            notes[prefix] = "from --base-config"
+            (e, h, i), notes[prefix] = dims, "from --base-config"
+        elif mark is not None:
+            (e, h, i), notes[prefix] = mark[:3], "recorded in the weight file's metadata by vllm-lora convert"
         else:
-            inferred: list[str] = []
-            if fused and e is None:
-                rows = {ab["A"][0] for ab in fused.values() if "A" in ab and len(ab["A"]) == 2}
-                r = config.rank_for(prefix) if config is not None else None
-                if r and len(rows) == 1 and next(iter(rows)) % r == 0:
-                    e = next(iter(rows)) // r
-                    inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
-            if e is None and experts:
-                e = max(experts) + 1
-                inferred.append(f"E={e} (highest expert index + 1)")
-            if (h is None or i is None) and pairs:
-                solutions = {(hh, ii) for hh, ii, _ in _solve_3d(pairs, _orientation_hint(config))}
-                if len(solutions) == 1:
-                    (h, i), = solutions
-                    inferred.append(f"H={h}, I={i} (from the fused shapes)")
-                elif solutions:
-                    raise ExpertLayoutError(
-                        f"MoE block {prefix!r} holds fused 3D tensors whose shapes {pairs} read as several models "
-                        f"(H, I in {sorted(solutions)}); pass the base model's config (--base-config), or set "
-                        f"\"moe_3d_orientation\" in the adapter config.", key=prefix)
-            if e is None or h is None or i is None:
-                missing = ", ".join(n for n, v in (("E", e), ("H", h), ("I", i)) if v is None)
-                raise ExpertLayoutError(
-                    f"MoE block {prefix!r}: the adapter does not settle {missing} (fused 3D tensors"
-                    f"{'' if config is not None else ' and no adapter config'}). Pass the base model's config.json, "
-                    f"its folder or hf:org/model (--base-config).", key=prefix)
-            notes[prefix] = "inferred: " + "; ".join(inferred) if inferred else "from the 2D keys"
-        assert e is not None and h is not None and i is not None
+            e, h, i, notes[prefix] = _infer_sizes(prefix, fused, experts, h, i, num_experts, config)
         out[prefix] = MoESpec(prefix, e, h, i, gate=names[0], up=names[1], down=names[2])
     return out, notes
 
 
+def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]], experts: set[int], h: int | None,
+                 i: int | None, e: int | None, config: AdapterConfig | None) -> tuple[int, int, int, str]:
+    """E, H and I of one block from its own shapes (see [`infer_moe_specs`]), and a note saying how."""
+    from vllm_lora_ext.formats.moe import _orientation_hint
+
+    pairs = [(ab["A"][1], ab["B"][0]) for ab in fused.values()
+             if set(ab) == {"A", "B"} and len(ab["A"]) == 2 and len(ab["B"]) == 2]
+    inferred: list[str] = []
+    if fused and e is None:
+        rows = {ab["A"][0] for ab in fused.values() if "A" in ab and len(ab["A"]) == 2}
+        r = config.rank_for(prefix) if config is not None else None
+        if r and len(rows) == 1 and next(iter(rows)) % r == 0:
+            e = next(iter(rows)) // r
+            inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
+    if e is None and experts:
+        e = max(experts) + 1
+        inferred.append(f"E={e} (highest expert index + 1)")
+    if (h is None or i is None) and pairs:
+        solutions = {(hh, ii) for hh, ii, _ in _solve_3d(pairs, _orientation_hint(config))}
+        if len(solutions) == 1:
+            (h, i), = solutions
+            inferred.append(f"H={h}, I={i} (from the fused shapes)")
+        elif solutions:
+            raise ExpertLayoutError(
+                f"MoE block {prefix!r} holds fused 3D tensors whose shapes {pairs} read as several models "
+                f"(H, I in {sorted(solutions)}); pass the base model's config (--base-config), or set "
+                f"\"moe_3d_orientation\" in the adapter config.", key=prefix)
+    if e is None or h is None or i is None:
+        missing = ", ".join(n for n, v in (("E", e), ("H", h), ("I", i)) if v is None)
+        raise ExpertLayoutError(
+            f"MoE block {prefix!r}: the adapter does not settle {missing} (fused 3D tensors"
+            f"{'' if config is not None else ' and no adapter config'}). Pass the base model's config.json, "
+            f"its folder or hf:org/model (--base-config).", key=prefix)
+    return e, h, i, ("inferred: " + "; ".join(inferred) if inferred else "from the 2D keys")
+
+
+def recorded_moe_sizes(metadata: Mapping[str, str]) -> dict[str, tuple[int, int, int, tuple[str, str, str]]]:
+    """Read the MoE sizes ``vllm-lora convert`` recorded under [`MOE_SIZES_KEY`]: ``{block: (E, H, I, names)}``.
+
+    Raises:
+        [`ExpertLayoutError`]: the entry is there but malformed (names the key and what is wrong).
+    """
+    text = metadata.get(MOE_SIZES_KEY)
+    if text is None:
+        return {}
+    try:
+        raw = json.loads(text) if len(text) <= MAX_CONFIG_BYTES else None
+    except (ValueError, RecursionError):
+        raw = None
+    out: dict[str, tuple[int, int, int, tuple[str, str, str]]] = {}
+    for prefix, entry in (raw.items() if isinstance(raw, dict) else [(None, None)]):
+        sizes = [entry.get(k) for k in ("num_experts", "hidden_size", "intermediate_size")] if isinstance(
+            entry, dict) else []
+        names = entry.get("names") if isinstance(entry, dict) else None
+        if (not isinstance(prefix, str) or len(sizes) != 3 or any(type(v) is not int or not 1 <= v <= MAX_EXPERTS
+                                                                   << 4 for v in sizes)
+                or not isinstance(names, list) or len(names) != 3 or not _PROJ_NAMES.issuperset(names)):
+            raise ExpertLayoutError(f"The weight file's metadata entry {MOE_SIZES_KEY!r} is malformed "
+                                    f"({short_repr(text)}); remove it, or pass --base-config.", key=MOE_SIZES_KEY)
+        out[prefix] = (sizes[0], sizes[1], sizes[2], (names[0], names[1], names[2]))
+    return out
+
+
 def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
-              num_experts: int | None = None, config: AdapterConfig | None = None) -> dict[str, MoESpec]:
+              num_experts: int | None = None, config: AdapterConfig | None = None,
+              recorded: Mapping[str, tuple[int, int, int, tuple[str, str, str]]] | None = None) -> dict[str, MoESpec]:
     """Return a [`MoESpec`] per experts block of the adapter (see [`infer_moe_specs`]).
 
     Raises:
         [`ExpertLayoutError`]: a block's sizes cannot be settled without the base config.
     """
-    return infer_moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config)[0]
+    return infer_moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config,
+                           recorded=recorded)[0]
 
 
 @dataclass
@@ -257,15 +300,38 @@ class LoadedAdapter:
     specs: dict[str, MoESpec]
 
 
+def require_safetensors(resolved: ResolvedAdapter, *, name: str = "adapter") -> None:
+    """Refuse a pickle weight file before anything reads it: offline tools read ``.safetensors`` only.
+
+    Raises:
+        [`AdapterFormatError`]: the weight file is ``.bin``/``.pt`` (even with ``VLLM_LORA_EXT_ALLOW_PICKLE=1``).
+    """
+    if resolved.is_pickle:
+        raise AdapterFormatError(
+            f"Adapter {name!r}: offline tools (inspect, convert, mix) read .safetensors only, and "
+            f"{resolved.weights_path.name!r} is a pickle file (VLLM_LORA_EXT_ALLOW_PICKLE lets only the server read "
+            f"it). Re-save it once as safetensors, e.g. PeftModel.from_pretrained(base, folder).save_pretrained(out).",
+            adapter=name)
+
+
 def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, Any] | None = None,
                        num_experts: int | None = None, scaled: bool = True, name: str = "adapter") -> LoadedAdapter:
-    """Read an adapter: dense pairs as stored, MoE blocks normalized (scaling folded if ``scaled``)."""
+    """Read an adapter: dense pairs as stored, MoE blocks normalized (scaling folded if ``scaled``).
+
+    Everything is checked with the loader's own rules before a tensor is used: factor dtypes, pairs, ranks
+    and 2-D shapes, the config's ranks against the tensors', and NaN/infinity in every factor.
+
+    Raises:
+        [`AdapterFormatError`]: a pickle file, a key that is no LoRA weight, or factors the loader would refuse.
+        [`ExpertLayoutError`]: an MoE block's sizes cannot be settled (pass ``base_config``).
+    """
+    require_safetensors(resolved, name=name)
     config = load_config(resolved, name=name)
-    if resolved.is_pickle:
-        raise AdapterFormatError("Offline tools read .safetensors adapters only; convert the pickle file first.")
     reader = SafetensorsReader(resolved.weights_path)
     shapes = reader.header.shapes
-    specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config)
+    check_adapter_rules(reader.header, config, name=name)
+    specs = moe_specs(shapes, base_config=base_config, num_experts=num_experts, config=config,
+                      recorded=recorded_moe_sizes(reader.header.metadata))
     groups = group_moe_keys(shapes)
     dense_keys: list[str] = []
     for k in shapes:
@@ -275,6 +341,7 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
         elif kind == "other":
             raise AdapterFormatError(f"Adapter {name!r}: key {k!r} is not a LoRA weight.", adapter=name, key=k)
     tensors = reader.read_many(dense_keys)
+    check_finite(tensors, adapter=name)
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for k in dense_keys:
         info = classify_key(k)
@@ -282,150 +349,8 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
             dense[info.module] = (tensors[k], tensors[k.replace("lora_A", "lora_B").replace("lora_embedding_A",
                                                                                           "lora_embedding_B")])
     moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader.read, config=config,
-                           read_many=reader.read_many, scaled=scaled) for p, g in groups.items()}
+                           read_many=reader.read_many, scaled=scaled, check_finite_as=name) for p, g in groups.items()}
     return LoadedAdapter(config, dense, moe, specs)
-
-
-# ------------------------------------------------------------------------------------------------ writing
-
-
-def _write(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],
-           extra: Mapping[str, str] | None = None) -> Path:
-    def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
-        for name, text in (extra or {}).items():
-            (tmp / name).write_text(text)
-
-    return write_atomically(Path(out_dir), write)
-
-
-def _moe_tensors(prefix: str, ex: ExpertsLoRA, spec: MoESpec, to: Literal["2d", "3d"]) -> dict[str, torch.Tensor]:
-    p = PEFT_PREFIX + prefix
-    out: dict[str, torch.Tensor] = {}
-    if to == "2d":
-        gate, up = ex._split_gate_up()
-        for role, f, proj in (("gate", gate, spec.gate), ("up", up, spec.up), ("down", ex.down, spec.down)):
-            if f is None:
-                continue
-            for j, e in enumerate(ex.experts):
-                out[f"{p}.{e}.{proj}.lora_A.weight"] = f.a[j].clone()
-                out[f"{p}.{e}.{proj}.lora_B.weight"] = f.b[j].clone()
-        return out
-    (w13_a, w2_a), (w13_b, w2_b) = ex.as_3d(hidden=spec.hidden)
-    for key, a, b, present in ((f"{p}.base_layer", w13_a, w13_b, ex.gate_up or ex.gate or ex.up),
-                               (p, w2_a, w2_b, ex.down)):
-        if present is None:
-            continue
-        e, r, d_in = a.shape
-        out[f"{key}.lora_A.weight"] = a.reshape(e * r, d_in)
-        out[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e)
-    return out
-
-
-def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], *, to: Literal["2d", "3d"],
-                    base_config: Mapping[str, Any] | None = None, num_experts: int | None = None) -> Path:
-    """Rewrite an adapter's MoE blocks as 2D per-expert keys or PEFT 3D fused keys (dense modules unchanged).
-
-    The delta is preserved exactly. When every MoE factor keeps its rank and the config has no
-    rank/alpha patterns, tensors are written unscaled under the original config (so 3D -> 2D -> 3D
-    gives back the same tensors). Otherwise (a 2D gate/up pair with different A becomes one fused
-    factor of rank ``2r``; per-module patterns) the MoE scaling is folded into B and the MoE modules
-    get ``rank_pattern``/``alpha_pattern`` entries giving them scaling 1.
-    """
-    src = load_adapter_files(resolved, base_config=base_config, num_experts=num_experts, scaled=False)
-    rank_change = to == "3d" and any(int(ex.as_3d(hidden=src.specs[p].hidden)[0][0].shape[1]) != src.config.r
-                                     for p, ex in src.moe.items())
-    fold = bool(src.moe) and (src.config.has_patterns or rank_change)
-    if fold:
-        src = load_adapter_files(resolved, base_config=base_config, num_experts=num_experts, scaled=True)
-    cfg = dict(src.config.raw)
-    tensors: dict[str, torch.Tensor] = {}
-    for module, (a, b) in src.dense.items():
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
-    rank_pattern = dict(cfg.get("rank_pattern") or {})
-    alpha_pattern = dict(cfg.get("alpha_pattern") or {})
-    unit = (lambda r: float(r) ** 0.5) if src.config.use_rslora else (lambda r: float(r))
-    for prefix, ex in src.moe.items():
-        spec = src.specs[prefix]
-        written = _moe_tensors(prefix, ex, spec, to)
-        tensors.update(written)
-        if fold:
-            for key, t in written.items():
-                if key.endswith("lora_A.weight"):
-                    module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
-                    info = classify_key(key)
-                    r = int(t.shape[0]) if info.kind == "moe_2d" else int(t.shape[0]) // spec.num_experts
-                    if info.kind == "moe_2d":
-                        pattern = f"{re.escape(prefix)}\\.\\d+\\.{info.proj}"
-                    else:
-                        pattern = re.escape(prefix) + ("\\.gate_up_proj" if info.nesting else "\\.down_proj")
-                    del module
-                    rank_pattern[pattern], alpha_pattern[pattern] = r, unit(r)
-    if to == "3d" and src.moe:
-        blocks = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in src.moe})
-        cfg["target_parameters"] = [f"{b}.{n}" for b in blocks for n in ("gate_up_proj", "down_proj")]
-    elif to == "2d":
-        cfg.pop("target_parameters", None)
-        tm = set(cfg.get("target_modules") or []) if isinstance(cfg.get("target_modules"), list) else set()
-        cfg["target_modules"] = sorted(tm | {s.gate for s in src.specs.values()} | {s.up for s in src.specs.values()}
-                                       | {s.down for s in src.specs.values()})
-    if rank_pattern:
-        cfg["rank_pattern"], cfg["alpha_pattern"] = rank_pattern, alpha_pattern
-    cfg["peft_version"] = "0.21.0"  # tensors are written in the standard (PEFT >= 0.19.1) orientation
-    cfg.pop("moe_3d_orientation", None)
-    return _write(out_dir, tensors, cfg)
-
-
-def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir: str | os.PathLike[str], *,
-                      base_config: Mapping[str, Any] | None = None, num_experts: int | None = None) -> Path:
-    """Write the exact rank-concatenated mix Σ wᵢ·sᵢ·BᵢAᵢ as a standard PEFT adapter (scaling 1 per module).
-
-    Every module gets ``rank_pattern = alpha_pattern = its rank`` so PEFT (and vLLM with this plugin)
-    apply scaling 1; MoE blocks are written as 2D per-expert keys.
-    """
-    loaded = [(load_adapter_files(r, base_config=base_config, num_experts=num_experts, name=f"adapter{i}"), w)
-              for i, (r, w) in enumerate(adapters)]
-    tensors: dict[str, torch.Tensor] = {}
-    ranks: dict[str, int] = {}
-    modules: dict[str, None] = {}
-    for la, _ in loaded:
-        modules.update(dict.fromkeys(la.dense))
-    for m in modules:
-        parts = [(la.dense[m][0], la.dense[m][1], w * la.config.scaling_for(m, int(la.dense[m][0].shape[0])))
-                 for la, w in loaded if m in la.dense]
-        a, b = concat_factors(parts)
-        tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] = a, b
-        ranks[m] = int(a.shape[0])
-    blocks: dict[str, None] = {}
-    for la, _ in loaded:
-        blocks.update(dict.fromkeys(la.moe))
-    for prefix in blocks:
-        present = [(la.moe[prefix], la.specs[prefix], w) for la, w in loaded if prefix in la.moe]
-        spec = present[0][1]
-        mixed = ExpertsLoRA(prefix, present[0][0].experts, spec.intermediate, interleaved=spec.interleaved)
-        for role in ("gate", "up", "down"):
-            parts = []
-            for ex, _, w in present:
-                g, u = ex._split_gate_up()
-                f = {"gate": g, "up": u, "down": ex.down}[role]
-                if f is not None:
-                    parts.append((f.a, f.b, w))
-            if parts:
-                a, b = concat_factors(parts, rank_dim_a=1, rank_dim_b=2)
-                setattr(mixed, role, ExpertFactors(a, b))
-                proj = {"gate": spec.gate, "up": spec.up, "down": spec.down}[role]
-                ranks[f"{re.escape(prefix)}\\.\\d+\\.{proj}"] = int(a.shape[1])  # a regex: every expert
-        tensors.update(_moe_tensors(prefix, mixed, spec, "2d"))
-    r = max(ranks.values())
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": float(r), "use_rslora": False, "bias": "none",
-           "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),  # informational
-           "rank_pattern": {m: k for m, k in ranks.items()}, "alpha_pattern": {m: float(k) for m, k in ranks.items()},
-           "peft_version": "0.21.0"}
-    check_finite(tensors, adapter="mix")  # |w| <= 100 of finite factors can still overflow a 16-bit dtype
-    provenance = json.dumps({"adapters": [[ra.source.canonical(), w] for ra, w in adapters]}, indent=2)
-    return _write(out_dir, tensors, cfg, {"vllm_lora_ext_mix.json": provenance})
 
 
 def ep_read_plan(shapes: Mapping[str, tuple[int, ...]], header_bytes: int, sizes: Mapping[str, int],

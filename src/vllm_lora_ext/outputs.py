@@ -1,20 +1,42 @@
 """Where offline tools may write: a new or empty folder, never over a source, unless the user says ``--force``.
 
-Files are written into a temporary folder beside the target and moved into place only when all of
-them are complete, so a failure leaves the target as it was.
+A write is one claim on the target folder ``DIR``:
+
+1. an exclusive ``flock`` on the lock file ``.DIR.lock`` beside it (a second writer is refused at once, so two
+   runs never both "succeed" into one folder); stale ``.DIR.tmp-*``/``.DIR.old-*`` folders left by a killed run
+   are removed under that lock (an old adapter a killed fallback swap left aside is first put back);
+2. the checks: ``DIR`` is not a file; without ``force`` it is new or empty and holds no input adapter;
+3. every file is written into a fresh folder ``.DIR.tmp-*`` beside it (files of an existing ``DIR`` that the new
+   adapter does not replace are linked in first), then that folder is swapped in with one
+   ``renameat2(RENAME_EXCHANGE)`` (Linux): ``DIR`` holds the old adapter, whole, until that one call, and the new
+   one, whole, after it. Where the exchange is not available (another OS, a file system without it), the old
+   folder is renamed aside and the new one renamed in, and the old one is put back if the second rename fails;
+4. the old folder is removed and the lock file unlinked (while still held, so a waiter re-opens a new one).
+
+A failure or Ctrl-C at any step before the swap leaves ``DIR`` as it was and removes the temporary folder.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import TracebackType
 
 from vllm_lora_ext.errors import OutputPathError
 
-__all__ = ["check_output_dir", "write_atomically"]
+__all__ = ["OutputClaim", "check_output_dir", "claim_output", "write_atomically"]
+
+# Files an adapter write produces; an existing folder's other files are kept across a --force write.
+_ADAPTER_FILES = frozenset({"adapter_model.safetensors", "adapter_config.json", "adapter_model.bin", "adapter_model.pt",
+                            "vllm_lora_ext_mix.json"})
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
 def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> Path:
@@ -38,15 +60,169 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
     return path
 
 
-def write_atomically(out: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` into a fresh folder beside ``out``, then move every file it wrote into ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+class OutputClaim(os.PathLike[str]):
+    """An exclusive claim on an output folder (see the module docstring); use it as a context manager.
+
+    It is a path-like object, so it can be passed wherever an output folder is taken; [`write_atomically`]
+    then writes under this claim instead of taking its own.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.parent / f".{path.name}.lock"
+        self._fd: int | None = None
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def held(self) -> bool:
+        """Whether this claim holds its lock now."""
+        return self._fd is not None
+
+    def acquire(self) -> OutputClaim:
+        """Take the lock (refused at once if another process holds it), then remove a killed run's leftovers."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputPathError(
+                    f"Output folder {str(self.path)!r} is being written by another vllm-lora command (it holds "
+                    f"{str(self.lock_path)!r}). Wait for it to finish, or choose another folder.") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # not a lock file its last holder unlinked after we opened it
+                break
+            os.close(fd)
+        self._fd = fd
+        for stale in self.path.parent.glob(f".{self.path.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.path.parent.glob(f".{self.path.name}.old-*"):
+            if (stale / "old").is_dir() and not self.path.exists():  # killed between the two fallback renames
+                os.rename(stale / "old", self.path)
+            shutil.rmtree(stale, ignore_errors=True)
+        return self
+
+    def release(self) -> None:
+        """Unlink the lock file and drop the lock."""
+        if self._fd is None:
+            return
+        try:
+            self.lock_path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> OutputClaim:
+        return self if self._fd is not None else self.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def claim_output(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> OutputClaim:
+    """Lock the output folder ``out``, then check it as [`check_output_dir`] does; release with ``with`` or ``release()``.
+
+    Raises:
+        [`OutputPathError`]: another process is writing there, or a check of [`check_output_dir`] fails.
+    """
+    claim = OutputClaim(Path(out).expanduser().absolute()).acquire()
+    try:
+        check_output_dir(claim.path, inputs=inputs, force=force)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one ``renameat2(RENAME_EXCHANGE)`` call; ``False`` where that call is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap {str(a)!r} into {str(b)!r}: {os.strerror(code)}")
+
+
+def _keep_others(old: Path, tmp: Path) -> None:
+    """Link (or copy) into ``tmp`` what ``old`` holds besides the files an adapter write replaces."""
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    for entry in old.iterdir():
+        if entry.name in _ADAPTER_FILES or (tmp / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=link)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), tmp / entry.name)
+        else:
+            link(str(entry), str(tmp / entry.name))
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Put the finished folder ``tmp`` at ``out``; what ``out`` held ends up at ``tmp`` (removed by the caller)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    _keep_others(out, tmp)
+    if _exchange(tmp, out):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, aside / "old")
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(aside / "old", out)
+        raise
+    os.rename(aside / "old", tmp)  # the caller removes it, as after an exchange
+    aside.rmdir()
+
+
+def write_atomically(out: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` into a fresh folder beside ``out``, then swap that folder in (see the module docstring).
+
+    ``out`` may be an [`OutputClaim`] already held (the CLI checks and locks the folder before its work); a plain
+    path is claimed for the write (with no emptiness check: a library call replaces the adapter files there).
+
+    Raises:
+        [`OutputPathError`]: another process is writing to ``out``.
+    """
+    if isinstance(out, OutputClaim) and out.held:
+        return _write_under(out.path, write)
+    with OutputClaim(Path(out).expanduser().absolute()) as claim:
+        return _write_under(claim.path, write)
+
+
+def _write_under(target: Path, write: Callable[[Path], None]) -> Path:
+    if target.is_symlink():  # swap the folder it points to, not the link
+        target = Path(os.path.realpath(target))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
-        out.mkdir(exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
+        os.chmod(tmp, 0o777 & ~_umask())
+        _swap_in(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -47,10 +47,10 @@ from vllm_lora_ext.constants import (
     hf_offline,
 )
 from vllm_lora_ext import diskcache, metrics
-from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
+from vllm_lora_ext.hub_client import HubClient
 
-__all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source"]
+__all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source", "fetch_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -349,92 +349,6 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
     return ResolvedAdapter(src, weights, None, "inferred")
 
 
-class _HubClient:
-    """The only code that talks to huggingface_hub: one call per file, errors mapped to ours."""
-
-    def __init__(self, src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None,
-                 local_files_only: bool) -> None:
-        self.src = src
-        self.cache_dir = cache_dir
-        self.token = token
-        self.local_only = local_files_only
-        self.downloaded = False  # whether any fetch had to download (a cache miss)
-
-    def fetch(self, filename: str, revision: str | None) -> Path | None:
-        """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub import errors as hf_errors
-
-        cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
-        try:  # one cache lookup: it answers a pinned sha outright, and tells a cache hit from a download
-            cached = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir)
-        except Exception:  # e.g. an unusual cache layout: hf_hub_download below decides
-            cached = None
-        if revision is not None and _COMMIT_SHA.match(revision):
-            if isinstance(cached, str):
-                return Path(cached)
-            if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
-                return None
-        try:
-            path = Path(diskcache.download_file(  # hf_hub_download within the disk cache bound (issue 41)
-                self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
-                token=self.token, local_files_only=self.local_only,
-                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
-            ))
-            if not isinstance(cached, str) or Path(cached) != path:
-                self.downloaded = True
-            return path
-        except hf_errors.GatedRepoError as err:
-            raise AdapterNotFoundError(
-                f"Repo {self.src.repo_id!r} of adapter source {self.src.raw!r} is gated and this token has no access. "
-                f"Accept its terms on the Hub and set HF_TOKEN.", source=self.src.raw, revision=revision) from err
-        except hf_errors.RepositoryNotFoundError as err:
-            raise AdapterNotFoundError(
-                f"Repo {self.src.repo_id!r} of adapter source {self.src.raw!r} was not found (or is private). "
-                f"Check the repo id, or set HF_TOKEN for a private repo.", source=self.src.raw, revision=revision) from err
-        except hf_errors.RevisionNotFoundError as err:
-            raise AdapterNotFoundError(
-                f"Revision {revision!r} of adapter source {self.src.raw!r} was not found in repo {self.src.repo_id!r}. "
-                f"Give an existing branch, tag or commit sha.", source=self.src.raw, revision=revision) from err
-        except hf_errors.LocalEntryNotFoundError as err:
-            if self.local_only:
-                raise AdapterNotFoundError(
-                    f"Adapter source {self.src.raw!r} is not in the local Hugging Face cache ({filename!r} at revision "
-                    f"{revision or 'main'!r}) and the hub may not be contacted (HF_HUB_OFFLINE). Run "
-                    f"'vllm-lora fetch {self.src.raw}' on a machine with network access to fill the cache.",
-                    source=self.src.raw, revision=revision) from err
-            raise AdapterNotFoundError(
-                f"Could not reach the Hub for adapter source {self.src.raw!r} ({filename!r}) and it is not cached: "
-                f"{err}. Check the network or HF_ENDPOINT, or pre-fetch it with 'vllm-lora fetch'.",
-                source=self.src.raw, revision=revision) from err
-        except hf_errors.EntryNotFoundError:
-            return None
-        except (hf_errors.HfHubHTTPError, OSError, ConnectionError) as err:
-            raise AdapterDownloadError(
-                f"Downloading {filename!r} of adapter source {self.src.raw!r} failed: {err}. Retry; a partial file is "
-                f"not kept in the cache.", source=self.src.raw) from err
-        except Exception as err:  # httpx transport errors have no common base with the above
-            if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
-                raise AdapterDownloadError(
-                    f"Downloading {filename!r} of adapter source {self.src.raw!r} failed: {err!r}. Retry; a partial "
-                    f"file is not kept in the cache.", source=self.src.raw) from err
-            raise
-
-
-    def weight_files(self, revision: str | None) -> list[str]:
-        """Return the repo's ``.safetensors`` paths (for an error message; empty offline or on any failure)."""
-        if self.local_only:
-            return []
-        try:
-            from huggingface_hub import HfApi
-
-            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token)
-            files = [s.rfilename for s in info.siblings or []]
-        except Exception:  # only an error message depends on it
-            return []
-        return sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX))
-
-
 def _commit_of(path: Path) -> str | None:
     parts = path.parts
     for i, part in enumerate(parts[:-1]):
@@ -443,7 +357,7 @@ def _commit_of(path: Path) -> str | None:
     return None
 
 
-def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: _HubClient) -> ResolvedAdapter:
+def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> ResolvedAdapter:
     if src.names_file:
         assert src.path_in_repo is not None
         weight_candidates = [src.path_in_repo]
@@ -525,17 +439,40 @@ def resolve_source(
     """
     pickle_ok = _env_allow_pickle() if allow_pickle is None else allow_pickle
     src = source if isinstance(source, AdapterSource) else parse_source(source, allow_pickle=pickle_ok)
+    offline = hf_offline() if local_files_only is None else local_files_only
+    return _resolve(src, cache_dir=cache_dir, token=token, offline=offline, pickle_ok=pickle_ok)
+
+
+def fetch_source(source: str, *, cache_dir: str | os.PathLike[str] | None = None) -> ResolvedAdapter:
+    """Download an adapter source into the Hugging Face cache: what ``vllm-lora fetch`` does.
+
+    As [`resolve_source`], but online unless ``HF_HUB_OFFLINE`` is set (then a source already cached is
+    returned, and one that is not is refused naming that setting), with messages for its caller.
+
+    Raises:
+        [`AdapterSourceError`], [`AdapterNotFoundError`], [`AdapterDownloadError`]: as [`resolve_source`].
+    """
+    pickle_ok = _env_allow_pickle()
+    src = parse_source(source, allow_pickle=pickle_ok)
+    return _resolve(src, cache_dir=cache_dir, token=None, offline=hf_offline(), pickle_ok=pickle_ok, fetching=True)
+
+
+def _resolve(src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None, offline: bool,
+             pickle_ok: bool, fetching: bool = False) -> ResolvedAdapter:
     if src.kind == "local":
         assert src.local_path is not None
-        if not src.local_path.exists() and _looks_like_repo_id(src.raw):
-            logger.info("adapter source %r is no local path; reading it as 'hf:%s'", src.raw, src.raw)
-            src = parse_source(HF_PREFIX + src.raw, allow_pickle=pickle_ok)
-        else:
+        if src.local_path.exists() or not _looks_like_repo_id(src.raw):
             local = _resolve_local(src, pickle_ok)
             metrics.SOURCES_RESOLVED.inc(cache="local")
             return local
-    offline = hf_offline() if local_files_only is None else local_files_only
-    client = _HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline)
+        logger.info("adapter source %r is no local path; reading it as 'hf:%s'", src.raw, src.raw)
+        try:  # a mistyped relative path reads as org/repo: say both what is not here and what the Hub said
+            return _resolve(parse_source(HF_PREFIX + src.raw, allow_pickle=pickle_ok), cache_dir=cache_dir, token=token,
+                            offline=offline, pickle_ok=pickle_ok, fetching=fetching)
+        except (AdapterNotFoundError, AdapterDownloadError) as err:
+            raise AdapterNotFoundError(f"No local folder {src.raw!r} ({str(src.local_path)!r} does not exist); as a Hub "
+                                       f"repo: {err}", source=src.raw) from err
+    client = HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline, fetching=fetching)
     t0 = time.perf_counter()
     with diskcache.resolving(src.repo_id or "", src.revision, cache_dir=cache_dir) as use:  # no eviction meanwhile
         resolved = use.done(_resolve_hub(src, pickle_ok, client))

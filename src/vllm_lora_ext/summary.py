@@ -1,18 +1,28 @@
-"""AdapterSummary: what an adapter holds (modules, ranks, scaling, dtypes, bytes, layout), from headers only."""
+"""AdapterSummary: what an adapter holds (modules, ranks, scaling, dtypes, bytes, layout), from headers only.
+
+Also the header rules every offline tool applies (``inspect`` lists their failures as ``problem:`` lines,
+``convert`` and ``mix`` refuse to write): the loader's own checks from ``validation.py`` (dtypes, factor
+pairs, ranks, 2-D shapes) and [`check_declared_ranks`] (the config's rank against the tensors'). A new
+rule is one more entry of [`adapter_rules`]; [`collect_problems`] turns rule results into lines.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_lora_ext.config import AdapterConfig, infer_config, read_config
-from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
+from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.reader import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
+from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes
 
-__all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config"]
+__all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
+           "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
+
+Rule = Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -70,15 +80,140 @@ def load_config(resolved: ResolvedAdapter, *, name: str = "adapter", header: Fil
     return infer_config(header.shapes, header.metadata, name=name)
 
 
-def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter") -> AdapterSummary:
-    """Summarize an adapter from its config and safetensors header, reading no tensor data."""
-    config = load_config(resolved, name=name)
+def check_declared_ranks(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, *,
+                         adapter: str = "adapter") -> None:
+    """Refuse 2D factors whose rank differs from the rank the config gives their module (``r``/``rank_pattern``).
+
+    PEFT refuses to load such an adapter, and vLLM would scale it by ``alpha / r`` of the config, not of the
+    tensors (``r: 4`` over rank-8 tensors doubles the delta).
+
+    Raises:
+        [`AdapterFormatError`]: names every such module, both ranks and the fix.
+
+    Example:
+        >>> from vllm_lora_ext.config import config_from_dict
+        >>> check_declared_ranks({"m.q.lora_A.weight": (8, 16)}, config_from_dict({"r": 4}), adapter="x")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterFormatError: Adapter 'x': m.q: lora_A has rank 8 but the config gives it r 4, so vLLM would scale it by lora_alpha/4 and PEFT refuses it. Set "r" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.
+    """
+    bad = []
+    for key, shape in shapes.items():
+        info = classify_key(key)
+        if info.which != "A" or info.kind not in ("dense", "moe_2d") or len(shape) != 2:
+            continue
+        declared = config.rank_for(info.module)
+        if shape[0] != declared:
+            bad.append(f"{info.module}: lora_A has rank {shape[0]} but the config gives it r {declared}")
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        first = bad[0].rsplit(" r ", 1)[-1]
+        raise AdapterFormatError(
+            f"Adapter {adapter!r}: " + "; ".join(bad[:3]) + more + f", so vLLM would scale it by lora_alpha/{first} and "
+            f"PEFT refuses it. Set \"r\" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.",
+            adapter=adapter, key="r")
+
+
+def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "adapter") -> list[Rule]:
+    """The header rules of the loader, as calls that raise (see the module docstring); no tensor data is read."""
+    dense = [k for k in header.shapes if classify_key(k).kind == "dense"]
+    return [lambda: check_factor_dtypes(header.dtypes, adapter=name),
+            lambda: check_dense_factors(header.shapes, dense, adapter=name),
+            lambda: check_declared_ranks(header.shapes, config, adapter=name)]
+
+
+def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter", batch_bytes: int = 256 << 20) -> Rule:
+    """A rule that reads every LoRA factor (``batch_bytes`` at a time) and refuses NaN or infinity, as the loader
+    does while it reads (there after scaling; here as stored)."""
+    def rule() -> None:
+        from vllm_lora_ext.reader import SafetensorsReader
+        from vllm_lora_ext.validation import check_finite
+
+        reader = SafetensorsReader(resolved.weights_path)
+        keys = [k for k in reader.header.shapes if classify_key(k).kind != "other"]
+        batch: list[str] = []
+        size = 0
+        for key in [*keys, None]:
+            if key is not None:
+                batch.append(key)
+                size += reader.header.nbytes[key]
+            if batch and (key is None or size >= batch_bytes):
+                check_finite(reader.read_many(batch), adapter=name)
+                batch, size = [], 0
+
+    return rule
+
+
+def run_rules(rules: Iterable[Rule]) -> list[VllmLoraExtError | None]:
+    """Run every rule; each result is the error it raised, or ``None`` where it passed."""
+    results: list[VllmLoraExtError | None] = []
+    for rule in rules:
+        try:
+            rule()
+        except VllmLoraExtError as err:
+            results.append(err)
+        else:
+            results.append(None)
+    return results
+
+
+def collect_problems(results: Iterable[BaseException | str | None]) -> list[str]:
+    """Turn rule results (an error, a message, or ``None`` for a rule that passed) into ``inspect``'s problem lines."""
+    return [" ".join(str(r).split()) for r in results if r is not None]
+
+
+def check_adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "adapter") -> None:
+    """Raise the first failing rule of [`adapter_rules`] (what ``convert`` and ``mix`` refuse)."""
+    for err in run_rules(adapter_rules(header, config, name=name)):
+        if err is not None:
+            raise err
+
+
+# Config fields the loader refuses to serve (config._REJECT, init_lora_weights) and their neutral values.
+_REFUSED_FIELDS = {"use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
+                   "fan_in_fan_out": False, "init_lora_weights": True, "peft_type": "LORA"}
+
+
+def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> AdapterConfig | None:
+    """The adapter's config with the features the loader refuses set to neutral values, or ``None`` if it still
+    fails (so ``inspect`` lists the refusal as a problem and still shows the tensors)."""
+    import json
+
+    from vllm_lora_ext._util import read_capped
+    from vllm_lora_ext.constants import MAX_CONFIG_BYTES
+
+    if resolved.config_path is None:
+        return None
+    try:
+        data, too_big = read_capped(resolved.config_path, MAX_CONFIG_BYTES)
+        raw = json.loads(data.decode("utf-8")) if not too_big else None
+        if not isinstance(raw, dict):
+            return None
+        return config_from_dict({**raw, **{k: v for k, v in _REFUSED_FIELDS.items() if k in raw}}, name=name)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
+                      extra_rules: Iterable[Rule] = ()) -> AdapterSummary:
+    """Summarize an adapter from its config and safetensors header, reading no tensor data.
+
+    ``problems`` holds every failure of [`adapter_rules`] and ``extra_rules`` (what the loader would refuse).
+    """
+    try:
+        config, refused = load_config(resolved, name=name), None
+    except AdapterFormatError as err:  # a config the loader refuses (DoRA, bias, ...): still show the tensors
+        config, refused = _config_without_refused_features(resolved, name), err
+        if config is None:
+            raise
     header = read_header(resolved.weights_path)
-    problems: list[str] = []
+    problems = collect_problems([refused, *run_rules([*adapter_rules(header, config, name=name), *extra_rules])])
     modules: list[ModuleSummary] = []
     for module, pair in group_modules(header.tensors).items():
         if "A" not in pair or "B" not in pair:
-            problems.append(f"{module}: has lora_{'A' if 'A' in pair else 'B'} but no lora_{'B' if 'A' in pair else 'A'}")
+            if classify_key(pair.get("A") or pair["B"]).kind != "dense":  # dense pairs: a rule says so
+                problems.append(f"{module}: has lora_{'A' if 'A' in pair else 'B'} but no "
+                                f"lora_{'B' if 'A' in pair else 'A'}")
             continue
         a, b = header.tensors[pair["A"]], header.tensors[pair["B"]]
         kind = classify_key(pair["A"]).kind

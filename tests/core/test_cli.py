@@ -72,7 +72,12 @@ def test_convert_round_trips_keep_the_delta_exactly(tmp_path: Path, form: str) -
     write_moe_adapter(tmp_path / "src", [t], [form], rank=R, alpha=16)  # type: ignore[list-item]
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     cfg = ["--base-config", str(tmp_path / "config.json")]
-    assert main(["convert", str(tmp_path / "src"), "--to", "3d", "-o", str(tmp_path / "as3d"), *cfg]) == 0
+    if form == "3d":  # already standard 3D: converting it to 3D is refused as a no-op
+        assert main(["convert", str(tmp_path / "src"), "--to", "3d", "-o", str(tmp_path / "as3d"), *cfg]) == 1
+        assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "src2d"), *cfg]) == 0
+        assert main(["convert", str(tmp_path / "src2d"), "--to", "3d", "-o", str(tmp_path / "as3d"), *cfg]) == 0
+    else:
+        assert main(["convert", str(tmp_path / "src"), "--to", "3d", "-o", str(tmp_path / "as3d"), *cfg]) == 0
     assert main(["convert", str(tmp_path / "as3d"), "--to", "2d", "-o", str(tmp_path / "back"), *cfg]) == 0
     oracle = oracle_deltas(t, 16 / R)
     for folder in ("as3d", "back"):

@@ -245,7 +245,9 @@ def test_eviction_racing_builds_of_the_same_revision_never_leaves_a_build_readin
     evictor = threading.Thread(target=evict)
     evictor.start()
     try:
-        for _ in range(30):
+        builds = 0
+        while builds < 30 or (evictions[0] < 2 and builds < 400):  # on a loaded machine the evictor may lag
+            builds += 1
             built = build_adapter(job, PeftKeyRouter())
             assert list(built.dense) == list(expected)
             assert all(torch.equal(built.dense[k], expected[k]) for k in expected)

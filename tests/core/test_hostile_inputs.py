@@ -510,10 +510,12 @@ def test_cli_failures_are_one_error_line_and_write_nothing(tmp_path: Path) -> No
 
 
 def test_cli_force_writes_into_a_non_empty_folder(tmp_path: Path) -> None:
-    src = make_dense_adapter(tmp_path / "src")
+    from moe_factories import make_truth, write_moe_adapter
+
+    src = write_moe_adapter(tmp_path / "src", [make_truth(4, 8, 6, 2, 0)], ["2d"], rank=2)  # a dense one: a no-op
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("keep")
-    out = _cli("convert", str(src), "--to", "2d", "-o", str(tmp_path / "full"), "--force", cwd=tmp_path)
+    out = _cli("convert", str(src), "--to", "3d", "-o", str(tmp_path / "full"), "--force", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
                                                                    "keep.txt"]

@@ -1,21 +1,27 @@
 """The ``vllm-lora`` command: ``inspect``, ``fetch``, ``convert`` and ``mix`` (no GPU, no vLLM needed).
 
 Exit codes: 0 ok, 1 the adapter, source or output failed (one ``error:`` line on stderr, never a
-traceback; ``-vv`` adds it), 2 usage error, 130 interrupted.
+traceback; ``-vv`` adds it), 2 usage error, 130 interrupted. A closed stdout (``vllm-lora inspect X | head``)
+ends the command quietly with 0. A warning raised by torch in this package's code (a tensor resized to fit,
+say) is an error here: such a warning means a tensor would be written wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import re
 import sys
 import traceback
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from vllm_lora_ext.constants import MAX_EXPERTS
 from vllm_lora_ext.errors import VllmLoraExtError
 
-__all__ = ["main", "positive_int"]
+__all__ = ["main", "positive_int", "strict_warnings", "plural"]
 
 
 def positive_int(text: str) -> int:
@@ -29,10 +35,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def plural(n: int, word: str) -> str:
+    """``1 adapter``, ``2 adapters``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _parser() -> argparse.ArgumentParser:
     from vllm_lora_ext.cli import convert, fetch, inspect, mix
 
-    p = argparse.ArgumentParser(prog="vllm-lora", description="Inspect and fetch LoRA adapters for vLLM.")
+    p = argparse.ArgumentParser(prog="vllm-lora", description="Inspect, fetch, convert and mix LoRA adapters for vLLM.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     p.add_argument("-q", "--quiet", action="store_true", help="errors only")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,33 +61,88 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
+    text = re.sub(r"(?<=[^.])\.\.(?=\s|$)", ".", " ".join(str(err).split()))  # "…on.. Check" from nested messages
     return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+@contextlib.contextmanager
+def _logging(verbose: int, quiet: bool) -> Iterator[None]:
+    """Our log lines on stderr, once each: the package's logger gets one handler for the command's length, and
+    huggingface_hub keeps its own (no root handler, which would print its retries a second time)."""
+    from huggingface_hub.utils import logging as hf_logging
+
+    level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    ours = logging.getLogger("vllm_lora_ext")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = (ours.level, ours.propagate, hf_logging.get_verbosity())
+    ours.addHandler(handler)
+    ours.setLevel(level)
+    ours.propagate = False
+    hf_logging.set_verbosity(logging.ERROR if quiet else logging.DEBUG if verbose > 1 else logging.WARNING)
+    try:
+        yield
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(saved[0])
+        ours.propagate = saved[1]
+        hf_logging.set_verbosity(saved[2])
+
+
+@contextlib.contextmanager
+def strict_warnings() -> Iterator[None]:
+    """Turn every ``UserWarning``/``RuntimeWarning`` raised from this package's code (torch's included: they carry
+    the module of the Python line that called torch) into an error, for the block. Deprecation notices stay
+    warnings: they never mean a tensor is wrong."""
+    with warnings.catch_warnings():
+        for category in (UserWarning, RuntimeWarning):
+            warnings.filterwarnings("error", category=category, module=r"vllm_lora_ext(\.|$)")
+        yield
+
+
+def _quiet_stdout() -> None:
+    """After a closed stdout: point it at /dev/null, so that the flush at exit raises nothing either."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):  # stdout is no real file (a test's capture): nothing is flushed at exit
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
-                                              logging.INFO if args.verbose else logging.WARNING)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("vllm_lora_ext").setLevel(level)
-    try:
-        return int(args.func(args))
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except (VllmLoraExtError, OSError) as err:
-        if args.verbose > 1:
-            traceback.print_exc()
-        print(f"error: {_one_line(err)}", file=sys.stderr)
-        return 1
-    except Exception as err:  # never a bare traceback: name the failure, keep the traceback for -vv
-        if args.verbose > 1:
-            traceback.print_exc()
-        print(f"error: unexpected {type(err).__name__}: {_one_line(err)} (run with -vv for details)", file=sys.stderr)
-        return 1
+    with _logging(args.verbose, args.quiet):
+        try:
+            with strict_warnings():
+                code = int(args.func(args))
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:  # `vllm-lora inspect X | head`: the reader has what it wanted
+            _quiet_stdout()
+            return 0
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            return 130
+        except (VllmLoraExtError, OSError) as err:
+            if args.verbose > 1:
+                traceback.print_exc()
+            print(f"error: {_one_line(err)}", file=sys.stderr)
+            return 1
+        except Warning as err:
+            if args.verbose > 1:
+                traceback.print_exc()
+            print(f"error: {type(err).__name__} (a warning, refused so that nothing wrong is written): {_one_line(err)}",
+                  file=sys.stderr)
+            return 1
+        except Exception as err:  # never a bare traceback: name the failure, keep the traceback for -vv
+            if args.verbose > 1:
+                traceback.print_exc()
+            print(f"error: unexpected {type(err).__name__}: {_one_line(err)} (run with -vv for details)",
+                  file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,30 +6,39 @@ import argparse
 from typing import Any
 
 from vllm_lora_ext.cli import positive_int
-from vllm_lora_ext.offline_ops import base_config_for, convert_adapter
-from vllm_lora_ext.summary import load_config
-from vllm_lora_ext.outputs import check_output_dir
+from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
+from vllm_lora_ext.offline_writes import convert_adapter
+from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.summary import load_config
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("convert", help="rewrite MoE expert weights as 2D per-expert or PEFT 3D fused keys")
-    p.add_argument("source")
-    p.add_argument("--to", choices=["2d", "3d"], required=True)
-    p.add_argument("-o", "--output", required=True, help="output folder (PEFT format); new or empty")
-    p.add_argument("--force", action="store_true", help="write into a non-empty folder or over the source")
-    p.add_argument("--base-config", default=None,
-                   help="the base model's config.json, its folder, or hf:org/model (needed for 3D inputs)")
-    p.add_argument("--num-experts", type=positive_int, default=None)
+    p = sub.add_parser("convert", help="rewrite MoE expert weights as 2D per-expert or PEFT 3D fused keys",
+                       description="Rewrite an adapter's MoE blocks as 2D per-expert keys or PEFT 3D fused keys; the "
+                                   "delta is kept exactly, dense modules are copied. Each block's E, H, I and projection "
+                                   "names are recorded in the output's weight file, so it converts back bit for bit "
+                                   "without --base-config. A dense adapter, or one already in that layout, is refused.")
+    p.add_argument("source", metavar="SOURCE", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
+    p.add_argument("--to", choices=["2d", "3d"], required=True, help="the layout to write")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (PEFT format); new or empty")
+    p.add_argument("--force", action="store_true", help="replace the adapter in a non-empty folder or over the source")
+    p.add_argument("--base-config", default=None, metavar="CONFIG",
+                   help="the base model's config.json, its folder, or hf:org/model (sizes of 3D inputs)")
+    p.add_argument("--num-experts", type=positive_int, default=None, metavar="N", help="the expert count, where nothing else says it")
+    p.add_argument("--rename", action="store_true",
+                   help="name 2D projections gate_proj/up_proj/down_proj (default: keep the source's, e.g. w1/w3/w2)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
-    out = check_output_dir(args.output, inputs=[resolved.weights_path], force=args.force)
-    base, base_from = base_config_for(load_config(resolved), args.base_config)
-    if base_from and not args.base_config:
-        print(f"base config: {base_from}")
-    convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts)
-    print(f"wrote {out}")
+    require_safetensors(resolved, name=args.source)
+    with claim_output(args.output, inputs=[resolved.weights_path], force=args.force) as out:
+        base, base_from = base_config_for(load_config(resolved, name=args.source), args.base_config)
+        if base_from and not args.base_config:
+            print(f"base config: {base_from}")
+        convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts, rename=args.rename,
+                        name=args.source)
+    print(f"wrote {out.path}")
     return 0

@@ -6,20 +6,25 @@ import argparse
 import json
 from typing import Any
 
-from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.sources import fetch_source
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("fetch", help="pre-download adapters into the HF cache (for offline serving)")
-    p.add_argument("sources", nargs="+", help="hf:org/repo[@rev][:path] sources")
-    p.add_argument("--cache-dir", default=None, help="HF cache folder (default: huggingface_hub's)")
-    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p = sub.add_parser("fetch", help="pre-download adapters into the HF cache (for offline serving)",
+                       description="Download each adapter's weight file and config into the Hugging Face cache and "
+                                   "print the source pinned to its commit. Run it where the Hub is reachable, then "
+                                   "serve with HF_HUB_OFFLINE=1. With HF_HUB_OFFLINE=1 set, it only reports sources "
+                                   "already cached.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="hf:org/repo[@rev][:path] sources")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="HF cache folder (default: huggingface_hub's, from HF_HOME or "
+                                                     "HF_HUB_CACHE)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per source")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     for source in args.sources:
-        r = resolve_source(source, cache_dir=args.cache_dir, local_files_only=False)
+        r = fetch_source(source, cache_dir=args.cache_dir)
         record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
                   "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
                   "config_rule": r.config_rule}

@@ -1,4 +1,5 @@
-"""``vllm-lora inspect SOURCE``: layout, modules, ranks, scaling, dtypes and bytes of an adapter."""
+"""``vllm-lora inspect SOURCE``: layout, modules, ranks, scaling, dtypes and bytes of an adapter, and every problem
+the loader would refuse it for (``problem:`` lines; ``--strict`` exits 1 when there is one)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,31 @@ import json
 import sys
 from typing import Any
 
-from vllm_lora_ext.cli import positive_int
-from vllm_lora_ext.offline_ops import load_base_config
+from vllm_lora_ext.cli import plural, positive_int
+from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
 from vllm_lora_ext.sources import resolve_source
-from vllm_lora_ext.summary import AdapterSummary, summarize_adapter
+from vllm_lora_ext.summary import AdapterSummary, finite_rule, summarize_adapter
 from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="show what an adapter holds (reads headers only)")
-    p.add_argument("source", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
+    p = sub.add_parser("inspect", help="show what an adapter holds (reads headers only, unless --values)",
+                       description="Show an adapter's layout, modules, ranks, alpha, scaling, shapes, dtypes and "
+                                   "bytes, reading headers only, and a problem: line for everything the loader would "
+                                   "refuse or scale wrongly. A fused 3D adapter's sizes come from --base-config, else "
+                                   "from the base model's config.json when its base_model_name_or_path is in the "
+                                   "local Hugging Face cache, else from its own shapes where they allow one reading.")
+    p.add_argument("source", metavar="SOURCE", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors "
+                                                    "file")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all-modules", action="store_true", help="list every module (default: at most 40 rows)")
-    p.add_argument("--base-config", default=None,
+    p.add_argument("--base-config", default=None, metavar="CONFIG",
                    help="the base model's config.json, its folder, or hf:org/model (MoE sizes for 3D adapters)")
-    p.add_argument("--ep-size", type=positive_int, default=None, help="show what each expert-parallel rank would read")
+    p.add_argument("--ep-size", type=positive_int, default=None, metavar="N",
+                   help="show what each expert-parallel rank would read")
+    p.add_argument("--values", action="store_true",
+                   help="also read every factor and report NaN or infinity (the loader refuses them as it reads)")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any problem: line is printed")
     p.set_defaults(func=run)
 
 
@@ -42,7 +53,7 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
     if summary.commit:
         lines.append(f"commit      {summary.commit}")
     lines += [
-        f"layout      {summary.layout}" + (f"  ({len(summary.layers)} MoE blocks: "
+        f"layout      {summary.layout}" + (f"  ({plural(len(summary.layers), 'MoE block')}: "
                                            + ", ".join(sorted(set(summary.layers.values()))) + ")" if summary.layers else ""),
         f"r / alpha   {summary.r} / {summary.lora_alpha:g}" + ("  (rsLoRA)" if summary.use_rslora else ""),
         f"tensors     {summary.num_tensors}, {_fmt_bytes(summary.total_bytes)}",
@@ -63,16 +74,17 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
     return "\n".join(lines)
 
 
-def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) -> dict[str, Any]:
-    from vllm_lora_ext.errors import ExpertLayoutError
+def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *, name: str) -> dict[str, Any]:
+    from vllm_lora_ext.errors import ExpertLayoutError, VllmLoraExtError
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec, plan_experts
-    from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs
+    from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs, recorded_moe_sizes
     from vllm_lora_ext.reader import read_header
     from vllm_lora_ext.summary import load_config
 
     header = read_header(resolved.weights_path)
-    config = load_config(resolved)
+    config = load_config(resolved, name=name)
+    recorded = recorded_moe_sizes(header.metadata)
     groups = group_moe_keys(header.shapes)
     base_from: str | None = "--base-config" if base_config is not None else None
     if base_config is None:
@@ -84,22 +96,27 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
     unsettled: dict[str, str] = {}
     for prefix, group in groups.items():  # block by block: one ambiguous block leaves the others inspected
         try:
-            found, why = infer_moe_specs(group, base_config=base_config, config=config)
+            found, why = infer_moe_specs(group, base_config=base_config, config=config, recorded=recorded)
             specs.update(found)
             notes.update(why)
         except ExpertLayoutError as err:
             unsettled[prefix] = str(err)
     blocks: dict[str, Any] = {}
+    problems: list[str] = []
     for prefix, spec in specs.items():
-        plan = plan_experts(groups[prefix], spec, config=config)
+        try:
+            plan = plan_experts(groups[prefix], spec, config=config, adapter=name)
+        except VllmLoraExtError as err:  # sizes settled, yet the loader would refuse the block
+            problems.append(" ".join(str(err).split()))
+            continue
         blocks[prefix] = {"experts": spec.num_experts, "hidden": spec.hidden, "intermediate": spec.intermediate,
                           "layout": plan.layout, "sizes": notes.get(prefix, ""),
                           "2d": sorted({f"{k.role} r={k.rank}" for k in plan.keys_2d}),
                           "3d": [f"{k.role} {k.orientation} r={k.rank}" for k in plan.keys_3d]}
     for prefix, reason in unsettled.items():
         blocks[prefix] = {"unsettled": reason}
-    report: dict[str, Any] = {"moe_blocks": blocks, "base_config": base_from}
-    if unsettled:
+    report: dict[str, Any] = {"moe_blocks": blocks, "base_config": base_from, "problems": problems}
+    if unsettled or problems:
         ep_size = None  # a read plan needs every block's sizes
     if ep_size:
         report["ep"] = ep_read_plan(header.shapes, header.header_bytes,
@@ -109,17 +126,21 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None) ->
 
 def run(args: argparse.Namespace) -> int:
     resolved = resolve_source(args.source)
-    summary = summarize_adapter(resolved)
+    require_safetensors(resolved, name=args.source)
+    summary = summarize_adapter(resolved, name=args.source,
+                                extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])
     base = load_base_config(args.base_config) if args.base_config else None
     if base is not None:  # modules vLLM would accept and never apply on this base (unapplied.RULES)
         summary.problems.extend(unapplied_problems([m.module for m in summary.modules], traits_from_config(base)))
-    moe = _moe_report(resolved, base, args.ep_size) if summary.layout.startswith("moe") else {}
+    moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
     if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:
         print("note: no EP read plan: some MoE block's sizes are not settled (see below); pass --base-config",
               file=sys.stderr)
+    summary.problems.extend(moe.pop("problems", []))
+    failed = 1 if args.strict and summary.problems else 0
     if args.json:
         print(json.dumps({**summary.to_json(), **moe}, indent=2))
-        return 0
+        return failed
     print(render(summary, max_rows=None if args.all_modules else 40))
     blocks = moe.get("moe_blocks", {})
     if blocks:
@@ -139,4 +160,6 @@ def run(args: argparse.Namespace) -> int:
     for r in moe.get("ep", []):
         first = next(iter(r["experts"].values()))
         print(f"EP rank {r['rank']}: experts {first} of each block, reads {_fmt_bytes(r['bytes'])}")
-    return 0
+    if failed:
+        print(f"error: {plural(len(summary.problems), 'problem')} (--strict)", file=sys.stderr)
+    return failed

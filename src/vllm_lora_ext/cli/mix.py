@@ -1,46 +1,94 @@
-"""``vllm-lora mix SRC=W [SRC=W ...] -o DIR``: write the exact weighted mix as a standard PEFT adapter."""
+"""``vllm-lora mix NAME=W [NAME=W ...] -o DIR``: write the exact weighted mix as a standard PEFT adapter.
+
+A ``NAME`` is looked up in the deployment config given with ``--config``, else in the one
+``VLLM_LORA_EXT_CONFIG`` names; anything that is not a name there is read as a source (a local folder or
+file, ``hf:org/repo``). A missing ``=W`` takes the config's default weight (else 1).
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.deployment import read_deployment_config
-from vllm_lora_ext.errors import MixError
+from vllm_lora_ext.cli import plural
+from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
+from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
+from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.mixing import MAX_MIX_COMPONENTS, check_weight, parse_weight
-from vllm_lora_ext.offline_ops import load_base_config, mix_adapter_files
-from vllm_lora_ext.outputs import check_output_dir
-from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
+from vllm_lora_ext.offline_writes import mix_adapter_files
+from vllm_lora_ext.outputs import claim_output
+from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("mix", help="write Σ w·s·B·A of several adapters (rank concatenation) as one PEFT adapter")
-    p.add_argument("items", nargs="+", help="NAME_OR_SOURCE=WEIGHT (names from --config, else sources)")
-    p.add_argument("-o", "--output", required=True, help="output folder; new or empty")
-    p.add_argument("--force", action="store_true", help="write into a non-empty folder or over a source")
-    p.add_argument("--config", default=None, help="deployment config (names -> sources, default weights)")
-    p.add_argument("--base-config", default=None,
+    p = sub.add_parser("mix", help="write Σ w·s·B·A of several adapters (rank concatenation) as one PEFT adapter",
+                       description="Write the exact weighted mix Σ w·s·B·A of adapters (rank concatenation, no cross "
+                                   "terms) as one standard PEFT adapter with scaling 1 per module. MoE blocks are "
+                                   "written as 2D per-expert keys (3D inputs too); vllm_lora_ext_mix.json beside it "
+                                   "records the inputs' pinned sources and weights. Inputs must fit the same base "
+                                   "model; they are checked as the loader checks them before anything is written.")
+    p.add_argument("items", nargs="+", metavar="NAME_OR_SOURCE=WEIGHT",
+                   help=f"a name from --config (else {ENV_CONFIG}) or a source; '=WEIGHT' defaults to the config's "
+                        f"weight, else 1")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder; new or empty")
+    p.add_argument("--force", action="store_true", help="replace the adapter in a non-empty folder or over a source")
+    p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
+    p.add_argument("--base-config", default=None, metavar="CONFIG",
                    help="the base model's config.json, its folder, or hf:org/model (needed for 3D MoE inputs)")
     p.set_defaults(func=run)
+
+
+def _deployment(option: str | None) -> tuple[DeploymentConfig | None, str]:
+    """The deployment config in use and how it was chosen (for messages)."""
+    if option is not None:
+        path, how = Path(option).expanduser(), f"--config {option}"
+    elif deployment_config_path() is not None:
+        path, how = Path(deployment_config_path() or "").expanduser(), f"{ENV_CONFIG}={deployment_config_path()}"
+    else:
+        return None, f"no deployment config (pass --config FILE or set {ENV_CONFIG})"
+    if not path.is_file():
+        state = "is a folder" if path.is_dir() else "does not exist" if not path.exists() else "is not a regular file"
+        raise DeploymentConfigError(f"Deployment config {str(path)!r} (from {how}) {state}. Name the JSON or YAML file "
+                                    f"that maps adapter names to sources.")
+    try:
+        return read_deployment_config(path), f"deployment config {str(path)!r} (from {how})"
+    except DeploymentConfigError as err:
+        text = str(err).replace(f" Check {ENV_CONFIG}.", "").replace(f"check {ENV_CONFIG} points at", "check it is")
+        raise DeploymentConfigError(f"{text} (from {how})") from err
+
+
+def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[ResolvedAdapter, float]:
+    if dep is not None and name in dep.adapters:
+        entry = dep.adapters[name]
+        return resolve_source(entry.source.canonical()), entry.weight
+    if not name.startswith(HF_PREFIX) and not Path(name).expanduser().exists() and "/" not in name.strip("/"):
+        if dep is None:
+            raise MixError(f"{name!r} is no local adapter folder, and there is {where} to look the name up in. Give a "
+                           f"local adapter folder or hf:org/repo, or name the deployment config.")
+        raise MixError(f"{name!r} is not an adapter name of {where}, and no local folder {name!r} exists. It names "
+                       f"{sorted(dep.adapters)[:10]}. Give a name it defines, a local adapter folder, or hf:org/repo.")
+    return resolve_source(name), 1.0
 
 
 def run(args: argparse.Namespace) -> int:
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
-    dep = read_deployment_config(args.config) if args.config else None
-    pairs = []
+    dep, where = _deployment(args.config)
+    pairs: list[tuple[ResolvedAdapter, float]] = []
+    names: list[str] = []
     for item in args.items:
         name, eq, weight = item.rpartition("=")
         if not eq:
             name, weight = item, ""
-        if dep is not None and name in dep.adapters:
-            source, default = dep.adapters[name].source.canonical(), dep.adapters[name].weight
-        else:
-            source, default = name, 1.0
-        w = parse_weight(weight, name=name) if weight else check_weight(default, name=name)
-        pairs.append((resolve_source(source), w))
-    out = check_output_dir(args.output, inputs=[r.weights_path for r, _ in pairs], force=args.force)
-    base = load_base_config(args.base_config) if args.base_config else None
-    mix_adapter_files(pairs, out, base_config=base)
-    print(f"wrote {out} (rank-concatenated mix of {len(pairs)} adapters)")
+        resolved, default = _resolve_item(name, dep, where)
+        require_safetensors(resolved, name=name)
+        pairs.append((resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
+        names.append(name)
+    with claim_output(args.output, inputs=[r.weights_path for r, _ in pairs], force=args.force) as out:
+        base = load_base_config(args.base_config) if args.base_config else None
+        mix_adapter_files(pairs, out, base_config=base, names=names)
+    used = f"; names from {where}" if dep is not None else ""
+    print(f"wrote {out.path} (rank-concatenated mix of {plural(len(pairs), 'adapter')}{used})")
     return 0

@@ -1,0 +1,99 @@
+"""The README's generated parts: the CLI summary (from the argparse parsers) and the environment-variable table
+(from ``constants.ENV_DOCS``). ``python -m vllm_lora_ext.cli.readme [README.md]`` rewrites both in place;
+``tests/core/test_readme.py`` fails while the README differs from what this module renders.
+
+Each part lies between two HTML comments, ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+__all__ = ["render_cli_summary", "render_env_table", "render_readme"]
+
+CLI_PART = "cli-summary"
+ENV_PART = "env-table"
+
+
+def _metavar(action: argparse.Action) -> str:
+    if action.choices is not None and not isinstance(action.choices, dict):
+        return "|".join(map(str, action.choices))
+    if action.metavar is not None:
+        return str(action.metavar)
+    return action.dest.upper()
+
+
+def _usage_part(action: argparse.Action) -> str:
+    if not action.option_strings:
+        text = _metavar(action)
+        return f"{text} [{text} ...]" if action.nargs in ("+", "*") else text
+    name = action.option_strings[0]
+    text = name if action.nargs == 0 else f"{name} {_metavar(action)}"
+    return text if action.required else f"[{text}]"
+
+
+def _option_name(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return f"`{_metavar(action)}`"
+    names = list(action.option_strings)
+    if action.nargs != 0:
+        names[-1] += f" {_metavar(action)}"
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help != argparse.SUPPRESS]
+
+
+def render_cli_summary(parser: argparse.ArgumentParser | None = None) -> str:
+    """Return the markdown summary of every ``vllm-lora`` command and option, from the parsers themselves."""
+    from vllm_lora_ext.cli import _parser
+
+    parser = parser or _parser()
+    top = _arguments(parser)
+    lines = [f"- `vllm-lora {' '.join(_usage_part(a) for a in top)} COMMAND ...`: "
+             + "; ".join(f"{_option_name(a)}: {a.help}" for a in top) + "."]
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in subs._choices_actions}
+    for name, sub in subs.choices.items():
+        args = _arguments(sub)
+        lines.append(f"- `vllm-lora {name} {' '.join(_usage_part(a) for a in args)}`: {helps.get(name) or ''}.")
+        if sub.description:
+            lines.append(f"  {sub.description}")
+        lines += [f"  - {_option_name(a)}: {a.help}" for a in args if a.help]
+    return "\n".join(lines)
+
+
+def render_env_table() -> str:
+    """Return the markdown table of every ``VLLM_LORA_EXT_*`` variable, from ``constants.ENV_DOCS``."""
+    from vllm_lora_ext.constants import ENV_DOCS
+
+    rows = [f"| `{name}{setting}` | {effect} |" for name, (setting, effect) in ENV_DOCS.items()]
+    return "\n".join(["| variable | effect |", "|---|---|", *rows])
+
+
+def _replace(text: str, part: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- generated: {part} [^\n]*-->\n)(.*?)(<!-- end: {part} -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README has no '<!-- generated: {part} ... -->' ... '<!-- end: {part} -->' section")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
+
+
+def render_readme(text: str) -> str:
+    """Return ``text`` (a README) with both generated parts rendered anew."""
+    return _replace(_replace(text, CLI_PART, render_cli_summary()), ENV_PART, render_env_table())
+
+
+def generated_part(text: str, part: str) -> str:
+    """Return what a README holds in one generated part (for the test that compares it)."""
+    match = re.search(rf"<!-- generated: {part} [^\n]*-->\n(.*?)<!-- end: {part} -->", text, re.S)
+    return match.group(1).removesuffix("\n") if match else ""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    path.write_text(render_readme(path.read_text()))

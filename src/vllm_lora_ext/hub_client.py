@@ -1,0 +1,205 @@
+"""The only code that talks to huggingface_hub ([`HubClient`]), and what it says when the Hub cannot be used.
+
+huggingface_hub retries a file it cannot find in the cache for about 25 s when the network is down (five
+retries, 1 to 8 s apart). Before such a download, [`hub_unreachable`] makes one TCP connection to the
+endpoint: a refused connection, an unknown host or an unreachable network fails at once, with the
+messages below, which name offline mode whenever it is on and give the concrete settings
+(``HF_HUB_OFFLINE``, ``HF_ENDPOINT``, the cache folder). A connection that is slow to answer, or any proxy
+setting, leaves the decision to huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from vllm_lora_ext import diskcache
+from vllm_lora_ext._progress import logging_tqdm_class
+from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
+from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
+
+if TYPE_CHECKING:  # sources.py imports this module; only the type comes from there
+    from vllm_lora_ext.sources import AdapterSource
+
+__all__ = ["HubClient", "hub_endpoint", "hub_cache", "hub_unreachable", "offline_message", "unreachable_message"]
+
+_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+_DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
+PROBE_SECONDS = 1.5
+
+
+def hub_endpoint() -> str:
+    """Return the Hub endpoint huggingface_hub uses (``HF_ENDPOINT``, read by it at import)."""
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT)
+
+
+def hub_cache(cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """Return the Hugging Face cache folder in use (``cache_dir``, else ``HF_HUB_CACHE``/``HF_HOME``'s)."""
+    from huggingface_hub import constants
+
+    return os.fspath(cache_dir) if cache_dir is not None else str(constants.HF_HUB_CACHE)
+
+
+def hub_unreachable(endpoint: str | None = None) -> str | None:
+    """Return why the Hub endpoint certainly cannot be reached (one TCP connection), or ``None``.
+
+    ``None`` also where the answer is not certain: a proxy is set, or the connection does not answer within
+    1.5 s (huggingface_hub then decides, with its own timeouts and retries).
+    """
+    if proxy_configured():
+        return None
+    url = urlsplit(endpoint or hub_endpoint())
+    host = url.hostname
+    if not host:
+        return None
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError:
+        return None
+    found: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_SECONDS):
+                found.append(None)
+        except socket.gaierror as err:
+            found.append(f"host {host!r} is unknown: {err.strerror or err}")
+        except OSError as err:
+            found.append(f"{err.strerror or err}" if err.errno in _DEFINITE else None)
+
+    worker = threading.Thread(target=attempt, name="vllm-lora-ext-hub-probe", daemon=True)
+    worker.start()
+    worker.join(PROBE_SECONDS + 0.2)
+    return found[0] if found else None
+
+
+def _offline_setting() -> str:
+    return "offline mode is on (HF_HUB_OFFLINE=1)" if hf_offline() else "the Hub may not be contacted (local_files_only)"
+
+
+def offline_message(what: str, filename: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None,
+                    fix: str) -> str:
+    """The message for a file that is not cached while the Hub may not be asked."""
+    return (f"{what} is not in the local Hugging Face cache ({filename!r} at revision {revision or 'main'!r}; cache "
+            f"{hub_cache(cache_dir)!r}), and {_offline_setting()}, so the Hub was not asked. {fix}")
+
+
+def unreachable_message(what: str, filename: str, reason: str, *, cache_dir: str | os.PathLike[str] | None,
+                        fix: str) -> str:
+    """The message for a file that is not cached while the Hub does not answer."""
+    return (f"Could not reach the Hugging Face Hub at {hub_endpoint()!r} ({reason.rstrip('.')}) for {what}, and "
+            f"{filename!r} is not in the local cache ({hub_cache(cache_dir)!r}). Check the network, or set HF_ENDPOINT "
+            f"to a Hub or mirror that answers. {fix}")
+
+
+class HubClient:
+    """The only code that talks to huggingface_hub: one call per file, errors mapped to ours."""
+
+    def __init__(self, src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None,
+                 local_files_only: bool, label: str = "adapter source", fetching: bool = False) -> None:
+        self.src = src
+        self.cache_dir = cache_dir
+        self.token = token
+        self.local_only = local_files_only
+        self.label = label  # what the source is, in messages: "adapter source" or "base model"
+        self.fetching = fetching  # the caller is 'vllm-lora fetch' (its advice is not to run it)
+        self.downloaded = False  # whether any fetch had to download (a cache miss)
+
+    def _no_hub(self, filename: str, revision: str | None, reason: str | None) -> AdapterNotFoundError:
+        """The error for a file that is not cached while the Hub may not be asked (``reason=None``) or does not answer."""
+        raw, repo = self.src.raw, self.src.repo_id
+        what = f"{self.label.capitalize()} {raw!r}"
+        if self.label != "adapter source":
+            fix = (f"Download it where the Hub is reachable ('hf download {repo} {filename}' into this cache), or pass "
+                   f"the model's config.json or its folder to --base-config" + (", or unset HF_HUB_OFFLINE." if
+                                                                                 reason is None else "."))
+        elif self.fetching:
+            fix = ("'vllm-lora fetch' downloads only with offline mode off: unset HF_HUB_OFFLINE (or set it to 0) and "
+                   "run it again." if reason is None else "Then run it again; HF_HOME or HF_HUB_CACHE choose the cache.")
+        elif reason is None:
+            fix = (f"Run 'vllm-lora fetch {raw}' where the Hub is reachable (with this HF_HOME or HF_HUB_CACHE), or "
+                   f"unset HF_HUB_OFFLINE to download it here.")
+        else:
+            fix = (f"To work from the cache only, fill it with 'vllm-lora fetch {raw}' where the Hub is reachable, "
+                   f"then set HF_HUB_OFFLINE=1.")
+        message = (offline_message(what, filename, revision, cache_dir=self.cache_dir, fix=fix) if reason is None
+                   else unreachable_message(f"{self.label} {raw!r}", filename, reason, cache_dir=self.cache_dir, fix=fix))
+        return AdapterNotFoundError(message, source=raw, revision=revision)
+
+    def fetch(self, filename: str, revision: str | None) -> Path | None:
+        """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import errors as hf_errors
+
+        cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
+        try:  # one cache lookup: it answers a pinned sha outright, and tells a cache hit from a download
+            cached = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir)
+        except Exception:  # e.g. an unusual cache layout: hf_hub_download below decides
+            cached = None
+        if revision is not None and _COMMIT_SHA.match(revision):
+            if isinstance(cached, str):
+                return Path(cached)
+            if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
+                return None
+        if not self.local_only and not isinstance(cached, str):  # a download: not ~25 s of retries for nothing
+            reason = hub_unreachable()
+            if reason is not None:
+                raise self._no_hub(filename, revision, reason)
+        try:
+            path = Path(diskcache.download_file(  # hf_hub_download within the disk cache bound
+                self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
+                token=self.token, local_files_only=self.local_only,
+                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
+            ))
+            if not isinstance(cached, str) or Path(cached) != path:
+                self.downloaded = True
+            return path
+        except hf_errors.GatedRepoError as err:
+            raise AdapterNotFoundError(
+                f"Repo {self.src.repo_id!r} of {self.label} {self.src.raw!r} is gated and this token has no access. "
+                f"Accept its terms on the Hub and set HF_TOKEN.", source=self.src.raw, revision=revision) from err
+        except hf_errors.RepositoryNotFoundError as err:
+            raise AdapterNotFoundError(
+                f"Repo {self.src.repo_id!r} of {self.label} {self.src.raw!r} was not found (or is private). "
+                f"Check the repo id, or set HF_TOKEN for a private repo.", source=self.src.raw, revision=revision) from err
+        except hf_errors.RevisionNotFoundError as err:
+            raise AdapterNotFoundError(
+                f"Revision {revision!r} of {self.label} {self.src.raw!r} was not found in repo {self.src.repo_id!r}. "
+                f"Give an existing branch, tag or commit sha.", source=self.src.raw, revision=revision) from err
+        except hf_errors.LocalEntryNotFoundError as err:
+            raise self._no_hub(filename, revision, None if self.local_only else str(err)) from err
+        except hf_errors.EntryNotFoundError:
+            return None
+        except (hf_errors.HfHubHTTPError, OSError, ConnectionError) as err:
+            raise AdapterDownloadError(
+                f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {str(err).rstrip('.')}. Retry; a "
+                f"partial file is not kept in the cache.", source=self.src.raw) from err
+        except Exception as err:  # httpx transport errors have no common base with the above
+            if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
+                raise AdapterDownloadError(
+                    f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {err!r}. Retry; a partial "
+                    f"file is not kept in the cache.", source=self.src.raw) from err
+            raise
+
+
+    def weight_files(self, revision: str | None) -> list[str]:
+        """Return the repo's ``.safetensors`` paths (for an error message; empty offline or on any failure)."""
+        if self.local_only:
+            return []
+        try:
+            from huggingface_hub import HfApi
+
+            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token)
+            files = [s.rfilename for s in info.siblings or []]
+        except Exception:  # only an error message depends on it
+            return []
+        return sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX))

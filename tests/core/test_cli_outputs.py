@@ -1,0 +1,136 @@
+"""`convert`/`mix` outputs are written whole or not at all (issue 35, item 6): a temporary folder swapped in by one
+rename, under an exclusive lock on the target; an interrupted or killed write leaves the old adapter as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from factories import make_dense_adapter
+from vllm_lora_ext.cli import main
+from vllm_lora_ext.outputs import claim_output, write_atomically
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _beside(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
+
+
+def test_a_folder_another_command_is_writing_is_refused_and_nothing_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dense_adapter(tmp_path / "a")
+    with claim_output(tmp_path / "out"):
+        assert main(["mix", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "out")]) == 1
+        assert capsys.readouterr().err.strip() == (
+            f"error: Output folder '{tmp_path / 'out'}' is being written by another vllm-lora command (it holds "
+            f"'{tmp_path / '.out.lock'}'). Wait for it to finish, or choose another folder.")
+        assert not (tmp_path / "out").exists()
+    assert _beside(tmp_path / "out") == []  # the lock file goes with the lock
+
+
+def test_two_mixes_started_together_into_one_new_folder_do_not_both_succeed(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "a", seed=1)
+    make_dense_adapter(tmp_path / "b", seed=2)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": SRC}
+    runs = [subprocess.Popen([sys.executable, "-m", "vllm_lora_ext.cli", "mix", f"{tmp_path / w}=0.5", "-o",
+                              str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for w in ("a", "b")]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in runs if p.stderr is not None]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    err = next(e for code, e in results if code == 1)
+    assert "is being written by another vllm-lora command" in err or "is not empty" in err, err
+    provenance = json.loads((tmp_path / "out" / "vllm_lora_ext_mix.json").read_text())
+    winner = "a" if provenance["adapters"][0][0].endswith("/a") else "b"
+    assert _beside(tmp_path / "out") == [] and provenance["adapters"] == [[str(tmp_path / winner), 0.5]]
+
+
+def test_mix_force_over_an_adapter_replaces_weights_and_config_together_and_keeps_other_files(
+        tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "a", seed=1, rank=4)
+    make_dense_adapter(tmp_path / "out", seed=2, rank=8)
+    (tmp_path / "out" / "README.md").write_text("notes")
+    assert main(["mix", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "out"), "--force"]) == 0
+    assert sorted(_files(tmp_path / "out")) == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                                                "vllm_lora_ext_mix.json"]
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+    assert (tmp_path / "out" / "README.md").read_text() == "notes" and _beside(tmp_path / "out") == []
+
+
+def test_a_write_interrupted_before_the_swap_leaves_the_old_adapter_whole(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "out", seed=2)
+    before = _files(tmp_path / "out")
+
+    def write(tmp: Path) -> None:
+        (tmp / "adapter_model.safetensors").write_bytes(b"new weights")
+        raise KeyboardInterrupt  # Ctrl-C between the weights and the config
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(tmp_path / "out", write)
+    assert _files(tmp_path / "out") == before and _beside(tmp_path / "out") == []
+
+
+def test_a_killed_write_leaves_the_old_adapter_whole_and_the_next_write_removes_its_leftovers(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "out", seed=2)
+    before = _files(tmp_path / "out")
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from vllm_lora_ext.outputs import write_atomically
+
+        def write(tmp):
+            (tmp / "adapter_model.safetensors").write_bytes(b"new weights")
+            Path({str(tmp_path / 'ready')!r}).touch()
+            time.sleep(600)
+
+        write_atomically(Path({str(tmp_path / 'out')!r}), write)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": f"{SRC}:{TESTS}"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "ready").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert _files(tmp_path / "out") == before
+    assert [n for n in _beside(tmp_path / "out") if ".tmp-" in n]  # a SIGKILL leaves its temporary folder...
+    write_atomically(tmp_path / "out", lambda tmp: (tmp / "adapter_config.json").write_text("{}"))
+    assert _beside(tmp_path / "out") == []  # ...which the next write to that folder removes under the lock
+    assert (tmp_path / "out" / "adapter_config.json").read_text() == "{}"
+
+
+def test_an_old_adapter_left_aside_by_a_killed_fallback_swap_is_put_back_by_the_next_claim(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "aside" / "old", seed=2)  # where the fallback swap keeps it between its renames
+    before = _files(tmp_path / "aside" / "old")
+    (tmp_path / "aside").rename(tmp_path / ".out.old-x1")  # ...killed before the new folder was renamed in
+    with claim_output(tmp_path / "out", force=True):
+        assert _files(tmp_path / "out") == before
+    assert _beside(tmp_path / "out") == []
+
+
+def test_without_rename_exchange_the_fallback_swap_replaces_the_folder_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext import outputs
+
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    make_dense_adapter(tmp_path / "a", seed=1, rank=4)
+    make_dense_adapter(tmp_path / "out", seed=2, rank=8)
+    (tmp_path / "out" / "README.md").write_text("notes")
+    assert main(["mix", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "out"), "--force"]) == 0
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
+    assert (tmp_path / "out" / "README.md").read_text() == "notes" and _beside(tmp_path / "out") == []
