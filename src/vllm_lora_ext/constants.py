@@ -270,3 +270,31 @@ def drop_unapplied() -> frozenset[str]:
     (``VLLM_LORA_EXT_DROP_UNAPPLIED``, a comma-separated list such as ``kv_b_proj``; unset, the default: none)."""
     raw = os.environ.get(ENV_DROP_UNAPPLIED, "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+# The fused-MoE LoRA kernels compiled at start-up (integration/warmup.py): 0 turns it off; the token counts it runs.
+ENV_MOE_WARMUP = "VLLM_LORA_EXT_MOE_WARMUP"
+ENV_MOE_WARMUP_TOKENS = "VLLM_LORA_EXT_MOE_WARMUP_TOKENS"
+
+
+def moe_warmup_enabled() -> bool:
+    """Return whether an engine with MoE LoRA layers compiles their kernels before it reports ready
+    (``VLLM_LORA_EXT_MOE_WARMUP``, default on)."""
+    return _env_on(ENV_MOE_WARMUP)
+
+
+def moe_warmup_tokens() -> list[int] | None:
+    """Return the batch token counts the MoE LoRA warm-up runs (``VLLM_LORA_EXT_MOE_WARMUP_TOKENS``, comma-separated
+    positive integers; unset: ``None``, the default sweep).
+
+    Raises:
+        ValueError: the value is not a comma-separated list of positive integers.
+    """
+    raw = os.environ.get(ENV_MOE_WARMUP_TOKENS, "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{ENV_MOE_WARMUP_TOKENS}={raw[:200]!r} is not a comma-separated list of positive token "
+                         f"counts. Set it like '1,2,4,32,48', or unset it for the default sweep.")
+    return sorted({int(p) for p in parts})

@@ -34,6 +34,7 @@ ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
 LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"
 LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"
+GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 
 
 # Where vLLM keeps create_error_response, newest first (found by feature, not by version string).

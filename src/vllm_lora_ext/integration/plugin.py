@@ -26,6 +26,7 @@ from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
     BASE_SERVING_MODULE,
+    GPU_WORKER_MODULE,
     LLM_ENGINE_MODULE,
     LORA_EXPAND_OP_MODULE,
     LORA_SHRINK_OP_MODULE,
@@ -46,6 +47,7 @@ from vllm_lora_ext.integration.patching import (
     undo_all,
 )
 from vllm_lora_ext.integration.prebuild import is_probe
+from vllm_lora_ext.integration.warmup import make_compile_or_warm_up_model
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +312,11 @@ PATCHES: tuple[Patch, ...] = (
                 "fused-MoE LoRA kernels away from vLLM's own config choice",
             delete_when="vLLM ships tuned shrink/expand configs for these GPUs, or reads a tuned folder per op type")
       for module, op in ((LORA_SHRINK_OP_MODULE, "shrink"), (LORA_EXPAND_OP_MODULE, "expand"))),
+    Patch(GPU_WORKER_MODULE, "Worker.compile_or_warm_up_model", (), make_compile_or_warm_up_model,
+          why="vLLM's warm-up runs with no active LoRA, so the fused-MoE LoRA Triton kernels compile inside the first "
+              "step with an MoE adapter (seconds, pausing every request in flight; issue 39 item 3): run dummy LoRA "
+              "batches first (integration/warmup.py; VLLM_LORA_EXT_MOE_WARMUP=0 skips them)",
+          delete_when="vLLM's warm-up runs its dummy LoRAs through the MoE LoRA kernels for eager batch sizes"),
 )
 
 
