@@ -35,9 +35,10 @@ class _Runner:
     def get_model(self) -> torch.nn.Module:
         return self.model
 
-    def _dummy_run(self, num_tokens: int, **kwargs: Any) -> None:
-        assert kwargs["remove_lora"] is False and kwargs["skip_eplb"] is True
-        self.runs.append((num_tokens, kwargs["num_active_loras"], kwargs["cudagraph_runtime_mode"]))
+    def _dummy_run(self, num_tokens: int, cudagraph_runtime_mode: Any = None, skip_eplb: bool = False,
+                   remove_lora: bool = True, num_active_loras: int = 0) -> None:
+        assert remove_lora is False and skip_eplb is True
+        self.runs.append((num_tokens, num_active_loras, cudagraph_runtime_mode))
 
     def maybe_remove_all_loras(self, lora_config: Any) -> None:
         self.removed += 1
@@ -126,3 +127,22 @@ def test_kernel_variant_counts_name_the_fused_moe_lora_kernels_or_nothing_before
     counts = moe_lora_kernel_variants()
     # On a machine without a GPU vLLM's Triton placeholder stands in for the kernels: no counts, and no error.
     assert all(name.startswith("_fused_moe_lora") and n >= 0 for name, n in counts.items())
+
+
+def test_a_runner_whose_dummy_run_takes_no_loras_is_left_alone_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    class _OtherRunner(_Runner):
+        def _dummy_run(self, num_tokens: int) -> None:  # type: ignore[override]
+            raise AssertionError("must not be called")
+
+    runner = _OtherRunner(_moe_lora_model(), max_loras=2)
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.integration.warmup"):
+        assert warm_up_moe_lora(runner) == 0
+    assert "does not take dummy LoRAs" in caplog.text
+
+
+def test_vllms_gpu_model_runner_takes_the_warm_up_arguments() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
+
+    assert runner_dummy_runs_with_loras(GPUModelRunner)  # the class: its _dummy_run's signature, no GPU needed

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_lora_ext.constants import moe_warmup_enabled, moe_warmup_tokens
+from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ def warm_up_moe_lora(runner: Any) -> int:
     if lora_config is None or not moe_warmup_enabled():
         return 0
     if not has_moe_lora_layers(runner.get_model()):
+        return 0
+    if not runner_dummy_runs_with_loras(runner):
+        logger.warning("not warming up the fused-MoE LoRA kernels: %s._dummy_run does not take dummy LoRAs here; "
+                       "the first MoE adapter request compiles them in its step", type(runner).__name__)
         return 0
     from vllm.config import CUDAGraphMode
 
