@@ -34,10 +34,14 @@ whose mix stock serves as a composite); the control is stock's effect of another
 prompts, which must be far off. Pass: error <= 0.25 with a control >= 0.75 (else
 "uninformative").
 
-Partial results are written to ``--out`` (default ``bench/results/moe_decode.json``) after every block.
+Partial results are written to ``--out`` (default ``bench/results/moe_decode.json``) after every rep (engines
+together) or block (in turn). Writing the adapters takes minutes at 24-48 layers: ``--prepare-only --workdir W``
+writes them in one call and a later call with ``--workdir W`` reuses them. At 48 layers the plugin engine holds
+16 adapters and 16 rank-32 mixes in host memory (about 80 GB), and the alternating blocks with fresh engines take
+longer than ten minutes: run it in the background (``nohup ... &``) and read the partial JSON.
 
 Usage: python bench/bench_moe_decode.py [--layers 24] [--reps 5] [--tokens 128] [--cases base,one,distinct,mixes]
-       [--variants stock,plugin] [--block-reps 2] [--composites 4] [--out FILE]
+       [--variants stock,plugin] [--block-reps 2] [--composites 4] [--workdir W [--prepare-only]] [--out FILE]
 """
 
 from __future__ import annotations
@@ -90,10 +94,11 @@ def write_adapters(root: Path, layers: int) -> list[str]:
         if (d / "adapter_config.json").exists():  # a --workdir written before, with the same --layers
             paths.append(str(d))
             continue
+        signed = {k: (x * sign if k.startswith("b") else x).bfloat16() for k, x in pool.items()}
         t: dict[str, Any] = {}
         for layer in range(layers):
             shift = 7 * n + layer
-            v = {k: (x.roll(shift, 0) * (sign if k.startswith("b") else 1)).bfloat16() for k, x in pool.items()}
+            v = {k: x.roll(shift, 0) for k, x in signed.items()}
             p = f"base_model.model.model.layers.{layer}"
             for e in range(E):
                 q = f"{p}.mlp.experts.{e}"
@@ -168,7 +173,7 @@ def engine_main(conn: Any, variant: str, spec: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     graphs = {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]}
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enable_lora=True,
-              max_lora_rank=spec["max_lora_rank"], max_loras=SLOTS, max_cpu_loras=64, max_num_seqs=64,
+              max_lora_rank=spec["max_lora_rank"], max_loras=SLOTS, max_cpu_loras=40, max_num_seqs=64,
               max_num_batched_tokens=2048, max_model_len=512, gpu_memory_utilization=spec["util"], seed=0,
               hf_overrides={"num_hidden_layers": spec["layers"]}, compilation_config=graphs)
     start_s = time.perf_counter() - t0
@@ -204,22 +209,35 @@ class Engines:
             parent, child = mp.get_context("spawn").Pipe()
             p = mp.get_context("spawn").Process(target=engine_main, args=(child, variant, self.spec))
             p.start()
+            child.close()  # the child's end lives in the child only: its death reads as end of file here
         finally:
             os.environ.clear()
             os.environ.update(base_env)
-        if not parent.poll(timeout):  # a child that died (or hangs) must not hold the GPU until the limit
-            p.kill()
-            raise SystemExit(f"{variant}: engine not up in {timeout:.0f} s (exit code {p.exitcode})")
-        info = parent.recv()
         self.procs[variant] = (p, parent)
+        info = self._answer(variant, timeout, "start")
         self.starts.setdefault(variant, []).append(info["start_s"])
         print(f"{variant}: engine up in {info['start_s']:.0f} s", flush=True)
 
+    def _answer(self, variant: str, timeout: float, what: str) -> Any:
+        """The engine's next answer; a dead or hung engine is killed (it must not hold the GPU until the limit)."""
+        p, conn = self.procs[variant]
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if conn.poll(5):
+                try:
+                    return conn.recv()
+                except EOFError:
+                    break
+            if not p.is_alive():
+                break
+        p.kill()
+        p.join(10)
+        self.procs.pop(variant)
+        raise SystemExit(f"{variant}: no answer to {what} (engine exit code {p.exitcode}); see its log above")
+
     def ask(self, variant: str, cmd: str, case: str) -> Any:
         self.procs[variant][1].send((cmd, case))
-        if not self.procs[variant][1].poll(560):
-            raise SystemExit(f"{variant}: no answer to {cmd} {case} in 560 s")
-        return self.procs[variant][1].recv()
+        return self._answer(variant, 560, f"{cmd} {case}")
 
     def stop(self, variant: str) -> None:
         p, conn = self.procs.pop(variant)
@@ -230,8 +248,9 @@ class Engines:
 
 
 def run_block(eng: Engines, variants: list[str], cases: list[str], reps: int, secs: dict[str, Any],
-              first_rep: int) -> None:
-    """Warm every case once, then ``reps`` reps, interleaved over the engines alive (who goes first alternates)."""
+              first_rep: int, on_rep: Any = None) -> None:
+    """Warm every case once, then ``reps`` reps, interleaved over the engines alive (who goes first alternates);
+    ``on_rep()`` after each rep."""
     for case in cases:
         for v in variants:
             eng.ask(v, "run", case)
@@ -239,6 +258,8 @@ def run_block(eng: Engines, variants: list[str], cases: list[str], reps: int, se
         for case in cases:
             for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
                 secs[v][case].append(eng.ask(v, "run", case))
+        if on_rep is not None:
+            on_rep()
 
 
 def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], composites: int) -> dict[str, Any]:
@@ -315,7 +336,8 @@ def run(args: argparse.Namespace, spec: dict[str, Any], plan: dict[str, Any], va
         if plan["together"]:
             for v in variants:  # one at a time: vLLM checks free memory when an engine starts
                 eng.start(v)
-            run_block(eng, variants, cases, args.reps, secs, 0)
+            run_block(eng, variants, cases, args.reps, secs, 0, on_rep=lambda: write_json(
+                "moe_decode", _payload(args, plan, eng, secs, logprobs, cases, True), out))
             logprobs = {v: collect_logprobs(eng, v, cases) for v in variants}
         else:
             done = 0
@@ -346,21 +368,14 @@ def main() -> None:
     ap.add_argument("--composites", type=int, default=4, help="mixes saved as PEFT adapters for stock (1-16)")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="default: 32 with the mixes case, else 16")
     ap.add_argument("--workdir", default=None, help="reuse the adapters written there by a run with the same --layers")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the adapters and composites into --workdir and stop (a later call reuses them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants, cases = args.variants.split(","), args.cases.split(",")
     if "base" not in cases:
         raise SystemExit("--cases must include base (every ratio is against it)")
-    import torch
-
-    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     rank = args.max_lora_rank or (2 * RANK if "mixes" in cases else RANK)
-    plan = {**memory_plan(args.layers, rank, total_gb, len(variants)), "max_lora_rank": rank,
-            "card": torch.cuda.get_device_name(0)}
-    print(f"memory plan: {plan}", flush=True)
-    if plan["need_gb"] > 0.92 * total_gb:
-        raise SystemExit(f"one engine needs about {plan['need_gb']} GB of this {plan['card_gb']} GB card: "
-                         f"give fewer --layers (each is about {1.246 + SLOTS * rank * 2.2e-3:.1f} GB)")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-moe-decode-"))
     model = work / "qwen3-30b-a3b"
     model.mkdir(parents=True, exist_ok=True)
@@ -370,8 +385,19 @@ def main() -> None:
     adapters = write_adapters(work / "adapters", args.layers)
     composites = (write_composites(work / "composites", adapters, args.composites, cfg)
                   if "mixes" in cases and "stock" in variants else [])
-    print(f"{N_ADAPTERS} adapters and {len(composites)} composites written in {time.perf_counter() - t0:.0f} s",
+    print(f"{N_ADAPTERS} adapters and {len(composites)} composites in {work} in {time.perf_counter() - t0:.0f} s",
           flush=True)
+    if args.prepare_only:
+        return
+    import torch
+
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    plan = {**memory_plan(args.layers, rank, total_gb, len(variants)), "max_lora_rank": rank,
+            "card": torch.cuda.get_device_name(0)}
+    print(f"memory plan: {plan}", flush=True)
+    if plan["need_gb"] > 0.92 * total_gb:
+        raise SystemExit(f"one engine needs about {plan['need_gb']} GB of this {plan['card_gb']} GB card: "
+                         f"give fewer --layers (each is about {1.246 + SLOTS * rank * 2.2e-3:.1f} GB)")
     spec = {"model": str(model), "layers": args.layers, "max_lora_rank": rank, "util": plan["gpu_memory_utilization"],
             "tokens": args.tokens, "adapters": adapters, "composites": composites, "cases": cases}
     payload = run(args, spec, plan, variants, cases)
