@@ -94,9 +94,9 @@ def test_the_warm_up_runs_every_token_count_with_one_two_and_all_adapters(monkey
     monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP", raising=False)
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1, 3,48")
     runner = _Runner(_moe_lora_model(), max_loras=4, max_num_tokens=32)
-    assert warm_up_moe_lora(runner) == 3
-    # 48 is over max_num_tokens; a batch of n tokens holds at most n adapters
-    assert [(n, k) for n, k, _ in runner.runs] == [(1, 1), (3, 1), (3, 2)]
+    assert warm_up_moe_lora(runner) == 4
+    # 48 is over max_num_tokens; a batch of n tokens holds at most n adapters, so 3 tokens run on 1, 2 and 3
+    assert [(n, k) for n, k, _ in runner.runs] == [(1, 1), (3, 1), (3, 2), (3, 3)]
     assert {mode for _, _, mode in runner.runs} == {CUDAGraphMode.NONE}  # eager: nothing captured here
     assert runner.removed == 1  # the dummy adapters leave their slots
 

@@ -20,7 +20,7 @@ vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for
 - 2^k, 2^k + 1 and 3·2^(k-1) above that, ``max_num_seqs``, and ``max_num_batched_tokens``: larger decode and
   prefill batches (a count between these may still compile a variant of its own; name it in
   ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` if it matters);
-- with 1, 2 and ``max_loras`` distinct adapters (those at most ``max_loras``).
+- with 1, 2 and ``max_loras`` distinct adapters (at most one per token: a batch of 3 tokens runs with 1, 2, 3).
 
 ``VLLM_LORA_EXT_MOE_WARMUP=0`` turns it off; ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS=1,2,48`` names the token counts
 instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; anything else is untouched.
@@ -105,9 +105,7 @@ def warm_up_moe_lora(runner: Any) -> int:
     runs = 0
     try:
         for n_tokens in tokens:
-            for n_loras in loras:
-                if n_loras > n_tokens:
-                    continue
+            for n_loras in sorted({min(n, n_tokens) for n in loras}):  # a batch of n tokens holds <= n adapters
                 runner._dummy_run(n_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
                                   remove_lora=False, num_active_loras=n_loras)
                 runs += 1
