@@ -19,7 +19,8 @@ printed beside each, from the same run.
 
 Engines and GPU memory. An engine needs about 1.25 GB of bf16 weights per layer plus 1.25 GB (embeddings and
 head: 61 GB at 48 layers), ``max_loras`` x layers x rank x 2.2 MB of LoRA slots (16 x 48 x 32: 54 GB), and about
-6 GB for the KV cache, activations and graphs. When two such engines fit in 92% of the card, stock and plugin are
+6 GB for the KV cache, activations and graphs; the plugin may also stage up to 8 GiB of built adapters on the GPU
+outside vLLM's budget. When two such engines and that fit in 95% of the card, stock and plugin are
 alive at once (each with ``gpu_memory_utilization`` = its need / the card) and driven in turn, rep by rep, case
 by case, who goes first alternating. When they do not (48 layers on an H200: 2 x 121 GB), they run one after the
 other in the same call, in alternating blocks of ``--block-reps`` reps (stock, plugin, stock, plugin, ...), each
@@ -66,15 +67,16 @@ GOALS = {"one": ("base", 0.90), "distinct": ("base", 0.85), "mixes": ("distinct"
 ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}}
 
 
-def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int) -> dict[str, Any]:
-    """Each engine's GPU need (GB) and whether ``n_engines`` fit at once (92% of ``total_gb``)."""
+def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int, staging_gb: float) -> dict[str, Any]:
+    """Each engine's GPU need (GB) and whether ``n_engines`` fit at once, with ``staging_gb`` beside them (the
+    plugin's GPU staging of built adapters, outside vLLM's budget), in 95% of ``total_gb``."""
     weights = 1.246 * layers + 1.245
     slots = SLOTS * layers * rank * 2.2e-3
     need = weights + slots + 6.0
-    together = n_engines * need <= 0.92 * total_gb
+    together = n_engines * need + staging_gb <= 0.95 * total_gb
     util = min(0.92, need / total_gb + 0.01) if not together else need / total_gb + 0.01
     return {"weights_gb": round(weights, 1), "lora_slots_gb": round(slots, 1), "need_gb": round(need, 1),
-            "card_gb": round(total_gb, 1), "together": together, "gpu_memory_utilization": round(util, 3)}
+            "card_gb": round(total_gb, 1), "staging_gb": staging_gb, "together": together, "gpu_memory_utilization": round(util, 3)}
 
 
 def write_adapters(root: Path, layers: int) -> list[str]:
@@ -392,7 +394,8 @@ def main() -> None:
     import torch
 
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    plan = {**memory_plan(args.layers, rank, total_gb, len(variants)), "max_lora_rank": rank,
+    staging = 8 * 2**30 / 1e9 if "plugin" in variants else 0.0  # VLLM_LORA_EXT_STAGE_GPU_BYTES' default
+    plan = {**memory_plan(args.layers, rank, total_gb, len(variants), staging), "max_lora_rank": rank,
             "card": torch.cuda.get_device_name(0)}
     print(f"memory plan: {plan}", flush=True)
     if plan["need_gb"] > 0.92 * total_gb:
