@@ -85,7 +85,8 @@ def write_adapters(root: Path, layers: int) -> list[str]:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
-    pool = {"a13": torch.randn(E, RANK, H, generator=g) * 0.01, "b13": torch.randn(E, 2 * I, RANK, generator=g) * 0.01,
+    pool = {"a13": torch.randn(E, RANK, H, generator=g) * 0.01,
+            "b13": torch.randn(E, 2 * I, RANK, generator=g) * 0.01,
             "ad": torch.randn(E, RANK, I, generator=g) * 0.01, "bd": torch.randn(E, H, RANK, generator=g) * 0.01}
     attn = {m: (torch.randn(RANK, i, generator=g) / i ** 0.5, torch.randn(o, RANK, generator=g) * 0.02)
             for m, (i, o) in ATTN.items()}
@@ -276,7 +277,8 @@ def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], 
     out: dict[str, Any] = {}
     if not {"stock", "plugin"} <= set(logprobs) or "base" not in cases:
         return out
-    base_diffs = [abs(a - b) for p, q in zip(logprobs["plugin"]["base"], logprobs["stock"]["base"]) for a, b in zip(p, q)]
+    base_diffs = [abs(a - b) for p, q in zip(logprobs["plugin"]["base"], logprobs["stock"]["base"])
+                  for a, b in zip(p, q)]
     out["base"] = {"max_abs_diff_vs_stock": max(base_diffs, default=0.0)}  # no adapter: the plugin changes nothing
     for case in [c for c in cases if c != "base"]:
         rows = [i for i in range(N_REQ) if case != "mixes" or i % N_ADAPTERS < composites]
