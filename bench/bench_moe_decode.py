@@ -76,7 +76,8 @@ def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int, staging
     together = n_engines * need + staging_gb <= 0.95 * total_gb
     util = min(0.92, need / total_gb + 0.01) if not together else need / total_gb + 0.01
     return {"weights_gb": round(weights, 1), "lora_slots_gb": round(slots, 1), "need_gb": round(need, 1),
-            "card_gb": round(total_gb, 1), "staging_gb": staging_gb, "together": together, "gpu_memory_utilization": round(util, 3)}
+            "card_gb": round(total_gb, 1), "staging_gb": staging_gb, "together": together,
+            "gpu_memory_utilization": round(util, 3)}
 
 
 def write_adapters(root: Path, layers: int) -> list[str]:
