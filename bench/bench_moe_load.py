@@ -9,15 +9,18 @@ normalize), peak RSS of a fresh process per case, bytes read, against a raw read
 Each case runs in its own subprocess; the page cache is warm (the file was just written) and the
 raw read is timed the same way.
 
-GPU mode (``--gpu``): real Qwen3-30B-A3B config with ``load_format="dummy"``; time from
+GPU mode (``--gpu``): real Qwen3-30B-A3B config (``--layers`` of its 48) with ``load_format="dummy"``; time from
 ``add_lora`` to the first generated token with that adapter, stock (plugin disabled) vs plugin, in
-two engine processes.
+two engine processes. ``--first-run`` (issue 39 item 3): engines ``stock,plugin_nowarmup,plugin`` in turn
+(``plugin_nowarmup``: ``VLLM_LORA_EXT_MOE_WARMUP=0``), each fresh, with its own empty Triton cache directory
+so no engine reuses kernels another compiled; reports each engine's start-up (``LLM(...)``) and its first
+2D adapter's ``add_lora`` -> first token against runs 2+ (goal: <= 1.2x).
 
 Checks mode (``--checks``): what the load-time checks cost (strict header validation, factor dtypes,
 the NaN/inf scan folded into each block's read), in one process, cases interleaved: the plugin read
 with and without the checks, and the strict header parse against the lenient parse it replaced.
 
-Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --checks] [--out FILE]
+Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --first-run | --checks] [--out FILE]
 """
 
 from __future__ import annotations
@@ -346,10 +349,11 @@ def gpu_engine(args: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
+    t_start = time.perf_counter()
     llm = LLM(model=args._model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16,
               max_loras=1, max_cpu_loras=8, enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.85,
               enable_mixed_moe_lora_format=True, seed=0)
-    out = {}
+    out: dict = {"_start_s": time.perf_counter() - t_start}
     i = 0
     for rep in range(args.runs):
         for form in args.forms.split(","):
@@ -366,15 +370,29 @@ def gpu_engine(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def first_run_summary(results: dict, modes: list[str], form: str) -> None:
+    """Print (and add to ``results``) each engine's start-up and its first run against runs 2+ (goal <= 1.2x)."""
+    rows = []
+    for mode in modes:
+        runs = [r["total"] for r in results[mode][form]]
+        later = median(runs[1:])
+        ratio = runs[0] / later
+        results[mode]["_first_run"] = {"start_s": results[mode]["_start_s"], "first_s": runs[0], "runs_2on_s": later,
+                                       "ratio": ratio, "goal_met": ratio <= 1.2}
+        rows.append([mode, results[mode]["_start_s"], runs[0], later, ratio, "met" if ratio <= 1.2 else "NOT met"])
+    print_table(rows, ["engine", "start-up s", f"first run ({form}) add_lora->1st token s", "runs 2+ s (median)",
+                       "first / runs 2+", "goal <= 1.2x"])
+
+
 def gpu_bench(args: argparse.Namespace) -> dict:
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-moe-gpu-"))
     model = tmp / "qwen3-30b-a3b"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers}))
     adapters = tmp / "adapters"
     for form in ("2d", "3d"):
         if not (adapters / form / "adapter_model.safetensors").exists():
-            make_adapter(adapters / form, 48, form)
+            make_adapter(adapters / form, args.layers, form)
     results, logs = {}, {}
     modes = args.modes.split(",")
     if modes[0] != "stock":
@@ -383,13 +401,21 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         if mode in results:  # a mode run again (its spread between engines): its own name
             mode = modes[n] = f"{mode}#{n}"
         env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
+        if mode.startswith("plugin_nowarmup"):
+            env["VLLM_LORA_EXT_MOE_WARMUP"] = "0"
+        if args.first_run:  # a fresh server: no Triton kernel another engine of this run compiled to disk
+            env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{mode}-", dir=tmp)
         out = subprocess.run([sys.executable, __file__, "--_engine", "--_model", str(model), "--_adapters", str(adapters),
-                              "--runs", str(args.runs), "--forms", args.forms], capture_output=True, text=True, env=env)
+                              "--runs", str(args.runs), "--forms", args.forms], capture_output=True, text=True, env=env,
+                             timeout=900)
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if not line:
             raise RuntimeError(f"{mode} engine failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
         results[mode] = json.loads(line[-1][len("RESULT "):])
-        logs[mode] = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "loaded adapter" in ln]
+        logs[mode] = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()
+                      if "loaded adapter" in ln or "MoE LoRA kernels warmed up" in ln]
+        if args.out:  # so far: a run cut short keeps the engines done
+            write_json("moe_load_gpu", {"partial": True, "modes": modes[:n + 1], "results": results}, args.out)
     rows = []
 
     def runs_2on(mode: str, form: str) -> dict:
@@ -404,7 +430,10 @@ def gpu_bench(args: argparse.Namespace) -> dict:
                          p["total"], s["total"] / p["total"], results[mode][form][0]["total"]])
     print_table(rows, ["layout", "loader", "stock add_lora", "stock 1st step", "stock total", "add_lora", "1st step",
                        "total", "speed-up", "first run total"])
-    return {"mode": "gpu", "model": "Qwen3-30B-A3B config, load_format=dummy", "modes": modes, "results": results,
+    if args.first_run:
+        first_run_summary(results, modes, args.forms.split(",")[0])
+    return {"mode": "gpu", "model": f"Qwen3-30B-A3B config, {args.layers} layers, load_format=dummy", "modes": modes,
+            "first_run": args.first_run, "results": results,
             "table": rows,  # the worker's phases: describing the model, building, wrapping
             "plugin_logs": {m: logs[m] for m in modes[1:]}}
 
@@ -414,6 +443,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--first-run", action="store_true",
+                    help="GPU: the first adapter's add_lora -> first token in a fresh engine against runs 2+, and the "
+                         "start-up time, for stock, the plugin without the MoE kernel warm-up and with it")
     ap.add_argument("--modes", default="stock,plugin",
                     help="GPU mode: engines to run in turn, stock first (a plugin mode may repeat, to see the noise)")
     ap.add_argument("--checks", action="store_true", help="CPU: cost of the load-time checks, same run")
@@ -436,6 +468,11 @@ def main() -> None:
     if args.checks:
         write_json("moe_load_checks_cpu", checks_bench(args), args.out)
         return
+    if args.first_run:
+        args.gpu = True
+        args.modes = args.modes if args.modes != "stock,plugin" else "stock,plugin_nowarmup,plugin"
+        args.forms = args.forms if args.forms != "2d,3d" else "2d"
+        args.runs = max(args.runs, 3)
     payload = gpu_bench(args) if args.gpu else cpu_bench(args)
     write_json("moe_load_gpu" if args.gpu else "moe_load_cpu", payload, args.out)
 

@@ -324,9 +324,38 @@ def disk_cache_bytes() -> int | None:
     return (parse_size(raw, name=ENV_DISK_CACHE_BYTES) or None) if raw else None
 
 
+# The fused-MoE LoRA kernels compiled at start-up (integration/warmup.py): 0 turns it off; the token counts it runs.
+ENV_MOE_WARMUP = "VLLM_LORA_EXT_MOE_WARMUP"
+ENV_MOE_WARMUP_TOKENS = "VLLM_LORA_EXT_MOE_WARMUP_TOKENS"
+
+
+def moe_warmup_enabled() -> bool:
+    """Return whether an engine with MoE LoRA layers compiles their kernels before it reports ready
+    (``VLLM_LORA_EXT_MOE_WARMUP``, default on)."""
+    return _env_on(ENV_MOE_WARMUP)
+
+
+def moe_warmup_tokens() -> list[int] | None:
+    """Return the batch token counts the MoE LoRA warm-up runs (``VLLM_LORA_EXT_MOE_WARMUP_TOKENS``, comma-separated
+    positive integers; unset: ``None``, the default sweep).
+
+    Raises:
+        [`SettingsError`]: the value is not a comma-separated list of positive integers.
+    """
+    raw = os.environ.get(ENV_MOE_WARMUP_TOKENS, "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SettingsError(f"{ENV_MOE_WARMUP_TOKENS}={raw[:200]!r} is not a comma-separated list of positive token "
+                         f"counts. Set it like '1,2,4,32,48', or unset it for the default sweep.")
+    return sorted({int(p) for p in parts})
+
+
 _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
-          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU)
+          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU,
+          ENV_MOE_WARMUP)
 ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read in integration/composite.py; checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
@@ -345,7 +374,8 @@ def check_settings() -> None:
     problems: list[str] = []
     for accessor in (max_mixes_setting, mix_wait_seconds, max_client_sources, prebuild_builds, prebuild_bytes,
                      prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
-                     stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes):
+                     stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes,
+                     moe_warmup_tokens):
         try:
             accessor()
         except SettingsError as err:
@@ -453,6 +483,12 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                              "see \"Modules vLLM would accept and never apply\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
                                "or `20GB` (default: off); see \"Disk cache\""),
+    ENV_MOE_WARMUP: ("=0", "skip compiling the fused-MoE LoRA Triton kernels at engine start (default: with LoRA on "
+                           "and MoE LoRA layers, dummy LoRA batches over the decode and prefill sizes run before the "
+                           "engine reports ready, so no request compiles them in its step; patch 16 in "
+                           "`integration/PATCHES.md`)"),
+    ENV_MOE_WARMUP_TOKENS: ("", "comma-separated batch token counts that warm-up runs (default: 1 to `max_num_seqs` "
+                                "or 64, then 2^k, 2^k+1 and 3·2^(k-1) up to `max_num_batched_tokens`)"),
 }
 
 

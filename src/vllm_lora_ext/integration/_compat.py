@@ -50,6 +50,7 @@ def never_generates(*objects: Any) -> bool:
     """Whether any of ``objects`` (a serving object, a request) is one of vLLM's tokenize or render kinds."""
     kinds = tuple(getattr(sys.modules.get(module), name, None) for module, name in _NON_GENERATING)
     return any(isinstance(obj, k) for k in kinds if isinstance(k, type) for obj in objects)
+GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 
 
 # Where vLLM keeps create_error_response, newest first (found by feature, not by version string).
@@ -497,3 +498,15 @@ def moe_experts_kernel(module: Any) -> str | None:
     """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
     experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
     return None if experts is None else type(experts).__name__
+
+
+def runner_dummy_runs_with_loras(runner: Any) -> bool:
+    """Whether ``runner._dummy_run`` takes what the MoE LoRA warm-up passes (0.26-0.33's GPU model runner)."""
+    import inspect
+
+    try:
+        params = inspect.signature(runner._dummy_run).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    wanted = ("cudagraph_runtime_mode", "skip_eplb", "remove_lora", "num_active_loras")
+    return all(p in params for p in wanted) and hasattr(runner, "maybe_remove_all_loras")

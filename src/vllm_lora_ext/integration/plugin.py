@@ -28,6 +28,7 @@ from vllm_lora_ext.integration._compat import (
     BASE_SERVING_MODULE,
     BEAM_SEARCH_MODULE,
     GENERATE_SERVING_MODULE,
+    GPU_WORKER_MODULE,
     LLM_ENGINE_MODULE,
     LORA_EXPAND_OP_MODULE,
     LORA_SHRINK_OP_MODULE,
@@ -49,6 +50,7 @@ from vllm_lora_ext.integration.patching import (
     undo_all,
 )
 from vllm_lora_ext.integration.prebuild import is_probe
+from vllm_lora_ext.integration.warmup import make_compile_or_warm_up_model
 
 logger = logging.getLogger(__name__)
 
@@ -367,6 +369,11 @@ PATCHES: tuple[Patch, ...] = (
           why="pooling routes (embeddings, score, classify) never route adapter fields: a mix named there would be "
               "answered by the base model; refuse it with a 400 instead",
           delete_when="as BaseServing._check_model"),
+    Patch(GPU_WORKER_MODULE, "Worker.compile_or_warm_up_model", (), make_compile_or_warm_up_model,
+          why="vLLM's warm-up runs with no active LoRA, so the fused-MoE LoRA Triton kernels compile inside the first "
+              "step with an MoE adapter (seconds, pausing every request in flight; issue 39 item 3): run dummy LoRA "
+              "batches first (integration/warmup.py; VLLM_LORA_EXT_MOE_WARMUP=0 skips them)",
+          delete_when="vLLM's warm-up runs its dummy LoRAs through the MoE LoRA kernels for eager batch sizes"),
 )
 
 

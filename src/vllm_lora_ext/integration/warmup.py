@@ -1,0 +1,167 @@
+"""Compile the fused-MoE LoRA Triton kernels while the engine starts, so no request pays for it (issue 39 item 3).
+
+vLLM (0.26-0.33) warms a model up in ``Worker.compile_or_warm_up_model``: dummy forward passes for the
+compile sizes, then (without ``enforce_eager``) CUDA graph capture. Those warm-up passes run with
+``num_active_loras=0``, and the punica wrapper's ``add_lora_fused_moe`` returns before launching anything when
+no token has a LoRA (``no_lora_flag``). So the fused-MoE LoRA kernels (``_fused_moe_lora_*_kernel`` in
+``vllm/lora/ops/triton_ops/fused_moe_lora_op.py``) are compiled only where graph capture runs them with dummy
+LoRAs, for the capture sizes; an eager engine, and every eager (uncaptured) batch of a graph engine, compiles
+them inside the first step that carries an MoE adapter, pausing every request in flight for seconds.
+
+Which compiled variant a launch needs depends on the batch's token count (the small-batch, naive and sorted
+paths, the block sizes picked for it, and Triton's specialisation of integer arguments on divisibility by 16)
+and, on the sorted path, on how many distinct adapters the batch holds (the grid spans them, and the
+N-splitting factor, a compile-time constant, follows the grid). The LoRA rank the kernels see is the stacked
+``max_lora_rank`` and the slot count ``max_loras``, both fixed at start-up; so dummy forward passes with dummy
+LoRAs, run through vLLM's own ``_dummy_run``, compile exactly what requests will launch. This runs them, before
+vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for:
+
+- every token count from 1 to ``max_num_seqs`` or 64, whichever is less: the common decode batches;
+- 2^k, 2^k + 1 and 3·2^(k-1) above that, ``max_num_seqs``, and ``max_num_batched_tokens``: larger decode and
+  prefill batches (a count between these may still compile a variant of its own; name it in
+  ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` if it matters);
+- with 1, 2 and ``max_loras`` distinct adapters (at most one per token: a batch of 3 tokens runs with 1, 2, 3).
+
+``VLLM_LORA_EXT_MOE_WARMUP=0`` turns it off; ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS=1,2,48`` names the token counts
+instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; anything else is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_lora_ext.constants import moe_warmup_enabled, moe_warmup_tokens
+from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
+
+logger = logging.getLogger(__name__)
+
+MOE_LORA_LAYER_CLASSES = ("FusedMoEWithLoRA", "FusedMoE3DWithLoRA")
+MOE_LORA_OP_MODULE = "vllm.lora.ops.triton_ops.fused_moe_lora_op"
+_MAX_DECODE_SWEEP = 64
+
+
+def warmup_token_counts(max_num_seqs: int, max_num_tokens: int) -> list[int]:
+    """Return the batch token counts the warm-up runs, ascending and at most ``max_num_tokens``.
+
+    Example:
+        >>> warmup_token_counts(4, 40)
+        [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 40]
+    """
+    top = max(1, max_num_tokens)
+    counts = set(range(1, min(max_num_seqs, _MAX_DECODE_SWEEP, top) + 1)) | {min(max(1, max_num_seqs), top)}
+    k = 2
+    while 2**k <= top:
+        counts.update(n for n in (2**k, 2**k + 1, 3 * 2 ** (k - 1)) if n <= top)
+        k += 1
+    counts.add(top)
+    return sorted(counts)
+
+
+def warmup_lora_counts(max_loras: int) -> list[int]:
+    """Return the distinct-adapter counts the warm-up runs each token count with.
+
+    Example:
+        >>> warmup_lora_counts(1), warmup_lora_counts(16)
+        ([1], [1, 2, 16])
+    """
+    return sorted({n for n in (1, 2, max_loras) if 1 <= n <= max_loras})
+
+
+def has_moe_lora_layers(model: Any) -> bool:
+    """Return whether ``model`` holds a fused-MoE layer wrapped for LoRA."""
+    modules = getattr(model, "modules", None)
+    if modules is None:
+        return False
+    return any(cls.__name__ in MOE_LORA_LAYER_CLASSES for m in modules() for cls in type(m).__mro__)
+
+
+def warm_up_moe_lora(runner: Any) -> int:
+    """Run the dummy LoRA batches that compile the fused-MoE LoRA kernels; return how many ran (0: nothing to do).
+
+    ``runner`` is vLLM's GPU model runner after the KV cache is allocated. Does nothing without LoRA, without
+    fused-MoE LoRA layers, or with ``VLLM_LORA_EXT_MOE_WARMUP=0``.
+    """
+    lora_config = getattr(runner, "lora_config", None)
+    if lora_config is None or not moe_warmup_enabled():
+        return 0
+    if not has_moe_lora_layers(runner.get_model()):
+        return 0
+    if not runner_dummy_runs_with_loras(runner):
+        logger.warning("not warming up the fused-MoE LoRA kernels: %s._dummy_run does not take dummy LoRAs here; "
+                       "the first MoE adapter request compiles them in its step", type(runner).__name__)
+        return 0
+    from vllm.config import CUDAGraphMode
+
+    max_tokens = int(runner.max_num_tokens)
+    tokens = moe_warmup_tokens() or warmup_token_counts(int(runner.max_num_reqs), max_tokens)
+    tokens = [n for n in tokens if 1 <= n <= max_tokens]
+    loras = warmup_lora_counts(int(lora_config.max_loras))
+    before = sum(moe_lora_kernel_variants().values())
+    t0 = time.perf_counter()
+    runs = 0
+    try:
+        for n_tokens in tokens:
+            for n_loras in sorted({min(n, n_tokens) for n in loras}):  # a batch of n tokens holds <= n adapters
+                runner._dummy_run(n_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                                  remove_lora=False, num_active_loras=n_loras)
+                runs += 1
+    finally:
+        runner.maybe_remove_all_loras(lora_config)
+    compiled = sum(moe_lora_kernel_variants().values()) - before
+    logger.info("fused-MoE LoRA kernels warmed up: %d dummy batches (%d token counts x up to %d adapters), "
+                "%d kernel variants compiled, %.1f s (VLLM_LORA_EXT_MOE_WARMUP=0 skips this)", runs, len(tokens),
+                len(loras), compiled, time.perf_counter() - t0)
+    return runs
+
+
+def make_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            warm_up_moe_lora(runner)
+        return original(self, *args, **kwargs)
+
+    return compile_or_warm_up_model
+
+
+def _jit_function(obj: Any) -> Any:
+    """The ``triton.JITFunction`` under autotuner/heuristics wrappers (each keeps the wrapped one as ``.fn``)."""
+    for _ in range(8):
+        if hasattr(obj, "device_caches") or hasattr(obj, "cache") and isinstance(getattr(obj, "cache"), dict):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def _variants(jit: Any) -> int:
+    # Triton >= 3.2 keeps (kernel_cache, ...) per device in device_caches; older Triton keeps cache[device].
+    caches = getattr(jit, "device_caches", None)
+    if isinstance(caches, dict):
+        return sum(len(entry[0]) for entry in caches.values() if isinstance(entry, Sequence) and entry
+                   and isinstance(entry[0], dict))
+    return sum(len(c) for c in getattr(jit, "cache", {}).values() if isinstance(c, dict))
+
+
+def moe_lora_kernel_variants(worker: Any = None) -> dict[str, int]:
+    """Count the compiled variants of each fused-MoE LoRA Triton kernel in this process.
+
+    Use ``llm.collective_rpc(moe_lora_kernel_variants)`` to ask every worker; a count that grows while a request
+    runs means that request compiled a kernel in the engine step. Empty before vLLM imports the kernels' module.
+    """
+    module = sys.modules.get(MOE_LORA_OP_MODULE)
+    if module is None:
+        return {}
+    out = {}
+    for name in sorted(vars(module)):
+        if "kernel" not in name:
+            continue
+        jit = _jit_function(getattr(module, name))
+        if jit is not None:
+            out[name] = _variants(jit)
+    return out

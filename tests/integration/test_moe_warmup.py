@@ -1,0 +1,148 @@
+"""The fused-MoE LoRA warm-up at engine start: installed once, inert without LoRA or MoE LoRA layers, and the
+dummy batches it runs through vLLM's model runner (the runner itself needs a GPU, so a recording stand-in for it
+is the outer boundary here; tests/gpu/test_moe_warmup.py runs the real one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_lora_ext.integration.warmup import (
+    has_moe_lora_layers,
+    make_compile_or_warm_up_model,
+    moe_lora_kernel_variants,
+    warm_up_moe_lora,
+    warmup_lora_counts,
+    warmup_token_counts,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+class _Runner:
+    """Records what the warm-up asks of vLLM's GPU model runner."""
+
+    def __init__(self, model: torch.nn.Module, *, max_loras: int | None, max_num_tokens: int = 32,
+                 max_num_reqs: int = 8) -> None:
+        self.lora_config = None if max_loras is None else type("LoRAConfig", (), {"max_loras": max_loras})()
+        self.max_num_tokens, self.max_num_reqs = max_num_tokens, max_num_reqs
+        self.model = model
+        self.runs: list[tuple[int, int, Any]] = []
+        self.removed = 0
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    def _dummy_run(self, num_tokens: int, cudagraph_runtime_mode: Any = None, skip_eplb: bool = False,
+                   remove_lora: bool = True, num_active_loras: int = 0) -> None:
+        assert remove_lora is False and skip_eplb is True
+        self.runs.append((num_tokens, num_active_loras, cudagraph_runtime_mode))
+
+    def maybe_remove_all_loras(self, lora_config: Any) -> None:
+        self.removed += 1
+
+
+def _moe_lora_model() -> torch.nn.Module:
+    """A model holding vLLM's real FusedMoEWithLoRA class (not initialised: building one needs a GPU MoE layer)."""
+    from vllm.lora.layers import FusedMoEWithLoRA
+
+    layer = FusedMoEWithLoRA.__new__(FusedMoEWithLoRA)
+    torch.nn.Module.__init__(layer)
+    return torch.nn.ModuleList([torch.nn.Linear(4, 4), layer])
+
+
+def test_register_twice_installs_the_warm_up_on_the_worker_once() -> None:
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import PATCH_MARK, apply_patch
+
+    plugin.register()
+    plugin.register()
+    import vllm.v1.worker.gpu_worker as gw
+
+    patched = gw.Worker.compile_or_warm_up_model
+    assert getattr(patched, PATCH_MARK) == "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model"
+    assert not getattr(patched.__wrapped__, PATCH_MARK, False)
+    row = next(p for p in plugin.PATCHES if p.target == "Worker.compile_or_warm_up_model")
+    apply_patch(gw, row)
+    assert gw.Worker.compile_or_warm_up_model is patched
+
+
+def test_the_patched_warm_up_calls_vllms_warm_up_once_and_returns_its_result() -> None:
+    calls: list[Any] = []
+    worker = type("Worker", (), {"model_runner": _Runner(_moe_lora_model(), max_loras=None)})()
+    replacement = make_compile_or_warm_up_model(lambda self: calls.append(self) or "times")
+    assert replacement(worker) == "times" and calls == [worker]
+    assert worker.model_runner.runs == []
+
+
+def test_without_lora_the_warm_up_runs_nothing() -> None:
+    runner = _Runner(_moe_lora_model(), max_loras=None)
+    assert warm_up_moe_lora(runner) == 0 and runner.runs == [] and runner.removed == 0
+
+
+def test_a_model_without_moe_lora_layers_is_not_warmed_up() -> None:
+    runner = _Runner(torch.nn.Sequential(torch.nn.Linear(4, 4)), max_loras=4)
+    assert not has_moe_lora_layers(runner.model)
+    assert warm_up_moe_lora(runner) == 0 and runner.runs == []
+
+
+def test_the_warm_up_runs_every_token_count_with_one_two_and_all_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP", raising=False)
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1, 3,48")
+    runner = _Runner(_moe_lora_model(), max_loras=4, max_num_tokens=32)
+    assert warm_up_moe_lora(runner) == 4
+    # 48 is over max_num_tokens; a batch of n tokens holds at most n adapters, so 3 tokens run on 1, 2 and 3
+    assert [(n, k) for n, k, _ in runner.runs] == [(1, 1), (3, 1), (3, 2), (3, 3)]
+    assert {mode for _, _, mode in runner.runs} == {CUDAGraphMode.NONE}  # eager: nothing captured here
+    assert runner.removed == 1  # the dummy adapters leave their slots
+
+
+def test_the_default_sweep_covers_decode_and_prefill_batch_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", raising=False)
+    runner = _Runner(_moe_lora_model(), max_loras=1, max_num_tokens=40, max_num_reqs=4)
+    warm_up_moe_lora(runner)
+    assert [n for n, _, _ in runner.runs] == warmup_token_counts(4, 40) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24,
+                                                                             32, 33, 40]
+    assert warmup_lora_counts(3) == [1, 2, 3] and warmup_lora_counts(1) == [1]
+    assert warmup_token_counts(256, 8192)[:64] == list(range(1, 65)) and 256 in warmup_token_counts(256, 8192)
+
+
+def test_the_warm_up_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP", "0")
+    runner = _Runner(_moe_lora_model(), max_loras=4)
+    assert warm_up_moe_lora(runner) == 0 and runner.runs == []
+
+
+def test_bad_warm_up_token_counts_are_refused_naming_the_setting_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,two,0")
+    with pytest.raises(ValueError, match=r"VLLM_LORA_EXT_MOE_WARMUP_TOKENS='1,two,0'.*unset it for the default"):
+        warm_up_moe_lora(_Runner(_moe_lora_model(), max_loras=2))
+
+
+def test_kernel_variant_counts_name_the_fused_moe_lora_kernels_or_nothing_before_vllm_loads_them() -> None:
+    counts = moe_lora_kernel_variants()
+    # On a machine without a GPU vLLM's Triton placeholder stands in for the kernels: no counts, and no error.
+    assert all(name.startswith("_fused_moe_lora") and n >= 0 for name, n in counts.items())
+
+
+def test_a_runner_whose_dummy_run_takes_no_loras_is_left_alone_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    class _OtherRunner(_Runner):
+        def _dummy_run(self, num_tokens: int) -> None:  # type: ignore[override]
+            raise AssertionError("must not be called")
+
+    runner = _OtherRunner(_moe_lora_model(), max_loras=2)
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.integration.warmup"):
+        assert warm_up_moe_lora(runner) == 0
+    assert "does not take dummy LoRAs" in caplog.text
+
+
+def test_vllms_gpu_model_runner_takes_the_warm_up_arguments() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
+
+    assert runner_dummy_runs_with_loras(GPUModelRunner)  # the class: its _dummy_run's signature, no GPU needed
