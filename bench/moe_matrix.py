@@ -248,7 +248,7 @@ def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str 
     from vllm.lora.request import LoRARequest
 
     llm = LLM(str(model_dir), enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=2,
-              enforce_eager=True, gpu_memory_utilization=0.12, max_model_len=256, dtype="bfloat16", seed=0,
+              enforce_eager=True, gpu_memory_utilization=0.08, max_model_len=256, dtype="bfloat16", seed=0,
               quantization=quantization)
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences()]
