@@ -175,6 +175,8 @@ def group_of(key: str) -> str:
     """The module group of an adapter key (or a PEFT parameter name)."""
     path = key.split(".lora_")[0].replace(".base_layer", "")
     leaf = path.rsplit(".", 1)[-1]
+    if leaf == "shared_expert_gate":  # a gate on the shared expert's output (Qwen2-MoE), not its MLP
+        return "shared expert gate"
     if "shared_expert" in path:
         return "shared experts"
     if ".experts" in path:

@@ -478,7 +478,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_METRICS_DIR: ("", "set by the plugin for the vLLM processes it starts: where they write the plugin's "
                           "metrics files (default: a private folder, or `PROMETHEUS_MULTIPROC_DIR` when set); not"
                           " a setting"),
-    ENV_DROP_UNAPPLIED: ("", "comma-separated module groups (`kv_b_proj`, `experts`) that vLLM would never apply on "
+    ENV_DROP_UNAPPLIED: ("", "comma-separated module groups (`kv_b_proj`, `shared_expert_gate`, `experts`) that vLLM would "
+                             "never apply on "
                              "this model: drop them with a warning instead of refusing the adapter (default: refuse; "
                              "see \"Modules vLLM would accept and never apply\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "

@@ -10,6 +10,7 @@ those weights instead, with a warning naming them: the adapter is then served wi
 | trait | module group | why vLLM does not apply the LoRA |
 |---|---|---|
 | ``mla`` | ``kv_b_proj`` | MLA attention computes ``W_UK``/``W_UV`` from ``kv_b_proj``'s weight when the model loads, and its prefill calls the base layer it was built with, not the LoRA wrapper (vLLM 0.26–0.33) |
+| ``aliased`` | ``shared_expert_gate`` | the model calls the module through a second attribute that still holds the base layer, so the LoRA wrapper vLLM puts under the first name is never called (Qwen2-MoE: ``mlp.shared_expert.expert_gate`` is ``mlp.shared_expert_gate``; vLLM 0.26–0.33) |
 | ``moe_kernel_drops_lora`` | ``experts`` | the quantized MoE kernel vLLM picked says it supports LoRA, but its ``apply`` never reads the LoRA context (``TritonWNA16Experts``: int4/int8 weight-only MoE through compressed-tensors; ``Mxfp8NativeTritonExperts``; ROCm's ``AiterMxfp8Experts``) |
 
 Pure core: names and rules only.
@@ -25,13 +26,17 @@ from typing import Any
 from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED
 from vllm_lora_ext.errors import AdapterCompatibilityError
 
-__all__ = ["MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_MLA", "TRAIT_MOE_KERNEL", "UnappliedRule",
+__all__ = ["ALIASED_MODEL_TYPES", "MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_ALIASED", "TRAIT_MLA",
+           "TRAIT_MOE_KERNEL", "UnappliedRule",
            "find_unapplied", "screen_unapplied", "traits_from_config", "unapplied_problems"]
 
 logger = logging.getLogger(__name__)
 
 TRAIT_MLA = "mla"
 TRAIT_MOE_KERNEL = "moe_kernel_drops_lora"
+TRAIT_ALIASED = "aliased"
+# Model types whose vLLM model calls its shared expert's gate through a second attribute (``inspect``, no model).
+ALIASED_MODEL_TYPES = frozenset({"qwen2_moe"})
 EXPERTS = "experts"  # the module group of a rule that covers every routed-expert key of an MoE block
 
 # The model types vLLM runs with MLA attention when the config has ``kv_lora_rank`` (vLLM 0.26–0.33,
@@ -79,6 +84,11 @@ RULES: tuple[UnappliedRule, ...] = (
         "Retrain without kv_b_proj (PEFT LoraConfig target_modules listing the other modules, e.g. ['q_proj', "
         "'kv_a_proj_with_mqa', 'o_proj', ...], not 'all-linear')"),
     UnappliedRule(
+        TRAIT_ALIASED, "shared_expert_gate",
+        "vLLM's {detail} calls the shared expert's gate through a second attribute that still holds the base layer, "
+        "so the LoRA wrapper vLLM installs on shared_expert_gate is never called and the LoRA never applied",
+        "Retrain without shared_expert_gate (PEFT LoraConfig target_modules without it; 'all-linear' includes it)"),
+    UnappliedRule(
         TRAIT_MOE_KERNEL, EXPERTS,
         "this quantized MoE base runs its experts with vLLM's {detail} kernel, which accepts expert LoRA weights and "
         "never applies them",
@@ -91,21 +101,27 @@ def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
     """Return the traits a base model's ``config.json`` implies where no running model can be asked (``inspect``).
 
     MLA: a ``kv_lora_rank`` and a model type vLLM runs with MLA ([`MLA_MODEL_TYPES`]), as vLLM decides
-    ``model_config.use_mla`` (the config of a multimodal model's text part counts too).
+    ``model_config.use_mla`` (the config of a multimodal model's text part counts too). Aliased: a model type
+    whose shared expert calls its gate through a second attribute ([`ALIASED_MODEL_TYPES`]).
 
     Example:
         >>> traits_from_config({"model_type": "deepseek_v3", "kv_lora_rank": 512})
         {'mla': 'deepseek_v3'}
         >>> traits_from_config({"model_type": "minicpm3", "kv_lora_rank": 256})
         {}
+        >>> traits_from_config({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 5632})
+        {'aliased': 'qwen2_moe'}
     """
+    found: dict[str, str] = {}
     for part in (config, config.get("text_config") or {}):
         if not isinstance(part, Mapping):
             continue
         if part.get("kv_lora_rank") is not None and part.get("model_type") in MLA_MODEL_TYPES \
                 and part.get("is_causal", True) is not False:
-            return {TRAIT_MLA: str(part["model_type"])}
-    return {}
+            found.setdefault(TRAIT_MLA, str(part["model_type"]))
+        if part.get("model_type") in ALIASED_MODEL_TYPES and (part.get("shared_expert_intermediate_size") or 0) > 0:
+            found.setdefault(TRAIT_ALIASED, str(part["model_type"]))
+    return found
 
 
 def find_unapplied(modules: Iterable[str], moe_blocks: Iterable[str], traits: Mapping[str, str]

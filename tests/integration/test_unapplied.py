@@ -367,3 +367,51 @@ def test_the_table_of_moe_kernels_that_drop_lora_matches_the_installed_vllm() ->
     assert dropping <= MOE_KERNELS_DROPPING_LORA, dropping - MOE_KERNELS_DROPPING_LORA
     installed = {c.__name__ for c in _experts_classes()}
     assert dropping == MOE_KERNELS_DROPPING_LORA & installed
+
+
+# ---------------------------------------------- a wrapped module the model still calls through a second attribute
+
+def _gated_block() -> Any:
+    """Qwen2-MoE's shape of the problem with plain torch modules: the shared expert holds the block's gate too."""
+    block = torch.nn.Module()
+    block.shared_expert_gate = torch.nn.Linear(8, 1, bias=False)
+    block.shared_expert = torch.nn.Module()
+    block.shared_expert.expert_gate = block.shared_expert_gate  # what vLLM's Qwen2MoeMLP(expert_gate=...) keeps
+    block.shared_expert.down_proj = torch.nn.Linear(8, 8, bias=False)
+    model = torch.nn.Module()
+    model.mlp = block
+    return model
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+
+def test_a_wrapper_the_model_bypasses_through_a_second_attribute_is_found() -> None:
+    from vllm_lora_ext.integration.loader import bypassed_wrappers
+
+    model = _gated_block()
+    gate, down = _Wrapper(model.mlp.shared_expert_gate), _Wrapper(model.mlp.shared_expert.down_proj)
+    model.mlp.shared_expert_gate, model.mlp.shared_expert.down_proj = gate, down  # what vLLM's replace_submodule does
+    wrapped = {"mlp.shared_expert_gate": gate, "mlp.shared_expert.down_proj": down}
+    assert bypassed_wrappers(model, wrapped) == ["mlp.shared_expert.expert_gate is mlp.shared_expert_gate"]
+    model.mlp.shared_expert.expert_gate = gate  # re-pointed: nothing bypasses the wrapper any more
+    assert bypassed_wrappers(model, wrapped) == []
+
+
+def test_a_lora_on_the_bypassed_shared_expert_gate_is_refused_naming_it_and_the_fix() -> None:
+    from vllm_lora_ext.unapplied import TRAIT_ALIASED, screen_unapplied
+
+    traits = {TRAIT_ALIASED: "Qwen2MoeForCausalLM (e.g. model.layers.0.mlp.shared_expert.expert_gate is ...)"}
+    keys = {"model.layers.0.mlp.shared_expert_gate": ["base_model.model.model.layers.0.mlp.shared_expert_gate"
+                                                     ".lora_A.weight"],
+            "model.layers.0.mlp.shared_expert.down_proj": ["x.lora_A.weight"]}
+    with pytest.raises(AdapterCompatibilityError) as info:
+        screen_unapplied(keys, {}, traits, adapter="qwen2")
+    msg = str(info.value)
+    assert "shared_expert_gate" in msg and "never called" in msg and "Retrain without shared_expert_gate" in msg
+    assert "VLLM_LORA_EXT_DROP_UNAPPLIED=shared_expert_gate" in msg and "down_proj" not in msg
+    dropped = screen_unapplied(keys, {}, traits, drop=frozenset({"shared_expert_gate"}), adapter="qwen2")
+    assert dropped == set(keys["model.layers.0.mlp.shared_expert_gate"])

@@ -28,7 +28,7 @@ from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_u
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
-from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_MLA, TRAIT_MOE_KERNEL
+from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_ALIASED, TRAIT_MLA, TRAIT_MOE_KERNEL
 from vllm_lora_ext.validation import ModuleDims
 
 
@@ -113,12 +113,33 @@ def model_traits(manager: Any) -> dict[str, str]:
     mla, model = mla_attention_cls(), getattr(adapter_manager, "model", None)
     if mla is not None and isinstance(model, torch.nn.Module) and any(isinstance(m, mla) for m in model.modules()):
         found[TRAIT_MLA] = type(model).__name__
+    aliased = bypassed_wrappers(model, adapter_manager.modules) if isinstance(model, torch.nn.Module) else []
+    if aliased:
+        found[TRAIT_ALIASED] = f"{type(model).__name__} (e.g. {aliased[0]})"
     kernels = sorted({k for m in adapter_manager.modules.values() if (k := moe_experts_kernel(m)) is not None})
     dropping = [k for k in kernels if k in MOE_KERNELS_DROPPING_LORA]
     if dropping:
         found[TRAIT_MOE_KERNEL] = ", ".join(dropping)
     adapter_manager.__dict__[_TRAITS_ATTR] = found
     return found
+
+
+def bypassed_wrappers(model: torch.nn.Module, wrapped: Mapping[str, Any]) -> list[str]:
+    """Return ``"<alias> is <name>"`` for every LoRA-wrapped module whose base layer the model still holds under
+    another attribute: vLLM swaps the wrapper in under one name only, so a forward that goes through the other
+    (Qwen2-MoE's ``shared_expert.expert_gate``) calls the base layer and never applies the LoRA."""
+    base_of = {id(m.base_layer): name for name, m in wrapped.items() if isinstance(getattr(m, "base_layer", None),
+                                                                                      torch.nn.Module)}
+    wrappers = {id(m) for m in wrapped.values()}
+    found = []
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        if id(parent) in wrappers:
+            continue  # the wrapper's own base_layer
+        for attr, child in parent._modules.items():
+            name = base_of.get(id(child)) if child is not None else None
+            if name is not None:
+                found.append(f"{parent_name}.{attr} is {name}".lstrip("."))
+    return sorted(found)
 
 
 def module_dims(manager: Any) -> dict[str, ModuleDims]:
