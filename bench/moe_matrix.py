@@ -108,7 +108,10 @@ def tiny_config(arch: str) -> Any:
         kwargs["layer_types"] = fields["layer_types"][:1] * TINY["num_hidden_layers"]
     if "rope_scaling" in fields:
         kwargs["rope_scaling"] = None
-    return cfg_cls(**kwargs)
+    cfg = cfg_cls(**kwargs)
+    if "head_dim" not in fields:  # vLLM reads it from some families' configs (GLM-4-MoE) where transformers has none
+        cfg.head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    return cfg
 
 
 def build_model(arch: str, folder: Path) -> Any:
@@ -122,8 +125,25 @@ def build_model(arch: str, folder: Path) -> Any:
             if name.endswith((".gate.weight", ".router.weight")) and p.ndim == 2:
                 p.mul_(ROUTER_SCALE)
     model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
+    _save_router_biases(model, folder)
     build_tokenizer(folder)
     return model
+
+
+def _save_router_biases(model: Any, folder: Path) -> None:
+    """Write the routers' score-correction biases, which transformers keeps as buffers and does not save, but
+    vLLM loads (DeepSeek-V3's ``noaux_tc`` routing)."""
+    from safetensors.torch import load_file, save_file
+
+    biases = {n: b.detach().to(torch.float32).contiguous() for n, b in model.named_buffers()
+              if n.endswith("e_score_correction_bias")}
+    files = sorted(folder.glob("*.safetensors"))
+    if not biases or len(files) != 1:
+        return
+    tensors = load_file(str(files[0]))
+    missing = {k: v for k, v in biases.items() if k not in tensors}
+    if missing:
+        save_file({**tensors, **missing}, str(files[0]), metadata={"format": "pt"})
 
 
 def expert_parameters(model: Any) -> list[str]:
