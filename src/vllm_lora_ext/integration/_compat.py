@@ -481,3 +481,18 @@ def moe_experts_kernel(module: Any) -> str | None:
     """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
     experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
     return None if experts is None else type(experts).__name__
+
+
+_UPSTREAM_RESIDENCY: list[bool] = []
+
+
+def has_upstream_residency_metric() -> bool:
+    """Whether vLLM exports its own ``vllm:lora_adapter_loaded`` (PR #54830); then the plugin's gauge stays off."""
+    if not _UPSTREAM_RESIDENCY:
+        spec = importlib.util.find_spec("vllm.v1.metrics.loggers")
+        try:
+            found = bool(spec and spec.origin and "lora_adapter_loaded" in open(spec.origin, encoding="utf-8").read())
+        except OSError:
+            found = False
+        _UPSTREAM_RESIDENCY.append(found)
+    return _UPSTREAM_RESIDENCY[0]

@@ -79,9 +79,13 @@ def _from_other_source(held: Any, lora_request: Any) -> bool:
 def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_adapter(self: Any, lora_request: Any) -> Any:
         from vllm_lora_ext.integration.prebuild import answer_probe
+        from vllm_lora_ext.integration.resident import note_name, record_residency
 
         if is_probe(lora_request):  # the server asks for a background build; nothing is registered
-            return answer_probe(self, lora_request)
+            try:
+                return answer_probe(self, lora_request)
+            finally:
+                record_residency(self)  # the residency gauge: a build in flight
         # vLLM skips loading an id it already holds. If the held model was built from another
         # source, serving it would hand this request another adapter's tensors: reload instead.
         manager: Any = getattr(self, "_adapter_manager", None)
@@ -101,6 +105,8 @@ def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                 registered = get(lora_request.lora_int_id)
                 if registered is not None:
                     unstage(registered)
+            note_name(self, lora_request)
+            record_residency(self)  # the residency gauge: registered, activated or evicted
 
     return add_adapter
 
