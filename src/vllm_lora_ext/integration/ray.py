@@ -36,6 +36,7 @@ at the first request that needs them, with a message naming what is missing.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -50,6 +51,7 @@ except ImportError as err:  # pragma: no cover - only without Ray
 
 from vllm_lora_ext.constants import client_sources, max_client_sources
 from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
+from vllm_lora_ext.integration.ray_report import _ReportOrDownload, report_held
 from vllm_lora_ext.integration.server import _known_adapters, http_error
 from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
 from vllm_lora_ext.prebuild import RecentlyUsed
@@ -63,14 +65,16 @@ _PLANNED: contextvars.ContextVar[ModelIdPlan | None] = contextvars.ContextVar("v
 class LoraExtLLMServer(LLMServer):
     """Ray Serve LLM's ``LLMServer`` whose multiplexed ids may name the plugin's adapters, sources and mixes."""
 
-    def _init_shared(self, *args: Any, **kwargs: Any) -> None:
+    def _init_shared(self, llm_config: Any, engine_cls: Any = None, model_downloader: Any = None) -> None:
         # Ray builds the engine config in a remote task, so vLLM's plugin loading never runs in the replica
         # process itself, where vLLM's OpenAI serving objects live: register here, before the engine starts
         # (idempotent), or the deployment config, body-field mixes and source pinning are missing there.
         from vllm_lora_ext.integration.plugin import register
 
         register()
-        super()._init_shared(*args, **kwargs)
+        # Ray's multiplexed loader (@serve.multiplexed around the downloader) is what reports a replica's ids to
+        # Serve's router; the plugin's ids go through it too, answered without a download (_ReportOrDownload).
+        super()._init_shared(llm_config, engine_cls, functools.partial(_ReportOrDownload, model_downloader))
 
     async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
                            raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
@@ -96,9 +100,13 @@ class LoraExtLLMServer(LLMServer):
             _PLANNED.reset(token)
 
     async def _maybe_resolve_lora_from_multiplex(self) -> None:
-        if _PLANNED.get() is not None:
-            return  # the plugin serves this id; Ray's downloader would look it up as a bucket folder
-        await super()._maybe_resolve_lora_from_multiplex()
+        plan = _PLANNED.get()
+        if plan is None:
+            await super()._maybe_resolve_lora_from_multiplex()
+            return
+        # The plugin serves this id (Ray's downloader would look it up as a bucket folder). Still enter it in
+        # Ray's multiplexed loader, which reports this replica's ids to Serve's router: the id now routes here.
+        await report_held(self, plan.model_id)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
