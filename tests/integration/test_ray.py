@@ -249,7 +249,8 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # Ray would otherwise report usage over the network
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        app = recipe.build_app("/m", "base", str(tmp_path / "loras.yaml"), 2, "hf:acme/", 16, {"enforce_eager": True})
+        options = recipe.ServeOptions(replicas=2, client_sources="hf:acme/", engine_kwargs={"enforce_eager": True})
+        app = recipe.build_app("/m", "base", str(tmp_path / "loras.yaml"), options)
         address = ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
@@ -260,6 +261,11 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     env = dep.ray_actor_options["runtime_env"]["env_vars"]
     assert env["VLLM_LORA_EXT_CONFIG"] == str(tmp_path / "loras.yaml")
     assert env["VLLM_LORA_EXT_CLIENT_SOURCES"] == "hf:acme/" and env["RAY_ADDRESS"] == address
+    # residency routing: Ray's multiplexed loader on (lora_config), the plugin's router in front of the replicas
+    config = dep.init_kwargs["llm_config"]
+    assert config.lora_config.max_num_adapters_per_replica == 16
+    router = dep._deployment_config.request_router_config.get_request_router_class()
+    assert router.__name__ == "ResidencyRequestRouter"
 
 
 def test_client_named_sources_stay_bounded_least_recently_used_first(

@@ -272,7 +272,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",), _make_add_adapter,
           why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors. Also "
               "answers the server's build-ahead probes (background loading) without registering them, and after the "
-              "slot copy points a GPU-staged model back at its CPU tensors",
+              "slot copy points a GPU-staged model back at its CPU tensors. Writes the residency gauge "
+              "(vllm_lora_ext_adapter_resident) after each registration, activation or eviction",
           delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters off the "
                       "engine loop (vLLM issue #31941)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",), _make_add_adapter,
