@@ -96,3 +96,19 @@ def clear_resident() -> None:
                 os.remove(_path(directory, pid))
             except OSError:
                 pass
+
+
+def scrape_plugin_metrics(worker: object = None) -> dict[str, object]:
+    """This process tree's ``vllm_lora_ext_*`` samples as its ``/metrics`` shows them (Prometheus text), with the
+    metrics directory and pid; for ``collective_rpc`` where no ``/metrics`` route reads the directory (Ray
+    Serve LLM replicas). ``text`` is empty without a metrics directory."""
+    directory = metrics.metrics_dir()
+    text = ""
+    if directory is not None:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        text = generate_latest(registry).decode()
+    return {"pid": os.getpid(), "metrics_dir": directory, "text": text}

@@ -61,3 +61,12 @@ def test_nothing_is_written_without_a_metrics_directory(monkeypatch: pytest.Monk
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.delenv("VLLM_LORA_EXT_METRICS_DIR", raising=False)
     assert write_resident({"a": "cpu"}, max_series=4) == 0
+
+
+def test_a_process_can_hand_back_its_trees_plugin_metrics_as_slash_metrics_shows_them(collect: Any) -> None:
+    from vllm_lora_ext.resident_metric import scrape_plugin_metrics
+
+    write_resident({"style": "cpu"}, max_series=4)
+    got = scrape_plugin_metrics()
+    assert got["metrics_dir"] and scrape(str(got["text"]))[(RESIDENT_METRIC, (("adapter_name", "style"),
+                                                                                ("level", "cpu")))] == 1
