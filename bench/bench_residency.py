@@ -17,8 +17,14 @@ After each mode, every replica hands back its plugin metrics (``resident_metric.
 to hold all ids). Prints a table and writes JSON (``--out``, default bench/results/residency.json).
 
     python bench/bench_residency.py                          # 2 GPUs; a tiny model and adapters built here
-    python bench/bench_residency.py --address auto           # an existing cluster, e.g. 2 nodes of 1 GPU each
+    python bench/bench_residency.py --two-nodes              # 2 Ray nodes on this host, 1 GPU each (ray start)
+    python bench/bench_residency.py --address auto           # an existing cluster
     python bench/bench_residency.py --dry-run                # CPU: workload, both apps built, parsing checked
+
+``--two-nodes`` starts a head and a worker node with ``ray start`` (``CUDA_VISIBLE_DEVICES`` 0 and 1, one GPU
+each, separate temp dirs), as a stand-in for two machines; each replica's report then carries its node's GPU, and
+``worker_state`` its bytes read. It runs ``ray stop`` at the end (every Ray process on the host): use it on a
+machine of its own. The adapters are local folders in ``--workdir`` (one host: both nodes read the same disk).
 
 ``--dry-run`` needs Ray Serve LLM importable with the installed vLLM; it starts a CPU-only local Ray, builds both
 apps through Ray's own builder (nothing is deployed), loads the router class as Serve would, and runs the metric
@@ -33,6 +39,7 @@ import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -182,11 +189,13 @@ def run_mode(mode: str, args: argparse.Namespace, model: str, deploy: str, reque
     every = set(ids[0]) | set(ids[1])
     parsed = [parse_replica(str(s["text"]), every) for s in scraped]
     ttfts = sorted(g[0] for g in got if isinstance(g, tuple))
+    reads = {st["pid"]: st.get("adapter_reads", {}).get("bytes") for st in states}  # same worker as the scrape
     return {"mode": mode, "replicas": replicas, "serve_start_s": started, "wall_s": wall,
             "errors": [g for g in got if isinstance(g, str)][:10], "error_count": sum(isinstance(g, str) for g in got),
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
             "outputs": [g[1] if isinstance(g, tuple) else None for g in got],
-            "replica_metrics": [{"metrics_dir": s["metrics_dir"], **p} for s, p in zip(scraped, parsed)],
+            "replica_metrics": [{"metrics_dir": s["metrics_dir"], "pid": s["pid"], "gpu": s.get("cuda_visible_devices"),
+                                 "bytes_read": reads.get(s["pid"]), **p} for s, p in zip(scraped, parsed)],
             "worker_states": states, **summarize(parsed, sorted(every), ids[1])}
 
 
@@ -213,6 +222,19 @@ def build_inputs(workdir: Path, names: list[str], model: str | None) -> tuple[st
     deploy = workdir / "deploy.yaml"
     deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{workdir / 'adapters' / n}'}}\n" for n in names))
     return str(base), str(deploy)
+
+
+def start_two_nodes(workdir: Path, port: int = 6390) -> str:
+    """A head and a worker Ray node on this host, one GPU each; return the head's address."""
+    address = f"127.0.0.1:{port}"
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    nodes = [["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={workdir / 'ray'}"],
+             [f"--address={address}"]]
+    for gpu, extra in enumerate(nodes):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), RAY_USAGE_STATS_ENABLED="0")
+        subprocess.run([ray_cli, "start", *extra, "--num-gpus=1", "--disable-usage-stats"], env=env, check=True)
+    os.environ["RAY_ADDRESS"] = address  # the replicas' engine processes join this cluster too
+    return address
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -265,6 +287,7 @@ def main() -> None:
     ap.add_argument("--modes", default="affinity,default,single")
     ap.add_argument("--model", default=None, help="base model folder (default: a tiny dense model built here)")
     ap.add_argument("--address", default=None, help="an existing Ray cluster (default: a local one, 1 GPU/replica)")
+    ap.add_argument("--two-nodes", action="store_true", help="start 2 Ray nodes on this host, 1 GPU each")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--workdir", default=None)
@@ -289,16 +312,21 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_residency_"))
     model, deploy = build_inputs(workdir, names, args.model)
-    if args.address:
-        ray.init(address=args.address)
+    address = start_two_nodes(workdir) if args.two_nodes else args.address
+    if address:
+        ray.init(address=address)
     else:
         ray.init(num_gpus=args.replicas, include_dashboard=False, log_to_driver=False)
     runs = {}
     try:
+        payload["nodes"] = [{"node_id": n["NodeID"], "gpus": n["Resources"].get("GPU")} for n in ray.nodes()
+                            if n.get("Alive")]
         for mode in args.modes.split(","):
             runs[mode] = run_mode(mode, args, model, deploy, requests, (names, mixes))
     finally:
         ray.shutdown()
+        if args.two_nodes:
+            subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
     ref = runs.get("single", {}).get("outputs")
     rows = []
     for mode, r in runs.items():

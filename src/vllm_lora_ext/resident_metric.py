@@ -111,4 +111,5 @@ def scrape_plugin_metrics(worker: object = None) -> dict[str, object]:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
         text = generate_latest(registry).decode()
-    return {"pid": os.getpid(), "metrics_dir": directory, "text": text}
+    return {"pid": os.getpid(), "metrics_dir": directory, "text": text,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # tells nodes of one host apart
