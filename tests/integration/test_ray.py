@@ -301,9 +301,10 @@ def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
                         lambda: SimpleNamespace(app_name="app", deployment="llm", replica_id="replica-1"))
     server = _server(lora={"max_num_adapters_per_replica": 2})
     assert is_serve_multiplexed(server._load_model)
-    for model in (f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3", f"{BASE}:nope", f"{BASE}:style"):
+    for model in (f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3", f"{BASE}:nope", f"{BASE}:style=0.5+ghost=0.5",
+                  f"{BASE}:style=nan+domain", f"{BASE}:style"):
         _ask(server, model)
-    assert held_ids(server) == [f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3"]  # not the refused id
+    assert held_ids(server) == [f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3"]  # not the refused ids
     _ask(server, f"{BASE}:domain")  # Ray's LRU bounds what is reported: the least recently used mix goes
     assert held_ids(server) == [f"{BASE}:domain", f"{BASE}:style"]
     assert _RecordingDownloader.calls == []  # nothing the plugin serves was looked up in a bucket

@@ -58,8 +58,9 @@ from vllm_lora_ext.constants import client_sources, max_client_sources
 from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
 from vllm_lora_ext.integration.ray_report import _ReportOrDownload, report_held
 from vllm_lora_ext.integration.server import _known_adapters, http_error
-from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
+from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id, split_model_id
 from vllm_lora_ext.prebuild import RecentlyUsed
+from vllm_lora_ext.residency import adapter_id
 
 __all__ = ["LoraExtLLMServer"]
 
@@ -111,7 +112,8 @@ class LoraExtLLMServer(LLMServer):
             return
         # The plugin serves this id (Ray's downloader would look it up as a bucket folder). Still enter it in
         # Ray's multiplexed loader, which reports this replica's ids to Serve's router: the id now routes here.
-        await report_held(self, plan.model_id)
+        if self._vllm_lora_ext_servable(plan):
+            await report_held(self, plan.model_id)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -129,6 +131,16 @@ class LoraExtLLMServer(LLMServer):
         lora_config = getattr(self._llm_config, "lora_config", None)
         ray_downloads = bool(getattr(lora_config, "dynamic_lora_loading_path", None))
         return plan_model_id(model_id, names=names, client_sources=client_sources(), ray_downloads=ray_downloads)
+
+    def _vllm_lora_ext_servable(self, plan: ModelIdPlan) -> bool:
+        """Whether a planned id is worth reporting: a mix only if it parses and names registered adapters (the
+        plugin's routing refuses the others with a 4xx, and a refused id must not attract its next request)."""
+        if plan.plan is not Plan.MIX:
+            return True
+        base = split_model_id(plan.model_id)[0]
+        parts = adapter_id(plan.model_id).components
+        names, _, _ = _known_adapters(self._vllm_lora_ext_models())
+        return bool(parts) and all(part[len(base) + 1:] in names for part in parts)
 
     async def _vllm_lora_ext_register(self, plan: ModelIdPlan) -> Any:
         """Register a client-named source under the whole model id (resolved and pinned by the plugin's
