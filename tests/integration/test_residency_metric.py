@@ -89,3 +89,48 @@ def test_each_engine_shows_what_it_holds_now_on_vllms_metrics_route_and_no_more(
         assert _resident(client)[names[-CPU]] == "gpu"
     finally:
         clear_resident()
+
+
+def test_a_background_build_shows_as_building_until_the_engine_takes_it(
+        fresh_metrics: str, no_pin_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.request import LoRARequest
+
+    import vllm_lora_ext.integration.loader as loader
+    from vllm_lora_ext.integration.prebuild import probe_for, table
+
+    monkeypatch.setenv("VLLM_LORA_EXT_BUILD_PROCESS", "0")
+    release = threading.Event()
+
+    def slow_read(manager: Any, request: Any, **kwargs: Any) -> Any:  # the read from disk, held open by the test
+        release.wait(30)
+        return LoRAModel(request.lora_int_id, 2, {"m": _weights()})
+
+    monkeypatch.setattr(loader, "load_lora_model", slow_read)
+    plugin.register()
+    clear_resident()
+    app = FastAPI()
+    attach_router(app)
+    client = TestClient(app)
+    worker = _worker()
+    del worker._load_adapter  # the plugin's _load_adapter: it takes the background build
+    request = LoRARequest("style", 1, "/adapters/style")
+    try:
+        assert worker.add_adapter(probe_for(request)) is False  # the build starts in the background
+        assert _resident(client) == {"style": "building"}
+        release.set()
+        for _ in range(2000):
+            if worker.add_adapter(probe_for(request)):
+                break
+            threading.Event().wait(0.005)
+        assert _resident(client) == {"style": "building"}  # built, not yet taken by the engine
+        worker.add_adapter(request)  # the engine takes the build: in the CPU cache and a GPU slot
+        assert table(worker).pending() == [] and _resident(client) == {"style": "gpu"}
+    finally:
+        release.set()
+        clear_resident()
