@@ -20,6 +20,7 @@ aggregated by ``max`` over processes: tensor-parallel workers that hold the same
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ MAX_LABEL_CHARS = 256
 _LOCK = threading.Lock()
 _LAST: dict[int, tuple[tuple[str, str], ...]] = {}  # pid -> the samples last written (skip identical writes)
 _WARNED: set[int] = set()
+_AT_EXIT: set[int] = set()
 
 
 def _label(name: str) -> str:
@@ -75,6 +77,9 @@ def write_resident(levels: Mapping[str, str], *, max_series: int) -> int:
             finally:
                 out.close()
             os.replace(tmp, final)
+            if pid not in _AT_EXIT:  # a worker that exits takes its samples with it (a restarted one writes anew)
+                _AT_EXIT.add(pid)
+                atexit.register(clear_resident)
             _LAST[pid] = samples
     except Exception:  # a metric never fails a load or a step
         logger.debug("could not write %s", RESIDENT_METRIC, exc_info=True)
