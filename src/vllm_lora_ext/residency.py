@@ -25,6 +25,7 @@ series count stays bounded by the engine's caches (``max_loras``, ``max_cpu_lora
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -49,6 +50,7 @@ class AdapterId:
     components: frozenset[str]
 
 
+@functools.lru_cache(maxsize=4096)  # a router ranks every reported id on every request
 def adapter_id(model_id: str) -> AdapterId:
     """Return the routing key and mix components of a multiplexed id ``<base>:<adapter>``.
 
