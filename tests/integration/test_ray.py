@@ -296,9 +296,11 @@ def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
 
     from vllm_lora_ext.integration.ray_report import held_ids, is_serve_multiplexed
 
-    # the replica's runtime context, which Serve's loader reads (outside a running deployment there is none)
+    # the replica's runtime context, which Serve's loader reads (outside a running deployment there is none), and
+    # Serve's controller, which its pushes reach (test_ray_serve_residency.py runs the real one)
     monkeypatch.setattr(multiplex, "_get_internal_replica_context",
                         lambda: SimpleNamespace(app_name="app", deployment="llm", replica_id="replica-1"))
+    monkeypatch.setattr(multiplex, "_get_global_client", lambda: SimpleNamespace(record_request_routing_info=id))
     server = _server(lora={"max_num_adapters_per_replica": 2})
     assert is_serve_multiplexed(server._load_model)
     for model in (f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3", f"{BASE}:nope", f"{BASE}:style=0.5+ghost=0.5",

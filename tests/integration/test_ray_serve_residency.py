@@ -55,6 +55,8 @@ def test_each_adapter_id_stays_on_the_replica_that_holds_it_in_a_real_serve_app(
     paths = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
     env = {"VLLM_LORA_EXT_CONFIG": str(cfg), "PYTHONPATH": os.pathsep.join(paths), "RAY_USAGE_STATS_ENABLED": "0"}
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():  # a Ray another test connected to (Serve's clients connect on first use)
+        ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         lora = {"max_num_adapters_per_replica": 8} if residency else None
