@@ -134,3 +134,23 @@ def test_a_background_build_shows_as_building_until_the_engine_takes_it(
     finally:
         release.set()
         clear_resident()
+
+
+def test_the_upstream_metric_wins_when_the_installed_vllm_has_it(fresh_metrics: str, no_pin_memory: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import _compat
+
+    assert _compat.has_upstream_residency_metric() is False  # no vLLM release has vllm:lora_adapter_loaded yet
+    monkeypatch.setattr(_compat, "_UPSTREAM_RESIDENCY", [True])  # a vLLM with PR #54830
+    plugin.register()
+    clear_resident()
+    app = FastAPI()
+    attach_router(app)
+    worker = _worker()
+    worker.add_adapter(LoRARequest("style", 1, "/adapters/1"))
+    assert _resident(TestClient(app)) == {}
