@@ -24,7 +24,9 @@ to hold all ids). Prints a table and writes JSON (``--out``, default bench/resul
 ``--two-nodes`` starts a head and a worker node with ``ray start`` (``CUDA_VISIBLE_DEVICES`` 0 and 1, one GPU
 each, separate temp dirs), as a stand-in for two machines; each replica's report then carries its node's GPU, and
 ``worker_state`` its bytes read. It runs ``ray stop`` at the end (every Ray process on the host): use it on a
-machine of its own. The adapters are local folders in ``--workdir`` (one host: both nodes read the same disk).
+machine of its own. The adapters are local folders in ``--workdir`` (one host: both nodes read the same disk);
+``--hub N`` serves the first N as ``hf:`` sources from a local Hub server (tests/hubserver.py), each replica
+resolving them to the one commit recorded in the JSON (check the replicas' logs for the pinned sha).
 
 ``--dry-run`` needs Ray Serve LLM importable with the installed vLLM; it starts a CPU-only local Ray, builds both
 apps through Ray's own builder (nothing is deployed), loads the router class as Serve would, and runs the metric
@@ -210,18 +212,32 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bfloat16", "seed": 0}
 
 
-def build_inputs(workdir: Path, names: list[str], model: str | None) -> tuple[str, str]:
-    """A tiny dense model (unless ``model`` is given) and one PEFT adapter per name; the deployment config."""
+def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 0) -> tuple[str, str, Any]:
+    """A tiny dense model (unless ``model`` is given), one PEFT adapter per name, and the deployment config; the
+    first ``hub`` adapters are ``hf:`` sources on a local Hub server started here (returned, with its commit)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny import build_dense, build_peft_adapter
 
     base = Path(model) if model else build_dense(workdir / "model")
+    folder = workdir / "adapters"
     for i, name in enumerate(names):
-        build_peft_adapter(base, workdir / "adapters" / name, seed=100 + i, rank=8, alpha=16,
-                           targets=["q_proj", "v_proj", "down_proj"])
+        build_peft_adapter(base, folder / name, seed=100 + i, rank=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"])
+    sources = {n: str(folder / n) for n in names}
+    server = None
+    if hub:
+        from hubserver import HubServer
+
+        server = HubServer().start()
+        files = {f"{n}/{f}": (folder / n / f).read_bytes() for n in names[:hub]
+                 for f in ("adapter_config.json", "adapter_model.safetensors")}
+        server.commit_sha = server.repo("acme/residency").commit(files)
+        # every replica resolves main to this one commit; build_app passes these to the replicas
+        os.environ.update(HF_ENDPOINT=server.url, HF_HUB_CACHE=str(workdir / "hf-cache"), HF_HUB_OFFLINE="0")
+        sources.update({n: f"hf:acme/residency:{n}" for n in names[:hub]})
     deploy = workdir / "deploy.yaml"
-    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{workdir / 'adapters' / n}'}}\n" for n in names))
-    return str(base), str(deploy)
+    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{src}'}}\n" for n, src in sources.items()))
+    return str(base), str(deploy), server
 
 
 def start_two_nodes(workdir: Path, port: int = 6390) -> str:
@@ -288,6 +304,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="base model folder (default: a tiny dense model built here)")
     ap.add_argument("--address", default=None, help="an existing Ray cluster (default: a local one, 1 GPU/replica)")
     ap.add_argument("--two-nodes", action="store_true", help="start 2 Ray nodes on this host, 1 GPU each")
+    ap.add_argument("--hub", type=int, default=0, help="serve the first N adapters as hf: sources from a local Hub")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--workdir", default=None)
@@ -311,7 +328,9 @@ def main() -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_residency_"))
-    model, deploy = build_inputs(workdir, names, args.model)
+    model, deploy, hub = build_inputs(workdir, names, args.model, args.hub)
+    if hub is not None:
+        payload["hub_commit"] = hub.commit_sha
     address = start_two_nodes(workdir) if args.two_nodes else args.address
     if address:
         ray.init(address=address)
@@ -325,6 +344,8 @@ def main() -> None:
             runs[mode] = run_mode(mode, args, model, deploy, requests, (names, mixes))
     finally:
         ray.shutdown()
+        if hub is not None:
+            hub.stop()
         if args.two_nodes:
             subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
     ref = runs.get("single", {}).get("outputs")
