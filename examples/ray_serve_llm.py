@@ -18,7 +18,8 @@ Clients then use the ``openai`` client against ``http://127.0.0.1:8000/v1`` with
   ``VLLM_LORA_EXT_CLIENT_SOURCES`` (``--client-sources hf:acme/``); by default clients name configured adapters only.
 
 What makes it work: ``server_cls=LoraExtLLMServer`` (``vllm_lora_ext.integration.ray``) and the config passed to
-every replica through ``runtime_env``. ``--smoke`` sends one request of each kind, prints the answers and exits;
+every replica through ``runtime_env``; ``ResidencyRequestRouter`` with a ``lora_config`` sends each adapter id
+to the replica that holds it (``--no-residency`` for Serve's default routing). ``--smoke`` sends one request of each kind, prints the answers and exits;
 tests/gpu/test_ray.py runs this setup on 2 GPUs against a single ``vllm serve`` engine.
 """
 
@@ -28,32 +29,59 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 
-def build_app(model: str, model_id: str, config: str, replicas: int, client_sources: str, max_lora_rank: int,
-              engine_kwargs: dict | None = None) -> object:
-    """The Ray Serve application: Ray's OpenAI router in front of ``replicas`` ``LoraExtLLMServer`` replicas."""
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the replicas run: ``residency`` routes each adapter id to the replica holding it (issue 40)."""
+
+    replicas: int = 1
+    client_sources: str = ""
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+    engine_kwargs: dict = field(default_factory=dict)
+    residency: bool = True
+
+
+RESIDENCY_ROUTER = "vllm_lora_ext.integration.ray_routing:ResidencyRequestRouter"
+
+
+def build_app(model: str, model_id: str, config: str, options: ServeOptions = ServeOptions()) -> object:
+    """The Ray Serve application: Ray's OpenAI router in front of ``options.replicas`` ``LoraExtLLMServer`` replicas.
+
+    With ``options.residency`` (the default) each replica reports the adapter ids it holds through Ray's
+    multiplexed loader (``lora_config``, as many ids as its CPU cache keeps) and ``ResidencyRequestRouter`` sends
+    each id to the replica holding it, a new mix to the one holding its components; without, Serve's default
+    router spreads the plugin's ids over replicas (each builds what it receives).
+    """
     import ray
     from ray.serve.llm import LLMConfig, build_openai_app
 
     from vllm_lora_ext.integration.ray import LoraExtLLMServer
 
     env_vars = {"VLLM_LORA_EXT_CONFIG": os.path.abspath(config)}
-    if client_sources:
-        env_vars["VLLM_LORA_EXT_CLIENT_SOURCES"] = client_sources
+    if options.client_sources:
+        env_vars["VLLM_LORA_EXT_CLIENT_SOURCES"] = options.client_sources
     # vLLM's engine process in each replica calls ray.init() itself; it joins this cluster only if it can find
     # it: a cluster from `ray start` can be found, one started by ray.init() in a script needs RAY_ADDRESS.
     env_vars["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE"):
         if name in os.environ:
             env_vars[name] = os.environ[name]
+    deployment: dict = {"num_replicas": options.replicas}
+    residency: dict = {}
+    if options.residency:
+        deployment["request_router_config"] = {"request_router_class": RESIDENCY_ROUTER}
+        residency["lora_config"] = {"max_num_adapters_per_replica": options.max_cpu_loras}
     config_obj = LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model},
         server_cls=LoraExtLLMServer,
-        deployment_config={"num_replicas": replicas},
-        engine_kwargs={"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 4, "max_cpu_loras": 16,
-                       **(engine_kwargs or {})},
+        deployment_config=deployment,
+        engine_kwargs={"enable_lora": True, "max_lora_rank": options.max_lora_rank, "max_loras": 4,
+                       "max_cpu_loras": options.max_cpu_loras, **options.engine_kwargs},
         runtime_env={"env_vars": env_vars},
+        **residency,
     )
     return build_openai_app({"llm_configs": [config_obj]})
 
@@ -80,6 +108,8 @@ def main() -> None:
     ap.add_argument("--client-sources", default="", help="source prefixes clients may name, e.g. hf:acme/")
     ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--no-residency", action="store_true",
+                    help="Serve's default routing: replicas do not report the plugin's ids (each builds what it gets)")
     ap.add_argument("--smoke", action="store_true", help="send one request of each kind, then exit")
     args = ap.parse_args()
 
@@ -96,8 +126,9 @@ def main() -> None:
     names = list(read_deployment_config(args.config).adapters)  # fails early, naming the problem
     ray.init()  # RAY_ADDRESS, else a cluster from `ray start` on this host, else a new local one
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app(args.model, args.model_id, args.config, args.replicas, args.client_sources,
-                        args.max_lora_rank), blocking=False)
+    options = ServeOptions(replicas=args.replicas, client_sources=args.client_sources,
+                           max_lora_rank=args.max_lora_rank, residency=not args.no_residency)
+    serve.run(build_app(args.model, args.model_id, args.config, options), blocking=False)
     base = f"http://127.0.0.1:{args.port}"
     print(f"serving {args.model} as {args.model_id!r} with adapters {names} at {base}/v1")
     if args.smoke:

@@ -81,6 +81,11 @@ class PrebuildTable(Generic[T]):
                 return "building"
             return "failed" if key in self._failed else "absent"
 
+    def pending(self) -> list[Hashable]:
+        """Keys building now or built and not yet taken (what a residency report calls ``building``)."""
+        with self._lock:
+            return [*self._building, *self._ready]
+
     # -------------------------------------------------------------------------------------- actions
 
     def poll(self, key: Hashable) -> bool:

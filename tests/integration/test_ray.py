@@ -130,8 +130,8 @@ def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cfg
 
 
-def _server(*, bucket: bool = False) -> Any:
-    lora = {"dynamic_lora_loading_path": "s3://bucket/loras"} if bucket else {}
+def _server(*, bucket: bool = False, lora: dict[str, Any] | None = None) -> Any:
+    lora = {"dynamic_lora_loading_path": "s3://bucket/loras"} if bucket else lora
     config = LLMConfig(model_loading_config={"model_id": BASE, "model_source": "/m"}, lora_config=lora or None,
                        server_cls=LoraExtLLMServer)
     assert config.server_cls is LoraExtLLMServer
@@ -270,7 +270,8 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # Ray would otherwise report usage over the network
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        app = recipe.build_app("/m", "base", str(tmp_path / "loras.yaml"), 2, "hf:acme/", 16, {"enforce_eager": True})
+        options = recipe.ServeOptions(replicas=2, client_sources="hf:acme/", engine_kwargs={"enforce_eager": True})
+        app = recipe.build_app("/m", "base", str(tmp_path / "loras.yaml"), options)
         address = ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
@@ -281,6 +282,11 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     env = dep.ray_actor_options["runtime_env"]["env_vars"]
     assert env["VLLM_LORA_EXT_CONFIG"] == str(tmp_path / "loras.yaml")
     assert env["VLLM_LORA_EXT_CLIENT_SOURCES"] == "hf:acme/" and env["RAY_ADDRESS"] == address
+    # residency routing: Ray's multiplexed loader on (lora_config), the plugin's router in front of the replicas
+    config = dep.init_kwargs["llm_config"]
+    assert config.lora_config.max_num_adapters_per_replica == 16
+    router = dep._deployment_config.request_router_config.get_request_router_class()
+    assert router.__name__ == "ResidencyRequestRouter"
 
 
 def test_client_named_sources_stay_bounded_least_recently_used_first(
@@ -300,3 +306,41 @@ def test_client_named_sources_stay_bounded_least_recently_used_first(
     assert {"style", "domain"} <= set(registered)  # the operator's adapters are never trimmed
     assert _ask(server, ids["y"])["model"] == ids["y"]  # registered again on its next request
     assert ids["x"] not in registered and len([n for n in registered if n.startswith(f"{BASE}:")]) == 2
+
+
+def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
+        deployment: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's router learns what a replica holds only from its ``@serve.multiplexed`` loader. Ray PR #61304
+    replaces that loader in LLMServer with one that reports nothing: against it this test fails (requests are
+    still served, see test_without_serves_loader_requests_are_served_and_one_warning_says_why)."""
+    from ray.serve import multiplex
+
+    from vllm_lora_ext.integration.ray_report import held_ids, is_serve_multiplexed
+
+    # the replica's runtime context, which Serve's loader reads (outside a running deployment there is none), and
+    # Serve's controller, which its pushes reach (test_ray_serve_residency.py runs the real one)
+    monkeypatch.setattr(multiplex, "_get_internal_replica_context",
+                        lambda: SimpleNamespace(app_name="app", deployment="llm", replica_id="replica-1"))
+    monkeypatch.setattr(multiplex, "_get_global_client", lambda: SimpleNamespace(record_request_routing_info=id))
+    server = _server(lora={"max_num_adapters_per_replica": 2})
+    assert is_serve_multiplexed(server._load_model)
+    for model in (f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3", f"{BASE}:nope", f"{BASE}:style=0.5+ghost=0.5",
+                  f"{BASE}:style=nan+domain", f"{BASE}:style"):
+        _ask(server, model)
+    assert held_ids(server) == [f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3"]  # not the refused ids
+    _ask(server, f"{BASE}:domain")  # Ray's LRU bounds what is reported: the least recently used mix goes
+    assert held_ids(server) == [f"{BASE}:domain", f"{BASE}:style"]
+    assert _RecordingDownloader.calls == []  # nothing the plugin serves was looked up in a bucket
+
+
+def test_without_serves_loader_requests_are_served_and_one_warning_says_why(
+        deployment: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_lora_ext.integration import ray_report
+
+    ray_report._WARNED.clear()
+    server = _server()  # no lora_config: Ray makes no multiplexed loader
+    assert not ray_report.is_serve_multiplexed(server._load_model)
+    assert _ask(server, f"{BASE}:style")["lora"][0] == "style"
+    assert _ask(server, f"{BASE}:domain")["lora"][0] == "domain"
+    warned = [r for r in caplog.records if "max_num_adapters_per_replica" in r.getMessage()]
+    assert len(warned) == 1 and "PR #61304" in warned[0].getMessage()

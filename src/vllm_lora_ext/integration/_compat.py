@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.metadata
+import importlib.util
 import logging
 import sys
 import threading
@@ -237,69 +236,6 @@ def check_vllm_version(version: str | None = None) -> str:
     )
 
 
-class _PostImportLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, callbacks: list[Callable[[ModuleType], None]]) -> None:
-        self._inner = inner
-        self._callbacks = callbacks
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
-        for cb in self._callbacks:
-            cb(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
-        return getattr(self._inner, name)
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs callbacks right after a named module is executed, without importing it early."""
-
-    def __init__(self) -> None:
-        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.hooks or getattr(self._busy, "name", None) == fullname:
-            return None
-        self._busy.name = fullname
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.name = None
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _PostImportLoader(spec.loader, self.hooks[fullname])
-        return spec
-
-
-_FINDER: _PostImportFinder | None = None
-
-
-def cancel_hooks() -> None:
-    """Drop every post-import callback not yet run (``unregister()``)."""
-    if _FINDER is not None:
-        _FINDER.hooks.clear()
-
-
-def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Run ``callback(module)`` now if ``module_name`` is imported, else right after it is."""
-    global _FINDER
-    mod = sys.modules.get(module_name)
-    if mod is not None:
-        callback(mod)
-        return
-    if _FINDER is None:
-        _FINDER = _PostImportFinder()
-        sys.meta_path.insert(0, _FINDER)
-    _FINDER.hooks.setdefault(module_name, []).append(callback)
-
-
-import importlib.util  # noqa: E402  (used by _PostImportFinder; kept last to stay cheap at import)
-
-
 def lora_kernels_batch_invariant() -> bool:
     """Return whether vLLM runs its LoRA kernels batch-invariant (it then never uses tuned configs)."""
     import sys
@@ -510,3 +446,18 @@ def runner_dummy_runs_with_loras(runner: Any) -> bool:
         return False
     wanted = ("cudagraph_runtime_mode", "skip_eplb", "remove_lora", "num_active_loras")
     return all(p in params for p in wanted) and hasattr(runner, "maybe_remove_all_loras")
+
+
+_UPSTREAM_RESIDENCY: list[bool] = []
+
+
+def has_upstream_residency_metric() -> bool:
+    """Whether vLLM exports its own ``vllm:lora_adapter_loaded`` (PR #54830); then the plugin's gauge stays off."""
+    if not _UPSTREAM_RESIDENCY:
+        spec = importlib.util.find_spec("vllm.v1.metrics.loggers")
+        try:
+            found = bool(spec and spec.origin and "lora_adapter_loaded" in open(spec.origin, encoding="utf-8").read())
+        except OSError:
+            found = False
+        _UPSTREAM_RESIDENCY.append(found)
+    return _UPSTREAM_RESIDENCY[0]

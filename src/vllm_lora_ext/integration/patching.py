@@ -10,8 +10,13 @@ replacement (``__vllm_lora_ext_patched__``, ``__wrapped__``) and records the ori
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import inspect
 import logging
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -106,3 +111,66 @@ def undo_all() -> None:
         setattr(owner, attr, original)
         logger.debug("restored %s", name)
     _APPLIED.clear()
+
+
+# ---------------------------------------------------------------- post-import hooks: patch a module when it loads
+
+class _PostImportLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, callbacks: list[Callable[[ModuleType], None]]) -> None:
+        self._inner = inner
+        self._callbacks = callbacks
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        for cb in self._callbacks:
+            cb(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module is executed, without importing it early."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.hooks or getattr(self._busy, "name", None) == fullname:
+            return None
+        self._busy.name = fullname
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.name = None
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PostImportLoader(spec.loader, self.hooks[fullname])
+        return spec
+
+
+_FINDER: _PostImportFinder | None = None
+
+
+def cancel_hooks() -> None:
+    """Drop every post-import callback not yet run (``unregister()``)."""
+    if _FINDER is not None:
+        _FINDER.hooks.clear()
+
+
+def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Run ``callback(module)`` now if ``module_name`` is imported, else right after it is."""
+    global _FINDER
+    mod = sys.modules.get(module_name)
+    if mod is not None:
+        callback(mod)
+        return
+    if _FINDER is None:
+        _FINDER = _PostImportFinder()
+        sys.meta_path.insert(0, _FINDER)
+    _FINDER.hooks.setdefault(module_name, []).append(callback)
+

@@ -35,9 +35,7 @@ from vllm_lora_ext.integration._compat import (
     POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
     WORKER_MANAGER_MODULE,
-    cancel_hooks,
     check_vllm_version,
-    when_imported,
 )
 from vllm_lora_ext.integration.kernels import make_get_lora_op_configs
 from vllm_lora_ext.integration.patching import (
@@ -47,7 +45,9 @@ from vllm_lora_ext.integration.patching import (
     Patch,
     apply_patch,
     applied,
+    cancel_hooks,
     undo_all,
+    when_imported,
 )
 from vllm_lora_ext.integration.prebuild import is_probe
 from vllm_lora_ext.integration.warmup import make_compile_or_warm_up_model
@@ -84,9 +84,13 @@ def _from_other_source(held: Any, lora_request: Any) -> bool:
 def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_adapter(self: Any, lora_request: Any) -> Any:
         from vllm_lora_ext.integration.prebuild import answer_probe
+        from vllm_lora_ext.integration.resident import note_name, record_residency
 
         if is_probe(lora_request):  # the server asks for a background build; nothing is registered
-            return answer_probe(self, lora_request)
+            try:
+                return answer_probe(self, lora_request)
+            finally:
+                record_residency(self)  # the residency gauge: a build in flight
         # vLLM skips loading an id it already holds. If the held model was built from another
         # source, serving it would hand this request another adapter's tensors: reload instead.
         manager: Any = getattr(self, "_adapter_manager", None)
@@ -106,6 +110,8 @@ def _make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                 registered = get(lora_request.lora_int_id)
                 if registered is not None:
                     unstage(registered)
+            note_name(self, lora_request)
+            record_residency(self)  # the residency gauge: registered, activated or evicted
 
     return add_adapter
 
@@ -310,7 +316,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",), _make_add_adapter,
           why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors. Also "
               "answers the server's build-ahead probes (background loading) without registering them, and after the "
-              "slot copy points a GPU-staged model back at its CPU tensors",
+              "slot copy points a GPU-staged model back at its CPU tensors. Writes the residency gauge "
+              "(vllm_lora_ext_adapter_resident) after each registration, activation or eviction",
           delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters off the "
                       "engine loop (vLLM issue #31941)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",), _make_add_adapter,

@@ -27,6 +27,11 @@ plugin system, and the deployment config reaches it through ``runtime_env``::
     serve.run(build_openai_app({"llm_configs": [config]}))
     # then: model="qwen:style", model="qwen:style=0.7+domain=0.3", or model="qwen" with extra_body adapters
 
+Routing by residency (issue 40): every id the plugin serves also enters Ray's ``@serve.multiplexed`` loader
+(`vllm_lora_ext.integration.ray_report`, no download), so the replica reports it to Serve's router and the next
+request for it comes here; this needs a ``lora_config`` in the ``LLMConfig`` (Ray makes no multiplexed loader
+without one). `vllm_lora_ext.integration.ray_routing.ResidencyRequestRouter` adds mixes routed by their components.
+
 Importing `vllm_lora_ext` never imports this module or Ray. What it relies on from Ray 2.58 (the release
 whose image ships vLLM 0.26): ``LLMServer._run_request`` and ``_maybe_resolve_lora_from_multiplex``, and
 ``VLLMEngine._oai_models`` (vLLM's ``OpenAIServingModels`` of the replica). A Ray without them is refused
@@ -36,6 +41,7 @@ at the first request that needs them, with a message naming what is missing.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -50,9 +56,11 @@ except ImportError as err:  # pragma: no cover - only without Ray
 
 from vllm_lora_ext.constants import client_sources, max_client_sources
 from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
+from vllm_lora_ext.integration.ray_report import _ReportOrDownload, report_held
 from vllm_lora_ext.integration.server import _known_adapters, http_error
-from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id
+from vllm_lora_ext.multiplex import ModelIdPlan, Plan, plan_model_id, split_model_id
 from vllm_lora_ext.prebuild import RecentlyUsed
+from vllm_lora_ext.residency import adapter_id
 
 __all__ = ["LoraExtLLMServer"]
 
@@ -63,14 +71,16 @@ _PLANNED: contextvars.ContextVar[ModelIdPlan | None] = contextvars.ContextVar("v
 class LoraExtLLMServer(LLMServer):
     """Ray Serve LLM's ``LLMServer`` whose multiplexed ids may name the plugin's adapters, sources and mixes."""
 
-    def _init_shared(self, *args: Any, **kwargs: Any) -> None:
+    def _init_shared(self, llm_config: Any, engine_cls: Any = None, model_downloader: Any = None) -> None:
         # Ray builds the engine config in a remote task, so vLLM's plugin loading never runs in the replica
         # process itself, where vLLM's OpenAI serving objects live: register here, before the engine starts
         # (idempotent), or the deployment config, body-field mixes and source pinning are missing there.
         from vllm_lora_ext.integration.plugin import register
 
         register()
-        super()._init_shared(*args, **kwargs)
+        # Ray's multiplexed loader (@serve.multiplexed around the downloader) is what reports a replica's ids to
+        # Serve's router; the plugin's ids go through it too, answered without a download (_ReportOrDownload).
+        super()._init_shared(llm_config, engine_cls, functools.partial(_ReportOrDownload, model_downloader))
 
     async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
                            raw_request_info: Any = None) -> AsyncGenerator[Any, None]:
@@ -96,9 +106,14 @@ class LoraExtLLMServer(LLMServer):
             _PLANNED.reset(token)
 
     async def _maybe_resolve_lora_from_multiplex(self) -> None:
-        if _PLANNED.get() is not None:
-            return  # the plugin serves this id; Ray's downloader would look it up as a bucket folder
-        await super()._maybe_resolve_lora_from_multiplex()
+        plan = _PLANNED.get()
+        if plan is None:
+            await super()._maybe_resolve_lora_from_multiplex()
+            return
+        # The plugin serves this id (Ray's downloader would look it up as a bucket folder). Still enter it in
+        # Ray's multiplexed loader, which reports this replica's ids to Serve's router: the id now routes here.
+        if self._vllm_lora_ext_servable(plan):
+            await report_held(self, plan.model_id)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -116,6 +131,16 @@ class LoraExtLLMServer(LLMServer):
         lora_config = getattr(self._llm_config, "lora_config", None)
         ray_downloads = bool(getattr(lora_config, "dynamic_lora_loading_path", None))
         return plan_model_id(model_id, names=names, client_sources=client_sources(), ray_downloads=ray_downloads)
+
+    def _vllm_lora_ext_servable(self, plan: ModelIdPlan) -> bool:
+        """Whether a planned id is worth reporting: a mix only if it parses and names registered adapters (the
+        plugin's routing refuses the others with a 4xx, and a refused id must not attract its next request)."""
+        if plan.plan is not Plan.MIX:
+            return True
+        base = split_model_id(plan.model_id)[0]
+        parts = adapter_id(plan.model_id).components
+        names, _, _ = _known_adapters(self._vllm_lora_ext_models())
+        return bool(parts) and all(part[len(base) + 1:] in names for part in parts)
 
     async def _vllm_lora_ext_register(self, plan: ModelIdPlan) -> Any:
         """Register a client-named source under the whole model id (resolved and pinned by the plugin's

@@ -1,0 +1,128 @@
+"""Residency: which replica should take a multiplexed adapter id, and what one engine holds (pure, no Ray, no vLLM).
+
+A fleet of replicas each builds the adapters and mixes it receives. Sending an id to the replica that already
+holds it (built or building) saves a build, a copy of host memory and a cold first request. Replicas report the
+multiplexed ids (``<base>:<adapter>``, Ray Serve LLM's convention) they hold; `rank_replicas` orders replicas
+for one id from those reports. The ranks, most preferred first:
+
+| rank | replicas | why |
+|---|---|---|
+| holders | those that hold the id, or the same mix written alike (``a=0.70+b=0.3`` is ``a=0.7+b=0.3``) | nothing to build |
+| component holders | for a mix not held anywhere: those holding the most of its components, one rank per count | its parts are hot there |
+| cold | the others holding the fewest ids (Serve's own rule for an id no replica holds) | spreads new ids |
+| rest | everything else | |
+
+A router tries the ranks in order and takes the first replica in a rank whose queue is not full; when every
+preferred replica is saturated (its queue at ``max_ongoing_requests``), the next rank, a cold replica, takes the
+request. That rule is Serve's own (``RequestRouter`` in ``ray.serve``); this module only orders the replicas,
+and `vllm_lora_ext.integration.ray` feeds the order to Serve's router.
+
+`adapter_levels` is the engine side, for routers outside Ray: each adapter an engine holds, at its highest
+level (``gpu``: in a LoRA slot; ``cpu``: in the CPU cache; ``building``: a background build in flight), the
+sample set of the ``vllm_lora_ext_adapter_resident`` gauge. Its labels are the adapters held now, so the
+series count stays bounded by the engine's caches (``max_loras``, ``max_cpu_loras``, the build table).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from vllm_lora_ext.multiplex import looks_like_source, split_model_id
+
+__all__ = ["LEVELS", "AdapterId", "adapter_id", "rank_replicas", "adapter_levels"]
+
+R = TypeVar("R", bound=Hashable)
+
+# The gauge's ``level`` label, highest first. vLLM's proposed ``vllm:lora_adapter_loaded`` (PR #54830) names
+# the same split ``gpu`` / ``cpu``; ``building`` is the plugin's own (background builds).
+LEVELS = ("gpu", "cpu", "building")
+
+
+@dataclass(frozen=True)
+class AdapterId:
+    """One multiplexed id as routing sees it: ``key`` compares equal for equal mixes; ``components`` are the
+    ids of a mix's adapters (empty for anything but a mix)."""
+
+    key: str
+    components: frozenset[str]
+
+
+@functools.lru_cache(maxsize=4096)  # a router ranks every reported id on every request
+def adapter_id(model_id: str) -> AdapterId:
+    """Return the routing key and mix components of a multiplexed id ``<base>:<adapter>``.
+
+    A mix (``a=0.7+b``) has a key with its weights written one way (``0.70`` and ``0.7`` match) and the ids
+    ``<base>:a``, ``<base>:b`` as components; any other id (a name, a source, a malformed mix, which its replica
+    refuses anyway) is its own key.
+
+    Example:
+        >>> adapter_id("qwen:style=0.70+domain").key
+        'qwen:style=0.7+domain'
+        >>> sorted(adapter_id("qwen:style=0.70+domain").components)
+        ['qwen:domain', 'qwen:style']
+    """
+    base, adapter = split_model_id(model_id)
+    if not adapter or looks_like_source(adapter) or ("+" not in adapter and "=" not in adapter):
+        return AdapterId(model_id, frozenset())
+    from vllm_lora_ext.mixing import parse_mix_expression  # the one mix grammar
+
+    try:
+        parts = parse_mix_expression(adapter)
+    except ValueError:
+        return AdapterId(model_id, frozenset())
+    written = "+".join(name if weight is None else f"{name}={weight!r}" for name, weight in parts)
+    return AdapterId(f"{base}:{written}", frozenset(f"{base}:{name}" for name, _ in parts))
+
+
+def rank_replicas(model_id: str, holdings: Mapping[R, Collection[str]], *,
+                  replicas: Sequence[R] | None = None) -> list[list[R]]:
+    """Order replicas for ``model_id`` from what each holds: holders, component holders, cold, rest.
+
+    Args:
+        model_id: the multiplexed id, ``<base>:<adapter>``.
+        holdings: for each replica, the ids it reports (built or building).
+        replicas: the candidates, in the order to keep inside a rank; default: ``holdings``' keys. A candidate
+            missing from ``holdings`` holds nothing.
+
+    Returns:
+        Non-empty ranks, most preferred first; every candidate appears exactly once.
+
+    Example:
+        >>> rank_replicas("q:a", {"r1": ["q:b"], "r2": ["q:a"], "r3": []})
+        [['r2'], ['r3'], ['r1']]
+    """
+    candidates = list(holdings) if replicas is None else list(dict.fromkeys(replicas))
+    if not candidates:
+        return []
+    wanted = adapter_id(model_id)
+    held = {r: {adapter_id(i).key for i in holdings.get(r, ())} for r in candidates}
+    holders = [r for r in candidates if wanted.key in held[r]]
+    ranks: list[list[R]] = [holders]
+    others = [r for r in candidates if r not in holders]
+    if not holders and wanted.components:
+        counts = {r: len(wanted.components & held[r]) for r in others}
+        for count in sorted({c for c in counts.values() if c}, reverse=True):
+            ranks.append([r for r in others if counts[r] == count])
+        others = [r for r in others if not counts[r]]
+    fewest = min((len(held[r]) for r in others), default=0)
+    ranks.append([r for r in others if len(held[r]) == fewest])
+    ranks.append([r for r in others if len(held[r]) != fewest])
+    return [rank for rank in ranks if rank]
+
+
+def adapter_levels(*, gpu: Iterable[str] = (), cpu: Iterable[str] = (),
+                   building: Iterable[str] = ()) -> dict[str, str]:
+    """Each adapter an engine holds at its highest level (``gpu`` over ``cpu`` over ``building``).
+
+    Example:
+        >>> adapter_levels(gpu=["a"], cpu=["a", "b"], building=["c"])
+        {'a': 'gpu', 'b': 'cpu', 'c': 'building'}
+    """
+    levels: dict[str, str] = {}
+    for level, names in zip(LEVELS, (gpu, cpu, building)):
+        for name in names:
+            levels.setdefault(str(name), level)
+    return levels
