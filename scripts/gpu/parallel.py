@@ -9,8 +9,9 @@ serve-log folder (the tests' ``record`` fixture and ``vllm_serve`` write there),
         "bench: bench/moe_matrix.py --parallel 3 --out {out}/moe_matrix.json"
 
 A group is a space-separated list of test files (run by one pytest), or ``bench:`` and a command (``{out}`` is the
-group's folder). ``$OUT`` receives ``g<N>.log`` and ``g<N>.json`` per group and ``logs.tgz`` with every serve log
-and bench file. Run it after ``scripts/gpu/run.sh`` has set the machine up (``run.sh bench scripts/gpu/parallel.py``).
+group's folder). ``$OUT`` receives two files whatever the number of groups (a lent machine returns at most 8):
+``logs.tgz`` (each group's log and serve logs) and ``results.tgz`` (every JSON a group wrote); the call's output
+ends with the lines of each group's log that say what passed, failed or was refused. Run it after ``scripts/gpu/run.sh`` has set the machine up (``run.sh bench scripts/gpu/parallel.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def _command(group: str, out: Path) -> list[str]:
             *group.split()]
 
 
+def _worth(line: str) -> bool:
+    return any(w in line for w in ("passed", "failed", "FAILED", "ERROR", "Error", "error:", "verified", "WRONG",
+                                   "refused", "not buildable", "wrote"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("groups", nargs="+")
@@ -44,9 +50,9 @@ def main() -> int:
     for i, group in enumerate(args.groups):
         folder = work / f"g{i}"
         folder.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(args.out / f"g{i}.json"),
+        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(folder / "results.json"),
                    VLLM_LORA_EXT_SERVE_LOG=str(folder / "serve.log"))
-        log = (args.out / f"g{i}.log").open("w")
+        log = (folder / "group.log").open("w")
         log.write(f"$ {group}\n")
         log.flush()
         procs.append((group, subprocess.Popen(_command(group, folder), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -64,8 +70,15 @@ def main() -> int:
         log.close()
         print(f"[{rc}] {group}")
         status = status or (rc != 0)
+    for i in range(len(procs)):  # the end of each group's log, in the call's own output
+        text = (work / f"g{i}" / "group.log").read_text(errors="replace").splitlines()
+        print(f"---- g{i}: " + "\n".join(line for line in text[-400:] if _worth(line))[-3000:])
+    # Few files come back from a lent machine: every log in one archive, every JSON result in another.
     with tarfile.open(args.out / "logs.tgz", "w:gz") as tar:
-        tar.add(str(work), arcname="groups")
+        tar.add(str(work), arcname="groups", filter=lambda t: None if t.name.endswith(".json") else t)
+    with tarfile.open(args.out / "results.tgz", "w:gz") as tar:
+        for f in sorted(work.rglob("*.json")):
+            tar.add(str(f), arcname=str(f.relative_to(work)))
     return int(bool(status))
 
 
