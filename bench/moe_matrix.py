@@ -404,6 +404,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench/results/moe_matrix.json"))
     ap.add_argument("--archs", default="", help="comma-separated architectures (default: the registry's)")
+    ap.add_argument("--skip", default="", help="comma-separated architectures not to run (e.g. run in another call)")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-matrix"))
@@ -425,7 +426,8 @@ def main() -> int:
         return 0
     found = candidates()
     wanted = set(filter(None, args.archs.split(",")))
-    todo = [a for a, s in found if s == "lora" and (not wanted or a in wanted)]
+    skip = set(filter(None, args.skip.split(",")))
+    todo = [a for a, s in found if s == "lora" and (not wanted or a in wanted) and a not in skip]
     skipped = [{"arch": a, "status": "not buildable", "why": s} for a, s in found if s != "lora"]
     args.workdir.mkdir(parents=True, exist_ok=True)
     with cf.ThreadPoolExecutor(args.parallel) as pool:
