@@ -35,4 +35,4 @@ os.environ.pop("HF_TOKEN", None)
 
 # The optional Ray module has no doctests, and importing it needs Ray Serve LLM with the vLLM release it targets;
 # tests/integration/test_ray.py tests it where that pair is installed.
-collect_ignore = ["src/vllm_lora_ext/integration/ray.py"]
+collect_ignore = ["src/vllm_lora_ext/integration/ray.py", "src/vllm_lora_ext/integration/ray_routing.py"]

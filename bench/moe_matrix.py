@@ -368,6 +368,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 COLUMNS = ("attention", "routed experts", "shared experts", "dense mlp", "other")
+# vLLM's words when engines started side by side on one card took each other's memory: not a finding.
+_COLLISIONS = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
 def _column(group: str) -> str:
@@ -376,11 +378,11 @@ def _column(group: str) -> str:
     return group if group in COLUMNS else "other"
 
 
-def _cell(cells: dict[str, dict[str, Any]]) -> str:
+def _cell(cells: dict[str, dict[str, Any]], column: str) -> str:
     if not cells:
         return "—"
     verdicts = {c["verdict"] for c in cells.values()}
-    if len(verdicts) == 1:
+    if len(verdicts) == 1 and (column != "other" or len(cells) > 1):
         return next(iter(verdicts))
     return ", ".join(f"{g.split('.', 1)[-1]} {c['verdict']}" for g, c in sorted(cells.items()))
 
@@ -390,13 +392,18 @@ def render_table(doc: dict[str, Any]) -> str:
     lines = ["| architecture | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for r in sorted(doc["results"], key=lambda r: r["arch"]):
         if r["status"] != "ran":
-            lines.append(f"| {r['arch']} | not buildable: {r.get('why', '').splitlines()[0][:90]} |" + " |" * (len(COLUMNS) - 1))
+            why = (r.get("why") or "").splitlines()[0] if r.get("why") else ""
+            if any(m in why for m in _COLLISIONS):
+                text = "not run: an engine beside it took the memory (run it alone)"
+            else:
+                text = f"not buildable: {why[:90]}"
+            lines.append(f"| {r['arch']} | {text} |" + " |" * (len(COLUMNS) - 1))
             continue
         by_col: dict[str, dict[str, Any]] = {c: {} for c in COLUMNS}
         for g, c in r["groups"].items():
             if g != "all":
                 by_col[_column(g)][g] = c
-        lines.append(f"| {r['arch']} | " + " | ".join(_cell(by_col[c]) for c in COLUMNS) + " |")
+        lines.append(f"| {r['arch']} | " + " | ".join(_cell(by_col[c], c) for c in COLUMNS) + " |")
     return "\n".join(lines)
 
 
