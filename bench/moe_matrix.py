@@ -124,26 +124,13 @@ def build_model(arch: str, folder: Path) -> Any:
         for name, p in model.named_parameters():
             if name.endswith((".gate.weight", ".router.weight")) and p.ndim == 2:
                 p.mul_(ROUTER_SCALE)
+    if any(n.endswith("e_score_correction_bias") for n, _ in model.named_buffers()):
+        # transformers' DeepSeek-V3-style routers always carry the bias; vLLM makes the parameter only for
+        # topk_method 'noaux_tc' (the released checkpoints' value), which transformers' config leaves out
+        model.config.topk_method = "noaux_tc"
     model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
-    _save_router_biases(model, folder)
     build_tokenizer(folder)
     return model
-
-
-def _save_router_biases(model: Any, folder: Path) -> None:
-    """Write the routers' score-correction biases, which transformers keeps as buffers and does not save, but
-    vLLM loads (DeepSeek-V3's ``noaux_tc`` routing)."""
-    from safetensors.torch import load_file, save_file
-
-    biases = {n: b.detach().to(torch.float32).contiguous() for n, b in model.named_buffers()
-              if n.endswith("e_score_correction_bias")}
-    files = sorted(folder.glob("*.safetensors"))
-    if not biases or len(files) != 1:
-        return
-    tensors = load_file(str(files[0]))
-    missing = {k: v for k, v in biases.items() if k not in tensors}
-    if missing:
-        save_file({**tensors, **missing}, str(files[0]), metadata={"format": "pt"})
 
 
 def expert_parameters(model: Any) -> list[str]:
