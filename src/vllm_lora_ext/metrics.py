@@ -58,13 +58,13 @@ import multiprocessing
 import os
 import shutil
 import stat
-import struct
 import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_lora_ext.constants import ENV_METRICS_DIR
+from vllm_lora_ext.metrics_files import BackedFile, MemoryFile
 from vllm_lora_ext.sharedfiles import claim_owner, release_owner, sweep_dead_owners
 
 __all__ = [
@@ -79,9 +79,8 @@ PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _FILE_TAG = "vllm_lora_ext"
 _DIR_STEM = "vllm_lora_ext_metrics_"  # <stem><owner tag>-<random>: the folder a top-level process makes
 _MIN_FREE_BYTES = 1 << 20  # less free space than this in the metrics folder at start: metrics stay in memory
-_INITIAL_FILE_BYTES = 1 << 16  # prometheus_client's first size of a file (it doubles it as keys are added)
 _LOCK = threading.Lock()
-_FILES: dict[str, Any] = {}  # file prefix -> _BackedFile or _MemoryFile, for _FILES_PID
+_FILES: dict[str, Any] = {}  # file prefix -> BackedFile or MemoryFile, for _FILES_PID
 _FILES_PID: int | None = None
 _OWNED: dict[str, Any] = {}  # the directory this process made, and its collector
 _MEMORY: dict[str, dict[str, float]] = {}  # file prefix -> key -> value, once this process's metrics are in memory
@@ -222,7 +221,7 @@ def _degrade(reason: str) -> None:
                    "API server's own appear on /metrics). Free space there, or set %s to a folder with room.",
                    reason, PROMETHEUS_DIR_ENV)
     for prefix, f in list(_FILES.items()):
-        if isinstance(f, _BackedFile):
+        if isinstance(f, BackedFile):
             f.close(zero_gauges=prefix == "gauge_sum")  # counters stay in the file; memory adds to them
     _FILES.clear()
 
@@ -233,7 +232,7 @@ def _file(prefix: str) -> Any:
     f = _FILES.get(prefix)
     if f is None:
         if _HEALTH["degraded"] is not None:
-            f = _FILES[prefix] = _MemoryFile(_MEMORY.setdefault(prefix, {}))
+            f = _FILES[prefix] = MemoryFile(_MEMORY.setdefault(prefix, {}))
             return f
         path = metrics_dir()
         if path is None:
@@ -243,10 +242,10 @@ def _file(prefix: str) -> Any:
         except ImportError:
             return None
         try:
-            f = _FILES[prefix] = _BackedFile(os.path.join(path, f"{prefix}_{os.getpid()}-{_FILE_TAG}.db"))
+            f = _FILES[prefix] = BackedFile(os.path.join(path, f"{prefix}_{os.getpid()}-{_FILE_TAG}.db"))
         except OSError as err:
             _degrade(f"a metrics file cannot be made in {path} ({err.strerror or err})")
-            f = _FILES[prefix] = _MemoryFile(_MEMORY.setdefault(prefix, {}))
+            f = _FILES[prefix] = MemoryFile(_MEMORY.setdefault(prefix, {}))
     return f
 
 
@@ -258,7 +257,7 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
             f = _file(prefix)
             if f is None:
                 return
-            if isinstance(f, _BackedFile) and not f.make_room(key):
+            if isinstance(f, BackedFile) and not f.make_room(key):
                 _degrade(f"the metrics folder {os.path.dirname(f.path)} is full")
                 f = _file(prefix)
             value = amount if replace else f.read_value(key)[0] + amount
@@ -271,88 +270,6 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
             logger.warning("vllm_lora_ext metrics: a metric write failed (%s: %s); metric writes that fail are "
                            "dropped and counted (metrics.health())", type(err).__name__, err)
         logger.debug("could not record metric %s", key, exc_info=True)
-
-
-class _BackedFile:
-    """One of prometheus_client's mmap files whose pages are all allocated (``posix_fallocate``) before it writes
-    them: a write through the mapping can then never meet a full disk, which would kill the process (SIGBUS)."""
-
-    def __init__(self, path: str) -> None:
-        from prometheus_client.mmap_dict import MmapedDict
-
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDWR)  # this pid's file from before (a reused pid): kept, fully allocated
-            fresh = None
-        except FileNotFoundError:  # made under another name and renamed once allocated: a reader never sees it empty
-            fresh = f"{path}.new"
-            self.fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            self.size = max(os.fstat(self.fd).st_size, _INITIAL_FILE_BYTES)
-            os.posix_fallocate(self.fd, 0, self.size)
-            if fresh is not None:
-                os.rename(fresh, path)
-            self.data = MmapedDict(path)  # type: ignore[no-untyped-call]
-        except BaseException:
-            os.close(self.fd)
-            if fresh is not None:
-                for leftover in (fresh, path):
-                    try:
-                        os.unlink(leftover)
-                    except OSError:
-                        pass
-            raise
-        self.keys: set[str] = set()
-
-    def make_room(self, key: str) -> bool:
-        """Allocate what the file grows to when ``key`` is added (as prometheus_client doubles it); ``False``: no room."""
-        if key in self.keys:
-            return True
-        encoded = len(key.encode("utf-8"))
-        entry = 4 + encoded + (8 - (encoded + 4) % 8) + 16
-        used = struct.unpack("i", os.pread(self.fd, 4, 0))[0]
-        size = self.size
-        while used + entry > size:
-            size *= 2
-        if size != self.size:
-            try:
-                os.posix_fallocate(self.fd, 0, size)
-            except OSError:
-                return False
-            self.size = size
-        self.keys.add(key)
-        return True
-
-    def read_value(self, key: str) -> tuple[float, float]:
-        return self.data.read_value(key)  # type: ignore[no-any-return]
-
-    def write_value(self, key: str, value: float, timestamp: float) -> None:
-        self.data.write_value(key, value, timestamp)
-
-    def close(self, *, zero_gauges: bool = False) -> None:
-        try:
-            if zero_gauges:  # the entries' pages are allocated already: these writes are safe
-                for key in list(self.keys):
-                    self.data.write_value(key, 0.0, 0.0)
-            self.data.close()
-        finally:
-            os.close(self.fd)
-
-
-class _MemoryFile:
-    """This process's metrics in memory, once its metrics folder has no room (shown by the API server's collector)."""
-
-    def __init__(self, values: dict[str, float]) -> None:
-        self.values = values
-
-    def read_value(self, key: str) -> tuple[float, float]:
-        return self.values.get(key, 0.0), 0.0
-
-    def write_value(self, key: str, value: float, timestamp: float) -> None:
-        self.values[key] = value
-
-    def close(self) -> None:
-        pass
 
 
 class _Collector:
