@@ -89,3 +89,17 @@ def write_json(name: str, payload: dict[str, Any], out: str | None = None) -> Pa
 
 if __name__ == "__main__":
     print(source_hash())
+
+
+def answer_engine_command(conn: Any, llm: Any, cmd: str, lora_request: Any, prompts: Any, params: Any,
+                          plp: Any) -> None:
+    """One engine process's answer to the driver (``run``: seconds to decode ``prompts``; ``logprobs``: each
+    prompt's logprobs), the protocol the decode benches' engines share."""
+    if cmd == "run":
+        t = time.perf_counter()
+        llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+        conn.send(time.perf_counter() - t)
+    elif cmd == "logprobs":
+        outs = llm.generate(prompts, plp, lora_request=lora_request, use_tqdm=False)
+        conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
+                   for o in outs])

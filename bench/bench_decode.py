@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, print_table, write_json  # noqa: E402
+from _common import answer_engine_command, median, print_table, write_json  # noqa: E402
 from bench_mix import LLAMA_1B  # noqa: E402
 
 N_REQ, PROMPT_LEN, RANK, SLOTS = 32, 64, 8, 64  # 64 slots: the 32 adapters and 32 mixes all stay loaded
@@ -190,14 +190,8 @@ def engine_main(conn: Any, model: str, adapters: list[str], util: float, tokens:
             t = time.perf_counter()
             llm.generate(batch, one_token, use_tqdm=False)
             conn.send(time.perf_counter() - t)
-        elif cmd == "run":
-            t = time.perf_counter()
-            llm.generate(prompts, params, lora_request=cases[case], use_tqdm=False)
-            conn.send(time.perf_counter() - t)
-        elif cmd == "logprobs":
-            outs = llm.generate(prompts, plp, lora_request=cases[case], use_tqdm=False)
-            conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
-                       for o in outs])
+        else:
+            answer_engine_command(conn, llm, cmd, cases[case], prompts, params, plp)
 
 
 def main() -> None:

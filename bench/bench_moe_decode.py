@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import env_info, median, print_table, write_json  # noqa: E402
+from _common import answer_engine_command, env_info, median, print_table, write_json  # noqa: E402
 from bench_moe_load import E, H, I, QWEN3_30B_A3B  # noqa: E402
 
 N_REQ, PROMPT_LEN, RANK, N_ADAPTERS, SLOTS = 32, 64, 16, 16, 16
@@ -190,14 +190,7 @@ def engine_main(conn: Any, variant: str, spec: dict[str, Any]) -> None:
         cmd, case = conn.recv()
         if cmd == "stop":
             break
-        if cmd == "run":
-            t = time.perf_counter()
-            llm.generate(prompts, params, lora_request=cases[case], use_tqdm=False)
-            conn.send(time.perf_counter() - t)
-        elif cmd == "logprobs":
-            outs = llm.generate(prompts, plp, lora_request=cases[case], use_tqdm=False)
-            conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
-                       for o in outs])
+        answer_engine_command(conn, llm, cmd, cases[case], prompts, params, plp)
 
 
 class Engines:
