@@ -190,7 +190,10 @@ def parse_size(raw: str, *, name: str) -> int:
         raise SettingsError(f"{name}={raw[:80]!r} is not a size. Give {SIZE_FORMS}.")
     if m.group(2) is None and "." in m.group(1):
         raise SettingsError(f"{name}={raw[:80]!r} is not a whole number of bytes. Give {SIZE_FORMS}.")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+    if value != value or value == float("inf"):  # more digits than a float holds
+        raise SettingsError(f"{name}={raw[:80]!r} is too large a size. Give {SIZE_FORMS}.")
+    return int(value)
 
 
 def _env_size(name: str, default: int) -> int:
@@ -304,6 +307,8 @@ def build_spare_bytes() -> int:
 # Module groups vLLM accepts a LoRA for and never applies on some models (unapplied.RULES: kv_b_proj under MLA,
 # experts under a quantized MoE kernel that ignores LoRA). Set, the adapter is served without them, with a warning.
 ENV_DROP_UNAPPLIED = "VLLM_LORA_EXT_DROP_UNAPPLIED"
+# The groups unapplied.RULES names (tests/core/test_unapplied.py keeps the two equal).
+_DROP_GROUPS = frozenset({"kv_b_proj", "shared_expert_gate", "experts"})
 
 
 def drop_unapplied() -> frozenset[str]:
@@ -399,6 +404,10 @@ def check_settings() -> None:
     if log_level() not in _LOG_LEVELS:
         problems.append(f"{ENV_LOG_LEVEL}={os.environ.get(ENV_LOG_LEVEL, '')[:80]!r} is not a log level; give one of "
                         f"{', '.join(_LOG_LEVELS[:2] + _LOG_LEVELS[3:])}.")
+    unknown = drop_unapplied() - _DROP_GROUPS
+    if unknown:
+        problems.append(f"{ENV_DROP_UNAPPLIED}={os.environ.get(ENV_DROP_UNAPPLIED, '')[:80]!r} names "
+                        f"{sorted(unknown)}; give a comma-separated list of {sorted(_DROP_GROUPS)}, or unset it.")
     config = deployment_config_path()
     if config is not None:
         problem = not_a_regular_file(config)
@@ -428,69 +437,6 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
             else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "not a regular file")
     return f"is {kind}, not a regular file"
-
-# The README's environment-variable table is generated from this one (`python -m vllm_lora_ext.cli.readme`; a test
-# keeps them equal, and fails for an ENV_* name above without a row): {variable: (the setting shown, its effect)}.
-ENV_DOCS: dict[str, tuple[str, str]] = {
-    ENV_CONFIG: ("", "deployment config file (JSON/YAML) registered at `vllm serve` start-up"),
-    ENV_ALLOW_PICKLE: ("=1", "accept `.bin`/`.pt` weights (read with `weights_only=True`)"),
-    ENV_ALLOW_UNMATCHED: ("=1", "warn instead of refusing keys that match no module"),
-    ENV_ALLOW_UNSUPPORTED_VLLM: ("=1", "run on an untested vLLM version"),
-    ENV_DISABLE: ("=1", "keep the plugin installed but inert (stock vLLM behaviour)"),
-    ENV_COMPONENT_CACHE: ("", "mix components cached per worker (default 8)"),
-    ENV_MAX_MIXES: ("", "mixes one API server keeps registered (default `--max-cpu-loras`)"),
-    ENV_MIX_WAIT: ("", "how long a new mix waits for a free registry slot before a 503 (default 60)"),
-    ENV_ALLOWED_ROOTS: ("", "`os.pathsep`-separated folders runtime-loaded local sources must lie in (default: any)"),
-    ENV_LOG_LEVEL: ("", "the plugin's log level (default INFO)"),
-    ENV_PREBUILD: ("=0", "build adapters inside the engine step, as stock vLLM does (default: in the background)"),
-    ENV_PREBUILD_BUILDS: ("", "background builds one worker runs at once (default 2)"),
-    ENV_PREBUILD_BYTES: ("", "CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)"),
-    ENV_PREBUILD_WAIT: ("", "how long a request waits for its adapter's build before the engine builds it itself "
-                            "(default 600)"),
-    ENV_BUILD_PROCESS: ("=0", "run background builds in a worker thread instead of a build process"),
-    ENV_BUILD_DIR: ("", "where build processes put the shared files they hand over (default `/dev/shm` if it has "
-                        "room, else the temp dir)"),
-    ENV_STAGE_BYTES: ("", "GPU memory a worker may use for built adapters waiting for their slot copy (default 8 "
-                          "GiB; 0: never stage)"),
-    ENV_TRANSPOSE_ON_GPU: ("=0", "transpose a fused 3D adapter's B factors on the CPU when the worker loads it "
-                                 "(default: on the worker's GPU, the same bytes; an H100 host's 48-layer 3D build"
-                                 " 0.55 → 0.30 s)"),
-    ENV_MIX_ON_GPU: ("=0", "concatenate a mix loaded in the engine step on the CPU (default: on the worker's GPU,"
-                           " as background builds do, where it fits; on an H100, 11-24 ms against 59-79 ms on the"
-                           " CPU)"),
-    ENV_HOST_ARENAS: ("=0", "build adapters and mixes in ordinary torch memory (default: one huge-page host arena"
-                            " per build, pinned in place on a GPU worker; see \"Host memory\")"),
-    ENV_HOST_ARENA_MIN: ("", "smallest build that gets a host arena (default 4 MiB)"),
-    ENV_HOST_SPARE: ("", "largest host arena kept ready (touched, pinned) for the next mix of its size (default 1"
-                         " GiB; 0: none)"),
-    ENV_MIX_THREADS: ("", "threads a mix's CPU concatenation uses (default: up to 4, at most the host's cores)"),
-    ENV_BUILD_SPARE: ("", "smallest spare shared file (pages taken ahead) a build process keeps ready (default 2 "
-                          "GiB; 0: none)"),
-    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand kernel configs (default: the tuned tables shipped "
-                               "for this GPU, see \"Tuned LoRA kernels\")"),
-    ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
-                          " this (default 0: off)"),
-    ENV_CLIENT_SOURCES: ("", "Ray Serve LLM: comma-separated source prefixes (`hf:acme/`, `/srv/loras/`) clients may "
-                             "name in `model=\"<id>:<source>\"`, compared after resolving `.`, `..`, `//` and "
-                             "symlinks (default: none)"),
-    ENV_MAX_CLIENT_SOURCES: ("", "Ray Serve LLM: client-named sources one replica keeps registered, least "
-                                 "recently used dropped first (default 64)"),
-    ENV_METRICS_DIR: ("", "set by the plugin for the vLLM processes it starts: where they write the plugin's "
-                          "metrics files (default: a private folder, or `PROMETHEUS_MULTIPROC_DIR` when set); not"
-                          " a setting"),
-    ENV_DROP_UNAPPLIED: ("", "comma-separated module groups (`kv_b_proj`, `shared_expert_gate`, `experts`) that vLLM would "
-                             "never apply on "
-                             "this model: drop them with a warning instead of refusing the adapter (default: refuse; "
-                             "see \"Modules vLLM would accept and never apply\")"),
-    ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
-                               "or `20GB` (default: off); see \"Disk cache\""),
-    ENV_MOE_WARMUP: ("=0", "skip compiling the fused-MoE LoRA Triton kernels at engine start (default: with LoRA on "
-                           "and MoE LoRA layers, dummy LoRA batches over the decode and prefill sizes run before the "
-                           "engine reports ready, so no request compiles them in its step; patch 16 in "
-                           "`integration/PATCHES.md`)"),
-    ENV_MOE_WARMUP_TOKENS: ("", "comma-separated batch token counts that warm-up runs (default: 1 to `max_num_seqs` "
-                                "or 64, then 2^k, 2^k+1 and 3·2^(k-1) up to `max_num_batched_tokens`)"),
-}
 
 
 def proxy_configured() -> bool:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # sources.py imports this module; only the type comes from th
 
 __all__ = ["HubClient", "hub_endpoint", "hub_cache", "hub_unreachable", "offline_message", "unreachable_message"]
 
-_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a pinned revision: one cache lookup, no request
 
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
@@ -145,7 +145,7 @@ class HubClient:
             cached = try_to_load_from_cache(self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir)
         except Exception:  # e.g. an unusual cache layout: hf_hub_download below decides
             cached = None
-        if revision is not None and _COMMIT_SHA.match(revision):
+        if revision is not None and COMMIT_SHA.match(revision):
             if isinstance(cached, str):
                 return Path(cached)
             if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before

@@ -430,7 +430,7 @@ class LatestGauge(_Metric):
         try:
             with _LOCK:
                 f = _file("gauge_mostrecent")
-                if f is not None:
+                if f is not None and (not isinstance(f, BackedFile) or f.make_room(key)):  # pages allocated first
                     f.write_value(key, float(value), time.time())
         except Exception:  # a metric must never fail a load or a request
             logger.debug("could not record metric %s", key, exc_info=True)

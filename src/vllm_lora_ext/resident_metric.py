@@ -63,19 +63,12 @@ def write_resident(levels: Mapping[str, str], *, max_series: int) -> int:
     try:
         with _LOCK:
             directory = metrics.metrics_dir()
-            if directory is None or _LAST.get(pid) == samples:
+            if directory is None or _LAST.get(pid) == samples or metrics.health().get("degraded"):
                 return dropped
-            from prometheus_client.mmap_dict import MmapedDict
-
             final = _path(directory, pid)
             tmp = final + ".tmp"  # the collector reads *.db only
-            out = MmapedDict(tmp)  # type: ignore[no-untyped-call]
-            try:
-                for name, level in samples:
-                    out.write_value(metrics._key(RESIDENT_METRIC, RESIDENT_METRIC, _LABELS, (name, level), _HELP),
-                                    1.0, 0.0)
-            finally:
-                out.close()
+            _write_allocated(tmp, [metrics._key(RESIDENT_METRIC, RESIDENT_METRIC, _LABELS, (name, level), _HELP)
+                                   for name, level in samples])
             os.replace(tmp, final)
             if pid not in _AT_EXIT:  # a worker that exits takes its samples with it (a restarted one writes anew)
                 _AT_EXIT.add(pid)
@@ -88,6 +81,29 @@ def write_resident(levels: Mapping[str, str], *, max_series: int) -> int:
         logger.warning("%s: %d adapters held but at most %d samples are written; raise the bound or lower "
                        "max_cpu_loras", RESIDENT_METRIC, len(levels), max_series)
     return dropped
+
+
+def _write_allocated(path: str, keys: list[str]) -> None:
+    """Write ``keys`` = 1 into a new prometheus_client file at ``path`` whose every page is allocated before it is
+    written (`vllm_lora_ext.metrics_files.BackedFile`): a full disk raises ``OSError`` here, never SIGBUS later."""
+    from vllm_lora_ext.metrics_files import BackedFile
+
+    for stale in (path, path + ".new"):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    out = BackedFile(path)
+    try:
+        for key in keys:
+            if not out.make_room(key):
+                raise OSError(28, "no room to grow the residency metrics file", path)
+            out.write_value(key, 1.0, 0.0)
+    except BaseException:
+        out.close()
+        os.unlink(path)
+        raise
+    out.close()
 
 
 def clear_resident() -> None:

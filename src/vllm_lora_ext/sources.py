@@ -48,6 +48,7 @@ from vllm_lora_ext.constants import (
 )
 from vllm_lora_ext import diskcache, metrics
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
+from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA
 from vllm_lora_ext.hub_client import HubClient
 
 __all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source", "fetch_source"]
@@ -57,7 +58,6 @@ logger = logging.getLogger(__name__)
 ConfigRule = Literal["adapter_config.json", "<stem>_config.json", "<stem>.json", "inferred"]
 
 _REPO_PART = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
-_COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 _REVISION = re.compile(r"^[A-Za-z0-9_.\-/+]{1,255}$")
 
 

@@ -172,3 +172,19 @@ def test_inspect_with_an_mla_base_config_prints_a_problem_line(tmp_path: Path,
     base.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert main(["inspect", str(adapter), "--base-config", str(base)]) == 0
     assert "problem:" not in capsys.readouterr().out
+
+
+def test_the_settings_check_knows_every_group_the_refusal_table_has() -> None:
+    from vllm_lora_ext import constants
+    from vllm_lora_ext.unapplied import RULES
+
+    assert constants._DROP_GROUPS == {r.group for r in RULES}
+
+
+def test_a_drop_setting_naming_no_group_stops_start_up_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.constants import check_settings
+    from vllm_lora_ext.errors import SettingsError
+
+    monkeypatch.setenv("VLLM_LORA_EXT_DROP_UNAPPLIED", "kv_b_proj,bogus")
+    with pytest.raises(SettingsError, match="VLLM_LORA_EXT_DROP_UNAPPLIED=.*'bogus'"):
+        check_settings()

@@ -57,3 +57,41 @@ def test_loads_mixes_and_errors_succeed_with_metrics_in_memory_when_the_temp_dir
     assert result["samples"] == HEALTHY  # the API server's own samples still show on /metrics
     assert done.stderr.count("keeps its metrics in memory") == 1  # one warning, not one per write
     assert left == ["filler"]  # the metrics folder and the owner's lock file are gone at exit
+
+
+_RESIDENT_CHILD = """
+import os, sys, tempfile
+disk, degrade_first = sys.argv[1], sys.argv[2] == "1"
+os.environ["TMPDIR"] = disk
+tempfile.tempdir = None
+from vllm_lora_ext import metrics, resident_metric
+metrics.setup()
+fd = os.open(os.path.join(disk, "filler"), os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    pass
+os.close(fd)
+if degrade_first:
+    metrics.MIXES_REGISTERED.inc()
+print(resident_metric.write_resident({f"adapter-{i}": "gpu" for i in range(300)}, max_series=1000), flush=True)
+print("alive", bool(metrics.health()["degraded"]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("degrade_first", [True, False], ids=["after-a-failed-write", "residency-first"])
+def test_the_residency_gauge_never_kills_a_process_on_a_full_disk(tmp_path: Path, degrade_first: bool) -> None:
+    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"
+    _mount_tmpfs(disk, "4m")
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        done = subprocess.run([sys.executable, "-c", _RESIDENT_CHILD, str(disk), "1" if degrade_first else "0"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        left = sorted(n for n in os.listdir(disk) if n.endswith((".tmp", ".new")))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False, timeout=60)
+        disk.rmdir()
+    assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-2000:]}"
+    assert done.stdout.split() == ["0", "alive", str(degrade_first)]
+    assert left == []  # no half-written residency file is left behind

@@ -1,5 +1,5 @@
 """The README's generated parts: the CLI summary (from the argparse parsers) and the environment-variable table
-(from ``constants.ENV_DOCS``). ``python -m vllm_lora_ext.cli.readme [README.md]`` rewrites both in place;
+(from ``env_docs.ENV_DOCS``). ``python -m vllm_lora_ext.cli.readme [README.md]`` rewrites both in place;
 ``tests/core/test_readme.py`` fails while the README differs from what this module renders.
 
 Each part lies between two HTML comments, ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``.
@@ -69,8 +69,8 @@ def render_cli_summary(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def render_env_table() -> str:
-    """Return the markdown table of every ``VLLM_LORA_EXT_*`` variable, from ``constants.ENV_DOCS``."""
-    from vllm_lora_ext.constants import ENV_DOCS
+    """Return the markdown table of every ``VLLM_LORA_EXT_*`` variable, from ``env_docs.ENV_DOCS``."""
+    from vllm_lora_ext.env_docs import ENV_DOCS
 
     rows = [f"| `{name}{setting}` | {effect} |" for name, (setting, effect) in ENV_DOCS.items()]
     return "\n".join(["| variable | effect |", "|---|---|", *rows])

@@ -6,9 +6,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import sys
-import threading
-from collections.abc import Callable, Mapping
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -36,6 +34,7 @@ LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"
 GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completions, chat and responses (0.26-0.33)
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
+GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 # Serving classes and request types that never generate (0.26-0.33): a mix named there is checked, never built.
 _NON_GENERATING = (("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization"),
                    ("vllm.entrypoints.scale_out.render.serving", "ServingRender"),
@@ -49,7 +48,6 @@ def never_generates(*objects: Any) -> bool:
     """Whether any of ``objects`` (a serving object, a request) is one of vLLM's tokenize or render kinds."""
     kinds = tuple(getattr(sys.modules.get(module), name, None) for module, name in _NON_GENERATING)
     return any(isinstance(obj, k) for k in kinds if isinstance(k, type) for obj in objects)
-GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 
 
 # Where vLLM keeps create_error_response, newest first (found by feature, not by version string).

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
+from vllm_lora_ext.constants import ENV_COMPONENT_CACHE, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.hostmem import prepare_spare
 from vllm_lora_ext.integration._compat import cuda_context, kept_host_arena, pin_in_place
@@ -32,7 +32,6 @@ from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
 
-ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"
 _CACHE: OrderedDict[tuple[int, str], Any] = OrderedDict()
 _LOCK = threading.Lock()
 
