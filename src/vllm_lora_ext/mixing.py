@@ -2,9 +2,11 @@
 
 The math, per LoRA module (per expert for MoE)::
 
-    A_mix = concat_rank(A_1, ..., A_k)                     (Σ r_i, in)
-    B_mix = concat_rank(w_1·s_1·B_1, ..., w_k·s_k·B_k)     (out, Σ r_i)
+    A_mix = concat_rank(w_1·s_1·A_1, ..., w_k·s_k·A_k)     (Σ r_i, in)
+    B_mix = concat_rank(B_1, ..., B_k)                     (out, Σ r_i)
     B_mix · A_mix = Σ w_i · s_i · B_i · A_i                 exactly: no cross terms
+
+(the weight goes on A, whose rows are contiguous; see `concat_factors`)
 
 with ``s_i`` each adapter's own scaling (alpha/r or rsLoRA, rank/alpha patterns). The composite has
 scaling 1 and rank Σ r_i over the adapters that have the module. This is PEFT's

@@ -1,6 +1,6 @@
 """The worker-side loader: one LoRA request -> a vLLM ``LoRAModel``, through the plugin's core.
 
-This replaces ``WorkerLoRAManager._load_adapter`` (the single place where vLLM 0.20–0.33 turns a
+This replaces ``WorkerLoRAManager._load_adapter`` (the single place where vLLM 0.26–0.33 turns a
 path into tensors). Every adapter source goes through here: the source is resolved by
 `vllm_lora_ext.sources`, the config is validated by `vllm_lora_ext.config`, tensors are read by
 `vllm_lora_ext.reader`, and every key must map to a LoRA module of the running model before
