@@ -1,4 +1,4 @@
-"""vLLM version gate and post-import hooks (the only knowledge of *where* things live in vLLM)."""
+"""vLLM version gate and version differences: the module paths, classes and signatures that moved between releases."""
 
 from __future__ import annotations
 
