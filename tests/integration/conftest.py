@@ -74,6 +74,11 @@ def llama_adapter_manager(num_layers: int = 2) -> Any:
 
 @pytest.fixture
 def worker_manager(no_pin_memory: None) -> Any:
+    """A real vLLM WorkerLoRAManager object around the adapter-manager view above (`make_worker_manager`)."""
+    return make_worker_manager()
+
+
+def make_worker_manager() -> Any:
     """A real vLLM WorkerLoRAManager object (its __init__ needs a full engine config, so the
     fields it sets are filled in directly) around the adapter-manager view above."""
     import torch

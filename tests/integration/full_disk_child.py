@@ -13,9 +13,7 @@ import json
 import os
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -49,27 +47,13 @@ def no_pin_memory() -> None:
 
 
 def worker_manager() -> Any:
-    import torch
-    from vllm.config.lora import LoRAConfig
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.worker_manager import WorkerLoRAManager
-
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("integration_conftest", HERE / "conftest.py")
     assert spec is not None and spec.loader is not None
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
-
-    mgr = object.__new__(WorkerLoRAManager)
-    mgr._lora_model_cls = LoRAModel
-    mgr.embedding_modules = {}
-    mgr.vocab_size = 256
-    mgr.max_position_embeddings = 256
-    mgr.lora_config = LoRAConfig(max_lora_rank=16, max_loras=2, lora_dtype=torch.float32)
-    mgr.device = torch.device("cpu")
-    mgr._adapter_manager = conftest.llama_adapter_manager()
-    return mgr
+    return conftest.make_worker_manager()
 
 
 def loads(mgr: Any, work: Path, good: Path, other: Path, round_: int) -> dict[str, str]:
@@ -93,17 +77,12 @@ def loads(mgr: Any, work: Path, good: Path, other: Path, round_: int) -> dict[st
 
 def mixes(work: Path) -> list[Any]:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.lora.request import LoRARequest
 
-    from factories import make_dense_adapter
-    from test_metrics_endpoint import _Engine
+    from test_metrics_endpoint import mix_serving
     from vllm_lora_ext.integration import server
 
-    a, b = make_dense_adapter(work / "ma", seed=1), make_dense_adapter(work / "mb", seed=2)
-    models = SimpleNamespace(
-        lora_requests={"style": LoRARequest("style", 1, str(a)), "domain": LoRARequest("domain", 2, str(b))},
-        lora_resolver_lock=defaultdict(asyncio.Lock), engine_client=_Engine())
-    serving = SimpleNamespace(models=models, _is_model_supported=lambda m: not m or m == "base")
+    (work / "mixes").mkdir(exist_ok=True)
+    serving = mix_serving(work / "mixes")
 
     async def scenario() -> list[Any]:
         out = []

@@ -96,23 +96,31 @@ class _Engine:
         return True
 
 
-def test_mix_registrations_evictions_and_refusals_show_on_the_metrics_route(
-        fresh_metrics: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def mix_serving(work: Path) -> Any:
+    """A serving object whose models hold two real dense adapters, 'style' and 'domain', over `_Engine`."""
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.lora.request import LoRARequest
+
+    a, b = make_dense_adapter(work / "a", seed=1), make_dense_adapter(work / "b", seed=2)
+    models = SimpleNamespace(
+        lora_requests={"style": LoRARequest("style", 1, str(a)), "domain": LoRARequest("domain", 2, str(b))},
+        lora_resolver_lock=defaultdict(asyncio.Lock), engine_client=_Engine())
+    return SimpleNamespace(models=models, _is_model_supported=lambda m: not m or m == "base")
+
+
+def test_mix_registrations_evictions_and_refusals_show_on_the_metrics_route(
+        fresh_metrics: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     monkeypatch.setenv(ENV_MAX_MIXES, "1")
     server.reset_registry()
     plugin.register()
     client = _metrics_client()
-    a, b = make_dense_adapter(tmp_path / "a", seed=1), make_dense_adapter(tmp_path / "b", seed=2)
-    models = SimpleNamespace(
-        lora_requests={"style": LoRARequest("style", 1, str(a)), "domain": LoRARequest("domain", 2, str(b))},
-        lora_resolver_lock=defaultdict(asyncio.Lock), engine_client=_Engine())
-    serving = SimpleNamespace(models=models, _is_model_supported=lambda m: not m or m == "base")
+    serving = mix_serving(tmp_path)
 
     async def scenario() -> list[Any]:
         out = []
