@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import subprocess
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +99,27 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             if s.name.startswith("vllm_lora_ext_"):
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(size: str) -> Iterator[Path]:
+    """Mount a tmpfs of ``size`` (``"2m"``) under /dev/shm for a full-disk test, and unmount it after; skip the
+    test where it cannot be mounted (not root, no mount permission in a container)."""
+    import pytest
+
+    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"  # outside tmp_path's disk
+    disk.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        disk.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if done.returncode != 0:
+        disk.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[:200]}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False, timeout=60)
+        disk.rmdir()

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from factories import scrape
+from factories import scrape, tiny_tmpfs
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import read_capped
 from vllm_lora_ext.building import sweep_stale
@@ -333,22 +332,10 @@ print(json.dumps({"health": metrics.health(), "lines": text.count('vllm_lora_ext
 
 
 def test_a_metrics_file_that_must_grow_on_a_full_disk_degrades_instead_of_dying(tmp_path: Path) -> None:
-    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"
-    disk.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
-    except OSError:
-        mounted = None
-    if mounted is None or mounted.returncode != 0:
-        disk.rmdir()
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tiny_tmpfs("2m") as disk:
         done = subprocess.run([sys.executable, "-c", _GROWTH_CHILD, str(disk)], env=_env(), capture_output=True,
                               text=True, timeout=120)
         left = os.listdir(disk)
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
-        disk.rmdir()
     assert done.returncode == 0, f"exit status {done.returncode} (negative: a signal)\n{done.stderr[-2000:]}"
     import json
 
@@ -382,21 +369,9 @@ print(json.dumps(out))
 
 
 def test_a_shared_arena_in_a_nearly_full_folder_is_refused_or_fully_allocated_never_a_sigbus(tmp_path: Path) -> None:
-    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"
-    disk.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
-    except OSError:
-        mounted = None
-    if mounted is None or mounted.returncode != 0:
-        disk.rmdir()
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tiny_tmpfs("2m") as disk:
         done = subprocess.run([sys.executable, "-c", _ARENA_CHILD, str(disk)], env=_env(), capture_output=True,
                               text=True, timeout=120)
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
-        disk.rmdir()
     assert done.returncode == 0, f"exit status {done.returncode} (negative: a signal)\n{done.stderr[-2000:]}"
     import json
 

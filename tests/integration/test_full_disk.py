@@ -13,10 +13,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
+
+from factories import tiny_tmpfs
 
 pytestmark = pytest.mark.vllm
 
@@ -24,30 +25,14 @@ CHILD = Path(__file__).with_name("full_disk_child.py")
 HEALTHY = {"loads_ok": 4.0, "mixes_registered": 2.0, "mix_errors": 1.0}  # what a run with room records
 
 
-def _mount_tmpfs(folder: Path, size: str) -> None:
-    folder.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        pytest.skip(f"cannot mount a tmpfs here: {err}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[:200]}")
-
-
 @pytest.mark.parametrize(("when", "size"), [("start", "64k"), ("after-setup", "2m"), ("mid-run", "2m")])
 def test_loads_mixes_and_errors_succeed_with_metrics_in_memory_when_the_temp_dir_is_full(
         tmp_path: Path, when: str, size: str) -> None:
-    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"  # a mount point outside tmp_path's disk
-    _mount_tmpfs(disk, size)
-    try:
+    with tiny_tmpfs(size) as disk:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         done = subprocess.run([sys.executable, str(CHILD), str(disk), when, str(tmp_path)], env=env,
                               capture_output=True, text=True, timeout=600)
         left = sorted(n for n in os.listdir(disk) if not n.startswith("torchinductor"))  # torch's own cache folder
-    finally:
-        subprocess.run(["umount", str(disk)], check=False, timeout=60)
-        disk.rmdir()
     assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-3000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     expected = {"good": "ok", "big": "AdapterCompatibilityError", "gone": "LoRAAdapterNotFoundError", "mix": "ok"}
@@ -82,16 +67,11 @@ print("alive", bool(metrics.health()["degraded"]), flush=True)
 
 @pytest.mark.parametrize("degrade_first", [True, False], ids=["after-a-failed-write", "residency-first"])
 def test_the_residency_gauge_never_kills_a_process_on_a_full_disk(tmp_path: Path, degrade_first: bool) -> None:
-    disk = Path("/dev/shm") / f"vllm-lora-ext-test-{uuid.uuid4().hex[:8]}"
-    _mount_tmpfs(disk, "4m")
-    try:
+    with tiny_tmpfs("4m") as disk:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         done = subprocess.run([sys.executable, "-c", _RESIDENT_CHILD, str(disk), "1" if degrade_first else "0"],
                               env=env, capture_output=True, text=True, timeout=300)
         left = sorted(n for n in os.listdir(disk) if n.endswith((".tmp", ".new")))
-    finally:
-        subprocess.run(["umount", str(disk)], check=False, timeout=60)
-        disk.rmdir()
     assert done.returncode == 0, f"exit status {done.returncode} (negative: killed by a signal)\n{done.stderr[-2000:]}"
     assert done.stdout.split() == ["0", "alive", str(degrade_first)]
     assert left == []  # no half-written residency file is left behind
