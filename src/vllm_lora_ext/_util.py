@@ -69,13 +69,20 @@ def open_confined(path: str | os.PathLike[str], roots: Sequence[str] | None) -> 
     return fd
 
 
+def file_kind(mode: int) -> str:
+    """Name what a file of ``st_mode`` is, for messages: ``"a regular file"``, ``"a folder"``, ``"a FIFO (named
+    pipe)"``, ``"a socket"``, ``"a device"`` or ``"not a regular file"``."""
+    return ("a regular file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+
+
 def _regular(fd: int, path: str | os.PathLike[str]) -> int:
     """Return ``fd``, blocking again, if it is a regular file; else close it and raise ``OSError`` naming the kind."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise OSError(errno.EINVAL, f"is {kind}; a regular file is needed", os.fspath(path))
+        raise OSError(errno.EINVAL, f"is {file_kind(mode)}; a regular file is needed", os.fspath(path))
     os.set_blocking(fd, True)
     return fd
 

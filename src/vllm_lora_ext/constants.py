@@ -11,6 +11,7 @@ import re
 import stat
 from typing import Literal
 
+from vllm_lora_ext._util import file_kind
 from vllm_lora_ext.errors import SettingsError
 
 HF_PREFIX = "hf:"
@@ -433,10 +434,7 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
         return f"cannot be read ({err.strerror or err})"
     if stat.S_ISREG(mode):
         return None
-    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file")
-    return f"is {kind}, not a regular file"
+    return f"is {file_kind(mode)}, not a regular file"
 
 
 def proxy_configured() -> bool:
