@@ -10,6 +10,11 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
+# The vLLM modules that decide pinning (0.26: a PIN_MEMORY constant; 0.32: is_pin_memory_available where imported).
+PIN_MEMORY_MODULES = ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager",
+                      "vllm.utils.torch_utils", "vllm.lora.punica_wrapper.utils")
+
+
 @pytest.fixture
 def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM believes it can pin memory on a machine without a driver; tell it the truth.
@@ -18,8 +23,7 @@ def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     import importlib
 
-    for name in ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager", "vllm.utils.torch_utils",
-                 "vllm.lora.punica_wrapper.utils"):
+    for name in PIN_MEMORY_MODULES:
         try:
             mod = importlib.import_module(name)
         except ImportError:

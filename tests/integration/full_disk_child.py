@@ -32,11 +32,21 @@ def fill(folder: str) -> None:
         os.close(fd)
 
 
+def _conftest() -> Any:
+    """tests/integration/conftest.py as a module (pytest is not running in this child)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("integration_conftest", HERE / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest
+
+
 def no_pin_memory() -> None:
     import importlib
 
-    for name in ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager", "vllm.utils.torch_utils",
-                 "vllm.lora.punica_wrapper.utils"):
+    for name in _conftest().PIN_MEMORY_MODULES:
         try:
             mod = importlib.import_module(name)
         except ImportError:
@@ -47,13 +57,7 @@ def no_pin_memory() -> None:
 
 
 def worker_manager() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("integration_conftest", HERE / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    return conftest.make_worker_manager()
+    return _conftest().make_worker_manager()
 
 
 def loads(mgr: Any, work: Path, good: Path, other: Path, round_: int) -> dict[str, str]:
