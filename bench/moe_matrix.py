@@ -26,6 +26,8 @@ refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issu
 
     python bench/moe_matrix.py --out bench/results/moe_matrix.json [--archs A,B] [--parallel 4]
     python bench/moe_matrix.py --archs A,B --quantization fp8 --out ...  # the base quantized online by vLLM
+    python bench/moe_matrix.py --archs A --checkpoint fp8|int4|int4-triton --out ...  # a pre-quantized base
+                                                    # (quantized_ckpt.py; HF + PEFT runs on its dequantized weights)
     python bench/moe_matrix.py --one ARCH --workdir W --json OUT   # one architecture (what the driver runs)
     python bench/moe_matrix.py --one ARCH --no-vllm --device cpu   # HF + PEFT side only (no GPU)
 """
@@ -298,25 +300,34 @@ def judge(hf: dict[str, Any], vl: dict[str, Any]) -> dict[str, Any]:
     return {"noise": noise, "tol": tol, "groups": cells}
 
 
-def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None
-            ) -> dict[str, Any]:
+def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None,
+            checkpoint: str | None = None) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
+    served, info_q = workdir / "model", {}
     try:
         model_dir = workdir / "model"
+        if checkpoint == "int4-triton":  # hidden size not a multiple of 128: vLLM picks Triton WNA16, not Marlin
+            TINY["hidden_size"] = 192
         model = build_model(arch, model_dir)
         del model
+        if checkpoint:
+            from quantized_ckpt import quantize_checkpoint
+
+            served = workdir / "quantized"
+            info_q = quantize_checkpoint(model_dir, served, checkpoint)
         info = build_adapter(model_dir, workdir / "adapter")
         adapters = write_group_adapters(workdir / "adapter", workdir / "groups")
         hf = hf_logprobs(model_dir, workdir / "adapter", list(adapters), device)
     except Exception as err:
         return {"arch": arch, "status": "not buildable",
                 "why": f"transformers: {type(err).__name__}: {err}"[:400], "trace": traceback.format_exc()[-2000:]}
-    name = f"{arch} ({quantization})" if quantization else arch
-    result: dict[str, Any] = {"arch": name, "status": "built", **info, "groups": sorted(adapters)}
+    kind = quantization or (f"{checkpoint} checkpoint" if checkpoint else None)
+    name = f"{arch} ({kind})" if kind else arch
+    result: dict[str, Any] = {"arch": name, "status": "built", **info, **info_q, "groups": sorted(adapters)}
     if not use_vllm:
         return result
     try:
-        vl = vllm_logprobs(model_dir, adapters, quantization)
+        vl = vllm_logprobs(served, adapters, quantization)
     except Exception as err:
         return {**result, "status": "not buildable", "why": f"vLLM: {type(err).__name__}: {err}"[:400],
                 "trace": traceback.format_exc()[-2000:]}
@@ -325,11 +336,14 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
 
 # ---- the driver ---------------------------------------------------------------------------------------------
 
-def _one_in_subprocess(arch: str, workdir: Path, timeout: float, quantization: str | None) -> dict[str, Any]:
+def _one_in_subprocess(arch: str, workdir: Path, timeout: float, quantization: str | None,
+                       checkpoint: str | None = None) -> dict[str, Any]:
     js = workdir / arch / "result.json"
     cmd = [sys.executable, __file__, "--one", arch, "--workdir", str(workdir / arch), "--json", str(js)]
     if quantization:
         cmd += ["--quantization", quantization]
+    if checkpoint:
+        cmd += ["--checkpoint", checkpoint]
     log = workdir / f"{arch}.log"
     t0 = time.time()
     try:
@@ -407,6 +421,8 @@ def main() -> int:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quantization", default=None, help="vLLM's online quantization of the base, e.g. fp8")
+    ap.add_argument("--checkpoint", default=None, choices=("fp8", "int4", "int4-triton"),
+                    help="serve a pre-quantized copy of the base (quantized_ckpt.py)")
     ap.add_argument("--render", type=Path, help="print the README table of a results file and exit")
     args = ap.parse_args()
     if args.render:
@@ -414,7 +430,7 @@ def main() -> int:
         return 0
     if args.one:
         res = run_one(args.one, args.workdir, use_vllm=not args.no_vllm, device=args.device,
-                      quantization=args.quantization)
+                      quantization=args.quantization, checkpoint=args.checkpoint)
         text = json.dumps(res, indent=1)
         args.json.write_text(text) if args.json else print(text)
         return 0
@@ -425,10 +441,11 @@ def main() -> int:
     skipped = [{"arch": a, "status": "not buildable", "why": s} for a, s in found if s != "lora"]
     args.workdir.mkdir(parents=True, exist_ok=True)
     with cf.ThreadPoolExecutor(args.parallel) as pool:
-        ran = list(pool.map(lambda a: _one_in_subprocess(a, args.workdir, args.timeout, args.quantization), todo))
+        ran = list(pool.map(lambda a: _one_in_subprocess(a, args.workdir, args.timeout, args.quantization,
+                                                      args.checkpoint), todo))
     # Engines started side by side can trip vLLM's memory profiling (another process freed memory meanwhile):
     # those run again, one at a time.
-    ran = [_one_in_subprocess(r["arch"].split(" ")[0], args.workdir, args.timeout, args.quantization)
+    ran = [_one_in_subprocess(r["arch"].split(" ")[0], args.workdir, args.timeout, args.quantization, args.checkpoint)
            if r["status"] != "ran" and "profil" in r.get("why", "") else r for r in ran]
     results = ran + ([] if wanted else skipped)
     import transformers
@@ -436,7 +453,7 @@ def main() -> int:
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     doc = {"card": card, "vllm": vllm.__version__, "transformers": transformers.__version__,
-           "quantization": args.quantization,
+           "quantization": args.quantization, "checkpoint": args.checkpoint,
            "rank": RANK, "sequences": SEQS, "positions_per_sequence": SEQ_LEN - PROMPT_LEN, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

@@ -10,7 +10,7 @@ random factors of std ``--scale``. Two runs:
 
 Each run's JSON (``--json``) and wall time go to ``bench/results/verify_qwen3_30b_a3b.json``.
 
-Usage: python bench/probe_verify.py [--layers 2] [--scale 0.05] [--out FILE]
+Usage: python bench/probe_verify.py [--layers 2] [--scale 0.05] [--gpu-memory-utilization 0.8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--scale", type=float, default=0.05)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gpu-memory-utilization", default="0.8", help="passed to verify (lower it beside other engines)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -85,9 +86,10 @@ def main() -> None:
         (work / "model" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
         adapter = make_adapter(work / "adapter", QWEN3_30B_A3B["num_hidden_layers"], args.scale)
         served = make_adapter(work / "served", QWEN3_30B_A3B["num_hidden_layers"], args.scale, experts=False)
-        runs = {"as_trained": verify(work / "model", adapter, args.layers, work / "a.json"),
+        mem = ("--gpu-memory-utilization", args.gpu_memory_utilization)
+        runs = {"as_trained": verify(work / "model", adapter, args.layers, work / "a.json", *mem),
                 "served_without_experts": verify(work / "model", adapter, args.layers, work / "b.json",
-                                                 "--served", str(served))}
+                                                 "--served", str(served), *mem)}
     write_json("verify_qwen3_30b_a3b", {"model": "Qwen3-30B-A3B config, random weights (verify --load-format dummy)",
                                         "layers": args.layers, "scale": args.scale, "runs": runs}, args.out)
 
