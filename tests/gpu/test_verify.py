@@ -26,7 +26,7 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def _verify(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "vllm_lora_ext.cli", "verify", *args, "--tokens", "8", "--gpu-memory-utilization",
-           "0.3"]
+           "0.12"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
