@@ -443,10 +443,10 @@ def main() -> int:
     with cf.ThreadPoolExecutor(args.parallel) as pool:
         ran = list(pool.map(lambda a: _one_in_subprocess(a, args.workdir, args.timeout, args.quantization,
                                                       args.checkpoint), todo))
-    # Engines started side by side can trip vLLM's memory profiling (another process freed memory meanwhile):
-    # those run again, one at a time.
+    # Engines started side by side can trip vLLM's memory profiling (another process freed or took memory
+    # meanwhile): those run again, one at a time.
     ran = [_one_in_subprocess(r["arch"].split(" ")[0], args.workdir, args.timeout, args.quantization, args.checkpoint)
-           if r["status"] != "ran" and "profil" in r.get("why", "") else r for r in ran]
+           if r["status"] != "ran" and any(m in r.get("why", "") for m in _COLLISIONS) else r for r in ran]
     results = ran + ([] if wanted else skipped)
     import transformers
     import vllm

@@ -334,3 +334,17 @@ def test_verify_usage_errors_exit_2_naming_the_option(option: str, value: str, f
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert option in err and fragment in err
+
+
+def test_a_failed_side_is_reported_by_its_root_cause_not_by_the_engine_wrapper_error() -> None:
+    from vllm_lora_ext.cli.verify import root_cause
+
+    log = ("INFO 11-28 starting\n"
+           "(EngineCore pid=12) ERROR Traceback (most recent call last):\n"
+           "(EngineCore pid=12) ValueError: No available memory for the cache blocks. Try increasing "
+           "`gpu_memory_utilization` when initializing the engine.\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert root_cause(log) == ("ValueError: No available memory for the cache blocks. Try increasing "
+                               "`gpu_memory_utilization` when initializing the engine.")
+    assert root_cause("RuntimeError: Engine core initialization failed. See root cause above.\n") is None
+    assert root_cause("all fine\n") is None

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -163,8 +164,26 @@ def _side(side: str, job_path: Path, log: Path, args: argparse.Namespace) -> Non
         done = subprocess.run(cmd, stdout=None if verbose else f, stderr=subprocess.STDOUT if not verbose else None,
                               check=False)
     if done.returncode != 0:
-        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
-        raise VerifyError(f"The {label} side failed (exit {done.returncode}); its log is {log}. Last lines: {tail}")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        cause = root_cause(text)
+        hint = (" Another process may hold the GPU's memory: free it, or lower --gpu-memory-utilization."
+                if cause and "memory" in cause.lower() else "")
+        raise VerifyError(f"The {label} side failed (exit {done.returncode})"
+                          + (f": {cause}." if cause else ".") + hint
+                          + f" Its log is {log}. Last lines: {text[-1200:]}")
+
+
+_WRAPPERS = ("Engine core initialization failed",)
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of a side's log (``ValueError: No available memory ...``), skipping vLLM's wrapper
+    errors that only say a worker failed; ``None`` when the log has none."""
+    for line in log_text.splitlines():
+        m = re.search(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", line)
+        if m and not any(w in line for w in _WRAPPERS):
+            return f"{m.group(1)}: {m.group(2).strip()}"[:400]
+    return None
 
 
 def prepare_job(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], list[str]]:
