@@ -28,7 +28,7 @@ import torch
 
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
+from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it (issue 41)
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
@@ -40,7 +40,7 @@ from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sharedfiles import claim_owner, reserve_when_tight, sweep_dead_owners
 from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
-from vllm_lora_ext.validation import check_finite
+from vllm_lora_ext.validation import check_finite, check_rank_budget
 
 __all__ = ["ArenaSupply", "BuildJob", "BuiltAdapter", "SharedArena", "SharedTensors", "build_adapter", "from_shared",
            "pack_block", "to_shared", "trim_shared"]
@@ -352,12 +352,10 @@ def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_ran
     else:
         lora_a, lora_b = experts.as_2d(num_experts=spec.num_experts, hidden=spec.hidden, alloc=alloc)
     need = max(int(a.shape[1]) for a in lora_a)
-    if need > max_rank:
-        why = (" (per-expert gate and up become one fused factor of rank r_gate + r_up for this model's 3D MoE layer)"
-               if wrapper == "3d" and experts.gate_up is None else "")
-        raise AdapterCompatibilityError(
-            f"Adapter {adapter!r}: MoE block {spec.prefix!r} needs rank {need}{why} but max_lora_rank is {max_rank}. "
-            f"Start vLLM with --max-lora-rank {max_lora_rank_for(need) or need}.", adapter=adapter)
+    why = (" (per-expert gate and up become one fused factor of rank r_gate + r_up for this model's 3D MoE layer)"
+           if wrapper == "3d" and experts.gate_up is None else "")
+    check_rank_budget(need, max_rank, adapter=adapter,
+                      what=f"Adapter {adapter!r}: MoE block {spec.prefix!r} needs rank {need}{why}")
     return [t.contiguous() for t in lora_a], [t.contiguous() for t in lora_b], need
 
 

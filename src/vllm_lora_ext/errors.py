@@ -125,11 +125,18 @@ class ExpertLayoutError(AdapterFormatError):
 
 
 class AdapterCompatibilityError(VllmLoraExtError, ValueError):
-    """A valid adapter that the running model or vLLM's limits cannot serve (e.g. rank > max_lora_rank)."""
+    """A valid adapter that the running model or vLLM's limits cannot serve (e.g. rank > max_lora_rank).
 
-    def __init__(self, message: str, *, adapter: str | None = None) -> None:
+    ``rank`` and ``max_rank`` are set when the rank budget refused it (`validation.check_rank_budget`): the rank
+    needed and the ``max_lora_rank`` in force.
+    """
+
+    def __init__(self, message: str, *, adapter: str | None = None, rank: int | None = None,
+                 max_rank: int | None = None) -> None:
         super().__init__(message)
         self.adapter = adapter
+        self.rank = rank
+        self.max_rank = max_rank
 
 
 class MixError(VllmLoraExtError, ValueError):

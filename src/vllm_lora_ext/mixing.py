@@ -42,10 +42,11 @@ import torch
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
+from vllm_lora_ext.validation import check_rank_budget
 
-__all__ = ["MixComponent", "MixSpec", "parse_mix_expression", "resolve_mix", "concat_factors", "concat_many",
-           "composite_shapes", "check_weight", "weighted_parts_stay_finite",
-           "parse_weight", "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
+__all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_expression", "resolve_mix", "concat_factors",
+           "concat_many", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight", "MIX_NAME_PREFIX",
+           "MAX_MIX_COMPONENTS"]
 
 # A mix of more adapters than this is refused before anything is loaded (each costs a component load).
 MAX_MIX_COMPONENTS = 16
@@ -364,26 +365,133 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
     return a, b
 
 
-def weighted_parts_stay_finite(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]],
-                               *, dtype: torch.dtype | None, max_abs: Callable[[torch.Tensor], float]) -> bool:
-    """Whether no ``c_i · A_i`` of [`concat_many`]'s ``jobs`` can round to infinity in the result dtype.
+@dataclass(frozen=True)
+class MixFactor:
+    """One component's factors of one concatenation job, as plain data.
 
-    ``max_abs(A_i)`` gives the largest magnitude in a component factor (NaN if it holds a NaN). If every
-    ``|c_i| · max|A_i|`` is at most half the dtype's largest finite value, every product, rounded once, is
-    finite, so the composite needs no scan. Otherwise (or for a NaN bound) this says ``False`` and the caller
-    scans ``A``. ``B`` is a copy of finite components and needs no check either way.
+    ``A`` is ``(r, in)`` (``rank_dim=0``) or per expert ``(E, r, in)`` (``rank_dim=1``); ``B`` has its rank on the
+    next dimension. ``scaling`` is the component's own (1 where it is folded in already). ``max_abs`` is the
+    largest magnitude in ``A`` (NaN if it holds a NaN; ``None``: not known), from [`largest_magnitude`].
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float = 1.0
+    rank_dim: int = 0
+    max_abs: float | None = None
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[self.rank_dim])
+
+
+# A component as a mix takes it: per module, its factor (one job), or the slices of a packed block (a job each).
+ComponentFactors = Mapping[Any, "MixFactor | Sequence[MixFactor]"]
+Part = tuple[torch.Tensor, torch.Tensor, float]
+
+
+@dataclass(frozen=True)
+class MixPlan:
+    """What a mix builds, computed from its components' factors: the concatenation jobs, the rank budget, and
+    whether the weighted factors can overflow.
+
+    Attributes:
+        name: the mix's adapter name, for messages.
+        jobs: ``{key: (parts, rank_dim_a, rank_dim_b)}`` for [`concat_many`]: a module's name, or ``(name, j)`` for
+            slice ``j`` of a packed block; ``parts`` are ``(A_i, B_i, w_i·s_i)`` in the mix's order.
+        modules: per module, its job keys.
+        ranks: per module, ``(component name, rank)`` of each component that has it.
+        bounds: per job, ``|w_i·s_i|·max|A_i|`` of each part (infinite where ``max|A_i|`` is not known).
+    """
+
+    name: str
+    jobs: dict[Any, tuple[list[Part], int, int]]
+    modules: dict[Any, list[Any]]
+    ranks: dict[Any, list[tuple[str, int]]]
+    bounds: dict[Any, list[float]]
+
+    @classmethod
+    def from_components(cls, name: str, components: Sequence[tuple[str, float, ComponentFactors]]) -> MixPlan:
+        """Plan the mix of ``(component name, weight, factors)``; modules in order of first appearance.
+
+        A module's form (one factor, or the slices of a packed block) is its first component's.
+
+        Example:
+            >>> one = {"m": MixFactor(torch.ones(2, 5), torch.ones(3, 2), scaling=0.5, max_abs=1.0)}
+            >>> plan = MixPlan.from_components("mix", [("a", 2.0, one), ("b", 1.0, one)])
+            >>> plan.rank("m"), plan.bounds["m"], plan.stays_finite(torch.float16)
+            (4, [1.0, 0.5], True)
+        """
+        jobs: dict[Any, tuple[list[Part], int, int]] = {}
+        modules: dict[Any, list[Any]] = {}
+        ranks: dict[Any, list[tuple[str, int]]] = {}
+        bounds: dict[Any, list[float]] = {}
+        order = list(dict.fromkeys(m for _, _, factors in components for m in factors))
+        for module in order:
+            present = [(n, w, factors[module]) for n, w, factors in components if module in factors]
+            packed = not isinstance(present[0][2], MixFactor)
+            width = len(present[0][2]) if packed else 1  # type: ignore[arg-type]
+            modules[module] = [(module, j) for j in range(width)] if packed else [module]
+            ranks[module] = [(n, max(f.rank for f in _slices(fs))) for n, _, fs in present]
+            for j, key in enumerate(modules[module]):
+                parts = [(w, _slices(fs)[j]) for _, w, fs in present]
+                dim = parts[0][1].rank_dim
+                jobs[key] = ([(f.a, f.b, w * f.scaling) for w, f in parts], dim, dim + 1)
+                bounds[key] = [abs(w * f.scaling) * (f.max_abs if f.max_abs is not None else math.inf)
+                               for w, f in parts]
+        return cls(name, jobs, modules, ranks, bounds)
+
+    def rank(self, module: Any) -> int:
+        """The composite's rank of ``module``: its components' ranks summed (the largest over a block's slices)."""
+        sums = []
+        for key in self.modules[module]:
+            parts, dim, _ = self.jobs[key]
+            sums.append(sum(int(a.shape[dim]) for a, _, _ in parts))
+        return max(sums)
+
+    def check_rank_budget(self, max_rank: int) -> None:
+        """Refuse the mix if a module's summed rank exceeds ``max_rank`` ([`check_rank_budget`]).
+
+        Raises:
+            [`AdapterCompatibilityError`]: names the first such module and its components' ranks, with
+                ``rank`` (the largest summed rank) and ``max_rank``.
+        """
+        over = [(m, r) for m in self.modules if (r := self.rank(m)) > max_rank]
+        if not over:
+            return
+        need = max(r for _, r in over)
+        module, rank = over[0]
+        parts = ", ".join(f"{n} r={r}" for n, r in self.ranks[module])
+        check_rank_budget(need, max_rank, adapter=self.name, mix=True,
+                          what=f"Mix {self.name!r} needs rank {need} (the sum of its adapters' ranks)",
+                          detail=f": {module} needs {rank} ({parts})")
+
+    def stays_finite(self, dtype: torch.dtype | None) -> bool:
+        """Whether no ``w_i·s_i·A_i`` can round to infinity in the result dtype (``None``: each job's first ``A``'s).
+
+        If every ``|w_i·s_i|·max|A_i|`` is at most half the dtype's largest finite value, every product, rounded
+        once, is finite, so the composite needs no scan. Otherwise (an unknown or NaN bound too) this says
+        ``False`` and the caller scans ``A``. ``B`` is a copy of finite components and needs no check either way.
+        """
+        for key, (parts, _, _) in self.jobs.items():
+            limit = torch.finfo(dtype or parts[0][0].dtype).max / 2
+            if not all(bound <= limit for bound in self.bounds[key]):  # NaN-safe
+                return False
+        return True
+
+
+def _slices(factors: MixFactor | Sequence[MixFactor]) -> Sequence[MixFactor]:
+    return [factors] if isinstance(factors, MixFactor) else factors
+
+
+def largest_magnitude(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (NaN if it holds a NaN; 0 for an empty tensor), for [`MixFactor.max_abs`].
 
     Example:
-        >>> jobs = {"m": ([(torch.ones(1, 2), torch.full((3, 1), 2.0), 0.5)], 0, 1)}
-        >>> weighted_parts_stay_finite(jobs, dtype=torch.bfloat16, max_abs=lambda t: float(t.abs().max()))
-        True
-        >>> weighted_parts_stay_finite(jobs, dtype=torch.float16, max_abs=lambda t: 1e5)
-        False
+        >>> largest_magnitude(torch.tensor([1.0, -3.0]))
+        3.0
     """
-    for key, (parts, _, _) in jobs.items():
-        limit = torch.finfo(dtype or parts[0][0].dtype).max / 2
-        for a, _, c in parts:
-            bound = abs(float(c)) * max_abs(a)
-            if not bound <= limit:  # NaN-safe
-                return False
-    return True
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (torch.isnan(lo) or torch.isnan(hi)) else float("nan")

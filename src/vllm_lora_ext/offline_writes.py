@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from vllm_lora_ext.errors import AdapterFormatError, MixError
 from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts
-from vllm_lora_ext.mixing import concat_factors
+from vllm_lora_ext.mixing import MixFactor, MixPlan, concat_many
 from vllm_lora_ext.offline_ops import MOE_SIZES_KEY, LoadedAdapter, load_adapter_files, require_safetensors
 from vllm_lora_ext.outputs import write_atomically
 from vllm_lora_ext.reader import read_header
@@ -196,6 +196,19 @@ def check_mixable(loaded: Sequence[LoadedAdapter], names: Sequence[str]) -> None
                        "the same base model: mix adapters trained for one base model. Nothing was written.")
 
 
+def _mix_factors(la: LoadedAdapter) -> dict[Any, MixFactor]:
+    """An adapter's factors as [`MixPlan`] takes them: dense modules with their scaling, and each MoE block's gate,
+    up and down factors ``A (E, r, in)``, ``B (E, out, r)`` (scaling folded in when read)."""
+    out: dict[Any, MixFactor] = {m: MixFactor(a, b, la.config.scaling_for(m, int(a.shape[0])))
+                                 for m, (a, b) in la.dense.items()}
+    for prefix, ex in la.moe.items():
+        gate, up = ex._split_gate_up()
+        for role, f in (("gate", gate), ("up", up), ("down", ex.down)):
+            if f is not None:
+                out[(prefix, role)] = MixFactor(f.a, f.b, 1.0, rank_dim=1)
+    return out
+
+
 def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir: str | os.PathLike[str], *,
                       base_config: Mapping[str, Any] | None = None, num_experts: int | None = None,
                       names: Sequence[str] | None = None) -> Path:
@@ -213,35 +226,22 @@ def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir
     loaded = [(load_adapter_files(r, base_config=base_config, num_experts=num_experts, name=n), w)
               for n, (r, w) in zip(labels, adapters)]
     check_mixable([la for la, _ in loaded], labels)
+    plan = MixPlan.from_components("mix", [(n, w, _mix_factors(la)) for n, (la, w) in zip(labels, loaded)])
+    done = concat_many(plan.jobs, workers=1)
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
-    modules: dict[str, None] = {}
-    for la, _ in loaded:
-        modules.update(dict.fromkeys(la.dense))
-    for m in modules:
-        parts = [(la.dense[m][0], la.dense[m][1], w * la.config.scaling_for(m, int(la.dense[m][0].shape[0])))
-                 for la, w in loaded if m in la.dense]
-        a, b = concat_factors(parts)
+    for m in dict.fromkeys(m for la, _ in loaded for m in la.dense):
+        a, b = done[m]
         tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] = a, b
         ranks[m] = int(a.shape[0])
-    blocks: dict[str, None] = {}
-    for la, _ in loaded:
-        blocks.update(dict.fromkeys(la.moe))
-    for prefix in blocks:
-        present = [(la.moe[prefix], la.specs[prefix], w) for la, w in loaded if prefix in la.moe]
-        spec = present[0][1]
-        mixed = ExpertsLoRA(prefix, present[0][0].experts, spec.intermediate, interleaved=spec.interleaved)
-        for role in ("gate", "up", "down"):
-            parts = []
-            for ex, _, w in present:
-                g, u = ex._split_gate_up()
-                f = {"gate": g, "up": u, "down": ex.down}[role]
-                if f is not None:
-                    parts.append((f.a, f.b, w))
-            if parts:
-                a, b = concat_factors(parts, rank_dim_a=1, rank_dim_b=2)
+    for prefix in dict.fromkeys(p for la, _ in loaded for p in la.moe):
+        first = next(la for la, _ in loaded if prefix in la.moe)
+        spec = first.specs[prefix]
+        mixed = ExpertsLoRA(prefix, first.moe[prefix].experts, spec.intermediate, interleaved=spec.interleaved)
+        for role, proj in (("gate", spec.gate), ("up", spec.up), ("down", spec.down)):
+            if (prefix, role) in done:
+                a, b = done[(prefix, role)]
                 setattr(mixed, role, ExpertFactors(a, b))
-                proj = {"gate": spec.gate, "up": spec.up, "down": spec.down}[role]
                 ranks[f"{re.escape(prefix)}\\.\\d+\\.{proj}"] = int(a.shape[1])  # a regex: every expert
         tensors.update(_moe_tensors(prefix, mixed, spec, "2d"))
     r = max(ranks.values())

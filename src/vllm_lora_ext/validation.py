@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_lora_ext.constants import max_lora_rank_for
+from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError
 from vllm_lora_ext.formats import classify_key
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_finite", "first_nonfinite", "nonfinite_error"]
+           "check_rank_budget", "check_finite", "first_nonfinite", "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
 LORA_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -134,11 +134,35 @@ def check_ranks(shapes: Mapping[str, tuple[int, ...]], declared: Iterable[int], 
     if worst is None and top > max_rank:
         worst = (top, "(config r / rank_pattern)")
     if worst is not None:
-        fit = max_lora_rank_for(worst[0])
-        fix = f"Start vLLM with --max-lora-rank {fit}" if fit else "Use an adapter of rank <= 512"
-        raise AdapterCompatibilityError(
-            f"Adapter {adapter!r} has rank {worst[0]} (module {worst[1]!r}) but max_lora_rank is {max_rank}. {fix}.",
-            adapter=adapter)
+        check_rank_budget(worst[0], max_rank, adapter=adapter,
+                          what=f"Adapter {adapter!r} has rank {worst[0]} (module {worst[1]!r})")
+
+
+def check_rank_budget(rank: int, max_rank: int, *, adapter: str, what: str, detail: str = "",
+                      mix: bool = False) -> None:
+    """Refuse ``rank`` above ``max_rank``: the one rank-budget rule of adapters, MoE blocks and mixes.
+
+    The message reads ``{what} but max_lora_rank is {max_rank}{detail}. {fix}.``, the fix naming the smallest
+    ``--max-lora-rank`` vLLM accepts that fits (for a ``mix``: or mixing fewer adapters).
+
+    Raises:
+        [`AdapterCompatibilityError`]: with ``rank`` and ``max_rank`` set.
+
+    Example:
+        >>> check_rank_budget(20, 16, adapter="m", what="Mix 'm' needs rank 20", mix=True)
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterCompatibilityError: Mix 'm' needs rank 20 but max_lora_rank is 16. Start vLLM with --max-lora-rank 32 or mix fewer adapters.
+    """
+    if rank <= max_rank:
+        return
+    fit = max_lora_rank_for(rank)
+    if fit is not None:
+        fix = f"Start vLLM with --max-lora-rank {fit}" + (" or mix fewer adapters" if mix else "")
+    else:
+        fix = "Mix fewer adapters" if mix else f"Use an adapter of rank <= {VLLM_MAX_LORA_RANK_CHOICES[-1]}"
+    raise AdapterCompatibilityError(f"{what} but max_lora_rank is {max_rank}{detail}. {fix}.", adapter=adapter,
+                                    rank=rank, max_rank=max_rank)
 
 
 def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:

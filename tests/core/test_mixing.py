@@ -124,3 +124,35 @@ def test_mix_names_stay_readable_and_unique_for_path_like_names() -> None:
     assert a.lora_name.startswith("mix-style-lora=0.7+domain.safetensors=0.3-") and len(a.lora_name) < 120
     b = MixSpec((MixComponent("/other/style-lora", "/other/style-lora", 0.7), a.components[1]))
     assert a.lora_name != b.lora_name
+
+
+def test_a_mix_plan_sums_ranks_per_module_and_refuses_past_the_budget_with_the_numbers_as_fields() -> None:
+    from vllm_lora_ext.errors import AdapterCompatibilityError
+    from vllm_lora_ext.mixing import MixFactor, MixPlan
+
+    def dense(r: int) -> MixFactor:
+        return MixFactor(torch.ones(r, 6), torch.ones(5, r), scaling=2.0, max_abs=1.0)
+
+    packed = [MixFactor(torch.ones(4, r, 6), torch.ones(4, 5, r), rank_dim=1, max_abs=1.0) for r in (3, 9)]
+    plan = MixPlan.from_components("m", [("a", 0.5, {"q": dense(4), "experts": packed}), ("b", -1.0, {"q": dense(8)})])
+    assert list(plan.jobs) == ["q", ("experts", 0), ("experts", 1)] and plan.modules["q"] == ["q"]
+    assert [c for _, _, c in plan.jobs["q"][0]] == [1.0, -2.0] and plan.jobs[("experts", 1)][1:] == (1, 2)
+    assert (plan.rank("q"), plan.rank("experts")) == (12, 9)
+    plan.check_rank_budget(12)
+    with pytest.raises(AdapterCompatibilityError, match=r"needs rank 12 .* max_lora_rank is 8: q needs 12 "
+                                                        r"\(a r=4, b r=8\)\. .*--max-lora-rank 16") as caught:
+        plan.check_rank_budget(8)
+    assert (caught.value.rank, caught.value.max_rank, caught.value.adapter) == (12, 8, "m")
+
+
+def test_a_mix_plan_needs_a_scan_where_a_weighted_factor_could_overflow_or_its_bound_is_unknown() -> None:
+    from vllm_lora_ext.mixing import MixFactor, MixPlan, largest_magnitude
+
+    a = torch.full((2, 3), 300.0)
+    known = MixFactor(a, torch.ones(4, 2), max_abs=largest_magnitude(a))
+    plan = MixPlan.from_components("m", [("a", 100.0, {"q": known})])
+    assert plan.stays_finite(torch.float16) and plan.stays_finite(None)  # 3e4 <= 65504 / 2; None: A's float32
+    assert not MixPlan.from_components("m", [("a", -100.0, {"q": MixFactor(a * 10, torch.ones(4, 2), max_abs=3000.0)})
+                                             ]).stays_finite(torch.float16)  # 3e5 > 65504 / 2
+    assert not MixPlan.from_components("m", [("a", 1.0, {"q": MixFactor(a, torch.ones(4, 2))})]).stays_finite(None)
+    assert math.isnan(largest_magnitude(torch.tensor([1.0, float("nan")])))

@@ -107,7 +107,8 @@ def test_a_mix_whose_components_build_side_by_side_in_the_build_process_equals_o
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration import build_process
-    from vllm_lora_ext.integration.composite import build_composite, clear_component_cache
+    from vllm_lora_ext.integration.composite import clear_component_cache
+    from vllm_lora_ext.integration.loader import build_composite
 
     c = make_peft_adapter(tiny_llama(), tmp_path / "c", targets=["q_proj", "up_proj"], rank=2, alpha=4, seed=3)
     spec = MixSpec((MixComponent("a", str(adapters["a"]), 0.7), MixComponent("b", str(adapters["b"]), -0.2),

@@ -25,6 +25,7 @@ from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
                                                 mapper_ignores_expert_numbers, mla_attention_cls, moe_experts_kernel,
                                                 pin_in_place, unstacked_mapper, validate_loaded)
+from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -187,8 +188,6 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
         bind_worker_gpu(getattr(manager, "device", None))  # a helper thread's host memory is pinned for this GPU too
         with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
             if kind == "mix":
-                from vllm_lora_ext.integration.composite import build_composite
-
                 if device is None and mix_on_gpu():  # loaded in the step: the GPU too, unless turned off
                     device = getattr(manager, "device", None)
                 lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
@@ -200,6 +199,27 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
         raise
     _record_load(kind, "ok", t0)
     return lora
+
+
+def build_composite(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None) -> Any:
+    """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
+
+    Components not cached yet are loaded through [`load_lora_model`] at the same time; with ``separate_process``,
+    built by the worker's build process. The composite is built by [`composite.compose_mix`] (on ``device``
+    where it is a GPU).
+
+    Raises:
+        [`MixError`]: a malformed mix path.
+        [`AdapterCompatibilityError`]: a module's summed rank exceeds ``max_lora_rank`` (names the ranks).
+        [`AdapterFormatError`]: a weighted factor overflows to infinity (names the module).
+    """
+    from vllm.lora.request import LoRARequest
+
+    def load(name: str, source: str) -> Any:
+        return load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=source),
+                               separate_process=separate_process)
+
+    return compose_mix(manager, lora_request, load=load, device=device)
 
 
 def _outcome(err: BaseException) -> str:
