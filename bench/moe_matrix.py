@@ -21,6 +21,12 @@ Per group: ``gap`` = mean |vLLM − HF| with the group, ``noise`` = mean |vLLM b
 - ``no effect``: ``control <= tol``, so this check cannot tell applied from ignored;
 - ``WRONG``: accepted and served with ``gap > tol`` — accepted but not applied as trained.
 
+Where the base's own noise hides a group (``control <= tol``: FP8's activation quantization, near-tie routing),
+the group's *effect* decides: ``effect_err`` = ||(vLLM with − vLLM base) − (HF with − HF base)|| / ||HF with − HF
+base|| (relative L2 over every position; both sides' base noise cancels). A group vLLM ignored has ``effect_err``
+1.0. ``effect_err <= 0.25`` is ``verified`` (``by: effect``), ``>= 0.75`` ``WRONG``, in between ``no effect``;
+an effect too small to measure (mean |HF with − HF base| < 0.01) stays ``no effect``.
+
 An architecture transformers or vLLM cannot build is listed with the reason. Stock vLLM has no column: it has no
 refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issue 36).
 
@@ -295,9 +301,24 @@ def judge(hf: dict[str, Any], vl: dict[str, Any]) -> dict[str, Any]:
             cells[g] = {"verdict": "refused", "why": vl[g]["refused"], "control": control}
             continue
         gap = _mean_gap(vl[g], hf[g])
-        verdict = "no effect" if control <= tol else ("verified" if gap <= tol else "WRONG")
-        cells[g] = {"verdict": verdict, "gap": gap, "control": control}
+        cell = {"verdict": "verified" if gap <= tol else "WRONG", "gap": gap, "control": control,
+                **effect_check(hf["base"], hf[g], vl["base"], vl[g])}
+        if control <= tol:  # the base's noise hides the group: its effect decides
+            cell["verdict"], cell["by"] = cell.pop("effect_verdict"), "effect"
+        cell.pop("effect_verdict", None)
+        cells[g] = cell
     return {"noise": noise, "tol": tol, "groups": cells}
+
+
+def effect_check(hf_base: list[list[float]], hf_g: list[list[float]], vl_base: list[list[float]],
+                 vl_g: list[list[float]]) -> dict[str, Any]:
+    """The group's effect, vLLM against HF: relative L2 error (1.0 when vLLM ignores the group)."""
+    d_hf = torch.tensor(hf_g) - torch.tensor(hf_base)
+    d_vl = torch.tensor(vl_g) - torch.tensor(vl_base)
+    size = float(d_hf.abs().mean())
+    err = float((d_vl - d_hf).norm() / d_hf.norm()) if size > 0 else float("inf")
+    verdict = "no effect" if size < 0.01 else "verified" if err <= 0.25 else "WRONG" if err >= 0.75 else "no effect"
+    return {"effect": size, "effect_err": err, "effect_verdict": verdict}
 
 
 def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None,
