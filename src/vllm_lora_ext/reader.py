@@ -25,11 +25,11 @@ import torch
 
 from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, file_stamp, read_header, torch_dtype_of
+from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, dtype_by_name, file_stamp, read_header, torch_dtype_of
 from vllm_lora_ext.preads import preadv_exactly as _preadv_exactly, read_ranges as _read_ranges
 
 __all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "DictSource", "read_header", "read_tensors",
-           "load_pickle_tensors", "DTYPES", "torch_dtype_of"]
+           "load_pickle_tensors", "DTYPES", "torch_dtype_of", "dtype_by_name"]
 
 
 @dataclass
