@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext._util import read_capped, short_repr
+from vllm_lora_ext._util import read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
 from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
 from vllm_lora_ext.formats import classify_key, group_moe_keys
@@ -89,17 +89,7 @@ def load_base_config(value: str) -> dict[str, Any]:
         if not path.is_file():
             raise AdapterNotFoundError(f"Base config {str(path)!r} does not exist. Pass the base model's config.json, "
                                        f"its folder, or hf:org/model.", source=value)
-    data, too_big = read_capped(path, MAX_CONFIG_BYTES)
-    if too_big:
-        raise AdapterFormatError(f"Base config {str(path)!r} is larger than {MAX_CONFIG_BYTES} bytes; pass the "
-                                 f"model's config.json.")
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise AdapterFormatError(f"Base config {str(path)!r} is not valid JSON ({str(err)[:200]}).") from None
-    if not isinstance(raw, dict):
-        raise AdapterFormatError(f"Base config {str(path)!r} must be a JSON object (a model's config.json).")
-    return raw
+    return read_json_capped(path, MAX_CONFIG_BYTES, "Base config", fix="pass the model's config.json.")
 
 
 def base_config_for(config: AdapterConfig, explicit: str | None) -> tuple[dict[str, Any] | None, str | None]:
