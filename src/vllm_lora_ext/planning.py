@@ -16,7 +16,8 @@ from typing import Protocol
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
 from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_peft_prefix
-from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.formats.moe_plan import ExpertsPlan, plan_experts
 from vllm_lora_ext.unapplied import screen_unapplied
 from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
 
