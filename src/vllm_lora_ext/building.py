@@ -20,7 +20,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -137,8 +137,9 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             shapes, dtypes = source.header.shapes, source.header.dtypes
         if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
             raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
-        plan = plan_adapter(shapes, config, job.model, router=router, dtypes=dtypes, name=job.name,
-                            identity=resolved.identity, allow_unmatched=job.allow_unmatched)
+        model = replace(job.model, allow_unmatched=job.allow_unmatched)
+        plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name,
+                            identity=resolved.identity)
         arena = None
         host = None
         if shared and plan.moe:
