@@ -4,7 +4,8 @@ A source offers whole tensors and ``(dim, start, stop)`` ranges of them (``read`
 (``read_many``). A source may also read straight into place ([`BulkReads`], a [`SafetensorsReader`]'s methods):
 groups of same-shape tensors stacked (``read_stacks``), some elements of every row (``gather``) and a tensor
 transposed and scaled on its way (``read_transposed``). A read uses each of them the source has (an attribute that
-is missing or ``None`` is read around) where it applies, and reads key by key where it declines (``None``). [`ReadOptions`] says how (dtype, scaling, NaN check, target memory, threads).
+is missing or ``None`` is read around) where it applies, and reads key by key where it declines (``None``).
+[`ReadOptions`] says how: dtype, scaling, NaN check, target memory, threads.
 
 What is read for a rank: the per-expert (2D) keys of its experts only; of a fused (3D) tensor, A's rows
 ``[e·r, (e+1)·r)`` and B's columns ``{i·E + e}`` of its experts only.
@@ -322,8 +323,7 @@ def _into_by_rows(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
     """``_into(t, alloc)`` for a fused B's ``(n, out, r)`` view of its file ``(out, r·n)`` rows, copied
     ``_ROW_BLOCK`` rows at a time: a block's source rows (64 × 4 KiB at r=16, 128 experts) stay in cache while
     every expert takes its ``r`` columns from them, instead of each expert's pass reading one element of
-    every cache line of the whole tensor (dev VM, a (2048, 2048) bfloat16 B: 4.3 against 6.0 ms with the
-    scaling after it). The same bytes as one copy."""
+    every cache line of the whole tensor. The same bytes as one copy."""
     out = alloc(tuple(t.shape), t.dtype) if alloc is not None else torch.empty(t.shape, dtype=t.dtype)
     for i in range(0, t.shape[1], _ROW_BLOCK):
         out[:, i:i + _ROW_BLOCK].copy_(t[:, i:i + _ROW_BLOCK])
@@ -372,7 +372,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     items = list(plans.items())
     cores = os.cpu_count() or 1
     check_finite_as = options.check_finite_as
-    # measured on a 16-core host: 4 threads 1.6 s, 1 thread 3.0 s, 8 threads 2.7 s (GIL contention)
+    # up to 4 threads: more contend for the GIL and read slower
     n = options.workers if options.workers is not None else min(4, cores, max(1, len(items)))
     scan_workers = options.scan_workers
     if scan_workers is None:
