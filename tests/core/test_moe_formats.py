@@ -282,3 +282,20 @@ def test_fast_key_classification_reads_every_key_as_the_grammar_regexes_do() -> 
         assert classify_key.__wrapped__(key) == _classify_by_regex(key), key  # type: ignore[attr-defined]
         kinds.add(_classify_by_regex(key).kind)
     assert kinds == {"dense", "moe_2d", "moe_3d", "other"}
+
+
+@pytest.mark.parametrize("experts", [None, [5, 1, 2]], ids=["all", "some"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_block_read_with_the_readers_reads_into_place_equals_the_key_by_key_read_bitwise(
+        tmp_path: Path, truth: Truth, form: str, experts: list[int] | None) -> None:
+    write_moe_adapter(tmp_path, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+    plan, by_key = _load(tmp_path, experts=experts)
+    cfg = config_from_dict(json.loads((tmp_path / "adapter_config.json").read_text()))
+    with SafetensorsReader(tmp_path / "adapter_model.safetensors") as reader:
+        into_place = read_experts(plan, reader, config=cfg, experts=experts,
+                                  options=ReadOptions(dtype=torch.float32))
+    for role in ("gate", "up", "down", "gate_up"):
+        a, b = getattr(by_key, role), getattr(into_place, role)
+        assert (a is None) == (b is None), role
+        if a is not None:
+            assert torch.equal(a.a, b.a) and torch.equal(a.b, b.b), role

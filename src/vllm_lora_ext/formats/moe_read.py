@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -97,9 +97,10 @@ class _Block:
     options: ReadOptions
     keep: tuple[int, ...]
     out: ExpertsLoRA
-    stacks: Any = field(init=False)  # the source's [`BulkReads`] methods, or None
-    gather: Any = field(init=False)
-    transposed: Any = field(init=False)
+    # the source's [`BulkReads`] methods, each None where it has none
+    stacks: Callable[..., list[torch.Tensor | None]] | None = field(init=False)
+    gather: Callable[..., torch.Tensor] | None = field(init=False)
+    transposed: Callable[..., torch.Tensor | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.stacks = getattr(self.source, "read_stacks", None)
