@@ -155,7 +155,9 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
     from vllm_lora_ext.validation import check_factor_dtypes
 
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_plan import plan_experts
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
     from vllm_lora_ext.reader import ReadStats, SafetensorsReader
     from vllm_lora_ext.sources import resolve_source
     from vllm_lora_ext.summary import load_config
@@ -168,11 +170,9 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
         check_factor_dtypes(reader.header.dtypes)
     groups = group_moe_keys(reader.header.shapes)
     plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
-    blocks = read_blocks(plans, reader.read, config=config, dtype=torch.bfloat16,
+    blocks = read_blocks(plans, reader, config=config,
                          experts={p: experts for p in plans} if experts is not None else None,
-                         read_many=lambda keys: reader.read_many(keys, copy=False),
-                         check_finite_as="bench" if checks else None, read_stacks=reader.read_stacks,
-                         gather=reader.gather, read_transposed=reader.read_transposed)
+                         options=ReadOptions(dtype=torch.bfloat16, check_finite_as="bench" if checks else None))
     return blocks, stats.bytes_read
 
 
@@ -273,7 +273,7 @@ def _run_case(case: str, folder: Path, layers: int, form: str) -> dict:
         import vllm.lora.lora_weights  # noqa: F401
         import vllm.lora.peft_helper  # noqa: F401
     else:
-        import vllm_lora_ext.formats.moe  # noqa: F401
+        import vllm_lora_ext.formats.moe_read  # noqa: F401
         import vllm_lora_ext.summary  # noqa: F401
     import gc
 

@@ -21,6 +21,7 @@ Usage: python bench/probe_ep_phases.py [--layers 12] [--ep 8] [--reps 7] [--work
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -82,7 +83,7 @@ def main() -> None:
 
     def read_blocks_with(*a, **k):  # noqa: ANN002, ANN003, ANN202
         if threads["workers"] is not None:
-            k["workers"] = threads["workers"]
+            k["options"] = dataclasses.replace(k["options"], workers=threads["workers"])
         return read_blocks(*a, **k)
 
     building.read_blocks = timed("read_blocks", read_blocks_with)

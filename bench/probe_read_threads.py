@@ -18,7 +18,7 @@ Usage: python bench/probe_read_threads.py [--threads 2,4,6,8,12] [--reps 5] [--l
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -48,7 +48,8 @@ def main() -> None:
 
     from vllm_lora_ext import building
     from vllm_lora_ext.building import BuildJob, build_adapter
-    from vllm_lora_ext.formats.moe import MoESpec, read_blocks
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
     from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
 
     threads = [int(x) for x in args.threads.split(",")]
@@ -62,7 +63,10 @@ def main() -> None:
         job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
 
         def build(n: int, on: torch.device | None = None) -> tuple[float, list[torch.Tensor]]:
-            building.read_blocks = functools.partial(read_blocks, workers=n)  # type: ignore[attr-defined]
+            def with_workers(*a, options: ReadOptions = ReadOptions(), **k):  # noqa: ANN002, ANN003, ANN202
+                return read_blocks(*a, options=dataclasses.replace(options, workers=n), **k)
+
+            building.read_blocks = with_workers  # type: ignore[attr-defined]
             try:
                 gc.collect()
                 t0 = time.perf_counter()

@@ -6,7 +6,7 @@ format shares one A for gate and up), Ad (E, r, I), Bd (E, H, r) for down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +16,21 @@ import torch
 from factories import lora_config, write_adapter
 
 PREFIX = "base_model.model."
+
+
+class KeyByKey:
+    """A tensor source seen through ``read`` and ``read_many`` only (``read_many`` by default: ``read`` per key), so
+    that a MoE block read takes its key-by-key path, as for an adapter already in memory."""
+
+    def __init__(self, read: Callable[..., torch.Tensor],
+                 read_many: Callable[..., Mapping[str, torch.Tensor]] | None = None) -> None:
+        self.read = read
+        self._many = read_many
+
+    def read_many(self, keys: Sequence[str], *, copy: bool = True) -> Mapping[str, torch.Tensor]:
+        if self._many is None:
+            return {k: self.read(k, None) for k in keys}
+        return self._many(keys, copy=copy)
 Form = Literal["2d", "3d", "3d_t", "3d_gu+2d_down", "2d_gu+3d_down"]
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import json
 import os
 import reprlib
 import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vllm_lora_ext.errors import AdapterAccessError
+from vllm_lora_ext.errors import AdapterAccessError, AdapterFormatError
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = 80
@@ -29,6 +30,33 @@ def read_capped(path: str | os.PathLike[str], limit: int, *,
     with os.fdopen(open_confined(path, roots), "rb") as f:
         data = f.read(limit + 1)
     return data, len(data) > limit
+
+
+def read_json_capped(path: str | os.PathLike[str], limit: int, what: str, *, fix: str,
+                     roots: Sequence[str] | None = None, adapter: str | None = None) -> dict[str, Any]:
+    """Read a JSON object from a file of at most ``limit`` bytes (with ``roots``: only if its real path lies in one).
+
+    Messages read ``f"{what} {path!r} <problem>; {fix}"``, e.g. ``"Base config '/m/config.json' is not valid JSON
+    (...); pass the model's config.json."``.
+
+    Raises:
+        [`AdapterFormatError`]: the file is larger than ``limit``, not UTF-8 JSON, or not a JSON object
+            (``adapter`` names the adapter).
+        [`AdapterAccessError`]: with ``roots``, the file's real path is outside them.
+        OSError: the file cannot be read.
+    """
+    where = f"{what} {str(path)!r}"
+    data, too_big = read_capped(path, limit, roots=roots)
+    if too_big:
+        raise AdapterFormatError(f"{where} is larger than {limit} bytes; {fix}", adapter=adapter, key=None)
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise AdapterFormatError(f"{where} is not valid JSON ({str(err)[:200]}); {fix}", adapter=adapter,
+                                 key=None) from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"{where} must be a JSON object; {fix}", adapter=adapter, key=None)
+    return raw
 
 
 def root_of(real: str, roots: Sequence[str]) -> str | None:

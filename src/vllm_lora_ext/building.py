@@ -12,7 +12,6 @@ copy on the receiving side), away from the engine thread's GIL.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import shutil
@@ -21,7 +20,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -32,7 +31,8 @@ from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_ar
 from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it (issue 41)
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
-from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
+from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec
+from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
 from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
@@ -137,8 +137,9 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             shapes, dtypes = source.header.shapes, source.header.dtypes
         if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
             raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
-        plan = plan_adapter(shapes, config, job.model, router=router, dtypes=dtypes, name=job.name,
-                            identity=resolved.identity, allow_unmatched=job.allow_unmatched)
+        model = replace(job.model, allow_unmatched=job.allow_unmatched)
+        plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name,
+                            identity=resolved.identity)
         arena = None
         host = None
         if shared and plan.moe:
@@ -156,13 +157,10 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             else:
                 dense = source.read_many(plan.dense_keys, copy=True)
             check_finite(dense, adapter=job.name)
-            blocks = read_blocks(plan.moe, source.read, config=config, dtype=job.dtype,
-                                 experts={p: job.model.local_experts.get(p) for p in plan.moe},
-                                 read_many=lambda keys: source.read_many(keys, copy=False), check_finite_as=job.name,
-                                 alloc=alloc, read_stacks=getattr(source, "read_stacks", None),
-                                 fused_gate_up={p: job.wrappers.get(p, "2d") == "3d" for p in plan.moe},
-                                 gather=getattr(source, "gather", None),
-                                 read_transposed=_transposer(source, transpose_on))
+            options = ReadOptions(dtype=job.dtype, check_finite_as=job.name, alloc=alloc, transpose_on=transpose_on,
+                                  fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"))
+            blocks = read_blocks(plan.moe, source, config=config,
+                                 experts={p: job.model.local_experts.get(p) for p in plan.moe}, options=options)
             moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
             for prefix, experts in blocks.items():
                 moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
@@ -179,14 +177,6 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
                             stats.turned_on_gpu)
-
-
-def _transposer(source: Any, device: torch.device | None) -> Any:
-    """The source's ``read_transposed``, on ``device`` where that is a GPU."""
-    read_transposed = getattr(source, "read_transposed", None)
-    if read_transposed is None or device is None or device.type != "cuda":
-        return read_transposed
-    return functools.partial(read_transposed, device=device)
 
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
 
-__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of"]
+__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_NDIM = 8
@@ -47,6 +47,7 @@ DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
     "BF16": (16, torch.bfloat16), "F32": (32, torch.float32), "F64": (64, torch.float64),
     "C64": (64, _torch_dtype("complex64")), "F8_E4M3": (8, _torch_dtype("float8_e4m3fn")),
     "F8_E5M2": (8, _torch_dtype("float8_e5m2")), "F8_E8M0": (8, _torch_dtype("float8_e8m0fnu")),
+    "F8_E4M3FNUZ": (8, _torch_dtype("float8_e4m3fnuz")), "F8_E5M2FNUZ": (8, _torch_dtype("float8_e5m2fnuz")),
     "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),
 }
 
@@ -62,6 +63,28 @@ def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
         raise AdapterFormatError(f"Tensor {key!r} has dtype {name!r}, which this torch cannot read. Re-save the "
                                  f"adapter in bfloat16, float16 or float32.", key=key)
     return entry[1]
+
+
+_BY_TORCH_NAME = {str(dt).removeprefix("torch."): dt for _, dt in DTYPES.values() if dt is not None}
+
+
+def dtype_by_name(name: str) -> torch.dtype:
+    """Return the torch dtype of a [`DTYPES`] entry named either way: safetensors' name or torch's.
+
+    Example:
+        >>> dtype_by_name("BF16") is dtype_by_name("bfloat16") is torch.bfloat16
+        True
+
+    Raises:
+        [`AdapterFormatError`]: no entry of the table has that name, or this torch has no such dtype.
+    """
+    if name in DTYPES:
+        return torch_dtype_of(name)
+    dt = _BY_TORCH_NAME.get(name)
+    if dt is None:
+        raise AdapterFormatError(f"Unknown dtype {name!r}: it is neither a safetensors dtype name "
+                                 f"({', '.join(DTYPES)}) nor the torch name of one.")
+    return dt
 
 
 class TensorInfo(NamedTuple):
@@ -239,8 +262,7 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     The same rules as `_check_header_one_by_one`, which runs instead on ``None`` to name what is wrong, and which
     alone decides the few headers json reads and msgspec does not (a lone surrogate in a key, ``"__metadata__":
     0``). msgspec checks the types while it parses (`_DECODERS`); what is left is a few C-level passes over
-    lists, about 1 µs per entry in all (dev VM: 9 ms for 9,216 entries, against 19 ms for ``json.loads`` and the
-    same checks on its dicts).
+    lists, about half the time of ``json.loads`` and the same checks on its dicts.
     """
     if _DECODERS is None:
         return None

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext._util import read_capped, short_repr
+from vllm_lora_ext._util import read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
 from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
 from vllm_lora_ext.formats import classify_key, group_moe_keys
-from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec, plan_experts, read_experts
+from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
+from vllm_lora_ext.formats.moe_plan import plan_experts
+from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts
 from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import check_adapter_rules, load_config
@@ -89,17 +91,7 @@ def load_base_config(value: str) -> dict[str, Any]:
         if not path.is_file():
             raise AdapterNotFoundError(f"Base config {str(path)!r} does not exist. Pass the base model's config.json, "
                                        f"its folder, or hf:org/model.", source=value)
-    data, too_big = read_capped(path, MAX_CONFIG_BYTES)
-    if too_big:
-        raise AdapterFormatError(f"Base config {str(path)!r} is larger than {MAX_CONFIG_BYTES} bytes; pass the "
-                                 f"model's config.json.")
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise AdapterFormatError(f"Base config {str(path)!r} is not valid JSON ({str(err)[:200]}).") from None
-    if not isinstance(raw, dict):
-        raise AdapterFormatError(f"Base config {str(path)!r} must be a JSON object (a model's config.json).")
-    return raw
+    return read_json_capped(path, MAX_CONFIG_BYTES, "Base config", fix="pass the model's config.json.")
 
 
 def base_config_for(config: AdapterConfig, explicit: str | None) -> tuple[dict[str, Any] | None, str | None]:
@@ -218,7 +210,7 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
 def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]], experts: set[int], h: int | None,
                  i: int | None, e: int | None, config: AdapterConfig | None) -> tuple[int, int, int, str]:
     """E, H and I of one block from its own shapes (see [`infer_moe_specs`]), and a note saying how."""
-    from vllm_lora_ext.formats.moe import _orientation_hint
+    from vllm_lora_ext.formats.moe_plan import _orientation_hint
 
     pairs = [(ab["A"][1], ab["B"][0]) for ab in fused.values()
              if set(ab) == {"A", "B"} and len(ab["A"]) == 2 and len(ab["B"]) == 2]
@@ -348,8 +340,9 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
         if info.which == "A":
             dense[info.module] = (tensors[k], tensors[k.replace("lora_A", "lora_B").replace("lora_embedding_A",
                                                                                           "lora_embedding_B")])
-    moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader.read, config=config,
-                           read_many=reader.read_many, scaled=scaled, check_finite_as=name) for p, g in groups.items()}
+    options = ReadOptions(scaled=scaled, check_finite_as=name)
+    moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader, config=config,
+                           options=options) for p, g in groups.items()}
     return LoadedAdapter(config, dense, moe, specs)
 
 

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from vllm_lora_ext.errors import AdapterFormatError, MixError
 from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
-from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec, plan_experts
+from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec
+from vllm_lora_ext.formats.moe_plan import plan_experts
 from vllm_lora_ext.mixing import MixFactor, MixPlan, concat_many
 from vllm_lora_ext.offline_ops import MOE_SIZES_KEY, LoadedAdapter, load_adapter_files, require_safetensors
 from vllm_lora_ext.outputs import write_atomically

@@ -16,7 +16,8 @@ from typing import Protocol
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
 from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_peft_prefix
-from vllm_lora_ext.formats.moe import ExpertsPlan, MoESpec, plan_experts
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.formats.moe_plan import ExpertsPlan, plan_experts
 from vllm_lora_ext.unapplied import screen_unapplied
 from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
 
@@ -142,6 +143,8 @@ class ModelSpec:
             [`unapplied`]; adapters with weights on modules vLLM would accept and never apply are refused.
         drop_unapplied: module groups whose never-applied weights are dropped with a warning instead
             (``VLLM_LORA_EXT_DROP_UNAPPLIED``).
+        allow_unmatched: keys that match no module are dropped with a warning instead of refused
+            (``VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS``).
     """
 
     accepted: frozenset[str]
@@ -152,6 +155,7 @@ class ModelSpec:
     pooling: bool = False
     traits: Mapping[str, str] = field(default_factory=dict)
     drop_unapplied: frozenset[str] = frozenset()
+    allow_unmatched: bool = False
 
 
 @dataclass
@@ -174,14 +178,14 @@ class AdapterPlan:
 
 def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, model: ModelSpec, *,
                  router: KeyRouter, dtypes: Mapping[str, str] | None = None, name: str = "adapter",
-                 identity: str = "", allow_unmatched: bool = False) -> AdapterPlan:
+                 identity: str = "") -> AdapterPlan:
     """Route every key of an adapter to the model and check everything that can be checked without its tensors.
 
     In order: factor dtypes; ranks against ``max_rank``; every key to a module or an MoE block (a
     transformers-v5 block name goes to the only MoE block of its layer); keys that match nothing
-    (refused, or dropped with ``allow_unmatched``); keys on modules vLLM would accept and never apply
-    ([`screen_unapplied`]: refused, or dropped where ``model.drop_unapplied`` names them); dense factor pairs, ranks and dims; every MoE
-    block's roles and orientations by shape.
+    (refused, or dropped where ``model.allow_unmatched``); keys on modules vLLM would accept and never apply
+    ([`screen_unapplied`]: refused, or dropped where ``model.drop_unapplied`` names them); dense factor pairs,
+    ranks and dims; every MoE block's roles and orientations by shape.
 
     Raises:
         [`AdapterFormatError`]: a dtype, a factor pair or a dim is wrong.
@@ -199,12 +203,55 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     if dtypes is not None:
         check_factor_dtypes(dtypes, adapter=name)
     check_ranks(shapes, [config.r, *config.rank_pattern.values()], model.max_rank, adapter=name)
-    dense_keys: list[str] = []
-    modules: dict[str, list[str]] = {}
-    module_of: dict[str, str] = {}
-    moe_groups: dict[str, dict[str, tuple[int, ...]]] = {}
-    not_lora: list[str] = []
-    moe_unmatched: list[str] = []
+    keys = list(shapes)
+    routes = _route_keys(keys, shapes, model, router)
+    dense_keys, module_of, modules, moe_groups = routes.dense_keys, routes.module_of, routes.modules, routes.moe_groups
+    dropped: list[str] = []
+    if model.traits or model.drop_unapplied:
+        drop = _screen(modules, moe_groups, model, name=name, identity=identity)
+        if drop:
+            dropped = [k for k in keys if k in drop]
+            dense_keys = [k for k in dense_keys if k not in drop]
+            module_of = {k: m for k, m in module_of.items() if k not in drop}
+            modules = {m: ks for m, ks in modules.items() if not drop.issuperset(ks)}
+            moe_groups = {p: g for p, g in moe_groups.items() if not drop.issuperset(g)}
+    unmatched = routes.not_lora + routes.moe_unmatched + [
+        k for m in find_unmatched(modules, set(model.accepted), pooling=model.pooling) for k in modules[m]]
+    if unmatched:
+        where = f" ({identity})" if identity else ""
+        msg = (f"Adapter {name!r}{where} has {len(unmatched)} keys that match no LoRA module of the base model "
+               f"(first: {unmatched[:3]}). Check that the adapter was trained for this base model and that vLLM "
+               f"wraps those modules (--lora-target-modules, --enable-lora for MoE); run 'vllm-lora inspect' on it.")
+        if not model.allow_unmatched:
+            raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
+        logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
+        dropped = dropped + unmatched
+        bad = set(unmatched)
+        dense_keys = [k for k in dense_keys if k not in bad]
+        module_of = {k: m for k, m in module_of.items() if k not in bad}
+    check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name)
+    plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
+             for prefix, group in moe_groups.items()}
+    return AdapterPlan(dense_keys, module_of, plans, dropped)
+
+
+@dataclass
+class _Routes:
+    """Where the keys of an adapter go, before any is dropped or refused."""
+
+    dense_keys: list[str] = field(default_factory=list)  # in file order
+    modules: dict[str, list[str]] = field(default_factory=dict)  # dense module -> its keys
+    module_of: dict[str, str] = field(default_factory=dict)  # dense key -> its module
+    moe_groups: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)  # the model's block -> its shapes
+    not_lora: list[str] = field(default_factory=list)  # keys the router says are no LoRA weight
+    moe_unmatched: list[str] = field(default_factory=list)  # expert keys of a block the model does not have
+
+
+def _route_keys(keys: list[str], shapes: Mapping[str, tuple[int, ...]], model: ModelSpec,
+                router: KeyRouter) -> _Routes:
+    """Ask ``router`` where each key goes (once per block, projection and factor for per-expert keys where it
+    routes experts alike), skipping the keys it drops on purpose."""
+    routes = _Routes()
     block_of: dict[str, str] = {}  # experts prefix in the file -> the model's block (one routing per prefix)
     alike = routes_experts_alike(router)
     answers: dict[object, str] = {}  # per-expert key pattern -> "skip", "other" or "lora"
@@ -221,9 +268,8 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         if prefix is None:
             routed = router.module(f"{experts_prefix}.lora_A.weight") or experts_prefix
             prefix = block_of[experts_prefix] = same_layer_block(routed, model.moe)
-        return moe_groups.setdefault(prefix, {}) if prefix in model.moe else None
+        return routes.moe_groups.setdefault(prefix, {}) if prefix in model.moe else None
 
-    keys = list(shapes)
     # Plain per-expert keys are read in one pass, and the router is asked once per block, projection and
     # factor: per key, what is left is a lookup of its pattern and one insert.
     rows = expert_key_rows(keys) if alike else None
@@ -239,9 +285,9 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
                 if group is not None:
                     group[key] = shapes[key]
                 else:
-                    moe_unmatched.append(key)
+                    routes.moe_unmatched.append(key)
             elif verdict == "other":
-                not_lora.append(key)
+                routes.not_lora.append(key)
             continue
         info = classify_key(key)
         pattern = expert_pattern(key, info) if alike else None
@@ -255,46 +301,20 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         if verdict == "skip":
             continue
         if verdict == "other":
-            not_lora.append(key)
+            routes.not_lora.append(key)
             continue
         if info.kind in ("moe_2d", "moe_3d") and info.experts_prefix is not None:
             group = block_group(info.experts_prefix)
             if group is not None:
                 group[key] = tuple(shapes[key])
             else:
-                moe_unmatched.append(key)
+                routes.moe_unmatched.append(key)
             continue
         assert module is not None  # not a per-expert key: the router was asked about this one
-        modules.setdefault(module, []).append(key)
-        module_of[key] = module
-        dense_keys.append(key)
-    dropped: list[str] = []
-    if model.traits or model.drop_unapplied:
-        drop = _screen(modules, moe_groups, model, name=name, identity=identity)
-        if drop:
-            dropped = [k for k in keys if k in drop]
-            dense_keys = [k for k in dense_keys if k not in drop]
-            module_of = {k: m for k, m in module_of.items() if k not in drop}
-            modules = {m: ks for m, ks in modules.items() if not drop.issuperset(ks)}
-            moe_groups = {p: g for p, g in moe_groups.items() if not drop.issuperset(g)}
-    unmatched = not_lora + moe_unmatched + [k for m in find_unmatched(modules, set(model.accepted),
-                                                                      pooling=model.pooling) for k in modules[m]]
-    if unmatched:
-        where = f" ({identity})" if identity else ""
-        msg = (f"Adapter {name!r}{where} has {len(unmatched)} keys that match no LoRA module of the base model "
-               f"(first: {unmatched[:3]}). Check that the adapter was trained for this base model and that vLLM "
-               f"wraps those modules (--lora-target-modules, --enable-lora for MoE); run 'vllm-lora inspect' on it.")
-        if not allow_unmatched:
-            raise UnmatchedKeysError(msg, adapter=name, keys=unmatched)
-        logger.warning("%s Dropping them because VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS is set.", msg)
-        dropped = dropped + unmatched
-        bad = set(unmatched)
-        dense_keys = [k for k in dense_keys if k not in bad]
-        module_of = {k: m for k, m in module_of.items() if k not in bad}
-    check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name)
-    plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
-             for prefix, group in moe_groups.items()}
-    return AdapterPlan(dense_keys, module_of, plans, dropped)
+        routes.modules.setdefault(module, []).append(key)
+        routes.module_of[key] = module
+        routes.dense_keys.append(key)
+    return routes
 
 
 def _screen(modules: Mapping[str, list[str]], moe_groups: Mapping[str, Mapping[str, tuple[int, ...]]],

@@ -4,7 +4,8 @@ A [`SafetensorsReader`] opens its file once and reads everything through that on
 ([`read_header`], in `vllm_lora_ext.headers`) and then every tensor, slice, stack, gather and transposed read,
 with ``pread``/``preadv`` (positional, so threads share it). A load is one snapshot: a file replaced at its path
 meanwhile (a deploy tool's atomic ``os.replace``) is never read from, and no offset of one file is applied to
-another's bytes. Every read is counted in a [`ReadStats`].
+another's bytes. Every read is counted in a [`ReadStats`]. A reader is the tensor source MoE blocks are read from
+(`vllm_lora_ext.formats.moe_read.TensorSource`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import torch
 
 from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, file_stamp, read_header, torch_dtype_of
+from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, dtype_by_name, file_stamp, read_header, torch_dtype_of
 from vllm_lora_ext.preads import preadv_exactly as _preadv_exactly, read_ranges as _read_ranges
 
 __all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "DictSource", "read_header", "read_tensors",
-           "load_pickle_tensors", "DTYPES", "torch_dtype_of"]
+           "load_pickle_tensors", "DTYPES", "torch_dtype_of", "dtype_by_name"]
 
 
 @dataclass
@@ -94,7 +95,8 @@ def load_pickle_tensors(path: str | os.PathLike[str], *, roots: Sequence[str] | 
 
 
 class DictSource:
-    """A pickle adapter already in memory (`load_pickle_tensors`), read through the interface of `SafetensorsReader`."""
+    """A pickle adapter already in memory (`load_pickle_tensors`) as a tensor source: `SafetensorsReader`'s ``read``
+    and ``read_many``, without its reads straight into place (a MoE block is read from it key by key)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.tensors = tensors
@@ -112,9 +114,8 @@ class DictSource:
         pass
 
 
-# Bytes of rows `gather` and `read_transposed` read at a time (the block stays in a core's L2). Dev VM (2-core EPYC,
-# 1 MiB L2 a core), 12-layer 3D adapter, interleaved, 7 each: 256 KiB -> 1 MiB took a rank's EP=8 read 78 -> 50 ms
-# and the EP=1 read (B transposed on the CPU) 265 -> 172 ms; 2 MiB gained little more.
+# Bytes of rows `gather` and `read_transposed` read at a time: the block stays in a core's L2 cache (1 MiB a core
+# is common) while its pieces are copied or transposed out of it.
 _GATHER_BLOCK = 1 << 20
 _GPU_HEADROOM = 512 << 20  # GPU memory `read_transposed` leaves free on a worker's GPU
 # The largest tensor `read_transposed` turns on a GPU. Its two temporaries come from the stream it works on, and
@@ -462,10 +463,8 @@ class SafetensorsReader:
 
         With a CUDA ``device`` (a GPU worker's), the bytes are read as they lie into the result's memory, sent to
         that GPU, transposed and scaled there (``torch.mul`` into a contiguous tensor, the same float32 opmath
-        and one rounding) and copied back over them: the same tensor bit for bit. On an H100 host this
-        transpose was over half of a 3D adapter's build on the CPU (48 layers: 0.50 s built, 0.23 s with B
-        read untransposed, ``bench/results/read_threads_bound_h100host_r16.json``). The GPU's temporaries are
-        twice the tensor; for a tensor over 64 MiB, where the GPU lacks that much free memory (and 512 MiB), or
+        and one rounding) and copied back over them: the same tensor bit for bit. On the CPU this transpose is
+        the largest part of a fused 3D adapter's build. The GPU's temporaries are twice the tensor; for a tensor over 64 MiB, where the GPU lacks that much free memory (and 512 MiB), or
         where it runs out, the CPU does it.
 
         Raises:

@@ -177,18 +177,14 @@ _REFUSED_FIELDS = {"use_dora": False, "bias": "none", "lora_bias": False, "modul
 def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> AdapterConfig | None:
     """The adapter's config with the features the loader refuses set to neutral values, or ``None`` if it still
     fails (so ``inspect`` lists the refusal as a problem and still shows the tensors)."""
-    import json
-
-    from vllm_lora_ext._util import read_capped
+    from vllm_lora_ext._util import read_json_capped
     from vllm_lora_ext.constants import MAX_CONFIG_BYTES
 
     if resolved.config_path is None:
         return None
     try:
-        data, too_big = read_capped(resolved.config_path, MAX_CONFIG_BYTES)
-        raw = json.loads(data.decode("utf-8")) if not too_big else None
-        if not isinstance(raw, dict):
-            return None
+        raw = read_json_capped(resolved.config_path, MAX_CONFIG_BYTES, f"Adapter {name!r}: config",
+                               fix="Fix or replace it.")
         return config_from_dict({**raw, **{k: v for k, v in _REFUSED_FIELDS.items() if k in raw}}, name=name)
     except (OSError, ValueError, RecursionError):
         return None

@@ -11,7 +11,8 @@ import pytest
 from vllm_lora_ext.config import config_from_dict
 from vllm_lora_ext.errors import ExpertLayoutError
 from vllm_lora_ext.formats import _classify_by_regex, classify_key, expert_key_rows, group_moe_keys
-from vllm_lora_ext.formats.moe import MoESpec, _plan_complete_2d, plan_experts
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.formats.moe_plan import _plan_complete_2d, plan_experts
 
 P = "base_model.model."
 BLOCK = "model.layers.3.mlp.experts"
@@ -93,7 +94,7 @@ def _block(n: int = 4, *, head: str = P, projs: tuple[str, ...] = ("gate_proj", 
 
 def _by_key(shapes: dict, spec: MoESpec = SPEC) -> object:
     """plan_experts with its set-based path switched off: the reference, key by key."""
-    import vllm_lora_ext.formats.moe as moe
+    import vllm_lora_ext.formats.moe_plan as moe
 
     fast, moe._plan_complete_2d = moe._plan_complete_2d, lambda *a: None
     try:
@@ -200,7 +201,8 @@ def test_a_failed_block_read_returns_only_once_no_block_is_running() -> None:
 
     import torch
 
-    from vllm_lora_ext.formats.moe import read_blocks
+    from moe_factories import KeyByKey
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
 
     spec = MoESpec(BLOCK, 4, 16, 6)
     plans = {f"b{i}": plan_experts(_block(), spec, config=config_from_dict({"r": 4})) for i in range(6)}
@@ -223,7 +225,8 @@ def test_a_failed_block_read_returns_only_once_no_block_is_running() -> None:
                 running.pop()
 
     with pytest.raises(OSError, match="disk gone"):
-        read_blocks(plans, read, config=config_from_dict({"r": 4}), workers=3, check_finite_as="x")
+        read_blocks(plans, KeyByKey(read), config=config_from_dict({"r": 4}),
+                    options=ReadOptions(workers=3, check_finite_as="x"))
     assert running == []  # every block that started has finished; none was left to run on
 
 

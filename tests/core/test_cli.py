@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from factories import make_dense_adapter, make_peft_adapter, tiny_llama
-from moe_factories import make_truth, oracle_deltas, write_moe_adapter
+from moe_factories import KeyByKey, make_truth, oracle_deltas, write_moe_adapter
 from vllm_lora_ext.cli import main
 from vllm_lora_ext.offline_ops import load_adapter_files
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader
@@ -51,7 +51,9 @@ def test_inspect_moe_3d_infers_sizes_without_a_base_config_and_reports_layout_an
     assert data["layout"] == "moe_mixed"
     assert data["moe_blocks"]["model.layers.1.mlp.experts"]["layout"] == "2d+3d"
     # the plan's bytes for rank 2 equal what reading rank 2's experts actually reads
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_plan import plan_experts
+    from vllm_lora_ext.formats.moe_read import read_experts
     from vllm_lora_ext.summary import load_config
 
     r = resolve_source(str(tmp_path / "a"))
@@ -61,8 +63,8 @@ def test_inspect_moe_3d_infers_sizes_without_a_base_config_and_reports_layout_an
     for layer in range(2):
         p = f"model.layers.{layer}.mlp.experts"
         keys = {k: s for k, s in reader.header.shapes.items() if f".{p}." in k}
-        read_experts(plan_experts(keys, MoESpec(p, E, H, I), config=cfg), reader.read, config=cfg, experts=[4, 5],
-                     read_many=reader.read_many)
+        read_experts(plan_experts(keys, MoESpec(p, E, H, I), config=cfg), KeyByKey(reader.read, reader.read_many),
+                     config=cfg, experts=[4, 5])
     assert data["ep"][2]["bytes"] == stats.bytes_read
 
 

@@ -31,7 +31,8 @@ from vllm_lora_ext.errors import (
     MixError,
     UnsafeFormatError,
 )
-from vllm_lora_ext.formats.moe import MoESpec, plan_experts
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.formats.moe_plan import plan_experts
 from vllm_lora_ext.mixing import MixSpec, check_weight, parse_mix_expression, resolve_mix
 from vllm_lora_ext.offline_ops import ep_read_plan, moe_specs
 from vllm_lora_ext.reader import read_header

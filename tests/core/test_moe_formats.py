@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_factories import (Truth, block_tensors, make_truth, oracle_deltas, peft_3d_delta, to_3d, write_moe_adapter)
+from moe_factories import (KeyByKey, Truth, block_tensors, make_truth, oracle_deltas, peft_3d_delta, to_3d, write_moe_adapter)
 from factories import lora_config, write_adapter
 from vllm_lora_ext.config import config_from_dict
 from vllm_lora_ext.errors import ExpertLayoutError
-from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_experts
+from vllm_lora_ext.formats.moe import MoESpec
+from vllm_lora_ext.formats.moe_plan import plan_experts
+from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts
 from vllm_lora_ext.reader import ReadStats, SafetensorsReader, read_header
 
 E, H, I, R, ALPHA = 8, 32, 12, 4, 16
@@ -28,7 +30,7 @@ def _load(folder: Path, spec: MoESpec = SPEC0, experts=None, cfg_extra=None, sta
     mine = {k: v.shape for k, v in header.tensors.items() if f".{spec.prefix}." in f".{k[len('base_model.model.'):]}"}
     plan = plan_experts(mine, spec, config=cfg)
     reader = SafetensorsReader(folder / "adapter_model.safetensors", header=header, stats=stats)
-    return plan, read_experts(plan, reader.read, config=cfg, experts=experts, read_many=reader.read_many)
+    return plan, read_experts(plan, KeyByKey(reader.read, reader.read_many), config=cfg, experts=experts)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_the_same_delta_in_different_layouts_matches_exactly(tmp_path: Path, tru
 def test_a_fused_b_copied_by_row_blocks_equals_the_2d_read_bitwise(tmp_path: Path) -> None:
     """A fused B taller than the copy's row block (down's B has H = 200 rows: three blocks of 64 and a rest) is
     copied block by block; its factors equal the per-expert 2D read of the same delta bit for bit."""
-    from vllm_lora_ext.formats.moe import _ROW_BLOCK
+    from vllm_lora_ext.formats.moe_read import _ROW_BLOCK
 
     h = 200
     assert h > _ROW_BLOCK and h % _ROW_BLOCK
@@ -216,7 +218,7 @@ def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_t
     # 0: each reader scans its own block. Both refuse the same NaN, naming its block, and change no tensor.
     from vllm_lora_ext.errors import AdapterFormatError
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import read_blocks
+    from vllm_lora_ext.formats.moe_read import read_blocks
 
     truths = [make_truth(4, 8, 6, 2, seed) for seed in range(3)]
     write_moe_adapter(tmp_path / "ok", truths, [form] * 3, rank=2)
@@ -227,8 +229,9 @@ def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_t
         reader = SafetensorsReader(folder / "adapter_model.safetensors")
         cfg = config_from_dict(json.loads((folder / "adapter_config.json").read_text()))
         plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
-        return read_blocks(plans, reader.read, config=cfg, read_many=reader.read_many, workers=2,
-                           check_finite_as="x" if check else None, scan_workers=scan_workers)
+        return read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg,
+                           options=ReadOptions(workers=2, check_finite_as="x" if check else None,
+                                               scan_workers=scan_workers))
 
     checked, plain = load(tmp_path / "ok", True), load(tmp_path / "ok", False)
     for p in plain:
@@ -245,7 +248,7 @@ def test_a_slow_moe_load_logs_progress_per_block(tmp_path: Path, monkeypatch: py
 
     import vllm_lora_ext._progress as progress
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import read_blocks
+    from vllm_lora_ext.formats.moe_read import read_blocks
 
     monkeypatch.setattr(progress, "AFTER_S", 0.0)
     monkeypatch.setattr(progress, "EVERY_S", 0.0)
@@ -254,7 +257,8 @@ def test_a_slow_moe_load_logs_progress_per_block(tmp_path: Path, monkeypatch: py
     cfg = config_from_dict(json.loads((tmp_path / "a" / "adapter_config.json").read_text()))
     plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
     with caplog.at_level(logging.INFO, logger="vllm_lora_ext.progress"):
-        read_blocks(plans, reader.read, config=cfg, read_many=reader.read_many, workers=1, check_finite_as="x")
+        read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg,
+                    options=ReadOptions(workers=1, check_finite_as="x"))
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm_lora_ext.progress"]
     assert len(lines) == 3 and lines[-1].startswith("loading 'x' (3 MoE blocks): ") and "(100%)" in lines[-1]
 
@@ -278,3 +282,20 @@ def test_fast_key_classification_reads_every_key_as_the_grammar_regexes_do() -> 
         assert classify_key.__wrapped__(key) == _classify_by_regex(key), key  # type: ignore[attr-defined]
         kinds.add(_classify_by_regex(key).kind)
     assert kinds == {"dense", "moe_2d", "moe_3d", "other"}
+
+
+@pytest.mark.parametrize("experts", [None, [5, 1, 2]], ids=["all", "some"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_block_read_with_the_readers_reads_into_place_equals_the_key_by_key_read_bitwise(
+        tmp_path: Path, truth: Truth, form: str, experts: list[int] | None) -> None:
+    write_moe_adapter(tmp_path, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
+    plan, by_key = _load(tmp_path, experts=experts)
+    cfg = config_from_dict(json.loads((tmp_path / "adapter_config.json").read_text()))
+    with SafetensorsReader(tmp_path / "adapter_model.safetensors") as reader:
+        into_place = read_experts(plan, reader, config=cfg, experts=experts,
+                                  options=ReadOptions(dtype=torch.float32))
+    for role in ("gate", "up", "down", "gate_up"):
+        a, b = getattr(by_key, role), getattr(into_place, role)
+        assert (a is None) == (b is None), role
+        if a is not None:
+            assert torch.equal(a.a, b.a) and torch.equal(a.b, b.b), role

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from vllm_lora_ext.config import config_from_dict
@@ -42,7 +44,8 @@ def test_keys_matching_nothing_are_all_listed_or_dropped_when_allowed() -> None:
     with pytest.raises(UnmatchedKeysError) as e:
         _plan(shapes)
     assert len(e.value.keys) == 3 and "x_proj" in str(e.value)
-    plan = _plan(shapes, allow_unmatched=True)
+    plan = plan_adapter(shapes, config_from_dict({"r": 4, "lora_alpha": 8}), replace(SPEC, allow_unmatched=True),
+                        router=PeftKeyRouter(), name="x")
     assert len(plan.dropped) == 3 and all("x_proj" not in k for k in plan.dense_keys)  # type: ignore[attr-defined]
 
 

@@ -429,3 +429,26 @@ def test_read_transposed_writes_into_the_memory_it_is_given_and_refuses_what_it_
     path.write_bytes(data[: len(data) - 300])
     with pytest.raises(AdapterFormatError, match="truncated"):
         reader.read_transposed("m.experts.lora_B.weight", 6)
+
+
+@pytest.mark.parametrize("name, torch_name", [("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")])
+def test_fnuz_float8_tensors_read_back_bitwise_as_safetensors_wrote_them(tmp_path: Path, name: str,
+                                                                          torch_name: str) -> None:
+    from vllm_lora_ext.headers import dtype_by_name
+    from vllm_lora_ext.reader import SafetensorsReader
+
+    dt = getattr(torch, torch_name)
+    t = torch.randn(4, 6).to(dt)
+    save_file({"w": t}, str(tmp_path / "f.safetensors"))
+    assert read_header(tmp_path / "f.safetensors").dtypes["w"] == name
+    with SafetensorsReader(tmp_path / "f.safetensors") as r:
+        got = r.read("w")
+    assert got.dtype == dt and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+    assert dtype_by_name(name) is dtype_by_name(torch_name) is dt
+
+
+def test_dtype_by_name_refuses_a_name_outside_the_table() -> None:
+    from vllm_lora_ext.headers import dtype_by_name
+
+    with pytest.raises(AdapterFormatError, match="Unknown dtype 'float128'"):
+        dtype_by_name("float128")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from moe_factories import make_truth, oracle_deltas, write_moe_adapter
+from moe_factories import KeyByKey, make_truth, oracle_deltas, write_moe_adapter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("no_pin_memory")]
 
@@ -44,7 +44,9 @@ def test_loader_moe_output_through_vllms_punica_cpu_equals_the_dense_reference(
         tmp_path: Path, form: str, wrapper: str, experts: tuple[int, ...] | None) -> None:
     from vllm_lora_ext.config import config_from_dict
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_plan import plan_experts
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
     from vllm_lora_ext.integration.moe import MoETarget, packed_weights
     from vllm_lora_ext.reader import SafetensorsReader
 
@@ -59,8 +61,8 @@ def test_loader_moe_output_through_vllms_punica_cpu_equals_the_dense_reference(
     spec = MoESpec(prefix, E, H, I)
     plans = {prefix: plan_experts(group_moe_keys(reader.header.shapes)[prefix], spec, config=cfg)}
     keep = tuple(range(E)) if experts is None else experts
-    blocks = read_blocks(plans, reader.read, config=cfg, experts={prefix: keep}, read_many=reader.read_many,
-                         check_finite_as="a")
+    blocks = read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg, experts={prefix: keep},
+                         options=ReadOptions(check_finite_as="a"))
     packed = packed_weights(blocks[prefix], MoETarget(spec, wrapper, keep), max_rank=16, adapter="a")
     oracle = oracle_deltas(truth, ALPHA / R)
     g = torch.Generator().manual_seed(0)
@@ -91,7 +93,9 @@ def test_vllms_native_ep_load_spec_and_the_plugin_read_identical_local_expert_te
 
     from vllm_lora_ext.config import config_from_dict
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts, read_blocks
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_plan import plan_experts
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
     from vllm_lora_ext.reader import SafetensorsReader
 
     truth = make_truth(E, H, I, R, seed=4)
@@ -108,8 +112,8 @@ def test_vllms_native_ep_load_spec_and_the_plugin_read_identical_local_expert_te
     cfg = config_from_dict(json.loads((folder / "adapter_config.json").read_text()))
     reader = SafetensorsReader(folder / "adapter_model.safetensors")
     plans = {prefix: plan_experts(group_moe_keys(reader.header.shapes)[prefix], MoESpec(prefix, E, H, I), config=cfg)}
-    ours = read_blocks(plans, reader.read, config=cfg, experts={prefix: keep}, read_many=reader.read_many,
-                       dtype=torch.float32)[prefix]
+    ours = read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg, experts={prefix: keep},
+                       options=ReadOptions(dtype=torch.float32))[prefix]
     for j, e in enumerate(keep):
         for role in ("gate", "up", "down"):
             w = stock.loras[f"{prefix}.{e}.{role}_proj"]

@@ -77,7 +77,8 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
 def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *, name: str) -> dict[str, Any]:
     from vllm_lora_ext.errors import ExpertLayoutError, VllmLoraExtError
     from vllm_lora_ext.formats import group_moe_keys
-    from vllm_lora_ext.formats.moe import MoESpec, plan_experts
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.formats.moe_plan import plan_experts
     from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs, recorded_moe_sizes
     from vllm_lora_ext.reader import read_header
     from vllm_lora_ext.summary import load_config
