@@ -76,6 +76,12 @@ MAX_ABS_MIX_WEIGHT = 100.0
 # Size caps on files that are read whole.
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
+MAX_STATE_FILE_BYTES = 16 << 20  # the disk tier's ledger or a holds file larger than this is not ours: not read
+# The longest 'model' field a request may send, and the longest adapter part of a Ray multiplexed id.
+MAX_MODEL_FIELD_CHARS = 4096
+MAX_MESSAGE_CHARS = 2000  # an error message passed on whole (a CLI error line, a build failure) is cut here
+# GPU memory a worker leaves free for the engine's own allocations when it stages or transposes on the GPU.
+GPU_HEADROOM_BYTES = 512 << 20
 # The lora_path prefix of a build-ahead probe: the server asks each worker, through add_lora, to build the adapter
 # behind it in the background (the probe is answered True once built, and never registered). Clients cannot send it.
 PREBUILD_PREFIX = "vllm-lora-ext-prebuild:"

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm_lora_ext import metrics
-from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, MAX_STATE_FILE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, state_root,
                                      write_in_place)
 from vllm_lora_ext.errors import DiskCacheFullError
@@ -47,7 +47,6 @@ __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prun
 logger = logging.getLogger(__name__)
 
 _LEDGER = "ledger.json"
-_MAX_LEDGER = 16 << 20
 _DOWNLOAD_TIMEOUT_S = 3600.0
 # The resolve running in this context: its hold is taken at its first download, and a refused download may look
 # past it.
@@ -113,8 +112,8 @@ def _read_ledger(root: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     try:
-        if path.stat().st_size > _MAX_LEDGER:
-            raise ValueError(f"larger than {_MAX_LEDGER} bytes")
+        if path.stat().st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = json.loads(path.read_text())
         entries = {str(k): dict(v) for k, v in data["revisions"].items()}
         for v in entries.values():

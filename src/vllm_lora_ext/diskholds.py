@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
+
 __all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root",
            "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
-_MAX_FILE = 16 << 20  # a holds file or the ledger larger than this is not read (it is not one we wrote)
 _LOCK_TIMEOUT_S = 120.0
 _ANY_REPO = "*"  # a live process whose holds file cannot be read holds every revision
 
@@ -316,8 +317,8 @@ def _read_holds(path: Path) -> list[Hold]:
     try:
         if not path.exists():
             return []  # the owner took its lock and has not written a hold yet
-        if path.stat().st_size > _MAX_FILE:
-            raise ValueError(f"larger than {_MAX_FILE} bytes")
+        if path.stat().st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = json.loads(path.read_text())
         pid = int(data["pid"])
         return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid)

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 from vllm_lora_ext.cli._args import plural, positive_int
+from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
 from vllm_lora_ext.errors import VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _one_line(err: BaseException) -> str:
     text = re.sub(r"(?<=[^.])\.\.(?=\s|$)", ".", " ".join(str(err).split()))  # "…on.. Check" from nested messages
-    return text if len(text) <= 2000 else text[:2000] + " ..."
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " ..."
 
 
 @contextlib.contextmanager
