@@ -443,6 +443,57 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
     return f"is {file_kind(mode)}, not a regular file"
 
 
+# -------------------------------------------------------------------- settings of other programs, read here too
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's (and vLLM's) multiprocess metrics folder
+VLLM_TUNED_CONFIG_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM's own LoRA kernel configs: then ours stay out
+
+
+def build_dir() -> str | None:
+    """Return the folder a build process puts its shared files in (``VLLM_LORA_EXT_BUILD_DIR``), or ``None``."""
+    return os.environ.get(ENV_BUILD_DIR) or None
+
+
+def component_cache_size() -> int:
+    """Return how many mix components one worker keeps built (``VLLM_LORA_EXT_COMPONENT_CACHE``, default 8; a value
+    that is not a whole number also gives 8: `check_settings` names it at start-up)."""
+    try:
+        return max(0, int(os.environ.get(ENV_COMPONENT_CACHE, "8")))
+    except ValueError:
+        return 8
+
+
+def metrics_dir_setting() -> str | None:
+    """Return the metrics folder this process was given: ``PROMETHEUS_MULTIPROC_DIR``, else
+    ``VLLM_LORA_EXT_METRICS_DIR`` (set by the plugin for the processes vLLM starts), else ``None``."""
+    return os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(ENV_METRICS_DIR) or None
+
+
+def prometheus_dir_set() -> bool:
+    """Return whether ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM's collector then reads that folder)."""
+    return bool(os.environ.get(PROMETHEUS_DIR_ENV))
+
+
+def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
+    """Set ``VLLM_LORA_EXT_METRICS_DIR`` to ``path`` for the processes this one starts, or remove it (``None``).
+
+    With ``only_if``, it is removed only while it still names that folder.
+    """
+    if path is not None:
+        os.environ[ENV_METRICS_DIR] = path
+    elif only_if is None or os.environ.get(ENV_METRICS_DIR) == only_if:
+        os.environ.pop(ENV_METRICS_DIR, None)
+
+
+def vllm_tuned_config_folder_set() -> bool:
+    """Return whether ``VLLM_TUNED_CONFIG_FOLDER`` is set (then vLLM's own LoRA kernel configs answer)."""
+    return VLLM_TUNED_CONFIG_FOLDER_ENV in os.environ
+
+
+def cuda_visible_devices() -> str | None:
+    """Return ``CUDA_VISIBLE_DEVICES`` as set (``None``: unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def proxy_configured() -> bool:
     """Return whether an HTTP(S) proxy is set (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, any case)."""
     return any(os.environ.get(v) for n in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY") for v in (n, n.lower()))
