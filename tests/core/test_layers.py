@@ -170,3 +170,12 @@ def test_the_cli_reaches_integration_only_through_the_listed_process_entries() -
              and node.value.startswith(f"{PACKAGE}.integration")}
     assert named == CLI_PROCESS_ENTRIES
     assert all(name in _modules(SRC, PACKAGE) for name in CLI_PROCESS_ENTRIES)
+
+
+def test_the_leaves_import_only_each_other_and_errors_imports_nothing_of_the_package() -> None:
+    leaves = {f"{PACKAGE}.{m}" for m in ("errors", "constants", "_util", "_logging")}
+    graph = import_graph()
+    reach = {_short(a): sorted(_short(b) for b in graph[a] if b.startswith(PACKAGE) and b not in leaves)
+             for a in leaves}
+    assert reach == {_short(m): [] for m in leaves}
+    assert [b for b in graph[f"{PACKAGE}.errors"] if b.startswith(PACKAGE)] == []
