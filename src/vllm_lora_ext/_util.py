@@ -119,7 +119,8 @@ def short_repr(value: Any) -> str:
 
 
 _GC_LOCK = threading.Lock()
-_GC_USERS = [0, False]  # blocks inside gc_paused now, and whether the collector was on when the first one entered
+_gc_users = 0  # blocks inside gc_paused now, in every thread
+_gc_was_enabled = False  # whether the collector was on when the first of them entered
 
 
 @contextlib.contextmanager
@@ -130,15 +131,16 @@ def gc_paused() -> Iterator[None]:
     Nested uses and uses from several threads at once share one pause: the first to enter turns the
     collector off (if it was on), and it is turned back on only when the last one leaves.
     """
+    global _gc_users, _gc_was_enabled
     with _GC_LOCK:
-        if _GC_USERS[0] == 0:
-            _GC_USERS[1] = gc.isenabled()
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
             gc.disable()
-        _GC_USERS[0] += 1
+        _gc_users += 1
     try:
         yield
     finally:
         with _GC_LOCK:
-            _GC_USERS[0] -= 1
-            if _GC_USERS[0] == 0 and _GC_USERS[1]:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
                 gc.enable()
