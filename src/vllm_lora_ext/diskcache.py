@@ -275,7 +275,7 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
 
 def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0) -> DiskCacheFullError:
     in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable]) + pending
-    flight = f" (of which {_fmt(pending)} by other downloads in progress)" if pending else ""
+    flight = f" (of which {_fmt(pending)} by other downloads in progress: retry once they finish)" if pending else ""
     return DiskCacheFullError(
         f"Adapter source {source!r} needs {_fmt(need)} in the Hugging Face cache, but the disk cache bound "
         f"{ENV_DISK_CACHE_BYTES} is {_fmt(limit)} and {_fmt(in_use)} of it is held by revisions in use (pinned, "

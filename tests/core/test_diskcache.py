@@ -420,7 +420,7 @@ def test_a_download_in_progress_keeps_its_room_and_another_is_refused_at_once_na
         with pytest.raises(DiskCacheFullError) as e:
             resolve_source("hf:acme/a01")
         assert time.monotonic() - started < 5 and slow.is_alive()
-        assert "by other downloads in progress" in str(e.value) and e.value.in_use >= len(weights_of(0))
+        assert "by other downloads in progress: retry once they finish" in str(e.value) and e.value.in_use >= len(weights_of(0))
         assert not cached(isolated_hf_cache, "acme/a01", adapters["acme/a01"])
     finally:
         gate.set()
