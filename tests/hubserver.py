@@ -10,7 +10,9 @@ Routes (what huggingface_hub's ``hf_hub_download`` uses):
 
 Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` makes the next GETs of
 that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads);
-``busy[path] = n`` answers the next ``n`` requests for that file with 503 (a Hub that asks for a retry).
+``busy[path] = n`` answers the next ``n`` requests for that file with 503 (a Hub that asks for a retry);
+``gates["org/repo/path"] = event`` sends the headers of every GET of that repo's file, then its bytes only once
+``event`` is set (a slow download).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class HubServer:
         self.requests: list[tuple[str, str]] = []
         self.drop_once: dict[str, list[int]] = {}
         self.busy: dict[str, int] = {}
+        self.gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -139,6 +142,10 @@ class HubServer:
                 self.end_headers()
                 if head:
                     return
+                gate = server.gates.get(f"{repo_id}/{filename}")
+                if gate is not None:
+                    self.wfile.flush()
+                    gate.wait(60)
                 with server.lock:
                     cuts = server.drop_once.get(filename)
                     cut = cuts.pop(0) if cuts else None

@@ -9,6 +9,7 @@ import json
 import os
 import reprlib
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -145,18 +146,29 @@ def short_repr(value: Any) -> str:
     return _REPR.repr(value)
 
 
+_GC_LOCK = threading.Lock()
+_gc_users = 0  # blocks inside gc_paused now, in every thread
+_gc_was_enabled = False  # whether the collector was on when the first of them entered
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a block builds many objects, e.g. a 37k-entry header.
 
-    Such a block triggers collections that walk the whole heap and multiply its time, unpredictably
-    (measured: a 9,216-key header parse took 33-140 ms with the collector on, 42-54 ms with it paused).
-    Nested uses are fine; the collector is re-enabled only by the use that paused it.
+    Such a block triggers collections that walk the whole heap and multiply its time, unpredictably.
+    Nested uses and uses from several threads at once share one pause: the first to enter turns the
+    collector off (if it was on), and it is turned back on only when the last one leaves.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
+    global _gc_users, _gc_was_enabled
+    with _GC_LOCK:
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_users += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _GC_LOCK:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
+                gc.enable()

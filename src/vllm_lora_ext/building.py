@@ -27,7 +27,7 @@ import torch
 
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.config import AdapterConfig
-from vllm_lora_ext.constants import ENV_BUILD_DIR, host_arena_min_bytes, host_arenas_enabled
+from vllm_lora_ext.constants import build_dir, host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it (issue 41)
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
@@ -306,7 +306,7 @@ class ArenaSupply:
         arena: SharedArena | None = None
         try:  # a spare on disk (no room in /dev/shm, no directory set) would only add writes: keep none then
             directory = self.directory or shared_dir(size)
-            if directory == "/dev/shm" or self.directory or os.environ.get(ENV_BUILD_DIR):
+            if directory == "/dev/shm" or self.directory or build_dir():
                 arena = SharedArena(size, directory, populate=True)
         except Exception:  # no room, or anything else: builds use sparse files as before
             arena = None
@@ -387,7 +387,7 @@ def _owned_name(directory: str, tag: str = "") -> str:
 def shared_dir(size: int) -> str:
     """Return where a ``size``-byte shared file goes: ``VLLM_LORA_EXT_BUILD_DIR``, else ``/dev/shm`` if it has room,
     else the temp dir (page cache)."""
-    configured = os.environ.get(ENV_BUILD_DIR)
+    configured = build_dir()
     if configured:
         return configured
     try:

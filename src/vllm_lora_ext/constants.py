@@ -76,6 +76,12 @@ MAX_ABS_MIX_WEIGHT = 100.0
 # Size caps on files that are read whole.
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
+MAX_STATE_FILE_BYTES = 16 << 20  # the disk tier's ledger or a holds file larger than this is not ours: not read
+# The longest 'model' field a request may send, and the longest adapter part of a Ray multiplexed id.
+MAX_MODEL_FIELD_CHARS = 4096
+MAX_MESSAGE_CHARS = 2000  # an error message passed on whole (a CLI error line, a build failure) is cut here
+# GPU memory a worker leaves free for the engine's own allocations when it stages or transposes on the GPU.
+GPU_HEADROOM_BYTES = 512 << 20
 # The lora_path prefix of a build-ahead probe: the server asks each worker, through add_lora, to build the adapter
 # behind it in the background (the probe is answered True once built, and never registered). Clients cannot send it.
 PREBUILD_PREFIX = "vllm-lora-ext-prebuild:"
@@ -362,7 +368,7 @@ _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
           ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU,
           ENV_MOE_WARMUP)
-ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read in integration/composite.py; checked here
+ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read by component_cache_size (below); checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
 
@@ -435,6 +441,57 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
     if stat.S_ISREG(mode):
         return None
     return f"is {file_kind(mode)}, not a regular file"
+
+
+# -------------------------------------------------------------------- settings of other programs, read here too
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's (and vLLM's) multiprocess metrics folder
+VLLM_TUNED_CONFIG_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM's own LoRA kernel configs: then ours stay out
+
+
+def build_dir() -> str | None:
+    """Return the folder a build process puts its shared files in (``VLLM_LORA_EXT_BUILD_DIR``), or ``None``."""
+    return os.environ.get(ENV_BUILD_DIR) or None
+
+
+def component_cache_size() -> int:
+    """Return how many mix components one worker keeps built (``VLLM_LORA_EXT_COMPONENT_CACHE``, default 8; a value
+    that is not a whole number also gives 8: `check_settings` names it at start-up)."""
+    try:
+        return max(0, int(os.environ.get(ENV_COMPONENT_CACHE, "8")))
+    except ValueError:
+        return 8
+
+
+def metrics_dir_setting() -> str | None:
+    """Return the metrics folder this process was given: ``PROMETHEUS_MULTIPROC_DIR``, else
+    ``VLLM_LORA_EXT_METRICS_DIR`` (set by the plugin for the processes vLLM starts), else ``None``."""
+    return os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(ENV_METRICS_DIR) or None
+
+
+def prometheus_dir_set() -> bool:
+    """Return whether ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM's collector then reads that folder)."""
+    return bool(os.environ.get(PROMETHEUS_DIR_ENV))
+
+
+def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
+    """Set ``VLLM_LORA_EXT_METRICS_DIR`` to ``path`` for the processes this one starts, or remove it (``None``).
+
+    With ``only_if``, it is removed only while it still names that folder.
+    """
+    if path is not None:
+        os.environ[ENV_METRICS_DIR] = path
+    elif only_if is None or os.environ.get(ENV_METRICS_DIR) == only_if:
+        os.environ.pop(ENV_METRICS_DIR, None)
+
+
+def vllm_tuned_config_folder_set() -> bool:
+    """Return whether ``VLLM_TUNED_CONFIG_FOLDER`` is set (then vLLM's own LoRA kernel configs answer)."""
+    return VLLM_TUNED_CONFIG_FOLDER_ENV in os.environ
+
+
+def cuda_visible_devices() -> str | None:
+    """Return ``CUDA_VISIBLE_DEVICES`` as set (``None``: unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def proxy_configured() -> bool:

@@ -15,9 +15,12 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
 - **Refusal.** If evicting every revision that may go still leaves no room, nothing is evicted and the
   download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use.
-- **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process;
-  with the bound on, one download lock keeps downloads one at a time, so two processes never both count
-  on the same free room. Recency (``last_use``) is the ledger's, shared by every process and server.
+- **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process, and is
+  held only while the ledger and the holds are read or written, never while a file transfers. With the bound
+  on, a download reserves its size in a hold under that lock, together with the room it makes: until the file
+  is listed, every other download counts those bytes as used, so two downloads, in one process or several,
+  never both count on the same free room, and a slow download never keeps another adapter's resolve waiting.
+  Recency (``last_use``) is the ledger's, shared by every process and server.
 
 With the bound off, downloads are still listed (best effort: a failure is logged, never raised), so
 ``vllm-lora cache ls`` shows them and a bound set later knows what the plugin may evict.
@@ -37,9 +40,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm_lora_ext import metrics
-from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
-from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, state_root,
-                                     write_in_place)
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, MAX_STATE_FILE_BYTES, disk_cache_bytes
+from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes,
+                                     state_root, write_in_place)
 from vllm_lora_ext.errors import DiskCacheFullError
 
 __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
@@ -47,8 +50,6 @@ __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prun
 logger = logging.getLogger(__name__)
 
 _LEDGER = "ledger.json"
-_MAX_LEDGER = 16 << 20
-_DOWNLOAD_TIMEOUT_S = 3600.0
 # The resolve running in this context: its hold is taken at its first download, and a refused download may look
 # past it.
 _RESOLVING: contextvars.ContextVar[_Use | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
@@ -113,8 +114,8 @@ def _read_ledger(root: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     try:
-        if path.stat().st_size > _MAX_LEDGER:
-            raise ValueError(f"larger than {_MAX_LEDGER} bytes")
+        if path.stat().st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = json.loads(path.read_text())
         entries = {str(k): dict(v) for k, v in data["revisions"].items()}
         for v in entries.values():
@@ -272,30 +273,41 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
     metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
 
 
-def _refusal(source: str, need: int, limit: int, state: _State) -> DiskCacheFullError:
-    in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable])
+def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0) -> DiskCacheFullError:
+    in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable]) + pending
+    flight = f" (of which {_fmt(pending)} by other downloads in progress: retry once they finish)" if pending else ""
     return DiskCacheFullError(
         f"Adapter source {source!r} needs {_fmt(need)} in the Hugging Face cache, but the disk cache bound "
         f"{ENV_DISK_CACHE_BYTES} is {_fmt(limit)} and {_fmt(in_use)} of it is held by revisions in use (pinned, "
-        f"registered, or being read) or shared with files the plugin did not download; nothing was evicted. "
+        f"registered, or being read){flight} or shared with files the plugin did not download; nothing was evicted. "
         f"Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
         source=source, limit=limit, in_use=in_use, needed=need)
 
 
-def _make_room(cache: Path, root: Path, source: str, need: int, limit: int, protect: Sequence[str]) -> None:
+def _reserve(cache_dir: str | os.PathLike[str] | None, repo_id: str, filename: str, revision: str | None,
+             incoming: tuple[int, str | None], limit: int) -> DiskHold:
+    """Make room for a download of ``incoming`` (bytes, commit) and reserve it, in one turn of the state lock; the
+    returned hold ends the reservation."""
+    (need, commit), source = incoming, f"hf:{repo_id}" + (f"@{revision}" if revision else "")
+    file_key = f"{repo_id}@{commit or revision or 'main'}:{filename}"
+    cache, root = cache_path(cache_dir), state_root(cache_dir)
     with locked(root):
         state = _scan(cache, root)
-        keys = _plan(state, need, limit, protect=protect)
+        pending = reserved_bytes(state.holds, {file_key: need})
+        keys = _plan(state, pending, limit, protect=(f"{repo_id}@{commit}",) if commit else ())
         if keys is None:
-            raise _refusal(source, need, limit, state)
+            raise _refusal(source, need, limit, state, pending=pending - need)
         _evict(cache, root, state, keys)
         metrics.DISK_CACHE_BYTES.set(state.total())
+        return hold(repo_id, commit or revision, why=f"download of {source}:{filename}", cache_dir=cache_dir,
+                    reserve=(file_key, need))
 
 
 def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) -> None:
     """Keep the bound once the file is on disk (the Hub may not have told its size)."""
     state = _scan(cache, root)
-    keys = _plan(state, 0, limit, protect=(key,))
+    pending = reserved_bytes(state.holds)  # other downloads in progress
+    keys = _plan(state, pending, limit, protect=(key,))
     if keys is None:
         new = state.revisions.get(key)
         use = _RESOLVING.get()
@@ -306,7 +318,7 @@ def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) 
         else:
             need = new.nbytes if new is not None else 0
         metrics.DISK_CACHE_BYTES.set(state.total())
-        raise _refusal(source, need, limit, state)
+        raise _refusal(source, need, limit, state, pending=pending)
     _evict(cache, root, state, keys)
     metrics.DISK_CACHE_BYTES.set(state.total())
 
@@ -335,8 +347,9 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     """Download one file with ``hf_hub_download`` within the disk cache bound, and list it in the ledger.
 
     Takes ``hf_hub_download``'s arguments and raises its errors. With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set,
-    downloads run one at a time per cache; room is made first (least recently used, unheld revisions the
-    plugin downloaded are evicted) from the size the Hub tells, and the bound is checked again afterwards.
+    room is made first (least recently used, unheld revisions the plugin downloaded are evicted) from the size
+    the Hub tells, counting the downloads already in progress, and reserved for this one while it transfers
+    (no lock is held meanwhile); the bound is checked again afterwards.
 
     Returns:
         `str`: the cached file's path, as ``hf_hub_download`` returns it.
@@ -344,7 +357,6 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     Raises:
         [`DiskCacheFullError`]: the file does not fit the bound even with every revision that may go evicted.
     """
-    from filelock import FileLock
     from huggingface_hub import hf_hub_download
 
     def fetch() -> str:
@@ -370,17 +382,21 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                 logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
         return path
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / "download.lock")).acquire(timeout=_DOWNLOAD_TIMEOUT_S):
-        need, commit = _incoming(cache, repo_id, filename, revision, token)
-        if need:
-            _make_room(cache, root, source, need, limit, (f"{repo_id}@{commit}",) if commit else ())
+    incoming = _incoming(cache, repo_id, filename, revision, token)
+    reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
+    try:
         before = _commits_having(cache, repo_id, filename)
         path = fetch()
         commit = _commit_of(Path(path))
-        if commit is not None and commit not in before:
-            with locked(root):
+        with locked(root):
+            if reservation is not None:
+                reservation.release()
+            if commit is not None and commit not in before:
                 _record(root, repo_id, commit, filename)
                 _after_download(cache, root, source, f"{repo_id}@{commit}", limit)
+    finally:
+        if reservation is not None:
+            reservation.release()  # a failed transfer; idempotent
     return path
 
 
@@ -462,14 +478,12 @@ def prune_cache(max_bytes: int, *, cache_dir: str | os.PathLike[str] | None = No
     Revisions in use (held by any live process) or shared with files the plugin did not download stay; if
     they alone pass ``max_bytes``, every other revision goes and ``bytes_after`` says what is left.
     """
-    from filelock import FileLock
-
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     cache, root = cache_path(cache_dir), state_root(cache_dir)
     if not (root / _LEDGER).exists():
         return PruneReport((), 0, 0, max_bytes)
-    with FileLock(str(root / "download.lock")).acquire(timeout=_DOWNLOAD_TIMEOUT_S), locked(root):
+    with locked(root):
         state = _scan(cache, root)
         before = state.total()
         keys = _plan(state, 0, max_bytes)

@@ -11,6 +11,10 @@ Layout, under ``<HF cache>/.locks/vllm_lora_ext/`` (huggingface_hub's cache scan
     holds/<pid>-<hex>.json    one process's holds, rewritten whole (write, then rename) under ``state.lock``
     holds/<pid>-<hex>.lock    held by that process for as long as it lives
 
+A hold may also reserve bytes: a download in progress into the revision holds it and counts its size (once per
+file, however many processes fetch that file) until it is listed in the ledger, so an evictor that plans room for
+another download never gives away the room this one will fill, and no cache-wide lock is held while it transfers.
+
 A process takes its ``.lock`` before it writes its first hold and never lets it go; the OS drops it when
 the process dies. An evictor (under ``state.lock``) tries each ``.lock``: if it can take it, the owner is
 dead and its holds are void, so it removes both files. Holds are therefore kept per process, survive
@@ -28,18 +32,19 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked", "state_root",
-           "write_in_place"]
+from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
+
+__all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked",
+           "reserved_bytes", "state_root", "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
-_MAX_FILE = 16 << 20  # a holds file or the ledger larger than this is not read (it is not one we wrote)
 _LOCK_TIMEOUT_S = 120.0
 _ANY_REPO = "*"  # a live process whose holds file cannot be read holds every revision
 
@@ -67,12 +72,16 @@ class Hold:
         revision: a commit sha (that revision), or a branch, tag or ``None`` (every revision of the repo).
         why: what holds it, e.g. ``"adapter 'sql' (registered)"``.
         pid: the holding process.
+        reserve_key: the file a download in progress fetches (``repo@commit:file``), or ``None``.
+        reserved: the bytes that download will add (counted as used until it ends).
     """
 
     repo_id: str
     revision: str | None
     why: str
     pid: int
+    reserve_key: str | None = None
+    reserved: int = 0
 
     def covers(self, repo_id: str, commit: str) -> bool:
         """Whether this hold keeps revision ``commit`` of ``repo_id`` from eviction."""
@@ -179,8 +188,8 @@ class DiskHold:
         self.release()
 
 
-def hold(repo_id: str, revision: str | None, *, why: str,
-         cache_dir: str | os.PathLike[str] | None = None) -> DiskHold:
+def hold(repo_id: str, revision: str | None, *, why: str, cache_dir: str | os.PathLike[str] | None = None,
+         reserve: tuple[str, int] | None = None) -> DiskHold:
     """Keep ``repo_id`` at ``revision`` from eviction until the hold is released or this process ends.
 
     Args:
@@ -188,6 +197,8 @@ def hold(repo_id: str, revision: str | None, *, why: str,
         revision (`str`, *optional*): a commit sha (that revision) or a branch/tag/``None`` (every revision).
         why (`str`): what holds it, shown by ``vllm-lora cache ls``.
         cache_dir (`str` or `os.PathLike`, *optional*): the hub cache (default: huggingface_hub's).
+        reserve (`tuple[str, int]`, *optional*): ``(file key, bytes)`` of a download in progress: until the hold
+            ends, every evictor counts these bytes as used ([`reserved_bytes`]).
 
     Returns:
         [`DiskHold`]: the hold; once this returns, no eviction in any process removes the revision.
@@ -198,7 +209,9 @@ def hold(repo_id: str, revision: str | None, *, why: str,
     root = state_root(cache_dir)
     state = _root_state(root)
     token = secrets.token_hex(8)
-    entry = {"repo_id": repo_id, "revision": revision, "why": why}
+    entry: dict[str, Any] = {"repo_id": repo_id, "revision": revision, "why": why}
+    if reserve is not None:
+        entry.update(reserve_key=reserve[0], reserved=int(reserve[1]))
     with locked(root):
         state.take_owner()
         state.holds[token] = entry
@@ -283,6 +296,16 @@ def holding(source: _SourceLike, *, why: str, cache_dir: str | os.PathLike[str] 
             made.release()
 
 
+def reserved_bytes(holds: Sequence[Hold], also: Mapping[str, int] | None = None) -> int:
+    """Return the bytes the downloads in progress among ``holds`` (and ``also``: file key -> bytes) will add, each
+    file once (the largest size any process announced for it)."""
+    files: dict[str, int] = dict(also or {})
+    for h in holds:
+        if h.reserve_key is not None:
+            files[h.reserve_key] = max(files.get(h.reserve_key, 0), h.reserved)
+    return sum(files.values())
+
+
 def live_holds(root: Path) -> list[Hold]:
     """Return every live process's holds on this cache, removing dead processes' files. Call under [`locked`].
 
@@ -316,11 +339,12 @@ def _read_holds(path: Path) -> list[Hold]:
     try:
         if not path.exists():
             return []  # the owner took its lock and has not written a hold yet
-        if path.stat().st_size > _MAX_FILE:
-            raise ValueError(f"larger than {_MAX_FILE} bytes")
+        if path.stat().st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = json.loads(path.read_text())
         pid = int(data["pid"])
-        return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid)
+        return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid,
+                     None if h.get("reserve_key") is None else str(h["reserve_key"]), int(h.get("reserved", 0)))
                 for h in data["holds"]]
     except Exception as err:
         logger.warning("disk cache holds file %s of a live process cannot be read (%s); evicting nothing", path, err)

@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from vllm_lora_ext import diskcache
@@ -24,10 +24,19 @@ from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 
-if TYPE_CHECKING:  # sources.py imports this module; only the type comes from there
-    from vllm_lora_ext.sources import AdapterSource
+__all__ = ["HubClient", "HubRepo", "hub_endpoint", "hub_cache", "hub_unreachable", "offline_message",
+           "unreachable_message"]
 
-__all__ = ["HubClient", "hub_endpoint", "hub_cache", "hub_unreachable", "offline_message", "unreachable_message"]
+
+class HubRepo(Protocol):
+    """What the client needs of a hub source (``sources.AdapterSource`` is one; sources.py imports this module)."""
+
+    @property
+    def raw(self) -> str: ...
+
+    @property
+    def repo_id(self) -> str | None: ...
+
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a pinned revision: one cache lookup, no request
 
@@ -104,7 +113,7 @@ def unreachable_message(what: str, filename: str, reason: str, *, cache_dir: str
 class HubClient:
     """The only code that talks to huggingface_hub: one call per file, errors mapped to ours."""
 
-    def __init__(self, src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None,
+    def __init__(self, src: HubRepo, *, cache_dir: str | os.PathLike[str] | None, token: str | bool | None,
                  local_files_only: bool, label: str = "adapter source", fetching: bool = False) -> None:
         self.src = src
         self.cache_dir = cache_dir

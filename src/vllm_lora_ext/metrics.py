@@ -63,7 +63,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_lora_ext.constants import ENV_METRICS_DIR
+from vllm_lora_ext.constants import PROMETHEUS_DIR_ENV, export_metrics_dir, metrics_dir_setting, prometheus_dir_set
 from vllm_lora_ext.metrics_files import BackedFile, MemoryFile
 from vllm_lora_ext.sharedfiles import claim_owner, release_owner, sweep_dead_owners
 
@@ -75,7 +75,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _FILE_TAG = "vllm_lora_ext"
 _DIR_STEM = "vllm_lora_ext_metrics_"  # <stem><owner tag>-<random>: the folder a top-level process makes
 _MIN_FREE_BYTES = 1 << 20  # less free space than this in the metrics folder at start: metrics stay in memory
@@ -89,7 +88,7 @@ _HEALTH: dict[str, Any] = {"pid": None, "degraded": None, "write_failures": 0}
 
 def metrics_dir() -> str | None:
     """Return the directory this process writes metrics to, or ``None`` (metrics off)."""
-    path = os.environ.get(PROMETHEUS_DIR_ENV) or os.environ.get(ENV_METRICS_DIR)
+    path = metrics_dir_setting()
     return path if path and os.path.isdir(path) else None
 
 
@@ -115,7 +114,7 @@ def setup() -> str | None:
     except ImportError:
         return None
     with _LOCK:
-        if os.environ.get(PROMETHEUS_DIR_ENV):
+        if prometheus_dir_set():
             path = metrics_dir()  # vLLM's collector (get_prometheus_registry) reads this directory
             _check_free(path)
             return path
@@ -135,13 +134,13 @@ def setup() -> str | None:
                 logger.info("removed %d metrics folders of processes that are gone from %s", len(swept), root)
             path = tempfile.mkdtemp(prefix=f"{_DIR_STEM}{claim_owner(root, _DIR_STEM)}-", dir=root)
         except OSError as err:
-            os.environ.pop(ENV_METRICS_DIR, None)  # never an inherited one: the children keep theirs in memory too
+            export_metrics_dir(None)  # never an inherited one: the children keep theirs in memory too
             _degrade(f"no metrics folder could be made in {root} ({err.strerror or err})")
             collector = _Collector(None)
             REGISTRY.register(collector)
             _OWNED.update(path=None, pid=os.getpid(), collector=collector)
             return None
-        os.environ[ENV_METRICS_DIR] = path
+        export_metrics_dir(path)
         collector = _Collector(path)
         REGISTRY.register(collector)
         _OWNED.update(path=path, pid=os.getpid(), collector=collector, root=root)
@@ -186,8 +185,7 @@ def teardown() -> None:
             if _OWNED["path"]:
                 shutil.rmtree(_OWNED["path"], ignore_errors=True)
                 release_owner(_OWNED["root"], _DIR_STEM)
-                if os.environ.get(ENV_METRICS_DIR) == _OWNED["path"]:
-                    del os.environ[ENV_METRICS_DIR]
+                export_metrics_dir(None, only_if=_OWNED["path"])
         _OWNED.clear()
 
 

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from enum import Enum
 
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import HF_PREFIX, MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
+from vllm_lora_ext.constants import HF_PREFIX, MAX_MODEL_FIELD_CHARS, MIX_NAME_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
-from vllm_lora_ext.naming import reserved_part
+from vllm_lora_ext.naming import reserved_part, server_only_prefix
 from vllm_lora_ext.sources import parse_source
 
-# The longest adapter part accepted; vLLM's own serving caps the model field (the plugin's routing at 4096).
-MAX_ADAPTER_ID_CHARS = 4096
+MAX_ADAPTER_ID_CHARS = MAX_MODEL_FIELD_CHARS  # the longest adapter part accepted, as the server caps the model field
 
 
 class Plan(str, Enum):
@@ -87,7 +86,7 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     if len(adapter) > MAX_ADAPTER_ID_CHARS:
         raise AdapterSourceError(f"The adapter part of the model id has {len(adapter)} characters, more than "
                                  f"{MAX_ADAPTER_ID_CHARS}. Name an adapter or a mix.", source=adapter[:200])
-    if adapter.startswith((MIX_PREFIX, PREBUILD_PREFIX)):
+    if server_only_prefix(adapter) is not None:
         raise AdapterSourceError(f"Adapter id {short_repr(adapter)} is a spec only the server makes. Name registered "
                                  f"adapters, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
     if adapter in names:

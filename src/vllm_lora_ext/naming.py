@@ -7,6 +7,8 @@ it makes ``mix-<label>-<digest prefix>`` ([`MixSpec.lora_name`]). So the whole g
   deployment config, a Ray multiplexed id), may hold ``+`` or ``=`` (`RESERVED_NAME_CHARS`) or start
   with ``mix-`` ([`check_adapter_name`]); otherwise a client could register an adapter under a mix's
   spelling and be served to every client asking for that mix;
+- no client or config may name a source that starts with a prefix only the server writes into a ``lora_path``:
+  ``mix:`` (a mix's spec) or the build-ahead probe's (`SERVER_ONLY_PREFIXES`, [`server_only_prefix`]);
 - a served base-model name may hold them (``acme/llama+sft``, ``llama-ckpt=step5000``): the server matches
   served names before any mix parsing;
 - a ``model`` naming a mix the server made and later evicted names that mix again, when its label spells
@@ -22,15 +24,17 @@ from collections.abc import Mapping
 from typing import cast
 
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import MIX_NAME_PREFIX
+from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixError
 from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
 
-__all__ = ["RESERVED_NAME_CHARS", "check_adapter_name", "check_mix_fields", "mix_name_expression", "mix_in_model",
-           "reserved_part"]
+__all__ = ["RESERVED_NAME_CHARS", "SERVER_ONLY_PREFIXES", "check_adapter_name", "check_mix_fields",
+           "mix_name_expression", "mix_in_model", "reserved_part", "server_only_prefix"]
 
 # The characters of the mix grammar: an adapter name holding one would be read as a mix.
 RESERVED_NAME_CHARS = ("+", "=")
+# Prefixes of a lora_path that only the server writes: a mix's spec and a build-ahead probe.
+SERVER_ONLY_PREFIXES = (MIX_PREFIX, PREBUILD_PREFIX)
 _MIX_NAME = re.compile(r"mix-(.+)-([0-9a-f]{24})", re.DOTALL)
 
 
@@ -48,6 +52,16 @@ def reserved_part(name: str) -> str | None:
     if name.startswith(MIX_NAME_PREFIX):
         return f"starts with {MIX_NAME_PREFIX!r}" + (" and contains " + " and ".join(map(repr, held)) if held else "")
     return "contains " + " and ".join(map(repr, held)) if held else None
+
+
+def server_only_prefix(path: object) -> str | None:
+    """Return the prefix of ``path`` that only the server writes (``None``: none, or not a string).
+
+    Example:
+        >>> server_only_prefix("mix:a=1"), server_only_prefix("hf:acme/sql"), server_only_prefix(None)
+        ('mix:', None, None)
+    """
+    return next((p for p in SERVER_ONLY_PREFIXES if path.startswith(p)), None) if isinstance(path, str) else None
 
 
 def check_adapter_name(name: object) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext._util import open_confined
+from vllm_lora_ext.constants import GPU_HEADROOM_BYTES as _GPU_HEADROOM  # left free on a worker's GPU
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, dtype_by_name, file_stamp, read_header, torch_dtype_of
 from vllm_lora_ext.preads import preadv_exactly as _preadv_exactly, read_ranges as _read_ranges
@@ -117,7 +118,6 @@ class DictSource:
 # Bytes of rows `gather` and `read_transposed` read at a time: the block stays in a core's L2 cache (1 MiB a core
 # is common) while its pieces are copied or transposed out of it.
 _GATHER_BLOCK = 1 << 20
-_GPU_HEADROOM = 512 << 20  # GPU memory `read_transposed` leaves free on a worker's GPU
 # The largest tensor `read_transposed` turns on a GPU. Its two temporaries come from the stream it works on, and
 # torch's allocator keeps their blocks cached for that stream: with `_TURNING_STREAMS` streams, at most 8 x 2 x
 # 64 MiB stay cached, whichever threads ran them (mix components load on new threads).

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Mapping
 
 from vllm_lora_ext import metrics
+from vllm_lora_ext.constants import cuda_visible_devices
 
 __all__ = ["RESIDENT_METRIC", "MAX_LABEL_CHARS", "write_resident", "clear_resident"]
 
@@ -133,4 +134,4 @@ def scrape_plugin_metrics(worker: object = None) -> dict[str, object]:
         MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
         text = generate_latest(registry).decode()
     return {"pid": os.getpid(), "metrics_dir": directory, "text": text,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # tells nodes of one host apart
+            "cuda_visible_devices": cuda_visible_devices()}  # tells nodes of one host apart

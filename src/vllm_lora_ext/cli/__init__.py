@@ -18,26 +18,11 @@ import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 
-from vllm_lora_ext.constants import MAX_EXPERTS
+from vllm_lora_ext.cli._args import plural, positive_int
+from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
 from vllm_lora_ext.errors import VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer from 1 to 65536."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 1 <= value <= MAX_EXPERTS:
-        raise argparse.ArgumentTypeError(f"{value} is out of range; give an integer from 1 to {MAX_EXPERTS}")
-    return value
-
-
-def plural(n: int, word: str) -> str:
-    """``1 adapter``, ``2 adapters``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _one_line(err: BaseException) -> str:
     text = re.sub(r"(?<=[^.])\.\.(?=\s|$)", ".", " ".join(str(err).split()))  # "…on.. Check" from nested messages
-    return text if len(text) <= 2000 else text[:2000] + " ..."
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " ..."
 
 
 @contextlib.contextmanager

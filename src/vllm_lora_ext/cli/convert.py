@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_lora_ext.cli import positive_int
+from vllm_lora_ext.cli._args import positive_int
 from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
 from vllm_lora_ext.offline_writes import convert_adapter
 from vllm_lora_ext.outputs import claim_output

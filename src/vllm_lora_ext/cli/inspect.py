@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from vllm_lora_ext.cli import plural, positive_int
+from vllm_lora_ext.cli._args import plural, positive_int
 from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import AdapterSummary, finite_rule, summarize_adapter

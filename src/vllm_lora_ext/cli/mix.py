@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.cli import plural
+from vllm_lora_ext.cli._args import plural
 from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
 from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
 from vllm_lora_ext.errors import DeploymentConfigError, MixError

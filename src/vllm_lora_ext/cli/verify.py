@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.cli import positive_int
+from vllm_lora_ext.cli._args import positive_int
 from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError, VerifyError
 from vllm_lora_ext.verification import (FULL, Thresholds, VerifyReport, ablation_name, adapter_groups,

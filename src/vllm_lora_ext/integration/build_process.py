@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 
 from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
                                    sweep_stale, to_shared, trim_shared)
-from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
+from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
 from vllm_lora_ext.sharedfiles import folder_problem
 
@@ -248,7 +248,7 @@ def build_dir_usable() -> bool:
     A folder that is missing, a file or read-only would fail every background build: builds then run in the
     worker (as with ``VLLM_LORA_EXT_BUILD_PROCESS=0``) instead.
     """
-    configured = os.environ.get(ENV_BUILD_DIR)
+    configured = build_dir()
     if not configured:
         return True
     with _CHECK_LOCK:
@@ -421,7 +421,7 @@ def main() -> None:
     from vllm_lora_ext.integration._compat import preload_build_job_modules
 
     preload_build_job_modules()  # and what a job's key mapper unpickles with
-    for directory in {os.environ.get(ENV_BUILD_DIR) or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
+    for directory in {build_dir() or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:
             logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)

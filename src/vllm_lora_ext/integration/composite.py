@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_lora_ext.constants import ENV_COMPONENT_CACHE, host_arena_min_bytes, host_arenas_enabled
+from vllm_lora_ext.constants import component_cache_size, host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.hostmem import prepare_spare
 from vllm_lora_ext.integration._compat import cuda_context, kept_host_arena, pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
@@ -42,10 +41,7 @@ LoadComponent = Callable[[str, str], Any]
 
 
 def _cache_size() -> int:
-    try:
-        return max(0, int(os.environ.get(ENV_COMPONENT_CACHE, "8")))
-    except ValueError:
-        return 8
+    return component_cache_size()
 
 
 def _component(manager: Any, c: MixComponent, load: LoadComponent) -> Any:

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_lora_ext.constants import kernel_configs_enabled
+from vllm_lora_ext.constants import kernel_configs_enabled, vllm_tuned_config_folder_set
 from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.integration._compat import cuda_device_name, lora_kernels_batch_invariant
 from vllm_lora_ext.kernel_configs import file_stem, load_tables, lookup_config
 
 logger = logging.getLogger(__name__)
-
-_VLLM_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +48,7 @@ def _tables() -> dict[str, dict[str, Any]] | None:
 def tuned_config(op_type: str, max_loras: int, batch: int, hidden_size: int, rank: int, num_slices: int,
                  add_inputs: bool | None = None) -> dict[str, Any] | None:
     """Return the shipped config for one shrink/expand launch, or None where vLLM's lookup should answer."""
-    if op_type not in ("shrink", "expand") or _VLLM_FOLDER_ENV in os.environ or not kernel_configs_enabled():
+    if op_type not in ("shrink", "expand") or vllm_tuned_config_folder_set() or not kernel_configs_enabled():
         return None
     if lora_kernels_batch_invariant():
         return None

@@ -28,6 +28,8 @@ from typing import Any
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import (
+    MAX_MESSAGE_CHARS,
+    MAX_MODEL_FIELD_CHARS,
     MIX_NAME_PREFIX,
     MIX_PREFIX,
     PREBUILD_PREFIX,
@@ -57,14 +59,14 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     release,
 )
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
-from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part
+from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part, server_only_prefix
 from vllm_lora_ext.prebuild import RecentlyUsed
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 from vllm_lora_ext.resolve import check_allowed_root, pin_path
 
 logger = logging.getLogger(__name__)
 
-_MAX_MODEL_FIELD = 4096
+_MAX_MODEL_FIELD = MAX_MODEL_FIELD_CHARS
 # Where a routed request carries its mix's LoRARequest. Set with object.__setattr__, so it lives in the
 # object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
 ROUTED_ATTR = "_vllm_lora_ext_lora_request"
@@ -101,10 +103,10 @@ def check_client_adapter(name: str | None, path: str | None) -> None:
         [`AdapterSourceError`]: the name is reserved for mixes, or the path is a ``mix:`` spec.
     """
     check_adapter_name(name)
-    if isinstance(path, str) and path.startswith(PREBUILD_PREFIX):
+    if server_only_prefix(path) == PREBUILD_PREFIX:
         raise AdapterSourceError(f"Adapter path {short_repr(path)} starts with {PREBUILD_PREFIX!r}, which only the "
                                  f"server uses. Give the adapter's source.", source=path[:200], part="path")
-    if isinstance(path, str) and path.startswith(MIX_PREFIX):
+    if server_only_prefix(path) == MIX_PREFIX:
         raise AdapterSourceError(
             f"Adapter path {short_repr(path)} is a {MIX_PREFIX!r} spec, which only the server makes. Register the "
             f"adapters, then ask for a mix with 'adapters' and 'adapter_weights' in the request body.",
@@ -244,7 +246,7 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
         delay = min(0.025, delay * 1.5)
 
 
-_MAX_BUILD_MESSAGE = 2000
+_MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
 
 
 def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:

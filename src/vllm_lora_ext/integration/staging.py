@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_lora_ext.building import _view
-from vllm_lora_ext.constants import stage_gpu_bytes
+from vllm_lora_ext.constants import GPU_HEADROOM_BYTES, stage_gpu_bytes
 from vllm_lora_ext.integration.patching import STAGED_ATTR
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ __all__ = ["concat_staged", "in_source_order", "side_stream", "stage", "staged_b
 
 _ALIGN = 256
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
-_HEADROOM = 512 << 20  # GPU memory left free for the engine's own allocations
+_HEADROOM = GPU_HEADROOM_BYTES  # GPU memory left free for the engine's own allocations
 _LOCK = threading.Lock()
 _STAGED: weakref.WeakSet[Any] = weakref.WeakSet()
 _STREAMS: dict[int, Any] = {}
