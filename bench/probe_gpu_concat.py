@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.integration import staging
     from vllm_lora_ext.integration._compat import pin_in_place
 

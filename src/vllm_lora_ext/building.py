@@ -33,13 +33,13 @@ from vllm_lora_ext.diskholds import holding  # a build's revision is never evict
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec, read_blocks
-from vllm_lora_ext.hostmem import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sharedfiles import claim_owner, reserve_when_tight, sweep_dead_owners
 from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
+from vllm_lora_ext.transport.arena import ALIGN, HostArena, aligned, bump_empty
 from vllm_lora_ext.validation import check_finite
 
 __all__ = ["ArenaSupply", "BuildJob", "BuiltAdapter", "SharedArena", "SharedTensors", "build_adapter", "from_shared",

@@ -123,7 +123,7 @@ def _layered_jobs(layers: int, comps: list | None = None) -> tuple[dict, list]:
     """A mix of three components (``comps``: their rank, weight and dtype) over ``layers`` layers, each component
     in one host arena filled in file order (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and
     v_proj of equal shapes."""
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
 
     g = torch.Generator().manual_seed(5)
     bf = torch.bfloat16

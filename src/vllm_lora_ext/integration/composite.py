@@ -23,11 +23,12 @@ import torch
 
 from vllm_lora_ext.constants import ENV_COMPONENT_CACHE, host_arena_min_bytes, host_arenas_enabled, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError
-from vllm_lora_ext.hostmem import prepare_spare
-from vllm_lora_ext.integration._compat import cuda_context, kept_host_arena, pin_in_place
+from vllm_lora_ext.integration._compat import pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import (MixComponent, MixSpec, composite_shapes, concat_many,
                                   weighted_parts_stay_finite)
+from vllm_lora_ext.transport.arena import prepare_spare
+from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         finite_a = {f"{n} lora_A[{i}]": t for n, lw in loras.items()
                     for i, t in enumerate(lw.lora_a if isinstance(lw.lora_a, list) else [lw.lora_a]) if t is not None}
         if on_gpu is not None:
-            from vllm_lora_ext.integration.staging import side_stream
+            from vllm_lora_ext.transport.cuda import side_stream
 
             scan: Any = side_stream(device)  # off the engine's stream
         else:

@@ -32,17 +32,17 @@ import torch
 from vllm_lora_ext.building import _view
 from vllm_lora_ext.constants import stage_gpu_bytes
 from vllm_lora_ext.integration.patching import STAGED_ATTR
+from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["concat_staged", "in_source_order", "side_stream", "stage", "staged_bytes", "unstage"]
+__all__ = ["concat_staged", "in_source_order", "stage", "staged_bytes", "unstage"]
 
 _ALIGN = 256
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _HEADROOM = 512 << 20  # GPU memory left free for the engine's own allocations
 _LOCK = threading.Lock()
 _STAGED: weakref.WeakSet[Any] = weakref.WeakSet()
-_STREAMS: dict[int, Any] = {}
 
 
 @dataclass
@@ -86,17 +86,7 @@ def staged_bytes() -> int:
 
 
 def _side_stream(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _LOCK:
-        stream = _STREAMS.get(index)
-        if stream is None:
-            stream = _STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
-def side_stream(device: Any) -> Any:
-    """A context that runs torch's CUDA work on this process's staging stream for ``device``, off the engine's."""
-    return torch.cuda.stream(_side_stream(torch.device(device)))
+    return stream_for(device, "staging")
 
 
 def _room(total: int, device: torch.device, what: str) -> bool:
@@ -107,12 +97,10 @@ def _room(total: int, device: torch.device, what: str) -> bool:
         logger.info("%s not staged on the GPU (%.0f MiB; %.0f of %.0f MiB staged already): it is built in CPU "
                     "memory and copied into its slot from there", what, total / 2**20, held / 2**20, budget / 2**20)
         return False
-    with torch.cuda.device(device):
-        free, _ = torch.cuda.mem_get_info()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free + cached < total + _HEADROOM:
+    free = gpu_free_bytes(device, reuse_cached=True)
+    if free < total + _HEADROOM:
         logger.info("%s not staged on the GPU: %.0f MiB needed, %.0f MiB free", what, total / 2**20,
-                    (free + cached) / 2**20)
+                    free / 2**20)
         return False
     return True
 
@@ -700,7 +688,8 @@ def twins_from_gpu(staging: _Staging, regions: list[tuple[torch.dtype, tuple[int
     concatenates on the CPU). Runs on a helper thread: ``context`` is the worker's CUDA context.
     """
     from vllm_lora_ext.constants import host_arenas_enabled
-    from vllm_lora_ext.integration._compat import kept_host_arena, pin_in_place
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.transport.cuda import kept_host_arena
 
     if not host_arenas_enabled() or staging.nbytes == 0:
         return None

@@ -10,7 +10,7 @@ over one mapping, sized for one build, whose tensors are views that keep it aliv
 An arena is also one contiguous range, which a GPU worker can pin in place in one call (``cudaHostRegister``:
 0.04 s for 1.6 GB of huge pages on that host, against 0.30 s for vLLM's ``pin_memory()`` copy). Hooks given to
 [`HostArena.on_release`] run when the last view is gone and before the mapping is unmapped, which is where such
-a registration is undone. This module has no CUDA code; ``integration`` pins.
+a registration is undone. This module has no CUDA code; ``transport.cuda`` pins.
 
 A mix's composite is rebuilt for every new set of weights, each time into fresh memory (faults, then a
 registration). One mapping can therefore be kept ready ([`prepare_spare`]), or kept once released, for the next
@@ -158,7 +158,7 @@ class _Spare:
 
         No tensor views it any more, but a GPU copy queued from it may still be reading it (vLLM's slot copy of
         an adapter it has just evicted). On a GPU worker kept memory is taken through
-        ``integration._compat.kept_host_arena``, which waits for the GPU's queued copies first."""
+        ``transport.cuda.kept_host_arena``, which waits for the GPU's queued copies first."""
         dropped: _Memory | None = memory
         if memory.capacity <= host_spare_bytes():
             with self._lock:
@@ -248,7 +248,7 @@ class HostArena:
     arena's memory), pages already taken and still pinned, and its own memory is kept as the spare once
     released (up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``). Such memory holds an earlier arena's bytes, not
     zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does). On a GPU
-    worker a copy queued from the earlier arena may still be reading it: ``integration._compat.kept_host_arena``
+    worker a copy queued from the earlier arena may still be reading it: ``transport.cuda.kept_host_arena``
     takes such arenas and, whenever ``reused`` is true, waits for the GPU's queued copies before handing it out.
 
     Example:
