@@ -34,11 +34,13 @@ import time
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
-from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
-                                   sweep_stale, to_shared, trim_shared)
+from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
 from vllm_lora_ext.sharedfiles import folder_problem
+from vllm_lora_ext.transport.arena import ArenaSupply
+from vllm_lora_ext.transport.files import sweep_stale
+from vllm_lora_ext.transport.handover import SharedTensors, from_shared, to_shared, trim_shared
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 

@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_lora_ext.building import _view
 from vllm_lora_ext.constants import stage_gpu_bytes
 from vllm_lora_ext.integration.patching import STAGED_ATTR
 from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
+from vllm_lora_ext.transport.handover import view_at
 
 logger = logging.getLogger(__name__)
 
@@ -706,7 +706,7 @@ def twins_from_gpu(staging: _Staging, regions: list[tuple[torch.dtype, tuple[int
         with torch.cuda.device(device), torch.cuda.stream(stream):
             flat.copy_(staging.buffer, non_blocking=True)
         stream.synchronize()
-        return [_view(flat, start, dtype, shape) for start, (dtype, shape) in zip(staging.starts, regions)]
+        return [view_at(flat, start, dtype, shape) for start, (dtype, shape) in zip(staging.starts, regions)]
     finally:
         arena.close()
 
