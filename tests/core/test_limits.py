@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "vllm_lora_ext"
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 500, 80, 7
 
 # path (relative to the package) -> lines today
-LONG_FILES = {"formats/moe.py": 725, "integration/staging.py": 755}
+LONG_FILES = {"formats/moe.py": 725}
 # "path:function" -> its size today
 LONG_FUNCTIONS = {"formats/moe.py:read_experts": 151, "planning.py:plan_adapter": 123,
                   "integration/composite.py:build_composite": 115, "formats/moe.py:plan_experts": 104}

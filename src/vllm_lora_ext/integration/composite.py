@@ -128,7 +128,7 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         else:
             jobs[name] = ([(w.lora_a, w.lora_b, c.weight * float(w.scaling)) for c, w in present], 0, 1)
     if device is not None and torch.device(device).type == "cuda":
-        from vllm_lora_ext.integration.staging import in_source_order
+        from vllm_lora_ext.transport.staging import in_source_order
 
         jobs = in_source_order(jobs)  # the GPU layout follows the components' own: far fewer copies (_place)
     shapes = composite_shapes(jobs, dtype=dtype)
