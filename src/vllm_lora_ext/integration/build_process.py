@@ -17,7 +17,8 @@ The process exits when the worker closes its stdin (or dies). Errors come back a
 typed errors. Each worker has one build process, which runs up to four builds at once (a mix's
 components, adapters asked for together): jobs carry a number and answers come back in any order.
 A process that dies fails the builds it had in flight; the next build starts a new one.
-``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
+``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead. Where this sits in an adapter's life
+(steps 3 and 4): see ``transport``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""Stage a built adapter on its GPU before the engine needs it, so the step's slot copy is device to device.
+"""Stage a built adapter's ``LoRAModel`` on its GPU before the engine needs it, and point it back at CPU tensors after.
 
-vLLM copies a new adapter into its LoRA slot inside the engine step, from CPU memory. It pins that
-memory in the same step, which costs about as long as the copy itself. For a 1.7 GB MoE adapter
-that is over a second in which no request produces a token. A background build therefore ends
-here: its tensors are copied to one GPU buffer on a side stream (the engine's stream keeps running),
-and the ``LoRAModel`` points at that copy. The step then copies GPU to GPU, in milliseconds, and
-vLLM sees no CPU tensor, so it pins nothing.
-
-After the slot copy, [`unstage`] points the registered model back at its CPU tensors and frees the
-GPU buffer once the copy on the engine's stream is done, so registered adapters hold no GPU memory
-beyond their slots, as in stock vLLM. Staging is bounded (``VLLM_LORA_EXT_STAGE_GPU_BYTES``, and
-the GPU's free memory); an adapter that does not fit is served from CPU memory as before.
+vLLM copies a new adapter into its LoRA slot inside the engine step, from CPU memory it pins in that step. A
+background build therefore ends here: [`stage`] copies the model's factors into one GPU buffer on a side stream
+and points the model at it, so the step's slot copy is GPU to GPU and vLLM pins nothing; [`unstage`], after the
+slot copy, points the model back at its CPU tensors and frees the buffer, so registered adapters hold no GPU
+memory beyond their slots. [`concat_staged`] builds a mix's concatenation on the GPU, staged from the start,
+and [`attach_staged`] gives it CPU twins copied back in the background ([`twins_from_gpu`]). Staging is bounded
+(``VLLM_LORA_EXT_STAGE_GPU_BYTES``, and the GPU's free memory); what does not fit is served from CPU memory.
+The buffers, copies and streams are ``transport``'s; its docstring tells where staging sits in an adapter's life
+(steps 5 to 8).
 """
 
 from __future__ import annotations
