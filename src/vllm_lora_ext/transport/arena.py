@@ -3,9 +3,9 @@
 One [`Arena`] type, two backings chosen at construction. [`HostArena`] (``Arena.anonymous``): an anonymous
 mapping on transparent huge pages, for builds in the worker; its memory is returned when the last view is gone.
 [`SharedArena`] (``Arena.in_file``): a new file (in ``/dev/shm`` where it fits), for builds in a build process,
-whose tensors are then handed over without a copy (``transport.handover``). Each keeps one spare ready for the
-next arena: a process-wide anonymous one ([`prepare_spare`], and memory kept once released), and per build process
-a file with its pages taken ([`ArenaSupply`]).
+whose tensors are then handed over without a copy (``transport.handover``). Each keeps one spare for the next
+arena, by the one policy of ``transport.spare``: the process's anonymous mapping ([`prepare_spare`], and memory
+kept once released), and per build process a file with its pages taken ([`ArenaSupply`]).
 
 Reading an adapter from the page cache into fresh memory costs more in page faults than in copying: a fresh
 4 KiB page is faulted, zeroed and mapped before the read can fill it. On the lent H200 host a 1.6 GB read on
@@ -41,6 +41,7 @@ import torch
 from vllm_lora_ext.constants import ENV_BUILD_DIR, host_spare_bytes
 from vllm_lora_ext.sharedfiles import reserve_when_tight
 from vllm_lora_ext.transport.files import owned_name, shared_dir
+from vllm_lora_ext.transport.spare import Spare
 
 __all__ = ["ALIGN", "HUGE_PAGE", "Arena", "ArenaSupply", "HostArena", "SharedArena", "aligned", "clear_spare",
            "huge_pages_offered", "prepare_spare"]
@@ -125,8 +126,9 @@ def _lease_ended(lease: Any) -> None:
             pass
 
 
-class _Spare:
-    """The one released (or prepared) mapping kept for the next arena: its pages taken, and pinned if they were.
+class _HostSpare(Spare[_Memory]):
+    """The process's spare anonymous mapping: released (or prepared) memory kept for the next ``reuse`` arena of
+    about its size (at most half again, or one huge page, larger), its pages taken and pinned if they were.
 
     A mapping touched and pinned before costs an arena neither page faults (about half a fresh arena's fill
     time) nor a registration. Released arenas' memory is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one
@@ -134,99 +136,72 @@ class _Spare:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # re-entrant: a lease may end (the GC) while this thread holds it
-        self._memory: _Memory | None = None
-        self._preparing = False
-        self.reused = 0  # arenas given a kept mapping (tests, logs)
+        super().__init__(slack=lambda needed: max(needed // 2, HUGE_PAGE), let_go=lambda memory: None)
 
-    def take(self, capacity: int) -> _Memory | None:
-        """The kept mapping, if it [`_fits`] ``capacity``."""
-        with self._lock:
-            memory = self._memory
-            if memory is None or not _fits(capacity, memory):
-                return None
-            self._memory = None
-            self.reused += 1
-            return memory
+    @property
+    def _memory(self) -> _Memory | None:  # the kept mapping
+        return self._kept
+
+    @property
+    def reused(self) -> int:  # arenas given a kept mapping (tests, logs)
+        return self.taken
 
     def returned(self, memory: _Memory) -> None:
-        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget.
+        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget; dropped (its
+        hooks run and it is unmapped, unless something still holds it) otherwise, or when displaced.
 
         No tensor views it any more, but a GPU copy queued from it may still be reading it (vLLM's slot copy of
         an adapter it has just evicted). On a GPU worker kept memory is taken through
         ``transport.cuda.kept_host_arena``, which waits for the GPU's queued copies first."""
-        dropped: _Memory | None = memory
         if memory.capacity <= host_spare_bytes():
-            with self._lock:
-                dropped, self._memory = self._memory, memory
-        del dropped  # outside the lock: its hooks run and it is unmapped, unless something still holds it
+            self.keep(memory)
 
-    def prepare(self, capacity: int, *, ready: Callable[[Arena], object] | None = None) -> bool:
+    def prepare(self, capacity: int, ready: Callable[[Arena], object] | None) -> bool:
         """Make a spare of ``capacity`` bytes on a background thread, its pages touched and ``ready(arena)`` run
         over it (pinning, where a GPU worker asks), unless one that fits is kept or being made, or it would
         exceed the budget. Returns whether it started one."""
         capacity = _pages(capacity)
-        with self._lock:
-            kept = self._memory
-            if self._preparing or capacity > host_spare_bytes() or (kept is not None and _fits(capacity, kept)):
-                return False
-            self._preparing = True
-        threading.Thread(target=self._make, args=(capacity, ready), name="vllm-lora-ext-host-spare",
-                         daemon=True).start()
-        return True
-
-    def _make(self, capacity: int, ready: Callable[[Arena], object] | None) -> None:
-        try:
-            arena = Arena.anonymous(capacity, reuse=True, _take=False)
-            assert arena.buffer is not None
-            arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
-            arena.used = arena.capacity
-            if ready is not None:
-                ready(arena)
-            arena.close()  # its lease ends here: the mapping becomes the spare
-        except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
-            logger.exception("could not prepare a spare host arena of %d bytes", capacity)
-        finally:
-            with self._lock:
-                self._preparing = False
-
-    def clear(self) -> None:
-        """Drop the kept mapping (tests; memory pressure)."""
-        with self._lock:
-            dropped, self._memory = self._memory, None
-        del dropped
+        if capacity > host_spare_bytes():
+            return False
+        return self.start(capacity, lambda size: _touched_spare(size, ready), name="vllm-lora-ext-host-spare")
 
 
-_SPARE = _Spare()
+def _touched_spare(capacity: int, ready: Callable[[Arena], object] | None) -> None:
+    """An arena's mapping with every page touched and ``ready`` run over it, left to become the spare."""
+    try:
+        arena = Arena.anonymous(capacity, reuse=True, _take=False)
+        assert arena.buffer is not None
+        arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
+        arena.used = arena.capacity
+        if ready is not None:
+            ready(arena)
+        arena.close()  # its lease ends here: the mapping becomes the spare ([`_HostSpare.returned`])
+    except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
+        logger.exception("could not prepare a spare host arena of %d bytes", capacity)
+
+
+_SPARE = _HostSpare()
 
 
 def _forget_spare_in_child() -> None:
-    """After a fork: the child starts with no spare and no preparation under way (the parent's thread making one
-    does not exist here), and never undoes the parent's registration of a kept mapping (its hooks are dropped)."""
-    memory, _SPARE._memory = _SPARE._memory, None
+    """After a fork: the child starts with no spare and no preparation under way, and never undoes the parent's
+    registration of a kept mapping (its hooks are dropped)."""
+    memory = _SPARE.forget()
     if memory is not None:
         memory.hooks.clear()
-    _SPARE._preparing = False
-    _SPARE._lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_spare_in_child)
 
 
 def prepare_spare(capacity: int, *, ready: Callable[[Arena], object] | None = None) -> bool:
-    """Have a host arena of ``capacity`` bytes ready for the next build of that size (see [`_Spare.prepare`])."""
-    return _SPARE.prepare(capacity, ready=ready)
+    """Have a host arena of ``capacity`` bytes ready for the next build of that size (see [`_HostSpare.prepare`])."""
+    return _SPARE.prepare(capacity, ready)
 
 
 def clear_spare() -> None:
     """Drop the kept spare mapping: its memory is returned (after its release hooks)."""
     _SPARE.clear()
-
-
-def _fits(capacity: int, memory: _Memory) -> bool:
-    """Whether kept ``memory`` may serve an arena of ``capacity``: it holds it, and not much more (at most half
-    again, or one huge page), so a small build does not hold on to a large mapping."""
-    return capacity <= memory.capacity <= capacity + max(capacity // 2, HUGE_PAGE)
 
 
 def _pages(capacity: int) -> int:
@@ -352,7 +327,7 @@ HostArena = Arena.anonymous
 SharedArena = Arena.in_file
 
 
-class ArenaSupply:
+class ArenaSupply(Spare[Arena]):
     """Hands out shared-file arenas ([`SharedArena`]) and keeps one spare ready, its pages already taken.
 
     Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written: on the dev VM a
@@ -365,57 +340,39 @@ class ArenaSupply:
     """
 
     def __init__(self, spare_bytes: int, directory: str | None = None) -> None:
+        super().__init__(slack=None, let_go=Arena.discard)
         self.spare_bytes = max(0, int(spare_bytes))
         self.directory = directory
-        self._lock = threading.Lock()
-        self._spare: Arena | None = None
-        self._preparing = False
         self._largest = self.spare_bytes
-        self.taken = 0  # arenas handed out from a spare (tests, logs)
 
-    def take(self, capacity: int) -> Arena:
-        """An arena of at least ``capacity`` bytes: the spare if it is large enough, else a new sparse one."""
+    @property
+    def _spare(self) -> Arena | None:  # the spare file's arena
+        return self._kept
+
+    def take(self, needed: int) -> Arena:
+        """An arena of at least ``needed`` bytes: the spare if it is large enough, else a new sparse one."""
         with self._lock:
-            self._largest = min(max(self._largest, int(capacity)), 2 * self.spare_bytes)
-            spare = self._spare if self._spare is not None and self._spare.capacity >= capacity else None
-            if spare is not None:
-                self._spare = None
-                self.taken += 1
-        return spare if spare is not None else Arena.in_file(capacity, self.directory)
+            self._largest = min(max(self._largest, int(needed)), 2 * self.spare_bytes)
+        spare = super().take(needed)
+        return spare if spare is not None else Arena.in_file(needed, self.directory)
 
     def prepare(self, *, wait: bool = False) -> None:
         """Make the next spare on a background thread (at once with ``wait``), unless one is ready or coming."""
         with self._lock:
-            if not self.spare_bytes or self._preparing or (self._spare is not None
-                                                           and self._spare.capacity >= self._largest):
-                return
-            self._preparing = True
             size = self._largest
-        if wait:
-            self._make(size)
-        else:
-            threading.Thread(target=self._make, args=(size,), name="vllm-lora-ext-spare", daemon=True).start()
+        if self.spare_bytes:
+            self.start(size, self._make_file, wait=wait, name="vllm-lora-ext-spare")
 
-    def _make(self, size: int) -> None:
-        arena: Arena | None = None
+    def _make_file(self, size: int) -> Arena | None:
         try:  # a spare on disk (no room in /dev/shm, no directory set) would only add writes: keep none then
             directory = self.directory or shared_dir(size)
             if directory == "/dev/shm" or self.directory or os.environ.get(ENV_BUILD_DIR):
-                arena = Arena.in_file(size, directory, populate=True)
+                return Arena.in_file(size, directory, populate=True)
         except Exception:  # no room, or anything else: builds use sparse files as before
-            arena = None
-        with self._lock:
-            if not self.spare_bytes:  # discarded meanwhile: keep nothing
-                old, arena = arena, None
-            else:
-                old, self._spare = self._spare, arena
-            self._preparing = False
-        if old is not None:
-            old.discard()
+            pass
+        return None
 
     def discard(self) -> None:
-        """Remove the spare (the process is ending)."""
-        with self._lock:
-            spare, self._spare, self.spare_bytes = self._spare, None, 0
-        if spare is not None:
-            spare.discard()
+        """Remove the spare (the process is ending); none is kept from now on."""
+        self.spare_bytes = 0
+        self.clear(close=True)
