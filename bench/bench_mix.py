@@ -49,7 +49,7 @@ def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
     adapters = seven_b_adapters()
     weights = [0.4, 0.3, 0.2, 0.1]
 
-    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.transport import arena as hostmem
 
     jobs = {k: ([(ad[k][0], ad[k][1], w * 2.0) for ad, w in zip(adapters, weights)], 0, 1) for k in adapters[0]}
     need = sum(2 * (a.numel() + b.numel()) * len(adapters) + 128 for a, b in adapters[0].values())

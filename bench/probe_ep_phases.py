@@ -41,7 +41,7 @@ def main() -> None:
     import vllm_lora_ext.reader as reader
     from vllm_lora_ext.building import BuildJob, build_adapter
     from vllm_lora_ext.formats.moe import MoESpec
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
 
     ap = argparse.ArgumentParser()

@@ -28,8 +28,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.integration import staging
+    from vllm_lora_ext.transport import staging as pieces
     from vllm_lora_ext.integration._compat import pin_in_place
 
     torch.zeros(1, device="cuda")
@@ -75,8 +76,8 @@ def main() -> None:
         assert spec is not None and spec.loader is not None
         versions["baseline"] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses)
         spec.loader.exec_module(versions["baseline"])
-    orig_units = staging._units
-    for mod in versions.values():
+    orig_units = pieces._units
+    for mod in [pieces] + [m for v, m in versions.items() if v != "this tree"]:  # (this tree's pieces: transport)
         mod._upload, mod._place, mod._units = (timed("upload calls", mod._upload), timed("place calls", mod._place),
                                                timed("units", mod._units))
         mod._stacked = counted(mod._stacked)
@@ -130,7 +131,7 @@ def main() -> None:
     print(f"bare DMA of the four pinned spans ({target.numel() / 2**20:.0f} MiB): {median(dma) * 1000:.1f} ms "
           f"(last issue {issued * 1000:.1f} ms); all pinned: {all(s.is_pinned() for s in spans)}")
     srcs = [t for parts, _, _ in pinned.values() for p in parts for t in p[:2]]
-    units = orig_units(srcs, staging._pinned_per_storage())
+    units = orig_units(srcs, pieces._pinned_per_storage())
     rows = [[name, median(ts) * 1000, calls[name], ", ".join(f"{k} {v:.0f} ms" for k, v in split[name].items())]
             for name, ts in times.items()]
     print_table(rows, ["version, components in", "concat_staged ms (median)", "copies", "last rep: time in"])

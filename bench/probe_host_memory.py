@@ -4,7 +4,7 @@ Reads a file from the page cache into fresh memory, into memory backed by transp
 mapping with ``MADV_HUGEPAGE``) and into memory already touched, on 1 and 4 threads; times a composite-sized copy
 the same three ways; and, with CUDA, what pinned memory costs (allocation, ``pin_memory()``, registering
 memory in place) and host-to-device copies from each kind. No vLLM is needed. This is the measurement behind
-the plugin's huge-page host arenas (``vllm_lora_ext.hostmem``); it has no stock counterpart.
+the plugin's huge-page host arenas (``vllm_lora_ext.transport.arena``); it has no stock counterpart.
 
 Usage: python bench/probe_host_memory.py [--mib 1600] [--copy-mib 281] [--reps 5] [--out FILE]
 """

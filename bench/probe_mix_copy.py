@@ -30,7 +30,7 @@ def _weight_on_b(jobs: Any, alloc: Any, workers: int) -> dict:
     """Round 8's composite: A = cat(A_i), B = cat(c_i·B_i), each part scaled into its columns of B."""
     import torch
 
-    from vllm_lora_ext.pools import run_in_pool
+    from vllm_lora_ext.transport.pools import run_in_pool
 
     def one(key: Any) -> tuple[Any, Any]:
         parts, dim_a, dim_b = jobs[key]
@@ -59,10 +59,10 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
-    from vllm_lora_ext import pools
+    from vllm_lora_ext.transport import pools
 
     one_thread = pools.one_intra_op_thread
     ads = seven_b_adapters()

@@ -287,7 +287,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
     import os
 
     from vllm_lora_ext.constants import mix_threads
-    from vllm_lora_ext.pools import run_in_pool
+    from vllm_lora_ext.transport.pools import run_in_pool
 
     if workers is None:
         workers = mix_threads()

@@ -118,34 +118,8 @@ class DictSource:
 # Bytes of rows `gather` and `read_transposed` read at a time: the block stays in a core's L2 cache (1 MiB a core
 # is common) while its pieces are copied or transposed out of it.
 _GATHER_BLOCK = 1 << 20
-# The largest tensor `read_transposed` turns on a GPU. Its two temporaries come from the stream it works on, and
-# torch's allocator keeps their blocks cached for that stream: with `_TURNING_STREAMS` streams, at most 8 x 2 x
-# 64 MiB stay cached, whichever threads ran them (mix components load on new threads).
+# The largest tensor `read_transposed` turns on a GPU (its temporaries stay cached per stream: see transport.cuda).
 _GPU_TRANSPOSE_MAX = 64 << 20
-_TURNING_STREAMS = 8
-_STREAMS: dict[int, list[Any]] = {}  # device index -> the streams `read_transposed` works on there
-_STREAMS_LOCK = threading.Lock()
-_THREAD_STREAM = threading.local()  # per thread: {device index: its stream}
-_NEXT = itertools.count()
-
-
-def _turning_stream(device: torch.device) -> Any:
-    """This thread's stream for `read_transposed` on ``device``, one of a few: off the engine's stream, and apart
-    from the other reading threads'. On one shared stream each copy back waited for the others' queued work: on an
-    H100 host a 4-thread 3D build took 0.45 s that way against 0.52 s on the CPU, and 0.30 s against 0.55 s on
-    streams of their own (``bench/results/read_threads_gpu_h100host_r16b.json``, ``_r16c.json``)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = getattr(_THREAD_STREAM, "by_device", None)
-    if mine is None:
-        mine = _THREAD_STREAM.by_device = {}
-    stream = mine.get(index)
-    if stream is None:
-        with _STREAMS_LOCK:
-            pool = _STREAMS.setdefault(index, [])
-            if len(pool) < _TURNING_STREAMS:
-                pool.append(torch.cuda.Stream(device=index))
-            stream = mine[index] = pool[next(_NEXT) % len(pool)]
-    return stream
 
 
 class SafetensorsReader:
@@ -373,34 +347,14 @@ class SafetensorsReader:
         nbytes = out.numel() * out.element_size()
         if nbytes > _GPU_TRANSPOSE_MAX:
             return False
-        try:
-            free, _ = torch.cuda.mem_get_info(device)
-        except (RuntimeError, AssertionError, ValueError):  # not a CUDA device, or CUDA not in use here
-            return False
-        if free < 2 * nbytes + _GPU_HEADROOM:
+        from vllm_lora_ext.transport.cuda import gpu_free_bytes, turn_on_gpu
+
+        if gpu_free_bytes(device, reuse_cached=False) < 2 * nbytes + _GPU_HEADROOM:
             return False
         raw = out.view(-1).view(torch.uint8)
         _preadv_exactly(self.fileno(), [memoryview(raw.numpy())], self.header.offsets[key][0],  # type: ignore[arg-type]
                         path=self.path, key=key)
-        stream = _turning_stream(device)
-        try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                lying = torch.empty((rows, cols), dtype=out.dtype, device=device)
-                lying.view(-1).view(torch.uint8).copy_(raw)
-                turned = torch.empty((cols, rows), dtype=out.dtype, device=device)
-                if scale is None:
-                    turned.copy_(lying.t())
-                else:
-                    torch.mul(lying.t(), scale, out=turned)
-                del lying  # (its block goes back to this stream's pool, behind the work queued on it)
-                # Synchronous: ``out`` is host memory (pageable or pinned), so torch waits for this stream's work
-                # before it returns, and ``turned``'s block is free to go back then.
-                out.copy_(turned)
-                del turned
-        except torch.cuda.OutOfMemoryError:
-            stream.synchronize()
-            return False
-        return True
+        return turn_on_gpu(device, raw, out, rows, cols, scale)
 
     def gather(self, key: str, pieces: Callable[[torch.Tensor], Sequence[torch.Tensor]],
                into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
-from vllm_lora_ext.building import BuildJob, build_adapter, from_shared, sweep_stale, to_shared, trim_shared
+from vllm_lora_ext.building import BuildJob, build_adapter
+from vllm_lora_ext.transport.files import sweep_stale
+from vllm_lora_ext.transport.handover import from_shared, to_shared, trim_shared
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.planning import PeftKeyRouter
 
@@ -73,7 +75,7 @@ def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_p
 
     folder = tmp_path / "sweep"
     folder.mkdir()
-    code = ("import sys; from vllm_lora_ext.building import SharedArena; a = SharedArena(4096, sys.argv[1]); "
+    code = ("import sys; from vllm_lora_ext.transport.arena import SharedArena; a = SharedArena(4096, sys.argv[1]); "
             "print(a.path, flush=True); sys.stdin.read()")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) for _ in range(2)]
@@ -95,7 +97,7 @@ def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_p
 
 def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_is_cut_to_its_size(
         tmp_path: Path, build_dir: Path) -> None:
-    from vllm_lora_ext.building import ArenaSupply
+    from vllm_lora_ext.transport.arena import ArenaSupply
 
     folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "3d"], rank=R)
     job = _job(folder, "2d")
@@ -136,7 +138,7 @@ def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_i
 
 
 def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
-    from vllm_lora_ext.building import ArenaSupply
+    from vllm_lora_ext.transport.arena import ArenaSupply
 
     supply = ArenaSupply(0)
     supply.prepare(wait=True)
@@ -146,7 +148,7 @@ def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
 
 
 def test_the_spare_grows_with_the_builds_but_never_past_twice_its_size(build_dir: Path) -> None:
-    from vllm_lora_ext.building import ArenaSupply
+    from vllm_lora_ext.transport.arena import ArenaSupply
 
     supply = ArenaSupply(1 << 20)
     supply.take(1536 << 10).discard()  # a build larger than the spare: the next spare is that large

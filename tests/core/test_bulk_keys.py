@@ -175,7 +175,7 @@ def test_the_rank_check_names_an_a_factor_over_the_limit_and_never_a_wide_b() ->
 def test_a_pool_is_lent_to_one_caller_at_a_time_kept_after_and_made_anew_in_a_forked_child() -> None:
     import os
 
-    from vllm_lora_ext.pools import lent_pool
+    from vllm_lora_ext.transport.pools import lent_pool
 
     with lent_pool("test-pool", 2) as first:
         assert first.submit(lambda: 7).result(timeout=10) == 7
@@ -240,7 +240,7 @@ def test_a_complete_block_given_shapes_as_lists_is_planned_as_with_tuples() -> N
 def test_a_pools_threads_run_torch_ops_on_one_thread_and_the_process_keeps_its_setting() -> None:
     import torch
 
-    from vllm_lora_ext.pools import _openmp, lent_pool
+    from vllm_lora_ext.transport.pools import _openmp, lent_pool
 
     if _openmp() is None:
         pytest.skip("no OpenMP runtime found in this process")

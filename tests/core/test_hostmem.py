@@ -14,9 +14,9 @@ from moe_factories import (BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_b
                            write_moe_adapter)
 from vllm_lora_ext import building
 from vllm_lora_ext.building import BuildJob, build_adapter
-from vllm_lora_ext import hostmem
+from vllm_lora_ext.transport import arena as hostmem
 from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_SPARE
-from vllm_lora_ext.hostmem import HUGE_PAGE, HostArena, clear_spare, prepare_spare
+from vllm_lora_ext.transport.arena import HUGE_PAGE, HostArena, clear_spare, prepare_spare
 from vllm_lora_ext.mixing import concat_many
 from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter
 from vllm_lora_ext.reader import SafetensorsReader

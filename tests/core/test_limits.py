@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "vllm_lora_ext"
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 500, 80, 7
 
 # path (relative to the package) -> lines today
-LONG_FILES = {"integration/staging.py": 755}
+LONG_FILES: dict[str, int] = {}
 # "path:function" -> its size today
 LONG_FUNCTIONS: dict[str, int] = {}
 WIDE_SIGNATURES = {"integration/kernels.py:get_lora_op_configs": 8}

@@ -21,7 +21,7 @@ import pytest
 from factories import scrape, tiny_tmpfs
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import read_capped
-from vllm_lora_ext.building import sweep_stale
+from vllm_lora_ext.transport.files import sweep_stale
 from vllm_lora_ext.constants import ENV_METRICS_DIR, build_spare_bytes, check_settings, parse_size
 from vllm_lora_ext.deployment import read_deployment_config
 from vllm_lora_ext.errors import DeploymentConfigError, SettingsError
@@ -134,7 +134,7 @@ def test_a_yaml_suffix_in_any_case_is_parsed_as_yaml(name: str, tmp_path: Path) 
 
 
 def _owner(folder: Path, *prefix: str) -> subprocess.Popen[str]:
-    code = ("import sys; from vllm_lora_ext.building import SharedArena; a = SharedArena(4096, sys.argv[1]); "
+    code = ("import sys; from vllm_lora_ext.transport.arena import SharedArena; a = SharedArena(4096, sys.argv[1]); "
             "print(a.path, flush=True); sys.stdin.read()")
     return subprocess.Popen([*prefix, sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=_env())
@@ -179,7 +179,7 @@ def test_an_owner_killed_mid_hand_over_is_swept_and_a_live_one_is_kept(tmp_path:
 def test_a_forked_child_that_inherits_the_lock_keeps_its_owner_alive(tmp_path: Path) -> None:
     folder = tmp_path / "shm"
     folder.mkdir()
-    code = ("import os, sys, time; from vllm_lora_ext.building import SharedArena; a = SharedArena(4096, sys.argv[1]); "
+    code = ("import os, sys, time; from vllm_lora_ext.transport.arena import SharedArena; a = SharedArena(4096, sys.argv[1]); "
             "print(a.path, flush=True)\n"
             "if os.fork() == 0:\n    sys.stdin.read(); os._exit(0)\n"
             "os._exit(0)")  # the owner exits at once; its child still holds the descriptor
@@ -346,7 +346,7 @@ def test_a_metrics_file_that_must_grow_on_a_full_disk_degrades_instead_of_dying(
 
 _ARENA_CHILD = """
 import json, os, sys
-from vllm_lora_ext.building import SharedArena
+from vllm_lora_ext.transport.arena import SharedArena
 disk = sys.argv[1]
 out = {}
 try:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_transpose_on_the_gpu_is_the_cpus_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.reader import SafetensorsReader
 
     g = torch.Generator().manual_seed(3)

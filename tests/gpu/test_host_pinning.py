@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _filled_arena(n: int, seed: int) -> tuple[object, list[torch.Tensor]]:
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
 
     arena = HostArena(n)
     g = torch.Generator().manual_seed(seed)
@@ -85,10 +85,11 @@ def test_kept_memory_stays_pinned_is_widened_when_used_further_and_unregistered_
         monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.transport import arena as hostmem
     from vllm_lora_ext.constants import ENV_HOST_SPARE
-    from vllm_lora_ext.hostmem import HostArena, clear_spare, prepare_spare
-    from vllm_lora_ext.integration._compat import cuda_context, pin_in_place
+    from vllm_lora_ext.transport.arena import HostArena, clear_spare, prepare_spare
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.transport.cuda import cuda_context
 
     monkeypatch.setenv(ENV_HOST_SPARE, str(256 << 20))
     clear_spare()
@@ -145,8 +146,9 @@ def test_kept_memory_is_written_only_after_a_copy_still_reading_it_has_run(monke
     """An evicted adapter's slot copy may still be queued when its memory is taken again: writing it at once puts
     the new bytes into that copy (the control, ``wait=False``, shows it happens), waiting first does not."""
     from vllm_lora_ext.constants import ENV_HOST_SPARE
-    from vllm_lora_ext.hostmem import HostArena, clear_spare
-    from vllm_lora_ext.integration._compat import await_gpu_reads, pin_in_place
+    from vllm_lora_ext.transport.arena import HostArena, clear_spare
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.transport.cuda import await_gpu_reads
 
     monkeypatch.setenv(ENV_HOST_SPARE, str(512 << 20))
     clear_spare()
@@ -183,7 +185,8 @@ def test_a_helper_thread_pins_in_place_once_bound_to_the_worker_gpu() -> None:
     to the worker's GPU first (`bind_worker_gpu`, as `load_lora_model` does), it pins the arena in place."""
     import threading
 
-    from vllm_lora_ext.integration._compat import bind_worker_gpu, pin_in_place
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.transport.cuda import bind_worker_gpu
 
     torch.zeros(1, device="cuda:0")  # the worker's own thread has used CUDA
     seen: dict[object, object] = {}

@@ -178,9 +178,10 @@ def test_a_mix_of_components_in_pinned_arenas_goes_up_by_span_and_its_cpu_copy_c
     """Components built into pinned host arenas (as the worker builds them) are uploaded a storage span at a
     time; the GPU composite equals the CPU one bitwise, and so do the CPU twins copied back from the GPU,
     which are pinned (their later slot copies are DMAs)."""
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
     from vllm_lora_ext.integration._compat import pin_in_place
-    from vllm_lora_ext.integration.staging import _pinned_per_storage, _units, concat_staged, twins_from_gpu
+    from vllm_lora_ext.integration.staging import concat_staged, twins_from_gpu
+    from vllm_lora_ext.transport.staging import _pinned_per_storage, _units
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     torch.zeros(1, device="cuda")  # this thread has the context, as a worker's does

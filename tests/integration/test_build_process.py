@@ -177,7 +177,8 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
     import threading
     import time
 
-    from vllm_lora_ext.building import ArenaSupply, from_shared, to_shared
+    from vllm_lora_ext.transport.arena import ArenaSupply
+    from vllm_lora_ext.transport.handover import from_shared, to_shared
     from vllm_lora_ext.integration.loader import VllmKeyRouter
 
     monkeypatch.setattr(build_process, "_SETTLE_S", 0.0)

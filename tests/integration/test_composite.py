@@ -128,7 +128,7 @@ def test_a_mix_built_into_kept_memory_equals_one_built_into_fresh_memory_and_lea
         worker_manager: Any, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from vllm_lora_ext import hostmem
+    from vllm_lora_ext.transport import arena as hostmem
     from vllm_lora_ext.constants import ENV_HOST_ARENA_MIN, ENV_HOST_ARENAS, ENV_HOST_SPARE
 
     def mix(w: float) -> MixSpec:

@@ -191,7 +191,7 @@ def test_binding_a_helper_thread_to_no_gpu_is_a_no_op(device: object) -> None:
     # load_lora_model binds every thread it runs on to the manager's GPU; a CPU manager, a device without an index,
     # a GPU this process has not used (CUDA not initialized here) or something that is no device at all must leave
     # the thread as it is, never raise
-    from vllm_lora_ext.integration._compat import bind_worker_gpu
+    from vllm_lora_ext.transport.cuda import bind_worker_gpu
 
     assert bind_worker_gpu(device) is False
 

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from vllm_lora_ext.integration.staging import _pieces
+from vllm_lora_ext.transport.staging import _pieces
 
 
 def test_chunks_cover_every_region_byte_at_its_offset_and_stay_within_a_chunk() -> None:
@@ -39,7 +39,7 @@ def test_chunks_cover_every_region_byte_at_its_offset_and_stay_within_a_chunk() 
 
 
 def test_tensors_holding_the_same_bytes_share_one_region_and_are_sized_once() -> None:
-    from vllm_lora_ext.integration.staging import _ALIGN, _layout
+    from vllm_lora_ext.transport.staging import STAGE_ALIGN as _ALIGN, _layout
 
     memory = torch.arange(4 * 8 * 16, dtype=torch.bfloat16).reshape(4, 8, 16)
     as_gate, as_up = memory.view(4, 8, 16), memory.view(4, 8, 16)  # a fused A serving gate and up: two objects
@@ -82,11 +82,17 @@ def _arena_jobs() -> tuple[dict, list[torch.Tensor]]:
     return jobs, arenas
 
 
+def _host_copy(scratch: torch.Tensor, direct: list, bounced: list, stream: object) -> None:
+    """The upload into a host scratch (no GPU here): each part's bytes at its offset, pinned or not."""
+    for off, src in direct + bounced:
+        scratch[off:off + src.numel()].copy_(src)
+
+
 def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit() -> None:
     """The GPU build's plan (components' shared storages uploaded as spans, parts placed and scaled in
     fused calls), run with a CPU scratch, equals `concat_many` bitwise: with spans, with every part on its
     own, and with a scratch that holds only the largest part (spans then go part by part)."""
-    from vllm_lora_ext.integration.staging import _Place, _units, _upload_and_place
+    from vllm_lora_ext.transport.staging import _Place, _units, _upload_and_place
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _arena_jobs()
@@ -113,7 +119,7 @@ def test_upload_plan_places_every_part_as_the_cpu_concatenation_does_bit_for_bit
                 moves.append((pa, _Place.of(out[key][0].narrow(dim_a, off, r)), float(c)))
                 moves.append((pb, _Place.of(out[key][1].narrow(dim_b, off, r)), None))
                 off += r
-        _upload_and_place(moves, torch.empty(room, dtype=torch.uint8), None, pinned=pinned)
+        _upload_and_place(moves, torch.empty(room, dtype=torch.uint8), None, pinned=pinned, copy_up=_host_copy)
         for key in jobs:
             assert torch.equal(out[key][0], reference[key][0]), (key, room)
             assert torch.equal(out[key][1], reference[key][1]), (key, room)
@@ -123,7 +129,7 @@ def _layered_jobs(layers: int, comps: list | None = None) -> tuple[dict, list]:
     """A mix of three components (``comps``: their rank, weight and dtype) over ``layers`` layers, each component
     in one host arena filled in file order (layers sorted as names: 0, 1, 10, 11, ..., 2, ...), with k_proj and
     v_proj of equal shapes."""
-    from vllm_lora_ext.hostmem import HostArena
+    from vllm_lora_ext.transport.arena import HostArena
 
     g = torch.Generator().manual_seed(5)
     bf = torch.bfloat16
@@ -149,8 +155,8 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
     each component's part of one module in every layer is one strided copy (k_proj and v_proj, alike,
     interleave), and the result equals `concat_many` bitwise. A layout out of step gives more calls, same bytes;
     moving a part off its step (the control) breaks a run there."""
-    from vllm_lora_ext.integration.staging import (_composite_layout, _composite_moves, _Place, _stacked,
-                                                   _upload_and_place, in_source_order)
+    from vllm_lora_ext.transport.staging import (_composite_layout, _composite_moves, _Place, _stacked,
+                                                 _upload_and_place, in_source_order)
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _layered_jobs(12)
@@ -167,7 +173,8 @@ def test_parts_repeated_layer_by_layer_are_placed_in_a_few_stacked_calls_bit_for
         memory = torch.full((total + 512,), 255, dtype=torch.uint8)
         buffer = memory[256:256 + total]
         out, moves = _composite_moves(ordered, shapes, offsets, buffer)
-        _upload_and_place(moves, torch.empty((1 << 22) + 64, dtype=torch.uint8)[64:], None, pinned=in_arena)
+        _upload_and_place(moves, torch.empty((1 << 22) + 64, dtype=torch.uint8)[64:], None, pinned=in_arena,
+                          copy_up=_host_copy)
         assert memory[:256].eq(255).all() and memory[256 + total:].eq(255).all()  # nothing outside the buffer
         for key in ordered:
             assert torch.equal(out[key][0], reference[key][0]), key
@@ -192,7 +199,7 @@ def test_components_uploaded_into_one_scratch_are_stacked_one_component_at_a_tim
     (alike, unscaled) fall in one group: grouped by upload unit as well, each component's part of a module in
     every layer is still one copy. The control groups the same places without units and breaks into runs where
     one component's parts end."""
-    from vllm_lora_ext.integration import staging
+    from vllm_lora_ext.transport import staging
     from vllm_lora_ext.mixing import composite_shapes, concat_many
 
     jobs, arenas = _layered_jobs(12, [(8, 0.7, torch.bfloat16), (8, 1.3, torch.bfloat16), (8, -0.4, torch.bfloat16)])
@@ -213,7 +220,7 @@ def test_components_uploaded_into_one_scratch_are_stacked_one_component_at_a_tim
     buffer = torch.full((total,), 255, dtype=torch.uint8)
     out, moves = staging._composite_moves(ordered, shapes, offsets, buffer)
     staging._upload_and_place(moves, torch.empty(1 << 22, dtype=torch.uint8), None,
-                              pinned=lambda t: t.untyped_storage().data_ptr() in stores)
+                              pinned=lambda t: t.untyped_storage().data_ptr() in stores, copy_up=_host_copy)
     for key in ordered:
         assert torch.equal(out[key][0], reference[key][0]) and torch.equal(out[key][1], reference[key][1]), key
     assert len(calls) == 1  # one batch: the three spans fit the scratch

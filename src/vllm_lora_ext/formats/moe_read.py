@@ -366,7 +366,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
-    from vllm_lora_ext.pools import lent_pool, run_in_pool
+    from vllm_lora_ext.transport.pools import lent_pool, run_in_pool
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 

@@ -265,157 +265,19 @@ def lora_host_memory_pinned() -> bool:
     return bool(PIN_MEMORY)
 
 
-def cuda_context() -> int | None:
-    """The CUDA context bound to this thread (a worker's), to hand to [`pin_in_place`] on a helper thread."""
-    import ctypes
-
-    cuda = _libcuda()
-    ctx = ctypes.c_void_p()
-    if cuda is None or cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0:
-        return None
-    return ctx.value or None
-
-
-def bind_worker_gpu(device: Any) -> bool:
-    """Make the worker's GPU ``device`` current on this thread, as it is on the worker's own; return whether it is.
-
-    A helper thread (a mix's component loads, background builds) starts with no CUDA context, and
-    [`pin_in_place`] then leaves an adapter's host arena pageable. vLLM's ``from_lora_tensors`` next copies every
-    factor into pinned memory of its own, one tensor at a time: on an H100 a 70 MiB 7B component took 0.65 s to
-    wrap this way against 0.01 s on the worker's thread, and a mix built on the GPU then went up in 1,792 copies
-    instead of one per component (``new_mix_gpu_diag_h100_r15.json``). Setting the device binds its primary
-    context, the one torch made for the worker already. No-op (``False``) off CUDA, before the worker used CUDA,
-    or for a CUDA device without an index.
-    """
-    import torch
-
-    where = cuda_device_in_use(device)
-    if where is None or where.index is None:
-        return False
-    torch.cuda.set_device(where)
-    return True
-
-
-def cuda_device_in_use(device: Any) -> Any:
-    """``device`` (a manager's: a ``torch.device``, a string, ``None``) as a CUDA ``torch.device``, where it is one and
-    this process has used CUDA; else ``None`` (a CPU manager, something that is no device)."""
-    import torch
-
-    if device is None:
-        return None
-    try:
-        where = torch.device(device)
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    return where if where.type == "cuda" and torch.cuda.is_initialized() else None
-
-
-def await_gpu_reads(device: Any = None) -> None:
-    """Wait until every copy queued on this process's GPU has run, before host memory kept for reuse is written.
-
-    vLLM queues an adapter's slot copy from its CPU tensors without waiting for it, and with async scheduling the
-    step that evicts the adapter can start while that copy still reads. Pinned memory from torch's caching host
-    allocator is not handed out again until such copies are done (it records an event); a kept host arena
-    (``hostmem``'s spare) has no such guard, so its user waits here first: a wrong byte would put another
-    adapter's weights into the slot. No-op where CUDA is not in use.
-    """
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
-
-
-def kept_host_arena(nbytes: int, *, device: Any = None) -> Any:
-    """A ``HostArena(nbytes, reuse=True)``, ready to write: where it was given kept memory, the GPU's queued
-    copies (one may still read that memory) have run first ([`await_gpu_reads`] on ``device``).
-
-    Only for callers that write every byte they read (kept memory holds an earlier arena's bytes).
-    """
-    from vllm_lora_ext.hostmem import HostArena
-
-    arena = HostArena(nbytes, reuse=True)
-    if arena.reused:
-        await_gpu_reads(device)
-    return arena
-
-
 def pin_in_place(arena: Any, *, context: int | None = None) -> bool:
-    """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
+    """Page-lock the used part of a host arena for the GPUs, in place, where vLLM pins LoRA memory; return whether
+    it did.
 
-    vLLM copies an adapter into its GPU slot from CPU memory when it activates it. From pageable memory that
-    copy goes through the driver's bounce buffers (0.24 s for 1.6 GB on an H200 host, against 0.03 s from
-    pinned memory), and for dense modules vLLM first copies every factor into pinned memory itself
-    (``pin_memory()``, 0.30 s for 1.6 GB). Registering the arena (``cuMemHostRegister``: 0.04 s for 1.6 GB of
-    huge pages) makes its tensors pinned where they are: ``pin_memory()`` returns them as they are, and the
-    slot copy is a DMA. The registration is undone when the arena's memory is returned (its last tensor is
-    gone, and it is not kept as the spare), before the unmap. Memory kept from an earlier arena stays
-    registered, so an arena over it costs no call unless it uses more of it.
-
-    Nothing happens where vLLM does not pin LoRA memory (no CUDA, ``PIN_MEMORY`` off), in a thread without a
-    CUDA context unless ``context`` ([`cuda_context`] of the worker's thread) is given, or when the driver
-    refuses; the tensors then stay in ordinary memory, as before. The driver API is used so that a refusal
-    leaves no error behind for torch's next kernel-launch check.
+    vLLM copies an adapter into its GPU slot from CPU memory when it activates it, and for dense modules first
+    copies every factor into pinned memory itself (``pin_memory()``). An arena registered in place
+    ([`transport.cuda.register_in_place`]) makes both unnecessary: ``pin_memory()`` returns its tensors as they
+    are, and the slot copy is a DMA. Nothing happens where vLLM does not pin LoRA memory (no CUDA,
+    ``PIN_MEMORY`` off): the tensors then stay in ordinary memory, as vLLM would leave them.
     """
-    import ctypes
+    from vllm_lora_ext.transport.cuda import register_in_place
 
-    memory = getattr(arena, "memory", None)
-    if not lora_host_memory_pinned() or arena.buffer is None or arena.used == 0 or memory is None:
-        return False
-    size = min(arena.capacity, -(-arena.used // 4096) * 4096)
-    if memory.registered >= size:  # memory kept from an earlier arena, pinned already
-        return True
-    cuda = _libcuda()
-    if cuda is None:
-        return False
-    ctx = ctypes.c_void_p()
-    if (cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value) and context:
-        cuda.cuCtxSetCurrent(ctypes.c_void_p(context))  # a helper thread of the worker: bind the worker's context
-        cuda.cuCtxGetCurrent(ctypes.byref(ctx))
-    if not ctx.value:
-        return False  # no context bound to this thread: leave the memory pageable rather than create one
-    base = ctypes.c_void_p(arena.base)
-    first = memory.registered == 0
-    if not first:  # a kept mapping pinned over less than this arena uses: register the wider range instead
-        cuda.cuMemHostUnregister(base)
-        memory.registered = 0
-    if cuda.cuMemHostRegister_v2(base, ctypes.c_size_t(size), ctypes.c_uint(1)) != 0:  # 1: PORTABLE
-        return False
-    memory.registered = size
-    if not first:
-        return True  # the hook below is in place already
-    owner = ctx.value
-
-    # Any thread may drop the last tensor: bind the context first. The hook holds nothing of the memory it is
-    # a hook of (a reference cycle would leave the memory pinned and mapped until the cyclic GC ran).
-    def unregister() -> None:
-        current = ctypes.c_void_p()
-        cuda.cuCtxGetCurrent(ctypes.byref(current))
-        if current.value != owner:
-            cuda.cuCtxSetCurrent(ctypes.c_void_p(owner))
-        cuda.cuMemHostUnregister(base)  # an error if a widening failed and left nothing registered: harmless
-        if current.value != owner:
-            cuda.cuCtxSetCurrent(current)
-
-    arena.on_release(unregister)
-    return True
-
-
-_LIBCUDA: list[Any] = []
-
-
-def _libcuda() -> Any:
-    """The CUDA driver library, or None without one (loaded once)."""
-    import ctypes
-
-    if not _LIBCUDA:
-        try:
-            lib: Any = ctypes.CDLL("libcuda.so.1")
-            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemHostRegister_v2", "cuMemHostUnregister"):
-                getattr(lib, name).restype = ctypes.c_int
-        except (OSError, AttributeError):
-            lib = None
-        _LIBCUDA.append(lib)
-    return _LIBCUDA[0]
+    return lora_host_memory_pinned() and register_in_place(arena, context=context)
 
 
 def mla_attention_cls() -> type | None:

@@ -17,7 +17,8 @@ The process exits when the worker closes its stdin (or dies). Errors come back a
 typed errors. Each worker has one build process, which runs up to four builds at once (a mix's
 components, adapters asked for together): jobs carry a number and answers come back in any order.
 A process that dies fails the builds it had in flight; the next build starts a new one.
-``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
+``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead. Where this sits in an adapter's life
+(steps 3 and 4): see ``transport``.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import time
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
-from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
-                                   sweep_stale, to_shared, trim_shared)
+from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
 from vllm_lora_ext.sharedfiles import folder_problem
+from vllm_lora_ext.transport.arena import ArenaSupply
+from vllm_lora_ext.transport.files import sweep_stale
+from vllm_lora_ext.transport.handover import SharedTensors, from_shared, to_shared, trim_shared
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 

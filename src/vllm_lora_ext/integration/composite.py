@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import component_cache_size, host_arena_min_bytes, host_arenas_enabled
-from vllm_lora_ext.hostmem import prepare_spare
-from vllm_lora_ext.integration._compat import cuda_context, kept_host_arena, pin_in_place
+from vllm_lora_ext.integration._compat import pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import (MixComponent, MixFactor, MixPlan, MixSpec, composite_shapes, concat_many,
                                   largest_magnitude)
+from vllm_lora_ext.transport.arena import prepare_spare
+from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ def compose_mix(manager: Any, lora_request: Any, *, load: LoadComponent, device:
     on_gpu = device is not None and torch.device(device).type == "cuda"
     jobs = plan.jobs
     if on_gpu:
-        from vllm_lora_ext.integration.staging import concat_staged, in_source_order
+        from vllm_lora_ext.integration.staging import concat_staged
+        from vllm_lora_ext.transport.staging import in_source_order
 
         jobs = in_source_order(jobs)  # the GPU layout follows the components' own: far fewer copies (_place)
     t2 = time.perf_counter()  # planning ends; "copies" below is the GPU build or the host copy
@@ -167,7 +169,7 @@ def _scan(loras: dict[str, Any], name: str, device: Any) -> None:
                 for i, t in enumerate(lw.lora_a if isinstance(lw.lora_a, list) else [lw.lora_a]) if t is not None}
     scan: Any = contextlib.nullcontext()
     if device is not None:
-        from vllm_lora_ext.integration.staging import side_stream
+        from vllm_lora_ext.transport.cuda import side_stream
 
         scan = side_stream(device)  # off the engine's stream
     with scan:

@@ -22,13 +22,13 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
-                                                mapper_ignores_expert_numbers, mla_attention_cls, moe_experts_kernel,
-                                                pin_in_place, unstacked_mapper, validate_loaded)
+from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, mla_attention_cls,
+                                                moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
+from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
 from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_ALIASED, TRAIT_MLA, TRAIT_MOE_KERNEL
 from vllm_lora_ext.validation import ModuleDims
 

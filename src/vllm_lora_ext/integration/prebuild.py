@@ -9,7 +9,8 @@ costs the engine loop one dictionary lookup.
 When the engine later needs the adapter (``add_lora`` or a request's activation), the patched
 ``_load_adapter`` takes the finished ``LoRAModel`` instead of building it in the step. The build is
 the whole load (source resolution, read, checks, MoE packing), each worker building only its own
-share under expert parallelism, as the synchronous path does.
+share under expert parallelism, as the synchronous path does. The adapter's whole life, step by step and
+process by process, is told once in ``transport``'s docstring.
 """
 
 from __future__ import annotations

@@ -1,62 +1,43 @@
-"""Stage a built adapter on its GPU before the engine needs it, so the step's slot copy is device to device.
+"""Stage a built adapter's ``LoRAModel`` on its GPU before the engine needs it, and point it back at CPU tensors after.
 
-vLLM copies a new adapter into its LoRA slot inside the engine step, from CPU memory. It pins that
-memory in the same step, which costs about as long as the copy itself. For a 1.7 GB MoE adapter
-that is over a second in which no request produces a token. A background build therefore ends
-here: its tensors are copied to one GPU buffer on a side stream (the engine's stream keeps running),
-and the ``LoRAModel`` points at that copy. The step then copies GPU to GPU, in milliseconds, and
-vLLM sees no CPU tensor, so it pins nothing.
-
-After the slot copy, [`unstage`] points the registered model back at its CPU tensors and frees the
-GPU buffer once the copy on the engine's stream is done, so registered adapters hold no GPU memory
-beyond their slots, as in stock vLLM. Staging is bounded (``VLLM_LORA_EXT_STAGE_GPU_BYTES``, and
-the GPU's free memory); an adapter that does not fit is served from CPU memory as before.
+vLLM copies a new adapter into its LoRA slot inside the engine step, from CPU memory it pins in that step. A
+background build therefore ends here: [`stage`] copies the model's factors into one GPU buffer on a side stream
+and points the model at it, so the step's slot copy is GPU to GPU and vLLM pins nothing; [`unstage`], after the
+slot copy, points the model back at its CPU tensors and frees the buffer, so registered adapters hold no GPU
+memory beyond their slots. [`concat_staged`] builds a mix's concatenation on the GPU, staged from the start,
+and [`attach_staged`] gives it CPU twins copied back in the background ([`twins_from_gpu`]). Staging is bounded
+(``VLLM_LORA_EXT_STAGE_GPU_BYTES``, and the GPU's free memory); what does not fit is served from CPU memory.
+The buffers, copies and streams are ``transport``'s; its docstring tells where staging sits in an adapter's life
+(steps 5 to 8).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import functools
 import logging
-import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from vllm_lora_ext.building import _view
 from vllm_lora_ext.constants import GPU_HEADROOM_BYTES, stage_gpu_bytes
 from vllm_lora_ext.integration.patching import STAGED_ATTR
+from vllm_lora_ext.transport.arena import aligned
+from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
+from vllm_lora_ext.transport.handover import view_at
+from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _composite_layout, _composite_moves,
+                                             _copy_through_pinned, _layout, _upload_and_place)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["concat_staged", "in_source_order", "side_stream", "stage", "staged_bytes", "unstage"]
+__all__ = ["attach_staged", "concat_staged", "stage", "staged_bytes", "twins_from_gpu", "unstage"]
 
-_ALIGN = 256
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _HEADROOM = GPU_HEADROOM_BYTES  # GPU memory left free for the engine's own allocations
 _LOCK = threading.Lock()
 _STAGED: weakref.WeakSet[Any] = weakref.WeakSet()
-_STREAMS: dict[int, Any] = {}
-
-
-@dataclass
-class _Staging:
-    buffer: torch.Tensor  # uint8, on the GPU
-    starts: list[int] = field(default_factory=list)  # byte offset of each region, ascending
-    # The region's CPU tensor (contiguous); ``None`` until a composite built on the GPU has its CPU twins.
-    cpu: list[torch.Tensor] | None = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    waiting: Any = None  # the engine stream's event, once unstage is called before the CPU twins exist
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.buffer.numel())
 
 
 def _slots(lora: Any) -> list[tuple[Any, str, int | None, torch.Tensor]]:
@@ -86,17 +67,7 @@ def staged_bytes() -> int:
 
 
 def _side_stream(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _LOCK:
-        stream = _STREAMS.get(index)
-        if stream is None:
-            stream = _STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
-def side_stream(device: Any) -> Any:
-    """A context that runs torch's CUDA work on this process's staging stream for ``device``, off the engine's."""
-    return torch.cuda.stream(_side_stream(torch.device(device)))
+    return stream_for(device, "staging")
 
 
 def _room(total: int, device: torch.device, what: str) -> bool:
@@ -107,12 +78,10 @@ def _room(total: int, device: torch.device, what: str) -> bool:
         logger.info("%s not staged on the GPU (%.0f MiB; %.0f of %.0f MiB staged already): it is built in CPU "
                     "memory and copied into its slot from there", what, total / 2**20, held / 2**20, budget / 2**20)
         return False
-    with torch.cuda.device(device):
-        free, _ = torch.cuda.mem_get_info()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free + cached < total + _HEADROOM:
+    free = gpu_free_bytes(device, reuse_cached=True)
+    if free < total + _HEADROOM:
         logger.info("%s not staged on the GPU: %.0f MiB needed, %.0f MiB free", what, total / 2**20,
-                    (free + cached) / 2**20)
+                    free / 2**20)
         return False
     return True
 
@@ -143,7 +112,7 @@ def stage(lora: Any, device: Any) -> bool:
                 buffer = torch.empty(total, dtype=torch.uint8, device=device)
             t_alloc = time.perf_counter() - t0
             cpu = [t.contiguous() for _, t in regions]
-            staging = _Staging(buffer, [off for off, _ in regions], cpu)
+            staging = Staging(buffer, [off for off, _ in regions], cpu)
             views = [(owner, attr, index, buffer[off:off + t.nbytes].view(t.dtype).view(t.shape))
                      for (owner, attr, index, t), off in zip(slots, places)]
             _copy_through_pinned(buffer, [(off, src.view(-1).view(torch.uint8)) for off, src in
@@ -161,87 +130,6 @@ def stage(lora: Any, device: Any) -> bool:
     return True
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[int, list[tuple[int, torch.Tensor]], list[int]]:
-    """Lay CPU tensors out in one buffer: its size, its regions ``(offset, first tensor holding them)`` in order,
-    and each tensor's offset.
-
-    Tensors holding the same bytes (the same object, or views of the same memory with the same size and
-    dtype, as a fused gate_up A serving both gate and up) share one region, so they are sized and copied once.
-    """
-    regions: list[tuple[int, torch.Tensor]] = []
-    places: list[int] = []
-    seen: dict[Any, int] = {}
-    offset = 0
-    for t in tensors:
-        key = (t.data_ptr(), t.nbytes, t.dtype) if t.is_contiguous() else id(t)
-        at = seen.get(key)
-        if at is None:
-            at = seen[key] = offset
-            regions.append((offset, t))
-            offset += _aligned(t.nbytes)
-        places.append(at)
-    return offset, regions, places
-
-
-_CHUNK = 32 << 20
-_BOUNCE: list[torch.Tensor] = []  # two pinned chunks per process, allocated once
-_COPY_LOCK = threading.Lock()
-
-
-def _pieces(regions: list[tuple[int, torch.Tensor]], chunk: int) -> Any:
-    """Group consecutive (GPU offset, CPU bytes) regions into chunk-sized windows of the GPU buffer:
-    yields ``(window start, [(offset in window, bytes), ...])``; a large region is split across windows."""
-    batch: list[tuple[int, torch.Tensor]] = []
-    start: int | None = None
-    for off, src in regions:
-        n, i = src.numel(), 0
-        while i < n:
-            if start is None:
-                start = off + i
-            room = start + chunk - (off + i)
-            if room <= 0:
-                yield start, batch
-                batch, start, room = [], off + i, chunk
-            take = min(room, n - i)
-            batch.append((off + i - start, src[i:i + take]))
-            i += take
-    if batch and start is not None:
-        yield start, batch
-
-
-def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any) -> None:
-    """Copy CPU regions into the GPU ``buffer`` through two small pinned chunks, on ``stream``.
-
-    A copy from pageable memory goes through the driver's own staging, which on an H200 held up the
-    engine thread's launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk
-    while the other is in flight, and every host-to-device copy is a true asynchronous DMA.
-    """
-    with _COPY_LOCK:  # one staging copy at a time: the pinned chunks are shared
-        with _LOCK:
-            if not _BOUNCE:
-                _BOUNCE.extend(torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-        _copy_chunks(buffer, regions, stream)
-
-
-def _copy_chunks(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any) -> None:
-    events = [torch.cuda.Event(), torch.cuda.Event()]
-    used = [False, False]
-    k = 0
-    for start, batch in _pieces(regions, _CHUNK):
-        if used[k]:
-            events[k].synchronize()  # the DMA out of this chunk is done: it can be refilled
-        pinned = _BOUNCE[k]
-        for rel, piece in batch:
-            pinned[rel:rel + piece.numel()].copy_(piece)
-        span = batch[-1][0] + batch[-1][1].numel()
-        with torch.cuda.stream(stream):
-            buffer[start:start + span].copy_(pinned[:span], non_blocking=True)
-            events[k].record(stream)
-        used[k] = True
-        k ^= 1
-    stream.synchronize()
-
-
 def unstage(lora: Any) -> int:
     """Point a staged ``lora`` back at CPU tensors equal to its GPU ones and release the GPU buffer.
 
@@ -253,7 +141,7 @@ def unstage(lora: Any) -> int:
     in the background after it). Then nothing waits in the step: the model keeps its GPU tensors
     (equal to the CPU ones to come) until the CPU tensors exist, and is pointed at them from there.
     """
-    staging: _Staging | None = getattr(lora, STAGED_ATTR, None)
+    staging: Staging | None = getattr(lora, STAGED_ATTR, None)
     if staging is None:
         return 0
     stream = torch.cuda.current_stream(staging.buffer.device)
@@ -266,7 +154,7 @@ def unstage(lora: Any) -> int:
     return _point_at_cpu(lora, staging, None)
 
 
-def _point_at_cpu(lora: Any, staging: _Staging, after: Any) -> int:
+def _point_at_cpu(lora: Any, staging: Staging, after: Any) -> int:
     """Swap ``lora``'s GPU tensors for their CPU twins, copying back any vLLM derived; drop the staging record.
     ``after``: an event the copies back wait for (the engine stream's, when run from another thread)."""
     assert staging.cpu is not None
@@ -305,7 +193,7 @@ def _point_at_cpu(lora: Any, staging: _Staging, after: Any) -> int:
 _SCRATCH = 256 << 20  # GPU bytes a composite's components are uploaded through, a batch at a time
 
 
-def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> tuple[dict[Any, Any], _Staging] | None:
+def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> tuple[dict[Any, Any], Staging] | None:
     """Build a mix's rank concatenation on the GPU: ``{key: (A, B)}`` as views of one staged buffer, or ``None``.
 
     The same result as [`concat_many`] (``A = cat(c_i·A_i)``, ``B = cat(B_i)``, the same ops in the same
@@ -325,7 +213,7 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
     shapes = composite_shapes(lora_jobs, dtype=dtype)
     offsets, starts, total = _composite_layout(shapes)
     largest = max((t.nbytes for parts, _, _ in lora_jobs.values() for p in parts for t in p[:2]), default=0)
-    scratch_bytes = min(max(_SCRATCH, _aligned(largest)), max(_aligned(largest), total))
+    scratch_bytes = min(max(_SCRATCH, aligned(largest, STAGE_ALIGN)), max(aligned(largest, STAGE_ALIGN), total))
     if not _room(total + scratch_bytes, device, "mix"):
         return None
     t0 = time.perf_counter()
@@ -349,380 +237,10 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
                 "%.1f ms: %d uploads, %d of them spans, %d placing copies; waiting for them %.1f ms)", device,
                 total / 2**20, t4 - t0, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, n_units, n_spans, n_copies,
                 (t4 - t3) * 1e3)
-    return done, _Staging(buffer, starts, None)
+    return done, Staging(buffer, starts, None)
 
 
-def _composite_layout(shapes: Any) -> tuple[dict[Any, tuple[int, int]], list[int], int]:
-    """Where each key's ``A`` and ``B`` go in a composite's buffer (byte offsets, in the keys' order, aligned):
-    ``({key: (A offset, B offset)}, every region's start in order, total bytes)``."""
-    offsets: dict[Any, tuple[int, int]] = {}
-    starts: list[int] = []
-    total = 0
-    for key, (a_shape, b_shape, out_dtype) in shapes.items():
-        a_off = total
-        total += _aligned(math.prod(a_shape) * out_dtype.itemsize)
-        b_off = total
-        total += _aligned(math.prod(b_shape) * out_dtype.itemsize)
-        offsets[key] = (a_off, b_off)
-        starts += [a_off, b_off]
-    return offsets, starts, total
-
-
-class _Place(NamedTuple):
-    """Where a part's elements are: ``as_strided`` arguments over ``base``, a tensor of the part's dtype on the
-    storage holding them. Placement is planned in these integers; tensors are made only for the stacked runs
-    (round 14, H100: building a view per part took 12 ms of a 48 ms GPU build whose DMA takes 5.4 ms)."""
-
-    base: torch.Tensor
-    offset: int  # in elements of base's dtype, from the storage's start
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _Place:
-        """The place of tensor ``t``'s own elements."""
-        return cls(t, int(t.storage_offset()), tuple(t.shape), t.stride())
-
-    def tensor(self) -> torch.Tensor:
-        return self.base.as_strided(self.shape, self.stride, self.offset)
-
-
-@functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides torch gives a contiguous tensor of ``shape`` (a dim of size 0 counts as 1)."""
-    out: list[int] = []
-    step = 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
-def _typed(buffer: torch.Tensor, dtype: torch.dtype, cache: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
-    """``buffer`` (``uint8``, its size and offset multiples of 16) seen as ``dtype``, one view per dtype. Places
-    over it count from its storage's start, so they add its ``storage_offset()``."""
-    found = cache.get(dtype)
-    if found is None:
-        found = cache[dtype] = buffer.view(dtype)
-    return found
-
-
-def _composite_moves(lora_jobs: Any, shapes: Any, offsets: Mapping[Any, tuple[int, int]], buffer: torch.Tensor,
-                     ) -> tuple[dict[Any, tuple[torch.Tensor, torch.Tensor]],
-                                list[tuple[torch.Tensor, _Place, float | None]]]:
-    """Each key's ``(A, B)`` as views of ``buffer`` (``uint8``, laid out by [`_composite_layout`]) and the moves
-    that fill them: ``(CPU part, its place in the composite, c)``, ``A_i`` times ``c_i`` into its rank rows,
-    ``B_i`` as it is."""
-    done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
-    moves: list[tuple[torch.Tensor, _Place, float | None]] = []
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    for key, (parts, dim_a, dim_b) in lora_jobs.items():
-        a_shape, b_shape, out_dtype = shapes[key]
-        a_shape, b_shape = tuple(a_shape), tuple(b_shape)
-        base = _typed(buffer, out_dtype, typed)
-        a_at, b_at = (int(base.storage_offset()) + off // out_dtype.itemsize for off in offsets[key])
-        a_stride, b_stride = _contiguous_strides(a_shape), _contiguous_strides(b_shape)
-        done[key] = (base.as_strided(a_shape, a_stride, a_at), base.as_strided(b_shape, b_stride, b_at))
-        off = 0
-        for pa, pb, c in parts:
-            r = int(pa.shape[dim_a])
-            moves.append((pa, _Place(base, a_at + off * a_stride[dim_a], (*a_shape[:dim_a], r, *a_shape[dim_a + 1:]),
-                                     a_stride), float(c)))
-            moves.append((pb, _Place(base, b_at + off * b_stride[dim_b], (*b_shape[:dim_b], r, *b_shape[dim_b + 1:]),
-                                     b_stride), None))
-            off += r
-    return done, moves
-
-
-def in_source_order(jobs: Any) -> Any:
-    """``jobs`` (as for [`concat_staged`]) reordered by the address of their first part's ``A``.
-
-    A composite laid out in this order on the GPU holds each module's parts at the same step from layer to layer
-    as its components do in their host arenas, so [`_place`] moves each component's part of a module in every
-    layer with one call. Ties keep their order.
-    """
-    return dict(sorted(jobs.items(), key=lambda item: item[1][0][0][0].data_ptr() if item[1][0] else 0))
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], scratch: torch.Tensor,
-                      stream: Any, *, pinned: Callable[[torch.Tensor], bool] | None = None) -> tuple[int, int, int]:
-    """Upload CPU parts into ``scratch`` a batch at a time and put each in its place (``c``: times ``c``).
-
-    Parts that are views of one pinned host storage (a component built into a pinned host arena) go up as
-    one DMA of the span they share, rather than one per part; the rest one by one (pageable ones through
-    the pinned bounce chunks). Each batch is then placed with one ``_foreach_copy_`` and each ``A_i`` scaled
-    with one ``mul_``, so a composite of 1,800 parts costs one call per ``A_i`` rather than about ten per part
-    (round 8: 0.08-0.13 s for 224 modules on an H200, almost all of it per-part calls). ``copy`` then ``mul_``
-    in the destination's dtype is [`concat_factors`]' ``torch.mul(A_i, c, out=...)`` (the product in
-    float32, rounded once). The copies into the destinations are queued on ``stream`` after the batch's
-    upload and before the next one's, so the scratch is reused in stream order.
-    ``pinned`` says whether a CPU part is page-locked (default: asked of torch, once per storage).
-    Returns the upload units, how many of them are spans, and the copies placing the parts.
-    """
-    srcs = [m[0].contiguous() for m in moves]
-    room = scratch.numel()
-    units: list[_Unit] = []
-    for unit in _units(srcs, pinned or _pinned_per_storage()):
-        if unit.span and _aligned(unit.nbytes) > room:  # a span wider than the scratch goes part by part
-            units += [_Unit(0, srcs[i].nbytes, [i], False, True) for i in unit.parts]
-        else:
-            units.append(unit)
-    on_stream = torch.cuda.stream(stream) if scratch.is_cuda else contextlib.nullcontext()
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    copies = 0
-    for batch in _batches(units, room):
-        where = _upload(batch, srcs, scratch, stream)
-        order = [i for unit in batch for i in unit.parts]
-        places = []
-        for i in order:
-            t = srcs[i]
-            shape = tuple(t.shape)
-            base = _typed(scratch, t.dtype, typed)
-            places.append(_Place(base, int(base.storage_offset()) + where[i] // t.itemsize, shape,
-                                 _contiguous_strides(shape)))
-        with on_stream:
-            copies += _place([moves[i][1] for i in order], places, [moves[i][2] for i in order],
-                             [u if unit.span else -1 for u, unit in enumerate(batch) for _ in unit.parts])
-    return len(units), sum(u.span for u in units), copies
-
-
-def _place(dsts: list[_Place], srcs: list[_Place], scales: list[float | None], units: list[int] | None = None,
-           ) -> int:
-    """``dst.copy_(src)`` for every pair, then ``dst.mul_(c)`` where ``c`` is given, in few calls.
-
-    Pairs that repeat one shape at a fixed step in both memories (one module's part in every layer) are
-    stacked into one strided view each side ([`_stacked`]): a 7B mix's 1,792 parts become 56 copies.
-    The rest go in one fused ``_foreach_copy_``. The scaling stays a ``mul_`` per (stacked) part: ``copy_``
-    then ``mul_`` is ``torch.mul(src, c, out=dst)`` bit for bit, element by element, while ``_foreach_mul_``
-    is not everywhere (on the CPU it rounds differently for bfloat16). ``units``: each pair's upload unit.
-    Returns the number of copies."""
-    runs = _stacked(dsts, srcs, scales, units)
-    if runs:
-        torch._foreach_copy_([d for d, _, _ in runs], [s for _, s, _ in runs])
-    for d, _, c in runs:
-        if c is not None:
-            d.mul_(float(c))
-    return len(runs)
-
-
-def _stacked(dsts: list[_Place], srcs: list[_Place], scales: list[float | None], units: list[int] | None = None,
-             ) -> list[tuple[torch.Tensor, torch.Tensor, float | None]]:
-    """The non-empty ``(dst, src, c)`` of [`_place`] as tensors, with runs of like pairs stacked into one view
-    each side.
-
-    Pairs are alike when their sources share a storage, shape, strides and dtype, their destinations do too,
-    their scales are equal and (given ``units``) their sources came up in one upload unit, as one component's
-    parts do (``-1``: parts uploaded one by one, which group as one). Alike pairs sorted by source offset, or up
-    to 16 interleaved sequences of them (a 7B layer holds six A's of one shape, in the same order in every
-    layer), whose offsets advance by a fixed positive step on both sides are one pair of ``as_strided`` views:
-    element ``[k]`` of each is exactly the ``k``-th pair's tensor, so the copy and the scaling touch the same
-    elements as the pairs one by one. The destinations must not overlap (they are distinct parts of a
-    composite); sources may. It is all planned on integers: a tensor is made per run, not per pair. Without
-    ``units``, the B's of several components (alike, unscaled) share a group, sorted one component after
-    another, and break into runs where one component ends: a 7B mix of four got 476 runs where it gets 56 with
-    them (371 and 56 on an H100, whose arenas lay the components out a little differently)."""
-    bases: dict[int, tuple[int, torch.dtype, torch.device]] = {}
-
-    def memory(t: torch.Tensor) -> tuple[int, torch.dtype, torch.device]:
-        found = bases.get(id(t))  # (the tensors stay alive for the whole call)
-        if found is None:
-            found = bases[id(t)] = (t.untyped_storage().data_ptr(), t.dtype, t.device)
-        return found
-
-    groups: dict[tuple, list[int]] = {}
-    for i, (d, s) in enumerate(zip(dsts, srcs)):
-        if 0 not in d.shape:
-            key = (memory(d.base), memory(s.base), d.shape, d.stride, s.shape, s.stride, scales[i],
-                   units[i] if units is not None else None)
-            groups.setdefault(key, []).append(i)
-    d_at = [d.offset for d in dsts]
-    s_at = [s.offset for s in srcs]
-    out: list[tuple[torch.Tensor, torch.Tensor, float | None]] = []
-    for idx in groups.values():
-        idx.sort(key=s_at.__getitem__)
-        for seq in _progressions(idx, d_at, s_at):
-            d0, s0 = dsts[seq[0]], srcs[seq[0]]
-            if len(seq) == 1:
-                out.append((d0.tensor(), s0.tensor(), scales[seq[0]]))
-                continue
-            n = len(seq)
-            dd, ds = d_at[seq[1]] - d0.offset, s_at[seq[1]] - s0.offset
-            out.append((d0.base.as_strided((n, *d0.shape), (dd, *d0.stride), d0.offset),
-                        s0.base.as_strided((n, *s0.shape), (ds, *s0.stride), s0.offset), scales[seq[0]]))
-    return out
-
-
-_INTERLEAVED = 16  # the most alike modules a layer holds that _progressions takes apart (7B: 6 A's of one shape)
-
-
-def _progressions(idx: list[int], d_at: list[int], s_at: list[int]) -> list[list[int]]:
-    """Split alike pairs (sorted by source offset) into sequences whose offsets advance by one fixed positive step
-    on each side: all of them, else 2 to 16 interleaved sequences (every m-th pair), else runs of consecutive pairs.
-    ``d_at``, ``s_at``: every pair's destination and source offset."""
-
-    def step(a: int, b: int) -> tuple[int, int] | None:
-        dd, ds = d_at[b] - d_at[a], s_at[b] - s_at[a]
-        return (dd, ds) if dd > 0 and ds > 0 else None
-
-    def steady(seq: list[int]) -> bool:
-        if len(seq) < 2:
-            return True
-        first = step(seq[0], seq[1])
-        return first is not None and all(step(a, b) == first for a, b in zip(seq[1:], seq[2:]))
-
-    for m in range(1, min(_INTERLEAVED, len(idx)) + 1):
-        seqs = [idx[j::m] for j in range(m)]
-        if all(steady(seq) for seq in seqs):
-            return seqs
-    runs: list[list[int]] = [[idx[0]]]
-    for i in idx[1:]:
-        run = runs[-1]
-        here = step(run[-1], i)
-        if here is not None and (len(run) == 1 or here == step(run[0], run[1])):
-            run.append(i)
-        else:
-            runs.append([i])
-    return runs
-
-
-_SPAN_ALIGN = 16  # bytes: the largest element a factor has (complex128 aside)
-
-
-@dataclass
-class _Unit:
-    """Bytes uploaded as one copy: a pinned storage's span ``[lo, hi)`` holding ``parts``, or one part."""
-
-    lo: int
-    hi: int
-    parts: list[int]
-    span: bool
-    pinned: bool
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi - self.lo
-
-
-def _pinned_per_storage() -> Callable[[torch.Tensor], bool]:
-    seen: dict[int, bool] = {}
-
-    def pinned(t: torch.Tensor) -> bool:
-        key = t.untyped_storage().data_ptr()
-        found = seen.get(key)
-        if found is None:
-            found = seen[key] = bool(t.is_pinned())
-        return found
-
-    return pinned
-
-
-def _units(srcs: list[torch.Tensor], pinned: Callable[[torch.Tensor], bool]) -> list[_Unit]:
-    """Group contiguous CPU parts into upload units: one per pinned storage whose parts fill at least half the
-    span they cover (a component's host arena), one per part otherwise."""
-    by_storage: dict[int, list[int]] = {}
-    units: list[_Unit] = []
-    for i, t in enumerate(srcs):
-        if t.numel() and pinned(t):
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(i)
-        else:
-            units.append(_Unit(0, t.nbytes, [i], False, False))
-    for base, idx in by_storage.items():
-        lo = min(srcs[i].data_ptr() for i in idx)
-        lo -= (lo - base) % _SPAN_ALIGN  # every part keeps its alignment in the scratch (whose offsets are aligned)
-        hi = max(srcs[i].data_ptr() + srcs[i].nbytes for i in idx)
-        if len(idx) > 1 and base % _SPAN_ALIGN == 0 and 2 * sum(srcs[i].nbytes for i in idx) >= hi - lo:
-            units.append(_Unit(lo, hi, idx, True, True))
-        else:
-            units += [_Unit(0, srcs[i].nbytes, [i], False, True) for i in idx]
-    return units
-
-
-def _batches(units: list[_Unit], room: int) -> Any:
-    """Consecutive units whose uploads fit ``room`` bytes of scratch together (a larger unit goes alone)."""
-    batch: list[_Unit] = []
-    used = 0
-    for unit in units:
-        n = _aligned(unit.nbytes)
-        if batch and used + n > room:
-            yield batch
-            batch, used = [], 0
-        batch.append(unit)
-        used += n
-    if batch:
-        yield batch
-
-
-def _upload(batch: list[_Unit], srcs: list[torch.Tensor], scratch: torch.Tensor, stream: Any) -> dict[int, int]:
-    """Copy one batch's units into ``scratch`` on ``stream``; return each part's byte offset there."""
-    where: dict[int, int] = {}
-    direct: list[tuple[int, torch.Tensor]] = []  # (scratch offset, pinned bytes): DMA as they are
-    bounced: list[tuple[int, torch.Tensor]] = []  # pageable: through the pinned chunks
-    used = 0
-    for unit in batch:
-        if unit.span:
-            first = srcs[unit.parts[0]]
-            storage = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
-            start = unit.lo - first.untyped_storage().data_ptr()
-            direct.append((used, storage[start:start + unit.nbytes]))
-            shift = used - unit.lo
-            for i in unit.parts:
-                where[i] = shift + srcs[i].data_ptr()
-        else:
-            t = srcs[unit.parts[0]]
-            if t.numel():
-                (direct if unit.pinned else bounced).append((used, t.reshape(-1).view(torch.uint8)))
-            where[unit.parts[0]] = used
-        used += _aligned(unit.nbytes)
-    if not scratch.is_cuda:  # the tests' CPU run of the same plan
-        for off, src in direct + bounced:
-            scratch[off:off + src.numel()].copy_(src)
-        return where
-    if bounced:
-        _copy_through_pinned(scratch, bounced, stream)
-    with torch.cuda.stream(stream):
-        for off, src in direct:
-            scratch[off:off + src.numel()].copy_(src, non_blocking=True)
-    return where
-
-
-def twins_from_gpu(staging: _Staging, regions: list[tuple[torch.dtype, tuple[int, ...]]], *,
-                   context: int | None = None) -> list[torch.Tensor] | None:
-    """The CPU twins of a composite built on the GPU, copied back from it: one DMA into a pinned host arena.
-
-    ``regions`` gives each region's dtype and shape, in the order of ``staging.starts``. The twins are the
-    GPU bytes themselves, so they equal the GPU tensors bit for bit, and building them costs the CPU no copy
-    (a CPU concatenation of the same composite takes 80-100 ms on an H100 host, and competes with the engine
-    for the CPU meanwhile). ``None`` where host arenas are off or the arena cannot be pinned (the caller then
-    concatenates on the CPU). Runs on a helper thread: ``context`` is the worker's CUDA context.
-    """
-    from vllm_lora_ext.constants import host_arenas_enabled
-    from vllm_lora_ext.integration._compat import kept_host_arena, pin_in_place
-
-    if not host_arenas_enabled() or staging.nbytes == 0:
-        return None
-    arena = kept_host_arena(staging.nbytes, device=staging.buffer.device)  # the DMA below writes every byte
-    try:
-        flat = arena.empty((staging.nbytes,), torch.uint8)
-        # Fault the pages in here, on this helper thread: registering memory not yet touched makes the driver
-        # fault and zero it inside the call, which may hold up the engine thread's CUDA calls meanwhile.
-        flat[::4096].zero_()
-        if not arena.holds(flat) or not pin_in_place(arena, context=context):
-            return None
-        device = staging.buffer.device
-        stream = _side_stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            flat.copy_(staging.buffer, non_blocking=True)
-        stream.synchronize()
-        return [_view(flat, start, dtype, shape) for start, (dtype, shape) in zip(staging.starts, regions)]
-    finally:
-        arena.close()
-
-
-def attach_staged(lora: Any, staging: _Staging, twins: Any) -> None:
+def attach_staged(lora: Any, staging: Staging, twins: Any) -> None:
     """Mark ``lora`` (built on [`concat_staged`]'s views) as staged and build its CPU twins in the background.
 
     ``twins()`` returns the CPU tensors region by region (each key's ``A`` then ``B``, in the jobs' order),
@@ -753,3 +271,37 @@ def attach_staged(lora: Any, staging: _Staging, twins: Any) -> None:
                 logger.exception("could not point a mix built on the GPU at its CPU copy; it keeps its GPU memory")
 
     threading.Thread(target=build, name="vllm-lora-ext-mix-twins", daemon=True).start()
+
+
+def twins_from_gpu(staging: Staging, regions: list[tuple[torch.dtype, tuple[int, ...]]], *,
+                   context: int | None = None) -> list[torch.Tensor] | None:
+    """The CPU twins of a composite built on the GPU, copied back from it: one DMA into a pinned host arena.
+
+    ``regions`` gives each region's dtype and shape, in the order of ``staging.starts``. The twins are the
+    GPU bytes themselves, so they equal the GPU tensors bit for bit, and building them costs the CPU no copy
+    (a CPU concatenation of the same composite takes 80-100 ms on an H100 host, and competes with the engine
+    for the CPU meanwhile). ``None`` where host arenas are off or the arena cannot be pinned (the caller then
+    concatenates on the CPU). Runs on a helper thread: ``context`` is the worker's CUDA context.
+    """
+    from vllm_lora_ext.constants import host_arenas_enabled
+    from vllm_lora_ext.integration._compat import pin_in_place
+    from vllm_lora_ext.transport.cuda import kept_host_arena
+
+    if not host_arenas_enabled() or staging.nbytes == 0:
+        return None
+    arena = kept_host_arena(staging.nbytes, device=staging.buffer.device)  # the DMA below writes every byte
+    try:
+        flat = arena.empty((staging.nbytes,), torch.uint8)
+        # Fault the pages in here, on this helper thread: registering memory not yet touched makes the driver
+        # fault and zero it inside the call, which may hold up the engine thread's CUDA calls meanwhile.
+        flat[::4096].zero_()
+        if not arena.holds(flat) or not pin_in_place(arena, context=context):
+            return None
+        device = staging.buffer.device
+        stream = _side_stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            flat.copy_(staging.buffer, non_blocking=True)
+        stream.synchronize()
+        return [view_at(flat, start, dtype, shape) for start, (dtype, shape) in zip(staging.starts, regions)]
+    finally:
+        arena.close()

@@ -1,0 +1,378 @@
+"""Arenas: the memory a build's tensors are made in, as views of one mapping, 64-byte aligned.
+
+One [`Arena`] type, two backings chosen at construction. [`HostArena`] (``Arena.anonymous``): an anonymous
+mapping on transparent huge pages, for builds in the worker; its memory is returned when the last view is gone.
+[`SharedArena`] (``Arena.in_file``): a new file (in ``/dev/shm`` where it fits), for builds in a build process,
+whose tensors are then handed over without a copy (``transport.handover``). Each keeps one spare for the next
+arena, by the one policy of ``transport.spare``: the process's anonymous mapping ([`prepare_spare`], and memory
+kept once released), and per build process a file with its pages taken ([`ArenaSupply`]).
+
+Reading an adapter from the page cache into fresh memory costs more in page faults than in copying: a fresh
+4 KiB page is faulted, zeroed and mapped before the read can fill it. On the lent H200 host a 1.6 GB read on
+4 threads took 0.41 s into ``torch.empty`` memory, 0.17 s into memory advised ``MADV_HUGEPAGE`` and 0.10 s into
+memory touched before; a 281 MiB copy took 0.157 s, 0.080 s and 0.059 s (``bench/probe_host_memory.py``,
+``bench/results/probe_host_memory_h200.json``). A [`HostArena`] is that huge-page memory, sized for one build,
+whose tensors are views that keep it alive.
+
+An arena is also one contiguous range, which a GPU worker can pin in place in one call (``cudaHostRegister``:
+0.04 s for 1.6 GB of huge pages on that host, against 0.30 s for vLLM's ``pin_memory()`` copy). Hooks given to
+[`Arena.on_release`] run when the last view is gone and before the mapping is unmapped, which is where such
+a registration is undone. This module has no CUDA code; ``transport.cuda`` pins.
+
+A mix's composite is rebuilt for every new set of weights, each time into fresh memory (faults, then a
+registration). One mapping can therefore be kept ready ([`prepare_spare`]), or kept once released, for the next
+arena of about its size that asks for it (``reuse``): its pages are taken and it stays pinned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from vllm_lora_ext.constants import build_dir, host_spare_bytes
+from vllm_lora_ext.sharedfiles import reserve_when_tight
+from vllm_lora_ext.transport.files import owned_name, shared_dir
+from vllm_lora_ext.transport.spare import Spare
+
+__all__ = ["ALIGN", "HUGE_PAGE", "Arena", "ArenaSupply", "HostArena", "SharedArena", "aligned", "clear_spare",
+           "huge_pages_offered", "prepare_spare"]
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20  # the x86-64 and arm64 (4 KiB base pages) transparent huge page
+ALIGN = 64  # every tensor in an arena (host or shared file) starts on a 64-byte boundary: any dtype's view is aligned
+
+
+def aligned(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``to`` ([`ALIGN`] unless given).
+
+    Example:
+        >>> aligned(1), aligned(64), aligned(65), aligned(65, 256)
+        (64, 64, 128, 256)
+    """
+    return -(-n // to) * to
+
+
+@lru_cache(maxsize=1)
+def huge_pages_offered() -> bool:
+    """Whether the kernel gives transparent huge pages to a mapping that asks (``madvise`` or ``always`` mode).
+
+    Example:
+        >>> isinstance(huge_pages_offered(), bool)
+        True
+    """
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+class _Memory:
+    """One anonymous mapping and what holds it: arenas are carved from it, and it outlives them as the spare.
+
+    ``hooks`` run when the mapping is finally unmapped, not when an arena over it is released (its memory may
+    be kept as the spare and serve another arena first). ``registered``: bytes from the base page-locked by
+    ``integration`` (0: none), which a reuse keeps.
+    """
+
+    def __init__(self, capacity: int, huge_pages: bool) -> None:
+        self.capacity = capacity
+        self.mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and huge_pages_offered():
+            try:
+                self.mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # refused (e.g. a seccomp filter): ordinary pages, still one range
+                pass
+        # The export keeps the mapping from being closed while this object lives.
+        self._export = ctypes.c_char.from_buffer(self.mapping)
+        self.base = ctypes.addressof(self._export)
+        self.hooks: list[Callable[[], None]] = []
+        self.registered = 0
+
+    def __del__(self) -> None:
+        for hook in getattr(self, "hooks", ()):
+            try:
+                hook()
+            except Exception:  # a hook's failure must not leak the mapping or reach an arbitrary thread's caller
+                logger.exception("a host arena's release hook failed")
+
+
+@lru_cache(maxsize=64)
+def _lease_type(n: int) -> Any:
+    """A ctypes byte array of ``n`` whose instances hand their memory back when they die: the object torch's
+    tensors over an arena keep alive, so its ``__del__`` runs exactly when the last view is gone."""
+    return type("_Lease", (ctypes.c_uint8 * n,), {"__del__": _lease_ended, "__slots__": ()})
+
+
+def _lease_ended(lease: Any) -> None:
+    memory = lease.__dict__.pop("memory", None)
+    if memory is not None and lease.__dict__.get("keep"):
+        try:
+            _SPARE.returned(memory)
+        except Exception:  # the interpreter is ending, say: the memory is simply returned
+            pass
+
+
+class _HostSpare(Spare[_Memory]):
+    """The process's spare anonymous mapping: released (or prepared) memory kept for the next ``reuse`` arena of
+    about its size (at most half again, or one huge page, larger), its pages taken and pinned if they were.
+
+    A mapping touched and pinned before costs an arena neither page faults (about half a fresh arena's fill
+    time) nor a registration. Released arenas' memory is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one
+    mapping at a time, the latest, which is dropped (hooks, then the unmap) when another takes its place.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(slack=lambda needed: max(needed // 2, HUGE_PAGE), let_go=lambda memory: None)
+
+    @property
+    def _memory(self) -> _Memory | None:  # the kept mapping
+        return self._kept
+
+    @property
+    def reused(self) -> int:  # arenas given a kept mapping (tests, logs)
+        return self.taken
+
+    def returned(self, memory: _Memory) -> None:
+        """Keep ``memory`` (an arena's, whose last view is gone) as the spare if it fits the budget; dropped (its
+        hooks run and it is unmapped, unless something still holds it) otherwise, or when displaced.
+
+        No tensor views it any more, but a GPU copy queued from it may still be reading it (vLLM's slot copy of
+        an adapter it has just evicted). On a GPU worker kept memory is taken through
+        ``transport.cuda.kept_host_arena``, which waits for the GPU's queued copies first."""
+        if memory.capacity <= host_spare_bytes():
+            self.keep(memory)
+
+    def prepare(self, capacity: int, ready: Callable[[Arena], object] | None) -> bool:
+        """Make a spare of ``capacity`` bytes on a background thread, its pages touched and ``ready(arena)`` run
+        over it (pinning, where a GPU worker asks), unless one that fits is kept or being made, or it would
+        exceed the budget. Returns whether it started one."""
+        capacity = _pages(capacity)
+        if capacity > host_spare_bytes():
+            return False
+        return self.start(capacity, lambda size: _touched_spare(size, ready), name="vllm-lora-ext-host-spare")
+
+
+def _touched_spare(capacity: int, ready: Callable[[Arena], object] | None) -> None:
+    """An arena's mapping with every page touched and ``ready`` run over it, left to become the spare."""
+    try:
+        arena = Arena.anonymous(capacity, reuse=True, _take=False)
+        assert arena.buffer is not None
+        arena.buffer[::4096].zero_()  # fault every page in here, off the path of the arena that takes it
+        arena.used = arena.capacity
+        if ready is not None:
+            ready(arena)
+        arena.close()  # its lease ends here: the mapping becomes the spare ([`_HostSpare.returned`])
+    except Exception:  # no memory, most likely: arenas are made as they come, as without a spare
+        logger.exception("could not prepare a spare host arena of %d bytes", capacity)
+
+
+_SPARE = _HostSpare()
+
+
+def _forget_spare_in_child() -> None:
+    """After a fork: the child starts with no spare and no preparation under way, and never undoes the parent's
+    registration of a kept mapping (its hooks are dropped)."""
+    memory = _SPARE.forget()
+    if memory is not None:
+        memory.hooks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_spare_in_child)
+
+
+def prepare_spare(capacity: int, *, ready: Callable[[Arena], object] | None = None) -> bool:
+    """Have a host arena of ``capacity`` bytes ready for the next build of that size (see [`_HostSpare.prepare`])."""
+    return _SPARE.prepare(capacity, ready)
+
+
+def clear_spare() -> None:
+    """Drop the kept spare mapping: its memory is returned (after its release hooks)."""
+    _SPARE.clear()
+
+
+def _pages(capacity: int) -> int:
+    return max(HUGE_PAGE, -(-int(capacity) // HUGE_PAGE) * HUGE_PAGE)
+
+
+class Arena:
+    """A bump allocator over one mapping: [`empty`] gives views of it, each 64-byte aligned, and ordinary tensors
+    once it is full or closed. Pages are only taken as tensors are written, so an upper bound is a fine capacity.
+    Thread-safe (MoE blocks are read on several threads). Made by [`anonymous`] (alias [`HostArena`]) or
+    [`in_file`] (alias [`SharedArena`]).
+
+    Example:
+        >>> arena = HostArena(1 << 20)
+        >>> t = arena.empty((4, 8), torch.bfloat16)
+        >>> arena.holds(t), arena.used
+        (True, 64)
+    """
+
+    def __init__(self, buffer: torch.Tensor, *, path: str | None = None, memory: _Memory | None = None,
+                 reused: bool = False) -> None:
+        self.buffer: torch.Tensor | None = buffer
+        self.capacity = int(buffer.numel())
+        self.base = buffer.data_ptr()
+        self.path = path  # the shared file (``in_file``), else None
+        self.memory = memory  # the anonymous mapping (``anonymous``), until closed
+        self.reused = reused  # kept from an earlier arena (its pages taken, pinned if they were)
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def anonymous(cls, capacity: int, *, huge_pages: bool = True, reuse: bool = False, _take: bool = True) -> Arena:
+        """An arena over one anonymous mapping of whole huge pages, advised to use transparent huge pages; its
+        memory is released when the arena is closed and the last view is gone.
+
+        With ``reuse``, the arena may be given the kept spare mapping ([`prepare_spare`], or an earlier ``reuse``
+        arena's memory), pages already taken and still pinned, and its own memory is kept as the spare once
+        released (up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``). Such memory holds an earlier arena's bytes, not
+        zeros: only a caller that writes every byte it reads may ask for it (a mix's concatenation does). On a GPU
+        worker a copy queued from the earlier arena may still be reading it: ``transport.cuda.kept_host_arena``
+        takes such arenas and, whenever ``reused`` is true, waits for the GPU's queued copies before handing it out.
+        """
+        wanted = _pages(capacity)
+        memory = _SPARE.take(wanted) if reuse and _take else None
+        reused = memory is not None
+        if memory is None:
+            memory = _Memory(wanted, huge_pages)
+        lease = _lease_type(memory.capacity).from_address(memory.base)
+        lease.memory, lease.keep = memory, reuse
+        return cls(torch.frombuffer(lease, dtype=torch.uint8), memory=memory, reused=reused)
+
+    @classmethod
+    def in_file(cls, capacity: int, directory: str | None = None, *, populate: bool = False) -> Arena:
+        """An arena over one new shared file in ``directory`` (default [`shared_dir`]), named for this process's
+        owner lock there: tensors built in it are handed over without a copy.
+
+        The file is sparse: pages are only taken as tensors are written, unless its folder is nearly full (then
+        all are taken at once, or ``OSError``) or ``populate`` asks for them now (a spare).
+        """
+        capacity = max(int(capacity), 1)
+        path = owned_name(directory or shared_dir(capacity), "spare-" if populate else "")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, capacity)
+            if populate:  # take every page now: a write then costs a copy and a minor fault, not an allocation
+                os.posix_fallocate(fd, 0, capacity)
+            else:  # sparse, unless the folder is nearly full: then no write through the mapping can meet ENOSPC
+                reserve_when_tight(fd, os.path.dirname(path), capacity)
+            buffer = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(buffer, path=path)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor in the arena (or, once it is full or closed, an ordinary one)."""
+        n = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            offset = self.used
+            buffer = self.buffer
+            if buffer is None or offset + n > self.capacity:
+                return torch.empty(shape, dtype=dtype)
+            self.used = offset + aligned(n)
+        return buffer[offset:offset + n].view(dtype).view(shape)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of this arena's memory."""
+        return t.device.type == "cpu" and self.base <= t.data_ptr() < self.base + self.capacity
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """The byte offset of a contiguous tensor that lies in the (open) arena, else ``None``."""
+        if self.buffer is None or not t.is_contiguous() or t.untyped_storage().data_ptr() != self.base:
+            return None
+        return t.data_ptr() - self.base
+
+    def on_release(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when an anonymous arena's memory is returned: after [`close`] and the last view, before the
+        unmap (later, if the memory is kept as the spare first)."""
+        if self.memory is None:
+            raise RuntimeError("the host arena is closed" if self.path is None else "a shared-file arena has no hooks")
+        self.memory.hooks.append(hook)
+
+    def close(self) -> None:
+        """Give no more memory; the mapping lives on as long as any tensor from it does (a shared file stays for
+        its receiver)."""
+        with self._lock:
+            self.buffer = None
+            self.memory = None
+
+    def discard(self) -> None:
+        """Close, and remove a shared arena's file (a failed build)."""
+        self.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+HostArena = Arena.anonymous
+SharedArena = Arena.in_file
+
+
+class ArenaSupply(Spare[Arena]):
+    """Hands out shared-file arenas ([`SharedArena`]) and keeps one spare ready, its pages already taken.
+
+    Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written: on the dev VM a
+    1.2 GB write took 0.45-0.57 s that way against 0.28-0.31 s into pages taken beforehand (the speed of
+    ordinary memory). A build process takes the spare instead (when it is large enough) and calls
+    [`prepare`] for the next one once the build is answered, while it is idle (preparing during a build
+    only competes with it). The spare is at least ``spare_bytes`` and grows to the largest arena asked
+    for, up to twice ``spare_bytes``; ``spare_bytes=0`` keeps none. Its pages beyond what a build used
+    are given back when ``to_shared`` cuts the file to its size.
+    """
+
+    def __init__(self, spare_bytes: int, directory: str | None = None) -> None:
+        super().__init__(slack=None, let_go=Arena.discard)
+        self.spare_bytes = max(0, int(spare_bytes))
+        self.directory = directory
+        self._largest = self.spare_bytes
+
+    @property
+    def _spare(self) -> Arena | None:  # the spare file's arena
+        return self._kept
+
+    def take(self, needed: int) -> Arena:
+        """An arena of at least ``needed`` bytes: the spare if it is large enough, else a new sparse one."""
+        with self._lock:
+            self._largest = min(max(self._largest, int(needed)), 2 * self.spare_bytes)
+        spare = super().take(needed)
+        return spare if spare is not None else Arena.in_file(needed, self.directory)
+
+    def prepare(self, *, wait: bool = False) -> None:
+        """Make the next spare on a background thread (at once with ``wait``), unless one is ready or coming."""
+        with self._lock:
+            size = self._largest
+        if self.spare_bytes:
+            self.start(size, self._make_file, wait=wait, name="vllm-lora-ext-spare")
+
+    def _make_file(self, size: int) -> Arena | None:
+        try:  # a spare on disk (no room in /dev/shm, no directory set) would only add writes: keep none then
+            directory = self.directory or shared_dir(size)
+            if directory == "/dev/shm" or self.directory or build_dir():
+                return Arena.in_file(size, directory, populate=True)
+        except Exception:  # no room, or anything else: builds use sparse files as before
+            pass
+        return None
+
+    def discard(self) -> None:
+        """Remove the spare (the process is ending); none is kept from now on."""
+        self.spare_bytes = 0
+        self.clear(close=True)
