@@ -25,7 +25,7 @@ from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
                                                 mapper_ignores_expert_numbers, mla_attention_cls, moe_experts_kernel,
                                                 pin_in_place, unstacked_mapper, validate_loaded)
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_ALIASED, TRAIT_MLA, TRAIT_MOE_KERNEL
@@ -95,7 +95,7 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         traits=model_traits(manager), drop_unapplied=drop_unapplied())
 
 
-_TRAITS_ATTR = "_vllm_lora_ext_traits"
+_TRAITS_ATTR = TRAITS_ATTR
 
 
 def model_traits(manager: Any) -> dict[str, str]:

@@ -79,12 +79,12 @@ def _load(engine: Any, pinned: MixSpec, name: str, path: str) -> Any:
     """Register ``pinned`` under an id none of the engine's own adapters holds, load it, and record it there.
 
     The user's own ``LoRARequest``s reach the engine through ``add_request`` (recorded by
-    `plugin.preload_offline`) or ``add_lora`` (listed by the workers): a mix never takes one of their
+    `engine_patches.preload_offline`) or ``add_lora`` (listed by the workers): a mix never takes one of their
     ids, and a later user request reusing the mix's id is refused by ``preload_offline``.
     """
     from vllm.lora.request import LoRARequest
 
-    from vllm_lora_ext.integration.plugin import offline_loaded
+    from vllm_lora_ext.integration.engine_patches import offline_loaded
 
     loaded = offline_loaded(engine)
     listed = set(engine.list_loras()) if callable(getattr(engine, "list_loras", None)) else set()

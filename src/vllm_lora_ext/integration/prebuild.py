@@ -19,12 +19,12 @@ import threading
 from typing import Any
 
 from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PREBUILD_ATTR, PREBUILD_NAMES_ATTR
 from vllm_lora_ext.prebuild import PrebuildTable
 
 logger = logging.getLogger(__name__)
 
-_TABLE_ATTR = "_vllm_lora_ext_prebuild"
+_TABLE_ATTR = PREBUILD_ATTR
 _LOCK = threading.Lock()
 
 
@@ -94,7 +94,7 @@ def _build(manager: Any, path: str) -> Any:
     return lora
 
 
-_NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # pinned source -> the name a probe gave it (for messages)
+_NAMES_ATTR = PREBUILD_NAMES_ATTR  # pinned source -> the name a probe gave it (for messages)
 _MAX_NAMES = 4096
 
 

@@ -56,6 +56,7 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     register_when_free,
     release,
 )
+from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
 from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part
 from vllm_lora_ext.prebuild import RecentlyUsed
@@ -65,9 +66,8 @@ from vllm_lora_ext.resolve import check_allowed_root, pin_path
 logger = logging.getLogger(__name__)
 
 _MAX_MODEL_FIELD = 4096
-# Where a routed request carries its mix's LoRARequest. Set with object.__setattr__, so it lives in the
-# object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
-ROUTED_ATTR = "_vllm_lora_ext_lora_request"
+# A routed request carries its mix's LoRARequest in ROUTED_ATTR, set with object.__setattr__, so it lives in
+# the object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
 # True while the server registers its start-up adapters (--lora-modules, deployment config): those come
 # from the operator, so the allowed-roots rule (for runtime loads by clients) does not apply.
 STARTUP: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_lora_ext_startup", default=False)
@@ -144,7 +144,7 @@ async def load_deployment_adapters(serving_models: Any) -> None:
     if path is None:
         return
     config = read_deployment_config(path)
-    serving_models.vllm_lora_ext_deployment = config
+    setattr(serving_models, DEPLOYMENT_ATTR, config)
     request_cls = load_adapter_request_cls()
     for name, adapter in config.adapters.items():
         if name in serving_models.lora_requests:
@@ -159,7 +159,7 @@ async def load_deployment_adapters(serving_models: Any) -> None:
 
 def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str | None]:
     """Names a request may use: registered adapters (pinned paths) plus the deployment's defaults."""
-    deployment = getattr(models, "vllm_lora_ext_deployment", None)
+    deployment = getattr(models, DEPLOYMENT_ATTR, None)
     sources = {name: req.lora_path for name, req in models.lora_requests.items()
                if not req.lora_path.startswith(MIX_PREFIX)}
     weights: dict[str, float] = {}
