@@ -13,8 +13,8 @@ up to twice that), so that a build's writes do not allocate a page per 4 KiB. A 
 (it imports vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
-The process exits when the worker closes its stdin (or dies). Errors come back as the plugin's own
-typed errors. Each worker has one build process, which runs up to four builds at once (a mix's
+The process exits when the worker closes its stdin (or dies). Errors come back as plain records
+(`errors.error_record`), rebuilt as their own type with their fields (`errors.rebuild_error`). Each worker has one build process, which runs up to four builds at once (a mix's
 components, adapters asked for together): jobs carry a number and answers come back in any order.
 A process that dies fails the builds it had in flight; the next build starts a new one.
 ``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 from vllm_lora_ext.building import (ArenaSupply, BuildJob, BuiltAdapter, SharedTensors, build_adapter, from_shared,
                                    sweep_stale, to_shared, trim_shared)
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_spare_bytes
-from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
+from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
 from vllm_lora_ext.sharedfiles import folder_problem
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
@@ -103,11 +103,7 @@ class _Child:
                 if tag == "ok":
                     future.set_result(payload)
                 else:
-                    try:
-                        future.set_exception(pickle.loads(payload))
-                    except Exception as err:  # an error class this side cannot rebuild
-                        future.set_exception(BuildProcessError(f"the build failed and its error did not come back "
-                                                               f"({type(err).__name__})"))
+                    future.set_exception(rebuild_error(payload))
         except Exception as err:  # its end (EOF) or anything unreadable: every build in flight fails, none hangs
             try:
                 code = self.proc.wait(timeout=10)
@@ -355,13 +351,8 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
                     t1 - t0, time.perf_counter() - t1, shared.size / 2**20, waited,
                     "used" if arenas.taken > spares_before else "none ready")
         message: tuple[Any, ...] = ("ok", number, shared)
-    except BaseException as err:  # sent back typed; the process lives on
-        try:
-            payload = pickle.dumps(err)
-            pickle.loads(payload)
-        except Exception:
-            payload = pickle.dumps(BuildProcessError(f"{type(err).__name__}: {err}"))
-        message = ("err", number, payload)
+    except BaseException as err:  # sent back as a record of its type and fields; the process lives on
+        message = ("err", number, error_record(err))
     finally:
         _gc_hold(-1)
     _send(out, message)

@@ -20,7 +20,7 @@ import torch
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, drop_unapplied, mix_on_gpu, transpose_on_gpu
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
-from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
+from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (bind_worker_gpu, cuda_device_in_use, is_first_model_rank,
                                                 mapper_ignores_expert_numbers, mla_attention_cls, moe_experts_kernel,
@@ -207,7 +207,7 @@ def _outcome(err: BaseException) -> str:
 
     if isinstance(err, (AdapterNotFoundError, LoRAAdapterNotFoundError)):
         return "not_found"
-    return "rejected" if isinstance(err, VllmLoraExtError) else "error"
+    return "rejected" if isinstance(err, VllmLoraExtError) and not isinstance(err, RemoteError) else "error"
 
 
 # What this process's loads read (adapters built, bytes of weights read): worker_state reports it per worker,

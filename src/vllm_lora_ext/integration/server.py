@@ -45,7 +45,9 @@ from vllm_lora_ext.errors import (
     MixCapacityError,
     MixError,
     MixIdCollisionError,
+    RemoteError,
     VllmLoraExtError,
+    error_from_text,
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of, never_generates
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
@@ -86,10 +88,11 @@ def http_error(err: BaseException) -> Any:
         return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
     if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later (issue 41)
         return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
-    if isinstance(err, VllmLoraExtError):
+    if isinstance(err, VllmLoraExtError) and not isinstance(err, RemoteError):
         return error_response(err.client_message(), err_type="BadRequestError", status=400)
     logger.exception("vllm_lora_ext: unexpected error while handling a request")
-    return error_response(f"Internal error in vllm_lora_ext: {type(err).__name__}: {short_repr(str(err))}",
+    kind = err.type_name if isinstance(err, RemoteError) else type(err).__name__
+    return error_response(f"Internal error in vllm_lora_ext: {kind}: {short_repr(str(err))}",
                           err_type="InternalServerError", status=500)
 
 
@@ -245,16 +248,26 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
 
 
 _MAX_BUILD_MESSAGE = 2000
+# vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
+# through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
+_VLLM_NOT_FOUND = "No adapter found"
 
 
 def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
     """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
-    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason."""
-    text = str(err)
+    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason.
+
+    The worker's error is read from its record (`errors.with_record`), which crosses inside the text vLLM hands
+    back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
+    without the plugin, by vLLM's own not-found text.
+    """
+    crossed = error_from_text(str(err))
+    reason = crossed if crossed is not None else err
+    text = str(reason)
     if len(text) > _MAX_BUILD_MESSAGE:
         text = text[:_MAX_BUILD_MESSAGE] + " [...]"
     message = f"Adapter {name!r} could not be loaded: {text}"
-    if "No adapter found" in text:
+    if isinstance(reason, AdapterNotFoundError) or (crossed is None and _VLLM_NOT_FOUND in text):
         return AdapterNotFoundError(message, source=source[:200], public_message=message)
     return AdapterFormatError(message, adapter=name)
 
