@@ -213,7 +213,8 @@ async def ensure_built(engine_client: Any, lora_request: Any) -> None:
     as stock vLLM does.
 
     Raises:
-        Exception: the build failed; the message is the worker's (names the problem and the fix).
+        The worker's error, of its own type with its fields (`errors.with_record` carries them across vLLM's
+        text-only answer), or vLLM's text of it from a worker without the plugin: the build failed.
     """
     if not prebuild_enabled() or not hasattr(engine_client, "add_lora"):
         return
@@ -238,13 +239,24 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + prebuild_wait_seconds()
     delay = 0.005
-    while not await engine_client.add_lora(probe):
+    while not await _probe(engine_client, probe):
         if loop.time() >= deadline:
             logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
                            lora_request.lora_name, prebuild_wait_seconds())
             return
         await asyncio.sleep(delay)
         delay = min(0.025, delay * 1.5)
+
+
+async def _probe(engine_client: Any, probe: Any) -> bool:
+    """Send ``probe``; a failed build raises the worker's own error again, typed from the record its text carries."""
+    try:
+        return bool(await engine_client.add_lora(probe))
+    except Exception as err:
+        crossed = error_from_text(str(err))
+        if crossed is None:
+            raise
+        raise crossed from err
 
 
 _MAX_BUILD_MESSAGE = 2000
