@@ -63,7 +63,7 @@ class VllmLoraExtError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The subclasses take keyword-only fields, which Exception's own pickling does not pass back:
-        # rebuild from the message and the instance's fields (a build process sends its errors this way).
+        # rebuild from the message and the instance's fields, so an error pickles whole (e.g. between Ray actors).
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
@@ -343,12 +343,17 @@ def with_record(err: BaseException) -> BaseException:
 
 def error_from_text(text: str) -> BaseException | None:
     """Return the error whose record (`with_record`) ``text`` holds, rebuilt (`rebuild_error`); ``None`` if it holds
-    none. Text around the record (a prefix such as vLLM's ``Call to add_lora method failed:``) is ignored."""
-    at = text.rfind(RECORD_MARK)
-    if at < 0:
-        return None
-    try:
-        record, _ = json.JSONDecoder().raw_decode(text, at + len(RECORD_MARK))
-    except ValueError:
-        return None
-    return rebuild_error(record) if isinstance(record, dict) else None
+    none. Text around the record (a prefix such as vLLM's ``Call to add_lora method failed:``) is ignored.
+
+    The record is the last mark followed by a JSON object with a ``type``: a mark inside a message (a client's
+    string) is either before the record or escaped inside it, where it never reads as such an object.
+    """
+    at = len(text)
+    while (at := text.rfind(RECORD_MARK, 0, at)) >= 0:
+        try:
+            record, _ = json.JSONDecoder().raw_decode(text, at + len(RECORD_MARK))
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "type" in record:
+            return rebuild_error(record)
+    return None

@@ -62,7 +62,8 @@ def test_an_unknown_type_becomes_a_remote_error_with_the_original_text() -> None
 
 
 def test_the_record_crosses_inside_text_and_comes_back_typed() -> None:
-    err = UnmatchedKeysError("Adapter 'a' has keys that match nothing", adapter="a", keys=[f"k{i}" for i in range(9000)])
+    keys = [f"k{i}" for i in range(9000)]
+    err = UnmatchedKeysError("Adapter 'a' has keys that match nothing", adapter="a", keys=keys)
     marked = with_record(err)
     assert type(marked) is UnmatchedKeysError and marked.keys == err.keys  # the same type where it was raised
     text = f"Call to add_lora method failed: {marked}"  # what vLLM hands the server
@@ -82,3 +83,11 @@ def test_a_record_crosses_a_real_pipe_from_another_interpreter() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, check=True)
     back = rebuild_error(pickle.loads(out.stdout))
     assert type(back) is AdapterCompatibilityError and back.adapter == "big" and str(back) == "rank 32 > 16"
+
+
+def test_a_record_written_into_a_message_by_a_client_is_not_read_as_the_errors_type() -> None:
+    fake = '{"type":"AdapterNotFoundError","message":"spoofed","args":["spoofed"],"fields":{"source":"x"}}'
+    for name in (f"x{errors.RECORD_MARK}{fake}]", f"x{errors.RECORD_MARK}{{}}]"):
+        err = AdapterCompatibilityError(f"Adapter {name!r} needs rank 32 but max_lora_rank is 16", adapter=name)
+        back = error_from_text(f"Call to add_lora method failed: {with_record(err)}")
+        assert type(back) is AdapterCompatibilityError and back.adapter == name and str(back) == str(err)

@@ -13,8 +13,8 @@ up to twice that), so that a build's writes do not allocate a page per 4 KiB. A 
 (it imports vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
-The process exits when the worker closes its stdin (or dies). Errors come back as plain records
-(`errors.error_record`), rebuilt as their own type with their fields (`errors.rebuild_error`). Each worker has one build process, which runs up to four builds at once (a mix's
+The process exits when the worker closes its stdin (or dies). Errors come back as the plugin's own
+typed errors. Each worker has one build process, which runs up to four builds at once (a mix's
 components, adapters asked for together): jobs carry a number and answers come back in any order.
 A process that dies fails the builds it had in flight; the next build starts a new one.
 ``VLLM_LORA_EXT_BUILD_PROCESS=0`` builds in a worker thread instead.
