@@ -234,6 +234,22 @@ def test_a_dotted_read_is_checked_on_the_first_call_and_logged_once(caplog: pyte
         undo(patch.name)
 
 
+def test_each_dotted_read_is_an_attribute_of_the_class_vllm_puts_there() -> None:
+    # What register() cannot check (the objects exist only at run time), checked here on the classes vLLM uses.
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import class_has
+
+    holders = {"_adapter_manager": LRUCacheLoRAModelManager, "model_runner": GPUModelRunner}
+    dotted = [(p.name, path) for p in plugin.PATCHES for path in p.reads if "." in path]
+    assert dotted and {path.split(".")[0] for _, path in dotted} == set(holders)
+    for name, path in dotted:
+        first, _, rest = path.partition(".")
+        assert "." not in rest and class_has(holders[first], rest), (name, path)
+
+
 def test_a_patch_names_one_of_the_three_processes() -> None:
     from vllm_lora_ext.integration import plugin
     from vllm_lora_ext.integration.patching import Patch

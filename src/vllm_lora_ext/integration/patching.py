@@ -120,7 +120,7 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
         raise UnsupportedVLLMError(
             f"vllm_lora_ext cannot patch {patch.name}: its parameters are {have}, without {missing}. This vLLM "
             f"release changed it; install a supported one or set VLLM_LORA_EXT_DISABLE=1.")
-    absent = [name for name in patch.reads if not _class_has(owner, name.partition(".")[0])]
+    absent = [name for name in patch.reads if not class_has(owner, name.partition(".")[0])]
     if absent:
         raise UnsupportedVLLMError(
             f"vllm_lora_ext cannot patch {patch.name}: it reads {absent}, which {owner.__name__} neither defines nor "
@@ -128,7 +128,7 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
     return owner, attr, original
 
 
-def _class_has(cls: Any, name: str) -> bool:
+def class_has(cls: Any, name: str) -> bool:
     """Whether ``cls`` has attribute ``name``, or a method of a class in its MRO assigns ``self.<name>`` (an
     attribute that exists only on instances). A class whose source cannot be read counts as having it."""
     if hasattr(cls, name):
