@@ -16,12 +16,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import dis
 import functools
 import inspect
 import logging
-import re
 import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -129,21 +130,27 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
 
 
 def class_has(cls: Any, name: str) -> bool:
-    """Whether ``cls`` has attribute ``name``, or a method of a class in its MRO assigns ``self.<name>`` (an
-    attribute that exists only on instances). A class whose source cannot be read counts as having it."""
+    """Whether ``cls`` has attribute ``name``, or a method of a class in its MRO stores an attribute ``name``
+    (``self.<name> = ...``: an attribute that exists only on instances), read from the methods' bytecode."""
     if hasattr(cls, name):
         return True
-    assigns = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]+)?=(?!=)")
     for klass in getattr(cls, "__mro__", (cls,)):
-        if klass is object:
-            continue
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            return True  # nothing to check against: the first call checks what it can
-        if assigns.search(source):
-            return True
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            functions = (value.fget, value.fset) if isinstance(value, property) else (value,)
+            codes = [inspect.unwrap(f).__code__ for f in functions if hasattr(inspect.unwrap(f), "__code__")]
+            if any(_stores(code, name) for code in codes):
+                return True
     return False
+
+
+def _stores(code: types.CodeType, name: str) -> bool:
+    if name not in code.co_names and not any(isinstance(c, types.CodeType) for c in code.co_consts):
+        return False
+    if any(ins.opname == "STORE_ATTR" and ins.argval == name for ins in dis.get_instructions(code)):
+        return True
+    return any(_stores(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def missing_reads(obj: Any, patch: Patch) -> list[str]:
