@@ -17,6 +17,8 @@ _MAX_OFFLINE_IDS = 65536
 
 
 def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``LLMEngine.add_request``: preload a request's adapter (`preload_offline`) before queueing it."""
+
     def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
                     lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
         if lora_request is not None:
@@ -68,6 +70,8 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``generate`` (``AsyncLLM``, online beam search): hold the request's mix while its outputs run."""
+
     def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """Hold the request's mix from this call (generation admitted) until its outputs end (``leases.leased``)."""
         from vllm_lora_ext.integration.leases import leased

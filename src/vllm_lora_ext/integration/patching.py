@@ -62,7 +62,7 @@ class Patch:
         delete_when: the upstream change that makes it unnecessary.
         process: the vLLM process the target runs in: ``server`` (the API server's serving objects),
             ``engine`` (an engine client: ``LLMEngine`` offline, ``AsyncLLM`` in the API server) or
-            ``worker`` (the process that owns a GPU and its LoRA manager).
+            ``worker`` (the process that owns a GPU and its LoRA manager); ``worker`` unless named.
         reads: the vLLM private attributes the replacement reads on the patched object, as a path from
             ``self`` (``_adapter_manager._registered_adapters``). The first name is checked on the class
             by `apply_patch` (a class attribute, or one a method of the class assigns to ``self``); the

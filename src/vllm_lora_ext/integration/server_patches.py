@@ -14,6 +14,8 @@ from vllm_lora_ext.integration.patching import DISK_HOLDS_ATTR, PINNED_NAMES_ATT
 
 
 def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``load_lora_adapter``: pin the source, build a new adapter in the background, hold its revision."""
+
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
         from vllm.lora.request import LoRARequest
 
@@ -55,6 +57,8 @@ async def _sync_disk_holds(models: Any) -> None:
 
 
 def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``init_static_loras``: register the deployment config's adapters after vLLM's own."""
+
     async def init_static_loras(self: Any) -> None:
         from vllm_lora_ext.integration.server import STARTUP, load_deployment_adapters
 
@@ -69,6 +73,8 @@ def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``BaseServing._check_model``: route the request's adapter choice (`server.route_adapters`) first."""
+
     async def _check_model(self: Any, request: Any) -> Any:
         from vllm_lora_ext.integration.server import route_adapters
 
@@ -81,6 +87,8 @@ def make_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_maybe_get_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``_maybe_get_adapters``: the ``LoRARequest`` routing attached, else vLLM's lookup."""
+
     def _maybe_get_adapters(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm_lora_ext.integration.server import routed_lora
 
@@ -90,6 +98,8 @@ def make_maybe_get_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
     return _maybe_get_adapters
 
 def make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return the handlers' wrapper: run the request in a lease scope (`leases.request_scope`)."""
+
     async def _with_kv_transfer_rejection_cleanup(self: Any, awaitable: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm_lora_ext.integration.leases import request_scope
 
@@ -100,6 +110,8 @@ def make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``PoolingBaseServing._check_model``: refuse a mix on a pooling route (400)."""
+
     async def _check_model(self: Any, request: Any) -> Any:
         from vllm_lora_ext.integration.leases import refuse_mix
 

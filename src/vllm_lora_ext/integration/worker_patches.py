@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 def make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``WorkerLoRAManager._load_adapter``: take a model built in the background, else build it here."""
+
     def _load_adapter(self: Any, lora_request: Any) -> Any:
         from vllm_lora_ext.integration.loader import load_lora_model
         from vllm_lora_ext.integration.prebuild import take_built
@@ -36,6 +38,8 @@ def _from_other_source(held: Any, lora_request: Any) -> bool:
 
 
 def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``add_adapter``: answer probes, reload an id held for another source, unstage, record residency."""
+
     def add_adapter(self: Any, lora_request: Any) -> Any:
         from vllm_lora_ext.integration.prebuild import answer_probe
         from vllm_lora_ext.integration.resident import note_name, record_residency
@@ -71,6 +75,8 @@ def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``_apply_adapters``: touch the LRU caches for a batch whose adapters are all active."""
+
     def _apply_adapters(self: Any, lora_requests: Any) -> Any:
         """Every step, vLLM calls ``add_adapter`` for each distinct adapter of the batch, which for an adapter
         already active only touches the two LRU caches, through five calls and a copy of the registered set
