@@ -111,7 +111,7 @@ def main() -> None:
 
 def time_admission(calls: int, reps: int) -> dict[str, float]:
     """µs per call of the plugin's ``add_request`` wrapper around a no-op, and of the no-op alone (medians)."""
-    from vllm_lora_ext.integration.plugin import _make_add_request
+    from vllm_lora_ext.integration.engine_patches import make_add_request as _make_add_request
 
     def bare(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
              lora_request: Any = None, *args: Any, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ import pytest
 from factories import make_dense_adapter
 from vllm_lora_ext.constants import PREBUILD_PREFIX
 from vllm_lora_ext.deployment import read_deployment_config
-from vllm_lora_ext.integration import leases, plugin, server
+from vllm_lora_ext.integration import engine_patches, leases, plugin, server
 
 BASE = "base"
 MAX_LEN = 16
@@ -106,7 +106,7 @@ class Engine:
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=list(prompt["prompt_token_ids"]),
                                 prompt_logprobs=None, outputs=[out], finished=last)
 
-    generate = plugin._make_generate(_outputs)
+    generate = engine_patches.make_generate(_outputs)
 
 
 class Renderer:

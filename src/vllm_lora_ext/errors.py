@@ -3,11 +3,19 @@
 Each class also inherits from a builtin so that callers' existing ``except ValueError`` /
 ``except FileNotFoundError`` clauses keep working. Messages follow one template: what failed,
 for which adapter, which source part or key (with the value seen), then the fix.
+
+An error crosses a process as plain data: `error_record` gives its type, message, arguments and fields,
+`rebuild_error` makes the same type again on the other side (this module's errors and Python's builtin
+ones; any other type becomes a [`RemoteError`] with the original text). Where only text can cross (vLLM
+turns a failed engine call into a message), `with_record` puts the record into the error's message and
+`error_from_text` finds it there again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import builtins
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -25,6 +33,7 @@ __all__ = [
     "MixError",
     "MixIdCollisionError",
     "OutputPathError",
+    "RemoteError",
     "SettingsError",
     "BuildProcessError",
     "UnmatchedKeysError",
@@ -32,6 +41,10 @@ __all__ = [
     "UnsupportedVLLMError",
     "VerifyError",
     "VllmLoraExtError",
+    "error_from_text",
+    "error_record",
+    "rebuild_error",
+    "with_record",
 ]
 
 
@@ -50,7 +63,7 @@ class VllmLoraExtError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The subclasses take keyword-only fields, which Exception's own pickling does not pass back:
-        # rebuild from the message and the instance's fields (a build process sends its errors this way).
+        # rebuild from the message and the instance's fields, so an error pickles whole (e.g. between Ray actors).
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
@@ -221,3 +234,133 @@ class SettingsError(VllmLoraExtError, ValueError):
     Raised at start-up (``register()``) for every bad setting at once, so a typo never surfaces later in a
     background build or a request.
     """
+
+
+class RemoteError(VllmLoraExtError, RuntimeError):
+    """An error of a type this package does not define, raised in another process; ``type_name`` names that type
+    (e.g. ``torch.OutOfMemoryError``), the message is its original text and its other fields are attributes.
+    Unexpected, not bad input: a server answers it as an internal error."""
+
+    def __init__(self, message: str, *, type_name: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+
+# ------------------------------------------------------------------------------------------------ across processes
+
+RECORD_MARK = " [vllm_lora_ext error record: "
+_TEXT_LIMIT = 4096  # characters per string and items per list, in a record put into text
+
+
+def _plain(value: Any, limit: int | None) -> Any:
+    """``value`` as JSON data (a value JSON cannot hold becomes its text), strings and lists cut at ``limit``."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return value if limit is None else value[:limit]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value) if limit is None else list(value)[:limit]
+        return [_plain(v, limit) for v in items]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, limit) for k, v in value.items()}
+    return _plain(str(value), limit)
+
+
+def _type_name(cls: type[BaseException]) -> str:
+    if cls.__module__ == __name__:
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def error_record(err: BaseException, *, limit: int | None = None) -> dict[str, Any]:
+    """Return ``err`` as plain data that any process can read: ``{"type", "message", "args", "fields"}``.
+
+    ``type`` is the class name for this module's errors, else ``module.QualName`` (``builtins.OSError``). A
+    [`RemoteError`] keeps the type it stands for. Fields are the instance's attributes; a value JSON cannot hold
+    becomes its text. With ``limit``, strings and lists are cut to that many characters or items.
+
+    Example:
+        >>> rebuild_error(error_record(AdapterFormatError("bad key", adapter="a"))).adapter
+        'a'
+    """
+    fields = {k: _plain(v, limit) for k, v in vars(err).items() if not k.startswith("_")}
+    if isinstance(err, OSError):  # not in its args, and not in its __dict__
+        fields.update({k: _plain(v, limit) for k in ("filename", "filename2") if (v := getattr(err, k)) is not None})
+    name = _type_name(type(err))
+    if isinstance(err, RemoteError):
+        name = err.type_name
+        fields.pop("type_name", None)
+    return {"type": name, "message": _plain(str(err), limit), "args": _plain(err.args, limit), "fields": fields}
+
+
+def _known_type(name: str) -> type[BaseException] | None:
+    cls = globals().get(name) if "." not in name else None
+    if cls is None and name.startswith("builtins."):
+        cls = getattr(builtins, name.removeprefix("builtins."), None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
+
+
+def rebuild_error(record: Mapping[str, Any]) -> BaseException:
+    """Return the error ``record`` (from `error_record`) describes: the same type, message and fields.
+
+    This module's errors and Python's builtin exceptions come back as their own type; any other type, or a
+    record that cannot be rebuilt, as a [`RemoteError`] with the original message and ``type_name``.
+    """
+    name, message = str(record.get("type", "")), str(record.get("message", ""))
+    cls = _known_type(name)
+    fields = dict(record.get("fields") or {})
+    args = tuple(record.get("args") or (message,))
+    if cls is not None and issubclass(cls, VllmLoraExtError) and cls is not RemoteError:
+        return _rebuild(cls, args, fields)
+    if cls is not None and cls.__module__ == "builtins":
+        try:
+            err = cls(*args)
+            for key, value in fields.items():
+                setattr(err, key, value)
+        except Exception:  # a builtin whose arguments did not survive as JSON
+            return _remote(name, message, {})
+        return err
+    return _remote(name, message, fields)
+
+
+def _remote(name: str, message: str, fields: Mapping[str, Any]) -> RemoteError:
+    err = RemoteError(message, type_name=name)
+    err.__dict__.update({k: v for k, v in fields.items() if k not in ("type_name", "public_message")})
+    return err
+
+
+def with_record(err: BaseException) -> BaseException:
+    """Return ``err`` again, of the same type, with its record (`error_record`, long values cut) at the end of its
+    message, for a channel that carries only the text (vLLM's engine calls); `error_from_text` reads it back.
+
+    A type whose message cannot be replaced this way comes back as a [`RemoteError`] naming it.
+    """
+    record = error_record(err, limit=_TEXT_LIMIT)
+    text = f"{record['message']}{RECORD_MARK}{json.dumps(record, separators=(',', ':'))}]"
+    if isinstance(err, VllmLoraExtError):
+        return _rebuild(type(err), (text,), dict(vars(err)))
+    try:
+        marked = type(err)(text)
+    except Exception:
+        marked = None
+    if marked is None or RECORD_MARK not in str(marked):
+        marked = RemoteError(text, type_name=record["type"])
+    return marked
+
+
+def error_from_text(text: str) -> BaseException | None:
+    """Return the error whose record (`with_record`) ``text`` holds, rebuilt (`rebuild_error`); ``None`` if it holds
+    none. Text around the record (a prefix such as vLLM's ``Call to add_lora method failed:``) is ignored.
+
+    The record is the last mark followed by a JSON object with a ``type``: a mark inside a message (a client's
+    string) is either before the record or escaped inside it, where it never reads as such an object.
+    """
+    at = len(text)
+    while (at := text.rfind(RECORD_MARK, 0, at)) >= 0:
+        try:
+            record, _ = json.JSONDecoder().raw_decode(text, at + len(RECORD_MARK))
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "type" in record:
+            return rebuild_error(record)
+    return None

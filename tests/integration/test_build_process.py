@@ -95,6 +95,16 @@ def test_errors_come_back_typed_and_the_process_lives_on(worker_manager: Any, tm
     assert load_lora_model(worker_manager, _request(ok), separate_process=True).loras
 
 
+def test_an_error_of_another_type_comes_back_as_that_type_with_its_text(tmp_path: Path, started: None) -> None:
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    child = build_process._POOL.get()
+    with pytest.raises(Exception) as caught:
+        child.run(_moe_job(folder), "not a mapper", None)  # vLLM's key parser fails on it in the build process
+    assert type(caught.value).__module__ == "builtins" and str(caught.value), caught.value
+    built, _ = build_process.build_elsewhere(_moe_job(folder), VllmKeyRouter(None, None))  # the process lives on
+    assert sorted(built.moe) == sorted(BLOCKS) and build_process._POOL.get() is child
+
+
 def test_a_dead_build_process_fails_its_build_and_the_next_build_starts_a_new_one(tmp_path: Path) -> None:
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
     job, router = _moe_job(folder), VllmKeyRouter(None, None)

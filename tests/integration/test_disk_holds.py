@@ -64,7 +64,7 @@ def _repos(hub: Any, n: int) -> int:
 def _load() -> Any:
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 
-    from vllm_lora_ext.integration.plugin import _make_load_lora_adapter
+    from vllm_lora_ext.integration.server_patches import make_load_lora_adapter as _make_load_lora_adapter
 
     return _make_load_lora_adapter(OpenAIServingModels.load_lora_adapter)
 

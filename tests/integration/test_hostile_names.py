@@ -328,7 +328,7 @@ def test_an_offline_mix_never_takes_an_id_the_users_own_adapter_holds(tmp_path: 
 
     from vllm_lora_ext.errors import MixIdCollisionError
     from vllm_lora_ext.integration import offline
-    from vllm_lora_ext.integration.plugin import preload_offline
+    from vllm_lora_ext.integration.engine_patches import preload_offline
 
     a, b, mine = (str(make_dense_adapter(tmp_path / n, seed=i)) for i, n in enumerate(("a", "b", "mine")))
     engine = _OfflineEngine()

@@ -420,7 +420,7 @@ class _OfflineEngine:
 def test_offline_reuse_of_an_id_for_another_adapter_is_refused(tmp_path: Path) -> None:
     from vllm.lora.request import LoRARequest
 
-    from vllm_lora_ext.integration.plugin import preload_offline
+    from vllm_lora_ext.integration.engine_patches import preload_offline
 
     a, b = make_dense_adapter(tmp_path / "a", seed=1), make_dense_adapter(tmp_path / "b", seed=2)
     engine = _OfflineEngine()

@@ -131,6 +131,10 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     documented = re.findall(r"^\| \d+ \| `([^`]+)` \|", table, re.M)
     assert documented == [p.name for p in plugin.PATCHES]
     assert sorted(applied()) == sorted(documented)
+    from vllm_lora_ext.integration.patch_table import render_patch_table, table_part
+
+    assert table_part(table) == render_patch_table(plugin.PATCHES), \
+        "PATCHES.md differs from plugin.PATCHES: run `python -m vllm_lora_ext.integration.patch_table`"
 
 
 def test_unregister_restores_every_original_and_register_applies_them_again() -> None:
@@ -169,6 +173,90 @@ def test_a_patch_whose_target_changed_signature_is_refused_naming_it() -> None:
     missing = Patch("fake", "WorkerLoRAManager.gone", (), lambda o: o, why="", delete_when="")
     with pytest.raises(UnsupportedVLLMError, match="does not exist in this vLLM"):
         apply_patch(module, missing)
+
+
+def test_a_patch_reading_a_private_attribute_its_class_lacks_is_refused_naming_it() -> None:
+    import types
+
+    from vllm_lora_ext.integration.patching import Patch, apply_patch, undo
+
+    class Manager:
+        table = None  # a class attribute
+
+        def __init__(self) -> None:
+            self._adapter_manager = None  # an attribute only instances have
+
+        def add(self, request):
+            return request
+
+    module = types.ModuleType("fake")
+    module.Manager = Manager
+    gone = Patch("fake", "Manager.add", ("request",), lambda o: o, why="", delete_when="", reads=("_renamed",))
+    with pytest.raises(UnsupportedVLLMError, match="reads \\['_renamed'\\], which Manager neither defines nor sets"):
+        apply_patch(module, gone)
+    assert Manager.add.__name__ == "add"  # nothing was patched
+    found = Patch("fake", "Manager.add", ("request",), lambda o: o, why="", delete_when="",
+                  reads=("table", "_adapter_manager"))
+    try:
+        apply_patch(module, found)
+        assert Manager().add(3) == 3
+    finally:
+        undo(found.name)
+    assert Manager.add.__name__ == "add"
+
+
+def test_a_dotted_read_is_checked_on_the_first_call_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import types
+
+    from vllm_lora_ext.integration.patching import Patch, apply_patch, missing_reads, undo
+
+    class Manager:
+        def __init__(self, inner: object) -> None:
+            self._adapter_manager = inner
+
+        def add(self, request):
+            return request
+
+    module = types.ModuleType("fake")
+    module.Manager = Manager
+    patch = Patch("fake", "Manager.add", ("request",), lambda o: o, why="", delete_when="",
+                  reads=("_adapter_manager", "_adapter_manager._registered"))
+    assert missing_reads(Manager(types.SimpleNamespace(_registered={})), patch) == []
+    assert missing_reads(Manager(object()), patch) == ["_adapter_manager._registered"]
+    try:
+        apply_patch(module, patch)
+        with caplog.at_level(logging.ERROR, logger="vllm_lora_ext.integration.patching"):
+            assert Manager(object()).add(1) == 1 and Manager(object()).add(2) == 2
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "fake.Manager.add reads ['_adapter_manager._registered']" in errors[0]
+    finally:
+        undo(patch.name)
+
+
+def test_each_dotted_read_is_an_attribute_of_the_class_vllm_puts_there() -> None:
+    # What register() cannot check (the objects exist only at run time), checked here on the classes vLLM uses.
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import class_has
+
+    holders = {"_adapter_manager": LRUCacheLoRAModelManager, "model_runner": GPUModelRunner}
+    dotted = [(p.name, path) for p in plugin.PATCHES for path in p.reads if "." in path]
+    assert dotted and {path.split(".")[0] for _, path in dotted} == set(holders)
+    for name, path in dotted:
+        first, _, rest = path.partition(".")
+        assert "." not in rest and class_has(holders[first], rest), (name, path)
+
+
+def test_a_patch_names_one_of_the_three_processes() -> None:
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration.patching import Patch
+
+    assert {p.process for p in plugin.PATCHES} == {"server", "engine", "worker"}
+    with pytest.raises(ValueError, match="process 'gpu'"):
+        Patch("fake", "f", (), lambda o: o, why="", delete_when="", process="gpu")  # type: ignore[arg-type]
 
 
 def test_every_post_load_check_of_vllms_own_loader_runs_in_the_plugins_loader_too() -> None:

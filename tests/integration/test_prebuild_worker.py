@@ -191,6 +191,34 @@ def test_a_failed_background_build_is_a_4xx_naming_the_problem(worker_manager: A
     assert missing.error.code == 404
 
 
+class _TextOnlyEngine(_EngineOnWorker):
+    """As vLLM's engine core client: a failed ``add_lora`` reaches the server as ``Exception(text)`` only."""
+
+    async def add_lora(self, req: Any) -> bool:
+        try:
+            return await super().add_lora(req)
+        except Exception as err:
+            raise Exception(f"Call to add_lora method failed: {err}") from None
+
+
+@pytest.mark.parametrize("engine_type", [_EngineOnWorker, _TextOnlyEngine], ids=["in-process", "text-only"])
+def test_a_failed_background_build_crosses_as_its_type_not_its_text(worker_manager: Any, tmp_path: Path,
+                                                                    engine_type: type) -> None:
+    from vllm_lora_ext.errors import RECORD_MARK, AdapterNotFoundError
+
+    plugin.register()
+    server.reset_registry()
+    big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
+    for path, code, words, error in ((tmp_path / "gone", 404, "does not exist", AdapterNotFoundError),
+                                     (big, 400, "max_lora_rank", AdapterCompatibilityError)):
+        with pytest.raises(error) as caught:  # the worker's own type, with its fields
+            asyncio.run(server.ensure_built(engine_type(worker_manager), _request(path, name="k")))
+        assert RECORD_MARK not in str(caught.value)
+        answer = server.http_error(server.build_failure(caught.value, name="k", source=str(path)))
+        assert answer.error.code == code and words in answer.error.message, answer.error
+        assert "Adapter 'k' could not be loaded" in answer.error.message and RECORD_MARK not in answer.error.message
+
+
 def test_a_request_on_a_registered_adapter_whose_files_broke_gets_a_400_not_a_500(worker_manager: Any,
                                                                                    tmp_path: Path) -> None:
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest

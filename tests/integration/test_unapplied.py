@@ -162,7 +162,7 @@ def test_offline_llm_generate_refuses_it_before_the_request_is_queued(deepseek: 
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration.loader import load_lora_model
-    from vllm_lora_ext.integration.plugin import preload_offline
+    from vllm_lora_ext.integration.engine_patches import preload_offline
 
     engine = SimpleNamespace(add_lora=lambda req: load_lora_model(deepseek, req))  # LLMEngine.add_lora's worker
     with pytest.raises(AdapterCompatibilityError) as e:

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
-from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError
+from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
 from vllm_lora_ext.sharedfiles import folder_problem
 from vllm_lora_ext.transport.arena import ArenaSupply
 from vllm_lora_ext.transport.files import sweep_stale
@@ -106,11 +106,7 @@ class _Child:
                 if tag == "ok":
                     future.set_result(payload)
                 else:
-                    try:
-                        future.set_exception(pickle.loads(payload))
-                    except Exception as err:  # an error class this side cannot rebuild
-                        future.set_exception(BuildProcessError(f"the build failed and its error did not come back "
-                                                               f"({type(err).__name__})"))
+                    future.set_exception(rebuild_error(payload))
         except Exception as err:  # its end (EOF) or anything unreadable: every build in flight fails, none hangs
             try:
                 code = self.proc.wait(timeout=10)
@@ -358,13 +354,8 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
                     t1 - t0, time.perf_counter() - t1, shared.size / 2**20, waited,
                     "used" if arenas.taken > spares_before else "none ready")
         message: tuple[Any, ...] = ("ok", number, shared)
-    except BaseException as err:  # sent back typed; the process lives on
-        try:
-            payload = pickle.dumps(err)
-            pickle.loads(payload)
-        except Exception:
-            payload = pickle.dumps(BuildProcessError(f"{type(err).__name__}: {err}"))
-        message = ("err", number, payload)
+    except BaseException as err:  # sent back as a record of its type and fields; the process lives on
+        message = ("err", number, error_record(err))
     finally:
         _gc_hold(-1)
     _send(out, message)

@@ -20,12 +20,12 @@ import torch
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, drop_unapplied, mix_on_gpu, transpose_on_gpu
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
-from vllm_lora_ext.errors import AdapterNotFoundError, VllmLoraExtError
+from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, mla_attention_cls,
                                                 moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
@@ -96,7 +96,7 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         traits=model_traits(manager), drop_unapplied=drop_unapplied())
 
 
-_TRAITS_ATTR = "_vllm_lora_ext_traits"
+_TRAITS_ATTR = TRAITS_ATTR
 
 
 def model_traits(manager: Any) -> dict[str, str]:
@@ -227,7 +227,7 @@ def _outcome(err: BaseException) -> str:
 
     if isinstance(err, (AdapterNotFoundError, LoRAAdapterNotFoundError)):
         return "not_found"
-    return "rejected" if isinstance(err, VllmLoraExtError) else "error"
+    return "rejected" if isinstance(err, VllmLoraExtError) and not isinstance(err, RemoteError) else "error"
 
 
 # What this process's loads read (adapters built, bytes of weights read): worker_state reports it per worker,

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_lora_ext.constants import deployment_config_path
 from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
+from vllm_lora_ext.errors import error_from_text
 from vllm_lora_ext.mixing import MixComponent, MixSpec, check_weight, resolve_mix
 from vllm_lora_ext.registry import MixRegistry
 from vllm_lora_ext.resolve import resolve_and_check
@@ -79,12 +80,12 @@ def _load(engine: Any, pinned: MixSpec, name: str, path: str) -> Any:
     """Register ``pinned`` under an id none of the engine's own adapters holds, load it, and record it there.
 
     The user's own ``LoRARequest``s reach the engine through ``add_request`` (recorded by
-    `plugin.preload_offline`) or ``add_lora`` (listed by the workers): a mix never takes one of their
+    `engine_patches.preload_offline`) or ``add_lora`` (listed by the workers): a mix never takes one of their
     ids, and a later user request reusing the mix's id is refused by ``preload_offline``.
     """
     from vllm.lora.request import LoRARequest
 
-    from vllm_lora_ext.integration.plugin import offline_loaded
+    from vllm_lora_ext.integration.engine_patches import offline_loaded
 
     loaded = offline_loaded(engine)
     listed = set(engine.list_loras()) if callable(getattr(engine, "list_loras", None)) else set()
@@ -136,4 +137,10 @@ def prefetch(llm: Any, requests: Sequence[Any]) -> None:
         if req is None:
             continue
         req.lora_path = pin_path(req.lora_path, name=req.lora_name)
-        engine.add_lora(probe_for(req))
+        try:
+            engine.add_lora(probe_for(req))
+        except Exception as err:  # an earlier build of it failed: its own error, typed from its record
+            crossed = error_from_text(str(err))
+            if crossed is None:
+                raise
+            raise crossed from err

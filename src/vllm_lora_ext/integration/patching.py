@@ -1,11 +1,14 @@
 """One way to patch vLLM: checked, marked, recorded, and undoable.
 
 Every patch the plugin applies is a [`Patch`] in ``plugin.PATCHES``: the module and attribute it
-replaces, the parameters the original must have (so a vLLM release that changes the signature
-makes ``register()`` refuse, naming the piece, instead of patching blindly), why the patch exists,
-and the upstream change that would let us delete it. `apply_patch` checks all that, marks the
-replacement (``__vllm_lora_ext_patched__``, ``__wrapped__``) and records the original so that
-`undo_all` restores it.
+replaces, the process it runs in, the parameters the original must have and the vLLM private
+attributes the replacement reads (so a vLLM release that changes either makes ``register()`` refuse,
+naming the piece, instead of patching blindly), the attributes it writes onto vLLM objects, why the
+patch exists, and the upstream change that would let us delete it. `apply_patch` checks all that,
+marks the replacement (``__vllm_lora_ext_patched__``, ``__wrapped__``) and records the original so
+that `undo_all` restores it.
+
+The attributes the plugin sets on vLLM objects are named here, once (the ``*_ATTR`` constants).
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import dis
+import functools
 import inspect
 import logging
 import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from vllm_lora_ext.errors import UnsupportedVLLMError
 
@@ -29,6 +35,18 @@ logger = logging.getLogger(__name__)
 PATCH_MARK = "__vllm_lora_ext_patched__"
 IDENTITY_ATTR = "vllm_lora_ext_identity"  # the pinned lora_path a worker's LoRAModel was built from
 STAGED_ATTR = "_vllm_lora_ext_staged"  # on a LoRAModel whose tensors are still on a GPU staging buffer (staging.py)
+PREBUILD_ATTR = "_vllm_lora_ext_prebuild"  # on a WorkerLoRAManager: its table of background builds (prebuild.py)
+PREBUILD_NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # on a WorkerLoRAManager: pinned source -> probe's name
+RESIDENT_NAMES_ATTR = "_vllm_lora_ext_resident_names"  # on a WorkerLoRAManager: lora_int_id -> registered name
+TRAITS_ATTR = "_vllm_lora_ext_traits"  # on a LoRAModelManager: the model traits that decide unapplied keys (loader.py)
+OFFLINE_LOADED_ATTR = "_vllm_lora_ext_loaded"  # on an LLMEngine: {lora_int_id: pinned path} preloaded offline
+ROUTED_ATTR = "_vllm_lora_ext_lora_request"  # on a request object: the LoRARequest its routing chose (server.py)
+DEPLOYMENT_ATTR = "vllm_lora_ext_deployment"  # on OpenAIServingModels: the deployment config (server.py)
+DISK_HOLDS_ATTR = "vllm_lora_ext_disk_holds"  # on OpenAIServingModels: the disk-cache holds of its adapters
+PINNED_NAMES_ATTR = "vllm_lora_ext_pinned_names"  # on OpenAIServingModels: adapters registered at start-up
+
+Process = Literal["server", "engine", "worker"]
+PROCESSES: tuple[Process, ...] = ("server", "engine", "worker")
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,15 @@ class Patch:
         make: ``make(original) -> replacement``.
         why: what would go wrong without it.
         delete_when: the upstream change that makes it unnecessary.
+        process: the vLLM process the target runs in: ``server`` (the API server's serving objects),
+            ``engine`` (an engine client: ``LLMEngine`` offline, ``AsyncLLM`` in the API server) or
+            ``worker`` (the process that owns a GPU and its LoRA manager); ``worker`` unless named.
+        reads: the vLLM private attributes the replacement reads on the patched object, as a path from
+            ``self`` (``_adapter_manager._registered_adapters``). The first name is checked on the class
+            by `apply_patch` (a class attribute, or one a method of the class assigns to ``self``); the
+            rest live on other objects, created at run time, so they are checked on the first call.
+        writes: the attributes the replacement sets on vLLM objects, as ``Class.attribute``.
+        related: the upstream vLLM PR or issue about it, if one is named.
     """
 
     module: str
@@ -50,6 +77,16 @@ class Patch:
     make: Callable[[Callable[..., Any]], Callable[..., Any]]
     why: str
     delete_when: str
+    process: Process = "worker"
+    reads: Sequence[str] = ()
+    writes: Sequence[str] = ()
+    related: str = ""
+
+    def __post_init__(self) -> None:
+        if self.process not in PROCESSES:
+            raise ValueError(f"Patch {self.name}: process {self.process!r} is not one of {PROCESSES}.")
+        if self.reads and "." not in self.target:
+            raise ValueError(f"Patch {self.name}: a module-level function has no 'self' to read {self.reads} on.")
 
     @property
     def name(self) -> str:
@@ -84,7 +121,69 @@ def check_target(module: ModuleType, patch: Patch) -> tuple[Any, str, Any]:
         raise UnsupportedVLLMError(
             f"vllm_lora_ext cannot patch {patch.name}: its parameters are {have}, without {missing}. This vLLM "
             f"release changed it; install a supported one or set VLLM_LORA_EXT_DISABLE=1.")
+    absent = [name for name in patch.reads if not class_has(owner, name.partition(".")[0])]
+    if absent:
+        raise UnsupportedVLLMError(
+            f"vllm_lora_ext cannot patch {patch.name}: it reads {absent}, which {owner.__name__} neither defines nor "
+            f"sets in this vLLM. This vLLM release changed it; install a supported one or set VLLM_LORA_EXT_DISABLE=1.")
     return owner, attr, original
+
+
+def class_has(cls: Any, name: str) -> bool:
+    """Whether ``cls`` has attribute ``name``, or a method of a class in its MRO stores an attribute ``name``
+    (``self.<name> = ...``: an attribute that exists only on instances), read from the methods' bytecode."""
+    if hasattr(cls, name):
+        return True
+    for klass in getattr(cls, "__mro__", (cls,)):
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            functions = (value.fget, value.fset) if isinstance(value, property) else (value,)
+            codes = [inspect.unwrap(f).__code__ for f in functions if hasattr(inspect.unwrap(f), "__code__")]
+            if any(_stores(code, name) for code in codes):
+                return True
+    return False
+
+
+def _stores(code: types.CodeType, name: str) -> bool:
+    if name not in code.co_names and not any(isinstance(c, types.CodeType) for c in code.co_consts):
+        return False
+    if any(ins.opname == "STORE_ATTR" and ins.argval == name for ins in dis.get_instructions(code)):
+        return True
+    return any(_stores(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def missing_reads(obj: Any, patch: Patch) -> list[str]:
+    """Return the attributes of ``patch.reads`` that ``obj`` (an instance of the patched class) lacks."""
+    missing = []
+    for path in patch.reads:
+        value = obj
+        for part in path.split("."):
+            if not hasattr(value, part):
+                missing.append(path)
+                break
+            value = getattr(value, part)
+    return missing
+
+
+def _checked_on_first_call(replacement: Callable[..., Any], patch: Patch) -> Callable[..., Any]:
+    """Wrap ``replacement`` so that its first call checks ``patch.reads`` on the instance (the attributes beyond the
+    class's own, which exist only at run time) and logs one error naming any that are missing; the replacement
+    then runs as it does whenever one is absent (it falls back to vLLM's own path)."""
+    checked = threading.Event()
+
+    @functools.wraps(replacement)
+    def first_call_checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not checked.is_set():
+            checked.set()
+            missing = missing_reads(self, patch)
+            if missing:
+                logger.error("vllm_lora_ext: %s reads %s, which this vLLM's %s lacks; that part of the patch falls "
+                             "back to vLLM's own path. Install a supported vLLM or set VLLM_LORA_EXT_DISABLE=1.",
+                             patch.name, missing, type(self).__name__)
+        return replacement(self, *args, **kwargs)
+
+    return first_call_checked
 
 
 def apply_patch(module: ModuleType, patch: Patch) -> None:
@@ -93,6 +192,8 @@ def apply_patch(module: ModuleType, patch: Patch) -> None:
     if getattr(getattr(owner, attr), PATCH_MARK, False):
         return
     replacement = patch.make(original)
+    if any("." in path for path in patch.reads):
+        replacement = _checked_on_first_call(replacement, patch)
     setattr(replacement, PATCH_MARK, patch.name)
     setattr(replacement, "__wrapped__", original)
     setattr(owner, attr, replacement)
@@ -103,6 +204,14 @@ def apply_patch(module: ModuleType, patch: Patch) -> None:
 def applied() -> list[str]:
     """Return the names of the patches in place, in the order they were applied."""
     return list(_APPLIED)
+
+
+def undo(name: str) -> None:
+    """Restore the one patched attribute ``name`` (a [`Patch`]'s name) to vLLM's original, if it is patched."""
+    found = _APPLIED.pop(name, None)
+    if found is not None:
+        owner, attr, original = found
+        setattr(owner, attr, original)
 
 
 def undo_all() -> None:

@@ -20,12 +20,13 @@ import threading
 from typing import Any
 
 from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR
+from vllm_lora_ext.errors import AdapterNotFoundError, with_record
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PREBUILD_ATTR, PREBUILD_NAMES_ATTR
 from vllm_lora_ext.prebuild import PrebuildTable
 
 logger = logging.getLogger(__name__)
 
-_TABLE_ATTR = "_vllm_lora_ext_prebuild"
+_TABLE_ATTR = PREBUILD_ATTR
 _LOCK = threading.Lock()
 
 
@@ -95,7 +96,7 @@ def _build(manager: Any, path: str) -> Any:
     return lora
 
 
-_NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # pinned source -> the name a probe gave it (for messages)
+_NAMES_ATTR = PREBUILD_NAMES_ATTR  # pinned source -> the name a probe gave it (for messages)
 _MAX_NAMES = 4096
 
 
@@ -103,7 +104,8 @@ def answer_probe(manager: Any, lora_request: Any) -> bool:
     """Answer a probe: ``True`` if built or resident, else start (or continue) the build and answer ``False``.
 
     Raises:
-        The build's error (the server answers the waiting request with it).
+        The build's error, of its own type, with its record in its message (`errors.with_record`): vLLM hands the
+        server only the text of a failed ``add_lora``, and the server reads the type and fields back from it.
     """
     path = lora_request.lora_path[len(PREBUILD_PREFIX):]
     adapter_manager = getattr(manager, "_adapter_manager", None)
@@ -115,7 +117,23 @@ def answer_probe(manager: Any, lora_request: Any) -> bool:
     if len(names) >= _MAX_NAMES:
         names.clear()
     names[path] = str(lora_request.lora_name)
-    return table(manager).poll(path)
+    try:
+        return table(manager).poll(path)
+    except Exception as err:
+        raise _crossing(err) from err
+
+
+def _crossing(err: Exception) -> BaseException:
+    """``err`` as it crosses to the server: vLLM's not-found error as the [`AdapterNotFoundError`] it wraps (the
+    loader raises vLLM's for vLLM's own callers), with its record in its message."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    cause = err.__cause__
+    if isinstance(err, LoRAAdapterNotFoundError) and isinstance(cause, AdapterNotFoundError):
+        text = str(err)
+        return with_record(AdapterNotFoundError(text, source=cause.source, revision=cause.revision,
+                                                public_message=text))
+    return with_record(err)
 
 
 def take_built(manager: Any, lora_request: Any) -> Any | None:

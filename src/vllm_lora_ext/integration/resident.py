@@ -14,12 +14,13 @@ from typing import Any
 
 from vllm_lora_ext.constants import prebuild_builds
 from vllm_lora_ext.integration._compat import has_upstream_residency_metric, is_first_model_rank
+from vllm_lora_ext.integration.patching import RESIDENT_NAMES_ATTR
 from vllm_lora_ext.resident_metric import write_resident
 from vllm_lora_ext.residency import adapter_levels
 
 logger = logging.getLogger(__name__)
 
-_NAMES_ATTR = "_vllm_lora_ext_resident_names"  # lora_int_id -> the adapter name it was registered under
+_NAMES_ATTR = RESIDENT_NAMES_ATTR  # lora_int_id -> the adapter name it was registered under
 
 
 def note_name(manager: Any, lora_request: Any) -> None:

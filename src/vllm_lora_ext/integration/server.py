@@ -47,7 +47,9 @@ from vllm_lora_ext.errors import (
     MixCapacityError,
     MixError,
     MixIdCollisionError,
+    RemoteError,
     VllmLoraExtError,
+    error_from_text,
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of, never_generates
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
@@ -58,6 +60,7 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     register_when_free,
     release,
 )
+from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
 from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part, server_only_prefix
 from vllm_lora_ext.prebuild import RecentlyUsed
@@ -67,9 +70,8 @@ from vllm_lora_ext.resolve import check_allowed_root, pin_path
 logger = logging.getLogger(__name__)
 
 _MAX_MODEL_FIELD = MAX_MODEL_FIELD_CHARS
-# Where a routed request carries its mix's LoRARequest. Set with object.__setattr__, so it lives in the
-# object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
-ROUTED_ATTR = "_vllm_lora_ext_lora_request"
+# A routed request carries its mix's LoRARequest in ROUTED_ATTR, set with object.__setattr__, so it lives in
+# the object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
 # True while the server registers its start-up adapters (--lora-modules, deployment config): those come
 # from the operator, so the allowed-roots rule (for runtime loads by clients) does not apply.
 STARTUP: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_lora_ext_startup", default=False)
@@ -88,10 +90,11 @@ def http_error(err: BaseException) -> Any:
         return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
     if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later (issue 41)
         return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
-    if isinstance(err, VllmLoraExtError):
+    if isinstance(err, VllmLoraExtError) and not isinstance(err, RemoteError):
         return error_response(err.client_message(), err_type="BadRequestError", status=400)
     logger.exception("vllm_lora_ext: unexpected error while handling a request")
-    return error_response(f"Internal error in vllm_lora_ext: {type(err).__name__}: {short_repr(str(err))}",
+    kind = err.type_name if isinstance(err, RemoteError) else type(err).__name__
+    return error_response(f"Internal error in vllm_lora_ext: {kind}: {short_repr(str(err))}",
                           err_type="InternalServerError", status=500)
 
 
@@ -146,7 +149,7 @@ async def load_deployment_adapters(serving_models: Any) -> None:
     if path is None:
         return
     config = read_deployment_config(path)
-    serving_models.vllm_lora_ext_deployment = config
+    setattr(serving_models, DEPLOYMENT_ATTR, config)
     request_cls = load_adapter_request_cls()
     for name, adapter in config.adapters.items():
         if name in serving_models.lora_requests:
@@ -161,7 +164,7 @@ async def load_deployment_adapters(serving_models: Any) -> None:
 
 def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str | None]:
     """Names a request may use: registered adapters (pinned paths) plus the deployment's defaults."""
-    deployment = getattr(models, "vllm_lora_ext_deployment", None)
+    deployment = getattr(models, DEPLOYMENT_ATTR, None)
     sources = {name: req.lora_path for name, req in models.lora_requests.items()
                if not req.lora_path.startswith(MIX_PREFIX)}
     weights: dict[str, float] = {}
@@ -212,7 +215,8 @@ async def ensure_built(engine_client: Any, lora_request: Any) -> None:
     as stock vLLM does.
 
     Raises:
-        Exception: the build failed; the message is the worker's (names the problem and the fix).
+        The worker's error, of its own type with its fields (`errors.with_record` carries them across vLLM's
+        text-only answer), or vLLM's text of it from a worker without the plugin: the build failed.
     """
     if not prebuild_enabled() or not hasattr(engine_client, "add_lora"):
         return
@@ -237,7 +241,7 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + prebuild_wait_seconds()
     delay = 0.005
-    while not await engine_client.add_lora(probe):
+    while not await _probe(engine_client, probe):
         if loop.time() >= deadline:
             logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
                            lora_request.lora_name, prebuild_wait_seconds())
@@ -246,17 +250,38 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
         delay = min(0.025, delay * 1.5)
 
 
+async def _probe(engine_client: Any, probe: Any) -> bool:
+    """Send ``probe``; a failed build raises the worker's own error again, typed from the record its text carries."""
+    try:
+        return bool(await engine_client.add_lora(probe))
+    except Exception as err:
+        crossed = error_from_text(str(err))
+        if crossed is None:
+            raise
+        raise crossed from err
+
+
 _MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
+# vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
+# through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
+_VLLM_NOT_FOUND = "No adapter found"
 
 
 def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
     """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
-    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason."""
-    text = str(err)
+    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason.
+
+    The worker's error is read from its record (`errors.with_record`), which crosses inside the text vLLM hands
+    back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
+    without the plugin, by vLLM's own not-found text.
+    """
+    crossed = error_from_text(str(err))
+    reason = crossed if crossed is not None else err
+    text = str(reason)
     if len(text) > _MAX_BUILD_MESSAGE:
         text = text[:_MAX_BUILD_MESSAGE] + " [...]"
     message = f"Adapter {name!r} could not be loaded: {text}"
-    if "No adapter found" in text:
+    if isinstance(reason, AdapterNotFoundError) or (crossed is None and _VLLM_NOT_FOUND in text):
         return AdapterNotFoundError(message, source=source[:200], public_message=message)
     return AdapterFormatError(message, adapter=name)
 

@@ -1,0 +1,82 @@
+"""The replacements ``plugin.PATCHES`` installs on vLLM's engine clients, in the process that calls them:
+``LLMEngine`` (offline ``LLM``, the caller's process) and ``AsyncLLM`` (the API server process).
+
+Each ``make_*`` takes vLLM's original and returns the replacement; `patching.apply_patch` installs it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vllm_lora_ext.errors import MixIdCollisionError
+from vllm_lora_ext.integration.patching import OFFLINE_LOADED_ATTR
+
+_MAX_OFFLINE_IDS = 65536
+
+
+def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``LLMEngine.add_request``: preload a request's adapter (`preload_offline`) before queueing it."""
+
+    def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
+                    lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if lora_request is not None:
+            preload_offline(self, lora_request)
+        return original(self, request_id, prompt, params, arrival_time, lora_request, *args, **kwargs)
+
+    return add_request
+
+
+def offline_loaded(engine: Any) -> collections.OrderedDict[int, str]:
+    """The adapters an offline engine was given through `preload_offline`: ``{lora_int_id: pinned path}``."""
+    loaded: collections.OrderedDict[int, str] = engine.__dict__.setdefault(OFFLINE_LOADED_ATTR,
+                                                                            collections.OrderedDict())
+    return loaded
+
+
+def preload_offline(engine: Any, lora_request: Any) -> None:
+    """Pin, check and load a request's adapter through ``add_lora`` before the request is queued.
+
+    vLLM loads a request's adapter lazily inside the engine step, where any error kills the
+    engine; loading it here raises in the caller instead. The source is pinned to the resolved
+    commit so the worker (and any reload after eviction) reads exactly these bytes.
+
+    Raises:
+        [`MixIdCollisionError`]: the request's ``lora_int_id`` already names another adapter in this engine.
+        [`AdapterSourceError`], [`AdapterNotFoundError`], [`AdapterFormatError`], ...: the adapter is bad.
+    """
+    from vllm_lora_ext.resolve import pin_path
+
+    loaded = offline_loaded(engine)
+    lora_id = int(lora_request.lora_int_id)
+    if loaded.get(lora_id) == lora_request.lora_path:
+        loaded.move_to_end(lora_id)
+        return
+    pinned = pin_path(lora_request.lora_path, name=lora_request.lora_name)
+    held = loaded.get(lora_id)
+    if held is not None and held != pinned and not getattr(lora_request, "load_inplace", False):
+        raise MixIdCollisionError(
+            f"lora_int_id {lora_id} already names another adapter in this engine ({held[:200]!r}), so adapter "
+            f"{lora_request.lora_name!r} ({pinned[:200]!r}) would be served its tensors. Give each adapter its own "
+            f"lora_int_id (or set load_inplace=True to replace it).")
+    lora_request.lora_path = pinned
+    if held != pinned:
+        engine.add_lora(lora_request)
+    loaded[lora_id] = pinned
+    loaded.move_to_end(lora_id)
+    while len(loaded) > _MAX_OFFLINE_IDS:
+        loaded.popitem(last=False)
+
+
+def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``generate`` (``AsyncLLM``, online beam search): hold the request's mix while its outputs run."""
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Hold the request's mix from this call (generation admitted) until its outputs end (``leases.leased``)."""
+        from vllm_lora_ext.integration.leases import leased
+        from vllm_lora_ext.integration.server import claim_lease
+
+        return leased(original(self, *args, **kwargs), claim_lease(kwargs.get("lora_request")))
+
+    return generate

@@ -1,0 +1,121 @@
+"""The replacements ``plugin.PATCHES`` installs in the API server process: vLLM's OpenAI serving objects
+(adapter loading, start-up adapters, request routing, lease scopes, pooling routes).
+
+Each ``make_*`` takes vLLM's original and returns the replacement; `patching.apply_patch` installs it. The
+work itself is in `integration.server` and `integration.leases`, imported when a replacement first runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_lora_ext.integration.patching import DISK_HOLDS_ATTR, PINNED_NAMES_ATTR
+
+
+def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``load_lora_adapter``: pin the source, build a new adapter in the background, hold its revision."""
+
+    async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        from vllm_lora_ext.integration.server import build_failure, ensure_built, http_error, pre_resolve, recently_used
+
+        await _sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
+        request_or_error = await pre_resolve(request)
+        if not hasattr(request_or_error, "lora_path"):
+            return request_or_error  # an ErrorResponse
+        name, path = request_or_error.lora_name, request_or_error.lora_path
+        if name not in self.lora_requests and path:  # a new adapter: build it off the engine loop first
+            try:
+                await ensure_built(self.engine_client, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
+            except Exception as err:
+                return http_error(build_failure(err, name=name, source=path))
+        result = await original(self, request_or_error, base_model_name)
+        if isinstance(result, str) and path:
+            recently_used(self.engine_client).touch(path)
+            await _sync_disk_holds(self)  # its revision is in use while it stays registered
+        return result
+
+    return load_lora_adapter
+
+
+async def _sync_disk_holds(models: Any) -> None:
+    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix (issue 41)."""
+    import asyncio
+
+    from vllm_lora_ext.diskholds import HeldSources
+    from vllm_lora_ext.diskuse import sync_server_holds
+    from vllm_lora_ext.integration.server import STARTUP
+
+    held = models.__dict__.setdefault(DISK_HOLDS_ATTR, HeldSources())
+    pinned = models.__dict__.setdefault(PINNED_NAMES_ATTR, set())
+    paths = {name: str(req.lora_path) for name, req in list(models.lora_requests.items())}
+    if STARTUP.get():
+        pinned.update(paths)
+    await asyncio.to_thread(sync_server_holds, held, paths, pinned=frozenset(pinned))
+
+
+def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``init_static_loras``: register the deployment config's adapters after vLLM's own."""
+
+    async def init_static_loras(self: Any) -> None:
+        from vllm_lora_ext.integration.server import STARTUP, load_deployment_adapters
+
+        token = STARTUP.set(True)
+        try:
+            await original(self)
+            await load_deployment_adapters(self)
+        finally:
+            STARTUP.reset(token)
+
+    return init_static_loras
+
+
+def make_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``BaseServing._check_model``: route the request's adapter choice (`server.route_adapters`) first."""
+
+    async def _check_model(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.server import route_adapters
+
+        error = await route_adapters(self, request)
+        if error is not None:
+            return error
+        return await original(self, request)
+
+    return _check_model
+
+
+def make_maybe_get_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``_maybe_get_adapters``: the ``LoRARequest`` routing attached, else vLLM's lookup."""
+
+    def _maybe_get_adapters(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.integration.server import routed_lora
+
+        routed = routed_lora(request)
+        return routed if routed is not None else original(self, request, *args, **kwargs)
+
+    return _maybe_get_adapters
+
+def make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return the handlers' wrapper: run the request in a lease scope (`leases.request_scope`)."""
+
+    async def _with_kv_transfer_rejection_cleanup(self: Any, awaitable: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.integration.leases import request_scope
+
+        with request_scope():  # what the request's routing holds is released when its handler returns
+            return await original(self, awaitable, *args, **kwargs)
+
+    return _with_kv_transfer_rejection_cleanup
+
+
+def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``PoolingBaseServing._check_model``: refuse a mix on a pooling route (400)."""
+
+    async def _check_model(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.leases import refuse_mix
+
+        refuse_mix(self, request)
+        return await original(self, request)
+
+    return _check_model
