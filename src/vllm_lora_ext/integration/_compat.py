@@ -35,6 +35,7 @@ GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completion
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
+TRITON_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"  # TritonWNA16Experts (0.26-0.33)
 # Serving classes and request types that never generate (0.26-0.33): a mix named there is checked, never built.
 _NON_GENERATING = (("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization"),
                    ("vllm.entrypoints.scale_out.render.serving", "ServingRender"),

@@ -34,6 +34,7 @@ from vllm_lora_ext.integration._compat import (
     LORA_SHRINK_OP_MODULE,
     POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
+    TRITON_MOE_MODULE,
     WORKER_MANAGER_MODULE,
     check_vllm_version,
 )
@@ -58,6 +59,7 @@ from vllm_lora_ext.integration.patching import (
     undo_all,
     when_imported,
 )
+from vllm_lora_ext.integration.moe_configs import make_try_get_optimal_moe_config
 from vllm_lora_ext.integration.warmup import make_compile_or_warm_up_model
 
 logger = logging.getLogger(__name__)
@@ -175,6 +177,14 @@ PATCHES: tuple[Patch, ...] = (
               "LoRAs (`integration/warmup.py`; VLLM_LORA_EXT_MOE_WARMUP=0 skips it, "
               "VLLM_LORA_EXT_MOE_WARMUP_TOKENS names the token counts)",
           delete_when="vLLM's warm-up runs its dummy LoRAs through the MoE LoRA kernels for eager batch sizes"),
+    Patch(TRITON_MOE_MODULE, "try_get_optimal_moe_config", ("w1_shape", "w2_shape", "top_k", "dtype", "M"),
+          make_try_get_optimal_moe_config, process="worker",
+          why="with LoRA on, an int4/int8 weight-only MoE base that Marlin cannot take runs TritonWNA16Experts, whose "
+              "Triton kernel needs GROUP_SIZE_M; vLLM 0.26's default tile config for small 4-bit batches is the CUDA "
+              "kernel's, without it, so the engine dies at start-up or at its first small batch. Complete such "
+              "configs with vLLM's own Triton defaults (`integration/moe_configs.py`); expert adapters on such a "
+              "base are then refused (`unapplied`: the kernel never reads the LoRA context), others served",
+          delete_when="vLLM's small-batch WNA16 default carries GROUP_SIZE_M (it does in vLLM 0.33)"),
 )
 
 
