@@ -11,6 +11,7 @@ as plain data ([`MixPlan`]).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -24,12 +25,12 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import component_cache_size, host_arena_min_bytes, host_arenas_enabled
-from vllm_lora_ext.integration._compat import pin_in_place
+from vllm_lora_ext.integration._compat import lora_host_memory_pinned, pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import (MixComponent, MixFactor, MixPlan, MixSpec, composite_shapes, concat_many,
                                   largest_magnitude)
 from vllm_lora_ext.transport.arena import prepare_spare
-from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena
+from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena, register_in_place
 from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,9 @@ def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = N
     finally:
         arena.close()
     # The next mix of these components has this size: have its memory touched and pinned by then, off its path.
+    # vLLM's pinning rule is asked here; the transport layer's background thread only registers (no callback up).
     ctx = context if context is not None else cuda_context()
-    prepare_spare(need, ready=lambda spare: pin_in_place(spare, context=ctx))
+    prepare_spare(need, ready=functools.partial(register_in_place, context=ctx) if lora_host_memory_pinned() else None)
     if timings is not None:
         timings["kept"] = float(reused)
     return done
