@@ -26,11 +26,6 @@ import time
 from pathlib import Path
 
 
-# sitecustomize.py there: engines start and stop one at a time across the groups (vLLM's memory profiling
-# fails when another process takes or frees GPU memory meanwhile)
-STARTLOCK = Path(__file__).resolve().parent / "startlock"
-
-
 def _command(group: str, out: Path) -> list[str]:
     if group.startswith("bench:"):
         return [sys.executable, *shlex.split(group[len("bench:"):].replace("{out}", str(out)))]
@@ -56,8 +51,6 @@ def main() -> int:
         folder = work / f"g{i}"
         folder.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(folder / "results.json"),
-                   GPU_RUN_ENGINE_LOCK="/tmp/parallel-groups/engine.lock",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(STARTLOCK), os.environ.get("PYTHONPATH")])),
                    VLLM_LORA_EXT_SERVE_LOG=str(folder / "serve.log"))
         log = (folder / "group.log").open("w")
         log.write(f"$ {group}\n")
