@@ -8,6 +8,12 @@ serve-log folder (the tests' ``record`` fixture and ``vllm_serve`` write there),
         "tests/gpu/test_mla.py" "tests/gpu/test_verify.py tests/gpu/test_moe_warmup.py" \\
         "bench: bench/moe_matrix.py --parallel 3 --out {out}/moe_matrix.json"
 
+Engine-heavy groups do not share a card well: vLLM 0.26 stops an engine's start with "Error in memory profiling"
+when any other process frees GPU memory while it profiles (tests freeing HF models, engines shutting down). On an
+H200, ten groups side by side lost most engine starts that way, and a file lock over engine starts did not help;
+two or three light groups (bench commands with small engines) have worked. Run test files one pytest at a time
+when their results matter.
+
 A group is a space-separated list of test files (run by one pytest), or ``bench:`` and a command (``{out}`` is the
 group's folder). ``$OUT`` receives two files whatever the number of groups (a lent machine returns at most 8):
 ``logs.tgz`` (each group's log and serve logs) and ``results.tgz`` (every JSON a group wrote); the call's output
