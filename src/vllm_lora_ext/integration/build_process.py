@@ -337,7 +337,7 @@ def _gc_hold(delta: int) -> None:
 
 def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply,
             received: float) -> None:
-    from vllm_lora_ext.integration.loader import VllmKeyRouter
+    from vllm_lora_ext.integration.key_router import VllmKeyRouter
 
     _gc_hold(+1)
     trim_fd: int | None = None
@@ -408,7 +408,7 @@ def main() -> None:
     # adapter's build took 1.0-1.3 s here on one thread against 0.55 s in the engine); the reader has its own.
     torch.set_num_threads(_torch_threads())
     from vllm_lora_ext._logging import attach_handler_once
-    from vllm_lora_ext.integration.loader import VllmKeyRouter
+    from vllm_lora_ext.integration.key_router import VllmKeyRouter
 
     attach_handler_once()
     VllmKeyRouter(None, None).module("base_model.model.x.lora_A.weight")  # import vLLM's parser now

@@ -22,9 +22,10 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.integration._compat import (is_first_model_rank, mapper_ignores_expert_numbers, mla_attention_cls,
+from vllm_lora_ext.integration._compat import (is_first_model_rank, mla_attention_cls,
                                                 moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
+from vllm_lora_ext.integration.key_router import VllmKeyRouter
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
@@ -35,8 +36,6 @@ from vllm_lora_ext.validation import ModuleDims
 
 logger = logging.getLogger(__name__)
 
-# Tensors vLLM itself drops on purpose (the base embedding copies PEFT saves with trainable tokens).
-_BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 
 
 def expected_module_names(manager: Any) -> set[str]:
@@ -54,36 +53,6 @@ def expected_module_names(manager: Any) -> set[str]:
         if name.endswith(".experts"):
             names.add(name + ".base_layer")
     return names
-
-
-class VllmKeyRouter:
-    """vLLM's own key parsing (``parse_fine_tuned_lora_name`` with the model's mapper), as a core `KeyRouter`."""
-
-    def __init__(self, mapper: Any, skip_prefixes: list[str] | None) -> None:
-        self.mapper = mapper
-        self.skip_prefixes = skip_prefixes
-
-    def skip(self, key: str) -> bool:
-        from vllm.lora.utils import is_base_embedding_weights
-
-        if is_base_embedding_weights(key) or key.endswith(_BASE_EMBEDDING_SUFFIXES):
-            return True
-        return bool(self.skip_prefixes) and _skipped(key, self.skip_prefixes or [])
-
-    def module(self, key: str) -> str | None:
-        from vllm.lora.utils import parse_fine_tuned_lora_name
-
-        try:
-            return str(parse_fine_tuned_lora_name(key, self.mapper)[0])
-        except ValueError:
-            return None
-
-    def routes_experts_alike(self) -> bool:
-        """Whether per-expert keys that differ only in the expert number get the same answers (see
-        `plan_adapter`): the mapper and the skipped prefixes hold no rule that could tell them apart."""
-        prefixes = self.skip_prefixes or []
-        return (mapper_ignores_expert_numbers(self.mapper)
-                and not any(any(c.isdigit() for c in p) for p in prefixes))
 
 
 def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
@@ -342,11 +311,6 @@ def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: floa
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read%s, %.2f s (%s)",
                 lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
                 ",".join(built.layouts) or "-", built.bytes_read / 2**20, turned, seconds, phases)
-
-
-def _skipped(key: str, prefixes: list[str]) -> bool:
-    bare = key.removeprefix("base_model.model.")
-    return any(f".{p}" in bare or bare.startswith(p) for p in prefixes)
 
 
 def _not_found(exc_type: type[Exception], lora_request: Any, err: Exception) -> Exception:
