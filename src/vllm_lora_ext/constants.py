@@ -126,9 +126,9 @@ def kernel_configs_enabled() -> bool:
 
 def mix_on_gpu() -> bool:
     """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (``VLLM_LORA_EXT_MIX_ON_GPU``,
-    default on; 0 turns it off). On an H100 the GPU build took 11-24 ms in the engine and the new mix's first token
-    came 78-80 ms after a loaded adapter's, against 59-79 ms and 97-104 ms with the CPU build into the kept host
-    arena, in the same runs (``bench/results/new_mix_both_h100_r15b.json``, ``_r15c.json``). A mix that does not
+    default on; 0 turns it off). For four 7B r16 components the GPU build takes 11-24 ms in the engine against
+    59-79 ms for the CPU build into the kept host arena, and brings the new mix's first token about 20 ms sooner
+    (``bench/bench_new_mix.py --mix-on-gpu both``, ``bench/README.md``). A mix that does not
     fit the GPU's free memory or the staging budget is built on the CPU. Background builds use the GPU either way."""
     return _env_on(ENV_MIX_ON_GPU)
 

@@ -64,11 +64,11 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_STAGE_BYTES: ("", "GPU memory a worker may use for built adapters waiting for their slot copy (default 8 "
                           "GiB; 0: never stage)"),
     ENV_TRANSPOSE_ON_GPU: ("=0", "transpose a fused 3D adapter's B factors on the CPU when the worker loads it "
-                                 "(default: on the worker's GPU, the same bytes; an H100 host's 48-layer 3D build"
-                                 " 0.55 → 0.30 s)"),
+                                 "(default: on the worker's GPU, the same bytes; a 48-layer 3D build"
+                                 " takes about half the time)"),
     ENV_MIX_ON_GPU: ("=0", "concatenate a mix loaded in the engine step on the CPU (default: on the worker's GPU,"
-                           " as background builds do, where it fits; on an H100, 11-24 ms against 59-79 ms on the"
-                           " CPU)"),
+                           " as background builds do, where it fits; 11-24 ms against 59-79 ms on the CPU for"
+                           " four 7B r16 components)"),
     ENV_HOST_ARENAS: ("=0", "build adapters and mixes in ordinary torch memory (default: one huge-page host arena"
                             " per build, pinned in place on a GPU worker; see \"Host memory\")"),
     ENV_HOST_ARENA_MIN: ("", "smallest build that gets a host arena (default 4 MiB)"),

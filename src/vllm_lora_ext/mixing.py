@@ -332,9 +332,9 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
 
     ``B·A = Σ c_i·B_i·A_i`` exactly up to one rounding of ``c_i·A_i`` to ``dtype``. The weight goes on ``A``
     because each ``A_i`` lands in whole rows of the result, so scaling it is a contiguous pass, while ``B_i``
-    lands in a few columns of every row: on the dev VM, scaling a (11008, 16) bfloat16 ``B_i`` into such
-    columns took 234 µs against 73 µs for a plain ``torch.cat`` of all four, and 60 µs for scaling the four
-    ``A_i`` into their rows. ``alloc(shape, dtype)`` gives the memory A and B are written to (default: new
+    lands in a few columns of every row: scaling a (11008, 16) bfloat16 ``B_i`` into such columns costs about
+    three plain ``torch.cat`` calls of all four ``B_i``, and about four times scaling the four ``A_i`` into their
+    rows (``bench/probe_mix_copy.py``). ``alloc(shape, dtype)`` gives the memory A and B are written to (default: new
     tensors). Dense factors are ``A (r, in)``, ``B (out, r)``; per-expert ones ``A (E, r, in)``, ``B (E, out, r)``
     (``rank_dim_a=1, rank_dim_b=2``).
 

@@ -10,8 +10,8 @@ last such process exits, in any namespace, and a reboot drops every lock. A swee
 lock knows the owner is gone; one that cannot leaves the files alone.
 
 Names: an owner's tag is ``<pid>.<random hex>``; its lock file is ``<stem><tag>.lock`` and its files
-start with ``<stem><tag>-``. Files named the old way (``<stem><pid>-...``, without the tag's dot) have
-no lock and are never swept.
+start with ``<stem><tag>-``. Files named with a bare pid (``<stem><pid>-...``, no dot in the tag)
+have no lock and are never swept.
 """
 
 from __future__ import annotations

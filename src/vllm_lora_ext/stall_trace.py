@@ -6,8 +6,8 @@ server, the engine core, the workers), a daemon thread that looks at the main th
 such as a copy, a wait for the GIL, or a Python loop in that function), and the main thread is not
 waiting for work (a queue, a selector, a sleep), it logs that stack once, with the stacks of the
 other threads: that is what made the engine or the server stall. When that call returns, it logs
-how long the stall lasted. On the H200 this is how the bench's remaining pauses were traced to Triton
-compiling kernels inside the engine step.
+how long the stall lasted. A pause it finds this way is, for example, Triton compiling a kernel inside
+the engine step.
 """
 
 from __future__ import annotations

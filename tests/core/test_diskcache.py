@@ -6,12 +6,14 @@ Every adapter revision here is a repo ``acme/aNN`` with one commit (weights + co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -372,8 +374,10 @@ def test_an_unreadable_ledger_is_moved_aside_and_what_it_listed_is_never_evicted
     assert [r.repo_id for r in list_cache()] == ["acme/a04"]
 
 
-def _slow_download(hub: Any, repo_id: str) -> tuple[threading.Event, threading.Thread, list[Any]]:
-    """Start a resolve of ``repo_id`` whose weights' bytes wait for the returned gate; return once they are asked."""
+@contextlib.contextmanager
+def _slow_download(hub: Any, repo_id: str) -> Iterator[tuple[threading.Thread, list[Any]]]:
+    """Run a resolve of ``repo_id`` whose weights' bytes wait for a gate; enter once they are asked, and on exit
+    open the gate and wait for the resolve (its result or error is in the list)."""
     gate, out = threading.Event(), []
     hub.gates[f"{repo_id}/adapter_model.safetensors"] = gate
     asked = ("GET", f"/{repo_id}/resolve/main/adapter_model.safetensors")
@@ -389,23 +393,23 @@ def _slow_download(hub: Any, repo_id: str) -> tuple[threading.Event, threading.T
     deadline = time.monotonic() + 20
     while asked not in hub.requests and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert asked in hub.requests
-    return gate, slow, out
+    try:
+        assert asked in hub.requests
+        yield slow, out
+    finally:
+        gate.set()
+        slow.join(30)
+        hub.gates.clear()
 
 
 def test_a_slow_download_never_keeps_a_resolve_of_another_adapter_waiting(
         adapters: dict[str, str], hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     limit = bound(monkeypatch, 3.5)
-    gate, slow, out = _slow_download(hub, "acme/a00")
-    try:
+    with _slow_download(hub, "acme/a00") as (slow, out):
         started = time.monotonic()
         assert resolve_source("hf:acme/a01").weights_path.read_bytes() == weights_of(1)  # while a00 transfers
         assert time.monotonic() - started < 5 and slow.is_alive() and out == []
         assert any(h.reserved and h.reserve_key.startswith("acme/a00@") for h in live_holds_of(isolated_hf_cache))
-    finally:
-        gate.set()
-        slow.join(30)
-        hub.gates.clear()
     assert out[0].weights_path.read_bytes() == weights_of(0)
     assert not any(h.reserved for h in live_holds_of(isolated_hf_cache))  # the reservation ended with the transfer
     assert {r.repo_id for r in list_cache()} == {"acme/a00", "acme/a01"} and disk_bytes(isolated_hf_cache) <= limit
@@ -414,18 +418,13 @@ def test_a_slow_download_never_keeps_a_resolve_of_another_adapter_waiting(
 def test_a_download_in_progress_keeps_its_room_and_another_is_refused_at_once_naming_it(
         adapters: dict[str, str], hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     limit = bound(monkeypatch, 1.5)
-    gate, slow, out = _slow_download(hub, "acme/a00")
-    try:
+    with _slow_download(hub, "acme/a00") as (slow, out):
         started = time.monotonic()
         with pytest.raises(DiskCacheFullError) as e:
             resolve_source("hf:acme/a01")
         assert time.monotonic() - started < 5 and slow.is_alive()
         assert "by other downloads in progress: retry once they finish" in str(e.value) and e.value.in_use >= len(weights_of(0))
         assert not cached(isolated_hf_cache, "acme/a01", adapters["acme/a01"])
-    finally:
-        gate.set()
-        slow.join(30)
-        hub.gates.clear()
     assert out[0].weights_path.read_bytes() == weights_of(0) and disk_bytes(isolated_hf_cache) <= limit
     assert resolve_source("hf:acme/a01").weights_path.read_bytes() == weights_of(1)  # a00 is no longer in use
     assert disk_bytes(isolated_hf_cache) <= limit

@@ -6,7 +6,25 @@ import argparse
 
 from vllm_lora_ext.constants import MAX_EXPERTS
 
-__all__ = ["positive_int", "plural"]
+__all__ = ["add_base_config", "add_output", "add_source", "positive_int", "plural"]
+
+
+def add_source(parser: argparse.ArgumentParser) -> None:
+    """The ``SOURCE`` positional of a subcommand that reads one adapter."""
+    parser.add_argument("source", metavar="SOURCE",
+                        help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
+
+
+def add_output(parser: argparse.ArgumentParser, *, folder: str, over: str) -> None:
+    """``-o/--output DIR`` (``folder``: what the folder holds) and ``--force`` (``over``: what it may replace)."""
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", help=f"{folder}; new or empty")
+    parser.add_argument("--force", action="store_true", help=f"replace the adapter in a non-empty folder or {over}")
+
+
+def add_base_config(parser: argparse.ArgumentParser, *, needed_for: str) -> None:
+    """``--base-config CONFIG``: the base model's config, which gives the sizes ``needed_for`` names."""
+    parser.add_argument("--base-config", default=None, metavar="CONFIG",
+                        help=f"the base model's config.json, its folder, or hf:org/model ({needed_for})")
 
 
 def positive_int(text: str) -> int:

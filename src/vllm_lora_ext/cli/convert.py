@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_lora_ext.cli._args import positive_int
+from vllm_lora_ext.cli._args import add_base_config, add_output, add_source, positive_int
 from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
 from vllm_lora_ext.offline_writes import convert_adapter
 from vllm_lora_ext.outputs import claim_output
@@ -19,12 +19,10 @@ def add_parser(sub: Any) -> None:
                                    "delta is kept exactly, dense modules are copied. Each block's E, H, I and projection "
                                    "names are recorded in the output's weight file, so it converts back bit for bit "
                                    "without --base-config. A dense adapter, or one already in that layout, is refused.")
-    p.add_argument("source", metavar="SOURCE", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors file")
+    add_source(p)
     p.add_argument("--to", choices=["2d", "3d"], required=True, help="the layout to write")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (PEFT format); new or empty")
-    p.add_argument("--force", action="store_true", help="replace the adapter in a non-empty folder or over the source")
-    p.add_argument("--base-config", default=None, metavar="CONFIG",
-                   help="the base model's config.json, its folder, or hf:org/model (sizes of 3D inputs)")
+    add_output(p, folder="output folder (PEFT format)", over="over the source")
+    add_base_config(p, needed_for="sizes of 3D inputs")
     p.add_argument("--num-experts", type=positive_int, default=None, metavar="N", help="the expert count, where nothing else says it")
     p.add_argument("--rename", action="store_true",
                    help="name 2D projections gate_proj/up_proj/down_proj (default: keep the source's, e.g. w1/w3/w2)")

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from vllm_lora_ext.cli._args import plural, positive_int
+from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int
 from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
 from vllm_lora_ext.sources import resolve_source
 from vllm_lora_ext.summary import AdapterSummary, finite_rule, summarize_adapter
@@ -22,12 +22,10 @@ def add_parser(sub: Any) -> None:
                                    "refuse or scale wrongly. A fused 3D adapter's sizes come from --base-config, else "
                                    "from the base model's config.json when its base_model_name_or_path is in the "
                                    "local Hugging Face cache, else from its own shapes where they allow one reading.")
-    p.add_argument("source", metavar="SOURCE", help="hf:org/repo[@rev][:path], a local adapter folder or .safetensors "
-                                                    "file")
+    add_source(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all-modules", action="store_true", help="list every module (default: at most 40 rows)")
-    p.add_argument("--base-config", default=None, metavar="CONFIG",
-                   help="the base model's config.json, its folder, or hf:org/model (MoE sizes for 3D adapters)")
+    add_base_config(p, needed_for="MoE sizes for 3D adapters")
     p.add_argument("--ep-size", type=positive_int, default=None, metavar="N",
                    help="show what each expert-parallel rank would read")
     p.add_argument("--values", action="store_true",

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.cli._args import plural
+from vllm_lora_ext.cli._args import add_base_config, add_output, plural
 from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
 from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
@@ -32,11 +32,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("items", nargs="+", metavar="NAME_OR_SOURCE=WEIGHT",
                    help=f"a name from --config (else {ENV_CONFIG}) or a source; '=WEIGHT' defaults to the config's "
                         f"weight, else 1")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder; new or empty")
-    p.add_argument("--force", action="store_true", help="replace the adapter in a non-empty folder or over a source")
+    add_output(p, folder="output folder", over="over a source")
     p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
-    p.add_argument("--base-config", default=None, metavar="CONFIG",
-                   help="the base model's config.json, its folder, or hf:org/model (needed for 3D MoE inputs)")
+    add_base_config(p, needed_for="needed for 3D MoE inputs")
     p.set_defaults(func=run)
 
 

@@ -1,4 +1,11 @@
-"""vLLM version gate and version differences: the module paths, classes and signatures that moved between releases."""
+"""vLLM version gate and version differences: the module paths, classes and signatures that moved between releases.
+
+[`check_vllm_version`] holds the supported range (0.26 to 0.33). The paths of the modules the plugin patches
+(``*_MODULE``), and the lookups of names that moved or appeared between those releases, are here. This is not
+the only module that imports vLLM: the other ``integration/`` modules import, inside their functions, the vLLM
+names that are the same in every supported release (``LoRARequest``, ``LoRAAdapterNotFoundError``,
+``PEFTHelper``, the LoRA layer and weight classes, the key parser, ``LLM`` in ``verify_run``).
+"""
 
 from __future__ import annotations
 
@@ -122,8 +129,8 @@ def mapper_ignores_expert_numbers(mapper: Any) -> bool:
 
 
 # Modules a build job's pickled key mapper (vLLM's ``WeightsMapper``) needs: a build process imports them while it
-# starts, not while it unpickles its first job. On 0.26 the key parser does not import this one, and the first
-# job waited 0.5-0.6 s for it (on the H200 host and on the dev VM); on 0.33 the parser already has.
+# starts, not while it unpickles its first job. On 0.26 the key parser does not import this one, and importing
+# it inside the first job takes 0.5-0.6 s; on 0.33 the parser imports it already.
 BUILD_JOB_MODULES = ("vllm.model_executor.models.utils",)
 
 

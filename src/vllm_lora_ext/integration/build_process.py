@@ -1,8 +1,8 @@
 """Build adapters in a separate process, so a build never holds the engine thread's GIL.
 
 A background build in a worker thread shares the Python GIL with the engine thread. Its per-key
-Python work (header, planning, checks) then slows every engine step: on an H200, with 32 requests
-decoding, gaps of 0.5–0.7 s while a 37k-key MoE adapter was built. Here each worker starts a build
+Python work (header, planning, checks) then slows every engine step: with 32 requests decoding, building a
+37k-key MoE adapter in a thread leaves gaps of 0.5–0.7 s between their tokens. Here each worker starts a build
 process (``python -m vllm_lora_ext.integration.build_process``) the first time it builds in the
 background, and hands it a `BuildJob`: the model as plain data and vLLM's key mapper. The process
 runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), with per-expert
@@ -370,9 +370,8 @@ _SETTLE_S = 0.5
 def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: ArenaSupply) -> None:
     """Once the worker has the adapter, cut the spare's unused tail and prepare the next spare.
 
-    Not at once: cutting a file takes its inode lock while it frees the tail's pages (0.2-0.3 s for 1.8 GB
-    on the dev VM), and the worker's ``open``/``unlink`` of the same file waited for it, on the new adapter's
-    critical path. The worker removes the file's name once it has mapped it; this waits for that (and
+    Not at once: cutting a file takes its inode lock while it frees the tail's pages (0.2-0.3 s for 1.8 GB),
+    and the worker's ``open``/``unlink`` of the same file would wait for it, on the new adapter's critical path. The worker removes the file's name once it has mapped it; this waits for that (and
     for the worker's staging copy to get going) before touching the file or the memory bus.
     """
     if shared is not None and trim_fd is not None:
@@ -404,8 +403,8 @@ def main() -> None:
         pass
     import torch
 
-    # A few threads for the packing copies (an engine at TP=1 gives torch every core; on the H200 host a 3D
-    # adapter's build took 1.0-1.3 s here on one thread against 0.55 s in the engine); the reader has its own.
+    # A few threads for the packing copies (an engine at TP=1 gives torch every core, and on one thread a 3D
+    # adapter's build takes about twice as long here as in the engine); the reader has its own.
     torch.set_num_threads(_torch_threads())
     from vllm_lora_ext._logging import attach_handler_once
     from vllm_lora_ext.integration.key_router import VllmKeyRouter

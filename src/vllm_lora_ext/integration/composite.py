@@ -198,16 +198,15 @@ def _attach_twins(composite: Any, staged: Any, jobs: Any, dtype: torch.dtype | N
 def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = None,
                 timings: dict[str, float] | None = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
     """[`concat_many`] into one huge-page host arena, pinned in place where vLLM pins LoRA memory: the copy
-    runs at the speed of touched memory (0.08 s against 0.16 s for 281 MiB on an H200 host), vLLM copies
+    runs at the speed of touched memory (about half the time of a copy into fresh memory), vLLM copies
     nothing into pinned memory again, and the slot copy is a DMA. ``timings`` receives the seconds of the
     arena's mapping, the copy and the pinning, and ``kept``: 1.0 where the arena's memory was kept from an earlier
     one (touched, and pinned where it was).
 
     After the copy a spare arena of this size is made in the background, touched and pinned
-    ([`hostmem.prepare_spare`]), so the next mix of these components copies into memory that costs no page
-    faults and no registration: on an H100 host the copy took 79-140 ms into fresh memory and the pinning
-    8-36 ms (``new_mix_h100_r13.json``); one thread of the dev VM copies into touched memory at 14.7 GB/s and
-    scales at 13.5 GB/s, about 20 ms for those bytes.
+    ([`transport.arena.prepare_spare`]), so the next mix of these components copies into memory that costs no
+    page faults and no registration: for a 281 MiB composite that is about 20 ms of copying, against 80-140 ms
+    into fresh memory plus 8-36 ms of pinning (``bench/probe_mix_copy.py``, ``bench/probe_host_memory.py``).
     """
     shapes = composite_shapes(jobs, dtype=dtype)
     need = sum(math.prod(a) * t.itemsize + math.prod(b) * t.itemsize + 128 for a, b, t in shapes.values())

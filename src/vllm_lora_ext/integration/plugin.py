@@ -74,6 +74,14 @@ _BUILT = (f"LoRAModel.{IDENTITY_ATTR}", f"LoRAModel.{STAGED_ATTR}")
 _ADD_ADAPTER_WRITES = (f"WorkerLoRAManager.{PREBUILD_ATTR}", f"WorkerLoRAManager.{PREBUILD_NAMES_ATTR}",
                        f"WorkerLoRAManager.{RESIDENT_NAMES_ATTR}", *_BUILT)
 
+
+def _add_adapter_patch(cls: str, param: str, *, why: str, delete_when: str, related: str) -> Patch:
+    """The row for ``cls.add_adapter``: both worker managers' ``add_adapter`` take the same replacement."""
+    return Patch(WORKER_MANAGER_MODULE, f"{cls}.add_adapter", (param,), worker_patches.make_add_adapter,
+                 process="worker", reads=("_adapter_manager", "_adapter_manager._registered_adapters"),
+                 writes=_ADD_ADAPTER_WRITES, why=why, delete_when=delete_when, related=related)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager._load_adapter", ("lora_request",),
           worker_patches.make_load_adapter, process="worker", reads=("_adapter_manager", "_lora_model_cls"),
@@ -83,26 +91,23 @@ PATCHES: tuple[Patch, ...] = (
           delete_when="never as a whole; parts go as vLLM adds hf: revisions (lora/utils.py), checked MoE layouts and "
                       "per-request mixes",
           related="RFC #51940 (per-request mixes)"),
-    Patch(WORKER_MANAGER_MODULE, "WorkerLoRAManager.add_adapter", ("adapter_request",),
-          worker_patches.make_add_adapter, process="worker",
-          reads=("_adapter_manager", "_adapter_manager._registered_adapters"), writes=_ADD_ADAPTER_WRITES,
-          why="vLLM skips loading an id it holds; an id reused for another source would serve the old tensors. Also "
-              "answers the server's build-ahead probes (background loading) without registering them, and after the "
-              "slot copy points a GPU-staged model back at its CPU tensors. Writes the residency gauge "
-              "(vllm_lora_ext_adapter_resident) after each registration, activation or eviction",
-          delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters off the "
-                      "engine loop",
-          related="vLLM issue #31941 (loading adapters off the engine loop)"),
-    Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager.add_adapter", ("lora_request",),
-          worker_patches.make_add_adapter, process="worker",
-          reads=("_adapter_manager", "_adapter_manager._registered_adapters"), writes=_ADD_ADAPTER_WRITES,
-          why="as WorkerLoRAManager.add_adapter, for the LRU worker manager every engine uses",
-          delete_when="as WorkerLoRAManager.add_adapter", related="as WorkerLoRAManager.add_adapter"),
+    _add_adapter_patch("WorkerLoRAManager", "adapter_request",
+                       why="vLLM skips loading an id it holds; an id reused for another source would serve the old "
+                           "tensors. Also answers the server's build-ahead probes (background loading) without "
+                           "registering them, and after the slot copy points a GPU-staged model back at its CPU "
+                           "tensors. Writes the residency gauge (vllm_lora_ext_adapter_resident) after each "
+                           "registration, activation or eviction",
+                       delete_when="vLLM keys its worker cache on (id, path) or rejects id reuse, and loads adapters "
+                                   "off the engine loop",
+                       related="vLLM issue #31941 (loading adapters off the engine loop)"),
+    _add_adapter_patch("LRUCacheWorkerLoRAManager", "lora_request",
+                       why="as WorkerLoRAManager.add_adapter, for the LRU worker manager every engine uses",
+                       delete_when="as WorkerLoRAManager.add_adapter", related="as WorkerLoRAManager.add_adapter"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager._apply_adapters", ("lora_requests",),
           worker_patches.make_apply_adapters, process="worker",
           reads=("_adapter_manager", "_adapter_manager._registered_adapters", "_adapter_manager._active_adapters"),
           why="host time per decode step grows with the batch's distinct adapters (issue 12 P4): vLLM calls "
-              "add_adapter per adapter every step (about 20 µs each on a 2-core VM, `bench/bench_step_adapters.py`); "
+              "add_adapter per adapter every step (about 20 µs of host time each, `bench/bench_step_adapters.py`); "
               "for a batch whose adapters are all active, touch vLLM's two LRU caches as add_adapter would, without "
               "calling it per adapter; anything else goes through vLLM's path",
           delete_when="vLLM skips re-activating the adapters of a batch that are already active"),

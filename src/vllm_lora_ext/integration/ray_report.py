@@ -2,11 +2,11 @@
 
 Serve's router learns what a replica holds from one place: the ids in the replica's ``@serve.multiplexed``
 loader (loaded or loading), pushed to the controller every 0.1 s. Ray Serve LLM's ``LLMServer`` wraps its LoRA
-downloader in that loader (``self._load_model``), so only ids Ray downloaded were reported; the plugin's ids
-(deployment names, mixes, admitted client sources) were served without it, and a fleet built each of them on
-whichever replica a request happened to reach.
+downloader in that loader (``self._load_model``), so on its own it reports only ids Ray downloaded; the
+plugin's ids (deployment names, mixes, admitted client sources) would be served without it, and a fleet would
+build each of them on whichever replica a request happened to reach.
 
-`LoraExtLLMServer` now passes every id the plugin serves through Ray's loader as well. The downloader Ray wraps
+`LoraExtLLMServer` therefore passes every id the plugin serves through Ray's loader as well. The downloader Ray wraps
 is `_ReportOrDownload`: for an id the plugin serves it answers at once with a `_Held` marker (the adapter itself
 is built by the plugin inside vLLM, on the request's first use), for any other id it is Ray's downloader. So
 the replica reports the id as soon as its first request arrives (while the build runs, "building"), Ray's LRU

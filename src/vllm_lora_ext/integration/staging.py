@@ -197,8 +197,8 @@ def concat_staged(lora_jobs: Any, *, dtype: torch.dtype | None, device: Any) -> 
     """Build a mix's rank concatenation on the GPU: ``{key: (A, B)}`` as views of one staged buffer, or ``None``.
 
     The same result as [`concat_many`] (``A = cat(c_i·A_i)``, ``B = cat(B_i)``, the same ops in the same
-    dtype), for the same ``jobs``, without the CPU copy of every component's bytes into fresh memory (1.1-1.8 s
-    for a 6.3 GB mix on an H200 host). The components go up through the pinned chunks a batch at a time
+    dtype), for the same ``jobs``, without the CPU copy of every component's bytes into fresh memory (more than
+    a second for a 6.3 GB mix). The components go up through the pinned chunks a batch at a time
     and are concatenated on the staging stream; the engine's stream is never used. ``None`` off CUDA, past the
     staging budget, or without room on the GPU: the caller concatenates on the CPU then.
 
@@ -279,8 +279,8 @@ def twins_from_gpu(staging: Staging, regions: list[tuple[torch.dtype, tuple[int,
 
     ``regions`` gives each region's dtype and shape, in the order of ``staging.starts``. The twins are the
     GPU bytes themselves, so they equal the GPU tensors bit for bit, and building them costs the CPU no copy
-    (a CPU concatenation of the same composite takes 80-100 ms on an H100 host, and competes with the engine
-    for the CPU meanwhile). ``None`` where host arenas are off or the arena cannot be pinned (the caller then
+    (a CPU concatenation of the same composite takes about 0.1 s, and competes with the engine for the CPU
+    meanwhile). ``None`` where host arenas are off or the arena cannot be pinned (the caller then
     concatenates on the CPU). Runs on a helper thread: ``context`` is the worker's CUDA context.
     """
     from vllm_lora_ext.constants import host_arenas_enabled

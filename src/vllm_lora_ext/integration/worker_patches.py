@@ -80,7 +80,7 @@ def make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
     def _apply_adapters(self: Any, lora_requests: Any) -> Any:
         """Every step, vLLM calls ``add_adapter`` for each distinct adapter of the batch, which for an adapter
         already active only touches the two LRU caches, through five calls and a copy of the registered set
-        (about 20 µs each on a 2-core VM: 0.68 ms a step for 32 adapters, ``bench/bench_step_adapters.py``).
+        (about 20 µs of host time each: 0.68 ms a step for 32 adapters, ``bench/bench_step_adapters.py``).
         When every adapter of the batch is registered, active, built from the source it is asked for, not
         staged, not a probe and not to be reloaded in place, this touches both caches as that would, in the
         same order, in time independent of how many adapters are registered; anything else goes to vLLM's own

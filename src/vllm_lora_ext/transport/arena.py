@@ -8,14 +8,13 @@ arena, by the one policy of ``transport.spare``: the process's anonymous mapping
 kept once released), and per build process a file with its pages taken ([`ArenaSupply`]).
 
 Reading an adapter from the page cache into fresh memory costs more in page faults than in copying: a fresh
-4 KiB page is faulted, zeroed and mapped before the read can fill it. On the lent H200 host a 1.6 GB read on
-4 threads took 0.41 s into ``torch.empty`` memory, 0.17 s into memory advised ``MADV_HUGEPAGE`` and 0.10 s into
-memory touched before; a 281 MiB copy took 0.157 s, 0.080 s and 0.059 s (``bench/probe_host_memory.py``,
-``bench/results/probe_host_memory_h200.json``). A [`HostArena`] is that huge-page memory, sized for one build,
+4 KiB page is faulted, zeroed and mapped before the read can fill it. A 1.6 GB read on 4 threads takes about
+four times as long into ``torch.empty`` memory as into memory touched before, and about twice as long into
+memory advised ``MADV_HUGEPAGE`` (``bench/probe_host_memory.py``). A [`HostArena`] is that huge-page memory, sized for one build,
 whose tensors are views that keep it alive.
 
 An arena is also one contiguous range, which a GPU worker can pin in place in one call (``cudaHostRegister``:
-0.04 s for 1.6 GB of huge pages on that host, against 0.30 s for vLLM's ``pin_memory()`` copy). Hooks given to
+for 1.6 GB of huge pages, about a seventh of the time of vLLM's ``pin_memory()`` copy). Hooks given to
 [`Arena.on_release`] run when the last view is gone and before the mapping is unmapped, which is where such
 a registration is undone. This module has no CUDA code; ``transport.cuda`` pins.
 
@@ -330,9 +329,8 @@ SharedArena = Arena.in_file
 class ArenaSupply(Spare[Arena]):
     """Hands out shared-file arenas ([`SharedArena`]) and keeps one spare ready, its pages already taken.
 
-    Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written: on the dev VM a
-    1.2 GB write took 0.45-0.57 s that way against 0.28-0.31 s into pages taken beforehand (the speed of
-    ordinary memory). A build process takes the spare instead (when it is large enough) and calls
+    Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written, which makes a 1.2 GB
+    write take about 1.7 times as long as into pages taken beforehand (the speed of ordinary memory). A build process takes the spare instead (when it is large enough) and calls
     [`prepare`] for the next one once the build is answered, while it is idle (preparing during a build
     only competes with it). The spare is at least ``spare_bytes`` and grows to the largest arena asked
     for, up to twice ``spare_bytes``; ``spare_bytes=0`` keeps none. Its pages beyond what a build used

@@ -100,9 +100,8 @@ def turn_on_gpu(device: torch.device, raw: torch.Tensor, out: torch.Tensor, rows
 # The streams `turn_on_gpu` works on, per GPU. A transpose's two temporaries come from its stream, and torch's
 # allocator keeps their blocks cached for that stream: with 8 streams, at most 8 x 2 x the largest tensor turned
 # stay cached, whichever threads ran them (mix components load on new threads). On one shared stream each copy
-# back waited for the others' queued work: on an H100 host a 4-thread 3D build took 0.45 s that way against
-# 0.52 s on the CPU, and 0.30 s against 0.55 s on streams of their own
-# (``bench/results/read_threads_gpu_h100host_r16b.json``, ``_r16c.json``).
+# back waits for the others' queued work, which leaves a 4-thread 3D build barely faster than on the CPU; on
+# streams of their own it takes about half the CPU's time (``bench/probe_read_threads.py``).
 _TURNING_STREAMS = 8
 
 
@@ -120,9 +119,9 @@ def bind_worker_gpu(device: Any) -> bool:
 
     A helper thread (a mix's component loads, background builds) starts with no CUDA context, and
     [`register_in_place`] then leaves an adapter's host arena pageable. vLLM's ``from_lora_tensors`` next copies
-    every factor into pinned memory of its own, one tensor at a time: on an H100 a 70 MiB 7B component took 0.65 s
-    to wrap this way against 0.01 s on the worker's thread, and a mix built on the GPU then went up in 1,792 copies
-    instead of one per component (``new_mix_gpu_diag_h100_r15.json``). Setting the device binds its primary
+    every factor into pinned memory of its own, one tensor at a time: a 70 MiB 7B component takes 0.65 s to wrap
+    this way against 0.01 s on the worker's thread, and a mix built on the GPU then goes up in 1,792 copies
+    instead of one per component. Setting the device binds its primary
     context, the one torch made for the worker already. No-op (``False``) off CUDA, before the worker used CUDA,
     or for a CUDA device without an index.
     """
@@ -173,8 +172,8 @@ def kept_host_arena(nbytes: int, *, device: Any = None) -> HostArena:
 def register_in_place(arena: Any, *, context: int | None = None) -> bool:
     """Page-lock the used part of a host arena for the GPUs, in place; return whether it did.
 
-    From pageable memory a host-to-GPU copy goes through the driver's bounce buffers (0.24 s for 1.6 GB on an
-    H200 host, against 0.03 s from pinned memory), and ``pin_memory()`` copies (0.30 s for 1.6 GB). Registering
+    From pageable memory a host-to-GPU copy goes through the driver's bounce buffers (0.24 s for 1.6 GB,
+    against 0.03 s from pinned memory), and ``pin_memory()`` copies (0.30 s for 1.6 GB). Registering
     the arena (``cuMemHostRegister``: 0.04 s for 1.6 GB of huge pages) makes its tensors pinned where they are:
     ``pin_memory()`` returns them as they are, and a copy from them is a DMA. The registration is undone when the
     arena's memory is returned (its last tensor is gone, and it is not kept as the spare), before the unmap.

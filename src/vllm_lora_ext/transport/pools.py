@@ -1,13 +1,12 @@
 """Process-wide thread pools for the plugin's reads, scans and copies, whose threads run torch's CPU ops alone.
 
-Two costs are avoided. Starting a pool's threads for every load: on the 2-core dev VM that took 6-12 ms of a
-50 ms expert-parallel read; pools are lent and kept ([`lent_pool`]). And nested parallelism: a vLLM engine process keeps torch's default intra-op
+Two costs are avoided. Starting a pool's threads for every load, which on two cores costs 6-12 ms of a 50 ms
+expert-parallel read; pools are lent and kept ([`lent_pool`]). And nested parallelism: a vLLM engine process keeps torch's default intra-op
 parallelism (an OpenMP team of one thread per core; vLLM lowers it to one only for its multi-process executor),
 so each of a pool's threads would start a team of that size for every op large enough, 4 × 16 threads on a
 16-core host, all copying memory at once. A pool thread here runs its ops on one OpenMP thread: the parallelism
-is the pool's. On the dev VM, with torch's default of 2 threads and runs interleaved, a mix's 281 MiB composite
-on 4 copy threads took 130-147 ms with the default in each thread and 91-101 ms with one; a 12-layer 2D expert
-adapter's build 275-318 ms and 196-229 ms. (The lent GPU hosts have 16 cores; this was not measured there.)
+is the pool's. Even with torch's default of 2 threads, a mix's 281 MiB composite on 4 copy threads takes about
+1.4 times as long with the default in each thread as with one, and a 12-layer 2D expert adapter's build too.
 
 The setting is OpenMP's per-thread one (``omp_set_num_threads`` on the pool's thread), made after torch's own
 per-thread set-up of it (which runs once, on the thread's first use of torch's thread count);

@@ -96,8 +96,8 @@ def _pieces(regions: list[tuple[int, torch.Tensor]], chunk: int) -> Any:
 def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any) -> None:
     """Copy CPU regions into the GPU ``buffer`` through two small pinned chunks, on ``stream``.
 
-    A copy from pageable memory goes through the driver's own staging, which on an H200 held up the
-    engine thread's launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk
+    A copy from pageable memory goes through the driver's own staging, which holds up the engine thread's
+    launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk
     while the other is in flight, and every host-to-device copy is a true asynchronous DMA.
     """
     with _COPY_LOCK:  # one staging copy at a time: the pinned chunks are shared
@@ -144,7 +144,7 @@ def _composite_layout(shapes: Any) -> tuple[dict[Any, tuple[int, int]], list[int
 class _Place(NamedTuple):
     """Where a part's elements are: ``as_strided`` arguments over ``base``, a tensor of the part's dtype on the
     storage holding them. Placement is planned in these integers; tensors are made only for the stacked runs
-    (round 14, H100: building a view per part took 12 ms of a 48 ms GPU build whose DMA takes 5.4 ms)."""
+    (building a view per part costs about twice the DMA of a whole GPU build)."""
 
     base: torch.Tensor
     offset: int  # in elements of base's dtype, from the storage's start
@@ -226,7 +226,7 @@ def _upload_and_place(moves: list[tuple[torch.Tensor, _Place, float | None]], sc
     one DMA of the span they share, rather than one per part; the rest one by one (pageable ones through
     the pinned bounce chunks). Each batch is then placed with one ``_foreach_copy_`` and each ``A_i`` scaled
     with one ``mul_``, so a composite of 1,800 parts costs one call per ``A_i`` rather than about ten per part
-    (round 8: 0.08-0.13 s for 224 modules on an H200, almost all of it per-part calls). ``copy`` then ``mul_``
+    (per-part calls cost about 0.1 s for 224 modules). ``copy`` then ``mul_``
     in the destination's dtype is [`concat_factors`]' ``torch.mul(A_i, c, out=...)`` (the product in
     float32, rounded once). The copies into the destinations are queued on ``stream`` after the batch's
     upload and before the next one's, so the scratch is reused in stream order.
@@ -293,8 +293,8 @@ def _stacked(dsts: list[_Place], srcs: list[_Place], scales: list[float | None],
     elements as the pairs one by one. The destinations must not overlap (they are distinct parts of a
     composite); sources may. It is all planned on integers: a tensor is made per run, not per pair. Without
     ``units``, the B's of several components (alike, unscaled) share a group, sorted one component after
-    another, and break into runs where one component ends: a 7B mix of four got 476 runs where it gets 56 with
-    them (371 and 56 on an H100, whose arenas lay the components out a little differently)."""
+    another, and break into runs where one component ends: a 7B mix of four gets about 400 runs without them
+    (how many depends on how the arenas lay the components out) where it gets 56 with them."""
     bases: dict[int, tuple[int, torch.dtype, torch.device]] = {}
 
     def memory(t: torch.Tensor) -> tuple[int, torch.dtype, torch.device]:
