@@ -45,6 +45,7 @@ def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
     import torch
 
     from vllm_lora_ext.mixing import concat_many
+    from vllm_lora_ext.transport import pools
 
     adapters = seven_b_adapters()
     weights = [0.4, 0.3, 0.2, 0.1]
@@ -56,12 +57,12 @@ def cpu_bench(runs: int, workers_list: tuple[int, ...] = ()) -> dict:
 
     def build(workers: int | None, memory: str = "") -> dict:
         if not memory:  # new tensors
-            return concat_many(jobs, dtype=torch.bfloat16, workers=workers)
+            return concat_many(jobs, dtype=torch.bfloat16, workers=workers, pools=pools)
         # The worker's way: one huge-page host arena, fresh, or the spare kept ready after the last build
         arena = hostmem.HostArena(need, reuse=memory == "kept")
         assert arena.reused == (memory == "kept")
         try:
-            return concat_many(jobs, dtype=torch.bfloat16, workers=workers, alloc=arena.empty)
+            return concat_many(jobs, dtype=torch.bfloat16, workers=workers, alloc=arena.empty, pools=pools)
         finally:
             arena.close()
 

@@ -158,6 +158,7 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.formats.moe_plan import plan_experts
     from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
+    from vllm_lora_ext.transport import pools
     from vllm_lora_ext.reader import ReadStats, SafetensorsReader
     from vllm_lora_ext.sources import resolve_source
     from vllm_lora_ext.summary import load_config
@@ -172,7 +173,8 @@ def _plugin_read(folder: Path, *, experts: tuple[int, ...] | None, checks: bool)
     plans = {p: plan_experts(g, MoESpec(p, E, H, I), config=config) for p, g in groups.items()}
     blocks = read_blocks(plans, reader, config=config,
                          experts={p: experts for p in plans} if experts is not None else None,
-                         options=ReadOptions(dtype=torch.bfloat16, check_finite_as="bench" if checks else None))
+                         options=ReadOptions(dtype=torch.bfloat16, check_finite_as="bench" if checks else None,
+                                             pools=pools))
     return blocks, stats.bytes_read
 
 

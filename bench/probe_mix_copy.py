@@ -85,7 +85,7 @@ def main() -> None:
         arena, alloc = memory(kind)
         t0 = time.perf_counter()
         if form == "weight on A":
-            done = concat_many(jobs, dtype=torch.bfloat16, alloc=alloc, workers=workers)
+            done = concat_many(jobs, dtype=torch.bfloat16, alloc=alloc, workers=workers, pools=pools)
         else:
             done = _weight_on_b(jobs, alloc, workers)
         dt = time.perf_counter() - t0

@@ -172,3 +172,30 @@ def gc_paused() -> Iterator[None]:
             _gc_users -= 1
             if _gc_users == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+class FreshPools:
+    """Thread pools made for each call and shut down after it: what the data modules use when their caller lends
+    none. Serving code passes the transport layer's kept pools instead (``vllm_lora_ext.transport.pools``, the same
+    two functions), whose threads also run torch's ops on one OpenMP thread each."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def lent_pool(name: str, workers: int) -> Iterator[Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers, thread_name_prefix=name) as pool:
+            yield pool
+
+    @staticmethod
+    def run_in_pool(name: str, workers: int, fn: Any, items: Any) -> list[Any]:
+        from concurrent.futures import wait
+
+        with FreshPools.lent_pool(name, workers) as pool:
+            futures = [pool.submit(fn, x) for x in items]
+            try:
+                return [f.result() for f in futures]
+            finally:
+                for f in futures:
+                    f.cancel()
+                wait(futures)

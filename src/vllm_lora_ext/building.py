@@ -32,6 +32,7 @@ from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_
 from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
+from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import ALIGN, Arena, ArenaSupply, aligned
 from vllm_lora_ext.validation import check_finite, check_rank_budget
 
@@ -150,7 +151,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                 dense = source.read_many(plan.dense_keys, copy=True)
             check_finite(dense, adapter=job.name)
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name, alloc=alloc, transpose_on=transpose_on,
-                                  fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"))
+                                  fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"),
+                                  pools=pools)
             blocks = read_blocks(plan.moe, source, config=config,
                                  experts={p: job.model.local_experts.get(p) for p in plan.moe}, options=options)
             moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}

@@ -270,7 +270,7 @@ def resolve_mix(adapters: Sequence[str] | None, weights: Sequence[float] | None,
 def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]], *,
                 dtype: torch.dtype | None = None, workers: int | None = None,
                 alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
-                ) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+                pools: Any = None) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
     """Run [`concat_factors`] for many modules at once, ``workers`` threads at a time (torch copies release the GIL).
 
     Args:
@@ -280,14 +280,16 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
             composite is a memory copy of every component factor; one thread does not saturate a host's memory
             bandwidth.
         alloc: gives the memory each result is written to (default: new tensors), e.g. pinned host memory.
+        pools: where the threads come from (``run_in_pool(name, workers, fn, items)``; serving code passes
+            ``vllm_lora_ext.transport.pools``); ``None``: a pool made for the call.
 
     Returns:
         ``{key: (A, B)}`` in the order of ``jobs``.
     """
     import os
 
+    from vllm_lora_ext._util import FreshPools
     from vllm_lora_ext.constants import mix_threads
-    from vllm_lora_ext.transport.pools import run_in_pool
 
     if workers is None:
         workers = mix_threads()
@@ -299,7 +301,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     if n <= 1:
         return {k: one(k) for k in jobs}
-    return dict(zip(jobs, run_in_pool("vllm-lora-ext-mix", n, one, list(jobs))))
+    return dict(zip(jobs, (pools or FreshPools).run_in_pool("vllm-lora-ext-mix", n, one, list(jobs))))
 
 
 def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], rank_dim_a: int, rank_dim_b: int,

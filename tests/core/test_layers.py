@@ -172,3 +172,19 @@ def test_the_leaves_import_only_each_other_and_errors_imports_nothing_of_the_pac
              for a in leaves}
     assert reach == {_short(m): [] for m in leaves}
     assert [b for b in graph[f"{PACKAGE}.errors"] if b.startswith(PACKAGE)] == []
+
+
+# STYLE.md §1: the transport layer (memory, hand-over, pools, CUDA) sits above the data modules (formats, mixing,
+# reader, ...): only the planners above it and the integration reach down into it. Calls that still go up from the
+# data modules are listed here, with the line that makes them; the list may shrink, never grow.
+ABOVE_TRANSPORT = ("integration", "cli", "transport", "building", "planning", "offline_ops", "offline_writes",
+                   "prebuild", "verification")
+KNOWN_UPWARD = {
+    ("reader", "transport.cuda"),  # SafetensorsReader._transposed_on: a fused factor turned on the worker's GPU
+}
+
+
+def test_the_data_modules_never_import_the_transport_layer_above_them() -> None:
+    up = {(_short(a), _short(b)) for a, edges in import_graph().items() for b in edges
+          if _in(b, "transport") and a.startswith(PACKAGE) and not _in(a, *ABOVE_TRANSPORT)}
+    assert up - KNOWN_UPWARD == set()

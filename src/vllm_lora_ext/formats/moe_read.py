@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -75,6 +75,9 @@ class ReadOptions:
         workers: blocks [`read_blocks`] reads at a time (``None``: up to 4, one per core).
         scan_workers: threads [`read_blocks`] scans blocks for NaN/inf on while the next are read (``None``:
             up to 2 of the cores the readers leave).
+        pools: where those threads come from: an object with ``lent_pool(name, workers)`` and
+            ``run_in_pool(name, workers, fn, items)`` (serving code passes ``vllm_lora_ext.transport.pools``, whose
+            pools are kept between loads); ``None``: pools made for the call.
     """
 
     dtype: torch.dtype | None = None
@@ -85,6 +88,7 @@ class ReadOptions:
     transpose_on: torch.device | None = None
     workers: int | None = None
     scan_workers: int | None = None
+    pools: Any = None
 
 
 @dataclass
@@ -366,7 +370,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
-    from vllm_lora_ext.transport.pools import lent_pool, run_in_pool
+    from vllm_lora_ext._util import FreshPools
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
@@ -385,7 +389,8 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     lock = threading.Lock()
 
     per_block = replace(options, check_finite_as=None) if scanning else options  # (scanned on the pool instead)
-    with lent_pool("vllm-lora-ext-scan", scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
+    pools = options.pools if options.pools is not None else FreshPools
+    with pools.lent_pool("vllm-lora-ext-scan", scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
 
         def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
             prefix, plan = item
@@ -403,7 +408,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
             if n <= 1 or len(items) <= 1:
                 out = {p: one((p, pl)) for p, pl in items}
             else:  # (a failed block: the blocks not started are dropped, the running ones finish first)
-                out = dict(zip((p for p, _ in items), run_in_pool("vllm-lora-ext-read", n, one, items)))
+                out = dict(zip((p for p, _ in items), pools.run_in_pool("vllm-lora-ext-read", n, one, items)))
             for prefix, _ in items:
                 bad = scans[prefix].result() if prefix in scans else None
                 if bad is not None:

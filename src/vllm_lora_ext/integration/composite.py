@@ -29,6 +29,7 @@ from vllm_lora_ext.integration._compat import lora_host_memory_pinned, pin_in_pl
 from vllm_lora_ext.integration.moe import packed_layer
 from vllm_lora_ext.mixing import (MixComponent, MixFactor, MixPlan, MixSpec, composite_shapes, concat_many,
                                   largest_magnitude)
+from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import prepare_spare
 from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena, register_in_place
 from vllm_lora_ext.validation import check_finite
@@ -211,13 +212,13 @@ def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = N
     shapes = composite_shapes(jobs, dtype=dtype)
     need = sum(math.prod(a) * t.itemsize + math.prod(b) * t.itemsize + 128 for a, b, t in shapes.values())
     if not host_arenas_enabled() or need < host_arena_min_bytes():
-        return concat_many(jobs, dtype=dtype)
+        return concat_many(jobs, dtype=dtype, pools=pools)
     t0 = time.perf_counter()
     arena = kept_host_arena(need)  # concat_many writes every byte of its tensors
     reused = arena.reused
     try:
         t1 = time.perf_counter()
-        done = concat_many(jobs, dtype=dtype, alloc=arena.empty)
+        done = concat_many(jobs, dtype=dtype, alloc=arena.empty, pools=pools)
         t2 = time.perf_counter()
         pin_in_place(arena, context=context)
         if timings is not None:
