@@ -1,0 +1,15 @@
+"""Review findings on the redesign's merge (issue 38), core side: tests that fail on the merged tree."""
+
+from __future__ import annotations
+
+from vllm_lora_ext.errors import RECORD_MARK, AdapterCompatibilityError, error_from_text, with_record
+
+
+def test_a_deeply_nested_record_in_a_name_does_not_break_reading_the_real_one() -> None:
+    """``error_from_text`` tries every mark from the end; one inside the record (a client's adapter name) followed
+    by deep brackets makes ``json`` raise RecursionError, which it does not catch: the worker's own record, further
+    left, is never read, and the caller (``server._probe``) raises RecursionError instead of the worker's error."""
+    name = "x" + RECORD_MARK + "[" * 2000
+    err = AdapterCompatibilityError(f"Adapter {name!r} needs rank 32 but max_lora_rank is 16", adapter=name)
+    back = error_from_text(f"Call to add_lora method failed: {with_record(err)}")
+    assert type(back) is AdapterCompatibilityError and back.adapter == name
