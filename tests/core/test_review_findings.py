@@ -30,3 +30,13 @@ def test_an_os_error_of_another_module_stays_an_os_error_across_the_build_proces
     err = filelock.Timeout("/cache/.locks/vllm_lora_ext/state.lock")
     assert isinstance(pickle.loads(pickle.dumps(err)), OSError)  # what crossed before
     assert isinstance(rebuild_error(error_record(err)), OSError)
+
+
+def test_a_key_error_crosses_with_a_record_that_can_be_read_back() -> None:
+    """``with_record`` keeps a ``KeyError``'s type (``KeyError(text)``), but ``str`` of a KeyError is the repr of
+    its text: the record's JSON comes out with ``\\'`` escapes, ``error_from_text`` finds none, and the server
+    passes the whole text, record included, into the client's 400 message."""
+    from vllm_lora_ext.errors import with_record
+
+    back = error_from_text(f"Call to add_lora method failed: {with_record(KeyError('model.layers.0.q_proj'))}")
+    assert type(back) is KeyError
