@@ -42,6 +42,7 @@ __all__ = [
     "VerifyError",
     "VllmLoraExtError",
     "error_from_text",
+    "is_rebuilt",
     "error_record",
     "rebuild_error",
     "with_record",
@@ -290,7 +291,9 @@ def error_record(err: BaseException, *, limit: int | None = None) -> dict[str, A
     if isinstance(err, RemoteError):
         name = err.type_name
         fields.pop("type_name", None)
-    return {"type": name, "message": _plain(str(err), limit), "args": _plain(err.args, limit), "fields": fields}
+    base = next((c for c in type(err).__mro__ if c.__module__ == "builtins"), Exception)
+    return {"type": name, "message": _plain(str(err), limit), "args": _plain(err.args, limit), "fields": fields,
+            "base": f"builtins.{base.__name__}"}
 
 
 def _known_type(name: str) -> type[BaseException] | None:
@@ -310,9 +313,16 @@ def rebuild_error(record: Mapping[str, Any]) -> BaseException:
     cls = _known_type(name)
     fields = dict(record.get("fields") or {})
     args = tuple(record.get("args") or (message,))
-    if cls is not None and issubclass(cls, VllmLoraExtError) and cls is not RemoteError:
+    if cls is None or not issubclass(cls, Exception):  # never SystemExit, KeyboardInterrupt, GeneratorExit
+        base = _known_type(str(record.get("base", "")))
+        if base is not None and issubclass(base, OSError):  # an OSError of another module stays an OSError
+            err = base(message)
+            err.type_name = name  # type: ignore[attr-defined]
+            return err
+        return _remote(name, message, fields)
+    if issubclass(cls, VllmLoraExtError) and cls is not RemoteError:
         return _rebuild(cls, args, fields)
-    if cls is not None and cls.__module__ == "builtins":
+    if cls.__module__ == "builtins":
         try:
             err = cls(*args)
             for key, value in fields.items():
@@ -343,7 +353,7 @@ def with_record(err: BaseException) -> BaseException:
         marked = type(err)(text)
     except Exception:
         marked = None
-    if marked is None or RECORD_MARK not in str(marked):
+    if marked is None or str(marked) != text:  # KeyError's str() quotes its text: the record would not read back
         marked = RemoteError(text, type_name=record["type"])
     return marked
 
@@ -352,15 +362,25 @@ def error_from_text(text: str) -> BaseException | None:
     """Return the error whose record (`with_record`) ``text`` holds, rebuilt (`rebuild_error`); ``None`` if it holds
     none. Text around the record (a prefix such as vLLM's ``Call to add_lora method failed:``) is ignored.
 
-    The record is the last mark followed by a JSON object with a ``type``: a mark inside a message (a client's
-    string) is either before the record or escaped inside it, where it never reads as such an object.
+    The record is the last mark followed by a JSON object with a ``type`` (vLLM may add text after it). A mark
+    inside a message (a client's string) lies before the worker's record, or escaped inside its JSON, where it
+    never parses; such marks are passed over. An error read this way is never read again ([`is_rebuilt`]): its
+    text is the original message, which may hold a client's string.
     """
     at = len(text)
     while (at := text.rfind(RECORD_MARK, 0, at)) >= 0:
         try:
             record, _ = json.JSONDecoder().raw_decode(text, at + len(RECORD_MARK))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the decoder's depth
             continue
         if isinstance(record, dict) and "type" in record:
-            return rebuild_error(record)
+            err = rebuild_error(record)
+            err._from_record = True  # type: ignore[attr-defined]
+            return err
     return None
+
+
+def is_rebuilt(err: BaseException) -> bool:
+    """Whether ``err`` was rebuilt from a record (`error_from_text`): its text is the original message, which may
+    hold a client's string, and is never read for a record again."""
+    return bool(getattr(err, "_from_record", False))

@@ -1,4 +1,4 @@
-"""Review findings on the redesign's merge (issue 38), core side: tests that fail on the merged tree."""
+"""Review findings on the redesign's merge (issue 38), core side: each failed on the merged tree, passes since."""
 
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ from vllm_lora_ext.errors import (
     RemoteError,
     VllmLoraExtError,
     error_from_text,
+    is_rebuilt,
 )
 from vllm_lora_ext.integration._compat import error_response, lora_config_of, never_generates
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
@@ -275,13 +276,12 @@ def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtE
     back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
     without the plugin, by vLLM's own not-found text.
     """
-    crossed = error_from_text(str(err))
-    reason = crossed if crossed is not None else err
-    text = str(reason)
-    if len(text) > _MAX_BUILD_MESSAGE:
-        text = text[:_MAX_BUILD_MESSAGE] + " [...]"
+    typed = is_rebuilt(err) or isinstance(err, VllmLoraExtError)  # read once already: never again (a name in it)
+    crossed = None if typed else error_from_text(str(err))
+    text = str(crossed or err)
+    text = text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
     message = f"Adapter {name!r} could not be loaded: {text}"
-    if isinstance(reason, AdapterNotFoundError) or (crossed is None and _VLLM_NOT_FOUND in text):
+    if isinstance(crossed or err, AdapterNotFoundError) or (not typed and crossed is None and _VLLM_NOT_FOUND in text):
         return AdapterNotFoundError(message, source=source[:200], public_message=message)
     return AdapterFormatError(message, adapter=name)
 
