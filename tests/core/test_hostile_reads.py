@@ -374,3 +374,22 @@ def test_an_opted_in_pickle_adapter_is_held_to_the_roots_too(roots: tuple[Path, 
     assert all(torch.equal(built.dense[k], want[k]) for k in want)
     swap_for_link(inside / "team" / "a" / "adapter_model.bin", outside / "team" / "a" / "adapter_model.bin")
     _refused_naming_the_root(job, inside)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int32])
+def test_an_opted_in_pickle_adapter_with_non_float_factors_is_refused_on_every_path(
+        roots: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """A pickle adapter skips the safetensors header, not the factor dtype rule: a worker-thread build and a build
+    process's hand-over refuse it the same way, naming the key."""
+    inside, _ = roots
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOW_PICKLE", "1")
+    place = inside / "team" / "a"
+    (place / "adapter_model.safetensors").unlink()
+    tensors = dense_tensors(llama_shapes(), seed=0)
+    key = next(k for k in tensors if ".lora_A." in k)
+    tensors[key] = tensors[key].to(dtype)
+    torch.save(tensors, place / "adapter_model.bin")
+    for shared in (False, True):
+        with pytest.raises(AdapterFormatError, match="not a float type") as e:
+            build_adapter(_dense_job(place), PeftKeyRouter(), shared=shared)
+        assert key in str(e.value)
