@@ -14,8 +14,9 @@ and that worker's build process; a new mix's path through the modules is in the 
 
 1. **Probe** (API server). ``integration.server.ensure_built`` sends every worker a probe, a ``LoRARequest``
    whose path is ``PREBUILD_PREFIX + <pinned source>`` (``integration.prebuild.probe_for``), through vLLM's
-   ``add_lora``, and polls it until each answers that the build is done. The patched ``add_adapter`` answers it
-   in the worker's engine thread (``integration.prebuild.answer_probe``) without registering anything.
+   ``add_lora``, and polls it until each answers that the build is done (at most ``VLLM_LORA_EXT_PREBUILD_WAIT_S``;
+   then the step builds it, as stock vLLM does). The patched ``add_adapter`` answers it in the worker's engine
+   thread (``integration.prebuild.answer_probe``) without registering anything.
 2. **Table** (worker). ``vllm_lora_ext.prebuild.PrebuildTable.poll`` starts the build, one per pinned source, on
    one of the table's threads: ``integration.prebuild._build`` calls ``integration.loader.load_lora_model``, which
    describes the running model as a picklable ``building.BuildJob`` (``integration.loader.build_job``). For a mix
