@@ -1,10 +1,12 @@
 """The worker-side loader: one LoRA request -> a vLLM ``LoRAModel``, through the plugin's core.
 
-This replaces ``WorkerLoRAManager._load_adapter`` (the single place where vLLM 0.26–0.33 turns a
-path into tensors). Every adapter source goes through here: the source is resolved by
-`vllm_lora_ext.sources`, the config is validated by `vllm_lora_ext.config`, tensors are read by
-`vllm_lora_ext.reader`, and every key must map to a LoRA module of the running model before
-anything reaches vLLM (vLLM itself silently skips modules it does not find).
+[`load_lora_model`] is what the patched ``WorkerLoRAManager._load_adapter`` (`worker_patches`; the single place
+where vLLM 0.26–0.33 turns a path into tensors) and background builds (`integration.prebuild`) run. Every adapter
+source goes through here: [`build_job`] describes the running model as plain data, `building.build_adapter` (in
+the build process, [`build_process`], or in this thread) resolves the source, reads, plans and checks it, so that
+every key maps to a LoRA module of the running model before anything reaches vLLM (vLLM itself silently skips
+modules it does not find), and [`assemble`] wraps the result in vLLM's objects. A mix's components are loaded
+here too and concatenated by [`composite.compose_mix`].
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ itself imports the module that holds its target (a post-import hook), so the API
 for vLLM's LoRA layers. Each patch goes through `patching.apply_patch`, which checks the target, its
 parameters and the private attributes it reads first; `unregister()` restores vLLM's originals. The
 replacements live by the process they run in: `server_patches`, `engine_patches`, `worker_patches`
-(and `kernels`, `warmup`). ``PATCHES.md`` beside this file is generated from `PATCHES`
+(and `kernels`, `moe_configs`, `warmup`). ``PATCHES.md`` beside this file is generated from `PATCHES`
 (`patch_table`); a test keeps the two in step.
 """
 

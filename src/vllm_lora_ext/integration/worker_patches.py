@@ -2,7 +2,8 @@
 registration (hf: sources, background builds, id reuse) and its per-step activation.
 
 Each ``make_*`` takes vLLM's original and returns the replacement; `patching.apply_patch` installs it. The
-kernel-config and warm-up replacements, also worker-side, live with their code (`kernels`, `warmup`).
+kernel-config, MoE tile-config and warm-up replacements, also worker-side, live with their code (`kernels`,
+`moe_configs`, `warmup`).
 """
 
 from __future__ import annotations

@@ -2,37 +2,44 @@
 
 The core (``building``, ``planning``, ``formats``, ...) plans and builds over plain data and keeps no CUDA or
 process state; ``integration`` alone touches vLLM. What lies between, where an adapter's bytes live and how they
-move, is here: [`arena`] (the ``Arena`` type, shared-file or anonymous, and its spares), [`files`] (shared files'
-folder, names and sweep), [`handover`] (a build's tensors through one shared file), [`cuda`] (the stream pool,
-the GPU-room check, the GPU transpose, pinning in place), [`staging`] (staged GPU buffers: layout, pinned copies,
-a mix's concatenation on the GPU) and [`pools`] (the kept thread pools). Nothing here imports vLLM.
+move, is here: [`arena`] (the ``Arena`` type, shared-file or anonymous, and its spares), [`spare`] (the one spare
+policy both keep), [`files`] (shared files' folder, names and sweep), [`handover`] (a build's tensors through one
+shared file), [`cuda`] (the stream pool, the GPU-room check, the GPU transpose, pinning in place), [`staging`]
+(staged GPU buffers: layout, pinned copies, a mix's concatenation on the GPU) and [`pools`] (the kept thread
+pools). Nothing here imports vLLM.
 
 An adapter's life, from the request that names it to the CPU tensors vLLM keeps (with a background build, the
-default; the processes are the API server, the worker that owns a GPU, and that worker's build process):
+default; the processes are the API server, the worker that owns a GPU (with one GPU, vLLM's engine-core process),
+and that worker's build process; a new mix's path through the modules is in the README, "How it works"):
 
 1. **Probe** (API server). ``integration.server.ensure_built`` sends every worker a probe, a ``LoRARequest``
    whose path is ``PREBUILD_PREFIX + <pinned source>`` (``integration.prebuild.probe_for``), through vLLM's
-   ``add_lora``, and polls it until each answers that the build is done. The patched ``add_adapter`` answers it
-   in the worker's engine thread (``integration.prebuild.answer_probe``) without registering anything.
-2. **Table** (worker). ``prebuild.PrebuildTable.poll`` starts the build, one per pinned source, on one of the
-   table's threads: ``integration.prebuild._build`` calls ``integration.loader.load_lora_model``, which describes
-   the running model as a picklable ``building.BuildJob`` (``integration.loader.build_job``).
+   ``add_lora``, and polls it until each answers that the build is done (at most ``VLLM_LORA_EXT_PREBUILD_WAIT_S``;
+   then the step builds it, as stock vLLM does). The patched ``add_adapter`` answers it in the worker's engine
+   thread (``integration.prebuild.answer_probe``) without registering anything.
+2. **Table** (worker). ``vllm_lora_ext.prebuild.PrebuildTable.poll`` starts the build, one per pinned source, on
+   one of the table's threads: ``integration.prebuild._build`` calls ``integration.loader.load_lora_model``, which
+   describes the running model as a picklable ``building.BuildJob`` (``integration.loader.build_job``). For a mix
+   (a ``mix:`` path) it builds each component not in ``integration.composite``'s cache this way, several at once,
+   and ``integration.composite.compose_mix`` concatenates them (planned by ``mixing.MixPlan``; see step 5).
 3. **Build process** (worker thread, then the build process). ``integration.build_process.build_elsewhere``
    sends the job to this worker's build process (``python -m vllm_lora_ext.integration.build_process``), whose
-   ``_answer`` runs ``building.build_adapter(job, shared=True, arenas=...)``: MoE factors are read and packed
-   straight into a shared-file ``arena.Arena`` (``arena.ArenaSupply.take``: the spare file, pages taken, if it
-   is large enough). Without a build process (switched off, or still starting) the worker's thread builds instead
-   (``building.build_adapter``), reading into an anonymous ``arena.Arena`` on huge pages, which
-   ``integration.loader.assemble`` pins where it lies (``integration._compat.pin_in_place``, then
-   ``cuda.register_in_place``) before wrapping it as in step 4; there is no shared file.
+   ``_answer`` runs ``building.build_adapter(job, router, shared=True, arenas=...)``: MoE factors are read and
+   packed straight into a shared-file ``arena.Arena`` (``arena.ArenaSupply.take``: the spare file, pages taken,
+   if it is large enough). Without a build process (switched off, still starting, or its hand-over failed) the
+   worker's thread builds instead (``building.build_adapter``), reading into an anonymous ``arena.Arena`` on
+   huge pages, which ``integration.loader.assemble`` pins where it lies (``integration._compat.pin_in_place``,
+   then ``cuda.register_in_place``) before wrapping it as in step 4; there is no shared file.
 4. **/dev/shm shared file** (build process, then worker). ``handover.to_shared`` appends what is not in the
-   arena yet (the dense factors) to its file (``files.shared_dir``: ``/dev/shm`` where it has room), and the
-   build process answers with the ``handover.SharedTensors`` manifest over its pipe. In the worker's thread
-   ``handover.from_shared`` maps the file and removes its name: the tensors are views of that mapping, never
-   copied. The build process then cuts the file's unused tail (``handover.trim_shared``) and prepares its next
-   spare (``integration.build_process._after_hand_over``); as it starts, it removes the files that owners which
-   died mid-hand-over left (``files.sweep_stale``). ``integration.loader.assemble`` wraps the tensors in vLLM's
-   ``LoRAModel`` (``from_lora_tensors`` on ``"cpu"``; MoE blocks as packed layers).
+   arena yet (the dense factors) to its file, or, for an adapter without MoE blocks, writes them to a new one
+   (``files.shared_dir``: ``VLLM_LORA_EXT_BUILD_DIR``, else ``/dev/shm`` where it has room, else the temp dir);
+   the arena's own file went to the same place. The build process answers with the ``handover.SharedTensors``
+   manifest over its pipe. In the worker's thread ``handover.from_shared`` maps the file and removes its name:
+   the tensors are views of that mapping, never copied. The build process then cuts the file's unused tail
+   (``handover.trim_shared``) and prepares its next spare (``integration.build_process._after_hand_over``); as
+   it starts, it removes the files that owners which died mid-hand-over left (``files.sweep_stale``).
+   ``integration.loader.assemble`` wraps the tensors in vLLM's ``LoRAModel`` (``from_lora_tensors`` on
+   ``"cpu"``; MoE blocks as packed layers).
 5. **GPU staging** (worker, the table's thread). ``integration.staging.stage`` folds each module's scaling into
    B (vLLM's ``optimize()``), lays the CPU factors out in one buffer (``staging._layout``) and, within
    ``VLLM_LORA_EXT_STAGE_GPU_BYTES`` and the GPU's free memory (``cuda.gpu_free_bytes``), copies them to the GPU
@@ -40,17 +47,20 @@ default; the processes are the API server, the worker that owns a GPU, and that 
    (``staging._copy_through_pinned``); the model now points at views of that buffer. A mix is concatenated on
    the GPU instead (``integration.staging.concat_staged`` with ``staging._upload_and_place``), staged from the
    start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it.
-6. **Slot copy** (worker, engine thread, in the step). vLLM's ``add_adapter`` (patched in
-   ``integration.plugin``) takes the finished model from the table (``integration.prebuild.take_built``, from
-   the patched ``_load_adapter``) and activates it: each factor is copied into its LoRA slot, GPU to GPU for a
-   staged model, with nothing for vLLM to pin.
+6. **Slot copy** (worker, engine thread, in the step). vLLM's ``add_adapter`` (patched by
+   ``integration.worker_patches``, a row of ``integration.plugin.PATCHES``) takes the finished model from the
+   table (``integration.prebuild.take_built``, from the patched ``_load_adapter``) and activates it: each factor
+   is copied into its LoRA slot, GPU to GPU for a staged model, with nothing for vLLM to pin.
 7. **Unstage** (worker, engine thread, right after). The patched ``add_adapter`` calls
    ``integration.staging.unstage``: the model points back at CPU tensors equal to its GPU ones, and the GPU
    buffer is freed once the engine's stream has run past the slot copy (``record_stream``).
 8. **CPU twins** (worker). What the registered model keeps, for vLLM to copy into a slot again after an
    eviction: views of the shared mapping (step 4; it lives as long as they do), or of the pinned anonymous
-   arena (worker builds; unpinned and unmapped, or kept as the spare, when the last view goes). A mix built on
-   the GPU has no CPU tensors yet: a helper thread copies them back from the GPU into a kept, pinned host arena
+   arena (worker builds; unpinned and unmapped when the last view goes). A mix built on the CPU
+   (``integration.composite.host_concat``; large enough, host arenas on) is concatenated into a kept host arena
+   (``cuda.kept_host_arena``), pinned in place, whose memory may become the spare when its last view goes (up to
+   ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; ``arena.prepare_spare`` makes the next one ahead). A mix built on the
+   GPU has no CPU tensors yet: a helper thread copies them back from the GPU into a kept, pinned host arena
    (``integration.staging.attach_staged`` running ``twins_from_gpu``, ``cuda.kept_host_arena``) and points a
    model whose slot copy is done at them.
 """
