@@ -14,11 +14,12 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-# The test process touches CUDA (reference models) before engines start: engines must spawn, not fork.
-os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-# Every build gets a huge-page host arena, pinned in place in the worker (the tiny test adapters are far below the
-# default 4 MiB), so the parity tests below run on that memory.
-os.environ.setdefault("VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES", "0")
+if os.path.exists("/dev/nvidiactl"):  # a GPU run: set for its engines; elsewhere, leave the CPU tests' env alone
+    # The test process touches CUDA (reference models) before engines start: engines must spawn, not fork.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # Every build gets a huge-page host arena, pinned in place in the worker (the tiny test adapters are far below
+    # the default 4 MiB), so the parity tests below run on that memory.
+    os.environ.setdefault("VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES", "0")
 
 RESULTS: dict[str, Any] = {}
 

@@ -2,8 +2,8 @@
 
 The core (``building``, ``planning``, ``formats``, ...) plans and builds over plain data and keeps no CUDA or
 process state; ``integration`` alone touches vLLM. What lies between, where an adapter's bytes live and how they
-move, is here: [`arena`] (the ``Arena`` type, shared-file or anonymous, and its spares), [`spare`] (the one spare
-policy both keep), [`files`] (shared files' folder, names and sweep), [`handover`] (a build's tensors through one
+move, is here: [`arena`] (the ``Arena`` type, shared-file or anonymous, and the one spare policy both keep),
+[`files`] (shared files' folder, names and sweep), [`handover`] (a build's tensors through one
 shared file), [`cuda`] (the stream pool, the GPU-room check, the GPU transpose, pinning in place), [`staging`]
 (staged GPU buffers: layout, pinned copies, a mix's concatenation on the GPU) and [`pools`] (the kept thread
 pools). Nothing here imports vLLM.
