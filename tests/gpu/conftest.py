@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-if os.path.exists("/dev/nvidiactl"):  # a GPU run: set for its engines; elsewhere, leave the CPU tests' env alone
+# Set for a GPU run's engines only: collected beside the CPU tests, this file leaves their environment alone.
+if os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi"):
     # The test process touches CUDA (reference models) before engines start: engines must spawn, not fork.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # Every build gets a huge-page host arena, pinned in place in the worker (the tiny test adapters are far below
