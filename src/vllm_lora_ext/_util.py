@@ -189,13 +189,19 @@ class FreshPools:
 
     @staticmethod
     def run_in_pool(name: str, workers: int, fn: Any, items: Any) -> list[Any]:
-        from concurrent.futures import wait
-
         with FreshPools.lent_pool(name, workers) as pool:
-            futures = [pool.submit(fn, x) for x in items]
-            try:
-                return [f.result() for f in futures]
-            finally:
-                for f in futures:
-                    f.cancel()
-                wait(futures)
+            return run_all(pool, fn, items)
+
+
+def run_all(pool: Any, fn: Any, items: Any) -> list[Any]:
+    """``[fn(x) for x in items]`` on ``pool``, results in order. If one call raises, the calls not started yet are
+    dropped and the running ones finish before the error reaches the caller: nothing is left running."""
+    from concurrent.futures import wait
+
+    futures = [pool.submit(fn, x) for x in items]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+        wait(futures)

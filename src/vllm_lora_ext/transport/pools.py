@@ -21,9 +21,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, TypeVar
+
+from vllm_lora_ext._util import run_all
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -77,13 +79,7 @@ def run_in_pool(name: str, workers: int, fn: Callable[[T], R], items: Iterable[T
     reaches the caller: nothing of this work is left running once it returns or raises.
     """
     with lent_pool(name, workers) as pool:
-        futures = [pool.submit(fn, x) for x in items]
-        try:
-            return [f.result() for f in futures]
-        finally:
-            for f in futures:
-                f.cancel()
-            wait(futures)
+        return run_all(pool, fn, items)
 
 
 def one_intra_op_thread() -> None:
