@@ -53,11 +53,19 @@ def read_json_capped(path: str | os.PathLike[str], limit: int, what: str, *, fix
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise AdapterFormatError(f"{where} is not valid JSON ({str(err)[:200]}); {fix}", adapter=adapter,
+        raise AdapterFormatError(f"{where} is not valid JSON ({clip(str(err))}); {fix}", adapter=adapter,
                                  key=None) from None
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"{where} must be a JSON object; {fix}", adapter=adapter, key=None)
     return raw
+
+
+SHOWN_CHARS = 200  # a client's or a file's string quoted in an error (a name, a source, a key) is cut here
+
+
+def clip(text: str) -> str:
+    """``text`` cut to what an error quotes of a client's or a file's string (``SHOWN_CHARS``)."""
+    return text[:SHOWN_CHARS]
 
 
 def root_of(real: str, roots: Sequence[str]) -> str | None:
@@ -128,7 +136,7 @@ def _outside(path: str | os.PathLike[str], roots: Sequence[str], how: str) -> Ad
     shown = os.pathsep.join(roots)
     fix = "Put the adapter under one of them, or load it from the Hub (hf:org/repo)."
     err = AdapterAccessError(f"Adapter file {short_repr(str(path))} {how}outside the folders this server may read "
-                             f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}", source=str(path)[:200], part="path")
+                             f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}", source=clip(str(path)), part="path")
     err.public_message = (f"Adapter file {short_repr(str(path))} is outside the folders this server may read "
                           f"(VLLM_LORA_EXT_ALLOWED_ROOTS={shown}). {fix}")
     return err

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext._util import read_json_capped, short_repr
+from vllm_lora_ext._util import clip, read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
@@ -215,7 +215,7 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter",
     except OSError as err:
         if isinstance(err, VllmLoraExtError):  # outside the allowed roots
             raise
-        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} could not be read ({str(err)[:200]}). Fix or "
+        raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} could not be read ({clip(str(err))}). Fix or "
                                  f"replace it.", adapter=name, key=None) from None  # (e.g. gone since found)
     return config_from_dict(raw, name=name)
 

@@ -11,7 +11,7 @@ import re
 import stat
 from typing import Literal
 
-from vllm_lora_ext._util import file_kind
+from vllm_lora_ext._util import clip, file_kind
 from vllm_lora_ext.errors import SettingsError
 
 HF_PREFIX = "hf:"
@@ -359,7 +359,7 @@ def moe_warmup_tokens() -> list[int] | None:
         return None
     parts = [p.strip() for p in raw.split(",") if p.strip()]
     if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise SettingsError(f"{ENV_MOE_WARMUP_TOKENS}={raw[:200]!r} is not a comma-separated list of positive token "
+        raise SettingsError(f"{ENV_MOE_WARMUP_TOKENS}={clip(raw)!r} is not a comma-separated list of positive token "
                          f"counts. Set it like '1,2,4,32,48', or unset it for the default sweep.")
     return sorted({int(p) for p in parts})
 
@@ -419,7 +419,7 @@ def check_settings() -> None:
     if config is not None:
         problem = not_a_regular_file(config)
         if problem:
-            problems.append(f"{ENV_CONFIG}={config[:200]!r} {problem}; point it at a .json or .yaml file.")
+            problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
     if problems:
         raise SettingsError("Bad settings: " + " ".join(problems))
 

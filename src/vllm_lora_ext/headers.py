@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
     msgspec = None  # type: ignore[assignment]
 
-from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext._util import clip, gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
 
 __all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name"]
@@ -135,7 +135,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) != len(pairs):
         seen: set[str] = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup[:200]!r}")
+        raise ValueError(f"duplicate key {clip(dup)!r}")
     return out
 
 
@@ -311,7 +311,7 @@ def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> t
         if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
             raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({str(err)[:200]}); not a "
+        raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({clip(str(err))}); not a "
                                  f"safetensors file.") from None
     if not isinstance(raw, dict):
         raise AdapterFormatError(f"{where!r} has a header that is not a JSON object; not a safetensors file.")
@@ -329,9 +329,9 @@ def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: 
             dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
             bits = DTYPES[dtype][0]
         except (TypeError, KeyError, ValueError):
-            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} is malformed or has an unknown dtype "
+            raise AdapterFormatError(f"{where!r}: header entry {clip(key)!r} is malformed or has an unknown dtype "
                                      f"({str(entry)[:120]}); it needs a known 'dtype', 'shape' and two "
-                                     f"'data_offsets'. Re-save the file.", key=key[:200]) from None
+                                     f"'data_offsets'. Re-save the file.", key=clip(key)) from None
         numel = 1
         ok = type(start) is int and type(end) is int and 0 <= start <= end and type(shape) is list \
             and len(shape) <= _MAX_NDIM
@@ -342,20 +342,20 @@ def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: 
                     break
                 numel *= d
         if not ok:
-            raise AdapterFormatError(f"{where!r}: header entry {key[:200]!r} has an invalid shape or offsets "
-                                     f"({str(entry)[:120]}). Re-save the file.", key=key[:200])
+            raise AdapterFormatError(f"{where!r}: header entry {clip(key)!r} has an invalid shape or offsets "
+                                     f"({str(entry)[:120]}). Re-save the file.", key=clip(key))
         if numel * bits != (end - start) * 8:
-            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} declares shape {shape} of {dtype} "
+            raise AdapterFormatError(f"{where!r}: tensor {clip(key)!r} declares shape {shape} of {dtype} "
                                      f"({numel * bits / 8:g} bytes) but spans {end - start} bytes. Re-save the file.",
-                                     key=key[:200])
+                                     key=clip(key))
         spans.append((start, end, key, dtype, tuple(shape)))
     spans.sort()
     expected = 0
     for start, end, key, _, _ in spans:
         if start != expected:
             what = "overlaps the tensor before it" if start < expected else "leaves a gap before it"
-            raise AdapterFormatError(f"{where!r}: tensor {key[:200]!r} at byte {start} {what} (expected {expected}). "
-                                     f"Re-save the file.", key=key[:200])
+            raise AdapterFormatError(f"{where!r}: tensor {clip(key)!r} at byte {start} {what} (expected {expected}). "
+                                     f"Re-save the file.", key=clip(key))
         expected = end
     if base + expected != size:
         raise AdapterFormatError(f"{where!r}: its tensors end at byte {base + expected} but the file has {size} "

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum
 
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import clip, short_repr
 from vllm_lora_ext.constants import HF_PREFIX, MAX_MODEL_FIELD_CHARS, MIX_NAME_PREFIX
 from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
 from vllm_lora_ext.naming import reserved_part, server_only_prefix
@@ -82,13 +82,13 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     _, adapter = split_model_id(model_id)
     if not adapter:
         raise AdapterSourceError(f"Model id {short_repr(model_id)} has no adapter after ':'. Write "
-                                 f"'<base>:<adapter name>' or '<base>:<a>=0.7+<b>=0.3'.", source=model_id[:200])
+                                 f"'<base>:<adapter name>' or '<base>:<a>=0.7+<b>=0.3'.", source=clip(model_id))
     if len(adapter) > MAX_ADAPTER_ID_CHARS:
         raise AdapterSourceError(f"The adapter part of the model id has {len(adapter)} characters, more than "
-                                 f"{MAX_ADAPTER_ID_CHARS}. Name an adapter or a mix.", source=adapter[:200])
+                                 f"{MAX_ADAPTER_ID_CHARS}. Name an adapter or a mix.", source=clip(adapter))
     if server_only_prefix(adapter) is not None:
         raise AdapterSourceError(f"Adapter id {short_repr(adapter)} is a spec only the server makes. Name registered "
-                                 f"adapters, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
+                                 f"adapters, or a mix of them such as 'a=0.7+b=0.3'.", source=clip(adapter))
     if adapter in names:
         return ModelIdPlan(Plan.NAME, model_id, adapter)
     if looks_like_source(adapter):
@@ -99,14 +99,14 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
         raise AdapterAccessError(
             f"Adapter source {short_repr(adapter)} may not be named by clients of this deployment. Ask the operator "
             f"to add it to the deployment config (VLLM_LORA_EXT_CONFIG) under a name, or to admit its prefix in "
-            f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=adapter[:200])
+            f"VLLM_LORA_EXT_CLIENT_SOURCES.", source=clip(adapter))
     if reserved_part(adapter) is not None:  # a mix, or a mix name the server made
         return ModelIdPlan(Plan.MIX, model_id, adapter)
     if ray_downloads:
         return ModelIdPlan(Plan.RAY, model_id, adapter)
     shown = ", ".join(repr(n) for n in sorted(names)[:20]) or "none"
     raise AdapterNotFoundError(f"Adapter {short_repr(adapter)} is not served here (served: {shown}). Name one of "
-                               f"them, or a mix of them such as 'a=0.7+b=0.3'.", source=adapter[:200])
+                               f"them, or a mix of them such as 'a=0.7+b=0.3'.", source=clip(adapter))
 
 
 def admitted_source(adapter: str, prefixes: Collection[str]) -> str | None:
@@ -155,4 +155,4 @@ def _check_source_id(model_id: str, adapter: str) -> None:
             f"Model id {short_repr(model_id)} {part}, which the mix grammar reserves; a source named in a model id is "
             f"registered under the whole id, so it cannot hold '+' or '=' or start with {MIX_NAME_PREFIX!r}. Ask the "
             f"operator to add the source {short_repr(adapter)} to the deployment config (VLLM_LORA_EXT_CONFIG) under "
-            f"a name.", source=adapter[:200], part="name")
+            f"a name.", source=clip(adapter), part="name")

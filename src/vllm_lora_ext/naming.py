@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import cast
 
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import clip, short_repr
 from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixError
 from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
@@ -92,7 +92,7 @@ def check_adapter_name(name: object) -> None:
            "which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read "
            "as a mix")
     raise AdapterSourceError(f"Adapter name {short_repr(name)} {part}, {why}. Choose a name without '+' or '=' or the "
-                             f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=name[:200], part="name")
+                             f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=clip(name), part="name")
 
 
 def mix_name_expression(name: str) -> str | None:
@@ -147,7 +147,7 @@ def mix_in_model(model: str, *, sources: Mapping[str, str], default_weights: Map
     raise AdapterNotFoundError(
         f"Mix {short_repr(model)} is not registered on this server: unused mixes are evicted, and this name cannot "
         f"be made again from the adapters registered now. Ask for the mix by its adapters instead: "
-        f"model='a=0.7+b=0.3', or the body fields 'adapters' and 'adapter_weights'.", source=model[:200])
+        f"model='a=0.7+b=0.3', or the body fields 'adapters' and 'adapter_weights'.", source=clip(model))
 
 
 def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | None, list[float] | None]:

@@ -35,6 +35,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
+from vllm_lora_ext._util import clip
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
@@ -257,7 +258,7 @@ def build_dir_usable() -> bool:
             usable = _DIR_CHECKED[configured] = problem is None
             if problem is not None:
                 logger.warning("%s=%r %s: background builds run in the worker instead of a build process. Point %s "
-                               "at a writable folder (e.g. /dev/shm) or unset it.", ENV_BUILD_DIR, configured[:200],
+                               "at a writable folder (e.g. /dev/shm) or unset it.", ENV_BUILD_DIR, clip(configured),
                                problem, ENV_BUILD_DIR)
     return usable
 

@@ -10,6 +10,7 @@ import collections
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vllm_lora_ext._util import clip
 from vllm_lora_ext.errors import MixIdCollisionError
 from vllm_lora_ext.integration.patching import OFFLINE_LOADED_ATTR
 
@@ -57,8 +58,8 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
     held = loaded.get(lora_id)
     if held is not None and held != pinned and not getattr(lora_request, "load_inplace", False):
         raise MixIdCollisionError(
-            f"lora_int_id {lora_id} already names another adapter in this engine ({held[:200]!r}), so adapter "
-            f"{lora_request.lora_name!r} ({pinned[:200]!r}) would be served its tensors. Give each adapter its own "
+            f"lora_int_id {lora_id} already names another adapter in this engine ({clip(held)!r}), so adapter "
+            f"{lora_request.lora_name!r} ({clip(pinned)!r}) would be served its tensors. Give each adapter its own "
             f"lora_int_id (or set load_inplace=True to replace it).")
     lora_request.lora_path = pinned
     if held != pinned:

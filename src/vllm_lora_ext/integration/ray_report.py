@@ -25,6 +25,8 @@ import contextvars
 import logging
 from typing import Any
 
+from vllm_lora_ext._util import clip
+
 logger = logging.getLogger(__name__)
 
 try:  # the attribute ``@serve.multiplexed`` sets on the function it returns (Ray 2.58, 2.60)
@@ -91,7 +93,7 @@ async def report_held(server: Any, model_id: str) -> None:
     try:
         await loader(model_id)
     except Exception as err:  # reporting is an optimisation: the request is served either way
-        _warn_once("failed", f"could not report adapter id {model_id[:200]!r} to Serve's router "
+        _warn_once("failed", f"could not report adapter id {clip(model_id)!r} to Serve's router "
                              f"({type(err).__name__}: {err}); it is served, but not routed by residency")
     finally:
         _REPORTING.reset(token)

@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from vllm_lora_ext import metrics
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import clip, short_repr
 from vllm_lora_ext.constants import (
     MAX_MESSAGE_CHARS,
     MAX_MODEL_FIELD_CHARS,
@@ -109,12 +109,12 @@ def check_client_adapter(name: str | None, path: str | None) -> None:
     check_adapter_name(name)
     if server_only_prefix(path) == PREBUILD_PREFIX:
         raise AdapterSourceError(f"Adapter path {short_repr(path)} starts with {PREBUILD_PREFIX!r}, which only the "
-                                 f"server uses. Give the adapter's source.", source=path[:200], part="path")
+                                 f"server uses. Give the adapter's source.", source=clip(path), part="path")
     if server_only_prefix(path) == MIX_PREFIX:
         raise AdapterSourceError(
             f"Adapter path {short_repr(path)} is a {MIX_PREFIX!r} spec, which only the server makes. Register the "
             f"adapters, then ask for a mix with 'adapters' and 'adapter_weights' in the request body.",
-            source=path[:200], part="path")
+            source=clip(path), part="path")
 
 
 async def pre_resolve(request: Any) -> Any:
@@ -282,7 +282,7 @@ def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtE
     text = text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
     message = f"Adapter {name!r} could not be loaded: {text}"
     if isinstance(crossed or err, AdapterNotFoundError) or (not typed and crossed is None and _VLLM_NOT_FOUND in text):
-        return AdapterNotFoundError(message, source=source[:200], public_message=message)
+        return AdapterNotFoundError(message, source=clip(source), public_message=message)
     return AdapterFormatError(message, adapter=name)
 
 

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from vllm_lora_ext._util import clip
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, STAGED_ATTR
 from vllm_lora_ext.integration.prebuild import is_probe
 
@@ -57,8 +58,8 @@ def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         held = get(lora_request.lora_int_id) if get is not None else None
         if _from_other_source(held, lora_request):
             logger.warning("adapter id %d holds %r but %r was asked for under that id: reloading",
-                           lora_request.lora_int_id, getattr(held, IDENTITY_ATTR)[:200],
-                           str(lora_request.lora_path)[:200])
+                           lora_request.lora_int_id, clip(getattr(held, IDENTITY_ATTR)),
+                           clip(str(lora_request.lora_path)))
             manager.remove_adapter(lora_request.lora_int_id)
         try:
             return original(self, lora_request)
