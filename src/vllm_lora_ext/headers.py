@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
 from vllm_lora_ext._util import clip, gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
 
-__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name"]
+__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name",
+           "SAFETENSORS_NAMES"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_NDIM = 8
@@ -66,6 +67,8 @@ def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
 
 
 _BY_TORCH_NAME = {str(dt).removeprefix("torch."): dt for _, dt in DTYPES.values() if dt is not None}
+# torch dtype -> its safetensors name, for tensors that came without a header (a pickle file, a hand-over)
+SAFETENSORS_NAMES = {dt: name for name, (_, dt) in DTYPES.items() if dt is not None}
 
 
 def dtype_by_name(name: str) -> torch.dtype:

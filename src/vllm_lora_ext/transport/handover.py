@@ -18,13 +18,13 @@ import torch
 
 from vllm_lora_ext.building import BuiltAdapter
 from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.headers import SAFETENSORS_NAMES
 from vllm_lora_ext.reader import DTYPES
 from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.files import owned_name, shared_dir
 
 __all__ = ["SharedTensors", "from_shared", "to_shared", "trim_shared", "view_at"]
 
-_DTYPE_NAMES = {dtype: name for name, (_, dtype) in DTYPES.items() if dtype is not None}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class SharedTensors:
 
 
 def _dtype_name(t: torch.Tensor, built: BuiltAdapter, name: str) -> str:
-    found = _DTYPE_NAMES.get(t.dtype)
+    found = SAFETENSORS_NAMES.get(t.dtype)
     if found is None:
         raise AdapterFormatError(f"Adapter {built.identity!r}: tensor {name!r} has dtype {t.dtype}, which no "
                                  f"safetensors dtype names, so it cannot be handed over. Re-save the adapter in "
