@@ -36,14 +36,18 @@ def triton_wna16_config(config: dict[str, Any], m: int) -> dict[str, Any]:
 
 
 def make_try_get_optimal_moe_config(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    signature = inspect.signature(original)
+    """Called for every MoE layer of every eager step: the dtype is read from where vLLM passes it (positional
+    ``(w1_shape, w2_shape, top_k, dtype, M, ...)`` or by keyword) without binding the signature, and the
+    config of any other dtype is returned as it is."""
+    names = list(inspect.signature(original).parameters)
+    at_dtype, at_m = names.index("dtype"), names.index("M")
 
     @functools.wraps(original)
     def try_get_optimal_moe_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
         config = original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("dtype") not in _WNA16:
+        dtype = args[at_dtype] if len(args) > at_dtype else kwargs.get("dtype")
+        if dtype not in _WNA16:
             return config
-        return triton_wna16_config(config, int(bound.arguments["M"]))
+        return triton_wna16_config(config, int(args[at_m] if len(args) > at_m else kwargs["M"]))
 
     return try_get_optimal_moe_config
