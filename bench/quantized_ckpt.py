@@ -109,8 +109,7 @@ def quantize_checkpoint(model_dir: Path, dest: Path, kind: str) -> dict[str, obj
     out: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     done = (_write_fp8 if kind == "fp8" else _write_int4)(tensors, out, deq)
-    for n, t in tensors.items():
-        out.setdefault(n, t) if n not in done else None
+    out.update({n: t for n, t in tensors.items() if n not in done})
     # every other linear layer (router gates, shared experts, dense MLPs, attention for int4) stays unquantized
     ignored = sorted(n[: -len(".weight")] for n, t in tensors.items()
                      if n.endswith(".weight") and t.ndim == 2 and n not in done and "embed" not in n)
