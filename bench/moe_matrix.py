@@ -301,24 +301,25 @@ def judge(hf: dict[str, Any], vl: dict[str, Any]) -> dict[str, Any]:
             cells[g] = {"verdict": "refused", "why": vl[g]["refused"], "control": control}
             continue
         gap = _mean_gap(vl[g], hf[g])
+        effect, effect_err, by_effect = effect_check(hf["base"], hf[g], vl["base"], vl[g])
         cell = {"verdict": "verified" if gap <= tol else "WRONG", "gap": gap, "control": control,
-                **effect_check(hf["base"], hf[g], vl["base"], vl[g])}
+                "effect": effect, "effect_err": effect_err}
         if control <= tol:  # the base's noise hides the group: its effect decides
-            cell["verdict"], cell["by"] = cell.pop("effect_verdict"), "effect"
-        cell.pop("effect_verdict", None)
+            cell.update(verdict=by_effect, by="effect")
         cells[g] = cell
     return {"noise": noise, "tol": tol, "groups": cells}
 
 
 def effect_check(hf_base: list[list[float]], hf_g: list[list[float]], vl_base: list[list[float]],
-                 vl_g: list[list[float]]) -> dict[str, Any]:
-    """The group's effect, vLLM against HF: relative L2 error (1.0 when vLLM ignores the group)."""
+                 vl_g: list[list[float]]) -> tuple[float, float, str]:
+    """The group's effect (mean |HF with − HF base|), vLLM's relative L2 error on it (1.0 when vLLM ignores the
+    group), and the verdict those give."""
     d_hf = torch.tensor(hf_g) - torch.tensor(hf_base)
     d_vl = torch.tensor(vl_g) - torch.tensor(vl_base)
     size = float(d_hf.abs().mean())
     err = float((d_vl - d_hf).norm() / d_hf.norm()) if size > 0 else float("inf")
     verdict = "no effect" if size < 0.01 else "verified" if err <= 0.25 else "WRONG" if err >= 0.75 else "no effect"
-    return {"effect": size, "effect_err": err, "effect_verdict": verdict}
+    return size, err, verdict
 
 
 def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None,
