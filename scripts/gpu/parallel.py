@@ -15,7 +15,9 @@ two or three light groups (bench commands with small engines) have worked. Run t
 when their results matter.
 
 A group is a space-separated list of test files (run by one pytest), or ``bench:`` and a command (``{out}`` is the
-group's folder). ``$OUT`` receives two files whatever the number of groups (a lent machine returns at most 8):
+group's folder). On a machine of several GPUs, ``--gpus N`` gives group i the GPU i mod N
+(``CUDA_VISIBLE_DEVICES``), and the groups of one GPU run one after another, not side by side: one lane per GPU,
+which keeps each engine start alone on its card. ``$OUT`` receives two files whatever the number of groups (a lent machine returns at most 8):
 ``logs.tgz`` (each group's log and serve logs) and ``results.tgz`` (every JSON a group wrote); the call's output
 ends with the lines of each group's log that say what passed, failed or was refused. Run it after ``scripts/gpu/run.sh`` has set the machine up (``run.sh bench scripts/gpu/parallel.py``).
 """
@@ -44,47 +46,95 @@ def _worth(line: str) -> bool:
                                    "refused", "not buildable", "wrote"))
 
 
+def _start(i: int, group: str, work: Path, gpu: int | None) -> tuple[subprocess.Popen, object]:
+    folder = work / f"g{i}"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(folder / "results.json"),
+               VLLM_LORA_EXT_SERVE_LOG=str(folder / "serve.log"))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    log = (folder / "group.log").open("w")
+    log.write(f"$ {group}  (GPU {gpu if gpu is not None else 'all'}, started {time.strftime('%H:%M:%S')})\n")
+    log.flush()
+    return subprocess.Popen(_command(group, folder), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True), log
+
+
+def _finish(proc: subprocess.Popen, log, deadline: float) -> object:
+    try:
+        rc = proc.wait(max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        rc = "timed out"
+    log.write(f"[exit {rc} at {time.strftime('%H:%M:%S')}]\n")
+    log.close()
+    return rc
+
+
+def _lanes(groups: list[str], work: Path, gpus: int, deadline: float) -> dict[int, object]:
+    """Each GPU's groups one after another; the GPUs' lanes side by side (threads)."""
+    import threading
+    codes: dict[int, object] = {}
+
+    def lane(gpu: int) -> None:
+        for i in range(gpu, len(groups), gpus):
+            if time.time() >= deadline:
+                codes[i] = "not started"
+                continue
+            proc, log = _start(i, groups[i], work, gpu)
+            codes[i] = _finish(proc, log, deadline)
+
+    threads = [threading.Thread(target=lane, args=(g,)) for g in range(gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return codes
+
+
+def _small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Logs only: no JSON (the other archive), no adapter or model files a bench left in its folder."""
+    if info.isfile() and (info.name.endswith((".json", ".safetensors", ".bin", ".pt")) or info.size > 8 << 20):
+        return None
+    return info
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("groups", nargs="+")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     ap.add_argument("--timeout", type=float, default=560)
     ap.add_argument("--stagger", type=float, default=20, help="seconds between group starts (engine profiling)")
+    ap.add_argument("--gpus", type=int, default=0, help="one lane of groups per GPU (0: all groups side by side)")
     args = ap.parse_args()
     work = Path("/tmp/parallel-groups")
-    procs = []
-    for i, group in enumerate(args.groups):
-        folder = work / f"g{i}"
-        folder.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(folder / "results.json"),
-                   VLLM_LORA_EXT_SERVE_LOG=str(folder / "serve.log"))
-        log = (folder / "group.log").open("w")
-        log.write(f"$ {group}\n")
-        log.flush()
-        procs.append((group, subprocess.Popen(_command(group, folder), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True), log))
-        if i + 1 < len(args.groups):
-            time.sleep(args.stagger)
+    args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.timeout
+    if args.gpus:
+        codes = _lanes(args.groups, work, args.gpus, deadline)
+    else:
+        started = []
+        for i, group in enumerate(args.groups):
+            started.append(_start(i, group, work, None))
+            if i + 1 < len(args.groups):
+                time.sleep(args.stagger)
+        codes = {i: _finish(proc, log, deadline) for i, (proc, log) in enumerate(started)}
     status = 0
-    for group, proc, log in procs:
-        try:
-            rc = proc.wait(max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            rc = "timed out"
-        log.close()
-        print(f"[{rc}] {group}")
-        status = status or (rc != 0)
-    for i in range(len(procs)):  # the end of each group's log, in the call's own output
-        text = (work / f"g{i}" / "group.log").read_text(errors="replace").splitlines()
+    for i, group in enumerate(args.groups):
+        print(f"[{codes.get(i)}] {group}")
+        status = status or (codes.get(i) != 0)
+    for i in range(len(args.groups)):  # the end of each group's log, in the call's own output
+        log = work / f"g{i}" / "group.log"
+        text = log.read_text(errors="replace").splitlines() if log.exists() else []
         print(f"---- g{i}: " + "\n".join(line for line in text[-400:] if _worth(line))[-3000:])
     # Few files come back from a lent machine: every log in one archive, every JSON result in another.
     with tarfile.open(args.out / "logs.tgz", "w:gz") as tar:
-        tar.add(str(work), arcname="groups", filter=lambda t: None if t.name.endswith(".json") else t)
+        tar.add(str(work), arcname="groups", filter=_small)
     with tarfile.open(args.out / "results.tgz", "w:gz") as tar:
         for f in sorted(work.rglob("*.json")):
-            tar.add(str(f), arcname=str(f.relative_to(work)))
+            if f.stat().st_size <= 8 << 20:
+                tar.add(str(f), arcname=str(f.relative_to(work)))
     return int(bool(status))
 
 
