@@ -90,9 +90,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                           "metrics files (default: a private folder, or `PROMETHEUS_MULTIPROC_DIR` when set); not"
                           " a setting"),
     ENV_DROP_UNAPPLIED: ("", "comma-separated module groups (`kv_b_proj`, `shared_expert_gate`, `experts`) that vLLM would "
-                             "never apply on "
-                             "this model: drop them with a warning instead of refusing the adapter (default: refuse; "
-                             "see \"Modules vLLM would accept and never apply\")"),
+                             "not apply as trained on this model: drop them with a warning instead of refusing the "
+                             "adapter (default: refuse; see \"Modules vLLM would accept and not apply as trained\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
                                "or `20GB` (default: off); see \"Disk cache\""),
     ENV_MOE_WARMUP: ("=0", "skip compiling the fused-MoE LoRA Triton kernels at engine start (default: with LoRA on "

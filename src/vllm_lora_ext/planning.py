@@ -140,7 +140,7 @@ class ModelSpec:
         max_rank: ``--max-lora-rank``.
         pooling: a pooling model (vLLM's names then lack the ``model.`` prefix).
         traits: how vLLM runs the model where that decides whether a LoRA is applied (``{"mla": ...}``), see
-            [`unapplied`]; adapters with weights on modules vLLM would accept and never apply are refused.
+            [`unapplied`]; adapters with weights on modules vLLM would accept and not apply as trained are refused.
         drop_unapplied: module groups whose never-applied weights are dropped with a warning instead
             (``VLLM_LORA_EXT_DROP_UNAPPLIED``).
         allow_unmatched: keys that match no module are dropped with a warning instead of refused
@@ -183,7 +183,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
 
     In order: factor dtypes; ranks against ``max_rank``; every key to a module or an MoE block (a
     transformers-v5 block name goes to the only MoE block of its layer); keys that match nothing
-    (refused, or dropped where ``model.allow_unmatched``); keys on modules vLLM would accept and never apply
+    (refused, or dropped where ``model.allow_unmatched``); keys on modules vLLM would accept and not apply as trained
     ([`screen_unapplied`]: refused, or dropped where ``model.drop_unapplied`` names them); dense factor pairs,
     ranks and dims; every MoE block's roles and orientations by shape.
 

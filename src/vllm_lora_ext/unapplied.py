@@ -12,6 +12,7 @@ those weights instead, with a warning naming them: the adapter is then served wi
 | ``mla`` | ``kv_b_proj`` | MLA attention computes ``W_UK``/``W_UV`` from ``kv_b_proj``'s weight when the model loads, and its prefill calls the base layer it was built with, not the LoRA wrapper (vLLM 0.26–0.33) |
 | ``aliased`` | ``shared_expert_gate`` | the model calls the module through a second attribute that still holds the base layer, so the LoRA wrapper vLLM puts under the first name is never called (Qwen2-MoE: ``mlp.shared_expert.expert_gate`` is ``mlp.shared_expert_gate``; vLLM 0.26–0.33) |
 | ``moe_kernel_drops_lora`` | ``experts`` | the quantized MoE kernel vLLM picked says it supports LoRA, but its ``apply`` never reads the LoRA context (``TritonWNA16Experts``: int4/int8 weight-only MoE through compressed-tensors; ``Mxfp8NativeTritonExperts``; ROCm's ``AiterMxfp8Experts``) |
+| ``moe_kernel_misapplies_lora`` | ``experts`` | the quantized MoE kernel vLLM picked reads the LoRA context, but what it serves differs from the adapter as trained (``MarlinExperts`` on int4/int8 weight-only bases, the Marlin path vLLM picks for them when the shapes allow: against HF + PEFT on the same dequantized base, the experts' LoRA effect came out 55% off while attention LoRA matched) |
 
 Pure core: names and rules only.
 """
@@ -27,13 +28,14 @@ from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED
 from vllm_lora_ext.errors import AdapterCompatibilityError
 
 __all__ = ["ALIASED_MODEL_TYPES", "MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_ALIASED", "TRAIT_MLA",
-           "TRAIT_MOE_KERNEL", "UnappliedRule",
-           "find_unapplied", "screen_unapplied", "traits_from_config", "unapplied_problems"]
+           "MOE_KERNELS_MISAPPLYING_LORA", "TRAIT_MOE_KERNEL", "TRAIT_MOE_KERNEL_WRONG", "UnappliedRule",
+           "find_unapplied", "int_weight_only", "kernel_traits", "screen_unapplied", "traits_from_config", "unapplied_problems"]
 
 logger = logging.getLogger(__name__)
 
 TRAIT_MLA = "mla"
 TRAIT_MOE_KERNEL = "moe_kernel_drops_lora"
+TRAIT_MOE_KERNEL_WRONG = "moe_kernel_misapplies_lora"
 TRAIT_ALIASED = "aliased"
 # Model types whose vLLM model calls its shared expert's gate through a second attribute (``inspect``, no model).
 ALIASED_MODEL_TYPES = frozenset({"qwen2_moe"})
@@ -51,6 +53,9 @@ MLA_MODEL_TYPES = frozenset({
 # vLLM MoE expert kernels whose ``supports_lora()`` is true (inherited from ``TritonExperts``) but whose
 # ``apply`` never reads the LoRA context: an expert LoRA on such a block is accepted and never applied.
 MOE_KERNELS_DROPPING_LORA = frozenset({"TritonWNA16Experts", "Mxfp8NativeTritonExperts", "AiterMxfp8Experts"})
+# vLLM MoE expert kernels, named ``Class[weights]`` for the weight types that matter, whose LoRA path runs but
+# serves something other than the adapter as trained (measured against HF + PEFT on the same dequantized base).
+MOE_KERNELS_MISAPPLYING_LORA = frozenset({"MarlinExperts[int4_w4a16]", "MarlinExperts[int8_w8a16]"})
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,38 @@ RULES: tuple[UnappliedRule, ...] = (
         TRAIT_MOE_KERNEL, EXPERTS,
         "this quantized MoE base runs its experts with vLLM's {detail} kernel, which accepts expert LoRA weights and "
         "never applies them",
-        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton/Marlin MoE kernels apply expert LoRA), or "
+        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton MoE kernels apply expert LoRA), or "
         "retrain it without expert modules"),
+    UnappliedRule(
+        TRAIT_MOE_KERNEL_WRONG, EXPERTS,
+        "this weight-only int MoE base runs its experts with vLLM's {detail} kernel, whose LoRA path serves expert "
+        "LoRA weights other than as trained (against HF + PEFT on the same dequantized int4 base, the experts' LoRA "
+        "effect came out 55% off while attention LoRA matched)",
+        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton MoE kernels apply expert LoRA as trained), "
+        "or retrain it without expert modules"),
 )
+
+
+def kernel_traits(kernels: Iterable[str]) -> dict[str, str]:
+    """Return the traits implied by the experts kernels an MoE model runs (``Class`` or ``Class[weights]`` names).
+
+    Example:
+        >>> kernel_traits(["MarlinExperts[int4_w4a16]", "TritonExperts"])
+        {'moe_kernel_misapplies_lora': 'MarlinExperts[int4_w4a16]'}
+        >>> kernel_traits(["TritonWNA16Experts[int4_w4a16]"])
+        {'moe_kernel_drops_lora': 'TritonWNA16Experts'}
+        >>> kernel_traits(["MarlinExperts[float4_e2m1f]", "TritonExperts"])
+        {}
+    """
+    names = sorted(set(kernels))
+    found: dict[str, str] = {}
+    dropping = sorted({n.partition("[")[0] for n in names} & MOE_KERNELS_DROPPING_LORA)
+    if dropping:
+        found[TRAIT_MOE_KERNEL] = ", ".join(dropping)
+    wrong = [n for n in names if n in MOE_KERNELS_MISAPPLYING_LORA]
+    if wrong:
+        found[TRAIT_MOE_KERNEL_WRONG] = ", ".join(wrong)
+    return found
 
 
 def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
@@ -102,7 +136,9 @@ def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
 
     MLA: a ``kv_lora_rank`` and a model type vLLM runs with MLA ([`MLA_MODEL_TYPES`]), as vLLM decides
     ``model_config.use_mla`` (the config of a multimodal model's text part counts too). Aliased: a model type
-    whose shared expert calls its gate through a second attribute ([`ALIASED_MODEL_TYPES`]).
+    whose shared expert calls its gate through a second attribute ([`ALIASED_MODEL_TYPES`]). An int weight-only
+    MoE base ([`int_weight_only`] and a routed-expert count): on a GPU vLLM runs its experts with Marlin, or with
+    Triton WNA16 where Marlin cannot take the shapes, and neither serves expert LoRA as trained.
 
     Example:
         >>> traits_from_config({"model_type": "deepseek_v3", "kv_lora_rank": 512})
@@ -121,7 +157,46 @@ def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
             found.setdefault(TRAIT_MLA, str(part["model_type"]))
         if part.get("model_type") in ALIASED_MODEL_TYPES and (part.get("shared_expert_intermediate_size") or 0) > 0:
             found.setdefault(TRAIT_ALIASED, str(part["model_type"]))
+        weights = int_weight_only(config.get("quantization_config") or part.get("quantization_config"))
+        if weights and any(_positive(part.get(k)) for k in _EXPERT_COUNT_KEYS):
+            found.setdefault(TRAIT_MOE_KERNEL_WRONG, f"Marlin or Triton WNA16 ({weights})")
     return found
+
+
+# Config keys that give an MoE model's routed-expert count, by family.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def int_weight_only(quant: Any) -> str | None:
+    """Describe a ``quantization_config`` whose weights are int4/int8 with 16-bit activations (GPTQ, AWQ,
+    compressed-tensors W4A16/W8A16), the bases whose MoE experts vLLM runs with Marlin or Triton WNA16; else None.
+
+    Example:
+        >>> int_weight_only({"quant_method": "gptq", "bits": 4})
+        'gptq int4'
+        >>> int_weight_only({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        ...     "weights": {"type": "int", "num_bits": 4}, "input_activations": None}}})
+        'compressed-tensors int4 weight-only'
+        >>> int_weight_only({"quant_method": "fp8"}) is None
+        True
+    """
+    if not isinstance(quant, Mapping):
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    if method in ("gptq", "awq", "gptq_marlin", "awq_marlin"):
+        return f"{method} int{quant.get('bits', 4)}"
+    if method != "compressed-tensors" or not isinstance(quant.get("config_groups"), Mapping):
+        return None
+    for group in quant["config_groups"].values():
+        w = group.get("weights") if isinstance(group, Mapping) else None
+        if isinstance(w, Mapping) and w.get("type") == "int" and w.get("num_bits") in (4, 8) \
+                and not group.get("input_activations"):
+            return f"compressed-tensors int{w['num_bits']} weight-only"
+    return None
 
 
 def find_unapplied(modules: Iterable[str], moe_blocks: Iterable[str], traits: Mapping[str, str]
@@ -167,7 +242,7 @@ def screen_unapplied(module_keys: Mapping[str, list[str]], moe_keys: Mapping[str
         >>> screen_unapplied({"l.0.kv_b_proj": ["k.lora_A.weight"]}, {}, {"mla": "deepseek_v2"}, adapter="a")
         Traceback (most recent call last):
         ...
-        vllm_lora_ext.errors.AdapterCompatibilityError: Adapter 'a' has LoRA weights that vLLM would accept and never apply on this model: kv_b_proj (1 module(s), first: ['l.0.kv_b_proj']): MLA folds kv_b_proj into its attention weights (vLLM computes W_UK/W_UV from the base weight when the model loads, and its prefill calls the base layer, not the LoRA wrapper), so vLLM accepts a LoRA on kv_b_proj and never applies it (first keys: ['k.lora_A.weight']). Retrain without kv_b_proj (PEFT LoraConfig target_modules listing the other modules, e.g. ['q_proj', 'kv_a_proj_with_mqa', 'o_proj', ...], not 'all-linear'); or set VLLM_LORA_EXT_DROP_UNAPPLIED=kv_b_proj to serve the adapter without these weights.
+        vllm_lora_ext.errors.AdapterCompatibilityError: Adapter 'a' has LoRA weights that vLLM would accept and not apply as trained on this model: kv_b_proj (1 module(s), first: ['l.0.kv_b_proj']): MLA folds kv_b_proj into its attention weights (vLLM computes W_UK/W_UV from the base weight when the model loads, and its prefill calls the base layer, not the LoRA wrapper), so vLLM accepts a LoRA on kv_b_proj and never applies it (first keys: ['k.lora_A.weight']). Retrain without kv_b_proj (PEFT LoraConfig target_modules listing the other modules, e.g. ['q_proj', 'kv_a_proj_with_mqa', 'o_proj', ...], not 'all-linear'); or set VLLM_LORA_EXT_DROP_UNAPPLIED=kv_b_proj to serve the adapter without these weights.
     """
     known = {r.group for r in RULES}
     if drop - known:
@@ -186,7 +261,7 @@ def screen_unapplied(module_keys: Mapping[str, list[str]], moe_keys: Mapping[str
             parts.append(f"{_describe(rule, traits, names)} (first keys: {keys[:3]}). {rule.fix}")
         groups = ",".join(rule.group for rule, _ in refused)
         raise AdapterCompatibilityError(
-            f"Adapter {adapter!r}{where} has LoRA weights that vLLM would accept and never apply on this model: "
+            f"Adapter {adapter!r}{where} has LoRA weights that vLLM would accept and not apply as trained on this model: "
             + " ".join(parts) + f"; or set {ENV_DROP_UNAPPLIED}={groups} to serve the adapter without these weights.",
             adapter=adapter)
     dropped: set[str] = set()
@@ -207,7 +282,7 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> lis
 
     Example:
         >>> unapplied_problems(["model.layers.0.self_attn.kv_b_proj"], {"mla": "deepseek_v2"})[0][:40]
-        'vLLM would accept and never apply this a'
+        "vLLM would accept this adapter's kv_b_pr"
     """
     dense, blocks = [], []
     for m in modules:
@@ -215,6 +290,6 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> lis
         (blocks if sep else dense).append(head + sep if sep else m)
     lines = []
     for rule, names in find_unapplied(dense, dict.fromkeys(blocks), traits):
-        lines.append(f"vLLM would accept and never apply this adapter's {_describe(rule, traits, names)}. {rule.fix}; "
-                     f"or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights with a warning.")
+        lines.append(f"vLLM would accept this adapter's {_describe(rule, traits, names)}, and not apply it as trained. "
+                     f"{rule.fix}; or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights with a warning.")
     return lines

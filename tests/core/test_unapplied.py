@@ -15,7 +15,7 @@ from vllm_lora_ext.constants import drop_unapplied
 from vllm_lora_ext.errors import AdapterCompatibilityError, UnmatchedKeysError
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.planning import AdapterPlan, ModelSpec, PeftKeyRouter, plan_adapter
-from vllm_lora_ext.unapplied import RULES, traits_from_config, unapplied_problems
+from vllm_lora_ext.unapplied import RULES, kernel_traits, traits_from_config, unapplied_problems
 from vllm_lora_ext.validation import ModuleDims
 
 ATTN = "model.layers.0.self_attn"
@@ -61,6 +61,8 @@ ALL_LINEAR = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     ({"moe_kernel_drops_lora": "TritonWNA16Experts"}, ("q_proj", "o_proj"), True, "experts"),
     ({"moe_kernel_drops_lora": "TritonWNA16Experts"}, ALL_LINEAR, False, None),  # dense LoRA is applied
     ({**MLA, "moe_kernel_drops_lora": "TritonWNA16Experts"}, ALL_LINEAR, True, "kv_b_proj,experts"),
+    ({"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}, ("q_proj", "o_proj"), True, "experts"),
+    ({"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}, ALL_LINEAR[:1], False, None),
 ])
 def test_the_refusal_table_refuses_exactly_the_modules_vllm_would_not_apply(
         traits: dict[str, str], modules: tuple[str, ...], experts: bool, refused: str | None) -> None:
@@ -75,14 +77,40 @@ def test_the_refusal_table_refuses_exactly_the_modules_vllm_would_not_apply(
     msg = str(e.value)
     assert e.value.adapter == "ds-lora" and f"VLLM_LORA_EXT_DROP_UNAPPLIED={refused}" in msg
     for group in refused.split(","):
-        rule = next(r for r in RULES if r.group == group)
+        rule = next(r for r in RULES if r.group == group and r.trait in traits)
         assert rule.fix in msg
     if "kv_b_proj" in refused:
         assert "MLA folds kv_b_proj into its attention weights" in msg
         assert f"{ATTN}.kv_b_proj" in msg and f"{PREFIX}{ATTN}.kv_b_proj.lora_A.weight" in msg  # module, first keys
         assert "target_modules" in msg
     if "experts" in refused:
-        assert "TritonWNA16Experts kernel" in msg and MOE in msg
+        kernel = traits.get("moe_kernel_drops_lora") or traits["moe_kernel_misapplies_lora"]
+        assert f"{kernel} kernel" in msg and MOE in msg
+    if "moe_kernel_misapplies_lora" in traits:
+        assert "other than as trained" in msg and "55% off" in msg
+
+
+@pytest.mark.parametrize(("kernels", "traits"), [
+    (["TritonExperts"], {}),  # bf16 and FP8 (Hopper) experts: LoRA applied as trained
+    (["MarlinExperts[int4_w4a16]", "TritonExperts"], {"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}),
+    (["MarlinExperts[int8_w8a16]"], {"moe_kernel_misapplies_lora": "MarlinExperts[int8_w8a16]"}),
+    (["MarlinExperts"], {}),  # Marlin on MXFP4/NVFP4/FP8 weights: not measured, not refused
+    (["TritonWNA16Experts[int4_w4a16]"], {"moe_kernel_drops_lora": "TritonWNA16Experts"}),
+    (["Mxfp8NativeTritonExperts", "MarlinExperts[int4_w4a16]"],
+     {"moe_kernel_drops_lora": "Mxfp8NativeTritonExperts", "moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}),
+])
+def test_the_experts_kernels_a_model_runs_give_its_moe_traits(kernels: list[str], traits: dict[str, str]) -> None:
+    assert kernel_traits(kernels) == traits
+
+
+def test_dropping_experts_serves_an_int4_marlin_base_without_them_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    traits = {"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
+        plan = _plan(_shapes("q_proj", experts=True), _spec(traits, frozenset({"experts"})))
+    assert MOE not in plan.moe and len(plan.dense_keys) == 2 and len(plan.dropped) == 24
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert MOE in warning and "other than as trained" in warning
 
 
 def test_the_opt_in_drops_only_the_named_group_with_a_warning_naming_the_modules(
@@ -125,6 +153,10 @@ def test_keys_that_match_no_module_are_still_refused_as_unmatched_when_unapplied
     assert all("x_proj" in k for k in e.value.keys)
 
 
+INT4_CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "group_size": 32}, "input_activations": None}}}
+
+
 @pytest.mark.parametrize(("config", "traits"), [
     ({"model_type": "deepseek_v2", "kv_lora_rank": 512}, {"mla": "deepseek_v2"}),
     ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536}, {"mla": "deepseek_v3"}),
@@ -136,6 +168,18 @@ def test_keys_that_match_no_module_are_still_refused_as_unmatched_when_unapplied
     ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "is_causal": False}, {}),  # vLLM runs it without MLA
     ({"model_type": "minicpm3", "kv_lora_rank": 256}, {}),  # has kv_b_proj, runs it as a plain layer
     ({"model_type": "qwen3_moe"}, {}),
+    ({"model_type": "qwen3_moe", "num_experts": 128, "quantization_config": {"quant_method": "gptq", "bits": 4}},
+     {"moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (gptq int4)"}),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": INT4_CT},
+     {"moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (compressed-tensors int4 weight-only)"}),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256, "quantization_config": INT4_CT},
+     {"mla": "deepseek_v3",
+      "moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (compressed-tensors int4 weight-only)"}),
+    ({"model_type": "llama", "quantization_config": INT4_CT}, {}),  # dense int4: LoRA on linear layers applies
+    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": {"quant_method": "fp8"}}, {}),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": {  # W4A8: not weight-only
+        "quant_method": "compressed-tensors", "config_groups": {"g": {
+            "weights": {"type": "int", "num_bits": 4}, "input_activations": {"type": "int", "num_bits": 8}}}}}, {}),
 ])
 def test_a_base_config_gives_the_mla_trait_as_vllm_decides_use_mla(config: dict, traits: dict[str, str]) -> None:
     assert traits_from_config(config) == traits

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize_adapter(resolved, name=args.source,
                                 extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])
     base = load_base_config(args.base_config) if args.base_config else None
-    if base is not None:  # modules vLLM would accept and never apply on this base (unapplied.RULES)
+    if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
         summary.problems.extend(unapplied_problems([m.module for m in summary.modules], traits_from_config(base)))
     moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
     if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:

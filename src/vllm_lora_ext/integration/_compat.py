@@ -299,9 +299,17 @@ def mla_attention_cls() -> type | None:
 
 
 def moe_experts_kernel(module: Any) -> str | None:
-    """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
+    """The experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``): its class name, with
+    ``[int4_w4a16]`` or ``[int8_w8a16]`` appended when its ``quant_config`` says the weights are int weight-only."""
     experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
-    return None if experts is None else type(experts).__name__
+    if experts is None:
+        return None
+    name = type(experts).__name__
+    quant = getattr(experts, "quant_config", None)
+    for flag in ("use_int4_w4a16", "use_int8_w8a16"):
+        if getattr(quant, flag, False) is True:
+            return f"{name}[{flag[len('use_'):]}]"
+    return name
 
 
 def runner_dummy_runs_with_loras(runner: Any) -> bool:

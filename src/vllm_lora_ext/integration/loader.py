@@ -32,7 +32,7 @@ from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
-from vllm_lora_ext.unapplied import MOE_KERNELS_DROPPING_LORA, TRAIT_ALIASED, TRAIT_MLA, TRAIT_MOE_KERNEL
+from vllm_lora_ext.unapplied import TRAIT_ALIASED, TRAIT_MLA, kernel_traits
 from vllm_lora_ext.validation import ModuleDims
 
 
@@ -74,8 +74,9 @@ def model_traits(manager: Any) -> dict[str, str]:
     """Return the traits of the worker's model that decide whether vLLM applies a LoRA (see `unapplied`).
 
     ``mla``: the model holds vLLM's MLA attention layers (what ``model_config.use_mla`` builds; they fold
-    ``kv_b_proj`` into ``W_UK``/``W_UV``). ``moe_kernel_drops_lora``: an MoE block runs an experts kernel
-    that accepts LoRA and never applies it. Worked out once per model (the model does not change).
+    ``kv_b_proj`` into ``W_UK``/``W_UV``). ``moe_kernel_drops_lora`` / ``moe_kernel_misapplies_lora``: an MoE block
+    runs an experts kernel that accepts LoRA and never applies it, or applies it other than as trained
+    (`unapplied.kernel_traits`). Worked out once per model (the model does not change).
     """
     adapter_manager = manager._adapter_manager
     found: dict[str, str] | None = adapter_manager.__dict__.get(_TRAITS_ATTR)
@@ -88,10 +89,7 @@ def model_traits(manager: Any) -> dict[str, str]:
     aliased = bypassed_wrappers(model, adapter_manager.modules) if isinstance(model, torch.nn.Module) else []
     if aliased:
         found[TRAIT_ALIASED] = f"{type(model).__name__} (e.g. {aliased[0]})"
-    kernels = sorted({k for m in adapter_manager.modules.values() if (k := moe_experts_kernel(m)) is not None})
-    dropping = [k for k in kernels if k in MOE_KERNELS_DROPPING_LORA]
-    if dropping:
-        found[TRAIT_MOE_KERNEL] = ", ".join(dropping)
+    found.update(kernel_traits(k for m in adapter_manager.modules.values() if (k := moe_experts_kernel(m)) is not None))
     adapter_manager.__dict__[_TRAITS_ATTR] = found
     return found
 
