@@ -1,12 +1,15 @@
-"""Start `vllm serve` for a GPU test, wait until it is healthy, and always stop it (log kept for the results)."""
+"""Start `vllm serve` for a GPU test, wait until it is healthy, and always stop it (log kept for the results); POST JSON
+to its routes."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,6 +21,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def post_json(base: str, route: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST ``body`` as JSON to ``{base}/v1/{route}``: the status and the answer's text (an HTTP error's too)."""
+    req = urllib.request.Request(f"{base}/v1/{route}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read().decode()
 
 
 @contextmanager
