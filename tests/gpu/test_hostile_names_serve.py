@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from serving import post_json, vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, post_json, vllm_serve
+from tiny import prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -27,13 +27,8 @@ def test_a_mix_squatted_through_the_load_route_is_refused_and_the_real_mix_still
                                                                                         record: Any) -> None:
     import openai
 
-    model = build_dense(gpu_workdir / "names-dense")
-    roots = gpu_workdir / "names-adapters"
-    for i, name in enumerate(("style", "domain")):
-        build_peft_adapter(model, roots / name, seed=40 + i, rank=8, alpha=16, targets=["q_proj", "v_proj"])
-    deploy = gpu_workdir / "names-deploy.yaml"
-    deploy.write_text(f"adapters:\n  style: {{source: '{roots / 'style'}', weight: 0.7}}\n"
-                      f"  domain: {{source: '{roots / 'domain'}', weight: 0.3}}\n")
+    model, roots, deploy = dense_deployment(gpu_workdir, "names", {"style": 0.7, "domain": 0.3},
+                                            seed=40, targets=["q_proj", "v_proj"])
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from factories import scrape
-from serving import post_json, vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, post_json, vllm_serve
+from tiny import build_peft_adapter, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -27,16 +27,13 @@ def _metrics(base: str) -> str:
 
 
 def test_metrics_route_counts_loads_failures_and_mixes(gpu_workdir: Path, record: Any) -> None:
-    model = build_dense(gpu_workdir / "metrics-dense")
-    roots = gpu_workdir / "metrics-adapters"
-    for i, name in enumerate(("a", "b", "c")):
-        build_peft_adapter(model, roots / name, seed=30 + i, rank=8, alpha=16, targets=["q_proj", "v_proj"])
+    model, roots, deploy = dense_deployment(gpu_workdir, "metrics", {"a": None, "b": None}, seed=30,
+                                            targets=["q_proj", "v_proj"])
+    build_peft_adapter(model, roots / "c", seed=32, rank=8, alpha=16, targets=["q_proj", "v_proj"])  # loaded later
     bad = roots / "corrupt"
     bad.mkdir()
     (bad / "adapter_config.json").write_text((roots / "a" / "adapter_config.json").read_text())
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"x\": 1}        ")
-    deploy = gpu_workdir / "metrics-deploy.yaml"
-    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{roots / n}'}}\n" for n in ("a", "b")))
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_MAX_MIXES="2", VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
     args = ["--enable-lora", "--max-lora-rank", "32", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
