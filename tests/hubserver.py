@@ -115,12 +115,10 @@ class HubServer:
                         server.busy[filename] = busy - 1
                 if busy:
                     return self._error(503, "ServiceUnavailable")
-                repo = server.repos.get(repo_id)
-                if repo is None:
-                    return self._error(401, "RepoNotFound")
-                commit = repo.refs.get(revision, revision if revision in repo.commits else None)
-                if commit is None:
-                    return self._error(404, "RevisionNotFound")
+                found = self._find_commit(repo_id, revision)
+                if found is None:
+                    return
+                repo, commit = found
                 data = repo.commits[commit].get(filename)
                 if data is None:
                     return self._error(404, "EntryNotFound", commit)
@@ -158,13 +156,23 @@ class HubServer:
                     return
                 self.wfile.write(payload)
 
-            def _api_revision(self, repo_id: str, revision: str) -> None:
+            def _find_commit(self, repo_id: str, revision: str) -> tuple[Repo, str] | None:
+                """The repo and the commit ``revision`` names there, or None once the 401 or 404 is sent."""
                 repo = server.repos.get(repo_id)
                 if repo is None:
-                    return self._error(401, "RepoNotFound")
+                    self._error(401, "RepoNotFound")
+                    return None
                 commit = repo.refs.get(revision, revision if revision in repo.commits else None)
                 if commit is None:
-                    return self._error(404, "RevisionNotFound")
+                    self._error(404, "RevisionNotFound")
+                    return None
+                return repo, commit
+
+            def _api_revision(self, repo_id: str, revision: str) -> None:
+                found = self._find_commit(repo_id, revision)
+                if found is None:
+                    return
+                repo, commit = found
                 body = json.dumps({"id": repo_id, "sha": commit,
                                    "siblings": [{"rfilename": f} for f in sorted(repo.commits[commit])]}).encode()
                 self.send_response(200)

@@ -1,23 +1,65 @@
-"""Start `vllm serve` for a GPU test, wait until it is healthy, and always stop it (log kept for the results)."""
+"""Start `vllm serve` for a GPU test, wait until it is healthy, and always stop it (log kept for the results).
+
+Also: the tiny model, adapters and deployment config a test serves, JSON POSTs to the server's routes, and the HTTP
+library the openai client is built on."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from tiny import build_adapters, build_dense
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def dense_deployment(workdir: Path, tag: str, weights: Mapping[str, float | None], *, seed: int,
+                     targets: Sequence[str]) -> tuple[Path, Path, Path]:
+    """Build a tiny dense model (``{tag}-dense``), a PEFT adapter per name in ``weights`` (``{tag}-adapters/NAME``,
+    seeded ``seed``, ``seed + 1``, ...) and the deployment config naming them, each with its default weight where one
+    is given (``{tag}-deploy.yaml``); return the model's, the adapters' and the config's paths."""
+    model = build_dense(workdir / f"{tag}-dense")
+    roots = workdir / f"{tag}-adapters"
+    build_adapters(model, roots, list(weights), seed=seed, targets=targets)
+    entries = [f"  {n}: {{source: '{roots / n}'" + ("" if w is None else f", weight: {w}") + "}\n"
+               for n, w in weights.items()]
+    deploy = workdir / f"{tag}-deploy.yaml"
+    deploy.write_text("adapters:\n" + "".join(entries))
+    return model, roots, deploy
+
+
+def http_module() -> Any:
+    """The HTTP client library the installed ``openai`` client is built on: httpx2 where it is there, else httpx."""
+    try:  # the openai client the bundle carries (3.57) is built on httpx2
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    return http
+
+
+def post_json(base: str, route: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST ``body`` as JSON to ``{base}/v1/{route}``: the status and the answer's text (an HTTP error's too)."""
+    req = urllib.request.Request(f"{base}/v1/{route}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read().decode()
 
 
 @contextmanager

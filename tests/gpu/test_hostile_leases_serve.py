@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from serving import vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, http_module, vllm_serve
+from tiny import prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -30,26 +30,14 @@ MAX_LEN = 64
 
 @pytest.fixture(scope="module")
 def server(gpu_workdir: Path) -> Any:
-    model = build_dense(gpu_workdir / "leases-dense")
-    roots = gpu_workdir / "leases-adapters"
-    for i, name in enumerate(ADAPTERS):
-        build_peft_adapter(model, roots / name, seed=20 + i, rank=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"])
-    deploy = gpu_workdir / "leases-deploy.yaml"
-    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{roots / n}', weight: 1.0}}\n" for n in ADAPTERS))
+    model, roots, deploy = dense_deployment(gpu_workdir, "leases", dict.fromkeys(ADAPTERS, 1.0),
+                                            seed=20, targets=["q_proj", "v_proj", "down_proj"])
     env = dict(os.environ, VLLM_LORA_EXT_CONFIG=str(deploy), VLLM_LORA_EXT_MAX_MIXES="2", VLLM_LORA_EXT_MIX_WAIT_S="0")
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
             "--gpu-memory-utilization", "0.3", "--max-model-len", str(MAX_LEN), "--dtype", "bfloat16", "--seed", "0"]
     with vllm_serve(model, args, env=env, log_path=gpu_workdir / "leases-serve.log",
                     keep_log_as="leases-serve.log") as srv:
         yield {**srv, "model": str(model)}
-
-
-def _http() -> Any:
-    try:  # the openai client the bundle carries (3.57) is built on httpx2
-        import httpx2 as http
-    except ImportError:
-        import httpx as http
-    return http
 
 
 def _client(base: str) -> Any:
@@ -81,7 +69,7 @@ def test_tokenize_and_too_long_prompts_on_mixes_leave_every_slot_free(server: An
     base, model = server["base"], server["model"]
 
     async def run() -> dict[str, Any]:
-        http = _http()
+        http = http_module()
         async with http.AsyncClient(timeout=300) as raw:
             async def tokenize(body: dict[str, Any]) -> tuple[int, Any]:
                 r = await raw.post(f"{base}/tokenize", content=json.dumps({"prompt": "hello mixes", **body}).encode(),

@@ -9,44 +9,26 @@ a 400 naming the fix, ``/v1/models`` never lists the squatter, and the mix, aske
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from serving import vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, post_json, vllm_serve
+from tiny import prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 MIX = "style=0.7+domain=0.3"
 
 
-def _post(base: str, route: str, body: dict[str, Any]) -> tuple[int, str]:
-    req = urllib.request.Request(f"{base}/v1/{route}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
 def test_a_mix_squatted_through_the_load_route_is_refused_and_the_real_mix_still_serves(gpu_workdir: Path,
                                                                                         record: Any) -> None:
     import openai
 
-    model = build_dense(gpu_workdir / "names-dense")
-    roots = gpu_workdir / "names-adapters"
-    for i, name in enumerate(("style", "domain")):
-        build_peft_adapter(model, roots / name, seed=40 + i, rank=8, alpha=16, targets=["q_proj", "v_proj"])
-    deploy = gpu_workdir / "names-deploy.yaml"
-    deploy.write_text(f"adapters:\n  style: {{source: '{roots / 'style'}', weight: 0.7}}\n"
-                      f"  domain: {{source: '{roots / 'domain'}', weight: 0.3}}\n")
+    model, roots, deploy = dense_deployment(gpu_workdir, "names", {"style": 0.7, "domain": 0.3},
+                                            seed=40, targets=["q_proj", "v_proj"])
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
@@ -64,12 +46,12 @@ def test_a_mix_squatted_through_the_load_route_is_refused_and_the_real_mix_still
 
         mix_name, before = complete(MIX)
         style_name, style_tokens = complete("style")
-        squats = {name: _post(base, "load_lora_adapter", {"lora_name": name, "lora_path": str(roots / "style")})
+        squats = {name: post_json(base, "load_lora_adapter", {"lora_name": name, "lora_path": str(roots / "style")})
                   for name in (MIX, "style+domain", mix_name)}
         listed = {m.id: m.root for m in client.models.list().data}
         after_name, after = complete(MIX)
         default_name, default_tokens = complete("style+domain")  # the config's default weights: the same mix
-        plain = _post(base, "load_lora_adapter", {"lora_name": "style-copy", "lora_path": str(roots / "style")})
+        plain = post_json(base, "load_lora_adapter", {"lora_name": "style-copy", "lora_path": str(roots / "style")})
         _, copy_tokens = complete("style-copy")
     record("hostile_names_squat", {"mix_name": mix_name, "squat_status": {k: v[0] for k, v in squats.items()},
                                    "squat_messages": {k: v[1][:300] for k, v in squats.items()},

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from serving import vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, http_module, vllm_serve
+from tiny import prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -49,12 +49,8 @@ def _tokens(choice: Any) -> tuple[list[int], list[dict[str, float]]]:
 
 @pytest.fixture(scope="module")
 def server(gpu_workdir: Path) -> Any:
-    model = build_dense(gpu_workdir / "hostile-dense")
-    roots = gpu_workdir / "hostile-adapters"
-    for i, name in enumerate(ADAPTERS):
-        build_peft_adapter(model, roots / name, seed=10 + i, rank=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"])
-    deploy = gpu_workdir / "hostile-deploy.yaml"
-    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{roots / n}', weight: 1.0}}\n" for n in ADAPTERS))
+    model, roots, deploy = dense_deployment(gpu_workdir, "hostile", dict.fromkeys(ADAPTERS, 1.0),
+                                            seed=10, targets=["q_proj", "v_proj", "down_proj"])
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_MAX_MIXES="4", VLLM_LORA_EXT_MIX_WAIT_S="600", VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
     args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
@@ -65,18 +61,10 @@ def server(gpu_workdir: Path) -> Any:
         yield {**srv, "model": str(model), "roots": roots}
 
 
-def _http() -> Any:
-    try:  # the openai client the bundle carries (3.57) is built on httpx2
-        import httpx2 as http
-    except ImportError:
-        import httpx as http
-    return http
-
-
 def _client(base: str) -> Any:
     import openai
 
-    limits = _http().Limits(max_connections=2000, max_keepalive_connections=2000)
+    limits = http_module().Limits(max_connections=2000, max_keepalive_connections=2000)
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=900,
                               http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=900))
 
@@ -128,7 +116,7 @@ def test_many_concurrent_mixes_over_a_bounded_registry_equal_each_alone(server: 
             alone[(m, p)] = _tokens(r.choices[0])
         good = [pairs[i % len(pairs)] for i in range(1200)]
         bad = [_malformed(model, ps[0])[i % 12] for i in range(120)]
-        http = _http()
+        http = http_module()
         raw = http.AsyncClient(limits=http.Limits(max_connections=500), timeout=900)
         tasks: list[Any] = []
         for i, (m, p) in enumerate(good):

@@ -7,9 +7,7 @@ what this test did (the server is fresh), and vLLM's own ``vllm:`` metrics are s
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,20 +15,10 @@ from typing import Any
 import pytest
 
 from factories import scrape
-from serving import vllm_serve
-from tiny import build_dense, build_peft_adapter, prompts
+from serving import dense_deployment, post_json, vllm_serve
+from tiny import build_peft_adapter, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
-
-def _post(base: str, route: str, body: dict[str, Any]) -> tuple[int, str]:
-    req = urllib.request.Request(f"{base}/v1/{route}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 def _metrics(base: str) -> str:
@@ -39,16 +27,13 @@ def _metrics(base: str) -> str:
 
 
 def test_metrics_route_counts_loads_failures_and_mixes(gpu_workdir: Path, record: Any) -> None:
-    model = build_dense(gpu_workdir / "metrics-dense")
-    roots = gpu_workdir / "metrics-adapters"
-    for i, name in enumerate(("a", "b", "c")):
-        build_peft_adapter(model, roots / name, seed=30 + i, rank=8, alpha=16, targets=["q_proj", "v_proj"])
+    model, roots, deploy = dense_deployment(gpu_workdir, "metrics", {"a": None, "b": None}, seed=30,
+                                            targets=["q_proj", "v_proj"])
+    build_peft_adapter(model, roots / "c", seed=32, rank=8, alpha=16, targets=["q_proj", "v_proj"])  # loaded later
     bad = roots / "corrupt"
     bad.mkdir()
     (bad / "adapter_config.json").write_text((roots / "a" / "adapter_config.json").read_text())
     (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"x\": 1}        ")
-    deploy = gpu_workdir / "metrics-deploy.yaml"
-    deploy.write_text("adapters:\n" + "".join(f"  {n}: {{source: '{roots / n}'}}\n" for n in ("a", "b")))
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_CONFIG=str(deploy),
                VLLM_LORA_EXT_MAX_MIXES="2", VLLM_LORA_EXT_ALLOWED_ROOTS=str(roots))
     args = ["--enable-lora", "--max-lora-rank", "32", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
@@ -58,16 +43,16 @@ def test_metrics_route_counts_loads_failures_and_mixes(gpu_workdir: Path, record
         base = srv["base"]
         before = scrape(_metrics(base))
         statuses = {
-            "load_c": _post(base, "load_lora_adapter", {"lora_name": "c", "lora_path": str(roots / "c")})[0],
-            "load_missing": _post(base, "load_lora_adapter", {"lora_name": "m", "lora_path": str(roots / "nope")})[0],
-            "load_corrupt": _post(base, "load_lora_adapter", {"lora_name": "k", "lora_path": str(bad)})[0],
+            "load_c": post_json(base, "load_lora_adapter", {"lora_name": "c", "lora_path": str(roots / "c")})[0],
+            "load_missing": post_json(base, "load_lora_adapter", {"lora_name": "m", "lora_path": str(roots / "nope")})[0],
+            "load_corrupt": post_json(base, "load_lora_adapter", {"lora_name": "k", "lora_path": str(bad)})[0],
         }
         p = prompts(n=1, seed=3)[0]
         for i, (names, weights) in enumerate(((["a", "b"], [0.5, 0.5]), (["a", "c"], [0.7, 0.3]),
                                               (["b", "c"], [0.2, 0.8]), (["a", "b"], [1.0, float("nan")]))):
             body = {"model": str(model), "prompt": p, "max_tokens": 4, "adapters": names, "adapter_weights": weights}
             # the last one sends the literal NaN (json.dumps writes it), as a hostile client would
-            statuses["mix_nan" if i == 3 else f"mix_{i}"] = _post(base, "completions", body)[0]
+            statuses["mix_nan" if i == 3 else f"mix_{i}"] = post_json(base, "completions", body)[0]
         text = _metrics(base)
     after = scrape(text)
     record("metrics_serve", {"statuses": statuses, "before": {str(k): v for k, v in before.items()},

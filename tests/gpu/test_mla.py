@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from serving import vllm_serve
+from serving import post_json, vllm_serve
 from tiny import VOCAB, HFReference, _save, build_peft_adapter, prompts, vllm_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -151,18 +151,6 @@ def test_the_opt_in_serves_the_adapter_without_kv_b_proj_with_a_warning(mla: dic
     assert dropped == without  # the dropped adapter is exactly the adapter without kv_b_proj
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return int(r.status), r.read().decode()
-    except urllib.error.HTTPError as err:
-        return int(err.code), err.read().decode()
-
-
 SERVE_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--max-cpu-loras", "4", "--enforce-eager",
               "--gpu-memory-utilization", "0.25", "--max-model-len", "256", "--dtype", "bfloat16", "--seed", "0"]
 
@@ -173,11 +161,10 @@ def test_vllm_serve_refuses_it_on_the_load_route_and_at_start(mla: dict[str, Pat
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     with vllm_serve(mla["model"], SERVE_ARGS, env=env, log_path=gpu_workdir / "mla-serve.log",
                     keep_log_as="mla-serve.log") as srv:
-        load = f"{srv['base']}/v1/load_lora_adapter"
-        status, body = _post(load, {"lora_name": "full", "lora_path": str(mla["full"])})
-        ok_status, _ = _post(load, {"lora_name": "ok", "lora_path": str(mla["no_kv_b"])})
-        completion_status, _ = _post(f"{srv['base']}/v1/completions",
-                                     {"model": "ok", "prompt": prompts()[0], "max_tokens": 2})
+        base = srv["base"]
+        status, body = post_json(base, "load_lora_adapter", {"lora_name": "full", "lora_path": str(mla["full"])})
+        ok_status, _ = post_json(base, "load_lora_adapter", {"lora_name": "ok", "lora_path": str(mla["no_kv_b"])})
+        completion_status, _ = post_json(base, "completions", {"model": "ok", "prompt": prompts()[0], "max_tokens": 2})
     start_log = gpu_workdir / "mla-serve-start.log"
     with pytest.raises(AssertionError) as start:  # --lora-modules: the server stops before serving anything
         with vllm_serve(mla["model"], [*SERVE_ARGS, "--lora-modules", f"full={mla['full']}"], env=env,

@@ -56,19 +56,23 @@ def _first_adapter_requests(llm: Any, moe: dict[str, Path]) -> None:
     llm.generate(ps, params, lora_request=[a, b, a, b], use_tqdm=False)
 
 
-def _collect() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def test_first_moe_adapter_requests_compile_no_kernel_after_start(moe: dict[str, Path], record: Any) -> None:
+def _variants_around_first_requests(moe: dict[str, Path], record: Any,
+                                    name: str) -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+    """Start an engine, count its kernel variants after start-up and after the first adapter requests, record both
+    under ``name``, and free the engine."""
     llm = _llm(moe["model"])
     before = _variants(llm)
     _first_adapter_requests(llm, moe)
     after = _variants(llm)
-    record("moe_warmup_on", {"variants_after_start": before, "variants_after_first_requests": after})
+    record(name, {"variants_after_start": before, "variants_after_first_requests": after})
     del llm
-    _collect()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return before, after
+
+
+def test_first_moe_adapter_requests_compile_no_kernel_after_start(moe: dict[str, Path], record: Any) -> None:
+    before, after = _variants_around_first_requests(moe, record, "moe_warmup_on")
     assert sum(before[0].values()) > 0, before  # the warm-up compiled the kernels before the engine was ready
     assert after == before, (before, after)
 
@@ -76,11 +80,5 @@ def test_first_moe_adapter_requests_compile_no_kernel_after_start(moe: dict[str,
 def test_without_the_warm_up_the_first_moe_adapter_request_compiles_in_the_step(
         moe: dict[str, Path], monkeypatch: pytest.MonkeyPatch, record: Any) -> None:
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP", "0")  # before the engine starts: its processes read it
-    llm = _llm(moe["model"])
-    before = _variants(llm)
-    _first_adapter_requests(llm, moe)
-    after = _variants(llm)
-    record("moe_warmup_off_control", {"variants_after_start": before, "variants_after_first_requests": after})
-    del llm
-    _collect()
+    before, after = _variants_around_first_requests(moe, record, "moe_warmup_off_control")
     assert sum(after[0].values()) > sum(before[0].values()), (before, after)

@@ -32,7 +32,7 @@ import pytest
 
 from serving import free_port, vllm_serve
 from test_ep_e2e import _gpus
-from tiny import build_dense, build_peft_adapter, build_qwen3_moe, prompts
+from tiny import build_adapters, build_dense, build_peft_adapter, build_qwen3_moe, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -171,8 +171,7 @@ def test_ray_serve_llm_two_replicas_serve_names_sources_and_mixes_like_one_engin
         gpu_workdir: Path, hub: Any, record: Any) -> None:
     model = build_dense(gpu_workdir / "ray-dense")
     folder = gpu_workdir / "ray-adapters"
-    for i, name in enumerate(NAMES + HUB_NAMES):
-        build_peft_adapter(model, folder / name, seed=30 + i, rank=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"])
+    build_adapters(model, folder, NAMES + HUB_NAMES, seed=30, targets=["q_proj", "v_proj", "down_proj"])
     files = {f"{n}/{f}": (folder / n / f).read_bytes() for n in HUB_NAMES
              for f in ("adapter_config.json", "adapter_model.safetensors")}
     sha = hub.repo("acme/ray-loras").commit(files)

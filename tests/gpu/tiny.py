@@ -120,6 +120,12 @@ def build_peft_adapter(model_dir: Path, folder: Path, *, seed: int, rank: int = 
     return folder
 
 
+def build_adapters(model_dir: Path, roots: Path, names: Sequence[str], *, seed: int, targets: Sequence[str]) -> None:
+    """One PEFT adapter (rank 8, alpha 16) per name, in ``roots / name``, seeded ``seed``, ``seed + 1``, ..."""
+    for i, name in enumerate(names):
+        build_peft_adapter(model_dir, roots / name, seed=seed + i, rank=8, alpha=16, targets=targets)
+
+
 class HFReference:
     """HF transformers (+ PEFT) on the GPU in float32: greedy continuations and teacher-forced logprobs."""
 

@@ -50,6 +50,19 @@ def _weights() -> Any:
     return LoRALayerWeights("m", 2, 2, torch.zeros(2, 4), torch.zeros(4, 2))
 
 
+def _metrics_client() -> Any:
+    """The plugin registered, no adapter marked resident, and a test client of vLLM's own ``/metrics`` route."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+
+    plugin.register()
+    clear_resident()
+    app = FastAPI()
+    attach_router(app)
+    return TestClient(app)
+
+
 def _resident(client: Any) -> dict[str, str]:
     resp = client.get("/metrics")
     assert resp.status_code == 200
@@ -63,16 +76,9 @@ def _resident(client: Any) -> dict[str, str]:
 
 def test_each_engine_shows_what_it_holds_now_on_vllms_metrics_route_and_no_more(fresh_metrics: str,
                                                                                  no_pin_memory: None) -> None:
-    from fastapi import FastAPI
-    from starlette.testclient import TestClient
-    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
     from vllm.lora.request import LoRARequest
 
-    plugin.register()
-    clear_resident()
-    app = FastAPI()
-    attach_router(app)
-    client = TestClient(app)
+    client = _metrics_client()
     worker = _worker()
     names = [f"tenant-{i}" if i % 3 else f"mix-t{i}=1-{i:024x}" for i in range(30)]
     try:
@@ -95,9 +101,6 @@ def test_a_background_build_shows_as_building_until_the_engine_takes_it(
         fresh_metrics: str, no_pin_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from fastapi import FastAPI
-    from starlette.testclient import TestClient
-    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.request import LoRARequest
 
@@ -112,11 +115,7 @@ def test_a_background_build_shows_as_building_until_the_engine_takes_it(
         return LoRAModel(request.lora_int_id, 2, {"m": _weights()})
 
     monkeypatch.setattr(loader, "load_lora_model", slow_read)
-    plugin.register()
-    clear_resident()
-    app = FastAPI()
-    attach_router(app)
-    client = TestClient(app)
+    client = _metrics_client()
     worker = _worker()
     del worker._load_adapter  # the plugin's _load_adapter: it takes the background build
     request = LoRARequest("style", 1, "/adapters/style")
@@ -138,19 +137,13 @@ def test_a_background_build_shows_as_building_until_the_engine_takes_it(
 
 def test_the_upstream_metric_wins_when_the_installed_vllm_has_it(fresh_metrics: str, no_pin_memory: None,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastapi import FastAPI
-    from starlette.testclient import TestClient
-    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration import _compat
 
     assert _compat.has_upstream_residency_metric() is False  # no vLLM release has vllm:lora_adapter_loaded yet
     monkeypatch.setattr(_compat, "_UPSTREAM_RESIDENCY", [True])  # a vLLM with PR #54830
-    plugin.register()
-    clear_resident()
-    app = FastAPI()
-    attach_router(app)
+    client = _metrics_client()
     worker = _worker()
     worker.add_adapter(LoRARequest("style", 1, "/adapters/1"))
-    assert _resident(TestClient(app)) == {}
+    assert _resident(client) == {}
