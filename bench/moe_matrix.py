@@ -33,7 +33,8 @@ both sides load (``--effect-scale``: ``auto`` there, 1 otherwise; ``lora_A`` and
 ``auto`` takes each group's smallest of 1, 2, 4, 8, 16 whose HF effect reaches 1.2; a number scales every group.
 The logits do not blow up: the final norm bounds what ``lm_head`` sees, so a larger delta moves the output
 toward an unrelated random model's (mean |Δ logprob| about 2 at most), where a delta off by 2x shows less;
-hence the smallest scale that clears the noise. The scales are in the results (``effect_scales``).
+hence the smallest scale that clears the noise. The scales are in the results (``effect_scales``), with the
+experts kernels vLLM's MoE LoRA layers ran (``moe_kernels``; null with ``moe_kernels_why`` if unreadable).
 
 An architecture transformers or vLLM cannot build is listed with the reason. Stock vLLM has no column: it has no
 refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issue 36).
@@ -210,8 +211,27 @@ def choose_scales(model_dir: Path, adapter: Path, device: str, scale: str | floa
     return out
 
 
-def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str | None) -> dict[str, Any]:
-    """vLLM with the plugin: the base, then each group's adapter; a refused load keeps its message."""
+def worker_moe_kernels(worker: Any) -> list[str]:
+    """The experts kernels of the MoE LoRA wrappers in this worker's LoRA manager (for ``collective_rpc``)."""
+    from vllm_lora_ext.integration._compat import moe_experts_kernel
+
+    modules = worker.model_runner.lora_manager._adapter_manager.modules
+    return sorted({k for m in modules.values() if (k := moe_experts_kernel(m)) is not None})
+
+
+def engine_moe_kernels(llm: Any) -> dict[str, Any]:
+    """``moe_kernels``: every worker's experts kernels; None, with ``moe_kernels_why``, where they cannot be read."""
+    try:
+        per_worker = llm.collective_rpc(worker_moe_kernels)
+    except Exception as err:  # a vLLM whose worker keeps its LoRA manager elsewhere: recorded, the run goes on
+        return {"moe_kernels": None, "moe_kernels_why": f"{type(err).__name__}: {err}"[:300]}
+    return {"moe_kernels": sorted({k for kernels in per_worker for k in kernels})}
+
+
+def vllm_logprobs(model_dir: Path, adapters: dict[str, Path],
+                  quantization: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM with the plugin: the base, then each group's adapter; a refused load keeps its message. Also the experts
+    kernels the engine's MoE LoRA layers ran (``engine_moe_kernels``, read after the base's forward)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -228,12 +248,13 @@ def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str 
                 for o, ids in zip(outs, sequences())]
 
     out: dict[str, Any] = {"base": run(None)}
+    kernels = engine_moe_kernels(llm)
     for i, (g, path) in enumerate(adapters.items(), 1):
         try:
             out[g] = run(LoRARequest(f"m{i}", i, str(path)))
         except Exception as err:
             out[g] = {"refused": f"{type(err).__name__}: {err}"[:600]}
-    return out
+    return out, kernels
 
 
 def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -306,11 +327,11 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
     if not use_vllm:
         return result
     try:
-        vl = vllm_logprobs(served, adapters, quantization)
+        vl, kernels = vllm_logprobs(served, adapters, quantization)
     except Exception as err:
         return {**result, "status": "not buildable", "why": f"vLLM: {type(err).__name__}: {err}"[:400],
                 "trace": traceback.format_exc()[-2000:]}
-    return {**result, "status": "ran", **judge(hf, vl)}
+    return {**result, "status": "ran", **kernels, **judge(hf, vl)}
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------
@@ -344,6 +365,14 @@ def describe_scale(scale: str | float) -> str:
     return "none (the adapter as built)" if scale == 1.0 else f"{scale:g} on every group"
 
 
+def _kernels(r: dict[str, Any]) -> str:
+    if "moe_kernels" not in r:
+        return "-"
+    if r["moe_kernels"] is None:
+        return f"unknown ({r.get('moe_kernels_why', '')[:80]})"
+    return ", ".join(r["moe_kernels"]) or "none"
+
+
 def print_table(results: list[dict[str, Any]], scale: str | float = 1.0) -> None:
     print(f"lora_B scale: {describe_scale(scale)}")
     print(f"{'architecture':34} {'group':22} {'verdict':10} {'gap':>7} {'noise':>7} {'control':>8} {'scale':>6}")
@@ -357,6 +386,7 @@ def print_table(results: list[dict[str, Any]], scale: str | float = 1.0) -> None
             s = "each" if g == "all" and scales else f"{scales.get(g, 1.0):g}"
             print(f"{r['arch']:34} {g:22} {c['verdict']:10} {gap:>7} {r['noise']:7.3f} {c['control']:8.3f} {s:>6}"
                   + (f"  {c['why'][:80]}" if "why" in c else ""))
+        print(f"{r['arch']:34} noise {r['noise']:.3f}, tol {r['tol']:.3f}, MoE experts kernels: {_kernels(r)}")
 
 
 COLUMNS = ("attention", "routed experts", "shared experts", "dense mlp", "other")
