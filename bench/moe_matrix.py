@@ -27,6 +27,15 @@ base|| (relative L2 over every position; both sides' base noise cancels). A grou
 1.0. ``effect_err <= 0.25`` is ``verified`` (``by: effect``), ``>= 0.75`` ``WRONG``, in between ``no effect``;
 an effect too small to measure (mean |HF with − HF base| < 0.01) stays ``no effect``.
 
+On a quantized base (``--quantization``, ``--checkpoint``) the base's own noise (FP8: 0.2–0.36) is near a random
+routed-experts adapter's whole effect (0.4–0.5), so there each group's ``lora_B`` is scaled up in the adapter file
+both sides load (``--effect-scale``: ``auto`` there, 1 otherwise; ``lora_A`` and ``lora_alpha`` unchanged).
+``auto`` takes each group's smallest of 1, 2, 4, 8, 16 whose HF effect reaches 1.2; a number scales every group.
+The logits do not blow up: the final norm bounds what ``lm_head`` sees, so a larger delta moves the output
+toward an unrelated random model's (mean |Δ logprob| about 2 at most), where a delta off by 2x shows less;
+hence the smallest scale that clears the noise. The scales are in the results (``effect_scales``), with the
+experts kernels vLLM's MoE LoRA layers ran (``moe_kernels``; null with ``moe_kernels_why`` if unreadable).
+
 An architecture transformers or vLLM cannot build is listed with the reason. Stock vLLM has no column: it has no
 refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issue 36).
 
@@ -34,6 +43,7 @@ refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issu
     python bench/moe_matrix.py --archs A,B --quantization fp8 --out ...  # the base quantized online by vLLM
     python bench/moe_matrix.py --archs A --checkpoint fp8|int4|int4-triton --out ...  # a pre-quantized base
                                                     # (quantized_ckpt.py; HF + PEFT runs on its dequantized weights)
+    python bench/moe_matrix.py ... --effect-scale auto|S           # scale each group's lora_B (see above)
     python bench/moe_matrix.py --one ARCH --workdir W --json OUT   # one architecture (what the driver runs)
     python bench/moe_matrix.py --one ARCH --no-vllm --device cpu   # HF + PEFT side only (no GPU)
 """
@@ -42,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import importlib
 import json
 import os
@@ -51,16 +60,17 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _matrix_adapters import (EFFECT_TARGET, RANK, SCALES, build_adapter, group_of,  # noqa: E402
+                              modules_as_named, parse_scale, scale_adapter, write_group_adapters)
 
 VOCAB = 512
 SEQS, SEQ_LEN, PROMPT_LEN = 4, 24, 4
-RANK, ALPHA = 8, 16
 TINY = {  # applied only where the family's config has the field; MLA keeps DeepSeek's head sizes (its kernels want them)
     "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 96,
     "shared_expert_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -141,86 +151,6 @@ def build_model(arch: str, folder: Path) -> Any:
     return model
 
 
-def expert_parameters(model: Any) -> list[str]:
-    """Suffixes (``experts.gate_up_proj``) of the fused 3D expert parameters, for PEFT's ``target_parameters``."""
-    names = {".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.ndim == 3 and ".experts." in n}
-    return sorted(names)
-
-
-@contextlib.contextmanager
-def modules_as_named() -> Iterator[None]:
-    """PEFT targets the named ``nn.Linear`` modules, without its transformers-v4 -> v5 MoE config conversion.
-
-    That conversion (PEFT 0.21) maps every ``gate_proj``/``up_proj``/``down_proj`` target onto the fused experts,
-    so a DeepSeek-V2 dense MLP or shared expert could not be targeted at all; the experts are targeted here
-    through ``target_parameters`` explicitly instead. Used for building the adapter and for loading it back.
-    """
-    try:
-        import peft.utils.transformers_weight_conversion as conv
-    except ImportError:  # a PEFT without the conversion targets modules as named already
-        yield
-        return
-    saved = conv.convert_peft_config_for_transformers
-    conv.convert_peft_config_for_transformers = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        conv.convert_peft_config_for_transformers = saved
-
-
-def build_adapter(model_dir: Path, folder: Path) -> dict[str, Any]:
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    params = expert_parameters(model)
-    torch.manual_seed(1)
-    # Every linear module by name: PEFT 0.21's "all-linear" leaves out DeepSeek-V2's dense and shared-expert MLPs.
-    linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
-    kwargs: dict[str, Any] = {"r": RANK, "lora_alpha": ALPHA, "init_lora_weights": False, "target_modules": linears}
-    if params:
-        kwargs["target_parameters"] = params
-    with modules_as_named():
-        peft.get_peft_model(model, peft.LoraConfig(**kwargs)).save_pretrained(str(folder))
-    return {"target_modules": linears, "target_parameters": params}
-
-
-def group_of(key: str) -> str:
-    """The module group of an adapter key (or a PEFT parameter name)."""
-    path = key.split(".lora_")[0].replace(".base_layer", "")
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf == "shared_expert_gate":  # a gate on the shared expert's output (Qwen2-MoE), not its MLP
-        return "shared expert gate"
-    if "shared_expert" in path:
-        return "shared experts"
-    if ".experts" in path:
-        return "routed experts"
-    if "attn" in path or "attention" in path:
-        return f"attn.{leaf}"
-    if ".mlp." in path or ".feed_forward." in path or ".block_sparse_moe." in path:
-        return f"mlp.{leaf}" if leaf in ("gate", "router") else "dense mlp"
-    return f"other.{leaf}"
-
-
-def write_group_adapters(adapter: Path, dest: Path) -> dict[str, Path]:
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    config = (adapter / "adapter_config.json").read_text()
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        groups.setdefault(group_of(key), {})[key] = t
-    out = {"all": adapter}
-    for g, part in sorted(groups.items()):
-        d = dest / g.replace(" ", "_")
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(part, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (d / "adapter_config.json").write_text(config)
-        out[g] = d
-    return out
-
-
 # ---- both sides' logprobs --------------------------------------------------------------------------------------
 
 def sequences() -> list[list[int]]:
@@ -228,38 +158,80 @@ def sequences() -> list[list[int]]:
     return [[1] + torch.randint(3, 400, (SEQ_LEN - 1,), generator=g).tolist() for _ in range(SEQS)]
 
 
-@torch.no_grad()
-def hf_logprobs(model_dir: Path, adapter: Path, groups: list[str], device: str) -> dict[str, list[list[float]]]:
-    """Teacher-forced logprobs: the base, then each group alone (other groups' lora_B zeroed), fp32."""
-    import peft
-    import transformers
+class HfSide:
+    """HF + PEFT in float32 on one adapter folder: teacher-forced logprobs of the base, or of one group alone (the
+    other groups' ``lora_B`` zeroed), that group's ``lora_B`` optionally times a scale."""
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    with modules_as_named():
-        model = peft.PeftModel.from_pretrained(base, str(adapter)).to(device).eval()
-    b_params = {n: p for n, p in model.named_parameters() if ".lora_B." in n}
-    saved = {n: p.detach().clone() for n, p in b_params.items()}
+    def __init__(self, model_dir: Path, adapter: Path, device: str) -> None:
+        import peft
+        import transformers
 
-    def run() -> list[list[float]]:
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        with modules_as_named():
+            self.model = peft.PeftModel.from_pretrained(base, str(adapter)).to(device).eval()
+        self.device = device
+        self.b_params = {n: p for n, p in self.model.named_parameters() if ".lora_B." in n}
+        self.saved = {n: p.detach().clone() for n, p in self.b_params.items()}
+
+    @torch.no_grad()
+    def logprobs(self, group: str | None, scale: float = 1.0) -> list[list[float]]:
+        """The base's (``group`` None), or the group's; ``all`` is every group at once."""
+        if group is None:
+            with self.model.disable_adapter():
+                return self._run()
+        for n, p in self.b_params.items():
+            p.copy_(self.saved[n] * scale if group == "all" or group_of(n) == group else torch.zeros_like(p))
+        return self._run()
+
+    def _run(self) -> list[list[float]]:
         rows = []
         for ids in sequences():
-            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0].float()
+            logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0].float()
             lp = torch.log_softmax(logits, dim=-1)
             rows.append([float(lp[i - 1, ids[i]]) for i in range(PROMPT_LEN, len(ids))])
         return rows
 
-    out: dict[str, list[list[float]]] = {}
-    with model.disable_adapter():
-        out["base"] = run()
+
+def hf_logprobs(model_dir: Path, adapter: Path, groups: list[str], device: str) -> dict[str, list[list[float]]]:
+    """Teacher-forced logprobs: the base, then each group alone (other groups' lora_B zeroed), fp32."""
+    side = HfSide(model_dir, adapter, device)
+    return {"base": side.logprobs(None), **{g: side.logprobs(g) for g in groups}}
+
+
+def choose_scales(model_dir: Path, adapter: Path, device: str, scale: str | float) -> dict[str, float]:
+    """Each group's ``lora_B`` scale for ``--effect-scale``: the number for every group, or (``auto``) the smallest
+    of ``SCALES`` whose HF effect (mean |HF with − HF base|) reaches ``EFFECT_TARGET``, the largest where none does."""
+    side = HfSide(model_dir, adapter, device)
+    groups = sorted({group_of(n) for n in side.b_params})
+    if scale != "auto":
+        return {g: float(scale) for g in groups}
+    base, out = side.logprobs(None), {}
     for g in groups:
-        for n, p in b_params.items():
-            p.copy_(saved[n] if g == "all" or group_of(n) == g else torch.zeros_like(p))
-        out[g] = run()
+        out[g] = next((s for s in SCALES if _mean_gap(side.logprobs(g, s), base) >= EFFECT_TARGET), SCALES[-1])
     return out
 
 
-def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str | None) -> dict[str, Any]:
-    """vLLM with the plugin: the base, then each group's adapter; a refused load keeps its message."""
+def worker_moe_kernels(worker: Any) -> list[str]:
+    """The experts kernels of the MoE LoRA wrappers in this worker's LoRA manager (for ``collective_rpc``)."""
+    from vllm_lora_ext.integration._compat import moe_experts_kernel
+
+    modules = worker.model_runner.lora_manager._adapter_manager.modules
+    return sorted({k for m in modules.values() if (k := moe_experts_kernel(m)) is not None})
+
+
+def engine_moe_kernels(llm: Any) -> dict[str, Any]:
+    """``moe_kernels``: every worker's experts kernels; None, with ``moe_kernels_why``, where they cannot be read."""
+    try:
+        per_worker = llm.collective_rpc(worker_moe_kernels)
+    except Exception as err:  # a vLLM whose worker keeps its LoRA manager elsewhere: recorded, the run goes on
+        return {"moe_kernels": None, "moe_kernels_why": f"{type(err).__name__}: {err}"[:300]}
+    return {"moe_kernels": sorted({k for kernels in per_worker for k in kernels})}
+
+
+def vllm_logprobs(model_dir: Path, adapters: dict[str, Path],
+                  quantization: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM with the plugin: the base, then each group's adapter; a refused load keeps its message. Also the experts
+    kernels the engine's MoE LoRA layers ran (``engine_moe_kernels``, read after the base's forward)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -276,12 +248,13 @@ def vllm_logprobs(model_dir: Path, adapters: dict[str, Path], quantization: str 
                 for o, ids in zip(outs, sequences())]
 
     out: dict[str, Any] = {"base": run(None)}
+    kernels = engine_moe_kernels(llm)
     for i, (g, path) in enumerate(adapters.items(), 1):
         try:
             out[g] = run(LoRARequest(f"m{i}", i, str(path)))
         except Exception as err:
             out[g] = {"refused": f"{type(err).__name__}: {err}"[:600]}
-    return out
+    return out, kernels
 
 
 def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -323,7 +296,7 @@ def effect_check(hf_base: list[list[float]], hf_g: list[list[float]], vl_base: l
 
 
 def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantization: str | None = None,
-            checkpoint: str | None = None) -> dict[str, Any]:
+            checkpoint: str | None = None, effect_scale: str | float = 1.0) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     served, info_q = workdir / "model", {}
     try:
@@ -338,6 +311,10 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
             served = workdir / "quantized"
             info_q = quantize_checkpoint(model_dir, served, checkpoint)
         info = build_adapter(model_dir, workdir / "adapter")
+        scales = {}
+        if effect_scale != 1.0:  # both sides then load the scaled file
+            scales = choose_scales(model_dir, workdir / "adapter", device, effect_scale)
+            scale_adapter(workdir / "adapter", scales)
         adapters = write_group_adapters(workdir / "adapter", workdir / "groups")
         hf = hf_logprobs(model_dir, workdir / "adapter", list(adapters), device)
     except Exception as err:
@@ -345,23 +322,25 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
                 "why": f"transformers: {type(err).__name__}: {err}"[:400], "trace": traceback.format_exc()[-2000:]}
     kind = quantization or (f"{checkpoint} checkpoint" if checkpoint else None)
     name = f"{arch} ({kind})" if kind else arch
-    result: dict[str, Any] = {"arch": name, "status": "built", **info, **info_q, "groups": sorted(adapters)}
+    result: dict[str, Any] = {"arch": name, "status": "built", **info, **info_q, "groups": sorted(adapters),
+                              "effect_scale": effect_scale, **({"effect_scales": scales} if scales else {})}
     if not use_vllm:
         return result
     try:
-        vl = vllm_logprobs(served, adapters, quantization)
+        vl, kernels = vllm_logprobs(served, adapters, quantization)
     except Exception as err:
         return {**result, "status": "not buildable", "why": f"vLLM: {type(err).__name__}: {err}"[:400],
                 "trace": traceback.format_exc()[-2000:]}
-    return {**result, "status": "ran", **judge(hf, vl)}
+    return {**result, "status": "ran", **kernels, **judge(hf, vl)}
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------
 
 def _one_in_subprocess(arch: str, workdir: Path, timeout: float, quantization: str | None,
-                       checkpoint: str | None = None) -> dict[str, Any]:
+                       checkpoint: str | None = None, effect_scale: str | float = 1.0) -> dict[str, Any]:
     js = workdir / arch / "result.json"
-    cmd = [sys.executable, __file__, "--one", arch, "--workdir", str(workdir / arch), "--json", str(js)]
+    cmd = [sys.executable, __file__, "--one", arch, "--workdir", str(workdir / arch), "--json", str(js),
+           "--effect-scale", str(effect_scale)]
     if quantization:
         cmd += ["--quantization", quantization]
     if checkpoint:
@@ -378,16 +357,36 @@ def _one_in_subprocess(arch: str, workdir: Path, timeout: float, quantization: s
     return {"arch": arch, "status": "not buildable", "why": f"exit {rc}: {log.read_text()[-400:]}"}
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'architecture':34} {'group':22} {'verdict':10} {'gap':>7} {'noise':>7} {'control':>8}")
+def describe_scale(scale: str | float) -> str:
+    """The ``lora_B`` scale in words, for the table's header."""
+    if scale == "auto":
+        return (f"auto: each group's smallest of {', '.join(f'{x:g}' for x in SCALES)} with an HF effect >= "
+                f"{EFFECT_TARGET} nats (column 'scale')")
+    return "none (the adapter as built)" if scale == 1.0 else f"{scale:g} on every group"
+
+
+def _kernels(r: dict[str, Any]) -> str:
+    if "moe_kernels" not in r:
+        return "-"
+    if r["moe_kernels"] is None:
+        return f"unknown ({r.get('moe_kernels_why', '')[:80]})"
+    return ", ".join(r["moe_kernels"]) or "none"
+
+
+def print_table(results: list[dict[str, Any]], scale: str | float = 1.0) -> None:
+    print(f"lora_B scale: {describe_scale(scale)}")
+    print(f"{'architecture':34} {'group':22} {'verdict':10} {'gap':>7} {'noise':>7} {'control':>8} {'scale':>6}")
     for r in results:
         if r["status"] != "ran":
             print(f"{r['arch']:34} {'-':22} {r['status']:10}  {r.get('why', '')[:90]}")
             continue
+        scales = r.get("effect_scales", {})
         for g, c in r["groups"].items():
             gap = f"{c['gap']:.3f}" if "gap" in c else "-"
-            print(f"{r['arch']:34} {g:22} {c['verdict']:10} {gap:>7} {r['noise']:7.3f} {c['control']:8.3f}"
+            s = "each" if g == "all" and scales else f"{scales.get(g, 1.0):g}"
+            print(f"{r['arch']:34} {g:22} {c['verdict']:10} {gap:>7} {r['noise']:7.3f} {c['control']:8.3f} {s:>6}"
                   + (f"  {c['why'][:80]}" if "why" in c else ""))
+        print(f"{r['arch']:34} noise {r['noise']:.3f}, tol {r['tol']:.3f}, MoE experts kernels: {_kernels(r)}")
 
 
 COLUMNS = ("attention", "routed experts", "shared experts", "dense mlp", "other")
@@ -445,14 +444,18 @@ def main() -> int:
     ap.add_argument("--quantization", default=None, help="vLLM's online quantization of the base, e.g. fp8")
     ap.add_argument("--checkpoint", default=None, choices=("fp8", "int4", "int4-triton"),
                     help="serve a pre-quantized copy of the base (quantized_ckpt.py)")
+    ap.add_argument("--effect-scale", type=parse_scale, default=None,
+                    help="multiply each group's lora_B (in the adapter both sides load) by this, or 'auto' "
+                         "(default with --quantization or --checkpoint; 1 otherwise)")
     ap.add_argument("--render", type=Path, help="print the README table of a results file and exit")
     args = ap.parse_args()
+    scale = args.effect_scale or ("auto" if args.quantization or args.checkpoint else 1.0)
     if args.render:
         print(render_table(json.loads(args.render.read_text())))
         return 0
     if args.one:
         res = run_one(args.one, args.workdir, use_vllm=not args.no_vllm, device=args.device,
-                      quantization=args.quantization, checkpoint=args.checkpoint)
+                      quantization=args.quantization, checkpoint=args.checkpoint, effect_scale=scale)
         text = json.dumps(res, indent=1)
         args.json.write_text(text) if args.json else print(text)
         return 0
@@ -462,24 +465,27 @@ def main() -> int:
     todo = [a for a, s in found if s == "lora" and (not wanted or a in wanted) and a not in skip]
     skipped = [{"arch": a, "status": "not buildable", "why": s} for a, s in found if s != "lora"]
     args.workdir.mkdir(parents=True, exist_ok=True)
+    def one(arch: str) -> dict[str, Any]:
+        return _one_in_subprocess(arch, args.workdir, args.timeout, args.quantization, args.checkpoint, scale)
+
     with cf.ThreadPoolExecutor(args.parallel) as pool:
-        ran = list(pool.map(lambda a: _one_in_subprocess(a, args.workdir, args.timeout, args.quantization,
-                                                      args.checkpoint), todo))
+        ran = list(pool.map(one, todo))
     # Engines started side by side can trip vLLM's memory profiling (another process freed or took memory
     # meanwhile): those run again, one at a time.
-    ran = [_one_in_subprocess(r["arch"].split(" ")[0], args.workdir, args.timeout, args.quantization, args.checkpoint)
-           if r["status"] != "ran" and any(m in r.get("why", "") for m in _COLLISIONS) else r for r in ran]
+    ran = [one(r["arch"].split(" ")[0]) if r["status"] != "ran" and any(m in r.get("why", "") for m in _COLLISIONS)
+           else r for r in ran]
     results = ran + ([] if wanted else skipped)
     import transformers
     import vllm
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     doc = {"card": card, "vllm": vllm.__version__, "transformers": transformers.__version__,
-           "quantization": args.quantization, "checkpoint": args.checkpoint,
-           "rank": RANK, "sequences": SEQS, "positions_per_sequence": SEQ_LEN - PROMPT_LEN, "results": results}
+           "quantization": args.quantization, "checkpoint": args.checkpoint, "effect_scale": scale,
+           **({"effect_target": EFFECT_TARGET} if scale == "auto" else {}), "rank": RANK, "sequences": SEQS,
+           "positions_per_sequence": SEQ_LEN - PROMPT_LEN, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
-    print_table(results)
+    print_table(results, scale)
     wrong = [(r["arch"], g) for r in results if r["status"] == "ran" for g, c in r["groups"].items()
              if c["verdict"] == "WRONG"]
     print(f"wrote {args.out}; {len(ran)} architectures run, WRONG cells: {wrong or 'none'}")
