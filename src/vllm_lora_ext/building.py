@@ -37,7 +37,7 @@ from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import ALIGN, Arena, ArenaSupply, aligned
 from vllm_lora_ext.validation import check_finite, check_rank_budget
 
-__all__ = ["BuildJob", "BuiltAdapter", "build_adapter", "pack_block"]
+__all__ = ["BuildJob", "BuiltAdapter", "MappedAdapter", "ModuleKeys", "build_adapter", "pack_block"]
 
 Wrapper = Literal["2d", "3d"]
 
@@ -91,6 +91,32 @@ class BuiltAdapter:
     arena: Arena | None = None
     host: Arena | None = None
     turned_on_gpu: int = 0
+
+
+@dataclass(frozen=True)
+class ModuleKeys:
+    """Where one dense LoRA module of the running model lies in a [`BuiltAdapter`]: the keys of its ``A (r, in)``
+    and ``B (out, r)`` in ``dense``, and the module's scaling."""
+
+    key_a: str
+    key_b: str
+    scaling: float
+
+
+@dataclass(frozen=True)
+class MappedAdapter:
+    """A [`BuiltAdapter`] with the running model's name for each of its dense modules: a mix component as the
+    worker keeps it.
+
+    Attributes:
+        built: the adapter, its dense factors as the model takes them (in the LoRA dtype), only those ``modules``
+            names.
+        modules: per dense module (the model's name), its [`ModuleKeys`], in the model's order. MoE blocks are
+            ``built.moe``'s, already by the model's names.
+    """
+
+    built: BuiltAdapter
+    modules: dict[str, ModuleKeys]
 
 
 def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,

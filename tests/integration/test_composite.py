@@ -94,6 +94,47 @@ def test_composite_through_vllms_cpu_punica_wrapper_equals_the_dense_reference(w
     torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=1e-4)
 
 
+def test_the_component_cache_holds_built_adapters_by_checkpoint_key_and_a_second_mix_builds_nothing(
+        worker_manager: Any, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    import vllm.lora.worker_manager as wm
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.building import BuiltAdapter, MappedAdapter, ModuleKeys
+    from vllm_lora_ext.integration import composite, loader
+
+    def mix(wa: float, wb: float) -> MixSpec:
+        return MixSpec((MixComponent("a", str(adapters["a"]), wa), MixComponent("b", str(adapters["b"]), wb)))
+
+    first = _load(worker_manager, mix(0.7, 0.3))  # the cache starts empty
+    cached = {source: entry for (_, source), entry in composite._CACHE.items()}
+    assert sorted(cached) == sorted([str(adapters["a"]), str(adapters["b"])])
+    for folder, scaling in ((adapters["a"], 8 / 4), (adapters["b"], 8 / math.sqrt(8))):
+        entry = cached[str(folder)]
+        assert type(entry) is MappedAdapter and type(entry.built) is BuiltAdapter and entry.built.moe == {}
+        oracle = load_file(str(folder / "adapter_model.safetensors"))
+        assert sorted(entry.built.dense) == sorted(oracle)  # checkpoint keys, no vLLM object anywhere
+        assert set(entry.modules) <= set(first.loras) and len(entry.modules) * 2 == len(oracle)
+        for name, keys in entry.modules.items():
+            assert type(keys) is ModuleKeys and keys.scaling == scaling
+            assert keys.key_a == f"base_model.model.{name}.lora_A.weight"
+            assert keys.key_b == keys.key_a.replace("lora_A", "lora_B")
+            assert torch.equal(entry.built.dense[keys.key_a], oracle[keys.key_a])
+
+    def no_build(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a cached component was built again")
+
+    monkeypatch.setattr(loader, "_load_adapter_model", no_build)
+    spec = mix(0.5, -0.5)
+    second = wm.WorkerLoRAManager._load_adapter(worker_manager, LoRARequest(spec.lora_name, 1 << 30, spec.lora_path))
+    oa, ob = _dense_oracle(adapters["a"]), _dense_oracle(adapters["b"])
+    for name, w in second.loras.items():
+        torch.testing.assert_close(w.lora_b @ w.lora_a, 0.5 * oa.get(name, 0) - 0.5 * ob.get(name, 0),
+                                   rtol=1e-4, atol=1e-5)
+    composite.clear_component_cache()
+
+
 def test_mix_over_max_lora_rank_names_the_ranks_and_the_setting(worker_manager: Any, adapters: dict[str, Path]) -> None:
     spec = MixSpec((MixComponent("a", str(adapters["a"]), 0.5), MixComponent("b", str(adapters["b"]), 0.5),
                     MixComponent("b2", str(adapters["b"]) + "/", 0.5)))

@@ -508,20 +508,20 @@ def test_a_client_cannot_smuggle_a_lora_request_through_the_body(tmp_path: Path)
 
 def test_a_mix_whose_packed_moe_composite_overflows_in_any_slice_is_refused(worker_manager: Any) -> None:
     """Every tensor of a packed MoE block is scanned, not only the last of its list."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.lora_weights import PackedLoRALayerWeights
     from vllm.lora.request import LoRARequest
 
+    from vllm_lora_ext.building import BuiltAdapter, MappedAdapter
+    from vllm_lora_ext.config import config_from_dict
     from vllm_lora_ext.integration import composite
     from vllm_lora_ext.mixing import MixComponent, MixSpec
 
     name = "model.layers.0.mlp.experts"
     a = [torch.full((2, 4, 8), 3e37), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)]  # the first slice overflows (w·A)
     b = [torch.ones(2, 8, 4) for _ in range(3)]
-    model = LoRAModel(1, 4, {name: PackedLoRALayerWeights(name, 4, [1, 1, 1], list(a), list(b), scaling=[1.0] * 3)})
+    built = BuiltAdapter("moe", config_from_dict({"r": 4}), {}, {name: (a, b, 4)})
     source = "/nonexistent/packed-moe-component"
     composite.clear_component_cache()
-    composite._CACHE[(id(worker_manager), source)] = model
+    composite._CACHE[(id(worker_manager), source)] = MappedAdapter(built, {})
     try:
         spec = MixSpec((MixComponent("moe", source, 100.0),))
         with pytest.raises(AdapterFormatError, match=r"holds NaN or infinite.*lora_A\[0\]|lora_A\[0\].*NaN"):

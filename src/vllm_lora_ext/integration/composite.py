@@ -1,11 +1,11 @@
-"""Worker side of weighted mixes: component ``LoRAModel``s -> one composite ``LoRAModel`` (exact, rank-concatenated).
+"""Worker side of weighted mixes: components as core data -> one composite ``LoRAModel`` (exact, rank-concatenated).
 
-The loader loads the components (`loader.build_composite`: every source form and MoE layout) and this module
-keeps them in a small per-process LRU keyed by pinned source, so several mixes of the same adapters read each
-adapter once and a composite costs no disk writes. Components are never handed to vLLM (vLLM mutates the
-LoRAModel it registers), only the composite built from them. What the composite is made of (the concatenation
-jobs, the rank budget, whether a scan for overflow is needed) is planned in the core, on the components' factors
-as plain data ([`MixPlan`]).
+The loader builds the components (`loader.load_component`: every source form and MoE layout) as core data, each a
+[`building.MappedAdapter`]: the built adapter and the model's name for each of its modules. This module keeps them
+in a small per-process LRU keyed by pinned source, so several mixes of the same adapters read each adapter once
+and a composite costs no disk writes. What the composite is made of (the concatenation jobs, the rank budget,
+whether a scan for overflow is needed) is planned in the core, on the components' factors as plain data
+([`MixPlan`]); only the composite becomes vLLM objects, here.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vllm_lora_ext.building import MappedAdapter
 from vllm_lora_ext.constants import component_cache_size, host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.integration._compat import lora_host_memory_pinned, pin_in_place
 from vllm_lora_ext.integration.moe import packed_layer
@@ -36,18 +37,18 @@ from vllm_lora_ext.validation import check_finite
 
 logger = logging.getLogger(__name__)
 
-_CACHE: OrderedDict[tuple[int, str], Any] = OrderedDict()
+_CACHE: OrderedDict[tuple[int, str], MappedAdapter] = OrderedDict()
 _LOCK = threading.Lock()
 
-# Loads one component: ``load(name, source)`` -> its ``LoRAModel``.
-LoadComponent = Callable[[str, str], Any]
+# Builds one component: ``load(name, source)`` -> its [`MappedAdapter`].
+LoadComponent = Callable[[str, str], MappedAdapter]
 
 
 def _cache_size() -> int:
     return component_cache_size()
 
 
-def _component(manager: Any, c: MixComponent, load: LoadComponent) -> Any:
+def _component(manager: Any, c: MixComponent, load: LoadComponent) -> MappedAdapter:
     key = (id(manager), c.source)
     with _LOCK:
         hit = _CACHE.get(key)
@@ -64,8 +65,8 @@ def _component(manager: Any, c: MixComponent, load: LoadComponent) -> Any:
     return model
 
 
-def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[Any]:
-    """Each component's ``LoRAModel``, in the mix's order; those not cached are loaded at the same time.
+def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedAdapter]:
+    """Each component, in the mix's order; those not cached are built at the same time.
 
     A component load is mostly reading and copying (which release the GIL) or waiting for the build process,
     which runs them side by side.
@@ -76,25 +77,26 @@ def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[Any]:
     for c in spec.components:
         if c.source not in cached:
             missing.setdefault(c.source, c)
-    built: dict[str, Any] = {}
+    built: dict[str, MappedAdapter] = {}
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing), thread_name_prefix="vllm-lora-ext-component") as pool:
             built = dict(zip(missing, pool.map(lambda c: _component(manager, c, load), missing.values())))
     return [built[c.source] if c.source in built else _component(manager, c, load) for c in spec.components]
 
 
-def mix_factors(model: Any) -> dict[str, MixFactor | list[MixFactor]]:
-    """A component ``LoRAModel``'s factors as plain data for [`MixPlan`], each ``A``'s largest magnitude included.
+def mix_factors(component: MappedAdapter) -> dict[str, MixFactor | list[MixFactor]]:
+    """A component's factors as plain data for [`MixPlan`], each ``A``'s largest magnitude included.
 
-    A dense module is ``A (r, in)``, ``B (out, r)`` with its scaling; a pre-packed MoE block is its slices
-    ``A (E, r, in)``, ``B (E, out, r)``, scaling folded in already.
+    A dense module is ``A (r, in)``, ``B (out, r)`` with its scaling; an MoE block is its slices
+    ``A (E, r, in)``, ``B (E, out, r)``, scaling folded in already. Dense modules come first, in the model's order.
     """
+    dense = component.built.dense
     out: dict[str, MixFactor | list[MixFactor]] = {}
-    for name, w in model.loras.items():
-        if isinstance(w.lora_a, list):
-            out[name] = [MixFactor(a, b, 1.0, 1, _max_abs(a)) for a, b in zip(w.lora_a, w.lora_b)]
-        else:
-            out[name] = MixFactor(w.lora_a, w.lora_b, float(w.scaling), 0, _max_abs(w.lora_a))
+    for name, keys in component.modules.items():
+        a = dense[keys.key_a]
+        out[name] = MixFactor(a, dense[keys.key_b], keys.scaling, 0, _max_abs(a))
+    for prefix, (lora_a, lora_b, _) in component.built.moe.items():
+        out[prefix] = [MixFactor(a, b, 1.0, 1, _max_abs(a)) for a, b in zip(lora_a, lora_b)]
     return out
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,7 +24,7 @@ from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, drop_unapp
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
-from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
+from vllm_lora_ext.building import BuildJob, BuiltAdapter, MappedAdapter, ModuleKeys, build_adapter
 from vllm_lora_ext.integration._compat import (is_first_model_rank, mla_attention_cls,
                                                 moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
@@ -38,6 +39,7 @@ from vllm_lora_ext.validation import ModuleDims
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 
 
 def expected_module_names(manager: Any) -> set[str]:
@@ -151,30 +153,52 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
         [`AdapterSourceError`], [`AdapterFormatError`], [`UnmatchedKeysError`], [`AdapterCompatibilityError`]:
             the adapter cannot be served on this model, with the reason and the fix.
     """
-    kind = "mix" if lora_request.lora_path.startswith(MIX_PREFIX) else "adapter"
+    if not lora_request.lora_path.startswith(MIX_PREFIX):
+        return _counted(manager, "adapter", lambda: _load_adapter_model(manager, lora_request,
+                                                                        separate_process=separate_process))
+
+    def load_mix() -> Any:
+        nonlocal device
+        if device is None and mix_on_gpu():  # loaded in the step: the GPU too, unless turned off
+            device = getattr(manager, "device", None)
+        lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
+        setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+        return lora
+
+    return _counted(manager, "mix", load_mix)
+
+
+def load_component(manager: Any, name: str, source: str, *, separate_process: bool = False) -> MappedAdapter:
+    """Build the adapter at ``source`` as one component of a mix: as core data, never wrapped in a ``LoRAModel``.
+
+    The same build, checks and counts as [`load_lora_model`]'s for an adapter; see [`map_component`].
+    """
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(lora_name=name, lora_int_id=1, lora_path=source)
+    return _counted(manager, "adapter", lambda: _load_adapter_model(manager, request, separate_process=separate_process,
+                                                                    component=True))
+
+
+def _counted(manager: Any, kind: str, load: Callable[[], _T]) -> _T:
+    """Run ``load`` with the worker's GPU bound and the collector paused, and count it in the load metrics."""
     t0 = time.perf_counter()
     try:
         bind_worker_gpu(getattr(manager, "device", None))  # a helper thread's host memory is pinned for this GPU too
         with gc_paused():  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
-            if kind == "mix":
-                if device is None and mix_on_gpu():  # loaded in the step: the GPU too, unless turned off
-                    device = getattr(manager, "device", None)
-                lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
-                setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
-            else:
-                lora = _load_adapter_model(manager, lora_request, separate_process=separate_process)
+            result = load()
     except Exception as err:
         _record_load(kind, _outcome(err), t0, err)
         raise
     _record_load(kind, "ok", t0)
-    return lora
+    return result
 
 
 def build_composite(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None) -> Any:
     """Load every component of the mix in ``lora_request.lora_path`` and concatenate them along rank.
 
-    Components not cached yet are loaded through [`load_lora_model`] at the same time; with ``separate_process``,
-    built by the worker's build process. The composite is built by [`composite.compose_mix`] (on ``device``
+    Components not cached yet are built through [`load_component`] at the same time; with ``separate_process``,
+    by the worker's build process. The composite is built by [`composite.compose_mix`] (on ``device``
     where it is a GPU).
 
     Raises:
@@ -182,11 +206,9 @@ def build_composite(manager: Any, lora_request: Any, *, separate_process: bool =
         [`AdapterCompatibilityError`]: a module's summed rank exceeds ``max_lora_rank`` (names the ranks).
         [`AdapterFormatError`]: a weighted factor overflows to infinity (names the module).
     """
-    from vllm.lora.request import LoRARequest
 
-    def load(name: str, source: str) -> Any:
-        return load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=source),
-                               separate_process=separate_process)
+    def load(name: str, source: str) -> MappedAdapter:
+        return load_component(manager, name, source, separate_process=separate_process)
 
     return compose_mix(manager, lora_request, load=load, device=device)
 
@@ -238,21 +260,64 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmK
     """Wrap a built adapter's tensors in vLLM's ``LoRAModel`` (dense modules through vLLM's own
     ``from_lora_tensors``, with the mapper and skipped prefixes ``router`` parsed the keys with; MoE
     blocks as the packed weights vLLM's wrappers take, scaling folded)."""
-    from vllm.lora.peft_helper import PEFTHelper
+    _pin_host(built)
+    lora = _wrap(manager, lora_request, built, router, built.dense, device="cpu")
+    setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+    _count_read(built)
+    return lora
 
+
+def map_component(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmKeyRouter) -> MappedAdapter:
+    """Name a built adapter's dense modules as the model does, for a mix: [`assemble`]'s work, kept as core data.
+
+    vLLM's ``from_lora_tensors`` runs, as in [`assemble`], on shape-only stand-ins of the dense factors: its key
+    parsing, skipped keys, scaling and checks say which keys make which module (each stand-in is found again by
+    identity), and the factors are converted as it converts them ([`_lora_cpu_tensor`]).
+    """
+    _pin_host(built)
+    stand_ins = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in built.dense.items()}
+    lora = _wrap(manager, lora_request, built, router, stand_ins, device="meta")
+    key_of = {id(t): k for k, t in stand_ins.items()}
+    modules = {name: ModuleKeys(key_of[id(w.lora_a)], key_of[id(w.lora_b)], float(w.scaling))
+               for name, w in lora.loras.items() if name not in built.moe}
+    used = {k for m in modules.values() for k in (m.key_a, m.key_b)}
+    dtype = manager.lora_config.lora_dtype
+    dense = {k: _lora_cpu_tensor(t, dtype) for k, t in built.dense.items() if k in used}
+    _count_read(built)
+    return MappedAdapter(replace(built, dense=dense), modules)
+
+
+def _lora_cpu_tensor(t: torch.Tensor, dtype: Any) -> torch.Tensor:
+    """``t`` as ``from_lora_tensors`` keeps a factor on ``"cpu"`` (0.26-0.33): in ``dtype``, then pinned where vLLM
+    pins LoRA memory (``PIN_MEMORY``, read where it reads it; memory pinned already stays where it is)."""
+    from vllm.lora import lora_model
+
+    out = t.to(device="cpu", dtype=dtype)
+    return out.pin_memory() if getattr(lora_model, "PIN_MEMORY", False) else out
+
+
+def _pin_host(built: BuiltAdapter) -> None:
     if built.host is not None:  # pinned where it lies, before vLLM looks (it copies what is not pinned)
         pin_in_place(built.host)
         built.host.close()
+
+
+def _wrap(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmKeyRouter,
+          tensors: dict[str, torch.Tensor], *, device: str) -> Any:
+    """vLLM's ``LoRAModel`` of ``tensors`` (``built.dense`` or stand-ins of it on ``"meta"``) and ``built``'s MoE
+    blocks, with vLLM's checks."""
+    from vllm.lora.peft_helper import PEFTHelper
+
     raw = dict(built.config.raw)
     raw["vllm_max_position_embeddings"] = manager.max_position_embeddings
     peft_helper = PEFTHelper.from_dict(raw)
     peft_helper.validate_legal(manager.lora_config)  # after our checks, whose messages name the fix
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id,
-        tensors=built.dense,
+        tensors=tensors,
         peft_helper=peft_helper,
-        device="cpu",
-        dtype=manager.lora_config.lora_dtype,
+        device=device,
+        dtype=manager.lora_config.lora_dtype if device == "cpu" else None,  # stand-ins stay themselves
         model_vocab_size=manager.vocab_size,
         weights_mapper=router.mapper,
         skip_prefixes=router.skip_prefixes,
@@ -266,15 +331,19 @@ def assemble(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmK
         lora.loras[prefix] = packed_layer(prefix, lora_a, lora_b, need)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     validate_loaded(manager._adapter_manager, lora)
-    setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
-    metrics.ADAPTER_BYTES_READ.inc(built.bytes_read)
-    with _READS_LOCK:  # a mix's components are wrapped on several threads
-        LOCAL_READS["adapters"] += 1
-        LOCAL_READS["bytes"] += built.bytes_read
     return lora
 
 
-def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False) -> Any:
+def _count_read(built: BuiltAdapter) -> None:
+    metrics.ADAPTER_BYTES_READ.inc(built.bytes_read)
+    with _READS_LOCK:  # a mix's components are built on several threads
+        LOCAL_READS["adapters"] += 1
+        LOCAL_READS["bytes"] += built.bytes_read
+
+
+def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False,
+                        component: bool = False) -> Any:
+    """Build ``lora_request``'s adapter, then wrap it ([`assemble`]), or map it ([`map_component`]) for a mix."""
     from vllm.exceptions import LoRAAdapterNotFoundError
 
     t0 = time.perf_counter()
@@ -293,9 +362,10 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
     except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
         raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
     t_built = time.perf_counter()
-    lora = assemble(manager, lora_request, built, router)
+    lora = (map_component if component else assemble)(manager, lora_request, built, router)
     now = time.perf_counter()
-    _log_loaded(built, lora, lora_request, now - t0,
+    modules = len(lora.modules) + len(built.moe) if component else len(lora.loras)
+    _log_loaded(built, modules, lora_request, now - t0,
                 f"describing the model {t_job - t0:.2f} s, building {t_built - t_job:.2f} s"
                 f"{' (build process)' if found is not None else ''}, wrapping {now - t_built:.2f} s")
     return lora
@@ -306,10 +376,10 @@ def _gpu_of(manager: Any) -> torch.device | None:
     return cuda_device_in_use(getattr(manager, "device", None)) if transpose_on_gpu() else None
 
 
-def _log_loaded(built: BuiltAdapter, lora: Any, lora_request: Any, seconds: float, phases: str) -> None:
+def _log_loaded(built: BuiltAdapter, modules: int, lora_request: Any, seconds: float, phases: str) -> None:
     turned = f", {built.turned_on_gpu} 3D factors transposed on the GPU" if built.turned_on_gpu else ""
     logger.info("loaded adapter %r from %s: rank %d, %d modules (%d MoE blocks: %s), %.1f MiB read%s, %.2f s (%s)",
-                lora_request.lora_name, built.identity, built.config.r, len(lora.loras), len(built.moe),
+                lora_request.lora_name, built.identity, built.config.r, modules, len(built.moe),
                 ",".join(built.layouts) or "-", built.bytes_read / 2**20, turned, seconds, phases)
 
 

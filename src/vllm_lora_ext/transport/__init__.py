@@ -39,7 +39,8 @@ and that worker's build process; a new mix's path through the modules is in the 
    (``handover.trim_shared``) and prepares its next spare (``integration.build_process._after_hand_over``); as
    it starts, it removes the files that owners which died mid-hand-over left (``files.sweep_stale``).
    ``integration.loader.assemble`` wraps the tensors in vLLM's ``LoRAModel`` (``from_lora_tensors`` on
-   ``"cpu"``; MoE blocks as packed layers).
+   ``"cpu"``; MoE blocks as packed layers). A mix's component is not wrapped: ``integration.loader.map_component``
+   keeps it as core data (``building.MappedAdapter``) in ``integration.composite``'s cache.
 5. **GPU staging** (worker, the table's thread). ``integration.staging.stage`` folds each module's scaling into
    B (vLLM's ``optimize()``), lays the CPU factors out in one buffer (``staging._layout``) and, within
    ``VLLM_LORA_EXT_STAGE_GPU_BYTES`` and the GPU's free memory (``cuda.gpu_free_bytes``), copies them to the GPU
