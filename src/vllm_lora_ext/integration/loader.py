@@ -25,7 +25,7 @@ from vllm_lora_ext import metrics
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, MappedAdapter, ModuleKeys, build_adapter
-from vllm_lora_ext.integration._compat import (is_first_model_rank, mla_attention_cls,
+from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_memory_pinned, mla_attention_cls,
                                                 moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.key_router import VllmKeyRouter
@@ -289,11 +289,9 @@ def map_component(manager: Any, lora_request: Any, built: BuiltAdapter, router: 
 
 def _lora_cpu_tensor(t: torch.Tensor, dtype: Any) -> torch.Tensor:
     """``t`` as ``from_lora_tensors`` keeps a factor on ``"cpu"`` (0.26-0.33): in ``dtype``, then pinned where vLLM
-    pins LoRA memory (``PIN_MEMORY``, read where it reads it; memory pinned already stays where it is)."""
-    from vllm.lora import lora_model
-
+    pins LoRA memory ([`lora_host_memory_pinned`]; memory pinned already stays where it is)."""
     out = t.to(device="cpu", dtype=dtype)
-    return out.pin_memory() if getattr(lora_model, "PIN_MEMORY", False) else out
+    return out.pin_memory() if lora_host_memory_pinned() else out
 
 
 def _pin_host(built: BuiltAdapter) -> None:
