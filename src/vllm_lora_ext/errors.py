@@ -19,33 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "AdapterCompatibilityError",
-    "AdapterAccessError",
-    "AdapterDownloadError",
-    "AdapterFormatError",
-    "AdapterNotFoundError",
-    "AdapterSourceError",
-    "DeploymentConfigError",
-    "DiskCacheFullError",
-    "ExpertLayoutError",
-    "KernelConfigError",
-    "MixCapacityError",
-    "MixError",
-    "MixIdCollisionError",
-    "OutputPathError",
-    "RemoteError",
-    "SettingsError",
-    "BuildProcessError",
-    "UnmatchedKeysError",
-    "UnsafeFormatError",
-    "UnsupportedVLLMError",
-    "VerifyError",
-    "VllmLoraExtError",
-    "error_from_text",
-    "is_rebuilt",
-    "error_record",
-    "rebuild_error",
-    "with_record",
+    "AdapterCompatibilityError", "AdapterAccessError", "AdapterDownloadError", "AdapterFormatError",
+    "AdapterNotFoundError", "AdapterSourceError", "DeploymentConfigError", "DiskCacheFullError", "ExpertLayoutError",
+    "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError", "RemoteError",
+    "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError", "UnsupportedVLLMError",
+    "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record", "rebuild_error", "with_record",
 ]
 
 
