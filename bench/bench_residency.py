@@ -20,6 +20,11 @@ to hold all ids). Prints a table and writes JSON (``--out``, default bench/resul
     python bench/bench_residency.py --two-nodes              # 2 Ray nodes on this host, 1 GPU each (ray start)
     python bench/bench_residency.py --address auto           # an existing cluster
     python bench/bench_residency.py --dry-run                # CPU: workload, both apps built, parsing checked
+    python bench/bench_residency.py --modes single --out /tmp/r/single.json   # modes in separate calls: the model
+    python bench/bench_residency.py --modes affinity,default --reference /tmp/r/single.json   # and adapters are seeded
+
+The JSON is written after each mode (``"partial": true`` until the last), so a call that runs out of time keeps
+the modes it finished.
 
 ``--two-nodes`` starts a head and a worker node with ``ray start`` (``CUDA_VISIBLE_DEVICES`` 0 and 1, one GPU
 each, separate temp dirs), as a stand-in for two machines; each replica's report then carries its node's GPU, and
@@ -212,6 +217,19 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bfloat16", "seed": 0}
 
 
+def reference_outputs(path: str, workload: dict[str, Any]) -> list[Any]:
+    """The ``single`` run's outputs in a JSON this bench wrote, checked to be of the same workload."""
+    import json
+
+    earlier = json.loads(Path(path).read_text())
+    if earlier.get("workload") != workload:
+        raise SystemExit(f"--reference {path}: its workload {earlier.get('workload')} is not this run's {workload}")
+    outputs = earlier.get("runs", {}).get("single", {}).get("outputs")
+    if outputs is None:
+        raise SystemExit(f"--reference {path} has no 'single' run")
+    return outputs
+
+
 def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 0) -> tuple[str, str, Any]:
     """A tiny dense model (unless ``model`` is given), one PEFT adapter per name, and the deployment config; the
     first ``hub`` adapters are ``hf:`` sources on a local Hub server started here (returned, with its commit)."""
@@ -309,6 +327,9 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--dry-run", action="store_true", help="CPU: check the plumbing, serve nothing")
+    ap.add_argument("--reference", default=None,
+                    help="a JSON this bench wrote with the same workload whose 'single' run is the reference outputs "
+                         "(to run the modes in separate calls: --modes single, then --modes affinity --reference ...)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -342,6 +363,7 @@ def main() -> None:
                             if n.get("Alive")]
         for mode in args.modes.split(","):
             runs[mode] = run_mode(mode, args, model, deploy, requests, (names, mixes))
+            write_json("residency", {**payload, "runs": runs, "partial": True}, args.out)  # kept if a later mode dies
     finally:
         ray.shutdown()
         if hub is not None:
@@ -349,6 +371,9 @@ def main() -> None:
         if args.two_nodes:
             subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
     ref = runs.get("single", {}).get("outputs")
+    if ref is None and args.reference:
+        ref = reference_outputs(args.reference, payload["workload"])
+        payload["reference"] = args.reference
     rows = []
     for mode, r in runs.items():
         equal = None if ref is None else sum(a == b for a, b in zip(r["outputs"], ref) if a is not None)

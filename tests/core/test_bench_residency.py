@@ -1,0 +1,38 @@
+"""`bench/bench_residency.py --reference`: modes run in separate calls compare their outputs with an earlier
+``single`` run of the same workload, and refuse one of another workload."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> Any:
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_residency", ROOT / "bench" / "bench_residency.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_reference_run_gives_its_single_outputs_only_for_the_same_workload(tmp_path: Path) -> None:
+    br = _bench()
+    names, mixes = br.make_ids(3, 2)
+    assert br.zipf_requests(names + mixes, 20, 1.1) == br.zipf_requests(names + mixes, 20, 1.1)  # seeded
+    workload = {"replicas": 2, "adapters": 3, "mixes": 2, "requests": 20}
+    earlier = tmp_path / "single.json"
+    earlier.write_text(json.dumps({"workload": workload, "runs": {"single": {"outputs": ["a", "b"]}}}))
+    assert br.reference_outputs(str(earlier), workload) == ["a", "b"]
+    with pytest.raises(SystemExit, match="is not this run's"):
+        br.reference_outputs(str(earlier), {**workload, "requests": 400})
+    earlier.write_text(json.dumps({"workload": workload, "runs": {"affinity": {}}}))
+    with pytest.raises(SystemExit, match="no 'single' run"):
+        br.reference_outputs(str(earlier), workload)
