@@ -41,7 +41,7 @@ refusal to compare, and on DeepSeek-V2 it stops the engine for any adapter (issu
 
     python bench/moe_matrix.py --out bench/results/moe_matrix.json [--archs A,B] [--parallel 4]
     python bench/moe_matrix.py --archs A,B --quantization fp8 --out ...  # the base quantized online by vLLM
-    python bench/moe_matrix.py --archs A --checkpoint fp8|int4|int4-triton --out ...  # a pre-quantized base
+    python bench/moe_matrix.py --archs A --checkpoint fp8|int4|int4-aligned|int4-triton --out ...  # pre-quantized
                                                     # (quantized_ckpt.py; HF + PEFT runs on its dequantized weights)
     python bench/moe_matrix.py ... --effect-scale auto|S           # scale each group's lora_B (see above)
     python bench/moe_matrix.py --one ARCH --workdir W --json OUT   # one architecture (what the driver runs)
@@ -303,6 +303,8 @@ def run_one(arch: str, workdir: Path, *, use_vllm: bool, device: str, quantizati
         model_dir = workdir / "model"
         if checkpoint == "int4-triton":  # hidden size not a multiple of 128: vLLM picks Triton WNA16, not Marlin
             TINY["hidden_size"] = 192
+        if checkpoint == "int4-aligned":  # Marlin pads 96 (not a multiple of 64) to 128, the plugin refuses: not 128
+            TINY["moe_intermediate_size"] = 128
         model = build_model(arch, model_dir)
         del model
         if checkpoint:
@@ -442,7 +444,7 @@ def main() -> int:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quantization", default=None, help="vLLM's online quantization of the base, e.g. fp8")
-    ap.add_argument("--checkpoint", default=None, choices=("fp8", "int4", "int4-triton"),
+    ap.add_argument("--checkpoint", default=None, choices=("fp8", "int4", "int4-aligned", "int4-triton"),
                     help="serve a pre-quantized copy of the base (quantized_ckpt.py)")
     ap.add_argument("--effect-scale", type=parse_scale, default=None,
                     help="multiply each group's lora_B (in the adapter both sides load) by this, or 'auto' "

@@ -12,7 +12,10 @@ Kinds:
   (q/k/v of a layer; gate/up of an expert), so vLLM's requantization to the largest scale changes nothing.
 - ``int4``: compressed-tensors ``pack-quantized`` W4A16 (symmetric int4, group 32) on the routed experts only.
   vLLM runs it with Marlin where the shapes allow (hidden size a multiple of 128) and with its Triton WNA16 kernel
-  otherwise (``moe_matrix.py`` builds that case with ``int4-triton``: hidden size 192).
+  otherwise (``moe_matrix.py`` builds that case with ``int4-triton``: hidden size 192). Marlin pads an experts'
+  intermediate size that is not a multiple of 64 and of the group to that tile (the matrix's 96 becomes 128), which
+  vLLM's MoE LoRA buffers do not follow, so the plugin refuses expert LoRA there; ``int4-aligned`` is the same
+  checkpoint with an intermediate size of 128, which Marlin takes as it is.
 
 Router gates, norms, embeddings and ``lm_head`` stay bf16 (listed as ignored where the format needs it).
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("fp8", "int4", "int4-triton")
+KINDS = ("fp8", "int4", "int4-aligned", "int4-triton")
 FP8_MAX = 448.0
 GROUP = 32
 _ATTN = re.compile(r"^(.*\.self_attn)\.(q_proj|k_proj|v_proj|o_proj)\.weight$")

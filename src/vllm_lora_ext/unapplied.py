@@ -12,7 +12,7 @@ those weights instead, with a warning naming them: the adapter is then served wi
 | ``mla`` | ``kv_b_proj`` | MLA attention computes ``W_UK``/``W_UV`` from ``kv_b_proj``'s weight when the model loads, and its prefill calls the base layer it was built with, not the LoRA wrapper (vLLM 0.26–0.33) |
 | ``aliased`` | ``shared_expert_gate`` | the model calls the module through a second attribute that still holds the base layer, so the LoRA wrapper vLLM puts under the first name is never called (Qwen2-MoE: ``mlp.shared_expert.expert_gate`` is ``mlp.shared_expert_gate``; vLLM 0.26–0.33) |
 | ``moe_kernel_drops_lora`` | ``experts`` | the quantized MoE kernel vLLM picked says it supports LoRA, but its ``apply`` never reads the LoRA context (``TritonWNA16Experts``: int4/int8 weight-only MoE through compressed-tensors; ``Mxfp8NativeTritonExperts``; ROCm's ``AiterMxfp8Experts``) |
-| ``moe_kernel_misapplies_lora`` | ``experts`` | the quantized MoE kernel vLLM picked reads the LoRA context, but what it serves differs from the adapter as trained (``MarlinExperts`` on int4/int8 weight-only bases, the Marlin path vLLM picks for them when the shapes allow: against HF + PEFT on the same dequantized base, the experts' LoRA effect came out 55% off while attention LoRA matched) |
+| ``moe_kernel_misapplies_lora`` | ``experts`` | the MoE kernel vLLM picked (Marlin, for int4/int8 weight-only and some FP8 bases) runs the experts at an intermediate size padded to its tile (a multiple of 64 and of the group size), while vLLM's MoE LoRA buffers keep the unpadded size: the LoRA delta of ``up_proj``, the second half of ``gate_up``, is added at the wrong columns |
 
 Pure core: names and rules only.
 """
@@ -20,6 +20,7 @@ Pure core: names and rules only.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,8 @@ from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED
 from vllm_lora_ext.errors import AdapterCompatibilityError
 
 __all__ = ["ALIASED_MODEL_TYPES", "MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_ALIASED", "TRAIT_MLA",
-           "MOE_KERNELS_MISAPPLYING_LORA", "TRAIT_MOE_KERNEL", "TRAIT_MOE_KERNEL_WRONG", "UnappliedRule",
-           "find_unapplied", "int_weight_only", "kernel_traits", "screen_unapplied", "traits_from_config", "unapplied_problems"]
+           "TRAIT_MOE_KERNEL", "TRAIT_MOE_KERNEL_WRONG", "UnappliedRule",
+           "find_unapplied", "int_weight_only", "kernel_traits", "padding_traits", "screen_unapplied", "traits_from_config", "unapplied_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,6 @@ MLA_MODEL_TYPES = frozenset({
 # vLLM MoE expert kernels whose ``supports_lora()`` is true (inherited from ``TritonExperts``) but whose
 # ``apply`` never reads the LoRA context: an expert LoRA on such a block is accepted and never applied.
 MOE_KERNELS_DROPPING_LORA = frozenset({"TritonWNA16Experts", "Mxfp8NativeTritonExperts", "AiterMxfp8Experts"})
-# vLLM MoE expert kernels, named ``Class[weights]`` for the weight types that matter, whose LoRA path runs but
-# serves something other than the adapter as trained (measured against HF + PEFT on the same dequantized base).
-MOE_KERNELS_MISAPPLYING_LORA = frozenset({"MarlinExperts[int4_w4a16]", "MarlinExperts[int8_w8a16]"})
 
 
 @dataclass(frozen=True)
@@ -97,38 +95,45 @@ RULES: tuple[UnappliedRule, ...] = (
         TRAIT_MOE_KERNEL, EXPERTS,
         "this quantized MoE base runs its experts with vLLM's {detail} kernel, which accepts expert LoRA weights and "
         "never applies them",
-        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton MoE kernels apply expert LoRA), or "
-        "retrain it without expert modules"),
+        "Serve the adapter on an unquantized base, or retrain it without expert modules"),
     UnappliedRule(
         TRAIT_MOE_KERNEL_WRONG, EXPERTS,
-        "this weight-only int MoE base runs its experts with vLLM's {detail} kernel, whose LoRA path serves expert "
-        "LoRA weights other than as trained (against HF + PEFT on the same dequantized int4 base, the experts' LoRA "
-        "effect came out 55% off while attention LoRA matched)",
-        "Serve the adapter on an unquantized or FP8 base (vLLM's Triton MoE kernels apply expert LoRA as trained), "
-        "or retrain it without expert modules"),
+        "this quantized MoE base runs its experts with vLLM's {detail}: the kernel pads the experts' intermediate "
+        "size to its tile, while vLLM's MoE LoRA buffers keep the unpadded size, so the LoRA delta of up_proj (the "
+        "second half of gate_up) is added at the wrong columns and the experts are served other than as trained",
+        "Serve the adapter on an unquantized base, or on a quantized one whose MoE intermediate size per "
+        "tensor-parallel rank is a multiple of 64 and of its quantization group size (no padding), or retrain it "
+        "without expert modules"),
 )
 
 
 def kernel_traits(kernels: Iterable[str]) -> dict[str, str]:
-    """Return the traits implied by the experts kernels an MoE model runs (``Class`` or ``Class[weights]`` names).
+    """Return the trait implied by the experts kernels (class names) an MoE model runs: kernels that drop LoRA.
 
     Example:
-        >>> kernel_traits(["MarlinExperts[int4_w4a16]", "TritonExperts"])
-        {'moe_kernel_misapplies_lora': 'MarlinExperts[int4_w4a16]'}
-        >>> kernel_traits(["TritonWNA16Experts[int4_w4a16]"])
+        >>> kernel_traits(["TritonWNA16Experts", "TritonExperts"])
         {'moe_kernel_drops_lora': 'TritonWNA16Experts'}
-        >>> kernel_traits(["MarlinExperts[float4_e2m1f]", "TritonExperts"])
+        >>> kernel_traits(["MarlinExperts", "TritonExperts"])
         {}
     """
-    names = sorted(set(kernels))
-    found: dict[str, str] = {}
-    dropping = sorted({n.partition("[")[0] for n in names} & MOE_KERNELS_DROPPING_LORA)
-    if dropping:
-        found[TRAIT_MOE_KERNEL] = ", ".join(dropping)
-    wrong = [n for n in names if n in MOE_KERNELS_MISAPPLYING_LORA]
-    if wrong:
-        found[TRAIT_MOE_KERNEL_WRONG] = ", ".join(wrong)
-    return found
+    dropping = sorted(set(kernels) & MOE_KERNELS_DROPPING_LORA)
+    return {TRAIT_MOE_KERNEL: ", ".join(dropping)} if dropping else {}
+
+
+def padding_traits(paddings: Iterable[tuple[str, int, int | None]]) -> dict[str, str]:
+    """Return the trait implied by MoE blocks whose kernel runs the experts at another intermediate size than the
+    LoRA buffers have: ``(kernel, LoRA size, kernel size or None where it could not be read)`` each.
+
+    Example:
+        >>> padding_traits([("MarlinExperts", 96, 128), ("MarlinExperts", 96, 128)])
+        {'moe_kernel_misapplies_lora': 'MarlinExperts kernel (intermediate size 96 padded to 128)'}
+        >>> padding_traits([])
+        {}
+    """
+    found = sorted({f"{k} kernel (intermediate size {n} padded to {p})" if p is not None else
+                    f"{k} kernel (whose intermediate size could not be read to check it against {n})"
+                    for k, n, p in paddings})
+    return {TRAIT_MOE_KERNEL_WRONG: "; ".join(found)} if found else {}
 
 
 def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
@@ -137,8 +142,8 @@ def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
     MLA: a ``kv_lora_rank`` and a model type vLLM runs with MLA ([`MLA_MODEL_TYPES`]), as vLLM decides
     ``model_config.use_mla`` (the config of a multimodal model's text part counts too). Aliased: a model type
     whose shared expert calls its gate through a second attribute ([`ALIASED_MODEL_TYPES`]). An int weight-only
-    MoE base ([`int_weight_only`] and a routed-expert count): on a GPU vLLM runs its experts with Marlin, or with
-    Triton WNA16 where Marlin cannot take the shapes, and neither serves expert LoRA as trained.
+    MoE base ([`int_weight_only`]) whose experts' intermediate size Marlin would pad (not a multiple of 64 and of
+    the group size, at tensor-parallel size 1): what the worker finds from the running kernel ([`padding_traits`]).
 
     Example:
         >>> traits_from_config({"model_type": "deepseek_v3", "kv_lora_rank": 512})
@@ -157,30 +162,48 @@ def traits_from_config(config: Mapping[str, Any]) -> dict[str, str]:
             found.setdefault(TRAIT_MLA, str(part["model_type"]))
         if part.get("model_type") in ALIASED_MODEL_TYPES and (part.get("shared_expert_intermediate_size") or 0) > 0:
             found.setdefault(TRAIT_ALIASED, str(part["model_type"]))
-        weights = int_weight_only(config.get("quantization_config") or part.get("quantization_config"))
-        if weights and any(_positive(part.get(k)) for k in _EXPERT_COUNT_KEYS):
-            found.setdefault(TRAIT_MOE_KERNEL_WRONG, f"Marlin or Triton WNA16 ({weights})")
+        padded = _marlin_padding(part, config.get("quantization_config") or config.get("compression_config")
+                                 or part.get("quantization_config"))
+        if padded:
+            found.setdefault(TRAIT_MOE_KERNEL_WRONG, padded)
     return found
 
 
-# Config keys that give an MoE model's routed-expert count, by family.
+# Config keys that give an MoE model's routed-expert count, and its experts' intermediate size, by family.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_SIZE_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
 
 
 def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def int_weight_only(quant: Any) -> str | None:
+def _marlin_padding(part: Mapping[str, Any], quant: Any) -> str | None:
+    """How vLLM's Marlin kernel would pad this int weight-only MoE's experts at tensor-parallel size 1, or None."""
+    weights = int_weight_only(quant)
+    if weights is None or not any(_positive(part.get(k)) for k in _EXPERT_COUNT_KEYS):
+        return None
+    size = next((part[k] for k in _EXPERT_SIZE_KEYS if _positive(part.get(k))), None)
+    if size is None:
+        return None
+    kind, group = weights
+    tile = math.lcm(64, group if group > 0 else 1)
+    padded = -(-size // tile) * tile
+    return None if padded == size else (f"Marlin kernel (intermediate size {size} padded to {padded} at "
+                                        f"tensor-parallel size 1; {kind})")
+
+
+def int_weight_only(quant: Any) -> tuple[str, int] | None:
     """Describe a ``quantization_config`` whose weights are int4/int8 with 16-bit activations (GPTQ, AWQ,
-    compressed-tensors W4A16/W8A16), the bases whose MoE experts vLLM runs with Marlin or Triton WNA16; else None.
+    compressed-tensors W4A16/W8A16), the bases whose MoE experts vLLM runs with Marlin or Triton WNA16, and give
+    its group size (-1: per channel); else None.
 
     Example:
-        >>> int_weight_only({"quant_method": "gptq", "bits": 4})
-        'gptq int4'
+        >>> int_weight_only({"quant_method": "gptq", "bits": 4, "group_size": 128})
+        ('gptq int4', 128)
         >>> int_weight_only({"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        ...     "weights": {"type": "int", "num_bits": 4}, "input_activations": None}}})
-        'compressed-tensors int4 weight-only'
+        ...     "weights": {"type": "int", "num_bits": 4, "group_size": 32}, "input_activations": None}}})
+        ('compressed-tensors int4 weight-only', 32)
         >>> int_weight_only({"quant_method": "fp8"}) is None
         True
     """
@@ -188,15 +211,19 @@ def int_weight_only(quant: Any) -> str | None:
         return None
     method = str(quant.get("quant_method", "")).lower()
     if method in ("gptq", "awq", "gptq_marlin", "awq_marlin"):
-        return f"{method} int{quant.get('bits', 4)}"
+        return f"{method} int{quant.get('bits', 4)}", _int(quant.get("group_size", quant.get("q_group_size")))
     if method != "compressed-tensors" or not isinstance(quant.get("config_groups"), Mapping):
         return None
     for group in quant["config_groups"].values():
         w = group.get("weights") if isinstance(group, Mapping) else None
         if isinstance(w, Mapping) and w.get("type") == "int" and w.get("num_bits") in (4, 8) \
                 and not group.get("input_activations"):
-            return f"compressed-tensors int{w['num_bits']} weight-only"
+            return f"compressed-tensors int{w['num_bits']} weight-only", _int(w.get("group_size"))
     return None
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def find_unapplied(modules: Iterable[str], moe_blocks: Iterable[str], traits: Mapping[str, str]
@@ -210,8 +237,8 @@ def find_unapplied(modules: Iterable[str], moe_blocks: Iterable[str], traits: Ma
     dense, blocks = list(modules), list(moe_blocks)
     found: list[tuple[UnappliedRule, list[str]]] = []
     for rule in RULES:
-        if rule.trait not in traits:
-            continue
+        if rule.trait not in traits or any(r.group == rule.group for r, _ in found):
+            continue  # one reason a group: two rules on the experts would name them twice
         hit = list(blocks) if rule.group == EXPERTS else [m for m in dense if rule.covers(m)]
         if hit:
             found.append((rule, hit))
@@ -262,7 +289,7 @@ def screen_unapplied(module_keys: Mapping[str, list[str]], moe_keys: Mapping[str
         groups = ",".join(rule.group for rule, _ in refused)
         raise AdapterCompatibilityError(
             f"Adapter {adapter!r}{where} has LoRA weights that vLLM would accept and not apply as trained on this model: "
-            + " ".join(parts) + f"; or set {ENV_DROP_UNAPPLIED}={groups} to serve the adapter without these weights.",
+            + ". ".join(parts) + f"; or set {ENV_DROP_UNAPPLIED}={groups} to serve the adapter without these weights.",
             adapter=adapter)
     dropped: set[str] = set()
     for rule, names in found:
@@ -282,7 +309,7 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> lis
 
     Example:
         >>> unapplied_problems(["model.layers.0.self_attn.kv_b_proj"], {"mla": "deepseek_v2"})[0][:40]
-        "vLLM would accept this adapter's kv_b_pr"
+        'vLLM would accept but not apply as train'
     """
     dense, blocks = [], []
     for m in modules:
@@ -290,6 +317,6 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> lis
         (blocks if sep else dense).append(head + sep if sep else m)
     lines = []
     for rule, names in find_unapplied(dense, dict.fromkeys(blocks), traits):
-        lines.append(f"vLLM would accept this adapter's {_describe(rule, traits, names)}, and not apply it as trained. "
+        lines.append(f"vLLM would accept but not apply as trained this adapter's {_describe(rule, traits, names)}. "
                      f"{rule.fix}; or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights with a warning.")
     return lines

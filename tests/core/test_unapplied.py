@@ -15,7 +15,7 @@ from vllm_lora_ext.constants import drop_unapplied
 from vllm_lora_ext.errors import AdapterCompatibilityError, UnmatchedKeysError
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.planning import AdapterPlan, ModelSpec, PeftKeyRouter, plan_adapter
-from vllm_lora_ext.unapplied import RULES, kernel_traits, traits_from_config, unapplied_problems
+from vllm_lora_ext.unapplied import RULES, kernel_traits, padding_traits, traits_from_config, unapplied_problems
 from vllm_lora_ext.validation import ModuleDims
 
 ATTN = "model.layers.0.self_attn"
@@ -51,6 +51,7 @@ def _plan(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, **kw: object) -> 
 
 
 ALL_LINEAR = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MARLIN = "MarlinExperts kernel (intermediate size 96 padded to 128)"  # the worker's trait on a padded int4 base
 
 
 @pytest.mark.parametrize(("traits", "modules", "experts", "refused"), [
@@ -61,8 +62,10 @@ ALL_LINEAR = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     ({"moe_kernel_drops_lora": "TritonWNA16Experts"}, ("q_proj", "o_proj"), True, "experts"),
     ({"moe_kernel_drops_lora": "TritonWNA16Experts"}, ALL_LINEAR, False, None),  # dense LoRA is applied
     ({**MLA, "moe_kernel_drops_lora": "TritonWNA16Experts"}, ALL_LINEAR, True, "kv_b_proj,experts"),
-    ({"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}, ("q_proj", "o_proj"), True, "experts"),
-    ({"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}, ALL_LINEAR[:1], False, None),
+    ({"moe_kernel_misapplies_lora": MARLIN}, ("q_proj", "o_proj"), True, "experts"),
+    ({"moe_kernel_misapplies_lora": MARLIN}, ALL_LINEAR[:1], False, None),
+    ({"moe_kernel_drops_lora": "TritonWNA16Experts", "moe_kernel_misapplies_lora": MARLIN}, ("q_proj",), True,
+     "experts"),  # two rules on the experts: one reason, one group to drop
 ])
 def test_the_refusal_table_refuses_exactly_the_modules_vllm_would_not_apply(
         traits: dict[str, str], modules: tuple[str, ...], experts: bool, refused: str | None) -> None:
@@ -85,32 +88,42 @@ def test_the_refusal_table_refuses_exactly_the_modules_vllm_would_not_apply(
         assert "target_modules" in msg
     if "experts" in refused:
         kernel = traits.get("moe_kernel_drops_lora") or traits["moe_kernel_misapplies_lora"]
-        assert f"{kernel} kernel" in msg and MOE in msg
-    if "moe_kernel_misapplies_lora" in traits:
-        assert "other than as trained" in msg and "55% off" in msg
+        assert kernel in msg and MOE in msg
+    if "moe_kernel_misapplies_lora" in traits and "moe_kernel_drops_lora" not in traits:
+        assert "padded to 128" in msg and "up_proj" in msg and "multiple of 64" in msg
+    assert msg.count("(first keys:") == len(refused.split(","))  # each group named once
 
 
 @pytest.mark.parametrize(("kernels", "traits"), [
-    (["TritonExperts"], {}),  # bf16 and FP8 (Hopper) experts: LoRA applied as trained
-    (["MarlinExperts[int4_w4a16]", "TritonExperts"], {"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}),
-    (["MarlinExperts[int8_w8a16]"], {"moe_kernel_misapplies_lora": "MarlinExperts[int8_w8a16]"}),
-    (["MarlinExperts"], {}),  # Marlin on MXFP4/NVFP4/FP8 weights: not measured, not refused
-    (["TritonWNA16Experts[int4_w4a16]"], {"moe_kernel_drops_lora": "TritonWNA16Experts"}),
-    (["Mxfp8NativeTritonExperts", "MarlinExperts[int4_w4a16]"],
-     {"moe_kernel_drops_lora": "Mxfp8NativeTritonExperts", "moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}),
+    (["TritonExperts"], {}),  # bf16 and FP8 (Hopper) experts
+    (["MarlinExperts", "TritonExperts"], {}),  # Marlin is judged by its padding (below), not by name
+    (["TritonWNA16Experts"], {"moe_kernel_drops_lora": "TritonWNA16Experts"}),
+    (["Mxfp8NativeTritonExperts", "TritonWNA16Experts"],
+     {"moe_kernel_drops_lora": "Mxfp8NativeTritonExperts, TritonWNA16Experts"}),
 ])
 def test_the_experts_kernels_a_model_runs_give_its_moe_traits(kernels: list[str], traits: dict[str, str]) -> None:
     assert kernel_traits(kernels) == traits
 
 
+@pytest.mark.parametrize(("paddings", "traits"), [
+    ([], {}),
+    ([("MarlinExperts", 96, 128)] * 2, {"moe_kernel_misapplies_lora": MARLIN}),
+    ([("MarlinExperts", 96, None)], {"moe_kernel_misapplies_lora":
+                                     "MarlinExperts kernel (whose intermediate size could not be read to check it "
+                                     "against 96)"}),  # unreadable: refused, not served unchecked
+])
+def test_a_marlin_kernel_padding_the_experts_gives_the_misapply_trait(paddings: list, traits: dict[str, str]) -> None:
+    assert padding_traits(paddings) == traits
+
+
 def test_dropping_experts_serves_an_int4_marlin_base_without_them_with_a_warning(
         caplog: pytest.LogCaptureFixture) -> None:
-    traits = {"moe_kernel_misapplies_lora": "MarlinExperts[int4_w4a16]"}
+    traits = {"moe_kernel_misapplies_lora": MARLIN}
     with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
         plan = _plan(_shapes("q_proj", experts=True), _spec(traits, frozenset({"experts"})))
     assert MOE not in plan.moe and len(plan.dense_keys) == 2 and len(plan.dropped) == 24
     warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert MOE in warning and "other than as trained" in warning
+    assert MOE in warning and "padded to 128" in warning
 
 
 def test_the_opt_in_drops_only_the_named_group_with_a_warning_naming_the_modules(
@@ -168,16 +181,24 @@ INT4_CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "co
     ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "is_causal": False}, {}),  # vLLM runs it without MLA
     ({"model_type": "minicpm3", "kv_lora_rank": 256}, {}),  # has kv_b_proj, runs it as a plain layer
     ({"model_type": "qwen3_moe"}, {}),
-    ({"model_type": "qwen3_moe", "num_experts": 128, "quantization_config": {"quant_method": "gptq", "bits": 4}},
-     {"moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (gptq int4)"}),
-    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": INT4_CT},
-     {"moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (compressed-tensors int4 weight-only)"}),
-    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256, "quantization_config": INT4_CT},
-     {"mla": "deepseek_v3",
-      "moe_kernel_misapplies_lora": "Marlin or Triton WNA16 (compressed-tensors int4 weight-only)"}),
+    ({"model_type": "qwen3_moe", "num_experts": 128, "moe_intermediate_size": 768,  # Qwen3-30B-A3B: no padding
+      "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}, {}),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 96, "quantization_config": INT4_CT},
+     {"moe_kernel_misapplies_lora": "Marlin kernel (intermediate size 96 padded to 128 at tensor-parallel size 1; "
+                                    "compressed-tensors int4 weight-only)"}),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 96, "compression_config": INT4_CT},
+     {"moe_kernel_misapplies_lora": "Marlin kernel (intermediate size 96 padded to 128 at tensor-parallel size 1; "
+                                    "compressed-tensors int4 weight-only)"}),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+      "quantization_config": INT4_CT}, {"mla": "deepseek_v3"}),
+    ({"model_type": "mixtral", "num_local_experts": 8, "intermediate_size": 14336 + 32,
+      "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}},
+     {"moe_kernel_misapplies_lora": "Marlin kernel (intermediate size 14368 padded to 14464 at tensor-parallel "
+                                    "size 1; awq int4)"}),
     ({"model_type": "llama", "quantization_config": INT4_CT}, {}),  # dense int4: LoRA on linear layers applies
-    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": {"quant_method": "fp8"}}, {}),
-    ({"model_type": "qwen3_moe", "num_experts": 8, "quantization_config": {  # W4A8: not weight-only
+    ({"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 96,
+      "quantization_config": {"quant_method": "fp8"}}, {}),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 96, "quantization_config": {  # W4A8
         "quant_method": "compressed-tensors", "config_groups": {"g": {
             "weights": {"type": "int", "num_bits": 4}, "input_activations": {"type": "int", "num_bits": 8}}}}}, {}),
 ])

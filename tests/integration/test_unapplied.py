@@ -369,23 +369,6 @@ def test_the_table_of_moe_kernels_that_drop_lora_matches_the_installed_vllm() ->
     assert dropping == MOE_KERNELS_DROPPING_LORA & installed
 
 
-def test_the_kernels_that_misapply_lora_exist_and_are_named_by_the_weight_flags_vllm_sets() -> None:
-    """Each ``Class[flag]`` in the table is an installed LoRA-capable experts kernel, and ``flag`` is a field of
-    vLLM's MoE quant config (what `_compat.moe_experts_kernel` reads to name the kernel)."""
-    import dataclasses
-
-    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
-
-    from vllm_lora_ext.unapplied import MOE_KERNELS_MISAPPLYING_LORA
-
-    classes = {c.__name__: c for c in _experts_classes()}
-    fields = {f.name for f in dataclasses.fields(FusedMoEQuantConfig)} | set(dir(FusedMoEQuantConfig))
-    for entry in MOE_KERNELS_MISAPPLYING_LORA:
-        name, _, flag = entry.partition("[")
-        assert name in classes and classes[name].supports_lora(), entry
-        assert f"use_{flag.rstrip(']')}" in fields, entry
-
-
 # ---------------------------------------------- a wrapped module the model still calls through a second attribute
 
 def _gated_block() -> Any:
@@ -434,25 +417,31 @@ def test_a_lora_on_the_bypassed_shared_expert_gate_is_refused_naming_it_and_the_
     assert dropped == set(keys["model.layers.0.mlp.shared_expert_gate"])
 
 
-@pytest.mark.parametrize(("builder", "name"), [
-    ("int4_w4a16_moe_quant_config", "MarlinExperts[int4_w4a16]"),
-    ("int8_w8a16_moe_quant_config", "MarlinExperts[int8_w8a16]"),
-    ("mxfp4_w4a16_moe_quant_config", "MarlinExperts"),
+
+@pytest.mark.parametrize(("lora_n", "w2_rows", "padding"), [
+    (96, 8, ("MarlinExperts", 96, 128)),  # Marlin padded 96 to its tile: the LoRA buffers stay 96 wide
+    (128, 8, None),  # aligned: nothing padded
 ])
-def test_the_worker_names_a_marlin_experts_kernel_by_its_weights(builder: str, name: str) -> None:
-    """`_compat.moe_experts_kernel` on vLLM's own Marlin experts class and quant configs (built without a GPU)."""
+def test_the_worker_finds_a_marlin_kernel_that_padded_the_experts(lora_n: int, w2_rows: int, padding: Any) -> None:
+    """`_compat.moe_kernel_padding` on vLLM's own Marlin experts class, with weights shaped as Marlin packs them
+    (the kernel's size is vLLM's ``marlin_moe_intermediate_size`` of them), and the traits it gives."""
     import types
 
     import torch
-    from vllm.model_executor.layers.fused_moe import config
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    from vllm_lora_ext.integration._compat import moe_experts_kernel
-    from vllm_lora_ext.unapplied import kernel_traits
+    from vllm_lora_ext.integration._compat import moe_kernel_padding
+    from vllm_lora_ext.unapplied import padding_traits
 
-    experts = object.__new__(MarlinExperts)  # the real class; its __init__ wants a model's MoE config
-    scale = torch.ones(2, 4, 1)
-    experts.quant_config = getattr(config, builder)(w1_scale=scale, w2_scale=scale)
-    module = types.SimpleNamespace(_moe_kernel=types.SimpleNamespace(fused_experts=experts))
-    assert moe_experts_kernel(module) == name
-    assert bool(kernel_traits([name])) == ("[" in name)
+    def wrapper(experts: Any, base: Any) -> Any:
+        return types.SimpleNamespace(_moe_kernel=types.SimpleNamespace(fused_experts=experts), base_layer=base,
+                                     intermediate_size_per_partition=lora_n)
+
+    marlin = object.__new__(MarlinExperts)  # the real class; its __init__ wants a model's MoE config
+    base = types.SimpleNamespace(w13_weight=torch.zeros(2, 4, 2 * 16 * w2_rows), w2_weight=torch.zeros(2, w2_rows, 4))
+    assert moe_kernel_padding(wrapper(marlin, base)) == padding
+    assert bool(padding_traits([padding] if padding else [])) == (padding is not None)
+    assert moe_kernel_padding(wrapper(object.__new__(TritonExperts), base)) is None  # not Marlin: not padded
+    unreadable = moe_kernel_padding(wrapper(marlin, types.SimpleNamespace()))
+    assert unreadable == ("MarlinExperts", lora_n, None)  # refused rather than served unchecked

@@ -299,17 +299,32 @@ def mla_attention_cls() -> type | None:
 
 
 def moe_experts_kernel(module: Any) -> str | None:
-    """The experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``): its class name, with
-    ``[int4_w4a16]`` or ``[int8_w8a16]`` appended when its ``quant_config`` says the weights are int weight-only."""
+    """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
     experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
-    if experts is None:
+    return None if experts is None else type(experts).__name__
+
+
+def moe_kernel_padding(module: Any) -> tuple[str, int, int | None] | None:
+    """Where an MoE LoRA wrapper's Marlin experts kernel runs the experts at another intermediate size than vLLM's
+    MoE LoRA buffers have: ``(kernel, the buffers' size, the kernel's)``, else None (0.26–0.33).
+
+    Marlin pads a quantized base's intermediate size to its thread tile when it prepares the weights (a multiple
+    of 64 and of the group size); the LoRA layer keeps ``intermediate_size_per_partition``, the unpadded size. The
+    kernel's size is what ``fused_marlin_moe`` computes from the weights (``marlin_moe_intermediate_size``). Where
+    it cannot be read, the kernel's size is None: the caller refuses rather than serve an unchecked layout.
+    """
+    experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
+    if experts is None or "Marlin" not in type(experts).__name__:
         return None
     name = type(experts).__name__
-    quant = getattr(experts, "quant_config", None)
-    for flag in ("use_int4_w4a16", "use_int8_w8a16"):
-        if getattr(quant, flag, False) is True:
-            return f"{name}[{flag[len('use_'):]}]"
-    return name
+    try:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_moe_intermediate_size
+
+        lora_n = int(module.intermediate_size_per_partition)
+        kernel_n = int(marlin_moe_intermediate_size(module.base_layer.w13_weight, module.base_layer.w2_weight))
+    except (ImportError, AttributeError, TypeError, IndexError):
+        return name, int(getattr(module, "intermediate_size_per_partition", 0) or 0), None
+    return None if kernel_n == lora_n else (name, lora_n, kernel_n)
 
 
 def runner_dummy_runs_with_loras(runner: Any) -> bool:

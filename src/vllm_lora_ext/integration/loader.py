@@ -26,14 +26,15 @@ from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, MappedAdapter, ModuleKeys, build_adapter
 from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_memory_pinned, mla_attention_cls,
-                                                moe_experts_kernel, pin_in_place, unstacked_mapper, validate_loaded)
+                                                moe_experts_kernel, moe_kernel_padding, pin_in_place, unstacked_mapper,
+                                                validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.key_router import VllmKeyRouter
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
-from vllm_lora_ext.unapplied import TRAIT_ALIASED, TRAIT_MLA, kernel_traits
+from vllm_lora_ext.unapplied import TRAIT_ALIASED, TRAIT_MLA, kernel_traits, padding_traits
 from vllm_lora_ext.validation import ModuleDims
 
 
@@ -77,8 +78,9 @@ def model_traits(manager: Any) -> dict[str, str]:
 
     ``mla``: the model holds vLLM's MLA attention layers (what ``model_config.use_mla`` builds; they fold
     ``kv_b_proj`` into ``W_UK``/``W_UV``). ``moe_kernel_drops_lora`` / ``moe_kernel_misapplies_lora``: an MoE block
-    runs an experts kernel that accepts LoRA and never applies it, or applies it other than as trained
-    (`unapplied.kernel_traits`). Worked out once per model (the model does not change).
+    runs an experts kernel that accepts LoRA and never applies it (`unapplied.kernel_traits`), or one that
+    runs the experts at a padded intermediate size the LoRA buffers do not have (`unapplied.padding_traits`).
+    Worked out once per model (the model does not change).
     """
     adapter_manager = manager._adapter_manager
     found: dict[str, str] | None = adapter_manager.__dict__.get(_TRAITS_ATTR)
@@ -91,7 +93,9 @@ def model_traits(manager: Any) -> dict[str, str]:
     aliased = bypassed_wrappers(model, adapter_manager.modules) if isinstance(model, torch.nn.Module) else []
     if aliased:
         found[TRAIT_ALIASED] = f"{type(model).__name__} (e.g. {aliased[0]})"
-    found.update(kernel_traits(k for m in adapter_manager.modules.values() if (k := moe_experts_kernel(m)) is not None))
+    modules = adapter_manager.modules.values()
+    found.update(kernel_traits(k for m in modules if (k := moe_experts_kernel(m)) is not None))
+    found.update(padding_traits(p for m in modules if (p := moe_kernel_padding(m)) is not None))
     adapter_manager.__dict__[_TRAITS_ATTR] = found
     return found
 
