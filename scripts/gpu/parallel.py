@@ -93,9 +93,15 @@ def _lanes(groups: list[str], work: Path, gpus: int, deadline: float) -> dict[in
     return codes
 
 
+LEFT_OUT: list[str] = []  # logs over the size limit, named in the call's output instead
+
+
 def _small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     """Logs only: no JSON (the other archive), no adapter or model files a bench left in its folder."""
-    if info.isfile() and (info.name.endswith((".json", ".safetensors", ".bin", ".pt")) or info.size > 8 << 20):
+    if info.isfile() and info.name.endswith((".json", ".safetensors", ".bin", ".pt")):
+        return None
+    if info.isfile() and info.size > 8 << 20:
+        LEFT_OUT.append(f"{info.name} ({info.size >> 20} MiB)")
         return None
     return info
 
@@ -131,6 +137,8 @@ def main() -> int:
     # Few files come back from a lent machine: every log in one archive, every JSON result in another.
     with tarfile.open(args.out / "logs.tgz", "w:gz") as tar:
         tar.add(str(work), arcname="groups", filter=_small)
+    if LEFT_OUT:
+        print("left out of logs.tgz (over 8 MiB): " + ", ".join(LEFT_OUT))
     with tarfile.open(args.out / "results.tgz", "w:gz") as tar:
         for f in sorted(work.rglob("*.json")):
             if f.stat().st_size <= 8 << 20:
