@@ -219,8 +219,10 @@ def test_a_build_dir_removed_while_serving_makes_builds_run_in_the_worker_with_o
     try:
         build_process.prestart()
         build_process._POOL.get()  # started, with its spare in the folder
-        while build_dir.exists():  # an operator's cleanup, a tmpfs unmounted (the process may be renaming a file
-            shutil.rmtree(build_dir, ignore_errors=True)  # in it meanwhile: remove until nothing is left)
+        for _ in range(100):  # an operator's cleanup, a tmpfs unmounted (the process may be renaming a file in it
+            shutil.rmtree(build_dir, ignore_errors=True)  # meanwhile: remove until nothing is left)
+            if not build_dir.exists():
+                break
         with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.integration.build_process"):
             for i, adapter in enumerate(adapters):
                 lora = load_lora_model(worker_manager, LoRARequest(f"a{i}", 30 + i, str(adapter)), separate_process=True)
