@@ -77,8 +77,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_MIX_THREADS: ("", "threads a mix's CPU concatenation uses (default: up to 4, at most the host's cores)"),
     ENV_BUILD_SPARE: ("", "smallest spare shared file (pages taken ahead) a build process keeps ready (default 2 "
                           "GiB; 0: none)"),
-    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand kernel configs (default: the tuned tables shipped "
-                               "for this GPU, see \"Tuned LoRA kernels\")"),
+    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand and fused-MoE LoRA kernel configs (default: the tuned "
+                               "tables shipped for this GPU, see \"Tuned LoRA kernels\")"),
     ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
                           " this (default 0: off)"),
     ENV_CLIENT_SOURCES: ("", "Ray Serve LLM: comma-separated source prefixes (`hf:acme/`, `/srv/loras/`) clients may "

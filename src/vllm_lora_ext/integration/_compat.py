@@ -9,6 +9,7 @@ names that are the same in every supported release (``LoRARequest``, ``LoRAAdapt
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
@@ -37,7 +38,8 @@ ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
 # The bf16 multi-LoRA kernels' launchers; each imports utils.get_lora_op_configs into its own namespace.
 LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
 LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"
-LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"
+LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"  # get_lora_op_configs reads load_lora_op_config from here
+FUSED_MOE_LORA_MODULE = "vllm.lora.layers.fused_moe"  # FusedMoEWithLoRA._build_lora_context (0.26-0.33)
 GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completions, chat and responses (0.26-0.33)
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
@@ -113,8 +115,6 @@ def mapper_ignores_expert_numbers(mapper: Any) -> bool:
     """
     if mapper is None:
         return True
-    import dataclasses
-
     if not dataclasses.is_dataclass(mapper):
         return False
     for f in dataclasses.fields(mapper):
@@ -248,6 +248,44 @@ def lora_kernels_batch_invariant() -> bool:
 
     utils = sys.modules.get(LORA_OP_UTILS_MODULE)
     return bool(getattr(utils, "is_batch_invariant", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELoRALayerShape:
+    """What a fused-MoE LoRA layer's context says about its kernel launches (vLLM's ``MoELoRAContext``).
+
+    Attributes:
+        w13_slices: the w13 launch's ``num_slices`` (2 gated, 1 for the 3D-fused layer or a non-gated MoE).
+        rank: the stacked rank (``max_lora_rank``, divided by TP when fully sharded).
+        hidden: the hidden size; ``intermediate``: the per-partition expert intermediate size w2 reads.
+        fully_sharded: vLLM's fully sharded LoRA (another kernel path, with a collective between shrink and expand).
+        tuned: vLLM's ``use_tuned_config`` (its tables in ``VLLM_TUNED_CONFIG_FOLDER`` answer).
+    """
+
+    w13_slices: int
+    rank: int
+    hidden: int
+    intermediate: int
+    fully_sharded: bool
+    tuned: bool
+
+
+def moe_lora_layer_shape(context: Any) -> MoELoRALayerShape | None:
+    """Read a ``MoELoRAContext`` (0.26-0.33: ``vllm/model_executor/layers/fused_moe/experts/lora_context.py``);
+    None if it lacks a field read here."""
+    try:
+        a13, a2 = context.w13_lora_a_stacked[0], context.w2_lora_a_stacked[0]
+        return MoELoRALayerShape(w13_slices=int(context.w13_num_slices), rank=int(a13.shape[-2]),
+                                 hidden=int(a13.shape[-1]), intermediate=int(a2.shape[-1]),
+                                 fully_sharded=bool(context.fully_sharded), tuned=bool(context.use_tuned_config))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def with_tuned_moe_configs(context: Any) -> Any:
+    """A copy of a ``MoELoRAContext`` whose punica calls read vLLM's tuned tables (``use_tuned_config``, which
+    vLLM's ``FusedMoEWithLoRA._build_lora_context`` sets from ``VLLM_TUNED_CONFIG_FOLDER``; 0.26-0.33)."""
+    return dataclasses.replace(context, use_tuned_config=True)
 
 
 def cuda_device_name() -> str | None:

@@ -1,15 +1,25 @@
-"""The shrink/expand launchers' config lookup, reading the tuned tables shipped in `vllm_lora_ext.kernel_configs`.
+"""The LoRA kernels' config lookups, reading the tuned tables shipped in `vllm_lora_ext.kernel_configs`.
 
-vLLM's ``lora_shrink_op`` and ``lora_expand_op`` each call ``get_lora_op_configs`` (imported into their
-own namespace) on every launch. The plugin replaces that name in those two modules only, so vLLM's
-fused-MoE and fp8 LoRA kernels, which import it elsewhere, keep vLLM's own choice. The replacement
-answers from the shipped table for this GPU, and hands the call to vLLM's lookup when:
+Shrink/expand: vLLM's ``lora_shrink_op`` and ``lora_expand_op`` each call ``get_lora_op_configs`` (imported
+into their own namespace) on every launch. The plugin replaces that name in those two modules only, so vLLM's
+fused-MoE and fp8 LoRA kernels, which import it elsewhere, do not go through it. The replacement answers from
+the shipped table for this GPU, and hands the call to vLLM's lookup when:
 
 - the user set ``VLLM_TUNED_CONFIG_FOLDER`` (their tables win) or ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``;
 - vLLM runs batch-invariant (it never uses tuned configs then);
 - no table ships for this GPU, a shipped table fails its checks (logged once), or it lacks the launch's
   ``num_slices``;
 - the hidden size is smaller than any the table was tuned for (see `lookup_config`).
+
+Fused MoE: a fused-MoE LoRA layer reads tuned tables only when its context's ``use_tuned_config`` is set, which
+vLLM derives from ``VLLM_TUNED_CONFIG_FOLDER`` when the layer builds the context (``_build_lora_context``);
+otherwise it derives its tile configs from the base MoE GEMM's. Where the four fused-MoE tables ship for this
+GPU (`kernel_configs.moe`) and fit the layer (`moe_tables_fit`: its hidden and intermediate sizes tuned, its
+rank at most the largest tuned, w13's ``num_slices`` present) and the layer is not fully sharded, the context
+gets ``use_tuned_config`` set, and vLLM's ``load_lora_op_config`` answers the four fused-MoE op types from the
+shipped tables: vLLM's own ``get_lora_op_configs`` then reads them with its nearest-key rule. Under the same
+conditions as above (a user's folder, ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, batch-invariant mode, no valid
+table), both leave vLLM's behaviour as it is.
 """
 
 from __future__ import annotations
@@ -21,8 +31,14 @@ from typing import Any
 
 from vllm_lora_ext.constants import kernel_configs_enabled, vllm_tuned_config_folder_set
 from vllm_lora_ext.errors import KernelConfigError
-from vllm_lora_ext.integration._compat import cuda_device_name, lora_kernels_batch_invariant
+from vllm_lora_ext.integration._compat import (
+    cuda_device_name,
+    lora_kernels_batch_invariant,
+    moe_lora_layer_shape,
+    with_tuned_moe_configs,
+)
 from vllm_lora_ext.kernel_configs import file_stem, load_tables, lookup_config
+from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, moe_tables_fit
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +89,62 @@ def make_get_lora_op_configs(original: Callable[..., Any]) -> Callable[..., Any]
         return original(op_type, max_loras, batch, hidden_size, rank, num_slices, add_inputs, moe_intermediate_size)
 
     return get_lora_op_configs
+
+
+@functools.lru_cache(maxsize=1)
+def _moe_tables() -> dict[str, dict[str, Any]] | None:
+    name = cuda_device_name()
+    if not name:
+        return None
+    try:
+        tables = load_moe_tables(file_stem(name))
+    except KernelConfigError as exc:
+        logger.warning("not using the shipped fused-MoE LoRA kernel configs: %s", exc)
+        return None
+    if tables is not None:
+        logger.info("fused-MoE LoRA kernels use the tuned configs shipped for %s where they fit the layer "
+                    "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's own choice)", name)
+    return tables
+
+
+def _shipped_moe_tables() -> dict[str, dict[str, Any]] | None:
+    """The shipped fused-MoE tables, or None where vLLM's own choice should stand."""
+    if vllm_tuned_config_folder_set() or not kernel_configs_enabled() or lora_kernels_batch_invariant():
+        return None
+    return _moe_tables()
+
+
+def tuned_moe_context(context: Any) -> Any:
+    """Return ``context`` (a fused-MoE layer's ``MoELoRAContext``) set to read tuned tables where the shipped
+    ones fit its layer, else ``context`` itself."""
+    shape = moe_lora_layer_shape(context)
+    if shape is None or shape.tuned or shape.fully_sharded:
+        return context
+    tables = _shipped_moe_tables()
+    if tables is None or not moe_tables_fit(tables, num_slices=shape.w13_slices, rank=shape.rank,
+                                            hidden=shape.hidden, intermediate=shape.intermediate):
+        return context
+    return with_tuned_moe_configs(context)
+
+
+def make_build_lora_context(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _build_lora_context(self: Any) -> Any:
+        return tuned_moe_context(original(self))
+
+    return _build_lora_context
+
+
+def make_load_lora_op_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's ``get_lora_op_configs`` calls ``load_lora_op_config`` by its module name on every cache miss: the
+    four fused-MoE op types get the shipped table, every other op type (and any case `_shipped_moe_tables` turns
+    down) vLLM's loader, whose cache ``cache_clear`` still clears."""
+
+    def load_lora_op_config(op_type: str, add_inputs: bool | None) -> Any:
+        if op_type in MOE_OPS:
+            tables = _shipped_moe_tables()
+            if tables is not None:
+                return tables[op_type]
+        return original(op_type, add_inputs)
+
+    load_lora_op_config.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+    return load_lora_op_config

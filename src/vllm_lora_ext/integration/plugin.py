@@ -27,10 +27,12 @@ from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
     BASE_SERVING_MODULE,
     BEAM_SEARCH_MODULE,
+    FUSED_MOE_LORA_MODULE,
     GENERATE_SERVING_MODULE,
     GPU_WORKER_MODULE,
     LLM_ENGINE_MODULE,
     LORA_EXPAND_OP_MODULE,
+    LORA_OP_UTILS_MODULE,
     LORA_SHRINK_OP_MODULE,
     POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
@@ -38,7 +40,11 @@ from vllm_lora_ext.integration._compat import (
     WORKER_MANAGER_MODULE,
     check_vllm_version,
 )
-from vllm_lora_ext.integration.kernels import make_get_lora_op_configs
+from vllm_lora_ext.integration.kernels import (
+    make_build_lora_context,
+    make_get_lora_op_configs,
+    make_load_lora_op_config,
+)
 from vllm_lora_ext.integration.patching import (
     DEPLOYMENT_ATTR,
     DISK_HOLDS_ATTR,
@@ -190,6 +196,22 @@ PATCHES: tuple[Patch, ...] = (
               "configs with vLLM's own Triton defaults (`integration/moe_configs.py`); expert adapters on such a "
               "base are then refused (`unapplied`: the kernel never reads the LoRA context), others served",
           delete_when="vLLM's small-batch WNA16 default carries GROUP_SIZE_M (it does in vLLM 0.33)"),
+    Patch(FUSED_MOE_LORA_MODULE, "FusedMoEWithLoRA._build_lora_context", (), make_build_lora_context,
+          process="worker", writes=("MoELoRAContext.use_tuned_config",),
+          why="a fused-MoE LoRA layer reads tuned tile configs only when VLLM_TUNED_CONFIG_FOLDER is set (its "
+              "context's use_tuned_config), which would also move the dense kernels off the plugin's tables; "
+              "otherwise it derives them from the base MoE GEMM's config. Set the flag on the context of a layer "
+              "the fused-MoE tables shipped for this GPU fit (`kernel_configs/moe.py`: hidden and intermediate "
+              "size tuned, rank up to the largest tuned, not fully sharded); with none shipped, "
+              "VLLM_LORA_EXT_KERNEL_CONFIGS=0, a user's folder or batch-invariant mode, the context is vLLM's",
+          delete_when="vLLM ships tuned fused-MoE LoRA tables for these GPUs, or reads a tuned folder per op type"),
+    Patch(LORA_OP_UTILS_MODULE, "load_lora_op_config", ("op_type", "add_inputs"), make_load_lora_op_config,
+          process="worker",
+          why="for a layer whose context the row above set, vLLM's get_lora_op_configs reads the four fused-MoE op "
+              "types' tables through this loader, which looks only in VLLM_TUNED_CONFIG_FOLDER: answer those op "
+              "types from the tables shipped for this GPU (vLLM's own lookup then picks the nearest keys); every "
+              "other op type, and the cases the row above leaves to vLLM, go to vLLM's loader",
+          delete_when="as FusedMoEWithLoRA._build_lora_context"),
 )
 
 

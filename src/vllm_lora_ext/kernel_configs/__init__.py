@@ -12,8 +12,8 @@ So the plugin does not set it. This folder holds tables in vLLM's format (writte
 ``bench/tune_lora_kernels.py``, which also records per shape vLLM's default time and the tuned one),
 and the plugin's patch of the shrink/expand launchers' config lookup reads them with `lookup_config`,
 which follows vLLM's nearest-key rule (a test compares the two on every shipped table). Everything
-else (fused MoE, fp8, a user's own ``VLLM_TUNED_CONFIG_FOLDER``, batch-invariant mode) goes to vLLM's
-lookup unchanged.
+else (fp8, a user's own ``VLLM_TUNED_CONFIG_FOLDER``, batch-invariant mode) goes to vLLM's lookup
+unchanged. The fused-MoE LoRA kernels have tables of their own, described in `kernel_configs.moe`.
 
 Example:
     >>> file_stem("NVIDIA H100 80GB HBM3")
@@ -28,14 +28,14 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from vllm_lora_ext.errors import KernelConfigError
 
-__all__ = ["FOLDER", "SLICE_KEYS", "check_table", "config_file_names", "file_stem", "load_tables", "lookup_config",
-           "shipped_gpus"]
+__all__ = ["FOLDER", "SLICE_KEYS", "check_levels", "check_table", "config_file_names", "file_stem", "load_tables",
+           "lookup_config", "shipped_gpus"]
 
 FOLDER = Path(__file__).resolve().parent
 # The keys vLLM's launchers read from a config (shrink also reads group_size_m, with a default).
@@ -73,15 +73,29 @@ def check_table(table: Any, op: str, *, name: str = "table") -> None:
             level lacks one of 1..16, or a config lacks a key vLLM's launcher reads or holds a
             non-positive or non-integer value.
     """
-    required = _REQUIRED[op]
+    check_levels(table, depth=5, required=_REQUIRED[op], slice_keys=SLICE_KEYS, name=name,
+                 tuner="bench/tune_lora_kernels.py")
+
+
+def check_levels(table: Any, *, depth: int, required: Sequence[str], slice_keys: Sequence[str], name: str,
+                 tuner: str) -> None:
+    """Check a nested table of ``depth`` integer-keyed levels, ``num_slices`` second, configs at the bottom.
+
+    Every level is a non-empty object keyed by digits; each ``num_slices`` level holds every key of
+    ``slice_keys`` (vLLM matches that key exactly); each config holds every key of ``required`` as a positive
+    integer. The error names the file (``name``), the path to the bad level and the tuner that writes the file.
+
+    Raises:
+        [`KernelConfigError`]: the first level or config that breaks one of these rules.
+    """
 
     def fail(path: list[str], what: str) -> KernelConfigError:
         where = "][".join(path)
-        return KernelConfigError(f"LoRA kernel config {name}[{where}]: {what}. Re-run bench/tune_lora_kernels.py "
+        return KernelConfigError(f"LoRA kernel config {name}[{where}]: {what}. Re-run {tuner} "
                                  f"or set VLLM_LORA_EXT_KERNEL_CONFIGS=0 to use vLLM's defaults.")
 
-    def level(node: Any, path: list[str], depth: int) -> None:
-        if depth == 5:
+    def level(node: Any, path: list[str], at: int) -> None:
+        if at == depth:
             if not isinstance(node, Mapping):
                 raise fail(path, "is not a config object")
             for key in required:
@@ -91,12 +105,12 @@ def check_table(table: Any, op: str, *, name: str = "table") -> None:
             return
         if not isinstance(node, Mapping) or not node or not all(_is_int_key(k) for k in node):
             raise fail(path, "must be a non-empty object keyed by integers")
-        if depth == 1:
-            missing = [s for s in SLICE_KEYS if s not in node]
+        if at == 1:
+            missing = [s for s in slice_keys if s not in node]
             if missing:
                 raise fail(path, f"has no num_slices {', '.join(missing)} (vLLM needs each exactly)")
         for key, child in node.items():
-            level(child, path + [key], depth + 1)
+            level(child, path + [key], at + 1)
 
     level(table, [], 0)
 
