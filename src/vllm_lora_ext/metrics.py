@@ -16,9 +16,9 @@ servers): each process writes its samples to memory-mapped ``.db`` files in one 
 
 Metrics never fail or kill anything. prometheus_client writes through a memory mapping, and a write
 to a page a full disk cannot back kills the process (SIGBUS, which Python cannot catch); so every page
-of a file is allocated (``posix_fallocate``) before prometheus_client maps or grows into it. When that
+of a file is allocated (``posix_fallocate``) before prometheus_client maps or grows into it ([`BackedFile`]). When that
 fails, when the folder has less than 1 MiB free at start, or when it cannot be made, the process keeps
-its metrics in memory from then on, with one warning (the API server's collector shows its own; other
+its metrics in memory from then on ([`MemoryFile`]), with one warning (the API server's collector shows its own; other
 processes' are then not shown). A write that fails anyway is dropped and counted ([`health`]), with one
 warning. Each top-level process holds a lock on its folder's lock file ([`sharedfiles`]); the next one
 removes the folders of owners that died without removing theirs (a SIGKILLed server).
@@ -50,27 +50,25 @@ every worker, so with expert parallelism they are the bytes all ranks read toget
 from __future__ import annotations
 
 import atexit
-import glob
-import json
 import logging
 import math
 import multiprocessing
 import os
 import shutil
-import stat
+import struct
 import tempfile
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_lora_ext.constants import PROMETHEUS_DIR_ENV, export_metrics_dir, metrics_dir_setting, prometheus_dir_set
-from vllm_lora_ext.metrics_files import BackedFile, MemoryFile
+from vllm_lora_ext.metrics_collect import Collector
 from vllm_lora_ext.sharedfiles import claim_owner, release_owner, sweep_dead_owners
 
 __all__ = [
     "ADAPTER_BYTES_READ", "ADAPTER_LOADS", "ADAPTER_LOAD_SECONDS", "ERRORS", "MIXES_ACTIVE", "MIXES_EVICTED",
     "MIXES_REGISTERED", "SOURCES_RESOLVED", "SOURCE_DOWNLOAD_SECONDS", "Counter", "Gauge", "Histogram",
-    "health", "metrics_dir", "record_error", "setup", "DISK_CACHE_BYTES", "DISK_CACHE_EVICTIONS", "LatestGauge",
+    "BackedFile", "MemoryFile", "health", "metrics_dir", "record_error", "setup", "DISK_CACHE_BYTES", "DISK_CACHE_EVICTIONS", "LatestGauge",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,12 +134,12 @@ def setup() -> str | None:
         except OSError as err:
             export_metrics_dir(None)  # never an inherited one: the children keep theirs in memory too
             _degrade(f"no metrics folder could be made in {root} ({err.strerror or err})")
-            collector = _Collector(None)
+            collector = Collector(None, _memory_samples)
             REGISTRY.register(collector)
             _OWNED.update(path=None, pid=os.getpid(), collector=collector)
             return None
         export_metrics_dir(path)
-        collector = _Collector(path)
+        collector = Collector(path, _memory_samples)
         REGISTRY.register(collector)
         _OWNED.update(path=path, pid=os.getpid(), collector=collector, root=root)
         atexit.register(_remove_owned_dir)
@@ -224,6 +222,92 @@ def _degrade(reason: str) -> None:
     _FILES.clear()
 
 
+# prometheus_client's first size of a file (it doubles it as keys are added)
+INITIAL_FILE_BYTES = 1 << 16
+
+
+class BackedFile:
+    """One of prometheus_client's mmap files whose pages are all allocated (``posix_fallocate``) before it writes
+    them: a write through the mapping can then never meet a full disk, which would kill the process (SIGBUS)."""
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client.mmap_dict import MmapedDict
+
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR)  # this pid's file from before (a reused pid): kept, fully allocated
+            fresh = None
+        except FileNotFoundError:  # made under another name and renamed once allocated: a reader never sees it empty
+            fresh = f"{path}.new"
+            self.fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.size = max(os.fstat(self.fd).st_size, INITIAL_FILE_BYTES)
+            os.posix_fallocate(self.fd, 0, self.size)
+            if fresh is not None:
+                os.rename(fresh, path)
+            self.data = MmapedDict(path)  # type: ignore[no-untyped-call]
+        except BaseException:
+            os.close(self.fd)
+            if fresh is not None:
+                for leftover in (fresh, path):
+                    try:
+                        os.unlink(leftover)
+                    except OSError:
+                        pass
+            raise
+        self.keys: set[str] = set()
+
+    def make_room(self, key: str) -> bool:
+        """Allocate what the file grows to when ``key`` is added (as prometheus_client doubles it); ``False``: no room."""
+        if key in self.keys:
+            return True
+        encoded = len(key.encode("utf-8"))
+        entry = 4 + encoded + (8 - (encoded + 4) % 8) + 16
+        used = struct.unpack("i", os.pread(self.fd, 4, 0))[0]
+        size = self.size
+        while used + entry > size:
+            size *= 2
+        if size != self.size:
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError:
+                return False
+            self.size = size
+        self.keys.add(key)
+        return True
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        return self.data.read_value(key)  # type: ignore[no-any-return]
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        self.data.write_value(key, value, timestamp)
+
+    def close(self, *, zero_gauges: bool = False) -> None:
+        try:
+            if zero_gauges:  # the entries' pages are allocated already: these writes are safe
+                for key in list(self.keys):
+                    self.data.write_value(key, 0.0, 0.0)
+            self.data.close()
+        finally:
+            os.close(self.fd)
+
+
+class MemoryFile:
+    """This process's metrics in memory, once its metrics folder has no room (shown by the API server's collector)."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        return self.values.get(key, 0.0), 0.0
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        self.values[key] = value
+
+    def close(self) -> None:
+        pass
+
+
 def _file(prefix: str) -> Any:
     """This process's store for ``prefix`` (``counter``, ``histogram``, ``gauge_sum``); ``None`` if metrics are off."""
     _this_process()
@@ -270,54 +354,12 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
         logger.debug("could not record metric %s", key, exc_info=True)
 
 
-class _Collector:
-    """prometheus_client's multi-process collector over ``path`` (if any), plus this process's in-memory samples."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-
-    def describe(self) -> list[Any]:
-        return []  # names vary with the files; prometheus_client then skips its duplicate-name check
-
-    def collect(self) -> Any:
-        from prometheus_client.multiprocess import MultiProcessCollector
-
-        files = glob.glob(os.path.join(self.path, "*.db")) if self.path and os.path.isdir(self.path) else []
-        files = [f for f in files if _readable_size(f)]  # an empty file (or a folder) would fail every scrape
-        if not hasattr(MultiProcessCollector, "_read_metrics"):  # another prometheus_client: the files alone
-            return MultiProcessCollector(None, path=self.path).collect() if files else []  # type: ignore[no-untyped-call]
-        found = MultiProcessCollector._read_metrics(files)
-        with _LOCK:
-            memory = [(prefix, key, value) for prefix, values in _MEMORY.items() for key, value in values.items()] \
-                if _HEALTH["pid"] == os.getpid() else []
-        _add_memory_samples(found, memory)
-        return MultiProcessCollector._accumulate_metrics(found, True)
-
-
-def _readable_size(path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_size >= 8
-
-
-def _add_memory_samples(found: dict[str, Any], memory: list[tuple[str, str, float]]) -> None:
-    """Add in-memory samples to ``found`` as prometheus_client's file reader would (before accumulating)."""
-    from prometheus_client.metrics_core import Metric
-
-    for prefix, key, value in memory:
-        metric_name, name, labels, help_text = json.loads(key)
-        typ = "gauge" if prefix.startswith("gauge") else prefix
-        metric = found.get(metric_name)
-        if metric is None:
-            metric = found[metric_name] = Metric(metric_name, help_text, typ)
-        labels_key = tuple(sorted(labels.items()))
-        if typ == "gauge":
-            metric._multiprocess_mode = "sum"
-            metric.add_sample(name, labels_key + (("pid", str(os.getpid())),), value, None)
-        else:
-            metric.add_sample(name, labels_key, value)
+def _memory_samples() -> list[tuple[str, str, float]]:
+    """This process's in-memory samples ``(file prefix, key, value)``, for the collector of ``/metrics``."""
+    with _LOCK:
+        if _HEALTH["pid"] != os.getpid():
+            return []
+        return [(prefix, key, value) for prefix, values in _MEMORY.items() for key, value in values.items()]
 
 
 def _key(metric: str, sample: str, labelnames: Sequence[str], labelvalues: Sequence[str], help_text: str) -> str:

@@ -86,8 +86,8 @@ def write_resident(levels: Mapping[str, str], *, max_series: int) -> int:
 
 def _write_allocated(path: str, keys: list[str]) -> None:
     """Write ``keys`` = 1 into a new prometheus_client file at ``path`` whose every page is allocated before it is
-    written (`vllm_lora_ext.metrics_files.BackedFile`): a full disk raises ``OSError`` here, never SIGBUS later."""
-    from vllm_lora_ext.metrics_files import BackedFile
+    written (`vllm_lora_ext.metrics.BackedFile`): a full disk raises ``OSError`` here, never SIGBUS later."""
+    from vllm_lora_ext.metrics import BackedFile
 
     for stale in (path, path + ".new"):
         try:
