@@ -35,6 +35,7 @@ Prints, per shape, vLLM's default and the tuned time (µs, one adapter / all slo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from _common import graph_time_us, print_table, write_json  # noqa: E402
 
 from vllm_lora_ext.kernel_configs import SLICE_KEYS, check_table, config_file_names, file_stem  # noqa: E402
 
@@ -132,33 +133,13 @@ class Bench:
 
     def time_us(self, config: dict[str, Any]) -> dict[str, float] | None:
         """Microseconds per launch for both token spreads, or None if the config does not compile/launch."""
-        import torch
-
         self._use(config)
         out = {}
         for label in self.metas:
-            try:
-                self._launch(label)  # compile (first use) and fill vLLM's pointer cache outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(REPS):
-                        self._launch(label)
-            except Exception as exc:  # too much shared memory, an invalid block shape, ...
-                print(f"  skip {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                torch.cuda.synchronize()
+            t = graph_time_us(functools.partial(self._launch, label), REPS, what=config)
+            if t is None:
                 return None
-            graph.replay()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / REPS)
-            out[label] = sorted(times)[len(times) // 2]
+            out[label] = t
         return out
 
 

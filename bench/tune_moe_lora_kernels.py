@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, print_table, write_json  # noqa: E402
+from _common import RESULTS, graph_time_us, print_table, write_json  # noqa: E402
 
 from vllm_lora_ext.kernel_configs import file_stem  # noqa: E402
 from vllm_lora_ext.kernel_configs.moe import MOE_OPS, MOE_SLICE_KEYS, check_moe_tables, moe_config_file_names  # noqa: E402
@@ -200,34 +200,14 @@ class Step:
 
     def time_us(self, configs: dict[str, dict[str, Any]] | None) -> dict[str, float] | None:
         """Microseconds per layer step for both spreads, or None if the configs do not compile or launch."""
-        import torch
-
         self.use(configs)
         out = {}
         for label in self.mappings:
             self.spread(label)
-            try:
-                self.launch()  # compile (first use) and fill vLLM's pointer cache outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(REPS):
-                        self.launch()
-            except Exception as exc:  # too much shared memory, a block shape the kernel refuses, ...
-                print(f"  skip {configs}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                torch.cuda.synchronize()
+            t = graph_time_us(self.launch, REPS, what=configs)
+            if t is None:
                 return None
-            graph.replay()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / REPS)
-            out[label] = sorted(times)[len(times) // 2]
+            out[label] = t
         return out
 
 

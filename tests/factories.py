@@ -123,3 +123,22 @@ def tiny_tmpfs(size: str) -> Iterator[Path]:
     finally:
         subprocess.run(["umount", str(disk)], check=False, timeout=60)
         disk.rmdir()
+
+
+def load_bench(name: str, *, as_name: str | None = None) -> Any:
+    """Import ``bench/<name>.py`` by path (``bench/`` is no package), with ``bench/`` and ``tests/gpu/`` on the path
+    for its own imports, registered in ``sys.modules`` as ``as_name`` (default ``name``: its dataclasses look their
+    module up there). A fresh module each call."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    for folder in (root / "tests" / "gpu", root / "bench"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(as_name or name, root / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -3,24 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from factories import load_bench
+
 
 
 def _bench() -> Any:
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_residency", ROOT / "bench" / "bench_residency.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("bench_residency")
 
 
 def test_a_reference_run_gives_its_single_outputs_only_for_the_same_workload(tmp_path: Path) -> None:

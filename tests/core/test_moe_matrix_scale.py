@@ -4,7 +4,6 @@ quantized modes scale by default while the unquantized default leaves the adapte
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -12,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from factories import load_bench
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
 ARCH = "Qwen3MoeForCausalLM"
 
 
@@ -23,11 +23,7 @@ ARCH = "Qwen3MoeForCausalLM"
 def mm() -> Iterator[Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 2-layer model: one thread is faster, and no slower on a busy machine
-    spec = importlib.util.spec_from_file_location("moe_matrix", ROOT / "bench" / "moe_matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+    yield load_bench("moe_matrix")
     torch.set_num_threads(threads)
 
 

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
+
+from factories import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _matrix() -> object:
-    spec = importlib.util.spec_from_file_location("moe_matrix", ROOT / "bench" / "moe_matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("moe_matrix")
 
 
 def test_the_readme_architecture_table_equals_what_the_matrix_found() -> None:

@@ -6,13 +6,13 @@ none ships, tables written as the tuner writes them)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from factories import load_bench
 import torch
 
 from vllm_lora_ext.kernel_configs import file_stem
@@ -20,18 +20,11 @@ from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, shipped_m
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @functools.lru_cache(maxsize=1)
 def _tuner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tune_moe_lora_kernels_under_test",
-                                                  ROOT / "bench" / "tune_moe_lora_kernels.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("tune_moe_lora_kernels", as_name="tune_moe_lora_kernels_under_test")
 
 
 def _shapes() -> list[Any]:

@@ -137,14 +137,9 @@ def test_the_shipped_tables_are_rebuilt_byte_for_byte_from_the_recorded_tuning_r
 def test_a_rebuild_keeps_a_tuned_config_over_another_runs_default_whatever_the_order() -> None:
     """A full-grid run that stopped early records vLLM's default for the shapes it did not reach; a later run
     that tuned them must win in the merged table, whichever results file comes first."""
-    import importlib.util
-    from pathlib import Path
+    from factories import load_bench
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "tune_lora_kernels.py"
-    spec = importlib.util.spec_from_file_location("tune_lora_kernels_under_test", path)
-    assert spec is not None and spec.loader is not None
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
+    tune = load_bench("tune_lora_kernels", as_name="tune_lora_kernels_under_test")
     default = {"block_m": 64, "block_n": 16, "block_k": 256, "split_k": 64, "num_warps": 4, "num_stages": 2,
                "group_size_m": 8, "num_ctas": 1, "max_nreg": None}
     tuned = dict(default, block_k=32, split_k=16)

@@ -5,7 +5,6 @@ leave vLLM's choice alone while no table ships for the GPU."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import subprocess
@@ -15,6 +14,8 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+
+from factories import load_bench
 import torch
 
 from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, moe_config_file_names
@@ -28,13 +29,7 @@ H, I, E = 2048, 768, 128
 
 @functools.lru_cache(maxsize=1)
 def _tuner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tune_moe_lora_kernels_under_test",
-                                                  ROOT / "bench" / "tune_moe_lora_kernels.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("tune_moe_lora_kernels", as_name="tune_moe_lora_kernels_under_test")
 
 
 def _config(block_m: int, **extra: int) -> dict[str, int]:

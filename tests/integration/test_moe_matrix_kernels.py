@@ -4,26 +4,19 @@ reason instead of failing the run. CPU: vLLM's own executor, worker wrapper, LoR
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from factories import load_bench
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 
 
 def _matrix() -> Any:
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("moe_matrix", ROOT / "bench" / "moe_matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("moe_matrix")
 
 
 def _in_process_llm(worker: Any) -> Any:

@@ -3,28 +3,21 @@ reference HF + PEFT runs on (CPU; the parity itself runs on a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from factories import load_bench
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 
 
 def _bench(name: str) -> Any:
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench(name)
 
 
 @pytest.fixture(scope="module")
