@@ -336,9 +336,14 @@ def mla_attention_cls() -> type | None:
     return MLAAttention  # type: ignore[no-any-return]
 
 
+def _fused_experts(module: Any) -> Any:
+    """The experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``), or None."""
+    return getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
+
+
 def moe_experts_kernel(module: Any) -> str | None:
-    """The class name of the experts kernel an MoE LoRA wrapper runs (0.26–0.33: ``_moe_kernel.fused_experts``)."""
-    experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
+    """The class name of the experts kernel an MoE LoRA wrapper runs, or None where it has none."""
+    experts = _fused_experts(module)
     return None if experts is None else type(experts).__name__
 
 
@@ -351,10 +356,9 @@ def moe_kernel_padding(module: Any) -> tuple[str, int, int | None] | None:
     kernel's size is what ``fused_marlin_moe`` computes from the weights (``marlin_moe_intermediate_size``). Where
     it cannot be read, the kernel's size is None: the caller refuses rather than serve an unchecked layout.
     """
-    experts = getattr(getattr(module, "_moe_kernel", None), "fused_experts", None)
-    if experts is None or "Marlin" not in type(experts).__name__:
+    name = moe_experts_kernel(module)
+    if name is None or "Marlin" not in name:
         return None
-    name = type(experts).__name__
     try:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_moe_intermediate_size
 

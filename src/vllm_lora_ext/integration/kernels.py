@@ -61,12 +61,16 @@ def _tables() -> dict[str, dict[str, Any]] | None:
     return tables
 
 
+def _left_to_vllm() -> bool:
+    """Whether vLLM's own kernel configs stand whatever ships: the user's ``VLLM_TUNED_CONFIG_FOLDER``,
+    ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, or batch-invariant mode (where vLLM never reads tuned configs)."""
+    return vllm_tuned_config_folder_set() or not kernel_configs_enabled() or lora_kernels_batch_invariant()
+
+
 def tuned_config(op_type: str, max_loras: int, batch: int, hidden_size: int, rank: int, num_slices: int,
                  add_inputs: bool | None = None) -> dict[str, Any] | None:
     """Return the shipped config for one shrink/expand launch, or None where vLLM's lookup should answer."""
-    if op_type not in ("shrink", "expand") or vllm_tuned_config_folder_set() or not kernel_configs_enabled():
-        return None
-    if lora_kernels_batch_invariant():
+    if op_type not in ("shrink", "expand") or _left_to_vllm():
         return None
     tables = _tables()
     if tables is None:
@@ -109,9 +113,7 @@ def _moe_tables() -> dict[str, dict[str, Any]] | None:
 
 def _shipped_moe_tables() -> dict[str, dict[str, Any]] | None:
     """The shipped fused-MoE tables, or None where vLLM's own choice should stand."""
-    if vllm_tuned_config_folder_set() or not kernel_configs_enabled() or lora_kernels_batch_invariant():
-        return None
-    return _moe_tables()
+    return None if _left_to_vllm() else _moe_tables()
 
 
 def tuned_moe_context(context: Any) -> Any:
