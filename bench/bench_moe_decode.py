@@ -130,7 +130,7 @@ def mix_weights(n: int) -> dict[int, float]:
 
 
 def write_composites(root: Path, adapters: list[str], count: int, model_cfg: dict[str, Any]) -> list[str]:
-    from vllm_lora_ext.offline_ops import mix_adapter_files
+    from vllm_lora_ext.offline_writes import mix_adapter_files
     from vllm_lora_ext.sources import resolve_source
 
     out = []

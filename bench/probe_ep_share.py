@@ -49,7 +49,7 @@ def main() -> None:
     from vllm_lora_ext.config import config_from_dict
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter, plan_adapter
-    from vllm_lora_ext.reader import _check_header_in_bulk, read_header
+    from vllm_lora_ext.headers import _check_header_in_bulk, read_header
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)

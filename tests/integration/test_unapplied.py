@@ -425,9 +425,11 @@ def test_a_lora_on_the_bypassed_shared_expert_gate_is_refused_naming_it_and_the_
 def test_the_worker_finds_a_marlin_kernel_that_padded_the_experts(lora_n: int, w2_rows: int, padding: Any) -> None:
     """`_compat.moe_kernel_padding` on vLLM's own Marlin experts class, with weights shaped as Marlin packs them
     (the kernel's size is vLLM's ``marlin_moe_intermediate_size`` of them), and the traits it gives."""
+    import inspect
     import types
 
     import torch
+    from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
@@ -439,7 +441,12 @@ def test_the_worker_finds_a_marlin_kernel_that_padded_the_experts(lora_n: int, w
                                      intermediate_size_per_partition=lora_n)
 
     marlin = object.__new__(MarlinExperts)  # the real class; its __init__ wants a model's MoE config
-    base = types.SimpleNamespace(w13_weight=torch.zeros(2, 4, 2 * 16 * w2_rows), w2_weight=torch.zeros(2, w2_rows, 4))
+    # The wrapper's base_layer is a MoERunner; the packed weights live on its routed_experts layer (an H200 run
+    # with the weights looked up on the runner itself found none, and refused an aligned int4 base).
+    experts = types.SimpleNamespace(w13_weight=torch.zeros(2, 4, 2 * 16 * w2_rows),
+                                    w2_weight=torch.zeros(2, w2_rows, 4))
+    base = types.SimpleNamespace(routed_experts=experts)
+    assert "self.base_layer.routed_experts" in inspect.getsource(FusedMoEWithLoRA.__init__)
     assert moe_kernel_padding(wrapper(marlin, base)) == padding
     assert bool(padding_traits([padding] if padding else [])) == (padding is not None)
     assert moe_kernel_padding(wrapper(object.__new__(TritonExperts), base)) is None  # not Marlin: not padded

@@ -353,8 +353,8 @@ def moe_kernel_padding(module: Any) -> tuple[str, int, int | None] | None:
 
     Marlin pads a quantized base's intermediate size to its thread tile when it prepares the weights (a multiple
     of 64 and of the group size); the LoRA layer keeps ``intermediate_size_per_partition``, the unpadded size. The
-    kernel's size is what ``fused_marlin_moe`` computes from the weights (``marlin_moe_intermediate_size``). Where
-    it cannot be read, the kernel's size is None: the caller refuses rather than serve an unchecked layout.
+    kernel's size is what ``fused_marlin_moe`` computes from the weights (``marlin_moe_intermediate_size``), which
+    the wrapper's ``base_layer`` (a ``MoERunner``) holds on its ``routed_experts`` layer. Where it cannot be read, the kernel's size is None: the caller refuses rather than serve an unchecked layout.
     """
     name = moe_experts_kernel(module)
     if name is None or "Marlin" not in name:
@@ -363,7 +363,8 @@ def moe_kernel_padding(module: Any) -> tuple[str, int, int | None] | None:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_moe_intermediate_size
 
         lora_n = int(module.intermediate_size_per_partition)
-        kernel_n = int(marlin_moe_intermediate_size(module.base_layer.w13_weight, module.base_layer.w2_weight))
+        experts = getattr(module.base_layer, "routed_experts", module.base_layer)  # 0.26-0.33: a MoERunner's
+        kernel_n = int(marlin_moe_intermediate_size(experts.w13_weight, experts.w2_weight))
     except (ImportError, AttributeError, TypeError, IndexError):
         return name, int(getattr(module, "intermediate_size_per_partition", 0) or 0), None
     return None if kernel_n == lora_n else (name, lora_n, kernel_n)
