@@ -57,6 +57,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -438,7 +439,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated architectures not to run (e.g. run in another call)")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-matrix"))
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="default: a new folder under /tmp per run, so runs side by side never share files")
     ap.add_argument("--one", default="")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-vllm", action="store_true")
@@ -455,6 +457,8 @@ def main() -> int:
     if args.render:
         print(render_table(json.loads(args.render.read_text())))
         return 0
+    if args.workdir is None:  # two runs on one machine once shared /tmp/moe-matrix and served each other's base
+        args.workdir = Path(tempfile.mkdtemp(prefix="moe-matrix-"))
     if args.one:
         res = run_one(args.one, args.workdir, use_vllm=not args.no_vllm, device=args.device,
                       quantization=args.quantization, checkpoint=args.checkpoint, effect_scale=scale)
