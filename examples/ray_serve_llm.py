@@ -52,8 +52,10 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
 
     With ``options.residency`` (the default) each replica reports the adapter ids it holds through Ray's
     multiplexed loader (``lora_config``, as many ids as its CPU cache keeps) and ``ResidencyRequestRouter`` sends
-    each id to the replica holding it, a new mix to the one holding its components; without, Serve's default
-    router spreads the plugin's ids over replicas (each builds what it receives).
+    each id to the replica holding it, a new mix to the one holding its components, and the config's adapters are
+    built by their first request on the replica it lands on (``VLLM_LORA_EXT_BUILD_AT_START=0``); without, every
+    replica builds every config adapter at start and Serve's default router spreads the plugin's ids over
+    replicas (each builds what it receives).
     """
     import ray
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -74,6 +76,9 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
     if options.residency:
         deployment["request_router_config"] = {"request_router_class": RESIDENCY_ROUTER}
         residency["lora_config"] = {"max_num_adapters_per_replica": options.max_cpu_loras}
+        # each replica checks the config's adapters at start and builds one when a request for it is routed there,
+        # not every adapter on every replica (vllm_lora_ext.integration.startup)
+        env_vars["VLLM_LORA_EXT_BUILD_AT_START"] = "0"
     config_obj = LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model},
         server_cls=LoraExtLLMServer,

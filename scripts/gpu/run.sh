@@ -22,7 +22,7 @@ fi
 if [ ! -d /tmp/site-test ] && ls /tmp/b/wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-test /tmp/b/wheels/*.whl
 fi
-# Ray (for tests/gpu/test_ray.py): its wheel travels split in two chunks (.gpu/ray0, .gpu/ray1), with the
+# Ray (for tests/gpu/test_ray.py, bench_residency.py): its wheel travels in pieces (.gpu/rA .. .gpu/rD), with the
 # wheels of the dependencies the machine lacks; joined and checked against RAYWHEEL, installed once.
 if [ ! -d /tmp/site-ray ] && [ -f /tmp/b/ray/RAYWHEEL ] && ls /tmp/b/ray/ray.whl.part-* >/dev/null 2>&1; then
   read -r whl sum < /tmp/b/ray/RAYWHEEL
@@ -31,7 +31,7 @@ if [ ! -d /tmp/site-ray ] && [ -f /tmp/b/ray/RAYWHEEL ] && ls /tmp/b/ray/ray.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-ray /tmp/b/ray/*.whl \
       || echo "Ray wheels failed to install"
   else
-    echo "Ray wheel chunks incomplete or corrupt (carry .gpu/ray0 and .gpu/ray1)"; rm -f "/tmp/b/ray/$whl"
+    echo "Ray wheel pieces incomplete or corrupt (carry .gpu/rA .. .gpu/rD, see ray-wheels.sh)"; rm -f "/tmp/b/ray/$whl"
   fi
 fi
 # shellcheck disable=SC1091

@@ -6,6 +6,7 @@ time, so tests and offline switches behave.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -53,6 +54,7 @@ ENV_PREBUILD = "VLLM_LORA_EXT_PREBUILD"  # 0: build adapters inside the engine s
 ENV_PREBUILD_BUILDS = "VLLM_LORA_EXT_PREBUILD_BUILDS"
 ENV_PREBUILD_BYTES = "VLLM_LORA_EXT_PREBUILD_BYTES"
 ENV_PREBUILD_WAIT = "VLLM_LORA_EXT_PREBUILD_WAIT_S"
+ENV_BUILD_AT_START = "VLLM_LORA_EXT_BUILD_AT_START"  # 0: deployment names checked at start, built on first use
 ENV_BUILD_PROCESS = "VLLM_LORA_EXT_BUILD_PROCESS"  # 0: background builds run in a thread of the worker
 ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shared file (default /dev/shm)
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
@@ -251,6 +253,12 @@ def prebuild_enabled() -> bool:
     return _env_on(ENV_PREBUILD)
 
 
+def build_at_start() -> bool:
+    """Return whether the deployment config's adapters are built at start (``VLLM_LORA_EXT_BUILD_AT_START``,
+    default on); off, they are checked then and each is built by its first request (`integration.startup`)."""
+    return _env_on(ENV_BUILD_AT_START)
+
+
 def prebuild_builds() -> int:
     """Return how many adapters a worker builds at once in the background (default 2)."""
     return int(_env_number(ENV_PREBUILD_BUILDS, 2, minimum=1))
@@ -367,7 +375,7 @@ def moe_warmup_tokens() -> list[int] | None:
 _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
           ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU,
-          ENV_MOE_WARMUP)
+          ENV_MOE_WARMUP, ENV_BUILD_AT_START)
 ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read by component_cache_size (below); checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
@@ -387,7 +395,7 @@ def check_settings() -> None:
     for accessor in (max_mixes_setting, mix_wait_seconds, max_client_sources, prebuild_builds, prebuild_bytes,
                      prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
                      stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes,
-                     moe_warmup_tokens):
+                     moe_warmup_tokens, functools.partial(_env_number, ENV_COMPONENT_CACHE, 8, minimum=0)):
         try:
             accessor()
         except SettingsError as err:
@@ -400,10 +408,6 @@ def check_settings() -> None:
             except SettingsError:
                 continue  # not a number at all: named by its accessor (above) or below
             problems.append(f"{name}={raw[:80]!r} must be a whole number, e.g. 8.")
-    try:
-        _env_number(ENV_COMPONENT_CACHE, 8, minimum=0)
-    except SettingsError as err:
-        problems.append(str(err))
     for name in _FLAGS:
         raw = os.environ.get(name, "").strip().lower()
         if raw and raw not in _TRUE | _FALSE:
@@ -474,10 +478,8 @@ def prometheus_dir_set() -> bool:
 
 
 def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
-    """Set ``VLLM_LORA_EXT_METRICS_DIR`` to ``path`` for the processes this one starts, or remove it (``None``).
-
-    With ``only_if``, it is removed only while it still names that folder.
-    """
+    """Set ``VLLM_LORA_EXT_METRICS_DIR`` to ``path`` for the processes this one starts, or remove it (``None``);
+    with ``only_if``, only while it still names that folder."""
     if path is not None:
         os.environ[ENV_METRICS_DIR] = path
     elif only_if is None or os.environ.get(ENV_METRICS_DIR) == only_if:
@@ -490,8 +492,7 @@ def vllm_tuned_config_folder_set() -> bool:
 
 
 def cuda_visible_devices() -> str | None:
-    """Return ``CUDA_VISIBLE_DEVICES`` as set (``None``: unset)."""
-    return os.environ.get("CUDA_VISIBLE_DEVICES")
+    return os.environ.get("CUDA_VISIBLE_DEVICES")  # as set (None: unset)
 
 
 def proxy_configured() -> bool:

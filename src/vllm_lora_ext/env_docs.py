@@ -11,6 +11,7 @@ from vllm_lora_ext.constants import (  # noqa: F401 (the names the table documen
     ENV_ALLOW_PICKLE,
     ENV_ALLOW_UNMATCHED,
     ENV_ALLOW_UNSUPPORTED_VLLM,
+    ENV_BUILD_AT_START,
     ENV_BUILD_DIR,
     ENV_BUILD_PROCESS,
     ENV_BUILD_SPARE,
@@ -53,6 +54,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_MIX_WAIT: ("", "how long a new mix waits for a free registry slot before a 503 (default 60)"),
     ENV_ALLOWED_ROOTS: ("", "`os.pathsep`-separated folders runtime-loaded local sources must lie in (default: any)"),
     ENV_LOG_LEVEL: ("", "the plugin's log level (default INFO)"),
+    ENV_BUILD_AT_START: ("=0", "check the deployment config's adapters at start and build each on its first request "
+                              "(default: built at start); Ray Serve LLM replicas with residency routing set it"),
     ENV_PREBUILD: ("=0", "build adapters inside the engine step, as stock vLLM does (default: in the background)"),
     ENV_PREBUILD_BUILDS: ("", "background builds one worker runs at once (default 2)"),
     ENV_PREBUILD_BYTES: ("", "CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)"),

@@ -287,6 +287,7 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     assert config.lora_config.max_num_adapters_per_replica == 16
     router = dep._deployment_config.request_router_config.get_request_router_class()
     assert router.__name__ == "ResidencyRequestRouter"
+    assert env["VLLM_LORA_EXT_BUILD_AT_START"] == "0"  # each replica builds what is routed to it, not all at start
 
 
 def test_client_named_sources_stay_bounded_least_recently_used_first(

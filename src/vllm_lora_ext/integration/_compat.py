@@ -176,6 +176,12 @@ def load_adapter_request_cls() -> Any:
     return LoadLoRAAdapterRequest
 
 
+def next_lora_id(serving_models: Any) -> int:
+    """A new adapter id from ``OpenAIServingModels``' own counter (``lora_id_counter``, 0.26-0.33), for an adapter
+    registered without ``load_lora_adapter``."""
+    return int(serving_models.lora_id_counter.inc(1))
+
+
 def unload_adapter_request_cls() -> Any:
     """Return vLLM's ``UnloadLoRAAdapterRequest`` class."""
     from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest

@@ -136,33 +136,6 @@ async def pre_resolve(request: Any) -> Any:
     return request
 
 
-async def load_deployment_adapters(serving_models: Any) -> None:
-    """Register every adapter of the deployment config (``VLLM_LORA_EXT_CONFIG``) at server start-up.
-
-    Raises:
-        ValueError: an adapter fails to load; the server does not start (as with ``--lora-modules``).
-    """
-    from vllm_lora_ext.constants import deployment_config_path
-    from vllm_lora_ext.deployment import read_deployment_config
-    from vllm_lora_ext.integration._compat import load_adapter_request_cls
-
-    path = deployment_config_path()
-    if path is None:
-        return
-    config = read_deployment_config(path)
-    setattr(serving_models, DEPLOYMENT_ATTR, config)
-    request_cls = load_adapter_request_cls()
-    for name, adapter in config.adapters.items():
-        if name in serving_models.lora_requests:
-            raise ValueError(f"Adapter {name!r} is defined both by --lora-modules and by the deployment config "
-                             f"{path!r}. Keep one.")
-        result = await serving_models.load_lora_adapter(request_cls(lora_name=name, lora_path=adapter.source.canonical()))
-        if not isinstance(result, str):
-            raise ValueError(f"Deployment config {path!r}: adapter {name!r} failed to load: {result.error.message}")
-    logger.info("deployment config %s: registered %d adapters%s", path, len(config.adapters),
-                f", default {config.default!r}" if config.default else "")
-
-
 def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str | None]:
     """Names a request may use: registered adapters (pinned paths) plus the deployment's defaults."""
     deployment = getattr(models, DEPLOYMENT_ATTR, None)

@@ -60,12 +60,14 @@ def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``init_static_loras``: register the deployment config's adapters after vLLM's own."""
 
     async def init_static_loras(self: Any) -> None:
-        from vllm_lora_ext.integration.server import STARTUP, load_deployment_adapters
+        from vllm_lora_ext.integration.server import STARTUP
+        from vllm_lora_ext.integration.startup import load_deployment_adapters
 
         token = STARTUP.set(True)
         try:
             await original(self)
             await load_deployment_adapters(self)
+            await _sync_disk_holds(self)  # adapters registered unbuilt keep their revisions on disk too
         finally:
             STARTUP.reset(token)
 
