@@ -142,3 +142,38 @@ def load_bench(name: str, *, as_name: str | None = None) -> Any:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+class RecordingEngine:
+    """The engine client an API server's ``OpenAIServingModels`` talks to, as a stand-in at that outer boundary:
+    the LoRA settings the plugin reads, and ``add_lora`` answering yes and recording the names it was asked for."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
+        self.asked: list[str] = []
+
+    async def add_lora(self, req: Any) -> bool:
+        self.asked.append(str(req.lora_name))
+        return True
+
+
+def serving_models(engine: Any = None) -> Any:
+    """vLLM's real ``OpenAIServingModels`` with the state its LoRA methods use (no model loaded): no adapters, vLLM's
+    own id counter, ``base-model`` the served base model, and ``engine`` (default a `RecordingEngine`)."""
+    import asyncio
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.utils.counter import AtomicCounter
+
+    models = OpenAIServingModels.__new__(OpenAIServingModels)
+    models.lora_requests = {}
+    models.lora_resolver_lock = defaultdict(asyncio.Lock)
+    models.lora_id_counter = AtomicCounter(0)
+    models.engine_client = engine if engine is not None else RecordingEngine()
+    models.static_lora_modules = None
+    models.registry = SimpleNamespace(is_base_model=lambda name: name == "base-model")
+    return models

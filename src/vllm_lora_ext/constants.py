@@ -408,6 +408,8 @@ def check_settings() -> None:
             except SettingsError:
                 continue  # not a number at all: named by its accessor (above) or below
             problems.append(f"{name}={raw[:80]!r} must be a whole number, e.g. 8.")
+    if not build_at_start() and not prebuild_enabled():
+        problems.append(f"{ENV_BUILD_AT_START}=0 needs background builds, which {ENV_PREBUILD}=0 turns off. Unset one.")
     for name in _FLAGS:
         raw = os.environ.get(name, "").strip().lower()
         if raw and raw not in _TRUE | _FALSE:
@@ -473,8 +475,7 @@ def metrics_dir_setting() -> str | None:
 
 
 def prometheus_dir_set() -> bool:
-    """Return whether ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM's collector then reads that folder)."""
-    return bool(os.environ.get(PROMETHEUS_DIR_ENV))
+    return bool(os.environ.get(PROMETHEUS_DIR_ENV))  # set: vLLM's collector reads that folder
 
 
 def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
@@ -487,8 +488,7 @@ def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
 
 
 def vllm_tuned_config_folder_set() -> bool:
-    """Return whether ``VLLM_TUNED_CONFIG_FOLDER`` is set (then vLLM's own LoRA kernel configs answer)."""
-    return VLLM_TUNED_CONFIG_FOLDER_ENV in os.environ
+    return VLLM_TUNED_CONFIG_FOLDER_ENV in os.environ  # set: vLLM's own LoRA kernel configs answer
 
 
 def cuda_visible_devices() -> str | None:

@@ -116,6 +116,8 @@ class _Root:
             self.owner = owner
 
     def write(self) -> None:
+        if self.owner is None and not self.holds:
+            return  # never held anything: no holds file (its folder may not exist yet)
         write_in_place(self.root / "holds" / f"{self.name}.json",
                        json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
 

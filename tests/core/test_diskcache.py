@@ -436,3 +436,17 @@ def live_holds_of(cache: Path) -> list[Any]:
     root = cache / ".locks" / "vllm_lora_ext"
     with locked(root):
         return live_holds(root)
+
+
+def test_a_server_with_only_local_adapters_syncs_its_holds_without_a_warning(
+        isolated_hf_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing to hold (local sources only): no holds file, and no "could not update" warning on every load (a Ray
+    replica on the H200 logged one per adapter, 20 at start, before this)."""
+    from vllm_lora_ext.diskholds import HeldSources
+    from vllm_lora_ext.diskuse import sync_server_holds
+
+    held = HeldSources()
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.diskholds"):
+        for _ in range(3):
+            sync_server_holds(held, {"local": str(tmp_path / "adapter")}, pinned={"local"})
+    assert held.held() == [] and not [r for r in caplog.records if "could not update" in r.getMessage()]

@@ -10,39 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections import defaultdict
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from safetensors.torch import save
 
-from factories import dense_tensors, llama_shapes, lora_config
+from factories import dense_tensors, llama_shapes, lora_config, serving_models
 from vllm_lora_ext.diskcache import list_cache
 from vllm_lora_ext.integration import server
 
 pytestmark = pytest.mark.vllm
-
-
-class _Engine:
-    def __init__(self) -> None:
-        self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
-
-    async def add_lora(self, req: Any) -> bool:
-        return True
-
-
-def _models() -> Any:
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.utils.counter import AtomicCounter
-
-    models = OpenAIServingModels.__new__(OpenAIServingModels)
-    models.lora_requests = {}
-    models.lora_resolver_lock = defaultdict(asyncio.Lock)
-    models.lora_id_counter = AtomicCounter(0)
-    models.engine_client = _Engine()
-    models.registry = SimpleNamespace(is_base_model=lambda name: name == "base-model")
-    return models
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +53,7 @@ def test_registered_adapters_hold_their_revision_and_an_unloaded_one_releases_it
 
     _repos(hub, 3)
     load = _load()
-    models, load_request = _models(), load_adapter_request_cls()
+    models, load_request = serving_models(), load_adapter_request_cls()
 
     async def scenario() -> None:
         token = server.STARTUP.set(True)  # as init_static_loras does for --lora-modules and the deployment config
@@ -105,7 +82,7 @@ def test_a_load_that_the_full_disk_cache_cannot_take_is_a_503_naming_the_bound(
 
     size = _repos(hub, 2)
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(size * 3 // 2))
-    load, models, load_request = _load(), _models(), load_adapter_request_cls()
+    load, models, load_request = _load(), serving_models(), load_adapter_request_cls()
     assert isinstance(asyncio.run(load(models, load_request(lora_name="a", lora_path="hf:acme/a0"))), str)
     err = asyncio.run(load(models, load_request(lora_name="b", lora_path="hf:acme/a1")))
     assert err.error.code == 503 and ENV_DISK_CACHE_BYTES in err.error.message, err

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,36 +17,12 @@ from typing import Any
 import pytest
 from safetensors.torch import save
 
-from factories import dense_tensors, llama_shapes, lora_config, write_adapter
+from factories import dense_tensors, llama_shapes, lora_config, serving_models, write_adapter
 from vllm_lora_ext.constants import ENV_BUILD_AT_START, ENV_CONFIG
 from vllm_lora_ext.diskcache import list_cache
 from vllm_lora_ext.integration import server
 
 pytestmark = pytest.mark.vllm
-
-
-class _Engine:
-    def __init__(self) -> None:
-        self.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_cpu_loras=8, max_loras=4))
-        self.asked: list[str] = []
-
-    async def add_lora(self, req: Any) -> bool:
-        self.asked.append(str(req.lora_name))
-        return True
-
-
-def _models() -> Any:
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.utils.counter import AtomicCounter
-
-    models = OpenAIServingModels.__new__(OpenAIServingModels)
-    models.lora_requests = {}
-    models.lora_resolver_lock = defaultdict(asyncio.Lock)
-    models.lora_id_counter = AtomicCounter(0)
-    models.engine_client = _Engine()
-    models.static_lora_modules = None
-    models.registry = SimpleNamespace(is_base_model=lambda name: name == "base-model")
-    return models
 
 
 @pytest.fixture(autouse=True)
@@ -88,10 +63,19 @@ def _config(tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch, *, broken
     monkeypatch.setenv(ENV_CONFIG, str(tmp_path / "deploy.yaml"))
 
 
+def _started_unbuilt(tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A server started with the config's adapters registered unbuilt."""
+    monkeypatch.setenv(ENV_BUILD_AT_START, "0")
+    _config(tmp_path, hub, monkeypatch)
+    models = serving_models()
+    asyncio.run(models.init_static_loras())
+    return models
+
+
 def test_by_default_every_adapter_is_built_at_start(tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_BUILD_AT_START, raising=False)
     _config(tmp_path, hub, monkeypatch)
-    models = _models()
+    models = serving_models()
     asyncio.run(models.init_static_loras())
     assert sorted(models.lora_requests) == ["a0", "a1", "style"]
     assert {"a0", "a1", "style"} <= set(models.engine_client.asked)  # vLLM's add_lora for each
@@ -99,10 +83,7 @@ def test_by_default_every_adapter_is_built_at_start(tmp_path: Path, hub: Any, mo
 
 def test_off_every_adapter_is_pinned_checked_and_registered_without_a_build(
         tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_BUILD_AT_START, "0")
-    _config(tmp_path, hub, monkeypatch)
-    models = _models()
-    asyncio.run(models.init_static_loras())
+    models = _started_unbuilt(tmp_path, hub, monkeypatch)
     reqs = models.lora_requests
     assert sorted(reqs) == ["a0", "a1", "style"] and models.engine_client.asked == []  # nothing built
     assert len({r.lora_int_id for r in reqs.values()}) == 3  # vLLM's own counter: no id shared
@@ -111,10 +92,10 @@ def test_off_every_adapter_is_pinned_checked_and_registered_without_a_build(
     assert held["acme/style"] and "pinned at start-up" in held["acme/style"][0]  # its revision stays on disk
 
     # The first request on a name builds it off the engine loop (a probe to the workers), once.
-    asyncio.run(server._build_if_evicted(models, "a1"))
+    asyncio.run(server.build_if_evicted(models, "a1"))
     assert models.engine_client.asked and set(models.engine_client.asked) <= {"a1", str(reqs["a1"].lora_name)}
     asked = len(models.engine_client.asked)
-    asyncio.run(server._build_if_evicted(models, "a1"))
+    asyncio.run(server.build_if_evicted(models, "a1"))
     assert len(models.engine_client.asked) == asked  # recently used: no second build
 
 
@@ -123,7 +104,7 @@ def test_a_bad_adapter_stops_the_start_either_way_naming_it(
         tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch, at_start: str) -> None:
     monkeypatch.setenv(ENV_BUILD_AT_START, at_start)
     _config(tmp_path, hub, monkeypatch, broken=True)
-    models = _models()
+    models = serving_models()
     if at_start == "1":  # the build is the worker's: the stand-in engine refuses as a worker would
         async def refuse(req: Any) -> bool:
             if "local1" in str(req.lora_path):
@@ -141,17 +122,98 @@ def test_off_a_model_check_that_fails_at_the_first_build_answers_that_request_wi
     mismatch and the request gets the worker's reason as a 400 naming the adapter; the next request tries again."""
     from vllm_lora_ext.errors import AdapterFormatError
 
-    monkeypatch.setenv(ENV_BUILD_AT_START, "0")
-    _config(tmp_path, hub, monkeypatch)
-    models = _models()
-    asyncio.run(models.init_static_loras())
+    models = _started_unbuilt(tmp_path, hub, monkeypatch)
 
     async def refuse(req: Any) -> bool:
         raise AdapterFormatError("q_proj: lora_B has 64 rows, the model's q_proj has 4096 outputs")
     models.engine_client.add_lora = refuse
     with pytest.raises(AdapterFormatError) as err:
-        asyncio.run(server._build_if_evicted(models, "a0"))
+        asyncio.run(server.build_if_evicted(models, "a0"))
     assert "'a0'" in str(err.value) and "4096 outputs" in str(err.value)
     assert server.http_error(err.value).error.code == 400
     with pytest.raises(AdapterFormatError):  # not remembered as built
-        asyncio.run(server._build_if_evicted(models, "a0"))
+        asyncio.run(server.build_if_evicted(models, "a0"))
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_requests_that_come_while_the_first_build_runs_wait_for_it(
+        tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
+    """Two first requests at once on an unbuilt adapter: the second waits for the first one's build (one build),
+    and neither goes on to the engine before it answered; a failed build is a 400 for both, never the step's."""
+    from vllm_lora_ext.errors import AdapterFormatError
+
+    models = _started_unbuilt(tmp_path, hub, monkeypatch)
+    events: list[str] = []
+
+    async def slow_build(req: Any) -> bool:
+        events.append("probe")
+        await asyncio.sleep(0.2)
+        events.append("answered")
+        if fails:
+            raise AdapterFormatError("q_proj: lora_B has 64 rows, the model's q_proj has 4096 outputs")
+        return True
+    models.engine_client.add_lora = slow_build
+
+    async def one(tag: str) -> str:
+        try:
+            await server.build_if_evicted(models, "a0")
+        except AdapterFormatError:
+            return f"{tag}-400"
+        events.append(f"{tag}-to-engine")
+        return f"{tag}-ok"
+
+    async def both() -> list[str]:
+        first = asyncio.ensure_future(one("A"))
+        await asyncio.sleep(0.05)  # A's build is under way
+        second = asyncio.ensure_future(one("B"))
+        return [await first, await second]
+
+    got = asyncio.run(both())
+    assert events.count("probe") == 1  # one build for both
+    assert got == (["A-400", "B-400"] if fails else ["A-ok", "B-ok"])
+    assert all(e in ("probe", "answered") for e in events[:2])  # nothing reached the engine before the answer
+
+
+def test_off_an_adapter_named_like_the_base_model_stops_the_start(
+        tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_BUILD_AT_START, "0")
+    write_adapter(tmp_path / "x", dense_tensors(llama_shapes(), seed=1), lora_config(r=4))
+    (tmp_path / "deploy.yaml").write_text(f"adapters:\n  base-model: {{source: '{tmp_path / 'x'}'}}\n")
+    monkeypatch.setenv(ENV_CONFIG, str(tmp_path / "deploy.yaml"))
+    with pytest.raises(ValueError, match="name of a served base model"):
+        asyncio.run(serving_models().init_static_loras())
+
+
+def test_off_without_background_builds_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.constants import ENV_PREBUILD, check_settings
+    from vllm_lora_ext.errors import SettingsError
+
+    monkeypatch.setenv(ENV_BUILD_AT_START, "0")
+    monkeypatch.setenv(ENV_PREBUILD, "0")
+    with pytest.raises(SettingsError, match=f"{ENV_BUILD_AT_START}=0 needs background builds"):
+        check_settings()
+    monkeypatch.delenv(ENV_PREBUILD)
+    check_settings()
+
+
+def test_a_pooling_request_builds_an_unbuilt_adapter_first_and_a_failure_is_its_400(
+        tmp_path: Path, hub: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.integration.server_patches import make_pooling_check_model
+
+    models = _started_unbuilt(tmp_path, hub, monkeypatch)
+    reached: list[str] = []
+
+    async def vllms_check(self: Any, request: Any) -> None:
+        reached.append(request.model)
+
+    check = make_pooling_check_model(vllms_check)
+    serving = SimpleNamespace(models=models)
+    asyncio.run(check(serving, SimpleNamespace(model="a0")))
+    assert models.engine_client.asked == ["a0"] and reached == ["a0"]  # built first, then vLLM's check
+
+    async def refuse(req: Any) -> bool:
+        raise AdapterFormatError("q_proj: lora_B has 64 rows, the model's q_proj has 4096 outputs")
+    models.engine_client.add_lora = refuse
+    answer = asyncio.run(check(serving, SimpleNamespace(model="a1")))
+    assert answer.error.code == 400 and "'a1'" in answer.error.message and reached == ["a0"]

@@ -177,7 +177,8 @@ PATCHES: tuple[Patch, ...] = (
           server_patches.make_pooling_check_model, process="server", reads=("_is_model_supported",),
           why="pooling routes (embeddings, score, classify) override _check_model and never route adapter fields, so "
               "a mix named there would be answered by the base model; refuse adapters/adapter_weights and mix "
-              "models with a 400 naming the generation routes",
+              "models with a 400 naming the generation routes; build a named adapter that may not be cached "
+              "(evicted, or registered unbuilt at start) off the engine loop first, its failure a 4xx",
           delete_when="as BaseServing._check_model"),
     Patch(GPU_WORKER_MODULE, "Worker.compile_or_warm_up_model", (), make_compile_or_warm_up_model, process="worker",
           reads=("model_runner", "model_runner._dummy_run"),

@@ -61,7 +61,7 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     register_when_free,
     release,
 )
-from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, ROUTED_ATTR
+from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, DISK_HOLDS_ATTR, PINNED_NAMES_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
 from vllm_lora_ext.naming import check_adapter_name, check_mix_fields, mix_in_model, reserved_part, server_only_prefix
 from vllm_lora_ext.prebuild import RecentlyUsed
@@ -433,7 +433,7 @@ async def _route(serving: Any, request: Any) -> Any:
     elif adapters is None:
         if not generates or not default or (model and not serving._is_model_supported(model)):
             if generates:
-                await _build_if_evicted(models, model)
+                await build_if_evicted(models, model)
                 _hold_named_mix(models, request)
             return None  # a named adapter or the base model: vLLM's own handling
     spec = resolve_mix(adapters, weights, sources=sources, default_weights=default_weights, default=default)
@@ -442,7 +442,7 @@ async def _route(serving: Any, request: Any) -> Any:
     if len(spec.components) == 1 and spec.components[0].weight == 1.0 and spec.components[0].name in models.lora_requests:
         request.model = spec.components[0].name
         if generates:
-            await _build_if_evicted(models, request.model)
+            await build_if_evicted(models, request.model)
         return None
     if not generates:
         request.model = _base_model_name(models)
@@ -453,21 +453,40 @@ async def _route(serving: Any, request: Any) -> Any:
     return None
 
 
-async def _build_if_evicted(models: Any, name: Any) -> None:
-    """Before a request on a registered adapter that may have left the workers' cache, build it in the background.
+async def build_if_evicted(models: Any, name: Any) -> None:
+    """Before a request on a registered adapter that may not be in the workers' cache (evicted, or registered
+    unbuilt at start: `integration.startup`), build it in the background.
 
     The guess: an adapter among the last ``--max-cpu-loras`` this server used is still cached (the
     worker answers a probe for a resident adapter at once anyway). A wrong guess costs what stock
-    vLLM always pays: the engine builds the adapter in its step.
+    vLLM always pays: the engine builds the adapter in its step. An adapter counts as used only once its build
+    succeeded, and a request that comes while it is being built waits for that build: no request reaches the
+    engine with an adapter whose build has not answered.
     """
     req = models.lora_requests.get(name) if isinstance(name, str) else None
     if req is None or str(req.lora_path).startswith(MIX_PREFIX):
         return
     recent = recently_used(models.engine_client)
-    if recent.touch(req.lora_path):
+    if str(req.lora_path) not in _BUILDS and req.lora_path in recent:
+        recent.touch(req.lora_path)
         return
     try:
         await ensure_built(models.engine_client, req)
     except Exception as err:  # e.g. its files changed or vanished since it was registered: a 4xx, not a 500
         recent.forget(req.lora_path)
         raise build_failure(err, name=str(name), source=str(req.lora_path)) from err
+    recent.touch(req.lora_path)
+
+
+async def sync_disk_holds(models: Any) -> None:
+    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix (issue 41);
+    at start-up (``STARTUP``) they are pinned there."""
+    from vllm_lora_ext.diskholds import HeldSources
+    from vllm_lora_ext.diskuse import sync_server_holds
+
+    held = models.__dict__.setdefault(DISK_HOLDS_ATTR, HeldSources())
+    pinned = models.__dict__.setdefault(PINNED_NAMES_ATTR, set())
+    paths = {name: str(req.lora_path) for name, req in list(models.lora_requests.items())}
+    if STARTUP.get():
+        pinned.update(paths)
+    await asyncio.to_thread(sync_server_holds, held, paths, pinned=frozenset(pinned))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_lora_ext.integration.patching import DISK_HOLDS_ATTR, PINNED_NAMES_ATTR
 
 
 def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -19,9 +18,10 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
         from vllm.lora.request import LoRARequest
 
-        from vllm_lora_ext.integration.server import build_failure, ensure_built, http_error, pre_resolve, recently_used
+        from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, pre_resolve,
+                                                      recently_used, sync_disk_holds)
 
-        await _sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
+        await sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
             return request_or_error  # an ErrorResponse
@@ -34,40 +34,24 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         result = await original(self, request_or_error, base_model_name)
         if isinstance(result, str) and path:
             recently_used(self.engine_client).touch(path)
-            await _sync_disk_holds(self)  # its revision is in use while it stays registered
+            await sync_disk_holds(self)  # its revision is in use while it stays registered
         return result
 
     return load_lora_adapter
-
-
-async def _sync_disk_holds(models: Any) -> None:
-    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix (issue 41)."""
-    import asyncio
-
-    from vllm_lora_ext.diskholds import HeldSources
-    from vllm_lora_ext.diskuse import sync_server_holds
-    from vllm_lora_ext.integration.server import STARTUP
-
-    held = models.__dict__.setdefault(DISK_HOLDS_ATTR, HeldSources())
-    pinned = models.__dict__.setdefault(PINNED_NAMES_ATTR, set())
-    paths = {name: str(req.lora_path) for name, req in list(models.lora_requests.items())}
-    if STARTUP.get():
-        pinned.update(paths)
-    await asyncio.to_thread(sync_server_holds, held, paths, pinned=frozenset(pinned))
 
 
 def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``init_static_loras``: register the deployment config's adapters after vLLM's own."""
 
     async def init_static_loras(self: Any) -> None:
-        from vllm_lora_ext.integration.server import STARTUP
+        from vllm_lora_ext.integration.server import STARTUP, sync_disk_holds
         from vllm_lora_ext.integration.startup import load_deployment_adapters
 
         token = STARTUP.set(True)
         try:
             await original(self)
             await load_deployment_adapters(self)
-            await _sync_disk_holds(self)  # adapters registered unbuilt keep their revisions on disk too
+            await sync_disk_holds(self)  # adapters registered unbuilt keep their revisions on disk too
         finally:
             STARTUP.reset(token)
 
@@ -112,12 +96,18 @@ def make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``PoolingBaseServing._check_model``: refuse a mix on a pooling route (400)."""
+    """Return ``PoolingBaseServing._check_model``: refuse a mix on a pooling route (400); build a named adapter
+    that may not be in the workers' cache first, off the engine loop (`server.build_if_evicted`)."""
 
     async def _check_model(self: Any, request: Any) -> Any:
         from vllm_lora_ext.integration.leases import refuse_mix
+        from vllm_lora_ext.integration.server import build_if_evicted, http_error
 
         refuse_mix(self, request)
+        try:
+            await build_if_evicted(self.models, getattr(request, "model", None))
+        except Exception as err:
+            return http_error(err)
         return await original(self, request)
 
     return _check_model

@@ -7,7 +7,7 @@ adapter goes through ``load_lora_adapter`` as a ``--lora-modules`` entry does: p
 With ``VLLM_LORA_EXT_BUILD_AT_START=0`` (what Ray Serve LLM replicas routed by residency use, issue 40) each
 adapter is pinned and checked from its config and safetensors header in the API server, the same rules
 ``vllm-lora inspect`` applies, and a bad one still stops the start; but it is registered without a build.
-Its first request builds it in the background (`server._build_if_evicted`), so a replica of a fleet builds,
+Its first request builds it in the background (`server.build_if_evicted`), so a replica of a fleet builds,
 and holds in memory, only the adapters routed to it, not every adapter of the config. What needs the model
 (shapes against its modules, keys it has no module for, parts it would not apply) is checked by that build:
 a failure there answers the request with the error (a 4xx naming the adapter), and the server keeps serving.
@@ -63,11 +63,14 @@ async def register_unbuilt(serving_models: Any, request: Any) -> Any:
     text or an ``ErrorResponse`` naming what is wrong (its source, a rule of `summary.summarize_adapter`)."""
     from vllm.lora.request import LoRARequest
 
-    from vllm_lora_ext.errors import AdapterFormatError
-    from vllm_lora_ext.integration.server import http_error, pre_resolve
+    from vllm_lora_ext.errors import AdapterFormatError, AdapterSourceError
+    from vllm_lora_ext.integration.server import http_error, pre_resolve, sync_disk_holds
     from vllm_lora_ext.sources import resolve_source
     from vllm_lora_ext.summary import summarize_adapter
 
+    if _is_base_name(serving_models, request.lora_name):  # vLLM's load_lora_adapter refuses it too (0.33)
+        return http_error(AdapterSourceError(f"Adapter name {request.lora_name!r} is the name of a served base "
+                                             f"model. Give the adapter another name.", source="", part="name"))
     pinned = await pre_resolve(request)
     if not hasattr(pinned, "lora_path"):
         return pinned  # an ErrorResponse
@@ -80,5 +83,14 @@ async def register_unbuilt(serving_models: Any, request: Any) -> Any:
         return http_error(err)
     serving_models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=next_lora_id(serving_models),
                                                      lora_path=path)
+    await sync_disk_holds(serving_models)  # its revision held (pinned) before the next adapter downloads
     logger.info("adapter %r registered from %s; built by its first request", name, path)
     return f"Success: LoRA adapter '{name}' registered (built by its first request)."
+
+
+def _is_base_name(serving_models: Any, name: str) -> bool:
+    is_base = getattr(serving_models, "is_base_model", None)
+    try:
+        return bool(is_base(name)) if callable(is_base) else False
+    except Exception:  # a stand-in or older vLLM without the served names
+        return False
