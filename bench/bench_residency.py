@@ -211,7 +211,11 @@ def run_mode(mode: str, args: argparse.Namespace, model: str, deploy: str, reque
     parsed = [parse_replica(str(s["text"]), every) for s in scraped]
     ttfts = sorted(g[0] for g in got if isinstance(g, tuple))
     reads = {st["pid"]: st.get("adapter_reads", {}).get("bytes") for st in states}  # same worker as the scrape
-    return {"mode": mode, "replicas": replicas, "serve_start_s": started, "wall_s": wall,
+    if len(scraped) < replicas or len(states) < replicas:
+        print(f"WARNING: {mode}: {len(scraped)} of {replicas} replicas reported their metrics, {len(states)} their "
+              "worker state; builds per id count those only", file=sys.stderr)
+    return {"mode": mode, "replicas": replicas, "replicas_reported": len(scraped), "serve_start_s": started,
+            "wall_s": wall,
             "errors": [g for g in got if isinstance(g, str)][:10], "error_count": sum(isinstance(g, str) for g in got),
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
             "outputs": [g[1] if isinstance(g, tuple) else None for g in got],

@@ -213,3 +213,17 @@ def run_all(pool: Any, fn: Any, items: Any) -> list[Any]:
         for f in futures:
             f.cancel()
         wait(futures)
+
+
+def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
+    """Return why ``path`` cannot be read as a config file (missing, a folder, a FIFO, a device), or ``None``.
+
+    Only ``stat`` is used: a FIFO is never opened (opening one for reading waits for a writer).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if stat.S_ISREG(mode):
+        return None
+    return f"is {file_kind(mode)}, not a regular file"

@@ -9,10 +9,9 @@ from __future__ import annotations
 import functools
 import os
 import re
-import stat
 from typing import Literal
 
-from vllm_lora_ext._util import clip, file_kind
+from vllm_lora_ext._util import clip, not_a_regular_file
 from vllm_lora_ext.errors import SettingsError
 
 HF_PREFIX = "hf:"
@@ -60,6 +59,7 @@ ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shar
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA kernel configs (dense and fused MoE)
+ENV_PIN_SHARED = "VLLM_LORA_EXT_PIN_SHARED"  # 1: a build process's shared file pinned where the worker maps it
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
@@ -280,6 +280,12 @@ def host_arenas_enabled() -> bool:
     return _env_on(ENV_HOST_ARENAS)
 
 
+def pin_shared() -> bool:
+    """Return whether a GPU worker page-locks a build process's shared file where it maps it, as it pins a host
+    arena (``VLLM_LORA_EXT_PIN_SHARED``, default off: the trial against GPU staging of issue 38)."""
+    return _env_flag(ENV_PIN_SHARED)
+
+
 def host_arena_min_bytes() -> int:
     """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
     an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
@@ -374,8 +380,8 @@ def moe_warmup_tokens() -> list[int] | None:
 
 _FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
-          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU, ENV_TRANSPOSE_ON_GPU,
-          ENV_MOE_WARMUP, ENV_BUILD_AT_START)
+          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_PIN_SHARED, ENV_MIX_ON_GPU,
+          ENV_TRANSPOSE_ON_GPU, ENV_MOE_WARMUP, ENV_BUILD_AT_START)
 ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read by component_cache_size (below); checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")
@@ -433,20 +439,6 @@ def check_settings() -> None:
 def max_mixes_setting() -> int | None:
     """Return ``VLLM_LORA_EXT_MAX_MIXES`` if set (``None`` otherwise), checked."""
     return max_mixes(0) if os.environ.get(ENV_MAX_MIXES, "").strip() else None
-
-
-def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
-    """Return why ``path`` cannot be read as a config file (missing, a folder, a FIFO, a device), or ``None``.
-
-    Only ``stat`` is used: a FIFO is never opened (opening one for reading waits for a writer).
-    """
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
-    if stat.S_ISREG(mode):
-        return None
-    return f"is {file_kind(mode)}, not a regular file"
 
 
 # -------------------------------------------------------------------- settings of other programs, read here too
