@@ -68,3 +68,25 @@ def test_every_package_name_a_script_imports_exists(path: Path) -> None:
 def test_the_scripts_are_found() -> None:
     names = {p.name for p in FILES}
     assert {"bench_moe_decode.py", "moe_matrix.py", "parallel.py", "test_e2e.py"} <= names
+
+
+def _vllm_imports(path: Path) -> list[tuple[str, str, int]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+            found += [(node.module, alias.name, node.lineno) for alias in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_vllm_name_a_gpu_script_imports_exists_in_the_vllm_the_gpu_runs(path: Path) -> None:
+    """The GPU machine runs vLLM 0.26: on that leg, every ``from vllm... import`` name these files use is there."""
+    vllm = pytest.importorskip("vllm")
+    if not str(vllm.__version__).startswith("0.26."):
+        pytest.skip(f"the GPU runs vLLM 0.26; this is {vllm.__version__}")
+    missing = []
+    for module, name, line in _vllm_imports(path):
+        defined = _defined(module)
+        if defined is None or (name != "*" and name not in defined):
+            missing.append(f"line {line}: {name} from {module}")
+    assert not missing, f"{path.relative_to(ROOT)} imports what vLLM 0.26 does not have: {missing}"
