@@ -137,6 +137,40 @@ async def run_case(base: str, model: str, case: str | None, paths: dict[str, Pat
     return out
 
 
+_STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+
+
+def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
+    """Where B's time to first token went, from the plugin's lines in the server log (issue 39 item 4): the build
+    process's build and hand-over ("built adapter 'B2d' in X s, handed over in Y s"), the worker's load ("loaded
+    adapter 'B2d' ... X s (describing ..., building ..., wrapping ...)") and GPU staging ("staged N MiB ... in T
+    s"), each with its log time in seconds after B arrived."""
+    import datetime
+    import re
+
+    def after(stamp: str) -> float:
+        wall = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        return round(wall - t_arrive_wall, 3)
+
+    out: dict[str, Any] = {}
+    for line in log.splitlines():
+        m = re.search(_STAMP + r".*loaded adapter '" + re.escape(name) + r"' .*?, ([\d.]+) s \((.*)\)$", line)
+        if m and "build" not in out:
+            out["build"] = {"done_after_arrival_s": after(m.group(1)), "seconds": float(m.group(2)),
+                            "phases": m.group(3)}
+        m = re.search(_STAMP + r".*built adapter '" + re.escape(name) + r"' in ([\d.]+) s, handed over in ([\d.]+) s "
+                      r"\(([\d.]+) MiB; queued ([\d.]+) s", line)
+        if m and "build_process" not in out:
+            out["build_process"] = {"done_after_arrival_s": after(m.group(1)), "build_s": float(m.group(2)),
+                                    "hand_over_s": float(m.group(3)), "mib": float(m.group(4)),
+                                    "queued_s": float(m.group(5))}
+        m = re.search(_STAMP + r".*staged ([\d.]+) MiB on \S+ in ([\d.]+) s", line)
+        if m and "build" in out and "staging" not in out:
+            out["staging"] = {"done_after_arrival_s": after(m.group(1)), "mib": float(m.group(2)),
+                              "seconds": float(m.group(3))}
+    return out
+
+
 def window_stats(run: dict[str, Any], start: float, end: float) -> dict[str, float]:
     gaps, count = [], 0
     for ts in run["times"]:
@@ -187,6 +221,10 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
                 continue
             runs[case] = asyncio.run(run_case(base, model, case, paths, args.tokens, args.arrive))
         runs["none_again"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
+    log = (Path(args.workdir) / f"serve-{mode}.log").read_text(errors="replace")
+    for case, name in (("2d", "B2d"), ("3d", "B3d")):
+        if case in runs and mode != "stock":
+            runs[case]["b_phases"] = b_phases(log, name, runs[case]["t0_wall"] + runs[case]["t_arrive"])
     return runs
 
 

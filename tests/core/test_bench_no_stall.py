@@ -1,0 +1,37 @@
+"""`bench/bench_no_stall.py`'s breakdown of B's time to first token (issue 39 item 4), read from the plugin's lines
+in a server log: the build process's build and hand-over, the worker's load and GPU staging, each timed from B's
+arrival; lines of other adapters are not B's."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from factories import load_bench
+
+
+def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not_bs() -> None:
+    bench = load_bench("bench_no_stall")
+    arrived = time.time()
+
+    def stamp(after: float) -> str:
+        return datetime.datetime.fromtimestamp(arrived + after).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+    log = "\n".join([
+        f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_process] built adapter 'A' in 0.40 s, handed over in "
+        "0.02 s (1620 MiB; queued 0.00 s, spare used)",
+        f"INFO {stamp(0.62)} [vllm_lora_ext.integration.build_process] built adapter 'B2d' in 0.55 s, handed over "
+        "in 0.03 s (1620 MiB; queued 0.01 s, spare used)",
+        f"(EngineCore pid=1) INFO {stamp(0.7)} [vllm_lora_ext.integration.loader] loaded adapter 'B2d' from /w/B2d: "
+        "rank 16, 98 modules (48 MoE blocks: 2d), 1620.3 MiB read, 0.71 s (describing the model 0.01 s, building "
+        "0.66 s (build process), wrapping 0.04 s)",
+        f"(EngineCore pid=1) INFO {stamp(0.81)} [vllm_lora_ext.integration.staging] staged 1545 MiB on cuda:0 in "
+        "0.102 s (allocation 0.001 s)",
+    ])
+    got = bench.b_phases(log, "B2d", arrived)
+    assert got["build_process"] == {"done_after_arrival_s": 0.62, "build_s": 0.55, "hand_over_s": 0.03,
+                                    "mib": 1620.0, "queued_s": 0.01}
+    assert got["build"]["seconds"] == 0.71 and got["build"]["done_after_arrival_s"] == 0.7
+    assert "building 0.66 s (build process)" in got["build"]["phases"]
+    assert got["staging"] == {"done_after_arrival_s": 0.81, "mib": 1545.0, "seconds": 0.102}
+    assert bench.b_phases(log, "B3d", arrived) == {}
