@@ -214,7 +214,11 @@ def run_mode(mode: str, args: argparse.Namespace, model: str, deploy: str, reque
     if len(scraped) < replicas or len(states) < replicas:
         print(f"WARNING: {mode}: {len(scraped)} of {replicas} replicas reported their metrics, {len(states)} their "
               "worker state; builds per id count those only", file=sys.stderr)
-    return {"mode": mode, "replicas": replicas, "replicas_reported": len(scraped), "serve_start_s": started,
+    # every build on every replica, mix components included (the gauge shows names and mixes, not the components a
+    # mix built): against the single replica's total, what the fleet built more than one engine did
+    builds_total = sum(int(st.get("adapter_reads", {}).get("adapters", 0)) for st in states)
+    return {"mode": mode, "replicas": replicas, "replicas_reported": len(scraped), "adapter_builds_total": builds_total,
+            "serve_start_s": started,
             "wall_s": wall,
             "errors": [g for g in got if isinstance(g, str)][:10], "error_count": sum(isinstance(g, str) for g in got),
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
@@ -235,17 +239,22 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bfloat16", "seed": 0}
 
 
-def reference_outputs(path: str, workload: dict[str, Any]) -> list[Any]:
-    """The ``single`` run's outputs in a JSON this bench wrote, checked to be of the same workload."""
+def reference_run(path: str, workload: dict[str, Any]) -> dict[str, Any]:
+    """The ``single`` run in a JSON this bench wrote (its outputs, its builds), checked to be of the same workload."""
     import json
 
     earlier = json.loads(Path(path).read_text())
     if earlier.get("workload") != workload:
         raise SystemExit(f"--reference {path}: its workload {earlier.get('workload')} is not this run's {workload}")
-    outputs = earlier.get("runs", {}).get("single", {}).get("outputs")
-    if outputs is None:
+    single = earlier.get("runs", {}).get("single", {})
+    if single.get("outputs") is None:
         raise SystemExit(f"--reference {path} has no 'single' run")
-    return outputs
+    return single  # type: ignore[no-any-return]
+
+
+def reference_outputs(path: str, workload: dict[str, Any]) -> list[Any]:
+    """The ``single`` run's outputs in a JSON this bench wrote, checked to be of the same workload."""
+    return reference_run(path, workload)["outputs"]  # type: ignore[no-any-return]
 
 
 def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 0) -> tuple[str, str, Any]:
@@ -394,19 +403,22 @@ def main() -> None:
             hub.stop()
         if args.two_nodes:
             subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
-    ref = runs.get("single", {}).get("outputs")
-    if ref is None and args.reference:
-        ref = reference_outputs(args.reference, payload["workload"])
+    single = runs.get("single")
+    if single is None and args.reference:
+        single = reference_run(args.reference, payload["workload"])
         payload["reference"] = args.reference
+    ref = (single or {}).get("outputs")
+    single_builds = (single or {}).get("adapter_builds_total")
     rows = []
     for mode, r in runs.items():
         equal = None if ref is None else sum(a == b for a, b in zip(r["outputs"], ref) if a is not None)
         r["outputs_equal_to_single"] = equal
-        rows.append([mode, r["replicas"], r["mean_builds_per_requested_id"], r["max_builds"], r["ttft_p50_s"],
-                     r["ttft_p99_s"], r["error_count"], r["gauge_agrees_with_mix_loads"],
+        r["builds_vs_single"] = r["adapter_builds_total"] / single_builds if single_builds else None
+        rows.append([mode, r["replicas"], r["mean_builds_per_requested_id"], r["max_builds"], r["adapter_builds_total"],
+                     r["ttft_p50_s"], r["ttft_p99_s"], r["error_count"], r["gauge_agrees_with_mix_loads"],
                      "-" if equal is None else f"{equal}/{len(requests)}"])
     payload["runs"] = runs
-    print_table(rows, ["mode", "replicas", "builds/id", "max", "TTFT p50 s", "TTFT p99 s", "errors",
+    print_table(rows, ["mode", "replicas", "builds/id", "max", "builds (all)", "TTFT p50 s", "TTFT p99 s", "errors",
                        "gauge=loads", "outputs = single"])
     write_json("residency", payload, args.out)
 
