@@ -285,17 +285,32 @@ def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 
     return str(base), str(deploy), server
 
 
-def start_two_nodes(workdir: Path, port: int = 6390) -> str:
-    """A head and a worker Ray node on this host, one GPU each; return the head's address."""
+def start_two_nodes(workdir: Path, port: int = 6390, *, own_caches: bool = False) -> str:
+    """A head and a worker Ray node on this host, one GPU each; return the head's address.
+
+    With ``own_caches`` each node gets its own Hugging Face cache (``hf-cache-node0``, ``-node1`` under
+    ``workdir``), which its replicas inherit: as on two machines, neither reads the other's downloads, and each
+    resolves the ``hf:`` sources itself (`node_caches` then lists the commits each holds)."""
     address = f"127.0.0.1:{port}"
     ray_cli = str(Path(sys.executable).with_name("ray"))
     nodes = [["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={workdir / 'ray'}"],
              [f"--address={address}"]]
     for gpu, extra in enumerate(nodes):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), RAY_USAGE_STATS_ENABLED="0")
+        if own_caches:
+            env["HF_HUB_CACHE"] = str(workdir / f"hf-cache-node{gpu}")
         subprocess.run([ray_cli, "start", *extra, "--num-gpus=1", "--disable-usage-stats"], env=env, check=True)
     os.environ["RAY_ADDRESS"] = address  # the replicas' engine processes join this cluster too
+    if own_caches:
+        os.environ.pop("HF_HUB_CACHE", None)  # not in the replicas' runtime_env: each keeps its node's
     return address
+
+
+def node_caches(workdir: Path, repo: str = "acme/residency") -> dict[str, list[str]]:
+    """The commits of ``repo`` in each node's own Hugging Face cache (``start_two_nodes(own_caches=True)``)."""
+    folder = "models--" + repo.replace("/", "--")
+    return {f"node{i}": sorted(p.name for p in (workdir / f"hf-cache-node{i}" / folder / "snapshots").glob("*"))
+            for i in range(2)}
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -385,7 +400,7 @@ def main() -> None:
     model, deploy, hub = build_inputs(workdir, names, args.model, args.hub)
     if hub is not None:
         payload["hub_commit"] = hub.commit_sha
-    address = start_two_nodes(workdir) if args.two_nodes else args.address
+    address = start_two_nodes(workdir, own_caches=hub is not None) if args.two_nodes else args.address
     if address:
         ray.init(address=address)
     else:
@@ -403,6 +418,8 @@ def main() -> None:
             hub.stop()
         if args.two_nodes:
             subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
+    if args.two_nodes and hub is not None:  # each node resolved the hf: sources itself, to the one pinned commit
+        payload["node_caches"] = node_caches(workdir)
     single = runs.get("single")
     if single is None and args.reference:
         single = reference_run(args.reference, payload["workload"])

@@ -30,3 +30,13 @@ def test_a_reference_run_gives_its_single_outputs_only_for_the_same_workload(tmp
     earlier.write_text(json.dumps({"workload": workload, "runs": {"affinity": {}}}))
     with pytest.raises(SystemExit, match="no 'single' run"):
         br.reference_outputs(str(earlier), workload)
+
+
+def test_node_caches_lists_the_commits_each_nodes_own_cache_holds(tmp_path: Path) -> None:
+    """The two-node run gives each node its own Hugging Face cache; what each resolved is read back per node."""
+    br = _bench()
+    for node, commits in (("node0", ["c0ffee"]), ("node1", ["c0ffee", "0ld"])):
+        for commit in commits:
+            (tmp_path / f"hf-cache-{node}" / "models--acme--residency" / "snapshots" / commit).mkdir(parents=True)
+    assert br.node_caches(tmp_path) == {"node0": ["c0ffee"], "node1": ["0ld", "c0ffee"]}
+    assert br.node_caches(tmp_path / "none") == {"node0": [], "node1": []}
