@@ -43,22 +43,27 @@ from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, moe_table
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=1)
-def _tables() -> dict[str, dict[str, Any]] | None:
+def _shipped(load: Callable[[str], Any], what: str, *, used: str, none: str | None) -> Any:
+    """This GPU's tables from ``load`` (given its file stem), or None without a GPU, without tables or where they fail
+    their checks (a warning naming ``what``); logs ``used`` (or ``none``) with the GPU's name."""
     name = cuda_device_name()
     if not name:
         return None
     try:
-        tables = load_tables(file_stem(name))
+        tables = load(file_stem(name))
     except KernelConfigError as exc:
-        logger.warning("not using the shipped LoRA kernel configs: %s", exc)
+        logger.warning("not using the shipped %s: %s", what, exc)
         return None
-    if tables is None:
-        logger.info("no tuned LoRA kernel configs ship for %s: vLLM's defaults are used", name)
-    else:
-        logger.info("LoRA shrink/expand kernels use the tuned configs shipped for %s "
-                    "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's defaults)", name)
+    if tables is not None or none is not None:
+        logger.info(used if tables is not None else none, name)
     return tables
+
+
+@functools.lru_cache(maxsize=1)
+def _tables() -> dict[str, dict[str, Any]] | None:
+    return _shipped(load_tables, "LoRA kernel configs", none="no tuned LoRA kernel configs ship for %s: vLLM's "
+                    "defaults are used", used="LoRA shrink/expand kernels use the tuned configs shipped for %s "
+                    "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's defaults)")
 
 
 def _left_to_vllm() -> bool:
@@ -97,18 +102,9 @@ def make_get_lora_op_configs(original: Callable[..., Any]) -> Callable[..., Any]
 
 @functools.lru_cache(maxsize=1)
 def _moe_tables() -> dict[str, dict[str, Any]] | None:
-    name = cuda_device_name()
-    if not name:
-        return None
-    try:
-        tables = load_moe_tables(file_stem(name))
-    except KernelConfigError as exc:
-        logger.warning("not using the shipped fused-MoE LoRA kernel configs: %s", exc)
-        return None
-    if tables is not None:
-        logger.info("fused-MoE LoRA kernels use the tuned configs shipped for %s where they fit the layer "
-                    "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's own choice)", name)
-    return tables
+    return _shipped(load_moe_tables, "fused-MoE LoRA kernel configs", none=None,
+                    used="fused-MoE LoRA kernels use the tuned configs shipped for %s where they fit the layer "
+                         "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's own choice)")
 
 
 def _shipped_moe_tables() -> dict[str, dict[str, Any]] | None:

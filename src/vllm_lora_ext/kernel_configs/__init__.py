@@ -35,7 +35,7 @@ from typing import Any, Literal
 from vllm_lora_ext.errors import KernelConfigError
 
 __all__ = ["FOLDER", "SLICE_KEYS", "check_levels", "check_table", "config_file_names", "file_stem", "load_tables",
-           "lookup_config", "shipped_gpus"]
+           "lookup_config", "read_tables", "shipped_gpus"]
 
 FOLDER = Path(__file__).resolve().parent
 # The keys vLLM's launchers read from a config (shrink also reads group_size_m, with a default).
@@ -157,16 +157,28 @@ def load_tables(stem: str, folder: Path = FOLDER) -> dict[str, dict[str, Any]] |
     Raises:
         [`KernelConfigError`]: a file is not JSON or fails `check_table`.
     """
-    names = config_file_names(stem)
-    if not all((folder / name).is_file() for name in names):
+    names = dict(zip(("shrink", "expand_true", "expand_false"), config_file_names(stem)))
+    tables = read_tables(folder, names, what="LoRA kernel config", fallback="vLLM's defaults")
+    if tables is not None:
+        for key, name in names.items():
+            check_table(tables[key], "shrink" if key == "shrink" else "expand", name=name)
+    return tables
+
+
+def read_tables(folder: Path, names: Mapping[str, str], *, what: str, fallback: str) -> dict[str, Any] | None:
+    """Read the JSON file ``names[key]`` of ``folder`` for each key, unchecked; None if one of them is missing.
+
+    Raises:
+        [`KernelConfigError`]: a file cannot be read or is not JSON (names ``what`` and the file, and the switch
+            that falls back to ``fallback``).
+    """
+    if not all((folder / name).is_file() for name in names.values()):
         return None
-    tables: dict[str, dict[str, Any]] = {}
-    for key, name in zip(("shrink", "expand_true", "expand_false"), names):
+    tables: dict[str, Any] = {}
+    for key, name in names.items():
         try:
-            table = json.loads((folder / name).read_text())
+            tables[key] = json.loads((folder / name).read_text())
         except (OSError, ValueError) as exc:
-            raise KernelConfigError(f"LoRA kernel config {name} cannot be read: {exc}. Reinstall vllm-lora-ext or "
-                                    f"set VLLM_LORA_EXT_KERNEL_CONFIGS=0 to use vLLM's defaults.") from exc
-        check_table(table, "shrink" if key == "shrink" else "expand", name=name)
-        tables[key] = table
+            raise KernelConfigError(f"{what} {name} cannot be read: {exc}. Reinstall vllm-lora-ext or set "
+                                    f"VLLM_LORA_EXT_KERNEL_CONFIGS=0 to use {fallback}.") from exc
     return tables

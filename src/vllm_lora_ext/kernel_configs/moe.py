@@ -36,13 +36,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from vllm_lora_ext.errors import KernelConfigError
-from vllm_lora_ext.kernel_configs import FOLDER, check_levels
+from vllm_lora_ext.kernel_configs import FOLDER, check_levels, read_tables
 
 __all__ = ["MOE_OPS", "MOE_SLICE_KEYS", "check_moe_table", "check_moe_tables", "load_moe_tables",
            "moe_config_file_names", "moe_tables_fit", "shipped_moe_gpus"]
@@ -79,15 +78,15 @@ def check_moe_table(table: Any, *, name: str = "table") -> None:
     check_levels(table, depth=6, required=_REQUIRED, slice_keys=MOE_SLICE_KEYS, name=name, tuner=_TUNER)
 
 
-def _leaves(table: Mapping[str, Any]) -> Iterator[tuple[tuple[str, str, str, str], Mapping[str, Any]]]:
-    # ((max_loras, num_slices, m, k), config) for every config of a checked table
+def _leaves(table: Mapping[str, Any]) -> Iterator[tuple[tuple[str, str, str, str, str, str], Mapping[str, Any]]]:
+    # ((max_loras, num_slices, m, k, n, i), config) for every config of a checked table
     for loras, by_slices in table.items():
         for slices, by_m in by_slices.items():
             for m, by_k in by_m.items():
                 for k, by_n in by_k.items():
-                    for by_i in by_n.values():
-                        for config in by_i.values():
-                            yield (loras, slices, m, k), config
+                    for n, by_i in by_n.items():
+                        for i, config in by_i.items():
+                            yield (loras, slices, m, k, n, i), config
 
 
 def check_moe_tables(tables: Mapping[str, Any], *, stem: str = "") -> None:
@@ -108,7 +107,7 @@ def check_moe_tables(tables: Mapping[str, Any], *, stem: str = "") -> None:
     for op in MOE_OPS:
         check_moe_table(tables[op], name=names[op])
         keys[op] = set()
-        for (loras, slices, m, k), config in _leaves(tables[op]):
+        for (loras, slices, m, k, _, _), config in _leaves(tables[op]):
             keys[op].add((loras, slices, m, k))
             seen = block_m.setdefault((loras, m, k), (config["block_m"], names[op]))
             if seen[0] != config["block_m"]:
@@ -139,18 +138,10 @@ def load_moe_tables(stem: str, folder: Path = FOLDER) -> dict[str, dict[str, Any
     Raises:
         [`KernelConfigError`]: a file is not JSON, or the four fail `check_moe_tables`.
     """
-    names = moe_config_file_names(stem)
-    if not all((folder / name).is_file() for name in names):
-        return None
-    tables: dict[str, dict[str, Any]] = {}
-    for op, name in zip(MOE_OPS, names):
-        try:
-            tables[op] = json.loads((folder / name).read_text())
-        except (OSError, ValueError) as exc:
-            raise KernelConfigError(f"Fused-MoE LoRA kernel config {name} cannot be read: {exc}. Reinstall "
-                                    f"vllm-lora-ext or set VLLM_LORA_EXT_KERNEL_CONFIGS=0 to use vLLM's own "
-                                    f"choice.") from exc
-    check_moe_tables(tables, stem=stem)
+    tables = read_tables(folder, dict(zip(MOE_OPS, moe_config_file_names(stem))),
+                         what="Fused-MoE LoRA kernel config", fallback="vLLM's own choice")
+    if tables is not None:
+        check_moe_tables(tables, stem=stem)
     return tables
 
 
@@ -165,12 +156,6 @@ def moe_tables_fit(tables: Mapping[str, Any], *, num_slices: int, rank: int, hid
     table = tables[MOE_OPS[0]]
     if not all(str(num_slices) in by_slices for by_slices in table.values()):
         return False
-    ranks, hiddens, intermediates = set(), set(), set()
-    for by_slices in table.values():
-        for by_m in by_slices.values():
-            for by_k in by_m.values():
-                for k, by_n in by_k.items():
-                    ranks.add(int(k))
-                    hiddens.update(int(n) for n in by_n)
-                    intermediates.update(int(i) for by_i in by_n.values() for i in by_i)
-    return rank <= max(ranks) and hidden in hiddens and intermediate in intermediates
+    keys = [key for key, _ in _leaves(table)]
+    return (rank <= max(int(k) for *_, k, _, _ in keys) and hidden in {int(n) for *_, n, _ in keys}
+            and intermediate in {int(i) for *_, i in keys})
