@@ -252,11 +252,6 @@ def reference_run(path: str, workload: dict[str, Any]) -> dict[str, Any]:
     return single  # type: ignore[no-any-return]
 
 
-def reference_outputs(path: str, workload: dict[str, Any]) -> list[Any]:
-    """The ``single`` run's outputs in a JSON this bench wrote, checked to be of the same workload."""
-    return reference_run(path, workload)["outputs"]  # type: ignore[no-any-return]
-
-
 def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 0) -> tuple[str, str, Any]:
     """A tiny dense model (unless ``model`` is given), one PEFT adapter per name, and the deployment config; the
     first ``hub`` adapters are ``hf:`` sources on a local Hub server started here (returned, with its commit)."""

@@ -23,13 +23,14 @@ def test_a_reference_run_gives_its_single_outputs_only_for_the_same_workload(tmp
     assert br.zipf_requests(names + mixes, 20, 1.1) == br.zipf_requests(names + mixes, 20, 1.1)  # seeded
     workload = {"replicas": 2, "adapters": 3, "mixes": 2, "requests": 20}
     earlier = tmp_path / "single.json"
-    earlier.write_text(json.dumps({"workload": workload, "runs": {"single": {"outputs": ["a", "b"]}}}))
-    assert br.reference_outputs(str(earlier), workload) == ["a", "b"]
+    earlier.write_text(json.dumps({"workload": workload, "runs": {"single": {"outputs": ["a", "b"],
+                                                                             "adapter_builds_total": 35}}}))
+    assert br.reference_run(str(earlier), workload) == {"outputs": ["a", "b"], "adapter_builds_total": 35}
     with pytest.raises(SystemExit, match="is not this run's"):
-        br.reference_outputs(str(earlier), {**workload, "requests": 400})
+        br.reference_run(str(earlier), {**workload, "requests": 400})
     earlier.write_text(json.dumps({"workload": workload, "runs": {"affinity": {}}}))
     with pytest.raises(SystemExit, match="no 'single' run"):
-        br.reference_outputs(str(earlier), workload)
+        br.reference_run(str(earlier), workload)
 
 
 def test_node_caches_lists_the_commits_each_nodes_own_cache_holds(tmp_path: Path) -> None:
