@@ -68,7 +68,7 @@ async def register_unbuilt(serving_models: Any, request: Any) -> Any:
     from vllm_lora_ext.sources import resolve_source
     from vllm_lora_ext.summary import summarize_adapter
 
-    if _is_base_name(serving_models, request.lora_name):  # vLLM's load_lora_adapter refuses it too (0.33)
+    if serving_models.is_base_model(request.lora_name):  # vLLM's load_lora_adapter refuses it too (0.33)
         return http_error(AdapterSourceError(f"Adapter name {request.lora_name!r} is the name of a served base "
                                              f"model. Give the adapter another name.", source="", part="name"))
     pinned = await pre_resolve(request)
@@ -86,11 +86,3 @@ async def register_unbuilt(serving_models: Any, request: Any) -> Any:
     await sync_disk_holds(serving_models)  # its revision held (pinned) before the next adapter downloads
     logger.info("adapter %r registered from %s; built by its first request", name, path)
     return f"Success: LoRA adapter '{name}' registered (built by its first request)."
-
-
-def _is_base_name(serving_models: Any, name: str) -> bool:
-    is_base = getattr(serving_models, "is_base_model", None)
-    try:
-        return bool(is_base(name)) if callable(is_base) else False
-    except Exception:  # a stand-in or older vLLM without the served names
-        return False
