@@ -246,7 +246,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     for mode in args.modes.split(","):
         results[mode] = serve_mode(mode, paths, cases, args)
-        Path(args.workdir, f"partial-{mode}.json").write_text(json.dumps(results[mode]))  # survives a later timeout
+        # survives a later timeout: beside --out (a GPU call packs it), else in the workdir
+        partial = Path(args.out).with_suffix(f".partial-{mode}.json") if args.out else Path(args.workdir,
+                                                                                           f"partial-{mode}.json")
+        partial.write_text(json.dumps(results[mode]))
     rows, summary = [], {}
     for mode, runs in results.items():
         none = runs["none"]

@@ -280,6 +280,15 @@ def build_inputs(workdir: Path, names: list[str], model: str | None, hub: int = 
     return str(base), str(deploy), server
 
 
+def ray_cli() -> list[str]:
+    """The ``ray`` command: beside this Python when installed there, else Ray's CLI module run by this Python
+    (the GPU machine's Ray comes unpacked into a folder on ``PYTHONPATH``, with no ``ray`` script)."""
+    script = Path(sys.executable).with_name("ray")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
+
+
 def start_two_nodes(workdir: Path, port: int = 6390, *, own_caches: bool = False) -> str:
     """A head and a worker Ray node on this host, one GPU each; return the head's address.
 
@@ -287,14 +296,13 @@ def start_two_nodes(workdir: Path, port: int = 6390, *, own_caches: bool = False
     ``workdir``), which its replicas inherit: as on two machines, neither reads the other's downloads, and each
     resolves the ``hf:`` sources itself (`node_caches` then lists the commits each holds)."""
     address = f"127.0.0.1:{port}"
-    ray_cli = str(Path(sys.executable).with_name("ray"))
     nodes = [["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={workdir / 'ray'}"],
              [f"--address={address}"]]
     for gpu, extra in enumerate(nodes):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), RAY_USAGE_STATS_ENABLED="0")
         if own_caches:
             env["HF_HUB_CACHE"] = str(workdir / f"hf-cache-node{gpu}")
-        subprocess.run([ray_cli, "start", *extra, "--num-gpus=1", "--disable-usage-stats"], env=env, check=True)
+        subprocess.run([*ray_cli(), "start", *extra, "--num-gpus=1", "--disable-usage-stats"], env=env, check=True)
     os.environ["RAY_ADDRESS"] = address  # the replicas' engine processes join this cluster too
     if own_caches:
         os.environ.pop("HF_HUB_CACHE", None)  # not in the replicas' runtime_env: each keeps its node's
@@ -412,7 +420,7 @@ def main() -> None:
         if hub is not None:
             hub.stop()
         if args.two_nodes:
-            subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], check=False)
+            subprocess.run([*ray_cli(), "stop", "--force"], check=False)
     if args.two_nodes and hub is not None:  # each node resolved the hf: sources itself, to the one pinned commit
         payload["node_caches"] = node_caches(workdir)
     single = runs.get("single")

@@ -12,10 +12,11 @@ from factories import load_bench
 
 def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not_bs() -> None:
     bench = load_bench("bench_no_stall")
-    arrived = time.time()
+    arrived = round(time.time(), 3)  # a whole millisecond, as the log writes it
 
-    def stamp(after: float) -> str:
-        return datetime.datetime.fromtimestamp(arrived + after).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    def stamp(after: float) -> str:  # the log's clock, to the millisecond (rounded: %f would truncate 0.62 to 0.619)
+        ms = round((arrived + after) * 1000)
+        return datetime.datetime.fromtimestamp(ms // 1000).strftime("%Y-%m-%d %H:%M:%S") + f",{ms % 1000:03d}"
 
     log = "\n".join([
         f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_process] built adapter 'A' in 0.40 s, handed over in "

@@ -30,7 +30,8 @@ plugin system, and the deployment config reaches it through ``runtime_env``::
 Routing by residency (issue 40): every id the plugin serves also enters Ray's ``@serve.multiplexed`` loader
 (`vllm_lora_ext.integration.ray_report`, no download), so the replica reports it to Serve's router and the next
 request for it comes here; this needs a ``lora_config`` in the ``LLMConfig`` (Ray makes no multiplexed loader
-without one). `vllm_lora_ext.integration.ray_routing.ResidencyRequestRouter` adds mixes routed by their components.
+without one). `vllm_lora_ext.integration.ray_routing.ResidencyRequestRouter` adds a home replica for ids nobody reports
+yet (a hash of the id) and mixes routed by their components.
 
 Importing `vllm_lora_ext` never imports this module or Ray. What it relies on from Ray 2.58 (the release
 whose image ships vLLM 0.26): ``LLMServer._run_request`` and ``_maybe_resolve_lora_from_multiplex``, and
