@@ -100,9 +100,9 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                              "adapter (default: refuse; see \"Modules vLLM would accept and not apply as trained\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
                                "or `20GB` (default: off); see \"Disk cache\""),
-    ENV_MOE_WARMUP: ("=0", "skip compiling the fused-MoE LoRA Triton kernels at engine start (default: with LoRA on "
-                           "and MoE LoRA layers, dummy LoRA batches over the decode and prefill sizes run before the "
-                           "engine reports ready, so no request compiles them in its step; patch 16 in "
+    ENV_MOE_WARMUP: ("=0", "skip compiling the LoRA Triton kernels at engine start (default: with LoRA on and MoE "
+                           "LoRA layers, dummy LoRA batches over the decode and prefill sizes, their logits included, "
+                           "run before the engine reports ready, so no request compiles them in its step; patch 16 in "
                            "`integration/PATCHES.md`)"),
     ENV_MOE_WARMUP_TOKENS: ("", "comma-separated batch token counts that warm-up runs (default: 1 to `max_num_seqs` "
                                 "or 64, then 2^k, 2^k+1 and 3·2^(k-1) up to `max_num_batched_tokens`)"),

@@ -1,5 +1,6 @@
-"""The fused-MoE LoRA kernels compile while the engine starts (issue 39 item 3): on a tiny Qwen3-MoE, the first
-requests with MoE adapters after start-up add no compiled Triton kernel variant in the worker; with the warm-up
+"""The LoRA kernels compile while the engine starts (issue 39 item 3): on a tiny Qwen3-MoE, the first requests with
+MoE adapters after start-up add no compiled Triton kernel variant in the worker (fused-MoE LoRA kernels, and the
+dense shrink/expand that attention and the LoRA logits path launch); with the warm-up
 switched off (the control) the same requests do compile some, so the count does see an in-step compile."""
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def _llm(model: Path) -> Any:
 
 
 def _variants(llm: Any) -> list[dict[str, int]]:
-    from vllm_lora_ext.integration.warmup import moe_lora_kernel_variants
+    from vllm_lora_ext.integration.warmup import lora_kernel_variants
 
-    return llm.collective_rpc(moe_lora_kernel_variants)  # type: ignore[no-any-return]
+    # fused-MoE and dense shrink/expand: the LoRA logits path launches the dense ones in every adapter step
+    return llm.collective_rpc(lora_kernel_variants)  # type: ignore[no-any-return]
 
 
 def _first_adapter_requests(llm: Any, moe: dict[str, Path]) -> None:

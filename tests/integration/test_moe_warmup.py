@@ -11,6 +11,7 @@ import torch
 
 from vllm_lora_ext.integration.warmup import (
     has_moe_lora_layers,
+    lora_kernel_variants,
     make_compile_or_warm_up_model,
     moe_lora_kernel_variants,
     warm_up_moe_lora,
@@ -123,10 +124,56 @@ def test_bad_warm_up_token_counts_are_refused_naming_the_setting_and_the_fix(mon
         warm_up_moe_lora(_Runner(_moe_lora_model(), max_loras=2))
 
 
-def test_kernel_variant_counts_name_the_fused_moe_lora_kernels_or_nothing_before_vllm_loads_them() -> None:
+def test_kernel_variant_counts_name_the_lora_kernels_or_nothing_before_vllm_loads_them() -> None:
     counts = moe_lora_kernel_variants()
     # On a machine without a GPU vLLM's Triton placeholder stands in for the kernels: no counts, and no error.
     assert all(name.startswith("_fused_moe_lora") and n >= 0 for name, n in counts.items())
+    assert all(("lora" in name) and n >= 0 for name, n in lora_kernel_variants().items())
+
+
+class _LogitsRunner(_Runner):
+    """A runner whose dummy runs return (hidden states, the sampled rows), as vLLM 0.26-0.33's do, and whose model
+    computes logits through vLLM's real ``LogitsProcessorWithLoRA`` class (not initialised: that needs a GPU)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        from vllm.lora.layers import LogitsProcessorWithLoRA
+
+        logits = LogitsProcessorWithLoRA.__new__(LogitsProcessorWithLoRA)
+        torch.nn.Module.__init__(logits)
+        model = torch.nn.ModuleList([_moe_lora_model(), logits])
+        self.computed: list[int] = []
+
+        def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+            if fail:
+                raise RuntimeError("no logits here")
+            self.computed.append(hidden.shape[0])
+            return hidden
+
+        model.compute_logits = compute_logits  # type: ignore[assignment]
+        super().__init__(model, max_loras=2, max_num_tokens=32, max_num_reqs=4)
+
+    def _dummy_run(self, num_tokens: int, cudagraph_runtime_mode: Any = None,  # type: ignore[override]
+                   skip_eplb: bool = False, remove_lora: bool = True,
+                   num_active_loras: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        super()._dummy_run(num_tokens, cudagraph_runtime_mode, skip_eplb, remove_lora, num_active_loras)
+        hidden = torch.zeros(num_tokens, 4)
+        return hidden, hidden[: min(num_tokens, self.max_num_reqs)]
+
+
+def test_each_dummy_batch_also_computes_its_logits_with_its_loras_active(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3,16")
+    runner = _LogitsRunner()
+    assert warm_up_moe_lora(runner) == 5  # 1 token x 1 adapter, 3 x (1, 2), 16 x (1, 2)
+    assert runner.computed == [1, 3, 3, 4, 4] and runner.removed == 1  # the sampled rows: one per dummy request
+
+
+def test_a_logits_warm_up_that_fails_is_logged_once_and_the_rest_still_runs(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3,16")
+    runner = _LogitsRunner(fail=True)
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.integration.warmup"):
+        assert warm_up_moe_lora(runner) == 5
+    assert caplog.text.count("not warming up the LoRA logits kernels (skipped (RuntimeError: no logits here))") == 1
 
 
 def test_a_runner_whose_dummy_run_takes_no_loras_is_left_alone_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

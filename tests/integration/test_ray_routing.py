@@ -50,7 +50,8 @@ def _route(replicas: list[Any], model_ids: list[str], *, concurrent: bool = Fals
         router = _router(replicas)
         pick = router._choose_replica_for_request
         if concurrent:
-            chosen = await asyncio.wait_for(asyncio.gather(*[pick(_request(m, i)) for i, m in enumerate(model_ids)]), 10)
+            requests = [pick(_request(m, i)) for i, m in enumerate(model_ids)]
+            chosen = await asyncio.wait_for(asyncio.gather(*requests), 10)
         else:
             chosen = [await asyncio.wait_for(pick(_request(m, i)), 10) for i, m in enumerate(model_ids)]
         return [c.replica_id.unique_id for c in chosen]

@@ -22,6 +22,13 @@ vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for
   ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` if it matters);
 - with 1, 2 and ``max_loras`` distinct adapters (at most one per token: a batch of 3 tokens runs with 1, 2, 3).
 
+Each dummy batch also computes its logits while its dummy LoRAs are active, when the model's logits processor is
+wrapped for LoRA (``LogitsProcessorWithLoRA``: every LoRA model's is). vLLM computes logits in no warm-up pass with
+a LoRA active (dummy runs stop at the hidden states; the sampler warm-up runs without LoRA), and the LoRA logits
+path launches the dense ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` over the vocabulary with a block
+config of its own: on an H200 (vLLM 0.26, ``jit_monitor``) both compiled in the first step that carried an
+adapter, after this warm-up had run. A failure there is logged once and leaves the rest of the warm-up running.
+
 ``VLLM_LORA_EXT_MOE_WARMUP=0`` turns it off; ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS=1,2,48`` names the token counts
 instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; anything else is untouched.
 """
@@ -41,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 MOE_LORA_LAYER_CLASSES = ("FusedMoEWithLoRA", "FusedMoE3DWithLoRA")
 MOE_LORA_OP_MODULE = "vllm.lora.ops.triton_ops.fused_moe_lora_op"
+# every LoRA Triton kernel module a serving step launches from: the fused-MoE ones, then punica's dense shrink/expand
+LORA_OP_MODULES = (MOE_LORA_OP_MODULE, "vllm.lora.ops.triton_ops.lora_shrink_op",
+                   "vllm.lora.ops.triton_ops.lora_expand_op")
+LOGITS_LORA_CLASS = "LogitsProcessorWithLoRA"
 _MAX_DECODE_SWEEP = 64
 
 
@@ -100,22 +111,44 @@ def warm_up_moe_lora(runner: Any) -> int:
     tokens = moe_warmup_tokens() or warmup_token_counts(int(runner.max_num_reqs), max_tokens)
     tokens = [n for n in tokens if 1 <= n <= max_tokens]
     loras = warmup_lora_counts(int(lora_config.max_loras))
-    before = sum(moe_lora_kernel_variants().values())
+    before = sum(lora_kernel_variants().values())
+    logits = _LogitsWarmUp(runner)
     t0 = time.perf_counter()
     runs = 0
     try:
         for n_tokens in tokens:
             for n_loras in sorted({min(n, n_tokens) for n in loras}):  # a batch of n tokens holds <= n adapters
-                runner._dummy_run(n_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
-                                  remove_lora=False, num_active_loras=n_loras)
+                out = runner._dummy_run(n_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, skip_eplb=True,
+                                        remove_lora=False, num_active_loras=n_loras)
+                logits.run(out)
                 runs += 1
     finally:
         runner.maybe_remove_all_loras(lora_config)
-    compiled = sum(moe_lora_kernel_variants().values()) - before
-    logger.info("fused-MoE LoRA kernels warmed up: %d dummy batches (%d token counts x up to %d adapters), "
+    compiled = sum(lora_kernel_variants().values()) - before
+    logger.info("LoRA kernels warmed up: %d dummy batches (%d token counts x up to %d adapters, logits %s), "
                 "%d kernel variants compiled, %.1f s (VLLM_LORA_EXT_MOE_WARMUP=0 skips this)", runs, len(tokens),
-                len(loras), compiled, time.perf_counter() - t0)
+                len(loras), logits.state, compiled, time.perf_counter() - t0)
     return runs
+
+
+class _LogitsWarmUp:
+    """Compute each dummy batch's logits while its dummy LoRAs are active (see the module docstring)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        model = runner.get_model()
+        wrapped = any(cls.__name__ == LOGITS_LORA_CLASS for m in model.modules() for cls in type(m).__mro__)
+        self.state = "included" if wrapped else "not wrapped for LoRA"
+
+    def run(self, out: Any) -> None:
+        if self.state != "included" or not isinstance(out, tuple) or len(out) != 2:
+            return
+        try:  # the last token of each dummy request, as a step samples it; values are irrelevant to what compiles
+            self.runner.model.compute_logits(out[1])
+        except Exception as err:  # a warm-up never stops the engine from starting
+            self.state = f"skipped ({type(err).__name__}: {str(err)[:200]})"
+            logger.warning("not warming up the LoRA logits kernels (%s); the first adapter request compiles them "
+                           "in its step", self.state)
 
 
 def make_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,20 +181,26 @@ def _variants(jit: Any) -> int:
     return sum(len(c) for c in getattr(jit, "cache", {}).values() if isinstance(c, dict))
 
 
-def moe_lora_kernel_variants(worker: Any = None) -> dict[str, int]:
-    """Count the compiled variants of each fused-MoE LoRA Triton kernel in this process.
+def lora_kernel_variants(worker: Any = None, modules: Sequence[str] = LORA_OP_MODULES) -> dict[str, int]:
+    """Count the compiled variants of each LoRA Triton kernel (fused-MoE, dense shrink and expand) in this process.
 
-    Use ``llm.collective_rpc(moe_lora_kernel_variants)`` to ask every worker; a count that grows while a request
-    runs means that request compiled a kernel in the engine step. Empty before vLLM imports the kernels' module.
+    Use ``llm.collective_rpc(lora_kernel_variants)`` to ask every worker; a count that grows while a request runs
+    means that request compiled a kernel in the engine step. Empty before vLLM imports the kernels' modules.
     """
-    module = sys.modules.get(MOE_LORA_OP_MODULE)
-    if module is None:
-        return {}
     out = {}
-    for name in sorted(vars(module)):
-        if "kernel" not in name:
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is None:
             continue
-        jit = _jit_function(getattr(module, name))
-        if jit is not None:
-            out[name] = _variants(jit)
+        for name in sorted(vars(module)):
+            if "kernel" not in name:
+                continue
+            jit = _jit_function(getattr(module, name))
+            if jit is not None:
+                out[name] = _variants(jit)
     return out
+
+
+def moe_lora_kernel_variants(worker: Any = None) -> dict[str, int]:
+    """[`lora_kernel_variants`] of the fused-MoE LoRA kernels only."""
+    return lora_kernel_variants(worker, (MOE_LORA_OP_MODULE,))
