@@ -4,6 +4,7 @@ is the outer boundary here; tests/gpu/test_moe_warmup.py runs the real one)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +27,9 @@ class _Runner:
     """Records what the warm-up asks of vLLM's GPU model runner."""
 
     def __init__(self, model: torch.nn.Module, *, max_loras: int | None, max_num_tokens: int = 32,
-                 max_num_reqs: int = 8) -> None:
-        self.lora_config = None if max_loras is None else type("LoRAConfig", (), {"max_loras": max_loras})()
+                 max_num_reqs: int = 8, specialize_active_lora: bool = False) -> None:
+        self.lora_config = None if max_loras is None else type("LoRAConfig", (), {
+            "max_loras": max_loras, "specialize_active_lora": specialize_active_lora})()
         self.max_num_tokens, self.max_num_reqs = max_num_tokens, max_num_reqs
         self.model = model
         self.runs: list[tuple[int, int, Any]] = []
@@ -89,14 +91,19 @@ def test_a_model_without_moe_lora_layers_is_not_warmed_up() -> None:
     assert warm_up_moe_lora(runner) == 0 and runner.runs == []
 
 
-def test_the_warm_up_runs_every_token_count_with_one_two_and_all_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warm_up_runs_every_token_count_with_all_adapters_or_one_two_and_all_when_counts_specialise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.config import CUDAGraphMode
 
     monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP", raising=False)
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1, 3,48")
+    # the kernels see max_loras + 1 whatever the batch holds: one run per token count (48 is over max_num_tokens;
+    # a batch of n tokens holds at most n adapters)
     runner = _Runner(_moe_lora_model(), max_loras=4, max_num_tokens=32)
+    assert warm_up_moe_lora(runner) == 2 and [(n, k) for n, k, _ in runner.runs] == [(1, 1), (3, 3)]
+    # with specialize_active_lora they key on the count: 3 tokens run on 1, 2 and 3
+    runner = _Runner(_moe_lora_model(), max_loras=4, max_num_tokens=32, specialize_active_lora=True)
     assert warm_up_moe_lora(runner) == 4
-    # 48 is over max_num_tokens; a batch of n tokens holds at most n adapters, so 3 tokens run on 1, 2 and 3
     assert [(n, k) for n, k, _ in runner.runs] == [(1, 1), (3, 1), (3, 2), (3, 3)]
     assert {mode for _, _, mode in runner.runs} == {CUDAGraphMode.NONE}  # eager: nothing captured here
     assert runner.removed == 1  # the dummy adapters leave their slots
@@ -106,10 +113,66 @@ def test_the_default_sweep_covers_decode_and_prefill_batch_sizes(monkeypatch: py
     monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", raising=False)
     runner = _Runner(_moe_lora_model(), max_loras=1, max_num_tokens=40, max_num_reqs=4)
     warm_up_moe_lora(runner)
-    assert [n for n, _, _ in runner.runs] == warmup_token_counts(4, 40) == [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24,
-                                                                             32, 33, 40]
-    assert warmup_lora_counts(3) == [1, 2, 3] and warmup_lora_counts(1) == [1]
+    assert [n for n, _, _ in runner.runs] == warmup_token_counts(4, 40)
+    assert warmup_lora_counts(3) == [3] and warmup_lora_counts(3, True) == [1, 2, 3]
     assert warmup_token_counts(256, 8192)[:64] == list(range(1, 65)) and 256 in warmup_token_counts(256, 8192)
+    assert {2048, 2049, 2063, 2064, 2065} <= set(warmup_token_counts(256, 8192))
+
+
+def _one_shot_keys(n: int, *, max_loras: int, rank: int, block_m: Any) -> set[tuple[Any, ...]]:
+    """The compile keys of vLLM 0.26-0.33's fused-MoE LoRA kernels for a batch of ``n`` tokens on the Qwen3-30B-A3B
+    shape (E 128, top_k 8, hidden 2048, intermediate 768, 132 SMs, no tensor parallelism), transcribed from
+    ``fused_moe_lora_op.py`` (path choice, constexprs, the integer arguments Triton specialises: 1, divisible by 16,
+    other) and ``punica_gpu.py`` (naive assignment, padded length); ``block_m(n)``: the base MoE config's."""
+    def spec(v: int) -> str:
+        return "1" if v == 1 else "D" if v % 16 == 0 else ""
+
+    e, top_k, hidden, inter, sms = 128, 8, 2048, 768, 132
+    naive, grid, keys = n * top_k * 8 <= e * max_loras, max_loras + 1, set()
+    for op, k, n_out, slices in (("w13", hidden, inter, 2), ("w2", inter, hidden, 1)):
+        pairs = n * top_k
+        if naive and rank <= 64 and pairs * rank <= 1024:  # the small-batch kernel
+            tiles, work = -(-n_out // 128), pairs * slices
+            per = 1 if work * tiles <= 2 * sms else min(-(-(work * tiles) // (2 * sms)), tiles)
+            keys.add(("small", op, spec(work * -(-tiles // per)), spec(work), spec(per), spec(-(-tiles // per))))
+            continue
+        bm = 16 if naive else block_m(n)
+        padded = pairs if naive else (pairs * bm if pairs < e else pairs + e * (bm - 1))
+        per_lora = 1 if naive else grid
+        blocks = max((pairs if naive else -(-padded // bm)) * slices * per_lora, 1)  # naive: a block per pair
+        budget = int(1.5 / (k / (k + n_out))) + 1
+        npid = 1 if blocks >= int(1.5 * sms) else min(max(1, min(16, (2 * sms + blocks - 1) // blocks)), budget)
+        npid = max(1, min(npid, n_out // 128))
+        keys.add(("one_shot", op, naive, bm, npid, spec(pairs), spec(0 if naive else padded),
+                  spec(0 if naive else -(-padded // bm))))
+    return keys
+
+
+@pytest.mark.parametrize("max_loras, rank, max_num_seqs, max_tokens", [(3, 64, 256, 8192), (16, 32, 32, 2048),
+                                                                         (1, 16, 16, 256)])
+def test_the_sweep_reaches_every_fused_moe_lora_kernel_key_a_batch_can_need(
+        max_loras: int, rank: int, max_num_seqs: int, max_tokens: int) -> None:
+    import json
+
+    import vllm
+
+    path = (Path(vllm.__file__).parent / "model_executor/layers/fused_moe/configs"
+            / "E=128,N=768,device_name=NVIDIA_H200.json")
+    table = {int(m): c["BLOCK_SIZE_M"] for m, c in json.loads(path.read_text()).items()}
+
+    def block_m(n: int) -> int:  # vLLM's nearest-key lookup
+        return table[min(table, key=lambda m: abs(m - n))]
+
+    def keys(n: int) -> set[tuple[Any, ...]]:
+        return _one_shot_keys(n, max_loras=max_loras, rank=rank, block_m=block_m)
+
+    needed = {key: n for n in range(max_tokens, 0, -1) for key in keys(n)}  # each key's smallest N
+    warmed = set().union(*(keys(n) for n in warmup_token_counts(max_num_seqs, max_tokens)))
+    assert {k: n for k, n in needed.items() if k not in warmed} == {}
+    # the sweep before r23 (2^k, 2^k + 1, 3·2^(k-1)) missed some, e.g. N = 2,050 (seen compiling on an H200)
+    old = set(range(1, min(max_num_seqs, 64) + 1)) | {max_num_seqs, max_tokens}
+    old |= {n for k in range(2, 15) for n in (2**k, 2**k + 1, 3 * 2 ** (k - 1)) if n <= max_tokens}
+    assert set(needed) - set().union(*(keys(n) for n in old))
 
 
 def test_the_warm_up_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,8 +226,8 @@ class _LogitsRunner(_Runner):
 def test_each_dummy_batch_also_computes_its_logits_with_its_loras_active(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3,16")
     runner = _LogitsRunner()
-    assert warm_up_moe_lora(runner) == 5  # 1 token x 1 adapter, 3 x (1, 2), 16 x (1, 2)
-    assert runner.computed == [1, 3, 3, 4, 4] and runner.removed == 1  # the sampled rows: one per dummy request
+    assert warm_up_moe_lora(runner) == 3  # 1 token x 1 adapter, 3 x 2, 16 x 2
+    assert runner.computed == [1, 3, 4] and runner.removed == 1  # the sampled rows: one per dummy request
 
 
 def test_a_logits_warm_up_that_fails_is_logged_once_and_the_rest_still_runs(
@@ -172,7 +235,7 @@ def test_a_logits_warm_up_that_fails_is_logged_once_and_the_rest_still_runs(
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3,16")
     runner = _LogitsRunner(fail=True)
     with caplog.at_level("WARNING", logger="vllm_lora_ext.integration.warmup"):
-        assert warm_up_moe_lora(runner) == 5
+        assert warm_up_moe_lora(runner) == 3
     assert caplog.text.count("not warming up the LoRA logits kernels (skipped (RuntimeError: no logits here))") == 1
 
 

@@ -8,19 +8,26 @@ no token has a LoRA (``no_lora_flag``). So the fused-MoE LoRA kernels (``_fused_
 LoRAs, for the capture sizes; an eager engine, and every eager (uncaptured) batch of a graph engine, compiles
 them inside the first step that carries an MoE adapter, pausing every request in flight for seconds.
 
-Which compiled variant a launch needs depends on the batch's token count (the small-batch, naive and sorted
-paths, the block sizes picked for it, and Triton's specialisation of integer arguments on divisibility by 16)
-and, on the sorted path, on how many distinct adapters the batch holds (the grid spans them, and the
-N-splitting factor, a compile-time constant, follows the grid). The LoRA rank the kernels see is the stacked
+Which compiled variant a launch needs depends on the batch's token count: the small-batch, naive and sorted
+paths, the block size ``BLOCK_M`` picked for it, and Triton's specialisation of integer arguments on being 1 or
+divisible by 16. vLLM 0.26-0.33's one-shot kernel specialises three counts that move with the token count N:
+``N·top_k``, the padded sorted length ``N·top_k + E·(BLOCK_M-1)`` and that over ``BLOCK_M``; the last is divisible
+by 16 only in narrow windows (N ≡ 2·BLOCK_M·j + 17 - BLOCK_M/8 … 2·BLOCK_M·j + 16), which 2^k-like counts miss (an
+H200's ``jit_monitor`` caught a compile at N = 2,050 after the warm-up ran 2,048 and 2,049). The adapter count
+changes no kernel key unless ``LoRAConfig.specialize_active_lora`` is on (otherwise the kernels see the constant
+``max_loras + 1``). The LoRA rank the kernels see is the stacked
 ``max_lora_rank`` and the slot count ``max_loras``, both fixed at start-up; so dummy forward passes with dummy
 LoRAs, run through vLLM's own ``_dummy_run``, compile exactly what requests will launch. This runs them, before
 vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for:
 
 - every token count from 1 to ``max_num_seqs`` or 64, whichever is less: the common decode batches;
-- 2^k, 2^k + 1 and 3·2^(k-1) above that, ``max_num_seqs``, and ``max_num_batched_tokens``: larger decode and
-  prefill batches (a count between these may still compile a variant of its own; name it in
-  ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` if it matters);
-- with 1, 2 and ``max_loras`` distinct adapters (at most one per token: a batch of 3 tokens runs with 1, 2, 3).
+- 2^k and 3·2^(k-1) above that, each plus 0, 1, 15, 16 and 17, then ``max_num_seqs`` and ``max_num_batched_tokens``:
+  larger decode and prefill batches, one in and around each divisibility window of each block size (a replay of
+  vLLM 0.26's launch arithmetic for the Qwen3-30B-A3B shape finds every kernel key of every N up to 16,384 in
+  these, for 1-16 slots and ranks 16-64; ``tests/integration/test_moe_warmup.py`` keeps that replay); a count
+  that still compiles a variant of its own can be named in ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS``;
+- with ``max_loras`` dummy adapters (at most one per token), or, with ``specialize_active_lora``, with 1, 2 and
+  ``max_loras`` (the kernels then key on the count, rounded up to the captured counts).
 
 Each dummy batch also computes its logits while its dummy LoRAs are active, when the model's logits processor is
 wrapped for LoRA (``LogitsProcessorWithLoRA``: every LoRA model's is). vLLM computes logits in no warm-up pass with
@@ -53,6 +60,7 @@ LORA_OP_MODULES = (MOE_LORA_OP_MODULE, "vllm.lora.ops.triton_ops.lora_shrink_op"
                    "vllm.lora.ops.triton_ops.lora_expand_op")
 LOGITS_LORA_CLASS = "LogitsProcessorWithLoRA"
 _MAX_DECODE_SWEEP = 64
+_OFFSETS = (0, 1, 15, 16, 17)  # around each divisibility-by-16 window of the one-shot kernel (module docstring)
 
 
 def warmup_token_counts(max_num_seqs: int, max_num_tokens: int) -> list[int]:
@@ -60,25 +68,28 @@ def warmup_token_counts(max_num_seqs: int, max_num_tokens: int) -> list[int]:
 
     Example:
         >>> warmup_token_counts(4, 40)
-        [1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 40]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 19, 20, 21, 22, 23, 24, 25, 27, 28, 29, 31, 32, 33, 39, 40]
     """
     top = max(1, max_num_tokens)
     counts = set(range(1, min(max_num_seqs, _MAX_DECODE_SWEEP, top) + 1)) | {min(max(1, max_num_seqs), top)}
     k = 2
     while 2**k <= top:
-        counts.update(n for n in (2**k, 2**k + 1, 3 * 2 ** (k - 1)) if n <= top)
+        for n in (2**k, 3 * 2 ** (k - 1)):
+            counts.update(n + d for d in _OFFSETS if n + d <= top)
         k += 1
     counts.add(top)
     return sorted(counts)
 
 
-def warmup_lora_counts(max_loras: int) -> list[int]:
+def warmup_lora_counts(max_loras: int, specialize_active_lora: bool = False) -> list[int]:
     """Return the distinct-adapter counts the warm-up runs each token count with.
 
     Example:
-        >>> warmup_lora_counts(1), warmup_lora_counts(16)
-        ([1], [1, 2, 16])
+        >>> warmup_lora_counts(16), warmup_lora_counts(16, True), warmup_lora_counts(1, True)
+        ([16], [1, 2, 16], [1])
     """
+    if not specialize_active_lora:
+        return [max(1, max_loras)]
     return sorted({n for n in (1, 2, max_loras) if 1 <= n <= max_loras})
 
 
@@ -110,7 +121,7 @@ def warm_up_moe_lora(runner: Any) -> int:
     max_tokens = int(runner.max_num_tokens)
     tokens = moe_warmup_tokens() or warmup_token_counts(int(runner.max_num_reqs), max_tokens)
     tokens = [n for n in tokens if 1 <= n <= max_tokens]
-    loras = warmup_lora_counts(int(lora_config.max_loras))
+    loras = warmup_lora_counts(int(lora_config.max_loras), bool(getattr(lora_config, "specialize_active_lora", False)))
     before = sum(lora_kernel_variants().values())
     logits = _LogitsWarmUp(runner)
     t0 = time.perf_counter()
