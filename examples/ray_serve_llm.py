@@ -34,7 +34,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """How the replicas run: ``residency`` routes each adapter id to the replica holding it (issue 40)."""
+    """How the replicas run: ``residency`` routes each adapter id to the replica holding it (issue 40).
+
+    ``max_ongoing_requests``: requests a replica takes before Serve passes it over (default: the engine's
+    ``max_num_seqs``, else 256). Ray Serve LLM's own default is 1e9, under which no replica is ever full, so a hot
+    adapter would stay on the replica holding it however busy; with a cap the next replica takes the overflow.
+    """
 
     replicas: int = 1
     client_sources: str = ""
@@ -42,6 +47,7 @@ class ServeOptions:
     max_cpu_loras: int = 16
     engine_kwargs: dict = field(default_factory=dict)
     residency: bool = True
+    max_ongoing_requests: int | None = None
 
 
 RESIDENCY_ROUTER = "vllm_lora_ext.integration.ray_routing:ResidencyRequestRouter"
@@ -75,6 +81,8 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
     residency: dict = {}
     if options.residency:
         deployment["request_router_config"] = {"request_router_class": RESIDENCY_ROUTER}
+        deployment["max_ongoing_requests"] = options.max_ongoing_requests or int(
+            options.engine_kwargs.get("max_num_seqs", 256))
         residency["lora_config"] = {"max_num_adapters_per_replica": options.max_cpu_loras}
         # each replica checks the config's adapters at start and builds one when a request for it is routed there,
         # not every adapter on every replica (vllm_lora_ext.integration.startup)

@@ -230,6 +230,19 @@ def test_each_dummy_batch_also_computes_its_logits_with_its_loras_active(monkeyp
     assert runner.computed == [1, 3, 4] and runner.removed == 1  # the sampled rows: one per dummy request
 
 
+def test_with_several_tensor_or_pipeline_ranks_the_logits_are_left_to_the_first_step(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the logits are gathered over the ranks there: a warm-up that fails on one rank could strand the others
+    monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3")
+    for tp, pp in ((2, 1), (1, 2)):
+        runner = _LogitsRunner()
+        sizes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        runner.parallel_config = type("ParallelConfig", (), sizes)()
+        with caplog.at_level("INFO", logger="vllm_lora_ext.integration.warmup"):
+            assert warm_up_moe_lora(runner) == 2
+        assert runner.computed == [] and "logits not with tensor or pipeline parallelism" in caplog.text
+
+
 def test_a_logits_warm_up_that_fails_is_logged_once_and_the_rest_still_runs(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", "1,3,16")

@@ -288,6 +288,8 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     router = dep._deployment_config.request_router_config.get_request_router_class()
     assert router.__name__ == "ResidencyRequestRouter"
     assert env["VLLM_LORA_EXT_BUILD_AT_START"] == "0"  # each replica builds what is routed to it, not all at start
+    # a replica counts as full at the engine's batch size (Ray Serve LLM's 1e9 would pin a hot id to one replica)
+    assert dep._deployment_config.max_ongoing_requests == 256
 
 
 def test_client_named_sources_stay_bounded_least_recently_used_first(

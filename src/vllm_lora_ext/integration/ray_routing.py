@@ -8,8 +8,9 @@ what the stock router cannot know:
 
 * an id no replica reports yet goes to its home replica (a rendezvous hash of the id over the replicas), so the
   first requests of an id, which all arrive before the replica that builds it reports it, land on one replica,
-  and the routers of several proxies (one per node) pick the same one. Serve's stock rule (fewest ids) sent
-  such a burst to both replicas of an H200 run: 1.53 builds per id;
+  and the routers of several proxies (one per node) pick the same one. Before, such a burst went by the fewest
+  ids reported and a per-router memory of ids routed, entered only after a replica accepted a request, so it
+  reached both replicas of an H200 run: 1.53 builds per id;
 * a mix no replica holds goes to the replica holding most of its components (``a=0.7+b=0.3`` where ``a`` and
   ``b`` are hot), else to its first component's home; a mix written another way (``a=0.70+b=0.3``) is the same
   mix.

@@ -8,16 +8,16 @@ no token has a LoRA (``no_lora_flag``). So the fused-MoE LoRA kernels (``_fused_
 LoRAs, for the capture sizes; an eager engine, and every eager (uncaptured) batch of a graph engine, compiles
 them inside the first step that carries an MoE adapter, pausing every request in flight for seconds.
 
-Which compiled variant a launch needs depends on the batch's token count: the small-batch, naive and sorted
+Which compiled variant a launch needs depends on the batch's token count N: the small-batch, naive and sorted
 paths, the block size ``BLOCK_M`` picked for it, and Triton's specialisation of integer arguments on being 1 or
-divisible by 16. vLLM 0.26-0.33's one-shot kernel specialises three counts that move with the token count N:
-``N·top_k``, the padded sorted length ``N·top_k + E·(BLOCK_M-1)`` and that over ``BLOCK_M``; the last is divisible
-by 16 only in narrow windows (N ≡ 2·BLOCK_M·j + 17 - BLOCK_M/8 … 2·BLOCK_M·j + 16), which 2^k-like counts miss (an
-H200's ``jit_monitor`` caught a compile at N = 2,050 after the warm-up ran 2,048 and 2,049). The adapter count
-changes no kernel key unless ``LoRAConfig.specialize_active_lora`` is on (otherwise the kernels see the constant
-``max_loras + 1``). The LoRA rank the kernels see is the stacked
-``max_lora_rank`` and the slot count ``max_loras``, both fixed at start-up; so dummy forward passes with dummy
-LoRAs, run through vLLM's own ``_dummy_run``, compile exactly what requests will launch. This runs them, before
+divisible by 16. vLLM 0.26-0.33's one-shot kernel specialises three counts that move with N: ``N·top_k``, the
+padded sorted length ``N·top_k + E·(BLOCK_M-1)`` and that over ``BLOCK_M``. The last is divisible by 16 only in
+narrow windows (N from 2·BLOCK_M·j + 17 - BLOCK_M/8 to 2·BLOCK_M·j + 16), which 2^k-like counts miss: an H200's
+``jit_monitor`` caught a compile at N = 2,050 after the warm-up ran 2,048 and 2,049. The adapter count changes
+no kernel key unless ``LoRAConfig.specialize_active_lora`` is on (otherwise the kernels see the constant
+``max_loras + 1``). The LoRA rank the kernels see is the stacked ``max_lora_rank`` and the slot count
+``max_loras``, both fixed at start-up; so dummy forward passes with dummy LoRAs, run through vLLM's own
+``_dummy_run``, compile exactly what requests will launch. This runs them, before
 vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for:
 
 - every token count from 1 to ``max_num_seqs`` or 64, whichever is less: the common decode batches;
@@ -34,7 +34,10 @@ wrapped for LoRA (``LogitsProcessorWithLoRA``: every LoRA model's is). vLLM comp
 a LoRA active (dummy runs stop at the hidden states; the sampler warm-up runs without LoRA), and the LoRA logits
 path launches the dense ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` over the vocabulary with a block
 config of its own: on an H200 (vLLM 0.26, ``jit_monitor``) both compiled in the first step that carried an
-adapter, after this warm-up had run. A failure there is logged once and leaves the rest of the warm-up running.
+adapter, after this warm-up had run. Only with one tensor- and one pipeline-parallel rank: there the logits
+involve no collective, so a failure is logged once and leaves the rest of the warm-up running (with several ranks
+the logits are gathered onto rank 0 and the LoRA part runs there alone; a failure on one rank would leave the
+others in a gather it never joins).
 
 ``VLLM_LORA_EXT_MOE_WARMUP=0`` turns it off; ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS=1,2,48`` names the token counts
 instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; anything else is untouched.
@@ -149,13 +152,21 @@ class _LogitsWarmUp:
         self.runner = runner
         model = runner.get_model()
         wrapped = any(cls.__name__ == LOGITS_LORA_CLASS for m in model.modules() for cls in type(m).__mro__)
-        self.state = "included" if wrapped else "not wrapped for LoRA"
+        parallel = getattr(runner, "parallel_config", None)
+        ranks = (getattr(parallel, "tensor_parallel_size", 1), getattr(parallel, "pipeline_parallel_size", 1))
+        self.state = ("not wrapped for LoRA" if not wrapped else "not with tensor or pipeline parallelism"
+                      if ranks != (1, 1) else "included")
 
     def run(self, out: Any) -> None:
         if self.state != "included" or not isinstance(out, tuple) or len(out) != 2:
             return
+        import torch
+
+        if not isinstance(out[1], torch.Tensor):
+            return
         try:  # the last token of each dummy request, as a step samples it; values are irrelevant to what compiles
-            self.runner.model.compute_logits(out[1])
+            with torch.inference_mode():
+                self.runner.model.compute_logits(out[1])
         except Exception as err:  # a warm-up never stops the engine from starting
             self.state = f"skipped ({type(err).__name__}: {str(err)[:200]})"
             logger.warning("not warming up the LoRA logits kernels (%s); the first adapter request compiles them "
