@@ -215,7 +215,11 @@ def _write_under(target: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
+        mask = _umask()
+        os.chmod(tmp, 0o777 & ~mask)
+        for path in tmp.rglob("*"):  # writers that make 0600 files (safetensors' save_file) follow the umask too
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)
         _swap_in(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

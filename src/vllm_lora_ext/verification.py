@@ -34,12 +34,13 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm_lora_ext.errors import AdapterCompatibilityError, VerifyError
 from vllm_lora_ext.formats import classify_key
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BASE", "FULL", "GapStats", "GroupCheck", "Thresholds", "VerifyReport", "ablation_name", "adapter_groups",
            "apply_overrides", "check_layers_cover", "group_of", "judge", "keep_layers", "layer_of", "layers_needed",
@@ -228,6 +229,8 @@ def without_group(tensors: Mapping[str, torch.Tensor], group: str) -> dict[str, 
     Keeping the keys keeps the adapter's structure, so PEFT builds the same modules (no factor falls back to
     its initialisation) and vLLM routes the same keys; other tensors are the same objects.
     """
+    import torch
+
     out = dict(tensors)
     for k in adapter_groups(list(tensors)).get(group, []):
         if classify_key(k).which == "B":

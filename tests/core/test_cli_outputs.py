@@ -134,3 +134,20 @@ def test_without_rename_exchange_the_fallback_swap_replaces_the_folder_whole(
     assert main(["mix", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "out"), "--force"]) == 0
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 4
     assert (tmp_path / "out" / "README.md").read_text() == "notes" and _beside(tmp_path / "out") == []
+
+
+def test_written_files_and_folder_follow_the_umask_so_a_server_of_another_user_can_read_them(tmp_path: Path) -> None:
+    # safetensors' save_file writes 0600; a mix is meant to serve anywhere, as any file the user writes would
+    def write(folder: Path) -> None:
+        (folder / "adapter_model.safetensors").write_bytes(b"x")
+        os.chmod(folder / "adapter_model.safetensors", 0o600)
+        (folder / "adapter_config.json").write_text("{}")
+
+    old = os.umask(0o022)
+    try:
+        out = write_atomically(tmp_path / "mix", write)
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"adapter_model.safetensors": 0o644,
+                                                                          "adapter_config.json": 0o644}

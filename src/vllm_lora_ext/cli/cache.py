@@ -27,7 +27,7 @@ def _size(text: str) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("cache", help="list or prune the adapters the plugin downloaded into the HF cache")
-    verbs = p.add_subparsers(dest="cache_command", required=True)
+    verbs = p.add_subparsers(dest="cache_command", required=True, metavar="{ls,prune}")
     ls = verbs.add_parser("ls", help="list downloaded adapter revisions: size, last use, held by")
     prune = verbs.add_parser("prune", help="evict least recently used, unused revisions down to --max-bytes")
     prune.add_argument("--max-bytes", required=True, type=_size, help="target size, e.g. 20GiB, 20GB or bytes")

@@ -6,11 +6,8 @@ import argparse
 from typing import Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_output, add_source, positive_int
-from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
-from vllm_lora_ext.offline_writes import convert_adapter
 from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import resolve_source
-from vllm_lora_ext.summary import load_config
 
 
 def add_parser(sub: Any) -> None:
@@ -30,7 +27,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_source(args.source)
+    resolved = resolve_source(args.source)  # before torch is imported: a bad or missing source answers at once
+    from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
+    from vllm_lora_ext.offline_writes import convert_adapter
+    from vllm_lora_ext.summary import load_config
+
     require_safetensors(resolved, name=args.source)
     with claim_output(args.output, inputs=[resolved.weights_path], force=args.force) as out:
         base, base_from = base_config_for(load_config(resolved, name=args.source), args.base_config)

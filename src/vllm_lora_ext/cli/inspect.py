@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int
-from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
 from vllm_lora_ext.sources import resolve_source
-from vllm_lora_ext.summary import AdapterSummary, finite_rule, summarize_adapter
 from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
+
+if TYPE_CHECKING:
+    from vllm_lora_ext.summary import AdapterSummary
 
 
 def add_parser(sub: Any) -> None:
@@ -124,7 +125,10 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_source(args.source)
+    resolved = resolve_source(args.source)  # before torch is imported: a bad or missing source answers at once
+    from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
+    from vllm_lora_ext.summary import finite_rule, summarize_adapter
+
     require_safetensors(resolved, name=args.source)
     summary = summarize_adapter(resolved, name=args.source,
                                 extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])

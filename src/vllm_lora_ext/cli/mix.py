@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_output, plural
 from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
-from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
-from vllm_lora_ext.mixing import MAX_MIX_COMPONENTS, check_weight, parse_weight
-from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
-from vllm_lora_ext.offline_writes import mix_adapter_files
 from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
+
+if TYPE_CHECKING:  # the mixing and writing modules import torch: loaded only when mixing
+    from vllm_lora_ext.deployment import DeploymentConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -50,6 +49,8 @@ def _deployment(option: str | None) -> tuple[DeploymentConfig | None, str]:
         state = "is a folder" if path.is_dir() else "does not exist" if not path.exists() else "is not a regular file"
         raise DeploymentConfigError(f"Deployment config {str(path)!r} (from {how}) {state}. Name the JSON or YAML file "
                                     f"that maps adapter names to sources.")
+    from vllm_lora_ext.deployment import read_deployment_config
+
     try:
         return read_deployment_config(path), f"deployment config {str(path)!r} (from {how})"
     except DeploymentConfigError as err:
@@ -71,6 +72,10 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_lora_ext.mixing import MAX_MIX_COMPONENTS, check_weight, parse_weight
+    from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
+    from vllm_lora_ext.offline_writes import mix_adapter_files
+
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
     dep, where = _deployment(args.config)

@@ -242,7 +242,7 @@ def check_vllm_version(version: str | None = None) -> str:
                        have, supported, ENV_ALLOW_UNSUPPORTED_VLLM)
         return have
     raise UnsupportedVLLMError(
-        f"vllm_lora_ext supports vLLM {supported} (tested: {SUPPORTED_VLLM_MIN}), but vLLM {have} is installed. "
+        f"vllm_lora_ext supports vLLM {supported} (GPU-tested: {SUPPORTED_VLLM_MIN}), but vLLM {have} is installed. "
         f"Install a supported vLLM (pip install 'vllm>={SUPPORTED_VLLM_MIN},<{SUPPORTED_VLLM_MAX_EXCLUSIVE}'), uninstall vllm-lora-ext, or set "
         f"{ENV_ALLOW_UNSUPPORTED_VLLM}=1 to try this version anyway."
     )
