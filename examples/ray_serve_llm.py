@@ -74,8 +74,10 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
     # vLLM's engine process in each replica calls ray.init() itself; it joins this cluster only if it can find
     # it: a cluster from `ray start` can be found, one started by ray.init() in a script needs RAY_ADDRESS.
     env_vars["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_OFFLINE"):
-        if name in os.environ:
+    # replicas started by a separate `ray start` do not see this shell: pass the Hub's and the plugin's settings
+    for name in sorted(os.environ):
+        if name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE") or (
+                name.startswith("VLLM_LORA_EXT_") and name not in env_vars):
             env_vars[name] = os.environ[name]
     deployment: dict = {"num_replicas": options.replicas}
     residency: dict = {}

@@ -157,6 +157,14 @@ def test_inspect_of_a_pickle_adapter_says_offline_tools_read_safetensors_only(
             "is a pickle file (VLLM_LORA_EXT_ALLOW_PICKLE lets only the server read it). Re-save it once as "
             "safetensors, e.g. PeftModel.from_pretrained(base, folder).save_pretrained(out).")
     assert not (tmp_path / "out").exists()
+    # without the opt-in the offline tools give the same fix, not the server's opt-in (which they do not take)
+    monkeypatch.delenv("VLLM_LORA_EXT_ALLOW_PICKLE")
+    for argv in (["inspect", "p"], ["convert", "p", "--to", "3d", "-o", "out"], ["mix", "p=1", "-o", "out"]):
+        assert main(argv) == 1
+        line = _error_line(capsys.readouterr().err)
+        assert "offline tools (inspect, convert, mix) read .safetensors only" in line and "Re-save it once" in line
+        assert "opt in" not in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:

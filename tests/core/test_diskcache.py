@@ -292,6 +292,15 @@ def test_cli_cache_ls_lists_downloads_and_prune_evicts_offline_down_to_max_bytes
     assert main(["cache", "prune", "--max-bytes", "0"]) == 0 and list_cache() == []
 
 
+
+def test_cli_cache_ls_of_a_folder_that_does_not_exist_warns_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path / "typo")]) == 0  # an empty cache is no error
+    out = capsys.readouterr()
+    assert f"the Hugging Face cache folder '{tmp_path / 'typo'}' does not exist" in out.err
+    assert "0 revisions, 0 bytes listed" in out.out and "only the revisions the plugin downloaded" in out.out
+
+
 @pytest.mark.parametrize(("text", "value"), [("20GiB", 20 * 2**30), ("20GB", 20 * 10**9), ("20 gib", 20 * 2**30),
                                              ("512", 512), ("64KiB", 65536), ("1TB", 10**12), ("0", 0)])
 def test_sizes_accept_bytes_and_decimal_or_binary_units(text: str, value: int) -> None:

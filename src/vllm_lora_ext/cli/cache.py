@@ -50,11 +50,18 @@ def _line(rev: CachedRevision) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from vllm_lora_ext.diskcache import cache_path
+
+    folder = cache_path(args.cache_dir)
+    if not folder.is_dir():  # a mistyped --cache-dir or HF_HUB_CACHE would otherwise look like an empty cache
+        print(f"warning: the Hugging Face cache folder {str(folder)!r} does not exist; check --cache-dir, HF_HUB_CACHE "
+              f"or HF_HOME", file=sys.stderr)
     revisions = list_cache(cache_dir=args.cache_dir)
     for rev in revisions:
         print(json.dumps(_record(rev)) if args.json else _line(rev))
     if not args.json:
-        print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed")
+        print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed in {str(folder)!r} "
+              f"(only the revisions the plugin downloaded)")
     return 0
 
 

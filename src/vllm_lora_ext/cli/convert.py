@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_lora_ext.cli._args import add_base_config, add_output, add_source, positive_int
+from vllm_lora_ext.cli._args import add_base_config, add_output, add_source, positive_int, resolve_offline
 from vllm_lora_ext.outputs import claim_output
-from vllm_lora_ext.sources import resolve_source
 
 
 def add_parser(sub: Any) -> None:
@@ -27,7 +26,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_source(args.source)  # before torch is imported: a bad or missing source answers at once
+    resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once
     from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
     from vllm_lora_ext.offline_writes import convert_adapter
     from vllm_lora_ext.summary import load_config

@@ -8,8 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int
-from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int, resolve_offline
 from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
 
 if TYPE_CHECKING:
@@ -125,7 +124,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_source(args.source)  # before torch is imported: a bad or missing source answers at once
+    resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once
     from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
     from vllm_lora_ext.summary import finite_rule, summarize_adapter
 

@@ -11,11 +11,11 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_lora_ext.cli._args import add_base_config, add_output, plural
+from vllm_lora_ext.cli._args import add_base_config, add_output, plural, resolve_offline
 from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.outputs import claim_output
-from vllm_lora_ext.sources import ResolvedAdapter, resolve_source
+from vllm_lora_ext.sources import ResolvedAdapter
 
 if TYPE_CHECKING:  # the mixing and writing modules import torch: loaded only when mixing
     from vllm_lora_ext.deployment import DeploymentConfig
@@ -61,14 +61,14 @@ def _deployment(option: str | None) -> tuple[DeploymentConfig | None, str]:
 def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[ResolvedAdapter, float]:
     if dep is not None and name in dep.adapters:
         entry = dep.adapters[name]
-        return resolve_source(entry.source.canonical()), entry.weight
+        return resolve_offline(entry.source.canonical()), entry.weight
     if not name.startswith(HF_PREFIX) and not Path(name).expanduser().exists() and "/" not in name.strip("/"):
         if dep is None:
             raise MixError(f"{name!r} is no local adapter folder, and there is {where} to look the name up in. Give a "
                            f"local adapter folder or hf:org/repo, or name the deployment config.")
         raise MixError(f"{name!r} is not an adapter name of {where}, and no local folder {name!r} exists. It names "
                        f"{sorted(dep.adapters)[:10]}. Give a name it defines, a local adapter folder, or hf:org/repo.")
-    return resolve_source(name), 1.0
+    return resolve_offline(name), 1.0
 
 
 def run(args: argparse.Namespace) -> int:
