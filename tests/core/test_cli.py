@@ -170,6 +170,13 @@ def test_fetch_then_offline_inspect_of_an_hf_source(hub, monkeypatch: pytest.Mon
     assert record["commit"] == sha and record["pinned"] == f"hf:acme/cli@{sha}:x/w.safetensors"
     assert record["config_rule"] == "<stem>_config.json"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # offline, one source missing from the cache does not hide the others: each gets its line, exit 1
+    assert main(["fetch", "hf:acme/missing", "hf:acme/cli:x/w.safetensors", "--json"]) == 1
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["source"] for line in lines] == ["hf:acme/missing", "hf:acme/cli:x/w.safetensors"]
+    assert "not in the local Hugging Face cache" in lines[0]["error"] and lines[1]["commit"] == sha
+    assert captured.err.startswith("error: ")
     before = hub.count()
     assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ def add_parser(sub: Any) -> None:
                        description="Download each adapter's weight file and config into the Hugging Face cache and "
                                    "print the source pinned to its commit. Run it where the Hub is reachable, then "
                                    "serve with HF_HUB_OFFLINE=1. With HF_HUB_OFFLINE=1 set, it only reports sources "
-                                   "already cached.")
+                                   "already cached. Every source is tried; the exit code is 1 if any failed.")
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="hf:org/repo[@rev][:path] sources")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="HF cache folder (default: huggingface_hub's, from HF_HOME or "
                                                      "HF_HUB_CACHE)")
@@ -23,8 +23,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from vllm_lora_ext.cli import _one_line
+    from vllm_lora_ext.errors import VllmLoraExtError
+
+    failed = 0
     for source in args.sources:
-        r = fetch_source(source, cache_dir=args.cache_dir)
+        try:
+            r = fetch_source(source, cache_dir=args.cache_dir)
+        except (VllmLoraExtError, OSError) as err:  # the other sources are still fetched (or checked offline)
+            failed += 1
+            if args.json:
+                print(json.dumps({"source": source, "error": _one_line(err)}))
+            print(f"error: {_one_line(err)}", file=sys.stderr)
+            continue
         record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
                   "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
                   "config_rule": r.config_rule}
@@ -33,4 +46,4 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
                   f"[{record['config_rule']}]")
-    return 0
+    return 1 if failed else 0
