@@ -57,15 +57,27 @@ def render_cli_summary(parser: argparse.ArgumentParser | None = None) -> str:
     top = _arguments(parser)
     lines = [f"- `vllm-lora {' '.join(_usage_part(a) for a in top)} COMMAND ...`: "
              + "; ".join(f"{_option_name(a)}: {a.help}" for a in top) + "."]
-    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines += _commands(parser, "vllm-lora")
+    return "\n".join(lines)
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
+    """One entry per subcommand of ``parser``, nested commands (``cache ls``) included, each with its options."""
+    subs = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if subs is None:
+        return []
     helps = {c.dest: c.help for c in subs._choices_actions}
+    lines = []
     for name, sub in subs.choices.items():
         args = _arguments(sub)
-        lines.append(f"- `vllm-lora {name} {' '.join(_usage_part(a) for a in args)}`: {helps.get(name) or ''}.")
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+        usage = " ".join([*(_usage_part(a) for a in args), *(["COMMAND ..."] if nested else [])])
+        lines.append(f"- `{prefix} {name} {usage}`: {helps.get(name) or ''}.")
         if sub.description:
             lines.append(f"  {sub.description}")
         lines += [f"  - {_option_name(a)}: {a.help}" for a in args if a.help]
-    return "\n".join(lines)
+        lines += _commands(sub, f"{prefix} {name}")
+    return lines
 
 
 def render_env_table() -> str:

@@ -83,12 +83,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the numbers as JSON")
     p.add_argument("--dtype", default="auto", help="vLLM's dtype (default auto)")
     p.add_argument("--quantization", default=None, help="vLLM's --quantization (the HF side stays float32)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="vLLM's tensor-parallel size (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8,
+                   help="the share of GPU memory vLLM may take (default 0.8)")
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (default: eager)")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model repo's own code in vLLM and transformers (its architecture needs it)")
     p.add_argument("--revision", default=None, help="the model's revision on the hub")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of both sides (default 0)")
     p.add_argument("--workdir", default=None, help="keep the checkpoint, adapters and logs here (default: temporary)")
     p.set_defaults(func=run)
 
