@@ -134,7 +134,8 @@ def main() -> None:
         import ray.serve.llm  # noqa: F401  (Ray Serve LLM, what build_app uses)
     except ImportError as err:
         sys.exit(f"error: this example needs Ray Serve LLM, which is not installed ({err.msg}). Install it with "
-                 f"pip install 'ray[serve]' (or pip install 'vllm-lora-ext[ray]'), then run it again.")
+                 f"pip install 'vllm-lora-ext[ray]' (Ray Serve and pyarrow), with a vLLM its Ray Serve LLM imports (README: "
+                 f"'Ray: residency routing' lists the pairs tested), then run it again.")
 
     from vllm_lora_ext.deployment import read_deployment_config
 

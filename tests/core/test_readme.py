@@ -58,4 +58,4 @@ def test_the_ray_example_without_ray_says_it_needs_ray_serve_without_a_traceback
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: this example needs Ray Serve LLM, which is not installed") and \
-        "pip install 'ray[serve]'" in out.stderr
+        "pip install 'vllm-lora-ext[ray]'" in out.stderr

@@ -53,7 +53,8 @@ try:
 except ImportError as err:  # pragma: no cover - only without Ray
     raise ImportError(
         "vllm_lora_ext.integration.ray needs Ray Serve LLM, which is not importable here "
-        f"({err}). Install it with: pip install 'ray[serve,llm]'.") from err
+        f"({err}). Install it with: pip install 'vllm-lora-ext[ray]' (Ray Serve and pyarrow; Ray's own [llm] "
+        "extra would also pin its vLLM); README 'Ray: residency routing' lists the Ray and vLLM pairs tested.") from err
 
 from vllm_lora_ext.constants import client_sources, max_client_sources
 from vllm_lora_ext.integration._compat import load_adapter_request_cls, unload_adapter_request_cls
