@@ -348,17 +348,21 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
 
 def ep_read_plan(shapes: Mapping[str, tuple[int, ...]], header_bytes: int, sizes: Mapping[str, int],
                  specs: Mapping[str, MoESpec], ep_size: int) -> list[dict[str, Any]]:
-    """Per EP rank (contiguous placement): the experts it owns and the bytes it would read."""
+    """Per EP rank (vLLM's linear placement): the experts it owns and the bytes it would read. Experts that do not
+    divide evenly go one more to each of the first ranks, as vLLM's ``determine_expert_map`` places them."""
     out = []
     dense = sum(sizes[k] for k in shapes if classify_key(k).kind == "dense")
     for rank in range(ep_size):
         total = header_bytes + dense
         owned: dict[str, str] = {}
         for prefix, spec in specs.items():
-            if spec.num_experts % ep_size:
-                raise ExpertLayoutError(f"{spec.num_experts} experts do not split over EP size {ep_size}.")
-            local = spec.num_experts // ep_size
-            lo, hi = rank * local, (rank + 1) * local
+            if ep_size > spec.num_experts:
+                raise ExpertLayoutError(f"EP size {ep_size} is more than the {spec.num_experts} experts of "
+                                        f"{prefix!r}: give an EP size of at most {spec.num_experts}.")
+            base, extra = divmod(spec.num_experts, ep_size)
+            local = base + (rank < extra)
+            lo = rank * base + min(rank, extra)
+            hi = lo + local
             owned[prefix] = f"{lo}-{hi - 1}"
             for k in shapes:
                 info = classify_key(k)

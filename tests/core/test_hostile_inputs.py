@@ -335,8 +335,12 @@ def test_a_huge_expert_index_is_refused_before_it_sizes_any_work() -> None:
     _expect(lambda: moe_specs(shapes), ExpertLayoutError, "names expert 99999999; at most 65536")
 
 
-def test_ep_plan_refuses_an_expert_count_that_does_not_split() -> None:
-    _expect(lambda: ep_read_plan({}, 8, {}, {"e": SPEC}, 3), ExpertLayoutError, "4 experts do not split over EP size 3")
+def test_ep_plan_splits_unevenly_as_vllm_places_experts_and_refuses_more_ranks_than_experts() -> None:
+    # vLLM's determine_expert_map (linear): 4 experts over 3 ranks are 0-1, 2, 3
+    assert [r["experts"]["e"] for r in ep_read_plan({}, 8, {}, {"e": SPEC}, 3)] == ["0-1", "2-2", "3-3"]
+    # a huge --ep-size sizes no loop: refused before any rank is planned
+    _expect(lambda: ep_read_plan({}, 8, {}, {"e": SPEC}, 10**9), ExpertLayoutError,
+            "EP size 1000000000 is more than the 4 experts of 'e': give an EP size of at most 4")
 
 
 # ------------------------------------------------------------------------------------------------ deployment (22)
