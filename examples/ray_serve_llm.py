@@ -128,18 +128,22 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="send one request of each kind, then exit")
     args = ap.parse_args()
 
+    from vllm_lora_ext.deployment import read_deployment_config
+    from vllm_lora_ext.errors import DeploymentConfigError
+
+    try:  # before Ray is imported (seconds): a bad config answers at once
+        names = list(read_deployment_config(args.config).adapters)
+    except DeploymentConfigError as err:
+        sys.exit(f"error: --config {args.config}: {str(err).replace(' Check VLLM_LORA_EXT_CONFIG.', '')}")
     try:
         import ray
         from ray import serve
         import ray.serve.llm  # noqa: F401  (Ray Serve LLM, what build_app uses)
     except ImportError as err:
         sys.exit(f"error: this example needs Ray Serve LLM, which is not installed ({err.msg}). Install it with "
-                 f"pip install 'vllm-lora-ext[ray]' (Ray Serve and pyarrow), with a vLLM its Ray Serve LLM imports (README: "
-                 f"'Ray: residency routing' lists the pairs tested), then run it again.")
+                 f"pip install 'vllm-lora-ext[ray]' (Ray Serve and pyarrow), with a vLLM its Ray Serve LLM imports "
+                 f"(README: 'Ray: residency routing' lists the pairs tested), then run it again.")
 
-    from vllm_lora_ext.deployment import read_deployment_config
-
-    names = list(read_deployment_config(args.config).adapters)  # fails early, naming the problem
     ray.init()  # RAY_ADDRESS, else a cluster from `ray start` on this host, else a new local one
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     options = ServeOptions(replicas=args.replicas, client_sources=args.client_sources,

@@ -53,9 +53,16 @@ def test_readme_set_up_section_still_holds_the_two_one_line_commands_ci_runs() -
 
 @pytest.mark.skipif(find_spec("ray") is not None, reason="Ray is installed here")
 def test_the_ray_example_without_ray_says_it_needs_ray_serve_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("adapters:\n  style: /srv/loras/style\n")  # read first: a bad one says so at once
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_serve_llm.py"), "--model", "m", "--config",
                           str(tmp_path / "c.yaml")], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: this example needs Ray Serve LLM, which is not installed") and \
         "pip install 'vllm-lora-ext[ray]'" in out.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_serve_llm.py"), "--model", "m", "--config",
+                          str(tmp_path / "missing.yaml")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith(f"error: --config {tmp_path / 'missing.yaml'}: ")
+    assert "VLLM_LORA_EXT_CONFIG" not in bad.stderr
