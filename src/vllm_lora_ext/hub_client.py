@@ -91,6 +91,36 @@ def hub_unreachable(endpoint: str | None = None) -> str | None:
     return found[0] if found else None
 
 
+def cached_weight_files(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None,
+                        limit: int = 1000) -> list[str]:
+    """The ``.safetensors`` files the local cache holds for ``repo_id`` at ``revision`` (a branch, tag or commit;
+    default ``main``), sorted; empty when nothing of that revision is cached. Looks at ``limit`` entries at most.
+
+    Example:
+        >>> import tempfile
+        >>> cached_weight_files("acme/x", None, cache_dir=tempfile.mkdtemp())
+        []
+    """
+    if ".." in repo_id or ".." in (revision or "") or (revision or "").startswith("/"):
+        return []  # (sources are checked before this; never a path out of the cache)
+    repo = Path(hub_cache(cache_dir)) / f"models--{repo_id.replace('/', '--')}"
+    ref = repo / "refs" / (revision or "main")
+    try:
+        sha = ref.read_text()[:64].strip() if ref.is_file() else (revision or "")
+        snapshot = repo / "snapshots" / sha
+        if not sha or "/" in sha or not snapshot.is_dir():
+            return []
+        found = []
+        for n, path in enumerate(snapshot.rglob("*")):
+            if n >= limit:
+                break
+            if path.name.endswith(SAFETENSORS_SUFFIX):
+                found.append(path.relative_to(snapshot).as_posix())
+        return sorted(found)
+    except OSError:
+        return []
+
+
 def _offline_setting() -> str:
     return "offline mode is on (HF_HUB_OFFLINE=1)" if hf_offline() else "the Hub may not be contacted (local_files_only)"
 
@@ -135,8 +165,11 @@ class HubClient:
             fix = ("'vllm-lora fetch' downloads only with offline mode off: unset HF_HUB_OFFLINE (or set it to 0) and "
                    "run it again." if reason is None else "Then run it again; HF_HOME or HF_HUB_CACHE choose the cache.")
         elif reason is None:
+            held = cached_weight_files(repo or "", revision, cache_dir=self.cache_dir)
             fix = (f"Run 'vllm-lora fetch {raw}' where the Hub is reachable (with this HF_HOME or HF_HUB_CACHE), or "
-                   f"unset HF_HUB_OFFLINE to download it here.")
+                   f"unset HF_HUB_OFFLINE to download it here." + (
+                       f" The cached snapshot of this revision holds {held[:5]}{' and more' if len(held) > 5 else ''}"
+                       f"; name one of those to use it offline." if held else ""))
         else:
             fix = (f"To work from the cache only, fill it with 'vllm-lora fetch {raw}' where the Hub is reachable, "
                    f"then set HF_HUB_OFFLINE=1.")

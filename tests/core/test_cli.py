@@ -177,6 +177,9 @@ def test_fetch_then_offline_inspect_of_an_hf_source(hub, monkeypatch: pytest.Mon
     assert [line["source"] for line in lines] == ["hf:acme/missing", "hf:acme/cli:x/w.safetensors"]
     assert "not in the local Hugging Face cache" in lines[0]["error"] and lines[1]["commit"] == sha
     assert captured.err.startswith("error: ")
+    # offline, the repo cached but not the named file: the message lists what the cached snapshot holds
+    assert main(["inspect", "hf:acme/cli:x/other.safetensors"]) == 1
+    assert "The cached snapshot of this revision holds ['x/w.safetensors']" in capsys.readouterr().err
     before = hub.count()
     assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 0
     out = capsys.readouterr().out
