@@ -75,10 +75,12 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
     # it: a cluster from `ray start` can be found, one started by ray.init() in a script needs RAY_ADDRESS.
     env_vars["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     # replicas started by a separate `ray start` do not see this shell: pass the Hub's and the plugin's settings
+    # (paths made absolute: a replica's working directory is not this one; each replica keeps its own metrics folder)
+    paths = ("HF_HOME", "HF_HUB_CACHE", "VLLM_LORA_EXT_BUILD_DIR")
     for name in sorted(os.environ):
         if name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE") or (
-                name.startswith("VLLM_LORA_EXT_") and name not in env_vars):
-            env_vars[name] = os.environ[name]
+                name.startswith("VLLM_LORA_EXT_") and name not in env_vars and name != "VLLM_LORA_EXT_METRICS_DIR"):
+            env_vars[name] = os.path.abspath(os.environ[name]) if name in paths else os.environ[name]
     deployment: dict = {"num_replicas": options.replicas}
     residency: dict = {}
     if options.residency:

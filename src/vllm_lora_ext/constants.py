@@ -75,6 +75,7 @@ ENV_MAX_CLIENT_SOURCES = "VLLM_LORA_EXT_MAX_CLIENT_SOURCES"
 # A LoRA delta scaled by more than 100 is far outside anything trained; larger values are a typo or an
 # attack (1e308 overflows bf16 to inf).
 MAX_ABS_MIX_WEIGHT = 100.0
+MAX_MIX_COMPONENTS = 16  # a mix of more adapters is refused before anything is loaded (each costs a load)
 # Size caps on files that are read whole.
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work

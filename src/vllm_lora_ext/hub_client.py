@@ -165,7 +165,8 @@ class HubClient:
             fix = ("'vllm-lora fetch' downloads only with offline mode off: unset HF_HUB_OFFLINE (or set it to 0) and "
                    "run it again." if reason is None else "Then run it again; HF_HOME or HF_HUB_CACHE choose the cache.")
         elif reason is None:
-            held = cached_weight_files(repo or "", revision, cache_dir=self.cache_dir)
+            held = ([f for f in cached_weight_files(repo or "", revision, cache_dir=self.cache_dir) if f != filename]
+                    if filename.endswith(SAFETENSORS_SUFFIX) else [])  # a missing config: listing weights misleads
             fix = (f"Run 'vllm-lora fetch {raw}' where the Hub is reachable (with this HF_HOME or HF_HUB_CACHE), or "
                    f"unset HF_HUB_OFFLINE to download it here." + (
                        f" The cached snapshot of this revision holds {held[:5]}{' and more' if len(held) > 5 else ''}"

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MIX_NAME_PREFIX, MIX_PREFIX
+from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MAX_MIX_COMPONENTS, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
 from vllm_lora_ext.validation import check_rank_budget
 
@@ -48,8 +48,6 @@ __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_express
            "concat_many", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight", "MIX_NAME_PREFIX",
            "MAX_MIX_COMPONENTS"]
 
-# A mix of more adapters than this is refused before anything is loaded (each costs a component load).
-MAX_MIX_COMPONENTS = 16
 _MAX_MIX_PATH = 64 * 1024
 
 

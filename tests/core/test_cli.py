@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,12 @@ def test_fetch_then_offline_inspect_of_an_hf_source(hub, monkeypatch: pytest.Mon
     assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 0
     out = capsys.readouterr().out
     assert f"commit      {sha}" in out and "rule: <stem>_config.json" in out and hub.count() == before
+    # the config missing from the cache (its weights there): no list of weight files, which would not help
+    for config in Path(os.environ["HF_HUB_CACHE"]).glob("models--acme--cli/snapshots/*/x/w_config.json"):
+        config.unlink()
+    assert main(["inspect", "hf:acme/cli:x/w.safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert "'x/w_config.json'" in err and "holds" not in err
 
 
 def test_convert_3d_to_2d_without_a_base_config_writes_the_same_tensors_as_with_it(tmp_path: Path) -> None:

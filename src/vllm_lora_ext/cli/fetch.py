@@ -24,16 +24,18 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import sys
+    import traceback
 
     from vllm_lora_ext.cli import _one_line
-    from vllm_lora_ext.errors import VllmLoraExtError
 
     failed = 0
     for source in args.sources:
         try:
             r = fetch_source(source, cache_dir=args.cache_dir)
-        except (VllmLoraExtError, OSError) as err:  # the other sources are still fetched (or checked offline)
+        except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
             failed += 1
+            if getattr(args, "verbose", 0) > 1:
+                traceback.print_exc()
             if args.json:
                 print(json.dumps({"source": source, "error": _one_line(err)}))
             print(f"error: {_one_line(err)}", file=sys.stderr)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_output, plural, resolve_offline
-from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, deployment_config_path
+from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, MAX_MIX_COMPONENTS, deployment_config_path
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import ResolvedAdapter
@@ -72,20 +72,22 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_lora_ext.mixing import MAX_MIX_COMPONENTS, check_weight, parse_weight
-    from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
-    from vllm_lora_ext.offline_writes import mix_adapter_files
-
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
     dep, where = _deployment(args.config)
-    pairs: list[tuple[ResolvedAdapter, float]] = []
-    names: list[str] = []
-    for item in args.items:
+    items: list[tuple[str, str, ResolvedAdapter, float]] = []
+    for item in args.items:  # every source first, before torch is imported: a missing one answers at once
         name, eq, weight = item.rpartition("=")
         if not eq:
             name, weight = item, ""
-        resolved, default = _resolve_item(name, dep, where)
+        items.append((name, weight, *_resolve_item(name, dep, where)))
+    from vllm_lora_ext.mixing import check_weight, parse_weight
+    from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
+    from vllm_lora_ext.offline_writes import mix_adapter_files
+
+    pairs: list[tuple[ResolvedAdapter, float]] = []
+    names: list[str] = []
+    for name, weight, resolved, default in items:
         require_safetensors(resolved, name=name)
         pairs.append((resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
         names.append(name)
