@@ -81,6 +81,10 @@ def build_app(model: str, model_id: str, config: str, options: ServeOptions = Se
         if name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE") or (
                 name.startswith("VLLM_LORA_EXT_") and name not in env_vars and name != "VLLM_LORA_EXT_METRICS_DIR"):
             env_vars[name] = os.path.abspath(os.environ[name]) if name in paths else os.environ[name]
+    if "VLLM_LORA_EXT_ALLOWED_ROOTS" in env_vars:  # a list of folders (os.pathsep), each made absolute
+        env_vars["VLLM_LORA_EXT_ALLOWED_ROOTS"] = os.pathsep.join(
+            os.path.abspath(os.path.expanduser(p)) for p in env_vars["VLLM_LORA_EXT_ALLOWED_ROOTS"].split(os.pathsep)
+            if p.strip())
     deployment: dict = {"num_replicas": options.replicas}
     residency: dict = {}
     if options.residency:

@@ -14,6 +14,7 @@ fails to import and they are skipped.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -270,6 +271,7 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # Ray would otherwise report usage over the network
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the driver's Hub and plugin settings reach the replicas
     monkeypatch.setenv("VLLM_LORA_EXT_DISK_CACHE_BYTES", "20GiB")
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOWED_ROOTS", "loras:/srv/more")  # relative entries made absolute
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         options = recipe.ServeOptions(replicas=2, client_sources="hf:acme/", engine_kwargs={"enforce_eager": True})
@@ -285,6 +287,7 @@ def test_the_example_recipe_builds_rays_openai_app_with_the_plugins_server_and_c
     assert env["VLLM_LORA_EXT_CONFIG"] == str(tmp_path / "loras.yaml")
     assert env["VLLM_LORA_EXT_CLIENT_SOURCES"] == "hf:acme/" and env["RAY_ADDRESS"] == address
     assert env["HF_HOME"] == str(tmp_path / "hf") and env["VLLM_LORA_EXT_DISK_CACHE_BYTES"] == "20GiB"
+    assert env["VLLM_LORA_EXT_ALLOWED_ROOTS"] == f"{os.path.abspath('loras')}:/srv/more"
     # residency routing: Ray's multiplexed loader on (lora_config), the plugin's router in front of the replicas
     config = dep.init_kwargs["llm_config"]
     assert config.lora_config.max_num_adapters_per_replica == 16
