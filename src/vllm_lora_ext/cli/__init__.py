@@ -12,14 +12,12 @@ import argparse
 import contextlib
 import logging
 import os
-import re
 import sys
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 
-from vllm_lora_ext.cli._args import plural, positive_int
-from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
+from vllm_lora_ext.cli._args import one_line, plural, positive_int
 from vllm_lora_ext.errors import VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
@@ -43,11 +41,6 @@ def _parser() -> argparse.ArgumentParser:
 
     cache_cli.add_parser(sub)
     return p
-
-
-def _one_line(err: BaseException) -> str:
-    text = re.sub(r"(?<=[^.])\.\.(?=\s|$)", ".", " ".join(str(err).split()))  # "…on.. Check" from nested messages
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " ..."
 
 
 @contextlib.contextmanager
@@ -114,18 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (VllmLoraExtError, OSError) as err:
             if args.verbose > 1:
                 traceback.print_exc()
-            print(f"error: {_one_line(err)}", file=sys.stderr)
+            print(f"error: {one_line(err)}", file=sys.stderr)
             return 1
         except Warning as err:
             if args.verbose > 1:
                 traceback.print_exc()
-            print(f"error: {type(err).__name__} (a warning, refused so that nothing wrong is written): {_one_line(err)}",
+            print(f"error: {type(err).__name__} (a warning, refused so that nothing wrong is written): {one_line(err)}",
                   file=sys.stderr)
             return 1
         except Exception as err:  # never a bare traceback: name the failure, keep the traceback for -vv
             if args.verbose > 1:
                 traceback.print_exc()
-            print(f"error: unexpected {type(err).__name__}: {_one_line(err)} (run with -vv for details)",
+            print(f"error: unexpected {type(err).__name__}: {one_line(err)} (run with -vv for details)",
                   file=sys.stderr)
             return 1
 

@@ -11,7 +11,17 @@ from vllm_lora_ext.constants import MAX_EXPERTS
 if TYPE_CHECKING:
     from vllm_lora_ext.sources import ResolvedAdapter
 
-__all__ = ["add_base_config", "add_output", "add_source", "positive_int", "plural", "resolve_offline"]
+__all__ = ["add_base_config", "add_output", "add_source", "one_line", "positive_int", "plural", "resolve_offline"]
+
+
+def one_line(err: BaseException) -> str:
+    """An error as the one ``error:`` line the CLI prints (whitespace folded, capped)."""
+    import re
+
+    from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
+
+    text = re.sub(r"(?<=[^.])\.\.(?=\s|$)", ".", " ".join(str(err).split()))  # "…on.. Check" from nested messages
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " ..."
 
 
 def resolve_offline(source: str) -> ResolvedAdapter:

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import traceback
 
-    from vllm_lora_ext.cli import _one_line
+    from vllm_lora_ext.cli._args import one_line
 
     failed = 0
     for source in args.sources:
@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, "verbose", 0) > 1:
                 traceback.print_exc()
             if args.json:
-                print(json.dumps({"source": source, "error": _one_line(err)}))
-            print(f"error: {_one_line(err)}", file=sys.stderr)
+                print(json.dumps({"source": source, "error": one_line(err)}))
+            print(f"error: {one_line(err)}", file=sys.stderr)
             continue
         record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
                   "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
