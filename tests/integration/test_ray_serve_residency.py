@@ -42,8 +42,9 @@ class PidEngine(_Engine):  # type: ignore[misc,valid-type]
 @pytest.mark.parametrize("residency", [True, False])
 def test_each_adapter_id_stays_on_the_replica_that_holds_it_in_a_real_serve_app(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, residency: bool) -> None:
-    """With residency every id stays on the replica that first built it; without (today: no multiplexed loader,
-    Serve's default router) ids spread over both replicas, each building them."""
+    """With residency every id stays on the replica that first built it, and a new mix goes to a replica holding a
+    component; without (no multiplexed loader, Serve's default router) ids spread over both replicas, each building
+    them."""
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -87,8 +88,9 @@ def test_each_adapter_id_stays_on_the_replica_that_holds_it_in_a_real_serve_app(
     finally:
         serve.shutdown()
         ray.shutdown()
-    assert len(pids) == 2
-    if residency:
+    if residency:  # (new ids go to their hash home, so all three may share a replica)
         assert all(served[m] == {first[m]} for m in ids), (first, served)  # every id stays where it was built
+        assert first["base:style=0.7+domain=0.3"] in (first["base:style"], first["base:domain"])  # with a component
     else:  # 11 requests per id at random over 2 replicas: all 3 ids on one replica each: probability 2 ** -30
+        assert len(pids) == 2
         assert any(len(served[m] | {first[m]}) == 2 for m in ids), (first, served)
