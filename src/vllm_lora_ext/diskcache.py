@@ -142,12 +142,13 @@ def _write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: b
     os.replace(tmp, path)
 
 
-def _repo_folder(cache: Path, repo_id: str) -> Path:
+def repo_folder(cache: Path, repo_id: str) -> Path:
+    """A repo's folder in the Hugging Face cache (``models--org--name``)."""
     return cache / ("models--" + repo_id.replace("/", "--"))
 
 
 def _commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:
-    snapshots = _repo_folder(cache, repo_id) / "snapshots"
+    snapshots = repo_folder(cache, repo_id) / "snapshots"
     if not snapshots.is_dir():
         return set()
     return {s.name for s in snapshots.iterdir() if os.path.lexists(s / filename)}
@@ -336,7 +337,7 @@ def _incoming(cache: Path, repo_id: str, filename: str, revision: str | None,
     except Exception as err:  # hf_hub_download reports it; the check after the download keeps the bound
         logger.debug("no size for %s:%s before its download: %s", repo_id, filename, err)
         return 0, None
-    if meta.etag and (_repo_folder(cache, repo_id) / "blobs" / meta.etag).exists():
+    if meta.etag and (repo_folder(cache, repo_id) / "blobs" / meta.etag).exists():
         return 0, meta.commit_hash  # the blob is cached (another revision has it): only a link is added
     return int(meta.size or 0), meta.commit_hash
 

@@ -103,7 +103,7 @@ def cached_weight_files(repo_id: str, revision: str | None, *, cache_dir: str | 
     """
     if ".." in repo_id or ".." in (revision or "") or (revision or "").startswith("/"):
         return []  # (sources are checked before this; never a path out of the cache)
-    repo = Path(hub_cache(cache_dir)) / f"models--{repo_id.replace('/', '--')}"
+    repo = diskcache.repo_folder(Path(hub_cache(cache_dir)), repo_id)
     ref = repo / "refs" / (revision or "main")
     try:
         sha = ref.read_text()[:64].strip() if ref.is_file() else (revision or "")

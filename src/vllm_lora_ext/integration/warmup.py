@@ -221,8 +221,3 @@ def lora_kernel_variants(worker: Any = None, modules: Sequence[str] = LORA_OP_MO
             if jit is not None:
                 out[name] = _variants(jit)
     return out
-
-
-def moe_lora_kernel_variants(worker: Any = None) -> dict[str, int]:
-    """[`lora_kernel_variants`] of the fused-MoE LoRA kernels only."""
-    return lora_kernel_variants(worker, (MOE_LORA_OP_MODULE,))
