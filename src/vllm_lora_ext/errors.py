@@ -23,7 +23,8 @@ __all__ = [
     "AdapterNotFoundError", "AdapterSourceError", "DeploymentConfigError", "DiskCacheFullError", "ExpertLayoutError",
     "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError", "RemoteError",
     "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError", "UnsupportedVLLMError",
-    "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record", "rebuild_error", "with_record",
+    "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record", "offline_pickle_error",
+    "rebuild_error", "with_record",
 ]
 
 
@@ -67,7 +68,11 @@ class AdapterSourceError(VllmLoraExtError, ValueError):
 
 
 class UnsafeFormatError(AdapterSourceError):
-    """A pickle weight file (``.bin``/``.pt``) was named without the explicit opt-in."""
+    """A pickle weight file (``.bin``/``.pt``) was named without the explicit opt-in; ``filename`` is its name."""
+
+    def __init__(self, message: str, *, source: str, filename: str, part: str | None = "path") -> None:
+        super().__init__(message, source=source, part=part)
+        self.filename = filename
 
 
 class AdapterNotFoundError(VllmLoraExtError, FileNotFoundError):
@@ -110,6 +115,15 @@ class UnmatchedKeysError(AdapterFormatError):
     def __init__(self, message: str, *, adapter: str | None = None, keys: Sequence[str] = ()) -> None:
         super().__init__(message, adapter=adapter, key=keys[0] if keys else None)
         self.keys = list(keys)
+
+
+def offline_pickle_error(adapter: str, filename: str) -> AdapterFormatError:
+    """The error of an offline tool (inspect, convert, mix) given the pickle weight file ``filename``: the fix that
+    works there (re-save as safetensors), not the server's opt-in, which the offline tools do not take."""
+    return AdapterFormatError(
+        f"Adapter {adapter!r}: offline tools (inspect, convert, mix) read .safetensors only, and {filename!r} is a "
+        f"pickle file (VLLM_LORA_EXT_ALLOW_PICKLE lets only the server read it). Re-save it once as safetensors, "
+        f"e.g. PeftModel.from_pretrained(base, folder).save_pretrained(out).", adapter=adapter)
 
 
 class ExpertLayoutError(AdapterFormatError):

@@ -18,7 +18,7 @@ import torch
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext._util import read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
-from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError
+from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError, offline_pickle_error
 from vllm_lora_ext.formats import classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import plan_experts
@@ -299,11 +299,7 @@ def require_safetensors(resolved: ResolvedAdapter, *, name: str = "adapter") -> 
         [`AdapterFormatError`]: the weight file is ``.bin``/``.pt`` (even with ``VLLM_LORA_EXT_ALLOW_PICKLE=1``).
     """
     if resolved.is_pickle:
-        raise AdapterFormatError(
-            f"Adapter {name!r}: offline tools (inspect, convert, mix) read .safetensors only, and "
-            f"{resolved.weights_path.name!r} is a pickle file (VLLM_LORA_EXT_ALLOW_PICKLE lets only the server read "
-            f"it). Re-save it once as safetensors, e.g. PeftModel.from_pretrained(base, folder).save_pretrained(out).",
-            adapter=name)
+        raise offline_pickle_error(name, resolved.weights_path.name)
 
 
 def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, Any] | None = None,

@@ -222,7 +222,7 @@ def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
             f"Adapter source {source!r} names a pickle weight file {name!r}, which can run code when loaded. "
             f"Convert it to .safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1 "
             f"(it is then read with torch.load(weights_only=True)).",
-            source=source, part="path",
+            source=source, filename=name,
         )
 
 
@@ -330,7 +330,7 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                 raise UnsafeFormatError(
                     f"Adapter folder {str(path)!r} holds only the pickle file {pickles[0].name!r}, which can run code "
                     f"when loaded. Convert it to adapter_model.safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1.",
-                    source=src.raw, part="path",
+                    source=src.raw, filename=pickles[0].name,
                 )
             else:
                 found = sorted(p.name for p in path.glob("*.safetensors"))[:10]

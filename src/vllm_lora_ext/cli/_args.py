@@ -27,16 +27,13 @@ def one_line(err: BaseException) -> str:
 def resolve_offline(source: str) -> ResolvedAdapter:
     """`resolve_source` for an offline tool: a pickle weight file gets the fix that works here (re-save it as
     safetensors), not the server's opt-in, which the offline tools do not take."""
-    from vllm_lora_ext.errors import AdapterFormatError, UnsafeFormatError
+    from vllm_lora_ext.errors import UnsafeFormatError, offline_pickle_error
     from vllm_lora_ext.sources import resolve_source
 
     try:
         return resolve_source(source)
     except UnsafeFormatError as err:
-        raise AdapterFormatError(
-            f"{str(err).split(', which can run code')[0]}: offline tools (inspect, convert, mix) read .safetensors "
-            f"only (VLLM_LORA_EXT_ALLOW_PICKLE lets only the server read pickle files). Re-save it once as "
-            f"safetensors, e.g. PeftModel.from_pretrained(base, folder).save_pretrained(out).", adapter=source) from err
+        raise offline_pickle_error(source, err.filename) from err
 
 
 def add_source(parser: argparse.ArgumentParser) -> None:
