@@ -22,9 +22,10 @@ from urllib.parse import urlsplit
 from vllm_lora_ext import diskcache
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
+from vllm_lora_ext.diskholds import cache_path
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 
-__all__ = ["HubClient", "HubRepo", "hub_endpoint", "hub_cache", "hub_unreachable", "offline_message",
+__all__ = ["HubClient", "HubRepo", "hub_endpoint", "hub_unreachable", "offline_message",
            "unreachable_message"]
 
 
@@ -49,13 +50,6 @@ def hub_endpoint() -> str:
     from huggingface_hub import constants
 
     return str(constants.ENDPOINT)
-
-
-def hub_cache(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """Return the Hugging Face cache folder in use (``cache_dir``, else ``HF_HUB_CACHE``/``HF_HOME``'s)."""
-    from huggingface_hub import constants
-
-    return os.fspath(cache_dir) if cache_dir is not None else str(constants.HF_HUB_CACHE)
 
 
 def hub_unreachable(endpoint: str | None = None) -> str | None:
@@ -103,7 +97,7 @@ def cached_weight_files(repo_id: str, revision: str | None, *, cache_dir: str | 
     """
     if ".." in repo_id or ".." in (revision or "") or (revision or "").startswith("/"):
         return []  # (sources are checked before this; never a path out of the cache)
-    repo = diskcache.repo_folder(Path(hub_cache(cache_dir)), repo_id)
+    repo = diskcache.repo_folder(cache_path(cache_dir), repo_id)
     ref = repo / "refs" / (revision or "main")
     try:
         sha = ref.read_text()[:64].strip() if ref.is_file() else (revision or "")
@@ -129,14 +123,14 @@ def offline_message(what: str, filename: str, revision: str | None, *, cache_dir
                     fix: str) -> str:
     """The message for a file that is not cached while the Hub may not be asked."""
     return (f"{what} is not in the local Hugging Face cache ({filename!r} at revision {revision or 'main'!r}; cache "
-            f"{hub_cache(cache_dir)!r}), and {_offline_setting()}, so the Hub was not asked. {fix}")
+            f"{str(cache_path(cache_dir))!r}), and {_offline_setting()}, so the Hub was not asked. {fix}")
 
 
 def unreachable_message(what: str, filename: str, reason: str, *, cache_dir: str | os.PathLike[str] | None,
                         fix: str) -> str:
     """The message for a file that is not cached while the Hub does not answer."""
     return (f"Could not reach the Hugging Face Hub at {hub_endpoint()!r} ({reason.rstrip('.')}) for {what}, and "
-            f"{filename!r} is not in the local cache ({hub_cache(cache_dir)!r}). Check the network, or set HF_ENDPOINT "
+            f"{filename!r} is not in the local cache ({str(cache_path(cache_dir))!r}). Check the network, or set HF_ENDPOINT "
             f"to a Hub or mirror that answers. {fix}")
 
 
