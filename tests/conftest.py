@@ -62,8 +62,10 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     HUB.repos.clear()
     HUB.requests.clear()
     HUB.drop_once.clear()
+    HUB.lies.clear()
     yield HUB
     HUB.repos.clear()
+    HUB.lies.clear()
 
 
 @pytest.fixture

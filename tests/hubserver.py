@@ -12,7 +12,9 @@ Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` mak
 that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads);
 ``busy[path] = n`` answers the next ``n`` requests for that file with 503 (a Hub that asks for a retry);
 ``gates["org/repo/path"] = event`` sends the headers of every GET of that repo's file, then its bytes only once
-``event`` is set (a slow download).
+``event`` is set (a slow download); ``lies[path] = {"etag": ..., "commit": ..., "size": n, "body": bytes}`` makes
+the file's answers (its 404 too) carry that ETag or X-Repo-Commit, announce ``size`` bytes (-1: no size) and send ``body`` (a
+hostile Hub or mirror).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class HubServer:
         self.drop_once: dict[str, list[int]] = {}
         self.busy: dict[str, int] = {}
         self.gates: dict[str, threading.Event] = {}
+        self.lies: dict[str, dict[str, object]] = {}
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -120,8 +123,15 @@ class HubServer:
                     return
                 repo, commit = found
                 data = repo.commits[commit].get(filename)
+                lie = server.lies.get(filename, {})
+                commit = str(lie.get("commit", commit))
                 if data is None:
                     return self._error(404, "EntryNotFound", commit)
+                etag = str(lie.get("etag", hashlib.sha256(data).hexdigest()))
+                if "body" in lie and not head:
+                    data = bytes(lie["body"])  # type: ignore[arg-type]
+                elif "size" in lie and head and int(lie["size"]) >= 0:  # type: ignore[call-overload]
+                    data = b"\0" * int(lie["size"])  # type: ignore[call-overload]
                 start, end = 0, len(data)
                 rng = self.headers.get("Range")
                 status = 200
@@ -132,8 +142,9 @@ class HubServer:
                     status = 206
                 self.send_response(status)
                 self.send_header("X-Repo-Commit", commit)
-                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
-                self.send_header("Content-Length", str(end - start))
+                self.send_header("ETag", '"' + etag + '"')
+                if not (head and lie.get("size") == -1):  # -1: a HEAD that tells no size
+                    self.send_header("Content-Length", str(end - start))
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
                 self.send_header("Content-Type", "application/octet-stream")

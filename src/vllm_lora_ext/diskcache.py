@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vllm_lora_ext import metrics
+from vllm_lora_ext import hubguard, metrics
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, MAX_STATE_FILE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes,
                                      state_root, write_in_place)
@@ -327,19 +327,11 @@ def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) 
 # -------------------------------------------------------------------------------------------- the entry points
 
 
-def _incoming(cache: Path, repo_id: str, filename: str, revision: str | None,
-              token: str | bool | None) -> tuple[int, str | None]:
-    """The bytes a download of ``filename`` adds, and its commit, from the Hub's metadata (0 if it cannot tell)."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-
-    try:
-        meta = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), token=token)
-    except Exception as err:  # hf_hub_download reports it; the check after the download keeps the bound
-        logger.debug("no size for %s:%s before its download: %s", repo_id, filename, err)
-        return 0, None
-    if meta.etag and (repo_folder(cache, repo_id) / "blobs" / meta.etag).exists():
-        return 0, meta.commit_hash  # the blob is cached (another revision has it): only a link is added
-    return int(meta.size or 0), meta.commit_hash
+def _incoming(cache: Path, repo_id: str, facts: hubguard.HubFacts) -> tuple[int, str | None]:
+    """The bytes a download adds, and its commit, from the Hub's checked metadata (0 if it did not tell)."""
+    if facts.etag and (repo_folder(cache, repo_id) / "blobs" / facts.etag).exists():
+        return 0, facts.commit  # the blob is cached (another revision has it): only a link is added
+    return facts.size or 0, facts.commit
 
 
 def download_file(repo_id: str, filename: str, *, revision: str | None,
@@ -347,33 +339,41 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                   local_files_only: bool = False, tqdm_class: Any = None) -> str:
     """Download one file with ``hf_hub_download`` within the disk cache bound, and list it in the ledger.
 
-    Takes ``hf_hub_download``'s arguments and raises its errors. With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set,
-    room is made first (least recently used, unheld revisions the plugin downloaded are evicted) from the size
-    the Hub tells, counting the downloads already in progress, and reserved for this one while it transfers
-    (no lock is held meanwhile); the bound is checked again afterwards.
+    Takes ``hf_hub_download``'s arguments and raises its errors. The Hub's answers are checked first and the
+    transfer is capped ([`hubguard`]). With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set, room is made first (least
+    recently used, unheld revisions the plugin downloaded are evicted) from the size the Hub tells, counting the
+    downloads already in progress, and reserved for this one while it transfers (no lock is held meanwhile); the
+    bound is checked again afterwards.
 
     Returns:
         `str`: the cached file's path, as ``hf_hub_download`` returns it.
 
     Raises:
         [`DiskCacheFullError`]: the file does not fit the bound even with every revision that may go evicted.
+        [`HubAnswerError`]: the Hub answered an ETag, commit, size or path the cache must not be written by.
     """
     from huggingface_hub import hf_hub_download
 
-    def fetch() -> str:
-        return str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
-                                   local_files_only=local_files_only, tqdm_class=tqdm_class))
+    cache, limit = cache_path(cache_dir), disk_cache_bytes()
+    source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
+
+    def fetch(cap: int | None = None) -> str:
+        bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename)
+        path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
+                                   local_files_only=local_files_only, tqdm_class=bar))
+        return hubguard.contained(path, repo_folder(cache, repo_id), source=source)
 
     if local_files_only:
         return fetch()
+    facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
+    cap = facts.size if facts.size is not None else limit
     use = _RESOLVING.get()
     if use is not None:
         use.take_hold()
-    cache, root, limit = cache_path(cache_dir), state_root(cache_dir), disk_cache_bytes()
-    source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
+    root = state_root(cache_dir)
     if limit is None:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch()
+        path = fetch(cap)
         commit = _commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
@@ -383,11 +383,11 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                 logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
         return path
     root.mkdir(parents=True, exist_ok=True)
-    incoming = _incoming(cache, repo_id, filename, revision, token)
+    incoming = _incoming(cache, repo_id, facts)
     reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
     try:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch()
+        path = fetch(cap)
         commit = _commit_of(Path(path))
         with locked(root):
             if reservation is not None:

@@ -221,6 +221,25 @@ class DiskCacheFullError(VllmLoraExtError, RuntimeError):
         self.needed = needed
 
 
+class HubAnswerError(VllmLoraExtError, RuntimeError):
+    """The Hub (``HF_ENDPOINT``) answered something huggingface_hub would write by unsafely: an ETag that is not a
+    plain file name, a commit that is not a sha, more bytes than it announced, or a cached path outside the repo's
+    cache folder. Nothing was downloaded or read by it. Not an ``OSError``: retrying the same Hub does not help.
+
+    Example message: ``The Hub at 'https://mirror.example' answered ETag '../../x' for 'hf:acme/sql', which is not a
+    plain file name (a blob in the cache is named by it); nothing was downloaded. Point HF_ENDPOINT at a Hub or
+    mirror that answers as huggingface.co does.``
+    """
+
+    def __init__(self, message: str, *, source: str, header: str, value: str,
+                 public_message: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.header = header
+        self.value = value
+        self.public_message = public_message
+
+
 class SettingsError(VllmLoraExtError, ValueError):
     """An environment setting (``VLLM_LORA_EXT_*``) has a value the plugin cannot use; the message names it.
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from vllm_lora_ext import diskcache
+from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
@@ -184,7 +184,8 @@ class HubClient:
             cached = None
         if revision is not None and COMMIT_SHA.match(revision):
             if isinstance(cached, str):
-                return Path(cached)
+                repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
+                return Path(hubguard.contained(cached, repo, source=self.src.raw))
             if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
         if not self.local_only and not isinstance(cached, str):  # a download: not ~25 s of retries for nothing

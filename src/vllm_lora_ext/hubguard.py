@@ -1,0 +1,137 @@
+"""What the plugin checks of a Hub's answers before huggingface_hub writes by them.
+
+``hf_hub_download`` names the cached blob after the Hub's ``ETag`` and the snapshot folder after its
+``X-Repo-Commit``, and writes a body until it ends. A Hub or mirror (``HF_ENDPOINT``) that answers an ETag such as
+``../../x`` or an absolute path, or a commit that is not a sha, would make it write, or link the adapter to a file,
+outside the cache; one that announces 100 bytes and sends gigabytes would fill the disk past the disk cache bound.
+So before a download (the one place is [`diskcache.download_file`]):
+
+1. `head` asks for the file's metadata once and refuses an ETag that is not one plain file name or a commit that is
+   not 40 hex digits, also on a 404 (huggingface_hub marks a missing file under the commit it was told);
+2. the download's byte counter (`capped`) stops the transfer once it passes the size announced (or, when none was,
+   the disk cache bound), and huggingface_hub removes its partial file;
+3. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder or resolves outside
+   it: a Hub that answers huggingface_hub's own request otherwise than the plugin's is caught there.
+
+Each refusal is a [`HubAnswerError`] naming the header, its value and the endpoint.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_lora_ext.errors import HubAnswerError
+
+__all__ = ["HubFacts", "capped", "check_commit", "check_etag", "contained", "head"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+ETAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a sha256, a git blob sha, an S3 "md5-parts"
+
+
+@dataclass(frozen=True)
+class HubFacts:
+    """What the Hub said of one file: its size and commit (``None`` where it said nothing or could not be asked)."""
+
+    size: int | None = None
+    commit: str | None = None
+    etag: str | None = None
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT)
+
+
+def _refuse(source: str, header: str, value: str, why: str) -> HubAnswerError:
+    return HubAnswerError(
+        f"The Hub at {_endpoint()!r} answered {header} {value[:80]!r} for {source!r}, which is {why}; nothing was "
+        f"downloaded. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.",
+        source=source, header=header, value=value[:200])
+
+
+def check_commit(value: str | None, source: str) -> str | None:
+    """Return ``value`` if it is a commit sha (or ``None``), else raise [`HubAnswerError`]."""
+    if value is not None and not COMMIT.fullmatch(value):
+        raise _refuse(source, "X-Repo-Commit", value, "not a 40-hex-digit commit")
+    return value
+
+
+def check_etag(value: str | None, source: str) -> str | None:
+    """Return ``value`` if it can name a blob file (or ``None``), else raise [`HubAnswerError`]."""
+    if value is not None and (not ETAG.fullmatch(value) or ".." in value):
+        raise _refuse(source, "ETag", value, "not a plain file name (a blob in the cache is named by it)")
+    return value
+
+
+def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str) -> HubFacts:
+    """Ask the Hub for ``filename``'s metadata once and check it (see the module's step 1).
+
+    An answer that cannot be had (the network, a 401 or 404 with nothing to check) gives empty facts:
+    ``hf_hub_download`` asks again and raises its own error, which the callers map.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    retry = {"retry_on_errors": True} if "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters else {}
+    try:  # a busy Hub (429, 5xx) is retried here as hf_hub_download would, with its log lines
+        meta = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), token=token, **retry)
+    except Exception as err:
+        response = getattr(err, "response", None)
+        headers = getattr(response, "headers", None) or {}
+        check_commit(headers.get("X-Repo-Commit"), source)
+        logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
+        return HubFacts()
+    commit, etag = check_commit(meta.commit_hash, source), check_etag(meta.etag, source)
+    size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
+    return HubFacts(size=size, commit=commit, etag=etag)
+
+
+def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
+    """Return ``tqdm_class`` (or huggingface_hub's) counting the bytes written, which stops past ``cap`` bytes."""
+    if tqdm_class is None:
+        from huggingface_hub.utils import tqdm as tqdm_class
+
+    class _Capped(tqdm_class):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._vle_bytes = int(kwargs.get("initial") or 0)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self._vle_bytes += int(n or 0)
+            if self._vle_bytes > cap:
+                raise HubAnswerError(
+                    f"The Hub at {_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
+                    f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES); "
+                    f"the transfer was stopped and its partial file is not kept. Point HF_ENDPOINT at a Hub or mirror "
+                    f"that answers as huggingface.co does.", source=source, header="Content-Length", value=str(cap))
+            return super().update(n)
+
+    return _Capped
+
+
+def contained(path: str, repo: Path, *, source: str) -> str:
+    """Return ``path`` if it is ``snapshots/<sha>/…`` of ``repo`` (the repo's cache folder) and resolves inside it."""
+    absolute = Path(os.path.abspath(path))
+    snapshots = Path(os.path.abspath(repo / "snapshots"))
+    parts = absolute.relative_to(snapshots).parts if absolute.is_relative_to(snapshots) else ()
+    real, inside = os.path.realpath(absolute), os.path.realpath(repo)
+    if len(parts) < 2 or not COMMIT.fullmatch(parts[0]) or ".." in parts:
+        why = "is not a snapshot of a commit in the repo's cache folder"
+    elif os.path.commonpath([real, inside]) != inside:
+        why = "links outside the repo's cache folder"
+    else:
+        return path
+    public = (f"The cached file of {source!r} {why}: the Hub at {_endpoint()!r} answered huggingface_hub otherwise "
+              f"than the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's "
+              f"folder from the Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as "
+              f"huggingface.co does.")
+    raise HubAnswerError(f"{public} (path {path!r}, resolves to {real!r})", source=source, header="cached path",
+                         value=path[:200], public_message=public)

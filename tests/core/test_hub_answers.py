@@ -1,0 +1,104 @@
+"""A hostile Hub or mirror (``HF_ENDPOINT``): huggingface_hub names cache files after its ETag and X-Repo-Commit and
+writes a body until it ends, so the plugin checks those answers first (`hubguard`). The real huggingface_hub client
+against the local Hub server, told to lie (``lies``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import save
+
+from factories import dense_tensors, llama_shapes, lora_config
+from vllm_lora_ext import resolve_source
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
+from vllm_lora_ext.diskcache import list_cache
+from vllm_lora_ext.errors import HubAnswerError
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture
+def repo(hub: Any) -> str:
+    hub.repo("acme/a").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=0)),
+                               "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    return "hf:acme/a"
+
+
+def files_outside(root: Path, cache: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p != cache and cache not in p.parents]
+
+
+@pytest.mark.parametrize("etag", ["../../../outside/blob", "a/b", "..", "x" * 200])
+def test_an_etag_that_is_not_a_file_name_is_refused_before_any_write(
+        hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path, etag: str) -> None:
+    hub.lies[WEIGHTS] = {"etag": etag}
+    with pytest.raises(HubAnswerError, match="answered ETag .*not a plain file name.*HF_ENDPOINT") as info:
+        resolve_source(repo)
+    assert info.value.header == "ETag" and info.value.source == repo
+    assert files_outside(tmp_path, isolated_hf_cache) == []
+    assert not any(p.name.startswith(("blob", "x" * 20)) for p in isolated_hf_cache.rglob("*"))
+
+
+def test_an_absolute_etag_never_makes_the_adapter_a_link_to_another_file(
+        hub: Any, repo: str, tmp_path: Path) -> None:
+    secret = tmp_path / "tenant-b" / WEIGHTS
+    secret.parent.mkdir()
+    secret.write_bytes(save(dense_tensors(llama_shapes(), rank=4, seed=9)))
+    hub.lies[WEIGHTS] = {"etag": str(secret)}
+    with pytest.raises(HubAnswerError, match="ETag"):
+        resolve_source(repo)
+
+
+@pytest.mark.parametrize("commit", [".", "x/y", "refs/../../x", "A" * 40, "../../../../outside/p"])
+def test_a_commit_that_is_not_a_sha_is_refused_also_on_a_404(
+        hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path, commit: str) -> None:
+    hub.lies[WEIGHTS] = {"commit": commit}
+    with pytest.raises(HubAnswerError, match="X-Repo-Commit .*not a 40-hex-digit commit"):
+        resolve_source(repo)
+    hub.lies.clear()
+    hub.lies["missing.safetensors"] = {"commit": commit}  # a 404 names its commit too: .no_exist/<commit>/...
+    with pytest.raises(HubAnswerError, match="X-Repo-Commit"):
+        resolve_source(repo + ":missing.safetensors")
+    assert files_outside(tmp_path, isolated_hf_cache) == []
+    assert list_cache() == []
+
+
+@pytest.mark.parametrize("announced", [100, -1])
+def test_a_body_longer_than_announced_or_than_the_bound_is_cut_and_not_kept(
+        hub: Any, repo: str, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch, announced: int) -> None:
+    """100: the HEAD says 100 bytes; -1: it says no size, and the disk cache bound caps the transfer."""
+    limit = 1 << 20
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(limit))
+    hub.lies[WEIGHTS] = {"body": b"\0" * (8 << 20), "size": announced}
+    with pytest.raises(HubAnswerError, match=f"sent more than {100 if announced > 0 else limit} bytes"):
+        resolve_source(repo)
+    on_disk = sum(p.stat().st_size for p in isolated_hf_cache.rglob("*") if p.is_file() and not p.is_symlink())
+    assert on_disk < limit
+
+
+def test_a_cached_link_out_of_the_cache_is_not_read(hub: Any, repo: str, isolated_hf_cache: Path,
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache poisoned before (or by hand): the snapshot's file links to a file outside the repo's folder."""
+    resolved = resolve_source(repo)
+    sha = resolved.commit
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(Path(resolved.weights_path).read_bytes())
+    link = Path(resolved.weights_path)
+    link.unlink()
+    os.symlink(outside, link)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubAnswerError, match="links outside the repo's cache folder") as info:
+        resolve_source(f"{repo}@{sha}")
+    assert str(tmp_path) not in info.value.client_message()
+
+
+def test_an_honest_hub_still_downloads_pinned_and_counted(hub: Any, repo: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(64 << 20))
+    resolved = resolve_source(repo)
+    assert resolved.commit is not None and len(resolved.commit) == 40
+    assert [c.key for c in list_cache()] == [f"acme/a@{resolved.commit}"]
