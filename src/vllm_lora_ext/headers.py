@@ -255,6 +255,8 @@ def _one_of_each_field(blob: bytes, entries: int) -> bool:
     each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
     the duplicate (a metadata value mentioning those words only costs that parse).
     """
+    if b"\\u" in blob:  # a field name spelled with escapes ("\u0064type") escapes the counts: the slow parse
+        return False
     return blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
 
 

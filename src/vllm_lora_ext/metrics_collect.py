@@ -29,7 +29,7 @@ class Collector:
     def collect(self) -> Any:
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        files = glob.glob(os.path.join(self.path, "*.db")) if self.path and os.path.isdir(self.path) else []
+        files = glob.glob(os.path.join(glob.escape(self.path), "*.db")) if self.path and os.path.isdir(self.path) else []
         files = [f for f in files if _readable_size(f)]  # an empty file (or a folder) would fail every scrape
         if not hasattr(MultiProcessCollector, "_read_metrics"):  # another prometheus_client: the files alone
             return MultiProcessCollector(None, path=self.path).collect() if files else []  # type: ignore[no-untyped-call]

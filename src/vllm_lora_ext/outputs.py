@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import tempfile
@@ -100,9 +101,9 @@ class OutputClaim(os.PathLike[str]):
                 break
             os.close(fd)
         self._fd = fd
-        for stale in self.path.parent.glob(f".{self.path.name}.tmp-*"):
+        for stale in self.path.parent.glob(f".{glob.escape(self.path.name)}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        for stale in self.path.parent.glob(f".{self.path.name}.old-*"):
+        for stale in self.path.parent.glob(f".{glob.escape(self.path.name)}.old-*"):
             if (stale / "old").is_dir() and not self.path.exists():  # killed between the two fallback renames
                 os.rename(stale / "old", self.path)
             shutil.rmtree(stale, ignore_errors=True)
@@ -214,7 +215,16 @@ def _write_under(target: Path, write: Callable[[Path], None]) -> Path:
         target = Path(os.path.realpath(target))
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as err:
+            full = _no_room(err)
+            if full is None:
+                raise
+            raise OutputPathError(
+                f"Could not write the adapter into {str(target)!r}: {full} ({type(err).__name__}); nothing was "
+                f"written there. Free space on that disk (or raise the file size limit, ulimit -f), or choose an "
+                f"output folder on another disk.") from err
         mask = _umask()
         os.chmod(tmp, 0o777 & ~mask)
         for path in tmp.rglob("*"):  # writers that make 0600 files (safetensors' save_file) follow the umask too
@@ -224,6 +234,18 @@ def _write_under(target: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "a file passed the file size limit",
+            errno.EDQUOT: "the disk quota is used up"}
+
+
+def _no_room(err: BaseException) -> str | None:
+    """What ran out, if ``err`` is a write that found no room (an ``OSError``, or safetensors' own error naming one)."""
+    if isinstance(err, OSError) and err.errno in _NO_ROOM:
+        return _NO_ROOM[err.errno]
+    text = str(err)
+    return next((why for code, why in _NO_ROOM.items() if f"(os error {code})" in text), None)
 
 
 def _umask() -> int:

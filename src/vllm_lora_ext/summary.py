@@ -215,6 +215,8 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
         kind = classify_key(pair["A"]).kind
         # 3D fused tensors are (r·E, in) / (out, r·E): their rank is not readable without the model.
         rank = a.shape[0] if kind != "moe_3d" else config.rank_for(module)
+        if not rank:  # validation's problems name it (a LoRA with no rank); no scaling to show
+            continue
         modules.append(ModuleSummary(
             module=module, kind=kind, rank=rank, alpha=config.alpha_for(module),
             scaling=config.scaling_for(module, rank), shape_a=a.shape, shape_b=b.shape,

@@ -93,7 +93,11 @@ def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[st
             problems.append(f"{module}: factors must be 2-D, got A {sa} and B {sb}")
             continue
         r = sa[0]
-        if r < 1 or sb[1] != r:
+        if r < 1:
+            problems.append(f"{module}: rank {r}: lora_A is {sa} and lora_B {sb}, a LoRA with no rank (it changes "
+                            f"nothing); drop the module or re-save it with rank 1 or more")
+            continue
+        if sb[1] != r:
             problems.append(f"{module}: lora_A has rank {r} but lora_B has rank {sb[1]} (A {sa}, B {sb})")
             continue
         if min(sa[1], sb[0]) < 1:

@@ -256,7 +256,7 @@ TENSORS: list[tuple[dict[str, tuple[int, ...]], str]] = [
     ({A: (4, 16), B: (16, 4, 1)}, "factors must be 2-D"),
     ({A: (), B: (16, 4)}, "factors must be 2-D"),
     ({A: (8, 16), B: (16, 4)}, "lora_A has rank 8 but lora_B has rank 4"),
-    ({A: (0, 16), B: (16, 0)}, "lora_A has rank 0"),
+    ({A: (0, 16), B: (16, 0)}, "rank 0: lora_A is (0, 16) and lora_B (16, 0), a LoRA with no rank"),
     ({A: (4, 0), B: (0, 4)}, "empty factor"),
     ({A: (4, 99), B: (16, 4)}, "factors map 99 -> 16 but the model's m.q_proj maps 16 -> 16"),
     ({A: (4, 16), B: (17, 4)}, "factors map 16 -> 17"),

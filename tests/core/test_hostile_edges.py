@@ -1,0 +1,97 @@
+"""Hostile inputs found by an attack round on the CPU-reachable surfaces: each gets its typed error naming what is
+wrong and the fix, never a raw exception ("unexpected", a 500) or a write to another run's files."""
+
+from __future__ import annotations
+
+import json
+import resource
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from factories import make_dense_adapter
+from vllm_lora_ext.cli import main
+from vllm_lora_ext.deployment import read_deployment_config
+from vllm_lora_ext.errors import AdapterFormatError, AdapterSourceError, DeploymentConfigError
+from vllm_lora_ext.headers import read_header
+from vllm_lora_ext.outputs import OutputClaim
+from vllm_lora_ext.sources import parse_source
+from vllm_lora_ext.validation import check_dense_factors
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+SURROGATES = json.loads('["/srv/loras/\\ud800", "hf:acme/lora:\\ud800.safetensors", "hf:acme/lora:sub\\udfff"]')
+
+
+@pytest.mark.parametrize("source", SURROGATES, ids=["local", "hf-file", "hf-folder"])
+def test_a_lone_surrogate_in_a_source_is_a_source_error_naming_it(source: str) -> None:
+    with pytest.raises(AdapterSourceError, match=r"unpaired surrogate U\+D[89A-F][0-9A-F]{2} .*valid UTF-8") as info:
+        parse_source(source)
+    info.value.client_message().encode("utf-8")  # the answer itself is valid UTF-8
+
+
+def test_a_deployment_config_with_a_lone_surrogate_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text('{"adapters": {"a": "/tmp/\\ud800"}}')
+    with pytest.raises(DeploymentConfigError, match="adapter 'a'.*unpaired surrogate"):
+        read_deployment_config(path)
+
+
+def test_a_rank_0_adapter_is_a_problem_for_inspect_not_a_crash(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "ad"
+    folder.mkdir()
+    p = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{p}.lora_A.weight": torch.zeros(0, 16), f"{p}.lora_B.weight": torch.zeros(16, 0)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                                            "peft_type": "LORA"}))
+    main(["inspect", str(folder)])
+    out = capsys.readouterr()
+    assert "unexpected" not in out.err and "ZeroDivisionError" not in out.out + out.err
+    assert "rank 0: lora_A is (0, 16) and lora_B (16, 0), a LoRA with no rank" in out.out + out.err
+    shapes = {f"{p}.lora_A.weight": (0, 16), f"{p}.lora_B.weight": (16, 0)}
+    with pytest.raises(AdapterFormatError, match="a LoRA with no rank"):  # convert, mix and the loader's rule
+        check_dense_factors(shapes, list(shapes), adapter="ad")
+
+
+def test_a_full_disk_while_mix_writes_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    a, b = make_dense_adapter(tmp_path / "a", seed=1), make_dense_adapter(tmp_path / "b", seed=2)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "mix", "-o", str(tmp_path / "out"), f"{a}=1",
+                          f"{b}=1"], capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                         env={"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                              "PYTHONDONTWRITEBYTECODE": "1"})  # under the limit, a .pyc would be cut short
+    assert out.returncode != 0
+    assert "unexpected" not in out.stderr, out.stderr
+    assert f"Could not write the adapter into {str(tmp_path / 'out')!r}: a file passed the file size limit" in out.stderr
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_claiming_a_folder_named_with_glob_characters_leaves_another_runs_work(tmp_path: Path) -> None:
+    other = tmp_path / ".out1.tmp-abc123"  # another run writing 'out1'
+    other.mkdir()
+    (other / "adapter_model.safetensors").write_bytes(b"half written")
+    parked = tmp_path / ".out1.old-abc123" / "old"
+    parked.mkdir(parents=True)
+    with OutputClaim(tmp_path / "out[1]"):
+        pass
+    assert (other / "adapter_model.safetensors").read_bytes() == b"half written"
+    assert parked.is_dir() and not (tmp_path / "out[1]").exists() and not (tmp_path / "out1").exists()
+
+
+def test_a_duplicate_key_hidden_behind_escaped_field_names_is_refused(tmp_path: Path) -> None:
+    header = ('{"w": {"\\u0064type": "F32", "\\u0073hape": [0], "\\u0064ata_offsets": [0, 0]}, '
+              '"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}').encode()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(Exception, match="duplicate key 'w'"):
+        read_header(path)
