@@ -339,14 +339,10 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                   local_files_only: bool = False, tqdm_class: Any = None) -> str:
     """Download one file with ``hf_hub_download`` within the disk cache bound, and list it in the ledger.
 
-    Takes ``hf_hub_download``'s arguments and raises its errors. The Hub's answers are checked first and the
-    transfer is capped ([`hubguard`]). With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set, room is made first (least
+    Takes ``hf_hub_download``'s arguments, returns its path and raises its errors. The Hub's answers are checked
+    and the transfer capped ([`hubguard`]). With ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` set, room is made first (least
     recently used, unheld revisions the plugin downloaded are evicted) from the size the Hub tells, counting the
-    downloads already in progress, and reserved for this one while it transfers (no lock is held meanwhile); the
-    bound is checked again afterwards.
-
-    Returns:
-        `str`: the cached file's path, as ``hf_hub_download`` returns it.
+    downloads in progress, and reserved while it transfers (no lock held); the bound is checked again after.
 
     Raises:
         [`DiskCacheFullError`]: the file does not fit the bound even with every revision that may go evicted.
@@ -357,15 +353,20 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     cache, limit = cache_path(cache_dir), disk_cache_bytes()
     source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
 
-    def fetch(cap: int | None = None) -> str:
+    def fetch(cap: int | None = None, local: bool = local_files_only) -> str:
         bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename)
         path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
-                                   local_files_only=local_files_only, tqdm_class=bar))
+                                   local_files_only=local, tqdm_class=bar))
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source)
 
     if local_files_only:
         return fetch()
     facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
+    if facts.failed is not None:  # retried already: the cache's copy of that revision, else the Hub's error
+        try:
+            return fetch(local=True)
+        except Exception:
+            raise facts.failed from None
     cap = facts.size if facts.size is not None else limit
     use = _RESOLVING.get()
     if use is not None:

@@ -43,6 +43,7 @@ class HubFacts:
     size: int | None = None
     commit: str | None = None
     etag: str | None = None
+    failed: BaseException | None = None  # the Hub was busy or unreachable through every retry
 
 
 def _endpoint() -> str:
@@ -75,8 +76,10 @@ def check_etag(value: str | None, source: str) -> str | None:
 def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str) -> HubFacts:
     """Ask the Hub for ``filename``'s metadata once and check it (see the module's step 1).
 
-    An answer that cannot be had (the network, a 401 or 404 with nothing to check) gives empty facts:
-    ``hf_hub_download`` asks again and raises its own error, which the callers map.
+    A 4xx answer gives empty facts: ``hf_hub_download`` asks again and raises its own error (and marks a missing
+    file in the cache), which the callers map. A busy or unreachable Hub is retried here as ``hf_hub_download``
+    would retry it, and its last error comes back as ``failed``: the caller then reads the cache only, so a dead
+    Hub costs one round of retries, not two.
     """
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
@@ -88,7 +91,8 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
         headers = getattr(response, "headers", None) or {}
         check_commit(headers.get("X-Repo-Commit"), source)
         logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
-        return HubFacts()
+        status = getattr(response, "status_code", None)
+        return HubFacts(failed=err if status is None or status >= 500 or status == 429 else None)
     commit, etag = check_commit(meta.commit_hash, source), check_etag(meta.etag, source)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
     return HubFacts(size=size, commit=commit, etag=etag)

@@ -102,3 +102,18 @@ def test_an_honest_hub_still_downloads_pinned_and_counted(hub: Any, repo: str,
     resolved = resolve_source(repo)
     assert resolved.commit is not None and len(resolved.commit) == 40
     assert [c.key for c in list_cache()] == [f"acme/a@{resolved.commit}"]
+
+
+def test_a_hub_busy_through_every_retry_costs_one_round_and_the_cache_still_answers(hub: Any, repo: str) -> None:
+    """huggingface_hub retries a 503 about 23 s; the plugin's check must not add a second round before the cache's
+    copy of the branch is used (as hf_hub_download alone would use it)."""
+    first = resolve_source(repo)
+    hub.requests.clear()
+    hub.busy[WEIGHTS] = 99
+    try:
+        again = resolve_source(repo)
+    finally:
+        hub.busy.clear()
+    assert again.weights_path == first.weights_path and again.commit == first.commit
+    heads = [p for m, p in hub.requests if m == "HEAD" and p.endswith(WEIGHTS)]
+    assert 1 < len(heads) <= 6, heads  # one round of retries
