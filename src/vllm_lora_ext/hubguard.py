@@ -74,25 +74,30 @@ def check_etag(value: str | None, source: str) -> str | None:
 
 
 def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str) -> HubFacts:
-    """Ask the Hub for ``filename``'s metadata once and check it (see the module's step 1).
+    """Ask the Hub for ``filename``'s metadata and check it (see the module's step 1), retrying as
+    ``hf_hub_download`` does: a busy Hub (429, 5xx) through a round of backoff, an unreachable one not at all.
 
     A 4xx answer gives empty facts: ``hf_hub_download`` asks again and raises its own error (and marks a missing
-    file in the cache), which the callers map. A busy or unreachable Hub is retried here as ``hf_hub_download``
-    would retry it, and its last error comes back as ``failed``: the caller then reads the cache only, so a dead
-    Hub costs one round of retries, not two.
+    file in the cache), which the callers map. A Hub still busy after the round, or unreachable, comes back as
+    ``failed``: the caller then reads the cache only, so it costs what ``hf_hub_download`` alone would.
     """
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
-    retry = {"retry_on_errors": True} if "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters else {}
-    try:  # a busy Hub (429, 5xx) is retried here as hf_hub_download would, with its log lines
-        meta = get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), token=token, **retry)
-    except Exception as err:
-        response = getattr(err, "response", None)
-        headers = getattr(response, "headers", None) or {}
-        check_commit(headers.get("X-Repo-Commit"), source)
-        logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
-        status = getattr(response, "status_code", None)
-        return HubFacts(failed=err if status is None or status >= 500 or status == 429 else None)
+    url = hf_hub_url(repo_id, filename, revision=revision)
+    can_retry = "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters
+    for retry in (False, True) if can_retry else (False,):
+        try:
+            meta = get_hf_file_metadata(url, token=token, **({"retry_on_errors": retry} if can_retry else {}))
+            break
+        except Exception as err:
+            response = getattr(err, "response", None)
+            check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source)
+            logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
+            status = getattr(response, "status_code", None)
+            if status is not None and status < 500 and status != 429:
+                return HubFacts()
+            if status is None or retry or not can_retry:
+                return HubFacts(failed=err)
     commit, etag = check_commit(meta.commit_hash, source), check_etag(meta.etag, source)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
     return HubFacts(size=size, commit=commit, etag=etag)

@@ -116,4 +116,23 @@ def test_a_hub_busy_through_every_retry_costs_one_round_and_the_cache_still_answ
         hub.busy.clear()
     assert again.weights_path == first.weights_path and again.commit == first.commit
     heads = [p for m, p in hub.requests if m == "HEAD" and p.endswith(WEIGHTS)]
-    assert 1 < len(heads) <= 6, heads  # one round of retries
+    assert 1 < len(heads) <= 7, heads  # one round of retries: what hf_hub_download alone sends (1 + 6)
+
+
+def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(hub: Any, repo: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreachable Hub is not retried (huggingface_hub does not retry it either): the cache's copy answers."""
+    import socket
+    import time
+
+    import huggingface_hub.constants as hc
+
+    first = resolve_source(repo)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(hc, "ENDPOINT", f"http://127.0.0.1:{port}")  # nothing listens there
+    t0 = time.perf_counter()
+    again = resolve_source(repo)
+    assert time.perf_counter() - t0 < 2.0
+    assert again.weights_path == first.weights_path
