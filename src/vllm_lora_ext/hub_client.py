@@ -222,6 +222,13 @@ class HubClient:
                 f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {str(err).rstrip('.')}. Retry; a "
                 f"partial file is not kept in the cache.", source=self.src.raw) from err
         except Exception as err:  # httpx transport errors have no common base with the above
+            if "Timeout" in type(err).__name__:
+                via = " through the proxy set in HTTPS_PROXY/HTTP_PROXY/ALL_PROXY" if proxy_configured() else ""
+                raise AdapterDownloadError(
+                    f"The Hugging Face Hub at {hub_endpoint()!r}{via} did not answer in time for {filename!r} of "
+                    f"{self.label} {self.src.raw!r} ({type(err).__name__}). Check the network{' and the proxy' if via else ''}"
+                    f", or set HF_HUB_OFFLINE=1 to use the local cache only (fill it with 'vllm-lora fetch' where the "
+                    f"Hub answers).", source=self.src.raw) from err
             if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
                 raise AdapterDownloadError(
                     f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {err!r}. Retry; a partial "

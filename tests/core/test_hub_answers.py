@@ -28,6 +28,14 @@ def repo(hub: Any) -> str:
     return "hf:acme/a"
 
 
+def point_hub_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """Send huggingface_hub (and the plugin) to ``url``: both read the endpoint at import."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "ENDPOINT", url)
+    monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+
+
 def files_outside(root: Path, cache: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p != cache and cache not in p.parents]
 
@@ -125,14 +133,34 @@ def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(hub: Any
     import socket
     import time
 
-    import huggingface_hub.constants as hc
 
     first = resolve_source(repo)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(hc, "ENDPOINT", f"http://127.0.0.1:{port}")  # nothing listens there
+    point_hub_at(monkeypatch, f"http://127.0.0.1:{port}")  # nothing listens there
     t0 = time.perf_counter()
     again = resolve_source(repo)
     assert time.perf_counter() - t0 < 2.0
     assert again.weights_path == first.weights_path
+
+
+def test_a_hub_that_accepts_and_never_answers_fails_after_one_timeout_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy or endpoint that takes the connection and says nothing: one metadata timeout (10 s), not
+    huggingface_hub's retries of it (about 400 s), then an error naming the endpoint and HF_HUB_OFFLINE."""
+    import socket
+    import time
+
+
+    from vllm_lora_ext.errors import AdapterDownloadError
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        point_hub_at(monkeypatch, f"http://127.0.0.1:{listener.getsockname()[1]}")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        t0 = time.perf_counter()
+        with pytest.raises(AdapterDownloadError, match="did not answer in time .*HF_HUB_OFFLINE=1"):
+            resolve_source("hf:acme/silent")
+        assert time.perf_counter() - t0 < 30
