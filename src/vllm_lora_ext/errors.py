@@ -130,6 +130,12 @@ class ExpertLayoutError(AdapterFormatError):
     """Expert count, orientation or fused/per-expert layout does not fit the base model."""
 
 
+class ExpertCountError(ExpertLayoutError):
+    """The expert count given for an MoE block (a base config, ``--num-experts``, recorded metadata) contradicts
+    the adapter's own shapes: an expert index at or past it, or fused rows that are not the config's ``r`` times it.
+    Read by that count, the adapter would be another adapter."""
+
+
 class AdapterCompatibilityError(VllmLoraExtError, ValueError):
     """A valid adapter that the running model or vLLM's limits cannot serve (e.g. rank > max_lora_rank).
 
@@ -167,6 +173,15 @@ class MixIdCollisionError(MixError):
 
 class AdapterAccessError(AdapterSourceError):
     """A source names a local path outside the roots this server may read (``VLLM_LORA_EXT_ALLOWED_ROOTS``)."""
+
+
+class OperatorNameError(VllmLoraExtError, PermissionError):
+    """A client asked to load, reload or unload an adapter name the operator set (``--lora-modules``, the
+    deployment config): those stay what the operator configured, for every client."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class OutputPathError(VllmLoraExtError, ValueError):

@@ -18,7 +18,8 @@ import torch
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext._util import read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
-from vllm_lora_ext.errors import AdapterFormatError, AdapterNotFoundError, ExpertLayoutError, offline_pickle_error
+from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, ExpertCountError, ExpertLayoutError,
+                                  offline_pickle_error)
 from vllm_lora_ext.formats import classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import plan_experts
@@ -151,7 +152,7 @@ def _solve_3d(pairs: list[tuple[int, int]], orientation: str | None) -> set[tupl
 def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
                     num_experts: int | None = None, config: AdapterConfig | None = None,
                     recorded: Mapping[str, tuple[int, int, int, tuple[str, str, str]]] | None = None,
-                    ) -> tuple[dict[str, MoESpec], dict[str, str]]:
+                    base_from: str = "--base-config") -> tuple[dict[str, MoESpec], dict[str, str]]:
     """Return a [`MoESpec`] per experts block, and per block a note on what was inferred or is ambiguous.
 
     Sizes come from the base config when given; else from what ``vllm-lora convert`` recorded in the weight
@@ -161,9 +162,12 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
     orientation known from ``moe_3d_orientation``/``peft_version``). Recorded 2D projection names
     (``w1/w3/w2``) are kept.
 
+    Whatever settles E, the adapter's own shapes must agree with it: no expert index at or past E, and fused
+    tensors of ``r·E`` rows for the config's ``r`` (``base_from`` names where a base config came from).
+
     Raises:
-        [`ExpertLayoutError`]: a block's sizes cannot be settled from the adapter; the message says what is
-            ambiguous and that ``--base-config`` settles it.
+        [`ExpertLayoutError`]: a block's sizes cannot be settled from the adapter (the message says what is
+            ambiguous and that ``--base-config`` settles it), or they contradict its shapes.
     """
     blocks = group_moe_keys(shapes)
     dims = _base_dims(base_config) if base_config is not None else None
@@ -198,13 +202,38 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
         if mark is not None and not experts:
             names = mark[3]
         if dims is not None:
-            (e, h, i), notes[prefix] = dims, "from --base-config"
+            (e, h, i), notes[prefix] = dims, f"from {base_from}"
         elif mark is not None:
             (e, h, i), notes[prefix] = mark[:3], "recorded in the weight file's metadata by vllm-lora convert"
         else:
             e, h, i, notes[prefix] = _infer_sizes(prefix, fused, experts, h, i, num_experts, config)
+        how = f"--num-experts {num_experts}" if num_experts is not None and dims is None and mark is None else notes[prefix]
+        _check_experts_fit(prefix, e, experts, fused, config, how)
         out[prefix] = MoESpec(prefix, e, h, i, gate=names[0], up=names[1], down=names[2])
     return out, notes
+
+
+def _check_experts_fit(prefix: str, e: int, experts: set[int], fused: Mapping[str, Mapping[str, tuple[int, ...]]],
+                       config: AdapterConfig | None, how: str) -> None:
+    """Refuse an E (from a base config, ``--num-experts`` or metadata) that the block's own shapes contradict:
+    read by it, a converted or inspected adapter would be another adapter, with no error."""
+    fix = "Give the base model the adapter was trained for (--base-config), or the right --num-experts."
+    if experts and max(experts) >= e:
+        raise ExpertCountError(f"MoE block {prefix!r} names expert {max(experts)}, but E = {e} ({how}). {fix}",
+                               key=prefix)
+    for module, ab in fused.items():
+        rows = ab["A"][0] if "A" in ab and len(ab["A"]) == 2 else None
+        # the config may name the fused tensor by its module or its parameter (gate_up_proj, down_proj)
+        ranks = ({config.rank_for(n) for n in (module, f"{prefix}.gate_up_proj", f"{prefix}.down_proj")}
+                 if config is not None else set())
+        if rows is None or (rows % e == 0 and (not ranks or rows // e in ranks)):
+            continue
+        per = f"{rows / e:g}" if rows % e else str(rows // e)
+        r = min(ranks) if ranks else None
+        told = f"; its config's r {r} makes E = {rows / r:g}" if r else ""
+        raise ExpertCountError(
+            f"MoE block {prefix!r}: fused {module!r} has lora_A of {rows} rows (r × E), which is "
+            f"{per} per expert with E = {e} ({how}){told}. {fix}", key=prefix)
 
 
 def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]], experts: set[int], h: int | None,

@@ -19,7 +19,7 @@ from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, plan_experts
 from vllm_lora_ext.unapplied import screen_unapplied
-from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_ranks
+from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_has_factors, check_ranks
 
 __all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "expert_pattern", "find_unmatched", "plan_adapter",
            "routes_experts_alike", "same_layer_block"]
@@ -200,6 +200,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         >>> plan_adapter(shapes, config_from_dict({"r": 4}), spec, router=PeftKeyRouter()).module_of
         {'base_model.model.m.q_proj.lora_A.weight': 'm.q_proj', 'base_model.model.m.q_proj.lora_B.weight': 'm.q_proj'}
     """
+    check_has_factors((classify_key(k).kind for k in shapes), adapter=name)
     if dtypes is not None:
         check_factor_dtypes(dtypes, adapter=name)
     check_ranks(shapes, [config.r, *config.rank_pattern.values()], model.max_rank, adapter=name)

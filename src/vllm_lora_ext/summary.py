@@ -17,7 +17,7 @@ from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.reader import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes
+from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes, check_has_factors
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
            "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
@@ -117,7 +117,8 @@ def check_declared_ranks(shapes: Mapping[str, tuple[int, ...]], config: AdapterC
 def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "adapter") -> list[Rule]:
     """The header rules of the loader, as calls that raise (see the module docstring); no tensor data is read."""
     dense = [k for k in header.shapes if classify_key(k).kind == "dense"]
-    return [lambda: check_factor_dtypes(header.dtypes, adapter=name),
+    return [lambda: check_has_factors((classify_key(k).kind for k in header.shapes), adapter=name),
+            lambda: check_factor_dtypes(header.dtypes, adapter=name),
             lambda: check_dense_factors(header.shapes, dense, adapter=name),
             lambda: check_declared_ranks(header.shapes, config, adapter=name)]
 

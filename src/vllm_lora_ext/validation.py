@@ -58,6 +58,20 @@ def check_factor_dtypes(dtypes: Mapping[str, str], *, adapter: str = "adapter") 
         _raise(adapter, bad, "Re-save the adapter in bfloat16, float16 or float32.", key=bad[0].split(" ")[0])
 
 
+def check_has_factors(kinds: Iterable[str], *, adapter: str = "adapter") -> None:
+    """Refuse an adapter with no LoRA factor at all (``kinds``: each tensor's key kind): served, it changes nothing.
+
+    Raises:
+        [`AdapterFormatError`]: naming how many tensors the file holds and what to check.
+    """
+    kinds = list(kinds)
+    if not any(k != "other" for k in kinds):
+        raise AdapterFormatError(
+            f"Adapter {adapter!r} holds no LoRA weights (its weight file has {len(kinds)} tensors, none a lora_A/"
+            f"lora_B factor), so serving or mixing it would change nothing. Save the trained adapter with PEFT's "
+            f"save_pretrained, not an empty file or the base model's weights.", adapter=adapter)
+
+
 def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[str],
                         dims: Mapping[str, ModuleDims] | None = None, *, module_of: Mapping[str, str] | None = None,
                         adapter: str = "adapter") -> None:

@@ -256,3 +256,48 @@ def test_inspect_uses_the_base_models_config_from_the_local_cache_and_says_so(
     out = capsys.readouterr().out
     assert "base config: acme/base-model (config.json from the local Hugging Face cache)" in out
     assert "E=8 H=32 I=12" in out and "sizes not settled" not in out
+
+
+@pytest.mark.parametrize("given", [["--base-config", "wrong"], ["--num-experts", str(E // 2)],
+                                   ["--num-experts", str(2 * E)]], ids=["base-config", "fewer", "more"])
+def test_sizes_given_that_contradict_the_adapter_are_refused_never_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], given: list[str]) -> None:
+    """A base config (or --num-experts) of another model read the fused rows r·E as other ranks: convert wrote a
+    wrong adapter with exit 0, and inspect --strict passed it (a newcomer's finding)."""
+    write_moe_adapter(tmp_path / "src", [make_truth(E, H, I, R, 1)], ["3d"], rank=R)
+    (tmp_path / "wrong.json").write_text(json.dumps({**BASE, "num_experts": 2 * E}))
+    given = [str(tmp_path / "wrong.json") if g == "wrong" else g for g in given]
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "out"), *given]) == 1
+    err = capsys.readouterr().err
+    assert f"lora_A of {R * E} rows (r × E)" in err and f"its config's r {R} makes E = {E}" in err, err
+    assert not (tmp_path / "out").exists()
+    if given[0] == "--base-config":
+        assert main(["inspect", "--strict", str(tmp_path / "src"), *given]) == 1
+        out = capsys.readouterr()
+        assert "the sizes given contradict the adapter" in out.out and "r × E" in out.out + out.err
+    assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "right")]) == 0  # control
+
+
+def test_an_adapter_with_no_lora_weights_is_refused_by_inspect_mix_and_the_loader(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    from vllm_lora_ext.config import config_from_dict
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter, plan_adapter
+    from vllm_lora_ext.validation import ModuleDims
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, str(empty / "adapter_model.safetensors"))
+    (empty / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                                           "peft_type": "LORA"}))
+    assert main(["inspect", "--strict", str(empty)]) == 1
+    assert "holds no LoRA weights (its weight file has 0 tensors" in capsys.readouterr().out
+    good = make_dense_adapter(tmp_path / "good")
+    assert main(["mix", str(good), str(empty), "-o", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no LoRA weights" in err and "unexpected" not in err and not (tmp_path / "m").exists()
+    spec = ModelSpec(frozenset({"m.q_proj"}), {"m.q_proj": ModuleDims(16, 16)})
+    with pytest.raises(AdapterFormatError, match="holds no LoRA weights"):
+        plan_adapter({}, config_from_dict({"r": 4}), spec, router=PeftKeyRouter())

@@ -13,8 +13,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("convert", help="rewrite MoE expert weights as 2D per-expert or PEFT 3D fused keys",
                        description="Rewrite an adapter's MoE blocks as 2D per-expert keys or PEFT 3D fused keys; the "
                                    "delta is kept exactly, dense modules are copied. Each block's E, H, I and projection "
-                                   "names are recorded in the output's weight file, so it converts back bit for bit "
-                                   "without --base-config. A dense adapter, or one already in that layout, is refused.")
+                                   "names are recorded in the output's weight file, so it converts back without "
+                                   "--base-config (3D -> 2D -> 3D bit for bit). PEFT's 3D gate_up_proj has one lora_A "
+                                   "for gate and up: 2D experts whose gate and up A differ become one A of twice the "
+                                   "rank (the delta is the same; serving needs that --max-lora-rank). A dense "
+                                   "adapter, or one already in that layout, is refused.")
     add_source(p)
     p.add_argument("--to", choices=["2d", "3d"], required=True, help="the layout to write")
     add_output(p, folder="output folder (PEFT format)", over="over the source")
@@ -36,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
         base, base_from = base_config_for(load_config(resolved, name=args.source), args.base_config)
         if base_from and not args.base_config:
             print(f"base config: {base_from}")
-        convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts, rename=args.rename,
-                        name=args.source)
-    print(f"wrote {out.path}")
+        written = convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts,
+                                  rename=args.rename, name=args.source)
+    before, after = load_config(resolved, name=args.source), load_config(resolve_offline(str(written)), name="output")
+    grown = max([after.r, *after.rank_pattern.values()]) > max([before.r, *before.rank_pattern.values()])
+    print(f"wrote {out.path}" + (f" (rank {max([after.r, *after.rank_pattern.values()])}: gate and up had different "
+                                 f"lora_A, which 3D's gate_up_proj shares; serve with --max-lora-rank that high)"
+                                 if grown else ""))
     return 0

@@ -73,7 +73,7 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
 
 
 def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *, name: str) -> dict[str, Any]:
-    from vllm_lora_ext.errors import ExpertLayoutError, VllmLoraExtError
+    from vllm_lora_ext.errors import ExpertCountError, ExpertLayoutError, VllmLoraExtError
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.formats.moe_plan import plan_experts
@@ -93,15 +93,19 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
     specs: dict[str, MoESpec] = {}
     notes: dict[str, str] = {}
     unsettled: dict[str, str] = {}
+    contradicted: dict[str, str] = {}
     for prefix, group in groups.items():  # block by block: one ambiguous block leaves the others inspected
         try:
-            found, why = infer_moe_specs(group, base_config=base_config, config=config, recorded=recorded)
+            found, why = infer_moe_specs(group, base_config=base_config, config=config, recorded=recorded,
+                                         base_from=base_from or "--base-config")
             specs.update(found)
             notes.update(why)
+        except ExpertCountError as err:  # sizes given that contradict the adapter: wrong, not just unknown
+            contradicted[prefix] = " ".join(str(err).split())
         except ExpertLayoutError as err:
             unsettled[prefix] = str(err)
-    blocks: dict[str, Any] = {}
-    problems: list[str] = []
+    blocks: dict[str, Any] = {prefix: {"contradicted": reason} for prefix, reason in contradicted.items()}
+    problems: list[str] = list(contradicted.values())
     for prefix, spec in specs.items():
         try:
             plan = plan_experts(groups[prefix], spec, config=config, adapter=name)
@@ -151,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"base config: {moe['base_config']}")
         print("MoE blocks (checked against E, H, I):")
         for prefix, b in list(blocks.items())[: None if args.all_modules else 12]:
+            if "contradicted" in b:
+                print(f"  {prefix}: the sizes given contradict the adapter (see its problem line)")
+                continue
             if "unsettled" in b:
                 print(f"  {prefix}: sizes not settled: {b['unsettled']}")
                 continue
