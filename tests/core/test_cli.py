@@ -301,3 +301,12 @@ def test_an_adapter_with_no_lora_weights_is_refused_by_inspect_mix_and_the_loade
     spec = ModelSpec(frozenset({"m.q_proj"}), {"m.q_proj": ModuleDims(16, 16)})
     with pytest.raises(AdapterFormatError, match="holds no LoRA weights"):
         plan_adapter({}, config_from_dict({"r": 4}), spec, router=PeftKeyRouter())
+
+
+def test_mix_takes_the_model_syntax_as_well_as_separate_items(tmp_path: Path) -> None:
+    a, b = make_dense_adapter(tmp_path / "a", seed=1), make_dense_adapter(tmp_path / "b", seed=2)
+    assert main(["mix", f"{a}=0.7", f"{b}=0.3", "-o", str(tmp_path / "apart")]) == 0
+    assert main(["mix", f"{a}=0.7+{b}=0.3", "-o", str(tmp_path / "joined")]) == 0
+    x = load_file(str(tmp_path / "apart" / "adapter_model.safetensors"))
+    y = load_file(str(tmp_path / "joined" / "adapter_model.safetensors"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

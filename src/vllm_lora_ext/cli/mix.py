@@ -8,6 +8,7 @@ file, ``hf:org/repo``). A missing ``=W`` takes the config's default weight (else
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,7 @@ def add_parser(sub: Any) -> None:
                                    "model; they are checked as the loader checks them before anything is written.")
     p.add_argument("items", nargs="+", metavar="NAME_OR_SOURCE=WEIGHT",
                    help=f"a name from --config (else {ENV_CONFIG}) or a source; '=WEIGHT' defaults to the config's "
-                        f"weight, else 1")
+                        f"weight, else 1; at most {MAX_MIX_COMPONENTS}. The model syntax 'a=0.7+b=0.3' works too")
     add_output(p, folder="output folder", over="over a source")
     p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
     add_base_config(p, needed_for="needed for 3D MoE inputs")
@@ -71,7 +72,18 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
     return resolve_offline(name), 1.0
 
 
+def _split_items(items: list[str]) -> list[str]:
+    """The items, with one written in the model syntax (``a=0.7+b=0.3``) split at its ``+`` (an existing path
+    holding ``+`` stays whole)."""
+    out: list[str] = []
+    for item in items:
+        whole = "+" not in item or os.path.exists(item) or os.path.exists(item.rpartition("=")[0])
+        out.extend([item] if whole else [part for part in item.split("+") if part])
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    args.items = _split_items(args.items)
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
     dep, where = _deployment(args.config)
