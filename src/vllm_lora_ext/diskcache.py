@@ -6,10 +6,9 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   downloaded (repo, commit, the files it placed, its last use). A revision the plugin only read from the
   cache (the user's own download, another model) is never listed, so never counted and never evicted.
   The bytes of a set of revisions are the bytes of the distinct blobs their files point at.
-- **Before a download** the Hub's file metadata (one ``HEAD``) gives the size; if the listed revisions plus
-  the new file would pass the bound, the least recently used revisions that nothing holds are evicted first,
-  whole, through huggingface_hub's ``scan_cache_dir().delete_revisions(...)``. **After it**, the bound is
-  checked again from the disk (for a Hub that did not tell the size).
+- **Before a download** the Hub's checked metadata ([`hubguard`]) gives the size; if the listed revisions plus
+  the new file would pass the bound, the least recently used revisions nothing holds are evicted first, whole
+  (``scan_cache_dir().delete_revisions``). **After it**, the bound is checked again from the disk.
 - **Never evicted:** a revision any live process holds ([`diskholds`]: pinned by the deployment config or
   ``--lora-modules``, a registered adapter or live mix, a resolve downloading it, a build reading it); a
   revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
@@ -22,8 +21,8 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   never both count on the same free room, and a slow download never keeps another adapter's resolve waiting.
   Recency (``last_use``) is the ledger's, shared by every process and server.
 
-With the bound off, downloads are still listed (best effort: a failure is logged, never raised), so
-``vllm-lora cache ls`` shows them and a bound set later knows what the plugin may evict.
+With the bound off, downloads are still listed (best effort: a failure is logged), so ``vllm-lora cache ls``
+shows them and a bound set later knows what the plugin may evict.
 """
 
 from __future__ import annotations
@@ -324,9 +323,6 @@ def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) 
     metrics.DISK_CACHE_BYTES.set(state.total())
 
 
-# -------------------------------------------------------------------------------------------- the entry points
-
-
 def _incoming(cache: Path, repo_id: str, facts: hubguard.HubFacts) -> tuple[int, str | None]:
     """The bytes a download adds, and its commit, from the Hub's checked metadata (0 if it did not tell)."""
     if facts.etag and (repo_folder(cache, repo_id) / "blobs" / facts.etag).exists():
@@ -364,9 +360,12 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
     if facts.failed is not None:  # retried already: the cache's copy of that revision, else the Hub's error
         try:
-            return fetch(local=True)
+            path = fetch(local=True)
         except Exception:
             raise facts.failed from None
+        logger.warning("%s:%s: the Hub did not answer (%s); using the cached copy of %s, which may be older than "
+                       "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
+        return path
     cap = facts.size if facts.size is not None else limit
     use = _RESOLVING.get()
     if use is not None:

@@ -127,9 +127,10 @@ def test_a_hub_busy_through_every_retry_costs_one_round_and_the_cache_still_answ
     assert 1 < len(heads) <= 7, heads  # one round of retries: what hf_hub_download alone sends (1 + 6)
 
 
-def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(hub: Any, repo: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unreachable Hub is not retried (huggingface_hub does not retry it either): the cache's copy answers."""
+def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(
+        hub: Any, repo: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An unreachable Hub is not retried (huggingface_hub does not retry it either): the cache's copy answers,
+    with a warning that it may be older than the Hub's."""
     import socket
     import time
 
@@ -143,6 +144,7 @@ def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(hub: Any
     again = resolve_source(repo)
     assert time.perf_counter() - t0 < 2.0
     assert again.weights_path == first.weights_path
+    assert "the Hub did not answer" in caplog.text and "may be older than the Hub's" in caplog.text
 
 
 def test_a_hub_that_accepts_and_never_answers_fails_after_one_timeout_naming_the_fix(
