@@ -114,8 +114,11 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
         if not isinstance(entry["source"], str):
             raise DeploymentConfigError(f"{where}: adapter {name!r}: 'source' must be a string such as "
                                         f"'hf:org/repo' or a path, got {short_repr(entry['source'])}.")
+        raw_source = entry["source"]
+        if path is not None and raw_source.startswith(("./", "../")):  # explicitly relative: to the config's folder
+            raw_source = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), raw_source))
         try:
-            source = parse_source(entry["source"])
+            source = parse_source(raw_source)
         except AdapterSourceError as err:
             raise DeploymentConfigError(f"{where}: adapter {name!r}: {err}") from err
         adapters[name] = DeploymentAdapter(name, source, _check_weight(name, entry.get("weight", 1.0), where=where))

@@ -41,3 +41,15 @@ def test_unknown_adapter_lists_known_names(tmp_path: Path) -> None:
     p.write_text(json.dumps({"adapters": {"a": "hf:x/y", "b": "hf:x/z"}}))
     with pytest.raises(DeploymentConfigError, match=r"\['a', 'b'\]"):
         read_deployment_config(p).get("c")
+
+
+def test_an_explicitly_relative_source_is_read_from_the_config_files_folder(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "conf" / "d.yaml"
+    path.write_text("adapters:\n  a: ./loras/a\n  b: ../shared/b\n")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    dep = read_deployment_config(path)
+    assert dep.adapters["a"].source.local_path == tmp_path / "conf" / "loras" / "a"
+    assert dep.adapters["b"].source.local_path == tmp_path / "shared" / "b"
