@@ -27,7 +27,7 @@ from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts
 from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import check_adapter_rules, load_config
-from vllm_lora_ext.validation import check_finite
+from vllm_lora_ext.validation import check_finite, not_lora_reason
 
 __all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "ep_read_plan",
            "MOE_SIZES_KEY", "recorded_moe_sizes", "require_safetensors"]
@@ -356,7 +356,8 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
         if kind == "dense":
             dense_keys.append(k)
         elif kind == "other":
-            raise AdapterFormatError(f"Adapter {name!r}: key {k!r} is not a LoRA weight.", adapter=name, key=k)
+            raise AdapterFormatError(f"Adapter {name!r}: key {k!r} is not a LoRA weight: {not_lora_reason(k)}.",
+                                     adapter=name, key=k)
     tensors = reader.read_many(dense_keys)
     check_finite(tensors, adapter=name)
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -17,7 +17,7 @@ from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.reader import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes, check_has_factors
+from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes, check_has_factors, not_lora_reason
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
            "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
@@ -225,7 +225,8 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
         ))
     others = [k for k in header.tensors if classify_key(k).kind == "other"]
     if others:
-        problems.append(f"{len(others)} tensors are not LoRA weights (first: {others[0]!r})")
+        what = "1 tensor is not a LoRA weight" if len(others) == 1 else f"{len(others)} tensors are not LoRA weights"
+        problems.append(f"{what} (first: {others[0]!r}): {not_lora_reason(others[0])}")
     return AdapterSummary(
         source=resolved.source.canonical(), weights_path=str(resolved.weights_path),
         config_path=str(resolved.config_path) if resolved.config_path else None, config_rule=resolved.config_rule,

@@ -58,6 +58,16 @@ def check_factor_dtypes(dtypes: Mapping[str, str], *, adapter: str = "adapter") 
         _raise(adapter, bad, "Re-save the adapter in bfloat16, float16 or float32.", key=bad[0].split(" ")[0])
 
 
+def not_lora_reason(key: str) -> str:
+    """Why a tensor that is no LoRA factor cannot be served, and the fix (for a message about ``key``)."""
+    if ".modules_to_save." in key or ".original_module." in key:
+        return ("it is a fully trained copy of a module (PEFT modules_to_save), which LoRA serving cannot apply; "
+                "retrain without modules_to_save, or merge the adapter into the base model and serve that")
+    if "lora_magnitude_vector" in key:
+        return "it is DoRA's magnitude vector, which vLLM does not apply; merge the adapter into the base model"
+    return "only lora_A/lora_B factors are served; remove it from the weight file"
+
+
 def check_has_factors(kinds: Iterable[str], *, adapter: str = "adapter") -> None:
     """Refuse an adapter with no LoRA factor at all (``kinds``: each tensor's key kind): served, it changes nothing.
 
