@@ -259,12 +259,21 @@ def test_measure_gap_refuses_runs_over_other_positions_and_counts_nan_as_infinit
         judge({BASE: [[0.0]], FULL: [[0.0]]}, {BASE: [[0.0]], FULL: [[0.0]]}, ["attention"])
 
 
-def test_verify_without_a_gpu_says_so_and_exits_2_before_reading_anything(tmp_path: Path) -> None:
+def test_verify_names_a_missing_adapter_first_and_without_a_gpu_says_so_and_exits_2(tmp_path: Path) -> None:
+    """A mistyped adapter is named here at once (not only on the GPU machine); a good one, without a GPU, exits 2
+    saying what verify needs, before reading the model."""
+    from factories import make_dense_adapter
+
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "verify", "org/model", str(tmp_path / "missing")],
                          capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and "missing' does not exist" in out.stderr, out.stderr
+    good = make_dense_adapter(tmp_path / "good")
+    out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "verify", "org/model", str(good)],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert "needs a CUDA GPU" in out.stderr and "missing" not in out.stderr and "Traceback" not in out.stderr
+    assert "cannot run here: it runs vLLM and HF transformers on a CUDA GPU" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_verify_is_a_listed_command_with_its_options(capsys: pytest.CaptureFixture[str]) -> None:

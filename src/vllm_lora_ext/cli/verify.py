@@ -102,12 +102,12 @@ def gpu_problem() -> str | None:
 
     problems = []
     if not torch.cuda.is_available():
-        problems.append("a CUDA GPU and none is visible here (torch.cuda.is_available() is False): it runs vLLM and "
-                        "HF transformers on the GPU. Run it on a machine with an NVIDIA GPU")
+        problems.append("it runs vLLM and HF transformers on a CUDA GPU, and none is visible here "
+                        "(torch.cuda.is_available() is False): run it on a machine with an NVIDIA GPU")
     missing = [m for m in ("vllm", "transformers", "peft") if importlib.util.find_spec(m) is None]
     if missing:
-        problems.append(f"{', '.join(missing)}: install them (pip install 'vllm-lora-ext[vllm]' transformers peft)")
-    return f"vllm-lora verify needs {'; and '.join(problems)}." if problems else None
+        problems.append(f"it needs {', '.join(missing)}: pip install 'vllm-lora-ext[vllm]' transformers peft")
+    return f"vllm-lora verify cannot run here: {'; and '.join(problems)}." if problems else None
 
 
 def _hub_or_path(model: str) -> tuple[str, str]:
@@ -265,6 +265,9 @@ def _compare(args: argparse.Namespace, work: Path) -> VerifyReport:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_lora_ext.cli._args import resolve_offline
+
+    resolve_offline(args.adapter)  # a mistyped adapter answers here, not on the GPU machine
     problem = gpu_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
