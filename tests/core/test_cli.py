@@ -310,3 +310,12 @@ def test_mix_takes_the_model_syntax_as_well_as_separate_items(tmp_path: Path) ->
     x = load_file(str(tmp_path / "apart" / "adapter_model.safetensors"))
     y = load_file(str(tmp_path / "joined" / "adapter_model.safetensors"))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_the_log_flags_work_after_the_command_too() -> None:
+    from vllm_lora_ext.cli import _parser
+
+    assert _parser().parse_args(["inspect", "-vv", "x"]).verbose == 2
+    assert _parser().parse_args(["-v", "mix", "a", "-o", "o"]).verbose == 1
+    assert _parser().parse_args(["fetch", "-q", "hf:a/b"]).quiet is True
+    assert _parser().parse_args(["fetch", "hf:a/b"]).quiet is False

@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="vllm-lora", description="Inspect, fetch, convert and mix LoRA adapters for vLLM.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
-    p.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    p.add_argument("-q", "--quiet", action="store_true", help="log errors only (results still print)")
     sub = p.add_subparsers(dest="command", required=True)
     inspect.add_parser(sub)
     fetch.add_parser(sub)
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     from vllm_lora_ext.cli import cache as cache_cli  # issue 41: the disk tier
 
     cache_cli.add_parser(sub)
+    for command in sub.choices.values():  # the same flags after the command: 'vllm-lora inspect -v X'
+        command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
