@@ -83,7 +83,13 @@ class OutputClaim(os.PathLike[str]):
 
     def acquire(self) -> OutputClaim:
         """Take the lock (refused at once if another process holds it), then remove a killed run's leftovers."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise OutputPathError(f"Cannot write into {str(self.path.parent)!r} ({err.strerror or err}), so not "
+                                  f"{str(self.path)!r} either. Choose an output folder you can write to.") from err
+        os.close(fd)
         while True:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:

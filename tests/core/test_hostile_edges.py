@@ -95,3 +95,12 @@ def test_a_duplicate_key_hidden_behind_escaped_field_names_is_refused(tmp_path: 
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(Exception, match="duplicate key 'w'"):
         read_header(path)
+
+
+def test_an_output_folder_that_cannot_be_written_is_named_with_the_fix(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_dense_adapter(tmp_path / "a")
+    assert main(["mix", str(a), "-o", "/proc/x"]) == 1
+    err = capsys.readouterr().err
+    assert "Cannot write into '/proc'" in err and "Choose an output folder you can write to" in err
+    assert "Errno" not in err
