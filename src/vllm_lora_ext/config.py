@@ -164,7 +164,7 @@ def _check_supported(raw: Mapping[str, Any], name: str) -> None:
         problems.append(f"peft_type={peft_type!r} is not LoRA (only LoRA adapters can be served); use a LoRA adapter")
     for key, bad, what, fix in _REJECT:
         if key in raw and bad(raw[key]):
-            problems.append(f"{what}; {fix}")
+            problems.append(f"{what}: {fix[0].lower()}{fix[1:]}")
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().split("_")[0] in {"pissa", "olora", "corda", "loftq"}:
         problems.append(f"init_lora_weights={init!r} changes the base weights, so the adapter alone is wrong on the "
@@ -211,7 +211,7 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter",
     p = Path(path)
     try:
         raw = read_json_capped(p, MAX_CONFIG_BYTES, f"Adapter {name!r}: config", roots=roots, adapter=name,
-                               fix="an adapter_config.json is a few KiB. Fix or replace it.")
+                               fix="fix or replace it.")
     except OSError as err:
         if isinstance(err, VllmLoraExtError):  # outside the allowed roots
             raise

@@ -110,7 +110,8 @@ def config_from_mapping(raw: Mapping[str, Any], *, path: Path | None = None) -> 
             raise DeploymentConfigError(f"{where}: adapter {name!r} needs a 'source'.")
         extra = set(entry) - {"source", "weight"}
         if extra:
-            raise DeploymentConfigError(f"{where}: adapter {name!r} has unknown keys {short_repr(sorted(map(str, extra)))}.")
+            raise DeploymentConfigError(f"{where}: adapter {name!r} has unknown keys {short_repr(sorted(map(str, extra)))}; "
+                                        f"an adapter takes 'source' and 'weight'.")
         if not isinstance(entry["source"], str):
             raise DeploymentConfigError(f"{where}: adapter {name!r}: 'source' must be a string such as "
                                         f"'hf:org/repo' or a path, got {short_repr(entry['source'])}.")
