@@ -103,8 +103,8 @@ def test_inspect_shows_the_tensors_of_an_adapter_whose_config_the_loader_refuses
     assert main(["inspect", "x", "--strict"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith(Q) for line in out)
-    assert ("problem: Adapter 'x' cannot be served: DoRA (use_dora=true) is not supported by vLLM's LoRA kernels; "
-            "Merge the magnitude vector into the base model, or retrain without DoRA.") in out
+    assert ("problem: Adapter 'x' cannot be served: DoRA (use_dora=true) is not supported by vLLM's LoRA kernels: "
+            "merge the magnitude vector into the base model, or retrain without DoRA.") in out
 
 
 def test_convert_and_mix_refuse_factors_holding_nan_and_write_nothing(
