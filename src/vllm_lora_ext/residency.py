@@ -101,7 +101,8 @@ def home_order(key: str, replicas: Sequence[R]) -> list[R]:
         True
     """
     def weight(replica: R) -> bytes:
-        return hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest()
+        # surrogatepass: a client-chosen id may hold a lone surrogate (valid JSON), which must rank, not raise
+        return hashlib.blake2b(f"{key}\0{replica}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
     return sorted(replicas, key=weight, reverse=True)
 

@@ -67,6 +67,15 @@ _ERROR_RESPONSE_MODULES = (
 )
 
 
+def is_base_model(serving: Any, model: str) -> bool:
+    """Whether ``model`` is a served model name of ``serving`` (an OpenAI serving object).
+
+    vLLM's ``_is_model_supported`` says yes to every name under ``VLLM_SKIP_MODEL_NAME_VALIDATION``, so the
+    served names themselves are asked where vLLM has ``OpenAIServingModels.is_base_model``."""
+    is_base = getattr(getattr(serving, "models", None), "is_base_model", None)
+    return bool(is_base(model)) if callable(is_base) else bool(serving._is_model_supported(model))
+
+
 def error_response(message: str, *, err_type: str, status: int) -> Any:
     """Build vLLM's ``ErrorResponse`` for an HTTP client (the module that builds it moved between releases).
 

@@ -27,6 +27,7 @@ from typing import Any
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MIX_PREFIX, mix_wait_seconds
 from vllm_lora_ext.errors import MixCapacityError, MixError
+from vllm_lora_ext.integration._compat import is_base_model
 from vllm_lora_ext.mixing import MixSpec
 from vllm_lora_ext.naming import reserved_part
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
@@ -168,7 +169,7 @@ def refuse_mix(serving: Any, request: Any) -> None:
     if lora is not None:
         is_mix = str(lora.lora_path).startswith(MIX_PREFIX)
     else:
-        is_mix = isinstance(model, str) and reserved_part(model) is not None and not serving._is_model_supported(model)
+        is_mix = isinstance(model, str) and reserved_part(model) is not None and not is_base_model(serving, model)
     if fields or is_mix:
         what = f"the field(s) {', '.join(fields)}" if fields else f"model {short_repr(model)}"
         raise MixError(f"This route does not serve adapter mixes, and the request names one ({what}). Mixes are "

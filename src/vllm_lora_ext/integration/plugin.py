@@ -128,9 +128,9 @@ PATCHES: tuple[Patch, ...] = (
           writes=(f"OpenAIServingModels.{DISK_HOLDS_ATTR}", f"OpenAIServingModels.{PINNED_NAMES_ATTR}",
                   "LoadLoRAAdapterRequest.lora_path"),
           why="resolve (download) a source in a thread and pin it before the engine sees it; refuse names the mix "
-              "grammar reserves (+, =, mix-), client mix: paths and paths outside VLLM_LORA_EXT_ALLOWED_ROOTS; "
-              "build a new adapter in the background before vLLM registers it; hold the hub revisions of registered "
-              "adapters in the disk cache (issue 41)",
+              "grammar reserves (+, =, mix-), the operator's names, client mix: paths and paths outside "
+              "VLLM_LORA_EXT_ALLOWED_ROOTS; build a new or replaced (load_inplace) adapter in the background before "
+              "vLLM registers it; hold the hub revisions of registered adapters in the disk cache (issue 41)",
           delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), server_patches.make_init_static_loras,
           process="server", writes=(f"OpenAIServingModels.{DEPLOYMENT_ATTR}",),
@@ -213,6 +213,12 @@ PATCHES: tuple[Patch, ...] = (
               "types from the tables shipped for this GPU (vLLM's own lookup then picks the nearest keys); every "
               "other op type, and the cases the row above leaves to vLLM, go to vLLM's loader",
           delete_when="as FusedMoEWithLoRA._build_lora_context"),
+    Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.unload_lora_adapter", ("request",),
+          server_patches.make_unload_lora_adapter, process="server",
+          writes=("OpenAIServingModels.lora_resolver_lock",),
+          why="a client may not unload the operator's adapters (--lora-modules, the deployment config) and load "
+              "its own under their names; the per-name lock vLLM keeps for every name ever asked for goes once free",
+          delete_when="vLLM protects configured adapters from runtime unloads and frees its per-name locks"),
 )
 
 

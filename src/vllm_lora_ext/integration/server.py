@@ -28,7 +28,6 @@ from typing import Any
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import clip, short_repr
 from vllm_lora_ext.constants import (
-    MAX_MESSAGE_CHARS,
     MAX_MODEL_FIELD_CHARS,
     MIX_NAME_PREFIX,
     MIX_PREFIX,
@@ -40,19 +39,20 @@ from vllm_lora_ext.constants import (
 )
 from vllm_lora_ext.errors import (
     AdapterAccessError,
-    AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,
     DiskCacheFullError,
     MixCapacityError,
     MixError,
     MixIdCollisionError,
+    OperatorNameError,
     RemoteError,
     VllmLoraExtError,
     error_from_text,
     is_rebuilt,
 )
-from vllm_lora_ext.integration._compat import error_response, lora_config_of, never_generates
+from vllm_lora_ext.integration._compat import error_response, is_base_model, lora_config_of, never_generates
+from vllm_lora_ext.integration.build_errors import build_failure, worker_reason
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
     _KEY_LOCKS,
     KeyLock,
@@ -87,7 +87,7 @@ def http_error(err: BaseException) -> Any:
     metrics.record_error(err, where="server")
     if isinstance(err, AdapterNotFoundError):
         return error_response(err.client_message(), err_type="NotFoundError", status=404)
-    if isinstance(err, AdapterAccessError):
+    if isinstance(err, (AdapterAccessError, OperatorNameError)):
         return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
     if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later (issue 41)
         return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
@@ -136,6 +136,21 @@ async def pre_resolve(request: Any) -> Any:
     return request
 
 
+def refuse_operator_name(models: Any, name: str, action: str) -> Any | None:
+    """A 403 when a client would ``action`` (load over, unload) an adapter name the operator set, else ``None``."""
+    if STARTUP.get():  # the operator's own start-up loads
+        return None
+    names = {m.name for m in (getattr(models, "static_lora_modules", None) or [])}
+    deployment = getattr(models, DEPLOYMENT_ATTR, None)
+    names.update(deployment.adapters if deployment is not None else ())
+    if name not in names:
+        return None
+    return http_error(OperatorNameError(
+        f"Adapter {short_repr(name)} is set by this server's operator (--lora-modules or the deployment config), so "
+        f"a client may not {action} it: it stays what the operator configured for every client. Load your adapter "
+        f"under another name.", name=name))
+
+
 def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str | None]:
     """Names a request may use: registered adapters (pinned paths) plus the deployment's defaults."""
     deployment = getattr(models, DEPLOYMENT_ATTR, None)
@@ -155,13 +170,6 @@ def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | N
     return check_mix_fields(getattr(request, "adapters", None), getattr(request, "adapter_weights", None))
 
 
-def _is_base_model(serving: Any, model: str) -> bool:
-    """Whether ``model`` is a served model name (matched before any mix parsing: ``acme/llama+sft`` is a name).
-
-    vLLM's ``_is_model_supported`` says yes to every name under ``VLLM_SKIP_MODEL_NAME_VALIDATION``, so the
-    served names themselves are asked where they can be."""
-    is_base = getattr(serving.models, "is_base_model", None)
-    return bool(is_base(model)) if callable(is_base) else bool(serving._is_model_supported(model))
 
 
 # ------------------------------------------------------------------------------------------- background builds
@@ -233,30 +241,6 @@ async def _probe(engine_client: Any, probe: Any) -> bool:
         if crossed is None:
             raise
         raise crossed from err
-
-
-_MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
-# vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
-# through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
-_VLLM_NOT_FOUND = "No adapter found"
-
-
-def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
-    """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
-    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason.
-
-    The worker's error is read from its record (`errors.with_record`), which crosses inside the text vLLM hands
-    back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
-    without the plugin, by vLLM's own not-found text.
-    """
-    typed = is_rebuilt(err) or isinstance(err, VllmLoraExtError)  # read once already: never again (a name in it)
-    crossed = None if typed else error_from_text(str(err))
-    text = str(crossed or err)
-    text = text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
-    message = f"Adapter {name!r} could not be loaded: {text}"
-    if isinstance(crossed or err, AdapterNotFoundError) or (not typed and crossed is None and _VLLM_NOT_FOUND in text):
-        return AdapterNotFoundError(message, source=clip(source), public_message=message)
-    return AdapterFormatError(message, adapter=name)
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -369,7 +353,11 @@ async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntr
     except Exception as err:  # the worker's message names the problem (rank, keys, ...)
         reg.remove(spec)
         metrics.MIXES_ACTIVE.set(len(reg))
-        raise MixError(f"Mix {name!r} could not be loaded: {short_repr(str(err))[1:-1]}") from err
+        crossed = None if is_rebuilt(err) or isinstance(err, VllmLoraExtError) else error_from_text(str(err))
+        text, public = worker_reason(crossed or err)
+        failed = MixError(f"Mix {name!r} could not be loaded: {text}")
+        failed.public_message = f"Mix {name!r} could not be loaded: {public}"
+        raise failed from err
     models.lora_requests[name] = req
     recently_used(models.engine_client).touch(req.lora_path)
     metrics.MIXES_REGISTERED.inc()
@@ -428,10 +416,10 @@ async def _route(serving: Any, request: Any) -> Any:
     if adapters is None and weights is not None:
         raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")
     if adapters is None and model and model not in models.lora_requests and reserved_part(model) is not None \
-            and not _is_base_model(serving, model):
+            and not is_base_model(serving, model):
         adapters, weights = mix_in_model(model, sources=sources, default_weights=default_weights)
     elif adapters is None:
-        if not generates or not default or (model and not serving._is_model_supported(model)):
+        if not generates or not default or (model and not is_base_model(serving, model)):
             if generates:
                 await build_if_evicted(models, model)
                 _hold_named_mix(models, request)

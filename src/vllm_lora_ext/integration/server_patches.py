@@ -19,14 +19,18 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         from vllm.lora.request import LoRARequest
 
         from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, pre_resolve,
-                                                      recently_used, sync_disk_holds)
+                                                      recently_used, refuse_operator_name, sync_disk_holds)
 
+        refused = refuse_operator_name(self, request.lora_name, "load over")
+        if refused is not None:
+            return refused
         await sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
             return request_or_error  # an ErrorResponse
         name, path = request_or_error.lora_name, request_or_error.lora_path
-        if name not in self.lora_requests and path:  # a new adapter: build it off the engine loop first
+        replace = getattr(request_or_error, "load_inplace", False)
+        if (name not in self.lora_requests or replace) and path:  # new, or replaced: build off the engine loop first
             try:
                 await ensure_built(self.engine_client, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
             except Exception as err:
@@ -38,6 +42,26 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return load_lora_adapter
+
+
+def make_unload_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``unload_lora_adapter``: refuse the operator's names; drop the name's lock once it is free."""
+
+    async def unload_lora_adapter(self: Any, request: Any) -> Any:
+        from vllm_lora_ext.integration.server import refuse_operator_name
+
+        refused = refuse_operator_name(self, request.lora_name, "unload")
+        if refused is not None:
+            return refused
+        try:
+            return await original(self, request)
+        finally:  # vLLM keeps one lock per name ever asked for: a client's made-up names would pile up
+            locks = getattr(self, "lora_resolver_lock", None)
+            lock = locks.get(request.lora_name) if isinstance(locks, dict) else None
+            if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+                del locks[request.lora_name]
+
+    return unload_lora_adapter
 
 
 def make_init_static_loras(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,48 @@
+"""A failed adapter or mix build, typed for the client: the worker's reason, capped, without server folders.
+
+A build runs in the engine's worker; its error crosses back inside the text vLLM hands the API server for the
+failed engine call, with the plugin's error record (`errors.with_record`) when the worker runs the plugin.
+"""
+
+from __future__ import annotations
+
+from vllm_lora_ext._util import clip
+from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
+from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, VllmLoraExtError, error_from_text,
+                                  is_rebuilt)
+
+__all__ = ["build_failure", "worker_reason"]
+
+_MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
+# vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
+# through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
+_VLLM_NOT_FOUND = "No adapter found"
+
+
+def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
+    """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
+    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason.
+
+    The worker's error is read from its record (`errors.with_record`), which crosses inside the text vLLM hands
+    back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
+    without the plugin, by vLLM's own not-found text.
+    """
+    typed = is_rebuilt(err) or isinstance(err, VllmLoraExtError)  # read once already: never again (a name in it)
+    crossed = None if typed else error_from_text(str(err))
+    text, public = worker_reason(crossed or err)
+    message, public = f"Adapter {name!r} could not be loaded: {text}", f"Adapter {name!r} could not be loaded: {public}"
+    if isinstance(crossed or err, AdapterNotFoundError) or (not typed and crossed is None and _VLLM_NOT_FOUND in text):
+        return AdapterNotFoundError(message, source=clip(source), public_message=public)
+    failed = AdapterFormatError(message, adapter=name)
+    failed.public_message = public
+    return failed
+
+
+def worker_reason(err: BaseException) -> tuple[str, str]:
+    """A failed build's reason for the log and for the client (its ``client_message``: no server folders), each
+    capped at ``MAX_MESSAGE_CHARS``."""
+    def cap(text: str) -> str:
+        return text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
+
+    public = err.client_message() if isinstance(err, VllmLoraExtError) else str(err)
+    return cap(str(err)), cap(public)
