@@ -366,7 +366,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         logger.warning("%s:%s: the Hub did not answer (%s); using the cached copy of %s, which may be older than "
                        "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
         return path
-    cap = facts.size if facts.size is not None else limit
+    cap = None if facts.xet else facts.size if facts.size is not None else limit  # hf_xet swallows the cap's error
     use = _RESOLVING.get()
     if use is not None:
         use.take_hold()

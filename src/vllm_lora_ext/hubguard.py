@@ -9,9 +9,10 @@ So before a download (the one place is [`diskcache.download_file`]):
 1. `head` asks for the file's metadata once and refuses an ETag that is not one plain file name or a commit that is
    not 40 hex digits, also on a 404 (huggingface_hub marks a missing file under the commit it was told);
 2. the download's byte counter (`capped`) stops the transfer once it passes the size announced (or, when none was,
-   the disk cache bound), and huggingface_hub removes its partial file;
+   the disk cache bound), and huggingface_hub removes its partial file. Not for a file in Xet storage: hf_xet
+   catches errors raised in its progress callbacks, so there only the bound's check after the download holds;
 3. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder or resolves outside
-   it: a Hub that answers huggingface_hub's own request otherwise than the plugin's is caught there.
+   the cache: a Hub that answers huggingface_hub's own request otherwise than the plugin's is caught there.
 
 Each refusal is a [`HubAnswerError`] naming the header, its value and the endpoint.
 """
@@ -33,7 +34,7 @@ __all__ = ["HubFacts", "capped", "check_commit", "check_etag", "contained", "hea
 logger = logging.getLogger(__name__)
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
-ETAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # a sha256, a git blob sha, an S3 "md5-parts"
+ETAG_BAD = re.compile(r"[/\\\x00]|^\.|\.\.")  # a separator, NUL, a leading dot or "..": not one plain file name
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class HubFacts:
     commit: str | None = None
     etag: str | None = None
     failed: BaseException | None = None  # the Hub was busy or unreachable through every retry
+    xet: bool = False  # served from Xet storage, whose transfer reports no bytes the cap could stop
 
 
 def _endpoint() -> str:
@@ -68,7 +70,7 @@ def check_commit(value: str | None, source: str) -> str | None:
 
 def check_etag(value: str | None, source: str) -> str | None:
     """Return ``value`` if it can name a blob file (or ``None``), else raise [`HubAnswerError`]."""
-    if value is not None and (not ETAG.fullmatch(value) or ".." in value):
+    if value is not None and (not value or len(value.encode("utf-8", "surrogatepass")) > 200 or ETAG_BAD.search(value)):
         raise _refuse(source, "ETag", value, "not a plain file name (a blob in the cache is named by it)")
     return value
 
@@ -100,7 +102,7 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
                 return HubFacts(failed=err)
     commit, etag = check_commit(meta.commit_hash, source), check_etag(meta.etag, source)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
-    return HubFacts(size=size, commit=commit, etag=etag)
+    return HubFacts(size=size, commit=commit, etag=etag, xet=getattr(meta, "xet_file_data", None) is not None)
 
 
 def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
@@ -127,15 +129,18 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
 
 
 def contained(path: str, repo: Path, *, source: str) -> str:
-    """Return ``path`` if it is ``snapshots/<sha>/…`` of ``repo`` (the repo's cache folder) and resolves inside it."""
-    absolute = Path(os.path.abspath(path))
-    snapshots = Path(os.path.abspath(repo / "snapshots"))
-    parts = absolute.relative_to(snapshots).parts if absolute.is_relative_to(snapshots) else ()
-    real, inside = os.path.realpath(absolute), os.path.realpath(repo)
+    """Return ``path`` if it is ``snapshots/<sha>/…`` of ``repo`` (the repo's cache folder) and resolves inside the
+    Hugging Face cache that holds it (huggingface_hub 2's xet store keeps blobs in ``<cache>/blobs``, shared by
+    every repo). The folders are compared resolved, so a cache reached through a link is the same cache."""
+    snapshots = os.path.realpath(repo / "snapshots")
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))  # the file itself stays a link
+    inside_snapshots = os.path.commonpath([folder, snapshots]) == snapshots
+    parts = (*Path(os.path.relpath(folder, snapshots)).parts, os.path.basename(path)) if inside_snapshots else ()
+    real, cache = os.path.realpath(path), os.path.realpath(repo.parent)
     if len(parts) < 2 or not COMMIT.fullmatch(parts[0]) or ".." in parts:
         why = "is not a snapshot of a commit in the repo's cache folder"
-    elif os.path.commonpath([real, inside]) != inside:
-        why = "links outside the repo's cache folder"
+    elif os.path.commonpath([real, cache]) != cache:
+        why = "links outside the Hugging Face cache"
     else:
         return path
     public = (f"The cached file of {source!r} {why}: the Hub at {_endpoint()!r} answered huggingface_hub otherwise "

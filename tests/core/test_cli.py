@@ -319,3 +319,12 @@ def test_the_log_flags_work_after_the_command_too() -> None:
     assert _parser().parse_args(["-v", "mix", "a", "-o", "o"]).verbose == 1
     assert _parser().parse_args(["fetch", "-q", "hf:a/b"]).quiet is True
     assert _parser().parse_args(["fetch", "hf:a/b"]).quiet is False
+    assert _parser().parse_args(["cache", "ls", "-v"]).verbose == 1  # a nested command too
+
+
+def test_mix_splits_only_the_model_syntax() -> None:
+    from vllm_lora_ext.cli.mix import _split_items
+
+    assert _split_items(["a=0.7+b=0.3"]) == ["a=0.7", "b=0.3"]
+    for whole in ("hf:org/repo@v1+build=0.5", "a=1e+0", "hf:o/r:sub+dir/x.safetensors", "a+b"):
+        assert _split_items([whole]) == [whole]

@@ -40,7 +40,7 @@ def files_outside(root: Path, cache: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p != cache and cache not in p.parents]
 
 
-@pytest.mark.parametrize("etag", ["../../../outside/blob", "a/b", "..", "x" * 200])
+@pytest.mark.parametrize("etag", ["../../../outside/blob", "a/b", "..", ".hidden", "x" * 300])
 def test_an_etag_that_is_not_a_file_name_is_refused_before_any_write(
         hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path, etag: str) -> None:
     hub.lies[WEIGHTS] = {"etag": etag}
@@ -99,7 +99,7 @@ def test_a_cached_link_out_of_the_cache_is_not_read(hub: Any, repo: str, isolate
     link.unlink()
     os.symlink(outside, link)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(HubAnswerError, match="links outside the repo's cache folder") as info:
+    with pytest.raises(HubAnswerError, match="links outside the Hugging Face cache") as info:
         resolve_source(f"{repo}@{sha}")
     assert str(tmp_path) not in info.value.client_message()
 
@@ -166,3 +166,37 @@ def test_a_hub_that_accepts_and_never_answers_fails_after_one_timeout_naming_the
         with pytest.raises(AdapterDownloadError, match="did not answer in time .*HF_HUB_OFFLINE=1"):
             resolve_source("hf:acme/silent")
         assert time.perf_counter() - t0 < 30
+
+
+def _local_cache(root: Path, *, shared: bool) -> None:
+    """A cached ``org/ad`` at one commit: its blob in the repo folder, or (``shared``) a link into huggingface_hub
+    2's xet store, ``<cache>/blobs/<xx>/<hash>``, which every repo of the cache shares."""
+    sha, etag, xet = "a" * 40, "c" * 64, "b" * 64
+    repo = root / "models--org--ad"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    (repo / "blobs").mkdir()
+    snap = repo / "snapshots" / sha
+    snap.mkdir(parents=True)
+    if shared:
+        store = root / "blobs" / xet[:2]
+        store.mkdir(parents=True)
+        (store / xet).write_bytes(b"{}")
+        os.symlink(os.path.relpath(store / xet, repo / "blobs"), repo / "blobs" / etag)
+    else:
+        (repo / "blobs" / etag).write_bytes(b"{}")
+    os.symlink(f"../../blobs/{etag}", snap / "adapter_config.json")
+
+
+@pytest.mark.parametrize("layout", ["xet-store", "cache-through-a-link"])
+def test_honest_cache_layouts_are_read(tmp_path: Path, layout: str) -> None:
+    """huggingface_hub 2's shared xet store, and a cache folder reached through a symlink (HF_HOME on a link)."""
+    from vllm_lora_ext import diskcache
+
+    _local_cache(tmp_path / "real", shared=layout == "xet-store")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    cache = tmp_path / ("link" if layout == "cache-through-a-link" else "real")
+    for revision in (None, "a" * 40):
+        path = diskcache.download_file("org/ad", "adapter_config.json", revision=revision, cache_dir=cache,
+                                       local_files_only=True)
+        assert Path(path).read_bytes() == b"{}"

@@ -40,10 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     from vllm_lora_ext.cli import cache as cache_cli  # issue 41: the disk tier
 
     cache_cli.add_parser(sub)
-    for command in sub.choices.values():  # the same flags after the command: 'vllm-lora inspect -v X'
+    _flags_after(sub)
+    return p
+
+
+def _flags_after(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The same -v/-q after a command (and a nested one): 'vllm-lora inspect -v X', 'vllm-lora cache ls -v'."""
+    for command in sub.choices.values():
         command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         command.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    return p
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _flags_after(action)
 
 
 @contextlib.contextmanager

@@ -73,12 +73,14 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
 
 
 def _split_items(items: list[str]) -> list[str]:
-    """The items, with one written in the model syntax (``a=0.7+b=0.3``) split at its ``+`` (an existing path
-    holding ``+`` stays whole)."""
+    """The items, with one written in the model syntax (``a=0.7+b=0.3``) split at its ``+``: only where every part
+    is ``NAME=WEIGHT``, so ``hf:org/repo@v1+build``, ``a=1e+0`` and an existing path holding ``+`` stay whole."""
     out: list[str] = []
     for item in items:
-        whole = "+" not in item or os.path.exists(item) or os.path.exists(item.rpartition("=")[0])
-        out.extend([item] if whole else [part for part in item.split("+") if part])
+        parts = item.split("+")
+        whole = (len(parts) < 2 or os.path.exists(item) or os.path.exists(item.rpartition("=")[0])
+                 or not all(p.rpartition("=")[0] and p.rpartition("=")[2] for p in parts))
+        out.extend([item] if whole else parts)
     return out
 
 
