@@ -220,7 +220,7 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
             continue
         modules.append(ModuleSummary(
             module=module, kind=kind, rank=rank, alpha=config.alpha_for(module),
-            scaling=config.scaling_for(module, rank), shape_a=a.shape, shape_b=b.shape,
+            scaling=config.scaling_for(module), shape_a=a.shape, shape_b=b.shape,
             dtype=a.dtype if a.dtype == b.dtype else f"{a.dtype}/{b.dtype}", nbytes=a.nbytes + b.nbytes,
         ))
     others = [k for k in header.tensors if classify_key(k).kind == "other"]
