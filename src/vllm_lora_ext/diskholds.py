@@ -107,6 +107,10 @@ class _Root:
         self.holds: dict[str, dict[str, Any]] = {}
 
     def take_owner(self) -> None:
+        if self.owner is not None and not os.path.exists(self.owner.lock_file):  # an operator removed .locks
+            with contextlib.suppress(Exception):
+                self.owner.release(force=True)
+            self.owner = None
         if self.owner is None:
             from filelock import FileLock
 
@@ -118,6 +122,7 @@ class _Root:
     def write(self) -> None:
         if self.owner is None and not self.holds:
             return  # never held anything: no holds file (its folder may not exist yet)
+        self.take_owner()  # again if the folder went: other processes must see these holds
         write_in_place(self.root / "holds" / f"{self.name}.json",
                        json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
 

@@ -60,7 +60,8 @@ class PrebuildTable(Generic[T]):
         self._lock = threading.RLock()  # a build that finishes at once runs its callback inside _start
         self._building: dict[Hashable, Future[T]] = {}
         self._ready: OrderedDict[Hashable, tuple[T, int, float]] = OrderedDict()  # value, bytes, finished at
-        self._failed: dict[Hashable, BaseException] = {}
+        self._failed: OrderedDict[Hashable, BaseException] = OrderedDict()  # untaken failures, oldest first
+        self._failed_at: dict[Hashable, float] = {}
         self.builds_started = 0
         self.dropped = 0
 
@@ -157,11 +158,17 @@ class PrebuildTable(Generic[T]):
 
     # ------------------------------------------------------------------------------------- internals
 
-    def _expire(self) -> None:  # under the lock: drop results nobody took within ttl_s
+    def _expire(self) -> None:  # under the lock: drop results and failures nobody took within ttl_s
         now = self._clock()
         for key in [k for k, entry in self._ready.items() if now - entry[2] > self.ttl_s]:
             del self._ready[key]
             self.dropped += 1
+        for key in [k for k in self._failed if now - self._failed_at.get(k, now) > self.ttl_s]:
+            del self._failed[key]
+        while len(self._failed) > _MAX_FAILED:  # a failure holds only its error (frames cleared), but not forever
+            self._failed.popitem(last=False)
+        for key in [k for k in self._failed_at if k not in self._failed]:
+            del self._failed_at[key]
 
     def _start(self, key: Hashable) -> None:  # under the lock
         future = self._pool.submit(self._build, key)
@@ -184,7 +191,9 @@ class PrebuildTable(Generic[T]):
                 return  # discarded while building
             del self._building[key]
             if err is not None:
-                self._failed[key] = err
+                _clear_frames(err)  # the build's locals (its tensors) go with its frames; the stack stays readable
+                self._failed[key], self._failed_at[key] = err, self._clock()
+                self._expire()
                 return
             self._ready[key] = (future.result(), size, self._clock())
             self._ready.move_to_end(key)
@@ -196,6 +205,21 @@ class PrebuildTable(Generic[T]):
                     break
                 total -= self._ready.pop(oldest)[1]
                 self.dropped += 1
+
+
+_MAX_FAILED = 256  # untaken failures kept (each only its error): keys a client polls once are bounded
+
+
+def _clear_frames(err: BaseException) -> None:
+    """Free the locals of every frame in ``err``'s traceback and its causes' (their file and line stay)."""
+    import traceback
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
 
 
 class RecentlyUsed:

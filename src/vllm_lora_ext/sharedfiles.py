@@ -16,6 +16,7 @@ have no lock and are never swept.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import tempfile
@@ -42,9 +43,13 @@ def claim_owner(folder: str, stem: str) -> str:
     key = (os.getpid(), os.path.realpath(folder), stem)
     with _GUARD:
         held = _HELD.get(key)
-        if held is not None:
+        if held is not None and _still_locked(os.path.join(folder, f"{stem}{held[0]}{_LOCK_SUFFIX}"), held[1]):
             return held[0]
-        tag = f"{os.getpid()}.{uuid.uuid4().hex[:12]}"
+        # A lock file that went (the folder was cleaned) is made again under the same tag: the files named for
+        # the tag stay this process's while it lives, and a sweep after it dies removes them.
+        if held is not None:
+            os.close(held[1])
+        tag = held[0] if held is not None else f"{os.getpid()}.{uuid.uuid4().hex[:12]}"
         final = os.path.join(folder, f"{stem}{tag}{_LOCK_SUFFIX}")
         temporary = final + ".new"
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -60,6 +65,14 @@ def claim_owner(folder: str, stem: str) -> str:
             raise
         _HELD[key] = (tag, fd)
         return tag
+
+
+def _still_locked(path: str, fd: int) -> bool:
+    """Whether the lock file at ``path`` is the one ``fd`` holds locked."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def release_owner(folder: str, stem: str) -> None:
@@ -140,12 +153,15 @@ def _remove(path: str) -> bool:
     return True
 
 
-def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 20) -> None:
-    """Allocate the first ``size`` bytes of the file ``fd`` now when ``folder`` has less than ``size + margin`` free.
+def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 20, prefix: str = "") -> None:
+    """Allocate the first ``size`` bytes of the file ``fd`` now when ``folder`` has less than ``size + margin`` free,
+    counting as taken the pages the other sparse files named ``prefix…`` there may still take.
 
     A sparse file written through a mapping takes its pages as they are written, and a page that a full
     ``/dev/shm`` cannot give kills the writer (SIGBUS). With plenty of room the file stays sparse (its
-    unwritten pages cost nothing); when room is tight, running out is an ``OSError`` here instead.
+    unwritten pages cost nothing); when room is tight, running out is an ``OSError`` here instead. Each sparse
+    file's holes are counted (every process's, in the folder), so two that fit alone but not together do not
+    both stay sparse.
 
     Raises:
         OSError: ``size`` bytes do not fit (``ENOSPC``).
@@ -153,11 +169,29 @@ def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 2
     import shutil
 
     try:
-        free = shutil.disk_usage(folder).free
+        free = shutil.disk_usage(folder).free - (_holes(folder, prefix, skip=os.fstat(fd).st_ino) if prefix else 0)
     except OSError:
         free = 0
+    if free < size:  # even allocated now, it would take pages another sparse file was counting on
+        raise OSError(errno.ENOSPC, f"{size} bytes do not fit in {folder!r} beside the shared files already there "
+                                    f"({max(free, 0)} bytes left)")
     if free < size + margin:
         os.posix_fallocate(fd, 0, size)
+
+
+def _holes(folder: str, prefix: str, *, skip: int) -> int:
+    """The bytes the sparse files named ``prefix…`` in ``folder`` (but inode ``skip``) have yet to take."""
+    total = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # removed meanwhile
+                    continue
+                if st.st_ino != skip:
+                    total += max(0, st.st_size - st.st_blocks * 512)
+    return total
 
 
 def folder_problem(folder: str) -> str | None:

@@ -459,3 +459,34 @@ def test_a_server_with_only_local_adapters_syncs_its_holds_without_a_warning(
         for _ in range(3):
             sync_server_holds(held, {"local": str(tmp_path / "adapter")}, pinned={"local"})
     assert held.held() == [] and not [r for r in caplog.records if "could not update" in r.getMessage()]
+
+
+def test_holds_survive_an_operator_removing_the_cache_locks_folder(tmp_path: Path) -> None:
+    """``rm -rf <cache>/.locks`` (a usual cure for stuck hub downloads) while a server lives: its next hold failed
+    (the folder was never made again) and an evictor elsewhere saw none of its holds."""
+    import shutil
+
+    code = ("import sys\nfrom vllm_lora_ext import diskholds\n"
+            "diskholds.hold('acme/first', 'a' * 40, why='registered', cache_dir=sys.argv[1])\n"
+            "print('held', flush=True)\nsys.stdin.readline()\n"
+            "diskholds.hold('acme/second', 'a' * 40, why='registered', cache_dir=sys.argv[1])\n"
+            "print('held again', flush=True)\nsys.stdin.readline()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    server = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdin is not None
+        assert server.stdout.readline().strip() == "held"
+        shutil.rmtree(tmp_path / ".locks")
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "held again"
+        from vllm_lora_ext.diskholds import live_holds, locked
+
+        root = state_root(tmp_path)
+        with locked(root):
+            seen = {(h.repo_id, h.pid) for h in live_holds(root)}
+        assert {("acme/first", server.pid), ("acme/second", server.pid)} <= seen
+    finally:
+        server.kill()
+        server.wait()

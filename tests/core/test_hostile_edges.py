@@ -104,3 +104,56 @@ def test_an_output_folder_that_cannot_be_written_is_named_with_the_fix(tmp_path:
     err = capsys.readouterr().err
     assert "Cannot write into '/proc'" in err and "Choose an output folder you can write to" in err
     assert "Errno" not in err
+
+
+def test_two_sparse_shared_files_that_fit_alone_but_not_together_are_refused_not_left_to_sigbus(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each arena checked the free space alone, so two stayed sparse in a /dev/shm with room for one, and
+    writing the second killed the build process (SIGBUS); the holes of the files already there now count."""
+    import errno
+    import os
+    import shutil
+    from collections import namedtuple
+
+    from vllm_lora_ext.sharedfiles import reserve_when_tight
+
+    mb = 1 << 20
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(300 * mb, 0, 300 * mb))
+    first = tmp_path / "vllm-lora-ext-a.bin"
+    with open(first, "wb") as f:
+        f.truncate(200 * mb)  # sparse: 200 MiB still to take
+    fd = os.open(tmp_path / "vllm-lora-ext-b.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 200 * mb)
+        reserve_when_tight(fd, str(tmp_path), 50 * mb, prefix="vllm-lora-ext-")  # 300 - 200 >= 50 + 0: fits
+        with pytest.raises(OSError) as info:
+            reserve_when_tight(fd, str(tmp_path), 200 * mb, prefix="vllm-lora-ext-")
+        assert info.value.errno == errno.ENOSPC and "beside the shared files already there" in str(info.value)
+    finally:
+        os.close(fd)
+
+
+def test_shared_files_made_after_their_folder_was_cleaned_are_swept_once_their_owner_dies(tmp_path: Path) -> None:
+    """The owner tag stayed cached after a cleaner removed its lock file, so the files made afterwards had no lock
+    and no sweep ever removed them once the process was killed."""
+    import os
+    import signal
+
+    from vllm_lora_ext.transport.files import sweep_stale
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    code = ("import os, shutil, sys, time\nfrom vllm_lora_ext.transport.files import owned_name\n"
+            "d = sys.argv[1]\nopen(owned_name(d), 'wb').write(b'x')\nshutil.rmtree(d); os.mkdir(d)\n"
+            "open(owned_name(d), 'wb').write(b'y' * 4096)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": SRC, "PYTHONDONTWRITEBYTECODE": "1"})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert any(n.endswith(".lock") for n in os.listdir(folder))  # locked again under its tag
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    sweep_stale(str(folder))
+    assert [n for n in os.listdir(folder) if n.endswith(".bin")] == []

@@ -156,3 +156,36 @@ def test_a_result_nobody_takes_is_dropped_after_its_time_to_live() -> None:
     assert table.poll("a") is True  # still kept
     now[0] = 301.0
     assert table.take("a") is None and table.state("a") == "absent" and table.dropped == 1
+
+
+def test_failed_builds_polled_once_are_dropped_after_ttl_and_free_what_their_frames_held() -> None:
+    """A key polled once whose build fails (a client naming bad adapters) was kept forever, with the tensors its
+    build had read alive in the error's frames."""
+    import gc
+    import weakref
+
+    import torch
+
+    alive: list[Any] = []
+    now = [0.0]
+
+    def build(key: str) -> Any:
+        read = torch.ones(1 << 16)  # read before the check that fails
+        alive.append(weakref.ref(read))
+        raise ValueError(f"adapter {key}: non-finite values")
+
+    table = PrebuildTable(build, size_of=lambda v: 0, max_builds=1, budget_bytes=1 << 20, ttl_s=10,
+                          clock=lambda: now[0])
+    for i in range(300):
+        table.poll(f"bad-{i}")
+    deadline = time.monotonic() + 10
+    while table.state("bad-299") == "building" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gc.collect()
+    assert sum(r() is not None for r in alive) == 0  # frames cleared: nothing a failure read stays alive
+    assert sum(table.state(f"bad-{i}") == "failed" for i in range(300)) <= 256
+    with pytest.raises(ValueError, match="bad-299"):  # the newest failure still answers its poller
+        table.take("bad-299")
+    now[0] = 100.0
+    table.poll("later")  # later traffic expires the rest
+    assert all(table.state(f"bad-{i}") == "absent" for i in range(299))

@@ -39,7 +39,7 @@ import torch
 
 from vllm_lora_ext.constants import build_dir, host_spare_bytes
 from vllm_lora_ext.sharedfiles import reserve_when_tight
-from vllm_lora_ext.transport.files import owned_name, shared_dir
+from vllm_lora_ext.transport.files import SHARED_PREFIX, owned_name, shared_dir
 
 __all__ = ["ALIGN", "HUGE_PAGE", "Arena", "ArenaSupply", "HostArena", "SharedArena", "Spare", "aligned", "clear_spare",
            "huge_pages_offered", "prepare_spare"]
@@ -381,7 +381,7 @@ class Arena:
             if populate:  # take every page now: a write then costs a copy and a minor fault, not an allocation
                 os.posix_fallocate(fd, 0, capacity)
             else:  # sparse, unless the folder is nearly full: then no write through the mapping can meet ENOSPC
-                reserve_when_tight(fd, os.path.dirname(path), capacity)
+                reserve_when_tight(fd, os.path.dirname(path), capacity, prefix=SHARED_PREFIX)
             buffer = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
         except BaseException:
             os.unlink(path)
