@@ -222,6 +222,15 @@ def _degrade(reason: str) -> None:
     _FILES.clear()
 
 
+def _rescue(reason: str) -> None:
+    """Keep in memory what this process's files that left the folder held, then `_degrade`."""
+    for prefix, f in list(_FILES.items()):
+        if isinstance(f, BackedFile) and os.fstat(f.fd).st_nlink == 0:
+            values = _MEMORY.setdefault(prefix, {})
+            values.update({key: f.read_value(key)[0] for key in f.keys})
+    _degrade(reason)
+
+
 # prometheus_client's first size of a file (it doubles it as keys are added)
 INITIAL_FILE_BYTES = 1 << 16
 
@@ -317,6 +326,9 @@ def _file(prefix: str) -> Any:
             f = _FILES[prefix] = MemoryFile(_MEMORY.setdefault(prefix, {}))
             return f
         path = metrics_dir()
+        if path is None and metrics_dir_setting():  # the folder was removed while this process ran
+            _rescue(f"the metrics folder {metrics_dir_setting()} was removed")
+            return _file(prefix)
         if path is None:
             return None
         try:
@@ -339,6 +351,9 @@ def _add(prefix: str, key: str, amount: float, *, replace: bool = False) -> None
             f = _file(prefix)
             if f is None:
                 return
+            if isinstance(f, BackedFile) and os.fstat(f.fd).st_nlink == 0:  # its folder was removed (a cleaner)
+                _rescue(f"the metrics folder {os.path.dirname(f.path)} was removed")
+                f = _file(prefix)
             if isinstance(f, BackedFile) and not f.make_room(key):
                 _degrade(f"the metrics folder {os.path.dirname(f.path)} is full")
                 f = _file(prefix)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,30 @@ def test_without_prometheus_client_every_record_call_is_a_no_op(tmp_path: Path) 
     env = dict(os.environ, **{ENV_METRICS_DIR: str(tmp_path)})  # even with a directory inherited
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_metrics_folder_removed_at_runtime_keeps_the_counts_in_memory_and_says_so(tmp_path: Path) -> None:
+    """A /tmp cleaner removed the folder: the counts so far left /metrics and later writes were dropped, while
+    health() said nothing was wrong."""
+    code = '''
+import json, os, shutil, sys, tempfile
+tempfile.tempdir = sys.argv[1]
+os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None); os.environ.pop("VLLM_LORA_EXT_METRICS_DIR", None)
+from prometheus_client import REGISTRY, generate_latest
+from vllm_lora_ext import metrics
+path = metrics.setup()
+metrics.MIXES_REGISTERED.inc(); metrics.MIXES_REGISTERED.inc()
+shutil.rmtree(path)
+metrics.MIXES_REGISTERED.inc()
+metrics.ERRORS.inc(where="server", type="X")
+text = generate_latest(REGISTRY).decode()
+print(json.dumps({"health": metrics.health(), "lines": text.splitlines()}))
+'''
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "vllm_lora_ext_mixes_registered_total 3.0" in result["lines"]
+    assert 'vllm_lora_ext_errors_total{type="X",where="server"} 1.0' in result["lines"]
+    assert "was removed" in (result["health"]["degraded"] or "") and "was removed" in out.stderr
