@@ -46,8 +46,10 @@ def claim_owner(folder: str, stem: str) -> str:
         if held is not None and _still_locked(os.path.join(folder, f"{stem}{held[0]}{_LOCK_SUFFIX}"), held[1]):
             return held[0]
         # A lock file that went (the folder was cleaned) is made again under the same tag: the files named for
-        # the tag stay this process's while it lives, and a sweep after it dies removes them.
+        # the tag stay this process's while it lives, and a sweep after it dies removes them. Its descriptor is
+        # closed once, here, and forgotten (closed twice, a number reused meanwhile would be another file's).
         if held is not None:
+            del _HELD[key]
             os.close(held[1])
         tag = held[0] if held is not None else f"{os.getpid()}.{uuid.uuid4().hex[:12]}"
         final = os.path.join(folder, f"{stem}{tag}{_LOCK_SUFFIX}")

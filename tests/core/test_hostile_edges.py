@@ -157,3 +157,26 @@ def test_shared_files_made_after_their_folder_was_cleaned_are_swept_once_their_o
         child.wait()
     sweep_stale(str(folder))
     assert [n for n in os.listdir(folder) if n.endswith(".bin")] == []
+
+
+def test_claiming_an_owner_tag_in_a_removed_folder_never_closes_another_files_descriptor(tmp_path: Path) -> None:
+    """After the folder went, each claim closed the old lock's descriptor again: a number the process had reused
+    for another file meanwhile (a config being read) was closed under it (EBADF)."""
+    import os
+    import shutil
+
+    from vllm_lora_ext.sharedfiles import claim_owner
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    claim_owner(str(folder), "vllm-lora-ext-")
+    shutil.rmtree(folder)
+    with pytest.raises(OSError):
+        claim_owner(str(folder), "vllm-lora-ext-")
+    other = os.open(tmp_path / "config.json", os.O_RDWR | os.O_CREAT)  # likely the number just closed
+    try:
+        with pytest.raises(OSError):
+            claim_owner(str(folder), "vllm-lora-ext-")
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
