@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,13 +37,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
+from vllm_lora_ext.hubguard import COMMIT_SHA
 
 __all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked",
            "reserved_bytes", "state_root", "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
-_SHA = re.compile(r"^[0-9a-f]{40}$")
 _LOCK_TIMEOUT_S = 120.0
 _ANY_REPO = "*"  # a live process whose holds file cannot be read holds every revision
 
@@ -89,7 +88,7 @@ class Hold:
             return True
         if self.repo_id != repo_id:
             return False
-        return self.revision is None or not _SHA.match(self.revision) or self.revision == commit
+        return self.revision is None or not COMMIT_SHA.match(self.revision) or self.revision == commit
 
 
 class _Root:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import socket
 import threading
 from pathlib import Path
@@ -24,6 +23,7 @@ from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
+from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
 __all__ = ["HubClient", "HubRepo", "hub_endpoint", "hub_unreachable", "offline_message",
            "unreachable_message"]
@@ -39,17 +39,9 @@ class HubRepo(Protocol):
     def repo_id(self) -> str | None: ...
 
 
-COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a pinned revision: one cache lookup, no request
 
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
-
-
-def hub_endpoint() -> str:
-    """Return the Hub endpoint huggingface_hub uses (``HF_ENDPOINT``, read by it at import)."""
-    from huggingface_hub import constants
-
-    return str(constants.ENDPOINT)
 
 
 def hub_unreachable(endpoint: str | None = None) -> str | None:

@@ -29,11 +29,11 @@ from typing import Any
 
 from vllm_lora_ext.errors import HubAnswerError
 
-__all__ = ["HubFacts", "capped", "check_commit", "check_etag", "contained", "head"]
+__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "contained", "head", "hub_endpoint"]
 
 logger = logging.getLogger(__name__)
 
-COMMIT = re.compile(r"[0-9a-f]{40}")
+COMMIT_SHA = re.compile(r"[0-9a-f]{40}\Z")  # a commit (with .match): a pinned revision, a snapshot folder
 ETAG_BAD = re.compile(r"[/\\\x00]|^\.|\.\.")  # a separator, NUL, a leading dot or "..": not one plain file name
 
 
@@ -48,7 +48,8 @@ class HubFacts:
     xet: bool = False  # served from Xet storage, whose transfer reports no bytes the cap could stop
 
 
-def _endpoint() -> str:
+def hub_endpoint() -> str:
+    """Return the Hub endpoint huggingface_hub uses (``HF_ENDPOINT``, read by it at import)."""
     from huggingface_hub import constants
 
     return str(constants.ENDPOINT)
@@ -56,14 +57,14 @@ def _endpoint() -> str:
 
 def _refuse(source: str, header: str, value: str, why: str) -> HubAnswerError:
     return HubAnswerError(
-        f"The Hub at {_endpoint()!r} answered {header} {value[:80]!r} for {source!r}, which is {why}; nothing was "
+        f"The Hub at {hub_endpoint()!r} answered {header} {value[:80]!r} for {source!r}, which is {why}; nothing was "
         f"downloaded. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.",
         source=source, header=header, value=value[:200])
 
 
 def check_commit(value: str | None, source: str) -> str | None:
     """Return ``value`` if it is a commit sha (or ``None``), else raise [`HubAnswerError`]."""
-    if value is not None and not COMMIT.fullmatch(value):
+    if value is not None and not COMMIT_SHA.match(value):
         raise _refuse(source, "X-Repo-Commit", value, "not a 40-hex-digit commit")
     return value
 
@@ -119,7 +120,7 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
             self._vle_bytes += int(n or 0)
             if self._vle_bytes > cap:
                 raise HubAnswerError(
-                    f"The Hub at {_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
+                    f"The Hub at {hub_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
                     f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES); "
                     f"the transfer was stopped and its partial file is not kept. Point HF_ENDPOINT at a Hub or mirror "
                     f"that answers as huggingface.co does.", source=source, header="Content-Length", value=str(cap))
@@ -137,13 +138,13 @@ def contained(path: str, repo: Path, *, source: str) -> str:
     inside_snapshots = os.path.commonpath([folder, snapshots]) == snapshots
     parts = (*Path(os.path.relpath(folder, snapshots)).parts, os.path.basename(path)) if inside_snapshots else ()
     real, cache = os.path.realpath(path), os.path.realpath(repo.parent)
-    if len(parts) < 2 or not COMMIT.fullmatch(parts[0]) or ".." in parts:
+    if len(parts) < 2 or not COMMIT_SHA.match(parts[0]) or ".." in parts:
         why = "is not a snapshot of a commit in the repo's cache folder"
     elif os.path.commonpath([real, cache]) != cache:
         why = "links outside the Hugging Face cache"
     else:
         return path
-    public = (f"The cached file of {source!r} {why}: the Hub at {_endpoint()!r} answered huggingface_hub otherwise "
+    public = (f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise "
               f"than the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's "
               f"folder from the Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as "
               f"huggingface.co does.")
