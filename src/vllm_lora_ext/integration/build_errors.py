@@ -11,7 +11,7 @@ from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
 from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, VllmLoraExtError, error_from_text,
                                   is_rebuilt)
 
-__all__ = ["build_failure", "worker_reason"]
+__all__ = ["build_failure", "worker_error", "worker_reason"]
 
 _MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
 # vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
@@ -27,15 +27,23 @@ def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtE
     back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
     without the plugin, by vLLM's own not-found text.
     """
-    typed = is_rebuilt(err) or isinstance(err, VllmLoraExtError)  # read once already: never again (a name in it)
-    crossed = None if typed else error_from_text(str(err))
-    text, public = worker_reason(crossed or err)
+    found, plain = worker_error(err)
+    text, public = worker_reason(found)
     message, public = f"Adapter {name!r} could not be loaded: {text}", f"Adapter {name!r} could not be loaded: {public}"
-    if isinstance(crossed or err, AdapterNotFoundError) or (not typed and crossed is None and _VLLM_NOT_FOUND in text):
+    if isinstance(found, AdapterNotFoundError) or (plain and _VLLM_NOT_FOUND in text):
         return AdapterNotFoundError(message, source=clip(source), public_message=public)
     failed = AdapterFormatError(message, adapter=name)
     failed.public_message = public
     return failed
+
+
+def worker_error(err: BaseException) -> tuple[BaseException, bool]:
+    """``err`` as the worker raised it, read from the record its text carries, and whether it is plain text (no
+    type, no record: a worker without the plugin). An error typed already is never read again (a name in it)."""
+    if is_rebuilt(err) or isinstance(err, VllmLoraExtError):
+        return err, False
+    crossed = error_from_text(str(err))
+    return (crossed, False) if crossed is not None else (err, True)
 
 
 def worker_reason(err: BaseException) -> tuple[str, str]:

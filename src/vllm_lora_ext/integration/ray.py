@@ -170,10 +170,7 @@ class LoraExtLLMServer(LLMServer):
         return None
 
     async def _vllm_lora_ext_unregister(self, models: Any, name: Any) -> None:
-        await models.unload_lora_adapter(unload_adapter_request_cls()(lora_name=name))
-        lock = getattr(models, "lora_resolver_lock", {}).get(name)
-        if lock is not None and not lock.locked():
-            del models.lora_resolver_lock[name]
+        await models.unload_lora_adapter(unload_adapter_request_cls()(lora_name=name))  # frees the name's lock too
 
 
 def _ray_error(vllm_error: Any) -> Any:

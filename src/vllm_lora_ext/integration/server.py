@@ -49,10 +49,9 @@ from vllm_lora_ext.errors import (
     RemoteError,
     VllmLoraExtError,
     error_from_text,
-    is_rebuilt,
 )
 from vllm_lora_ext.integration._compat import error_response, is_base_model, lora_config_of, never_generates
-from vllm_lora_ext.integration.build_errors import build_failure, worker_reason
+from vllm_lora_ext.integration.build_errors import build_failure, worker_error, worker_reason
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
     _KEY_LOCKS,
     KeyLock,
@@ -353,8 +352,7 @@ async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntr
     except Exception as err:  # the worker's message names the problem (rank, keys, ...)
         reg.remove(spec)
         metrics.MIXES_ACTIVE.set(len(reg))
-        crossed = None if is_rebuilt(err) or isinstance(err, VllmLoraExtError) else error_from_text(str(err))
-        text, public = worker_reason(crossed or err)
+        text, public = worker_reason(worker_error(err)[0])
         failed = MixError(f"Mix {name!r} could not be loaded: {text}")
         failed.public_message = f"Mix {name!r} could not be loaded: {public}"
         raise failed from err
