@@ -60,8 +60,8 @@ class PrebuildTable(Generic[T]):
         self._lock = threading.RLock()  # a build that finishes at once runs its callback inside _start
         self._building: dict[Hashable, Future[T]] = {}
         self._ready: OrderedDict[Hashable, tuple[T, int, float]] = OrderedDict()  # value, bytes, finished at
-        self._failed: OrderedDict[Hashable, BaseException] = OrderedDict()  # untaken failures, oldest first
-        self._failed_at: dict[Hashable, float] = {}
+        # untaken failures, oldest first: the error and when it came
+        self._failed: OrderedDict[Hashable, tuple[BaseException, float]] = OrderedDict()
         self.builds_started = 0
         self.dropped = 0
 
@@ -100,9 +100,9 @@ class PrebuildTable(Generic[T]):
             if key in self._ready:
                 self._ready.move_to_end(key)
                 return True
-            err = self._failed.pop(key, None)
-            if err is not None:
-                raise err
+            failed = self._failed.pop(key, None)
+            if failed is not None:
+                raise failed[0]
             if key not in self._building:
                 self._start(key)
         return False
@@ -118,9 +118,9 @@ class PrebuildTable(Generic[T]):
             hit = self._ready.pop(key, None)
             if hit is not None:
                 return hit[0]
-            err = self._failed.pop(key, None)
-            if err is not None:
-                raise err
+            failed = self._failed.pop(key, None)
+            if failed is not None:
+                raise failed[0]
             future = self._building.get(key)
         if future is None:
             return None
@@ -163,12 +163,10 @@ class PrebuildTable(Generic[T]):
         for key in [k for k, entry in self._ready.items() if now - entry[2] > self.ttl_s]:
             del self._ready[key]
             self.dropped += 1
-        for key in [k for k in self._failed if now - self._failed_at.get(k, now) > self.ttl_s]:
+        for key in [k for k, (_, at) in self._failed.items() if now - at > self.ttl_s]:
             del self._failed[key]
         while len(self._failed) > _MAX_FAILED:  # a failure holds only its error (frames cleared), but not forever
             self._failed.popitem(last=False)
-        for key in [k for k in self._failed_at if k not in self._failed]:
-            del self._failed_at[key]
 
     def _start(self, key: Hashable) -> None:  # under the lock
         future = self._pool.submit(self._build, key)
@@ -192,7 +190,7 @@ class PrebuildTable(Generic[T]):
             del self._building[key]
             if err is not None:
                 _clear_frames(err)  # the build's locals (its tensors) go with its frames; the stack stays readable
-                self._failed[key], self._failed_at[key] = err, self._clock()
+                self._failed[key] = (err, self._clock())
                 self._expire()
                 return
             self._ready[key] = (future.result(), size, self._clock())
