@@ -81,17 +81,19 @@ class OutputClaim(os.PathLike[str]):
         """Whether this claim holds its lock now."""
         return self._fd is not None
 
-    def acquire(self) -> OutputClaim:
-        """Take the lock (refused at once if another process holds it), then remove a killed run's leftovers."""
+    def _open_lock(self) -> int:
+        """Open (or make) the lock file, and its folder; a folder that cannot be written is named, with the fix."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as err:
             raise OutputPathError(f"Cannot write into {str(self.path.parent)!r} ({err.strerror or err}), so not "
                                   f"{str(self.path)!r} either. Choose an output folder you can write to.") from err
-        os.close(fd)
+
+    def acquire(self) -> OutputClaim:
+        """Take the lock (refused at once if another process holds it), then remove a killed run's leftovers."""
         while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = self._open_lock()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
