@@ -257,8 +257,8 @@ def parse_source(source: str | os.PathLike[str], *, allow_pickle: bool | None = 
         raise _fail(raw, "source", "leading or trailing whitespace", "Remove the spaces around the source.")
     if "\x00" in raw:
         raise _fail(raw, "source", "NUL byte in source", "Remove it.")
-    if any("\ud800" <= ch <= "\udfff" for ch in raw):  # a lone surrogate: no file name, no UTF-8 on the wire
-        bad = next(ch for ch in raw if "\ud800" <= ch <= "\udfff")
+    bad = next((ch for ch in raw if "\ud800" <= ch <= "\udfff"), None)
+    if bad is not None:  # a lone surrogate: no file name, no UTF-8 on the wire
         raise _fail(raw.encode("utf-8", "replace").decode(), "source",
                     f"unpaired surrogate U+{ord(bad):04X} in source (shown as '?')", "Send the source as valid UTF-8 text.")
     if raw.lower().startswith(("hf://", "huggingface:", "huggingface://")):

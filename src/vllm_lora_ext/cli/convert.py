@@ -41,9 +41,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"base config: {base_from}")
         written = convert_adapter(resolved, out, to=args.to, base_config=base, num_experts=args.num_experts,
                                   rename=args.rename, name=args.source)
-    before, after = load_config(resolved, name=args.source), load_config(resolve_offline(str(written)), name="output")
-    grown = max([after.r, *after.rank_pattern.values()]) > max([before.r, *before.rank_pattern.values()])
-    print(f"wrote {out.path}" + (f" (rank {max([after.r, *after.rank_pattern.values()])}: gate and up had different "
-                                 f"lora_A, which 3D's gate_up_proj shares; serve with --max-lora-rank that high)"
-                                 if grown else ""))
+    def top_rank(config: Any) -> int:
+        return max([config.r, *config.rank_pattern.values()])
+
+    rank = top_rank(load_config(resolve_offline(str(written)), name="output"))
+    print(f"wrote {out.path}" + (f" (rank {rank}: gate and up had different lora_A, which 3D's gate_up_proj shares; "
+                                 f"serve with --max-lora-rank that high)"
+                                 if rank > top_rank(load_config(resolved, name=args.source)) else ""))
     return 0
