@@ -8,9 +8,7 @@ what the stock router cannot know:
 
 * an id no replica reports yet goes to its home replica (a rendezvous hash of the id over the replicas), so the
   first requests of an id, which all arrive before the replica that builds it reports it, land on one replica,
-  and the routers of several proxies (one per node) pick the same one. Before, such a burst went by the fewest
-  ids reported and a per-router memory of ids routed, entered only after a replica accepted a request, so it
-  reached both replicas of an H200 run: 1.53 builds per id;
+  and the routers of several proxies (one per node) pick the same one;
 * a mix no replica holds goes to the replica holding most of its components (``a=0.7+b=0.3`` where ``a`` and
   ``b`` are hot), else to its first component's home; a mix written another way (``a=0.70+b=0.3``) is the same
   mix.
@@ -30,13 +28,12 @@ It subclasses Ray's ``PowerOfTwoChoicesRequestRouter`` (``ray.serve._private.req
 router) and imports ``ray.serve`` only, never Ray Serve LLM or vLLM. Besides the public hook ``choose_replicas`` it
 overrides one private method, ``_fulfill_next_pending_request``: Serve's routing tasks are not tied to requests (a
 task may route with no request of its own, or leave its request to another task), and Serve's FIFO rule hands the
-replica a task chose to the oldest waiting request of any id. That put a burst of new ids on both replicas of an
-H200 run (1.53 builds per id with home hashing; a CPU replay of Ray 2.58's loop: 1.47-1.63); Ray 2.60 ties each
-task to its request but, when the replica went to an older request, goes on to the request's next rank. Here a
-replica goes to the request it was chosen for, else to the oldest request of the same id, else to the oldest
-request whose first rank holds it (a request without an id takes any); otherwise to none, and the requests wait for
-the next task. The
-private names it reads are checked at import (`RAY_PRIVATE`): a Ray that renames one fails the import, loudly.
+replica a task chose to the oldest waiting request of any id, which spreads a burst of new ids over replicas; Ray
+2.60 ties each task to its request but, when the replica went to an older request, goes on to the request's next
+rank. Here a replica goes to the request it was chosen for, else to the oldest request of the same id, else to the
+oldest request whose first rank holds it (a request without an id takes any); otherwise to none, and the requests
+wait for the next task. The private names it reads are checked at import (`RAY_PRIVATE`): a Ray that renames one
+fails the import, loudly.
 """
 
 from __future__ import annotations
