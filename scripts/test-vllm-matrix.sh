@@ -27,13 +27,17 @@ for v in "${versions[@]}"; do
   fi
   # vLLM alone first, so that its own pins choose torch and torchvision together; then this package and the
   # test tools, which leave them as they are.
-  # shellcheck disable=SC2086  # MATRIX_PIP_ARGS is a list of requirement specs
   # Ray Serve LLM 2.58 (its image ships vLLM 0.26.0) imports vLLM 0.26's modules: its tests run on that release.
   extras=(-e '.[test]')
   if [ "$v" = 0.26.0 ]; then extras=(-e '.[test,ray]' 'ray==2.58.0'); fi
-  if ! { "$venv/bin/pip" install -q "vllm==$v" ${MATRIX_PIP_ARGS:-} && "$venv/bin/pip" install -q "${extras[@]}"; } \
-      >"$log" 2>&1; then
-    echo "install of vllm==$v failed (see $log)"
+  # One retry: a registry that drops a connection mid-download fails one attempt, not the leg. A failure
+  # prints the log's tail and the free disk, so that CI's own output says why (the log stays on its machine).
+  # shellcheck disable=SC2086  # MATRIX_PIP_ARGS is a list of requirement specs
+  install() { "$venv/bin/pip" install -q "vllm==$v" ${MATRIX_PIP_ARGS:-} && "$venv/bin/pip" install -q "${extras[@]}"; }
+  if ! install >"$log" 2>&1 && ! { echo "== retry"; install; } >>"$log" 2>&1; then
+    echo "install of vllm==$v failed twice (see $log); its last lines, then the free disk:"
+    tail -n 25 "$log" | cut -c1-300
+    df -h "$venv" /tmp 2>/dev/null
     summary="install failed"
     rc=1
   else
