@@ -51,6 +51,19 @@ def isolated_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
+@pytest.fixture(autouse=True)
+def package_logs_reach_caplog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the package logger's records reach ``caplog``, whatever ran before.
+
+    ``_logging.attach_handler_once`` gives the logger its own handler and stops propagation the first time it
+    runs; whether that first time fell inside a CLI call (which restores propagation after) depended on test
+    order. Attached here first, with propagation on for the test, a later attach leaves it as it is.
+    """
+    from vllm_lora_ext._logging import attach_handler_once
+
+    monkeypatch.setattr(attach_handler_once(), "propagate", True)
+
+
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """The local Hub server, online (HF_HUB_OFFLINE=0), with a clean request log and no repos."""

@@ -30,6 +30,7 @@ name may hold them: it is matched before any mix parsing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -45,8 +46,8 @@ from vllm_lora_ext.errors import MixError
 from vllm_lora_ext.validation import check_rank_budget
 
 __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_expression", "resolve_mix", "concat_factors",
-           "concat_many", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight", "MIX_NAME_PREFIX",
-           "MAX_MIX_COMPONENTS"]
+           "concat_many", "widest_dtype", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight",
+           "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 _MAX_MIX_PATH = 64 * 1024
 
@@ -193,8 +194,7 @@ class MixSpec:
         if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 3 for i in items):
             raise MixError(f"Malformed mix path {short_repr(path)}: expected "
                            f'{{"v":1,"adapters":[[name, source, weight], ...]}}.')
-        spec = cls(tuple(MixComponent(n, s, w) for n, s, w in items))
-        return spec
+        return cls(tuple(MixComponent(n, s, w) for n, s, w in items))
 
 
 def _short(name: str) -> str:
@@ -213,9 +213,8 @@ def parse_mix_expression(expr: str) -> list[tuple[str, float | None]]:
         >>> parse_mix_expression("style=0.7+domain")
         [('style', 0.7), ('domain', None)]
     """
-    parts = expr.split("+")
     out: list[tuple[str, float | None]] = []
-    for part in parts:
+    for part in expr.split("+"):
         name, eq, weight = part.partition("=")
         name = name.strip()
         if not name:
@@ -273,7 +272,7 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
 
     Args:
         jobs: ``{key: (parts, rank_dim_a, rank_dim_b)}``, one entry per module (or per packed slice).
-        dtype: the result dtype (default: each module's first ``A``'s).
+        dtype: the result dtype (default: each module's [`widest_dtype`]).
         workers: threads (default: ``VLLM_LORA_EXT_MIX_THREADS``, else up to 4, at most the host's cores). A
             composite is a memory copy of every component factor; one thread does not saturate a host's memory
             bandwidth.
@@ -310,7 +309,13 @@ def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], ran
     a_shape, b_shape = list(parts[0][0].shape), list(parts[0][1].shape)
     a_shape[rank_dim_a] = rank
     b_shape[rank_dim_b] = rank
-    return a_shape, b_shape, dtype or parts[0][0].dtype
+    return a_shape, b_shape, dtype or widest_dtype(parts)
+
+
+def widest_dtype(parts: Sequence[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.dtype:
+    """The dtype all factors of ``parts`` fit unrounded (``torch.promote_types``): float32 for float32 with
+    bfloat16 in either order, and for float16 with bfloat16."""
+    return functools.reduce(torch.promote_types, (t.dtype for a, b, *_ in parts for t in (a, b)))
 
 
 def composite_shapes(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tensor, float]], int, int]], *,
@@ -443,11 +448,8 @@ class MixPlan:
 
     def rank(self, module: Any) -> int:
         """The composite's rank of ``module``: its components' ranks summed (the largest over a block's slices)."""
-        sums = []
-        for key in self.modules[module]:
-            parts, dim, _ = self.jobs[key]
-            sums.append(sum(int(a.shape[dim]) for a, _, _ in parts))
-        return max(sums)
+        return max(sum(int(a.shape[dim]) for a, _, _ in parts)
+                   for parts, dim, _ in (self.jobs[key] for key in self.modules[module]))
 
     def check_rank_budget(self, max_rank: int) -> None:
         """Refuse the mix if a module's summed rank exceeds ``max_rank`` ([`check_rank_budget`]).
@@ -467,14 +469,14 @@ class MixPlan:
                           detail=f": {module} needs {rank} ({parts})")
 
     def stays_finite(self, dtype: torch.dtype | None) -> bool:
-        """Whether no ``w_i·s_i·A_i`` can round to infinity in the result dtype (``None``: each job's first ``A``'s).
+        """Whether no ``w_i·s_i·A_i`` can round to infinity in the result dtype (``None``: each job's [`widest_dtype`]).
 
         If every ``|w_i·s_i|·max|A_i|`` is at most half the dtype's largest finite value, every product, rounded
         once, is finite, so the composite needs no scan. Otherwise (an unknown or NaN bound too) this says
         ``False`` and the caller scans ``A``. ``B`` is a copy of finite components and needs no check either way.
         """
         for key, (parts, _, _) in self.jobs.items():
-            limit = torch.finfo(dtype or parts[0][0].dtype).max / 2
+            limit = torch.finfo(dtype or widest_dtype(parts)).max / 2
             if not all(bound <= limit for bound in self.bounds[key]):  # NaN-safe
                 return False
         return True

@@ -32,6 +32,14 @@ def test_inspect_prints_modules_ranks_scaling_and_bytes(tmp_path: Path, capsys: 
     assert data["layout"] == "dense" and len(data["modules"]) == 4 and data["modules"][0]["scaling"] == 2.0
 
 
+def test_inspect_says_ep_size_has_no_effect_on_an_adapter_with_no_experts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_dense_adapter(tmp_path, rank=4, alpha=8)
+    assert main(["inspect", str(tmp_path), "--ep-size", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "--ep-size has no effect" in err and "no expert weights" in err and "layout dense" in err
+
+
 def test_inspect_of_a_missing_source_exits_1_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     assert "does not exist" in capsys.readouterr().err
@@ -121,6 +129,26 @@ def test_mix_writes_the_exact_weighted_sum_and_peft_loads_it(tmp_path: Path) -> 
         layer = pm.base_model.model.get_submodule(name)
         got = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("first", ["float32", "bfloat16"])
+def test_mix_of_a_float32_and_a_bfloat16_adapter_is_written_in_float32_in_either_order(
+        tmp_path: Path, first: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from factories import dense_tensors, llama_shapes, lora_config, write_adapter
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    order = [first, "bfloat16" if first == "float32" else "float32"]
+    for i, name in enumerate(order):
+        write_adapter(tmp_path / name, dense_tensors(llama_shapes(), rank=4, seed=i, dtype=dtypes[name]),
+                      lora_config(4, 8, ("q_proj", "v_proj")))
+    assert main(["mix", *(f"{tmp_path / n}=0.5" for n in order), "-o", str(tmp_path / "mix")]) == 0
+    assert "dtypes differ" in capsys.readouterr().err
+    got = load_file(str(tmp_path / "mix" / "adapter_model.safetensors"))
+    assert {t.dtype for t in got.values()} == {torch.float32}
+    f32 = load_file(str(tmp_path / "float32" / "adapter_model.safetensors"))
+    key = next(k for k in got if "lora_A" in k)
+    rows = slice(0, 4) if first == "float32" else slice(4, 8)
+    assert torch.equal(got[key][rows], f32[key] * 0.5 * 2.0)  # w · s · A, unrounded: float32 kept its bits
 
 
 def test_mix_of_moe_adapters_is_exact_per_expert(tmp_path: Path) -> None:

@@ -139,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
     if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
         summary.problems.extend(unapplied_problems([m.module for m in summary.modules], traits_from_config(base)))
     moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
-    if args.ep_size and summary.layout.startswith("moe") and "ep" not in moe:
+    if args.ep_size and not summary.layout.startswith("moe"):
+        print(f"note: --ep-size has no effect: the adapter has no expert weights (layout {summary.layout}); "
+              "every rank reads all of it", file=sys.stderr)
+    elif args.ep_size and "ep" not in moe:
         print("note: no EP read plan: some MoE block's sizes are not settled (see below); pass --base-config",
               file=sys.stderr)
     summary.problems.extend(moe.pop("problems", []))

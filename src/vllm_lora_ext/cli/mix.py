@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_output, plural, resolve_offline
-from vllm_lora_ext.constants import ENV_CONFIG, HF_PREFIX, MAX_MIX_COMPONENTS, deployment_config_path
+from vllm_lora_ext.constants import (ADAPTER_WEIGHTS_NAME, ENV_CONFIG, HF_PREFIX, MAX_MIX_COMPONENTS,
+                                     deployment_config_path)
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import ResolvedAdapter
@@ -110,4 +112,17 @@ def run(args: argparse.Namespace) -> int:
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
     print(f"wrote {out.path} (rank-concatenated mix of {plural(len(pairs), 'adapter')}{used})")
+    _say_widened(pairs, names, out.path)
     return 0
+
+
+def _say_widened(pairs: list[tuple[ResolvedAdapter, float]], names: list[str], out: Path) -> None:
+    """Name the dtypes when the inputs' differ: the mix is written in the widest (`mixing.widest_dtype`)."""
+    from vllm_lora_ext.headers import read_header
+
+    held = {n: sorted(set(read_header(r.weights_path).dtypes.values())) for (r, _), n in zip(pairs, names)}
+    if len({d for ds in held.values() for d in ds}) > 1:
+        written = sorted(set(read_header(out / ADAPTER_WEIGHTS_NAME).dtypes.values()))
+        inputs = "; ".join(f"{n}: {'/'.join(ds)}" for n, ds in held.items())
+        print(f"note: the inputs' dtypes differ ({inputs}); the mix is written in {'/'.join(written)}, which holds "
+              f"each without rounding", file=sys.stderr)
