@@ -1,23 +1,28 @@
 """AdapterConfig: a typed, validated view of a PEFT ``adapter_config.json`` (or one inferred from tensors).
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``. Per-module
-``rank_pattern`` / ``alpha_pattern`` use PEFT's key rule: a pattern matches a module name if the
-name equals it or ends with ``.`` + pattern, or the pattern (a regex) fully matches a ``.``-suffix of
-the name; the longest-listed first match wins as in PEFT (first key in dict order that matches).
+``rank_pattern`` / ``alpha_pattern`` use PEFT's key rule (``get_pattern_key``): the first key, in the order
+written, whose regex ``(.*\.)?(KEY)$`` matches the module name. A key ``re`` cannot compile is refused, as
+PEFT cannot load it either; a key that takes over `PATTERN_MATCH_TIMEOUT_S` to match one name (nested
+repetition such as ``(a+)+c``) refuses the adapter rather than holding the process.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import regex
+
 from vllm_lora_ext._util import clip, read_json_capped, short_repr
-from vllm_lora_ext.constants import MAX_CONFIG_BYTES, METADATA_ALPHA_KEYS, METADATA_RANK_KEYS
+from vllm_lora_ext.constants import (MAX_CONFIG_BYTES, MAX_PATTERN_KEY_CHARS, METADATA_ALPHA_KEYS,
+                                     METADATA_RANK_KEYS, PATTERN_MATCH_TIMEOUT_S)
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
 _MAX_RANK = 1 << 16
@@ -72,15 +77,18 @@ class AdapterConfig:
             if not isinstance(k, str) or not _is_number(alpha):
                 raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(alpha)} must "
                                          f"be a finite number.", adapter=self.name, key="alpha_pattern")
+        for field_name in ("rank_pattern", "alpha_pattern"):
+            for k in getattr(self, field_name):
+                _check_pattern_key(k, field_name, self.name)
 
     def rank_for(self, module: str) -> int:
         """Return the rank PEFT gives ``module`` (``rank_pattern`` first, else ``r``)."""
-        key = _pattern_key(self.rank_pattern, module)
+        key = _pattern_key(self.rank_pattern, module, "rank_pattern", self.name)
         return int(self.rank_pattern[key]) if key is not None else self.r
 
     def alpha_for(self, module: str) -> float:
         """Return the alpha PEFT gives ``module`` (``alpha_pattern`` first, else ``lora_alpha``)."""
-        key = _pattern_key(self.alpha_pattern, module)
+        key = _pattern_key(self.alpha_pattern, module, "alpha_pattern", self.name)
         return float(self.alpha_pattern[key]) if key is not None else float(self.lora_alpha)
 
     def scaling_for(self, module: str, rank: int | None = None) -> float:
@@ -100,7 +108,9 @@ def _is_rank(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
+    if type(v) is int:
+        return abs(v) < 1 << 1023  # a JSON integer that fits a float (10**400 would raise OverflowError)
+    return type(v) is float and math.isfinite(v)
 
 
 def _check_types(raw: Mapping[str, Any], name: str) -> None:
@@ -129,17 +139,57 @@ def _check_types(raw: Mapping[str, Any], name: str) -> None:
                                  + ". Fix them in adapter_config.json.", adapter=name, key=None)
 
 
-def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
-    # PEFT's get_pattern_key: exact suffix match on '.'-boundaries, else a regex that matches a suffix.
-    for key in patterns:
-        if module == key or module.endswith("." + key):
-            return key
-    for key in patterns:
+_REGEX_SYNTAX = frozenset("^$*+?{}[]\\|()")  # every regex metacharacter but '.'
+
+
+def _check_pattern_key(key: str, field_name: str, adapter: str) -> None:
+    """Refuse a pattern key PEFT's ``re.match(rf"(.*\.)?({key})$", ...)`` cannot compile, or an over-long one."""
+    why = f"is {len(key)} characters, more than {MAX_PATTERN_KEY_CHARS}" if len(key) > MAX_PATTERN_KEY_CHARS else ""
+    if not why:
         try:
-            if re.fullmatch(rf"(.*\.)?{key}", module):
-                return key
-        except re.error:
+            re.compile(rf"(.*\.)?({key})$")
+            _matcher(key)
+        except (re.error, regex.error, OverflowError, RecursionError, ValueError) as err:
+            why = f"is not a regular expression PEFT can compile ({clip(str(err))})"
+    if why:
+        raise AdapterFormatError(f"Adapter {adapter!r}: {field_name} key {short_repr(key)} {why}. Write the module "
+                                 f"name (or a simple pattern) in adapter_config.json.", adapter=adapter, key=field_name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
+    """How to match ``key``: a literal tail every name it matches ends with ('' where none is certain), whether it is
+    plain (no metacharacter but ``.``, so it cannot backtrack), and its compiled ``fullmatch`` of ``(.*\.)?(?:key)``.
+
+    Plain keys use ``re``; the others ``regex``, whose match takes a timeout.
+    """
+    plain = not _REGEX_SYNTAX.intersection(key)
+    i = len(key)
+    while i and key[i - 1] not in _REGEX_SYNTAX and key[i - 1] != ".":
+        i -= 1
+    certain = "|" not in key and "(?" not in key and (i == 0 or key[i - 1] != "\\")  # no alternation, flag, escape
+    engine: Any = re if plain else regex
+    return key[i:] if certain else "", plain, engine.compile(rf"(.*\.)?(?:{key})").fullmatch
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adapter: str) -> str | None:
+    # PEFT's get_pattern_key: the first key in order whose regex matches
+    for key in patterns:
+        tail, plain, fullmatch = _matcher(key)
+        if not module.endswith(tail):
             continue
+        if plain:
+            if module == key or module.endswith("." + key) or fullmatch(module):
+                return key
+            continue
+        try:
+            if fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S):
+                return key
+        except TimeoutError:
+            raise AdapterFormatError(
+                f"Adapter {adapter!r}: {field_name} key {short_repr(key)} takes over {PATTERN_MATCH_TIMEOUT_S} s to "
+                f"match {short_repr(module)} (nested repetition such as (a+)+). Write the module names in "
+                f"adapter_config.json instead.", adapter=adapter, key=field_name) from None
     return None
 
 

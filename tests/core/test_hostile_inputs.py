@@ -211,6 +211,12 @@ CONFIGS: list[tuple[dict[str, Any], str]] = [
     ({"r": 8, "fan_in_fan_out": True}, "fan_in_fan_out=true"),
     ({"r": 8, "init_lora_weights": "pissa_niter_4"}, "changes the base weights"),
     ({"r": 8, "lora_bias": True}, "lora_bias=true"),
+    ({"r": 8, "lora_alpha": 10**400}, "is not a finite number"),  # an int no float holds: not an OverflowError
+    ({"r": 8, "alpha_pattern": {"q_proj": -10**400}}, "must be a finite number"),
+    ({"r": 8, "rank_pattern": {"a{4294967296}": 4}}, "is not a regular expression PEFT can compile"),
+    ({"r": 8, "rank_pattern": {"(" * 500 + ")" * 500: 4}}, "is not a regular expression PEFT can compile"),
+    ({"r": 8, "alpha_pattern": {"q_proj(": 4}}, "alpha_pattern key 'q_proj(' is not a regular expression"),
+    ({"r": 8, "rank_pattern": {"q" * 1025: 4}}, "is 1025 characters, more than 1024"),
 ]
 
 
@@ -533,3 +539,15 @@ def test_a_corrupt_adapter_file_is_refused_by_the_cli_in_one_line(tmp_path: Path
     weights.write_bytes(weights.read_bytes()[:-8])  # truncated
     out = _cli("inspect", str(folder), cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr and "truncated" in out.stderr
+
+
+def test_a_pattern_key_that_backtracks_for_ever_refuses_the_adapter_in_bounded_time() -> None:
+    """A rank_pattern key with nested repetition, matched against a name the adapter chose: re would take
+    2^n steps (hours at n=60); the match is bounded and refuses the adapter, naming the key."""
+    import time
+
+    cfg = config_from_dict({"r": 8, "rank_pattern": {"((a|aa)+)+b": 4}}, name="x")
+    start = time.monotonic()
+    with pytest.raises(AdapterFormatError, match=r"rank_pattern key '\(\(a\|aa\)\+\)\+b' takes over"):
+        cfg.rank_for("a" * 60)
+    assert time.monotonic() - start < 5
