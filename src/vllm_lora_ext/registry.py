@@ -6,7 +6,7 @@ collision after ~4,000 mixes), and a colliding mix is then served another mix's 
 every id is handed out by one allocator that checks each candidate against every id in use (live
 mixes and, through ``taken``, the user's own adapters), so two different specs never share an id.
 
-Ids are allocated in order inside a block of the id space (``[first_id, first_id + span)``), so an
+Ids are allocated in order inside a block of the id space (``MIX_ID_BLOCK`` ids from ``MIX_ID_BASE``), so an
 id freed by eviction is not handed out again until the whole block has been used once; a request
 still running on an evicted mix keeps a unique id. Several API-server processes sharing one
 engine each take their own block (``block=`` their index).
@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_lora_ext.errors import MixCapacityError, MixIdCollisionError
+from vllm_lora_ext.errors import MixCapacityError
 from vllm_lora_ext.mixing import MixSpec
 
 __all__ = ["MixEntry", "MixLease", "MixRegistry", "MIX_ID_BASE", "MIX_ID_BLOCK"]
@@ -90,19 +90,18 @@ class MixRegistry:
         True
     """
 
-    def __init__(self, capacity: int, *, block: int = 0, first_id: int = MIX_ID_BASE, span: int = MIX_ID_BLOCK) -> None:
+    def __init__(self, capacity: int, *, block: int = 0, span: int = MIX_ID_BLOCK) -> None:
         if capacity < 1:
             raise ValueError("MixRegistry capacity must be >= 1")
-        if not 0 <= block or first_id + (block + 1) * span > (1 << 31):
+        if not 0 <= block or MIX_ID_BASE + (block + 1) * span > (1 << 31):
             raise ValueError(f"id block {block} of {span} ids does not fit below 2**31")
         self.capacity = capacity
-        self._lo = first_id + block * span
+        self._lo = MIX_ID_BASE + block * span
         self._span = span
         self._next = 0
         self._lock = threading.Lock()
         self._by_key: OrderedDict[str, MixEntry] = OrderedDict()  # LRU order: oldest first
         self._by_id: dict[int, MixEntry] = {}
-        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -119,23 +118,6 @@ class MixRegistry:
         """Return the live entry holding ``lora_int_id``, or ``None``."""
         with self._lock:
             return self._by_id.get(lora_int_id)
-
-    def owns(self, lora_int_id: int) -> bool:
-        """Whether ``lora_int_id`` lies in this registry's id block (live or not)."""
-        return self._lo <= lora_int_id < self._lo + self._span
-
-    def check_id(self, lora_int_id: int, spec_key: str | None) -> None:
-        """Raise if ``lora_int_id`` is held by a live mix other than ``spec_key`` (``None``: any other adapter).
-
-        Raises:
-            [`MixIdCollisionError`]: serving ``lora_int_id`` would hand out another mix's tensors.
-        """
-        with self._lock:
-            entry = self._by_id.get(lora_int_id)
-        if entry is not None and entry.key != spec_key:
-            raise MixIdCollisionError(
-                f"lora_int_id {lora_int_id} is already used by mix {entry.lora_name!r}; an adapter id must name one "
-                f"adapter only. Give each adapter its own lora_int_id (mixes use {self._lo}-{self._lo + self._span - 1}).")
 
     def register(self, spec: MixSpec, *, taken: Callable[[int], bool] = lambda _id: False
                  ) -> tuple[MixEntry, list[MixEntry]]:
@@ -178,15 +160,13 @@ class MixRegistry:
     def _drop(self, entry: MixEntry) -> None:
         del self._by_key[entry.key]
         del self._by_id[entry.lora_int_id]
-        self.evictions += 1
 
     def remove(self, spec: MixSpec) -> MixEntry | None:
         """Forget ``spec`` (e.g. its load failed); return the entry that was removed."""
         with self._lock:
             entry = self._by_key.get(spec.key)
             if entry is not None:
-                del self._by_key[entry.key]
-                del self._by_id[entry.lora_int_id]
+                self._drop(entry)
             return entry
 
     def lease(self, entry: MixEntry) -> MixLease:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_lora_ext.errors import MixCapacityError, MixIdCollisionError
+from vllm_lora_ext.errors import MixCapacityError
 from vllm_lora_ext.mixing import MixComponent, MixSpec
 from vllm_lora_ext.registry import MIX_ID_BASE, MIX_ID_BLOCK, MixRegistry
 
@@ -26,7 +26,7 @@ def test_a_million_canonical_mixes_get_a_million_distinct_ids_under_eviction() -
         ids.add(entry.lora_int_id)
     assert len(keys) == 1_000_000 and len(ids) == 1_000_000
     assert min(ids) == MIX_ID_BASE and max(ids) < MIX_ID_BASE + MIX_ID_BLOCK
-    assert len(reg) == 1000 and reg.evictions == 999_000
+    assert len(reg) == 1000
 
 
 def test_forced_collision_with_a_user_adapter_id_is_detected_and_skipped() -> None:
@@ -34,16 +34,6 @@ def test_forced_collision_with_a_user_adapter_id_is_detected_and_skipped() -> No
     user_ids = {MIX_ID_BASE, MIX_ID_BASE + 1}  # a user picked ids inside the mix range
     entry, _ = reg.register(_spec(0), taken=user_ids.__contains__)
     assert entry.lora_int_id == MIX_ID_BASE + 2
-
-
-def test_forced_collision_between_two_mixes_is_refused_by_check_id() -> None:
-    reg = MixRegistry(capacity=8)
-    a, _ = reg.register(_spec(0))
-    reg.check_id(a.lora_int_id, a.key)  # the same spec under its own id: fine
-    with pytest.raises(MixIdCollisionError, match=f"lora_int_id {a.lora_int_id} is already used by mix"):
-        reg.check_id(a.lora_int_id, _spec(1).key)
-    with pytest.raises(MixIdCollisionError, match="Give each adapter its own lora_int_id"):
-        reg.check_id(a.lora_int_id, None)
 
 
 def test_wrapping_id_allocator_skips_every_live_id() -> None:
@@ -95,6 +85,5 @@ def test_claim_of_an_unknown_id_holds_nothing() -> None:
 def test_registries_of_different_api_servers_use_disjoint_ids() -> None:
     r0, r1 = MixRegistry(capacity=2, block=0), MixRegistry(capacity=2, block=1)
     assert r0.register(_spec(0))[0].lora_int_id != r1.register(_spec(0))[0].lora_int_id
-    assert not r0.owns(r1.register(_spec(1))[0].lora_int_id)
     with pytest.raises(ValueError):
         MixRegistry(capacity=2, block=64)  # would pass 2**31
