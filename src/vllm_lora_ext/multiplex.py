@@ -29,8 +29,6 @@ from vllm_lora_ext.errors import AdapterAccessError, AdapterNotFoundError, Adapt
 from vllm_lora_ext.naming import reserved_part, server_only_prefix
 from vllm_lora_ext.sources import parse_source
 
-MAX_ADAPTER_ID_CHARS = MAX_MODEL_FIELD_CHARS  # the longest adapter part accepted, as the server caps the model field
-
 
 class Plan(str, Enum):
     NAME = "name"
@@ -83,9 +81,9 @@ def plan_model_id(model_id: str, *, names: Collection[str], client_sources: Coll
     if not adapter:
         raise AdapterSourceError(f"Model id {short_repr(model_id)} has no adapter after ':'. Write "
                                  f"'<base>:<adapter name>' or '<base>:<a>=0.7+<b>=0.3'.", source=clip(model_id))
-    if len(adapter) > MAX_ADAPTER_ID_CHARS:
+    if len(adapter) > MAX_MODEL_FIELD_CHARS:
         raise AdapterSourceError(f"The adapter part of the model id has {len(adapter)} characters, more than "
-                                 f"{MAX_ADAPTER_ID_CHARS}. Name an adapter or a mix.", source=clip(adapter))
+                                 f"{MAX_MODEL_FIELD_CHARS}. Name an adapter or a mix.", source=clip(adapter))
     if server_only_prefix(adapter) is not None:
         raise AdapterSourceError(f"Adapter id {short_repr(adapter)} is a spec only the server makes. Name registered "
                                  f"adapters, or a mix of them such as 'a=0.7+b=0.3'.", source=clip(adapter))

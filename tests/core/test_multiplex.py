@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_lora_ext import AdapterAccessError, AdapterNotFoundError, AdapterSourceError
-from vllm_lora_ext.multiplex import MAX_ADAPTER_ID_CHARS, Plan, plan_model_id, split_model_id
+from vllm_lora_ext.constants import MAX_MODEL_FIELD_CHARS
+from vllm_lora_ext.multiplex import Plan, plan_model_id, split_model_id
 
 NAMES = {"style", "domain", "mix-style=0.5+domain=0.5-40000001"}
 
@@ -46,7 +47,7 @@ def test_an_unknown_name_goes_to_rays_downloader_when_there_is_one_else_404_nami
 
 @pytest.mark.parametrize("model_id, match", [
     ("qwen:", "no adapter"),
-    ("qwen:" + "a" * (MAX_ADAPTER_ID_CHARS + 1), "characters"),
+    ("qwen:" + "a" * (MAX_MODEL_FIELD_CHARS + 1), "characters"),
     ('qwen:mix:{"v":1}', "only the server makes"),
     ("qwen:vllm-lora-ext-prebuild:/x", "only the server makes"),
 ])

@@ -13,7 +13,6 @@ from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, Vllm
 
 __all__ = ["build_failure", "worker_error", "worker_reason"]
 
-_MAX_BUILD_MESSAGE = MAX_MESSAGE_CHARS
 # vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
 # through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
 _VLLM_NOT_FOUND = "No adapter found"
@@ -50,7 +49,7 @@ def worker_reason(err: BaseException) -> tuple[str, str]:
     """A failed build's reason for the log and for the client (its ``client_message``: no server folders), each
     capped at ``MAX_MESSAGE_CHARS``."""
     def cap(text: str) -> str:
-        return text if len(text) <= _MAX_BUILD_MESSAGE else text[:_MAX_BUILD_MESSAGE] + " [...]"
+        return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " [...]"
 
     public = err.client_message() if isinstance(err, VllmLoraExtError) else str(err)
     return cap(str(err)), cap(public)

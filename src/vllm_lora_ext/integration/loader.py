@@ -70,9 +70,6 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         traits=model_traits(manager), drop_unapplied=drop_unapplied())
 
 
-_TRAITS_ATTR = TRAITS_ATTR
-
-
 def model_traits(manager: Any) -> dict[str, str]:
     """Return the traits of the worker's model that decide whether vLLM applies a LoRA (see `unapplied`).
 
@@ -83,7 +80,7 @@ def model_traits(manager: Any) -> dict[str, str]:
     Worked out once per model (the model does not change).
     """
     adapter_manager = manager._adapter_manager
-    found: dict[str, str] | None = adapter_manager.__dict__.get(_TRAITS_ATTR)
+    found: dict[str, str] | None = adapter_manager.__dict__.get(TRAITS_ATTR)
     if found is not None:
         return found
     found = {}
@@ -96,7 +93,7 @@ def model_traits(manager: Any) -> dict[str, str]:
     modules = adapter_manager.modules.values()
     found.update(kernel_traits(k for m in modules if (k := moe_experts_kernel(m)) is not None))
     found.update(padding_traits(p for m in modules if (p := moe_kernel_padding(m)) is not None))
-    adapter_manager.__dict__[_TRAITS_ATTR] = found
+    adapter_manager.__dict__[TRAITS_ATTR] = found
     return found
 
 

@@ -26,7 +26,6 @@ from vllm_lora_ext.prebuild import PrebuildTable
 
 logger = logging.getLogger(__name__)
 
-_TABLE_ATTR = PREBUILD_ATTR
 _LOCK = threading.Lock()
 
 
@@ -57,14 +56,14 @@ def model_bytes(lora: Any) -> int:
 
 def table(manager: Any) -> PrebuildTable[Any]:
     """This worker manager's table of background builds, keyed by pinned source."""
-    found: PrebuildTable[Any] | None = manager.__dict__.get(_TABLE_ATTR)
+    found: PrebuildTable[Any] | None = manager.__dict__.get(PREBUILD_ATTR)
     if found is None:
         with _LOCK:
-            found = manager.__dict__.get(_TABLE_ATTR)
+            found = manager.__dict__.get(PREBUILD_ATTR)
             if found is None:
                 found = PrebuildTable(lambda path: _build(manager, path), size_of=model_bytes,
                                       max_builds=prebuild_builds(), budget_bytes=prebuild_bytes())
-                manager.__dict__[_TABLE_ATTR] = found
+                manager.__dict__[PREBUILD_ATTR] = found
                 if _use_build_process():
                     from vllm_lora_ext.integration.build_process import prestart
 
@@ -87,7 +86,7 @@ def _build(manager: Any, path: str) -> Any:
     from vllm_lora_ext.integration.loader import load_lora_model
     from vllm_lora_ext.integration.staging import stage
 
-    name = manager.__dict__.get(_NAMES_ATTR, {}).get(path) or "adapter"
+    name = manager.__dict__.get(PREBUILD_NAMES_ATTR, {}).get(path) or "adapter"
     logger.info("adapter %r: building in the background", name)
     device = getattr(manager, "device", "cpu")
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
@@ -96,7 +95,6 @@ def _build(manager: Any, path: str) -> Any:
     return lora
 
 
-_NAMES_ATTR = PREBUILD_NAMES_ATTR  # pinned source -> the name a probe gave it (for messages)
 _MAX_NAMES = 4096
 
 
@@ -113,7 +111,7 @@ def answer_probe(manager: Any, lora_request: Any) -> bool:
     held = get(lora_request.lora_int_id) if get is not None else None
     if held is not None and getattr(held, IDENTITY_ATTR, None) == path:
         return True  # resident under this id already: nothing to build
-    names: dict[str, str] = manager.__dict__.setdefault(_NAMES_ATTR, {})
+    names: dict[str, str] = manager.__dict__.setdefault(PREBUILD_NAMES_ATTR, {})
     if len(names) >= _MAX_NAMES:
         names.clear()
     names[path] = str(lora_request.lora_name)
@@ -138,7 +136,7 @@ def _crossing(err: Exception) -> BaseException:
 
 def take_built(manager: Any, lora_request: Any) -> Any | None:
     """Return the finished model for ``lora_request`` (waiting for a build in flight), or ``None`` if none was started."""
-    found = manager.__dict__.get(_TABLE_ATTR)
+    found = manager.__dict__.get(PREBUILD_ATTR)
     if found is None:
         return None
     lora = found.take(lora_request.lora_path)

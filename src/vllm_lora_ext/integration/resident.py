@@ -14,18 +14,16 @@ from typing import Any
 
 from vllm_lora_ext.constants import prebuild_builds
 from vllm_lora_ext.integration._compat import has_upstream_residency_metric, is_first_model_rank
-from vllm_lora_ext.integration.patching import RESIDENT_NAMES_ATTR
+from vllm_lora_ext.integration.patching import PREBUILD_ATTR, PREBUILD_NAMES_ATTR, RESIDENT_NAMES_ATTR
 from vllm_lora_ext.resident_metric import write_resident
 from vllm_lora_ext.residency import adapter_levels
 
 logger = logging.getLogger(__name__)
 
-_NAMES_ATTR = RESIDENT_NAMES_ATTR  # lora_int_id -> the adapter name it was registered under
-
 
 def note_name(manager: Any, lora_request: Any) -> None:
     """Remember the name an id is registered under (vLLM's LoRAModel carries only the id)."""
-    names: dict[int, str] = manager.__dict__.setdefault(_NAMES_ATTR, {})
+    names: dict[int, str] = manager.__dict__.setdefault(RESIDENT_NAMES_ATTR, {})
     names[int(lora_request.lora_int_id)] = str(lora_request.lora_name)
 
 
@@ -38,16 +36,13 @@ def record_residency(manager: Any) -> None:
         registered = getattr(adapters, "_registered_adapters", None)
         if registered is None:
             return
-        names: dict[int, str] = manager.__dict__.setdefault(_NAMES_ATTR, {})
+        names: dict[int, str] = manager.__dict__.setdefault(RESIDENT_NAMES_ATTR, {})
         cpu_ids = [int(i) for i in list(registered.keys())]
         for stale in set(names) - set(cpu_ids):  # bounded by the CPU cache, like the gauge
             del names[stale]
         gpu_ids = [i for i in list(getattr(adapters, "lora_index_to_id", ())) if i is not None]
-        from vllm_lora_ext.integration.prebuild import _NAMES_ATTR as BUILD_NAMES
-        from vllm_lora_ext.integration.prebuild import _TABLE_ATTR
-
-        table = manager.__dict__.get(_TABLE_ATTR)
-        build_names = manager.__dict__.get(BUILD_NAMES, {})
+        table = manager.__dict__.get(PREBUILD_ATTR)
+        build_names = manager.__dict__.get(PREBUILD_NAMES_ATTR, {})
         building = [build_names.get(p, "adapter") for p in (table.pending() if table is not None else ())]
         levels = adapter_levels(gpu=[names.get(i, f"id-{i}") for i in gpu_ids],
                                 cpu=[names.get(i, f"id-{i}") for i in cpu_ids], building=building)

@@ -69,7 +69,6 @@ from vllm_lora_ext.resolve import check_allowed_root, pin_path
 
 logger = logging.getLogger(__name__)
 
-_MAX_MODEL_FIELD = MAX_MODEL_FIELD_CHARS
 # A routed request carries its mix's LoRARequest in ROUTED_ATTR, set with object.__setattr__, so it lives in
 # the object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
 # True while the server registers its start-up adapters (--lora-modules, deployment config): those come
@@ -408,8 +407,9 @@ async def _route(serving: Any, request: Any) -> Any:
     generates = not never_generates(serving, request)
     adapters, weights = _mix_request_fields(request)
     model = getattr(request, "model", None)
-    if isinstance(model, str) and len(model) > _MAX_MODEL_FIELD:
-        raise MixError(f"'model' has {len(model)} characters, more than {_MAX_MODEL_FIELD}. Name a model or a mix.")
+    if isinstance(model, str) and len(model) > MAX_MODEL_FIELD_CHARS:
+        raise MixError(f"'model' has {len(model)} characters, more than {MAX_MODEL_FIELD_CHARS}. "
+                       "Name a model or a mix.")
     sources, default_weights, default = _known_adapters(models)
     if adapters is None and weights is not None:
         raise MixError("adapter_weights were given without adapters; name the adapters they weigh.")

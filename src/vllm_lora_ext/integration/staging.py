@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["attach_staged", "concat_staged", "stage", "staged_bytes", "twins_from_gpu", "unstage"]
 
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
-_HEADROOM = GPU_HEADROOM_BYTES  # GPU memory left free for the engine's own allocations
 _LOCK = threading.Lock()
 _STAGED: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -79,7 +78,7 @@ def _room(total: int, device: torch.device, what: str) -> bool:
                     "memory and copied into its slot from there", what, total / 2**20, held / 2**20, budget / 2**20)
         return False
     free = gpu_free_bytes(device, reuse_cached=True)
-    if free < total + _HEADROOM:
+    if free < total + GPU_HEADROOM_BYTES:
         logger.info("%s not staged on the GPU: %.0f MiB needed, %.0f MiB free", what, total / 2**20,
                     free / 2**20)
         return False
