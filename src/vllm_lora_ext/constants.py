@@ -95,7 +95,6 @@ PREBUILD_PREFIX = "vllm-lora-ext-prebuild:"
 MIX_NAME_PREFIX = "mix-"
 
 SourceKind = Literal["hf", "local"]
-TargetKind = Literal["dir", "file"]
 
 _TRUE = {"1", "true", "yes", "on"}
 

@@ -84,11 +84,6 @@ class _Child:
     def alive(self) -> bool:
         return self._gone is None and self.proc.poll() is None
 
-    @property
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def _read_answers(self) -> None:
         out = self.proc.stdout
         assert out is not None
