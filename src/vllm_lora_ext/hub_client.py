@@ -44,7 +44,7 @@ _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EA
 PROBE_SECONDS = 1.5
 
 
-def hub_unreachable(endpoint: str | None = None) -> str | None:
+def hub_unreachable() -> str | None:
     """Return why the Hub endpoint certainly cannot be reached (one TCP connection), or ``None``.
 
     ``None`` also where the answer is not certain: a proxy is set, or the connection does not answer within
@@ -52,7 +52,7 @@ def hub_unreachable(endpoint: str | None = None) -> str | None:
     """
     if proxy_configured():
         return None
-    url = urlsplit(endpoint or hub_endpoint())
+    url = urlsplit(hub_endpoint())
     host = url.hostname
     if not host:
         return None

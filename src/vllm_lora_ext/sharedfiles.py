@@ -155,8 +155,8 @@ def _remove(path: str) -> bool:
     return True
 
 
-def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 20, prefix: str = "") -> None:
-    """Allocate the first ``size`` bytes of the file ``fd`` now when ``folder`` has less than ``size + margin`` free,
+def reserve_when_tight(fd: int, folder: str, size: int, *, prefix: str) -> None:
+    """Allocate the first ``size`` bytes of the file ``fd`` now when ``folder`` has less than ``size`` + 64 MiB free,
     counting as taken the pages the other sparse files named ``prefix…`` there may still take.
 
     A sparse file written through a mapping takes its pages as they are written, and a page that a full
@@ -171,13 +171,13 @@ def reserve_when_tight(fd: int, folder: str, size: int, *, margin: int = 64 << 2
     import shutil
 
     try:
-        free = shutil.disk_usage(folder).free - (_holes(folder, prefix, skip=os.fstat(fd).st_ino) if prefix else 0)
+        free = shutil.disk_usage(folder).free - _holes(folder, prefix, skip=os.fstat(fd).st_ino)
     except OSError:
         free = 0
     if free < size:  # even allocated now, it would take pages another sparse file was counting on
         raise OSError(errno.ENOSPC, f"{size} bytes do not fit in {folder!r} beside the shared files already there "
                                     f"({max(free, 0)} bytes left)")
-    if free < size + margin:
+    if free < size + (64 << 20):
         os.posix_fallocate(fd, 0, size)
 
 

@@ -30,17 +30,17 @@ _GLOBAL: StallTrace | None = None
 
 
 class StallTrace:
-    """A sampler of one thread's stack (by default the main thread's); [`start`] and [`stop`] it.
+    """A sampler of the main thread's stack; [`start`] and [`stop`] it.
 
     Example:
         >>> trace = StallTrace(0.5).start()
         >>> trace.stop()
     """
 
-    def __init__(self, threshold_s: float, *, period_s: float = 0.05, thread_id: int | None = None) -> None:
+    def __init__(self, threshold_s: float, *, period_s: float = 0.05) -> None:
         self.threshold_s = threshold_s
         self.period_s = period_s
-        self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
+        self.thread_id = threading.main_thread().ident
         self.stalls = 0  # stalls logged so far
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -123,8 +123,8 @@ def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "ada
             lambda: check_declared_ranks(header.shapes, config, adapter=name)]
 
 
-def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter", batch_bytes: int = 256 << 20) -> Rule:
-    """A rule that reads every LoRA factor (``batch_bytes`` at a time) and refuses NaN or infinity, as the loader
+def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:
+    """A rule that reads every LoRA factor (256 MiB at a time) and refuses NaN or infinity, as the loader
     does while it reads (there after scaling; here as stored)."""
     def rule() -> None:
         from vllm_lora_ext.reader import SafetensorsReader
@@ -138,7 +138,7 @@ def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter", batch_bytes
             if key is not None:
                 batch.append(key)
                 size += reader.header.nbytes[key]
-            if batch and (key is None or size >= batch_bytes):
+            if batch and (key is None or size >= 256 << 20):
                 check_finite(reader.read_many(batch), adapter=name)
                 batch, size = [], 0
 

@@ -49,11 +49,11 @@ def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help != argparse.SUPPRESS]
 
 
-def render_cli_summary(parser: argparse.ArgumentParser | None = None) -> str:
+def render_cli_summary() -> str:
     """Return the markdown summary of every ``vllm-lora`` command and option, from the parsers themselves."""
     from vllm_lora_ext.cli import _parser
 
-    parser = parser or _parser()
+    parser = _parser()
     top = _arguments(parser)
     lines = [f"- `vllm-lora {' '.join(_usage_part(a) for a in top)} COMMAND ...`: "
              + "; ".join(f"{_option_name(a)}: {a.help}" for a in top) + "."]

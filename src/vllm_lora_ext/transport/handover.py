@@ -51,8 +51,7 @@ def _dtype_name(t: torch.Tensor, built: BuiltAdapter, name: str) -> str:
     return found
 
 
-def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int = 4,
-              trim: bool = True) -> SharedTensors:
+def to_shared(built: BuiltAdapter, *, trim: bool = True) -> SharedTensors:
     """Put ``built``'s tensors in one shared file and describe it; the caller of [`from_shared`] removes it.
 
     Tensors already in ``built.arena`` stay where they are; the others are appended to its file (or to a
@@ -87,15 +86,15 @@ def to_shared(built: BuiltAdapter, directory: str | None = None, *, writers: int
         arena.close()
         fd = os.open(path, os.O_RDWR)
     else:
-        path = owned_name(directory or shared_dir(size))
+        path = owned_name(shared_dir(size))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # Written with pwrite, not through a mapping: running out of space is an OSError rather than
-        # SIGBUS, and threads copy in parallel.
+        # SIGBUS, and up to 4 threads copy in parallel.
         if trim or arena is None or size > arena.capacity:
             os.ftruncate(fd, max(size, 1))
         if writes:
-            with ThreadPoolExecutor(max(1, min(writers, len(writes)))) as pool:
+            with ThreadPoolExecutor(min(4, len(writes))) as pool:
                 for _ in pool.map(lambda job: _pwrite_all(fd, job[1], job[0]), writes):
                     pass
     except BaseException:
