@@ -22,7 +22,7 @@ import torch
 from vllm_lora_ext._util import gc_paused
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled
-from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it (issue 41)
+from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it
 from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec

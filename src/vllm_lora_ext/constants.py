@@ -130,9 +130,8 @@ def kernel_configs_enabled() -> bool:
 
 def mix_on_gpu() -> bool:
     """Return whether a mix loaded in the engine step is concatenated on the worker's GPU (``VLLM_LORA_EXT_MIX_ON_GPU``,
-    default on; 0 turns it off). For four 7B r16 components the GPU build takes 11-24 ms in the engine against
-    59-79 ms for the CPU build into the kept host arena, and brings the new mix's first token about 20 ms sooner
-    (``bench/bench_new_mix.py --mix-on-gpu both``, ``bench/README.md``). A mix that does not
+    default on; 0 turns it off): faster than the CPU build into the kept host arena, so a new mix's first token
+    comes sooner (``bench/bench_new_mix.py --mix-on-gpu both``). A mix that does not
     fit the GPU's free memory or the staging budget is built on the CPU. Background builds use the GPU either way."""
     return _env_on(ENV_MIX_ON_GPU)
 
@@ -284,7 +283,8 @@ def host_arenas_enabled() -> bool:
 
 def pin_shared() -> bool:
     """Return whether a GPU worker page-locks a build process's shared file where it maps it, as it pins a host
-    arena (``VLLM_LORA_EXT_PIN_SHARED``, default off: the trial against GPU staging of issue 38)."""
+    arena (``VLLM_LORA_EXT_PIN_SHARED``, default off; with ``VLLM_LORA_EXT_STAGE_GPU_BYTES=0`` an alternative
+    to GPU staging)."""
     return _env_flag(ENV_PIN_SHARED)
 
 
@@ -341,7 +341,7 @@ def drop_unapplied() -> frozenset[str]:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-# ----------------------------------------------------------------------------------------- disk tier (issue 41)
+# ----------------------------------------------------------------------------------------------------- disk tier
 ENV_DISK_CACHE_BYTES = "VLLM_LORA_EXT_DISK_CACHE_BYTES"
 
 

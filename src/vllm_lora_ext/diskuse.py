@@ -1,4 +1,4 @@
-"""Which cached hub revisions a server's adapters keep in use (issue 41), as plain data.
+"""Which cached hub revisions a server's adapters keep in use, as plain data.
 
 A server holds, in the shared disk cache ([`diskholds`]), every hub revision that a registered adapter or
 a live mix points at: a worker may rebuild any of them from disk at any time (its CPU cache is bounded), so

@@ -467,7 +467,7 @@ def record_error(err: BaseException, *, where: str) -> None:
     ERRORS.inc(where=where, type=type(err).__name__)
 
 
-# ----------------------------------------------------------------------------------------- disk tier (issue 41)
+# ----------------------------------------------------------------------------------------------------- disk tier
 # The disk cache is one quantity shared by every process that uses it, so its gauge is the value set last
 # (prometheus_client's 'mostrecent' mode), not a sum over processes.
 

@@ -15,10 +15,7 @@ An id no replica reports yet goes to its **home**: the replica with the highest 
 where the home key is the id itself, or a mix's first component (so a new mix lands where that component lands).
 The pick depends on nothing but the id and the set of replicas, so a burst of first requests for one id, sent
 before any replica has reported it, lands on one replica, and two routers (one per node's proxy) agree; replicas
-joining or leaving move only the ids homed on them. Reports arrive every 0.1 s or so. Before hashing, new ids went
-to the replica reporting the fewest ids, and a router remembered the ids it had routed only once a replica had
-accepted the request; a burst of first requests was routed before either could help, and an H200 run built 1.53
-copies per id (`bench/results/residency_h200x2_r23_single_affinity.json`).
+joining or leaving move only the ids homed on them. Reports arrive every 0.1 s or so.
 
 A router tries the ranks in order and takes the first replica in a rank whose queue is not full; when every
 preferred replica is saturated (its queue at ``max_ongoing_requests``), the next rank takes the request. That

@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     from vllm_lora_ext.cli import verify
     verify.add_parser(sub)
 
-    from vllm_lora_ext.cli import cache as cache_cli  # issue 41: the disk tier
+    from vllm_lora_ext.cli import cache as cache_cli  # the disk tier
 
     cache_cli.add_parser(sub)
     _flags_after(sub)

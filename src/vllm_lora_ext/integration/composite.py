@@ -208,8 +208,7 @@ def host_concat(jobs: Any, *, dtype: torch.dtype | None, context: int | None = N
 
     After the copy a spare arena of this size is made in the background, touched and pinned
     ([`transport.arena.prepare_spare`]), so the next mix of these components copies into memory that costs no
-    page faults and no registration: for a 281 MiB composite that is about 20 ms of copying, against 80-140 ms
-    into fresh memory plus 8-36 ms of pinning (``bench/probe_mix_copy.py``, ``bench/probe_host_memory.py``).
+    page faults and no registration (``bench/probe_mix_copy.py``, ``bench/probe_host_memory.py``).
     """
     shapes = composite_shapes(jobs, dtype=dtype)
     need = sum(math.prod(a) * t.itemsize + math.prod(b) * t.itemsize + 128 for a, b, t in shapes.values())

@@ -112,7 +112,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager._apply_adapters", ("lora_requests",),
           worker_patches.make_apply_adapters, process="worker",
           reads=("_adapter_manager", "_adapter_manager._registered_adapters", "_adapter_manager._active_adapters"),
-          why="host time per decode step grows with the batch's distinct adapters (issue 12 P4): vLLM calls "
+          why="host time per decode step grows with the batch's distinct adapters: vLLM calls "
               "add_adapter per adapter every step (about 20 µs of host time each, `bench/bench_step_adapters.py`); "
               "for a batch whose adapters are all active, touch vLLM's two LRU caches as add_adapter would, without "
               "calling it per adapter; anything else goes through vLLM's path",
@@ -130,7 +130,7 @@ PATCHES: tuple[Patch, ...] = (
           why="resolve (download) a source in a thread and pin it before the engine sees it; refuse names the mix "
               "grammar reserves (+, =, mix-), the operator's names, client mix: paths and paths outside "
               "VLLM_LORA_EXT_ALLOWED_ROOTS; build a new or replaced (load_inplace) adapter in the background before "
-              "vLLM registers it; hold the hub revisions of registered adapters in the disk cache (issue 41)",
+              "vLLM registers it; hold the hub revisions of registered adapters in the disk cache",
           delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), server_patches.make_init_static_loras,
           process="server", writes=(f"OpenAIServingModels.{DEPLOYMENT_ATTR}",),
@@ -155,8 +155,8 @@ PATCHES: tuple[Patch, ...] = (
               "releases it when collected",
           delete_when="mixes are native vLLM adapters with their own lifetime"),
     *(Patch(module, "get_lora_op_configs", _KERNEL_CONFIG_PARAMS, make_get_lora_op_configs, process="worker",
-            why=f"{op}: vLLM's default config launches far more blocks than a batch over many adapters needs (issue 12 "
-                "P4): answer from the tuned table shipped for this GPU (`vllm_lora_ext/kernel_configs/`), else "
+            why=f"{op}: vLLM's default config launches far more blocks than a batch over many adapters needs: "
+                "answer from the tuned table shipped for this GPU (`vllm_lora_ext/kernel_configs/`), else "
                 "vLLM's lookup. Only this module's name is replaced; setting VLLM_TUNED_CONFIG_FOLDER instead would "
                 "also move the fused-MoE LoRA kernels off vLLM's own config choice",
             delete_when="vLLM ships tuned shrink/expand configs for these GPUs, or reads a tuned folder per op type")
@@ -184,7 +184,7 @@ PATCHES: tuple[Patch, ...] = (
           reads=("model_runner", "model_runner._dummy_run"),
           why="vLLM's warm-up runs with no active LoRA, so the fused-MoE LoRA Triton kernels compile only where CUDA "
               "graph capture runs them; an eager engine (and any uncaptured batch) compiles them inside the first "
-              "step with an MoE adapter, seconds that pause every request in flight (issue 39 item 3). Before "
+              "step with an MoE adapter, seconds that pause every request in flight. Before "
               "vLLM's own warm-up, with LoRA on and fused-MoE LoRA layers present, run vLLM's _dummy_run with dummy "
               "LoRAs (`integration/warmup.py`; VLLM_LORA_EXT_MOE_WARMUP=0 skips it, "
               "VLLM_LORA_EXT_MOE_WARMUP_TOKENS names the token counts)",

@@ -27,7 +27,7 @@ plugin system, and the deployment config reaches it through ``runtime_env``::
     serve.run(build_openai_app({"llm_configs": [config]}))
     # then: model="qwen:style", model="qwen:style=0.7+domain=0.3", or model="qwen" with extra_body adapters
 
-Routing by residency (issue 40): every id the plugin serves also enters Ray's ``@serve.multiplexed`` loader
+Routing by residency: every id the plugin serves also enters Ray's ``@serve.multiplexed`` loader
 (`vllm_lora_ext.integration.ray_report`, no download), so the replica reports it to Serve's router and the next
 request for it comes here; this needs a ``lora_config`` in the ``LLMConfig`` (Ray makes no multiplexed loader
 without one). `vllm_lora_ext.integration.ray_routing.ResidencyRequestRouter` adds a home replica for ids nobody reports

@@ -69,8 +69,6 @@ from vllm_lora_ext.resolve import check_allowed_root, pin_path
 
 logger = logging.getLogger(__name__)
 
-# A routed request carries its mix's LoRARequest in ROUTED_ATTR, set with object.__setattr__, so it lives in
-# the object's __dict__, where a client's body fields (pydantic extras) never land; read back from there only.
 # True while the server registers its start-up adapters (--lora-modules, deployment config): those come
 # from the operator, so the allowed-roots rule (for runtime loads by clients) does not apply.
 STARTUP: contextvars.ContextVar[bool] = contextvars.ContextVar("vllm_lora_ext_startup", default=False)
@@ -87,7 +85,7 @@ def http_error(err: BaseException) -> Any:
         return error_response(err.client_message(), err_type="NotFoundError", status=404)
     if isinstance(err, (AdapterAccessError, OperatorNameError)):
         return error_response(err.client_message(), err_type="PermissionDeniedError", status=403)
-    if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later (issue 41)
+    if isinstance(err, (MixCapacityError, DiskCacheFullError)):  # capacity, not bad input: retry later
         return error_response(err.client_message(), err_type="ServiceUnavailableError", status=503)
     if isinstance(err, VllmLoraExtError) and not isinstance(err, RemoteError):
         return error_response(err.client_message(), err_type="BadRequestError", status=400)
@@ -300,6 +298,8 @@ def routed_lora(request: Any) -> Any:
     """
     from vllm.lora.request import LoRARequest
 
+    # Set with object.__setattr__, so it lives in the request's __dict__, where a client's body fields (pydantic
+    # extras) never land; read back from there only.
     routed = getattr(request, "__dict__", {}).get(ROUTED_ATTR)
     return routed if isinstance(routed, LoRARequest) else None
 
@@ -465,7 +465,7 @@ async def build_if_evicted(models: Any, name: Any) -> None:
 
 
 async def sync_disk_holds(models: Any) -> None:
-    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix (issue 41);
+    """Hold, in the shared disk cache, the hub revisions of every registered adapter and live mix;
     at start-up (``STARTUP``) they are pinned there."""
     from vllm_lora_ext.diskholds import HeldSources
     from vllm_lora_ext.diskuse import sync_server_holds

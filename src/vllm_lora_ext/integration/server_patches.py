@@ -24,7 +24,7 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         refused = refuse_operator_name(self, request.lora_name, "load over")
         if refused is not None:
             return refused
-        await sync_disk_holds(self)  # issue 41: unloaded adapters' revisions may go before this load downloads
+        await sync_disk_holds(self)  # unloaded adapters' revisions may go before this load downloads
         request_or_error = await pre_resolve(request)
         if not hasattr(request_or_error, "lora_path"):
             return request_or_error  # an ErrorResponse

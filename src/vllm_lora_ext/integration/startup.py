@@ -4,7 +4,7 @@
 adapter goes through ``load_lora_adapter`` as a ``--lora-modules`` entry does: pinned, built in the worker
 (off the engine loop) and registered, and a bad one stops the start.
 
-With ``VLLM_LORA_EXT_BUILD_AT_START=0`` (what Ray Serve LLM replicas routed by residency use, issue 40) each
+With ``VLLM_LORA_EXT_BUILD_AT_START=0`` (what Ray Serve LLM replicas routed by residency use) each
 adapter is pinned and checked from its config and safetensors header in the API server, the same rules
 ``vllm-lora inspect`` applies, and a bad one still stops the start; but it is registered without a build.
 Its first request builds it in the background (`server.build_if_evicted`), so a replica of a fleet builds,

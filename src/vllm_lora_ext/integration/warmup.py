@@ -1,4 +1,4 @@
-"""Compile the fused-MoE LoRA Triton kernels while the engine starts, so no request pays for it (issue 39 item 3).
+"""Compile the fused-MoE LoRA Triton kernels while the engine starts, so no request pays for it.
 
 vLLM (0.26-0.33) warms a model up in ``Worker.compile_or_warm_up_model``: dummy forward passes for the
 compile sizes, then (without ``enforce_eager``) CUDA graph capture. Those warm-up passes run with
@@ -12,10 +12,9 @@ Which compiled variant a launch needs depends on the batch's token count N: the 
 paths, the block size ``BLOCK_M`` picked for it, and Triton's specialisation of integer arguments on being 1 or
 divisible by 16. vLLM 0.26-0.33's one-shot kernel specialises three counts that move with N: ``N·top_k``, the
 padded sorted length ``N·top_k + E·(BLOCK_M-1)`` and that over ``BLOCK_M``. The last is divisible by 16 only in
-narrow windows (N from 2·BLOCK_M·j + 17 - BLOCK_M/8 to 2·BLOCK_M·j + 16), which 2^k-like counts miss: an H200's
-``jit_monitor`` caught a compile at N = 2,050 after the warm-up ran 2,048 and 2,049. The adapter count changes
-no kernel key unless ``LoRAConfig.specialize_active_lora`` is on (otherwise the kernels see the constant
-``max_loras + 1``). The LoRA rank the kernels see is the stacked ``max_lora_rank`` and the slot count
+narrow windows (N from 2·BLOCK_M·j + 17 - BLOCK_M/8 to 2·BLOCK_M·j + 16), which 2^k-like counts miss (N = 2,050
+needs a variant that 2,048 and 2,049 do not compile). The adapter count changes no kernel key unless
+``LoRAConfig.specialize_active_lora`` is on (otherwise the kernels see the constant ``max_loras + 1``). The LoRA rank the kernels see is the stacked ``max_lora_rank`` and the slot count
 ``max_loras``, both fixed at start-up; so dummy forward passes with dummy LoRAs, run through vLLM's own
 ``_dummy_run``, compile exactly what requests will launch. This runs them, before
 vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for:
@@ -32,12 +31,11 @@ vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for
 Each dummy batch also computes its logits while its dummy LoRAs are active, when the model's logits processor is
 wrapped for LoRA (``LogitsProcessorWithLoRA``: every LoRA model's is). vLLM computes logits in no warm-up pass with
 a LoRA active (dummy runs stop at the hidden states; the sampler warm-up runs without LoRA), and the LoRA logits
-path launches the dense ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` over the vocabulary with a block
-config of its own: on an H200 (vLLM 0.26, ``jit_monitor``) both compiled in the first step that carried an
-adapter, after this warm-up had run. Only with one tensor- and one pipeline-parallel rank: there the logits
-involve no collective, so a failure is logged once and leaves the rest of the warm-up running (with several ranks
-the logits are gathered onto rank 0 and the LoRA part runs there alone; a failure on one rank would leave the
-others in a gather it never joins).
+path launches the dense ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` over the vocabulary with a block config
+of its own, so without this they would compile in the first step that carries an adapter. Only with one tensor- and
+one pipeline-parallel rank: there the logits involve no collective, so a failure is logged once and leaves the rest
+of the warm-up running (with several ranks the logits are gathered onto rank 0 and the LoRA part runs there alone; a
+failure on one rank would leave the others in a gather it never joins).
 
 ``VLLM_LORA_EXT_MOE_WARMUP=0`` turns it off; ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS=1,2,48`` names the token counts
 instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; anything else is untouched.

@@ -1,7 +1,7 @@
 """Process-wide thread pools for the plugin's reads, scans and copies, whose threads run torch's CPU ops alone.
 
-Two costs are avoided. Starting a pool's threads for every load, which on two cores costs 6-12 ms of a 50 ms
-expert-parallel read; pools are lent and kept ([`lent_pool`]). And nested parallelism: a vLLM engine process keeps torch's default intra-op
+Two costs are avoided. Starting a pool's threads for every load, milliseconds of each read; pools are lent
+and kept ([`lent_pool`]). And nested parallelism: a vLLM engine process keeps torch's default intra-op
 parallelism (an OpenMP team of one thread per core; vLLM lowers it to one only for its multi-process executor),
 so each of a pool's threads would start a team of that size for every op large enough, 4 × 16 threads on a
 16-core host, all copying memory at once. A pool thread here runs its ops on one OpenMP thread: the parallelism
