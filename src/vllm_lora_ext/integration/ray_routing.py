@@ -4,14 +4,8 @@ Ray Serve LLM routes ``model="<base>:<adapter>"`` as a multiplexed id. Serve's s
 that reports the exact id, else the replica reporting the fewest ids. With `LoraExtLLMServer`, replicas report
 the plugin's ids too (names, mixes, admitted client sources; see `vllm_lora_ext.integration.ray`), so the stock
 router keeps a name or a mix on the replica that built it once the report is in. `ResidencyRequestRouter` adds
-what the stock router cannot know:
-
-* an id no replica reports yet goes to its home replica (a rendezvous hash of the id over the replicas), so the
-  first requests of an id, which all arrive before the replica that builds it reports it, land on one replica,
-  and the routers of several proxies (one per node) pick the same one;
-* a mix no replica holds goes to the replica holding most of its components (``a=0.7+b=0.3`` where ``a`` and
-  ``b`` are hot), else to its first component's home; a mix written another way (``a=0.70+b=0.3``) is the same
-  mix.
+what the stock router cannot know, by the ranks of `vllm_lora_ext.residency`: a home replica for an id no replica
+reports yet, and a mix no replica holds sent where its components are.
 
 Saturation is Serve's own rule: `choose_replicas` returns ranks (`vllm_lora_ext.residency.rank_replicas`); Serve
 tries them in order and takes the least-loaded replica of the first rank whose queue is below
