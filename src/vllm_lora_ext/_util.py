@@ -7,6 +7,7 @@ import errno
 import gc
 import json
 import os
+import re
 import reprlib
 import stat
 import threading
@@ -227,3 +228,26 @@ def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
     if stat.S_ISREG(mode):
         return None
     return f"is {file_kind(mode)}, not a regular file"
+
+
+def _generated(part: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- generated: {part} [^\n]*-->\n)(.*?)(<!-- end: {part} -->)", re.S)
+
+
+def generated_part(text: str, part: str) -> str:
+    """Return what ``text`` holds between ``<!-- generated: part ... -->`` and ``<!-- end: part -->`` (empty if
+    it has no such part)."""
+    match = _generated(part).search(text)
+    return match.group(2).removesuffix("\n") if match else ""
+
+
+def replace_generated(text: str, part: str, body: str, *, what: str) -> str:
+    """Return ``text`` with its generated part ``part`` replaced by ``body``.
+
+    Raises:
+        ValueError: ``text`` (``what``, e.g. ``"README"``) has no such part.
+    """
+    pattern = _generated(part)
+    if not pattern.search(text):
+        raise ValueError(f"{what} has no '<!-- generated: {part} ... -->' ... '<!-- end: {part} -->' section")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from vllm_lora_ext import constants, env_docs
-from vllm_lora_ext.cli.readme import CLI_PART, ENV_PART, generated_part, render_cli_summary, render_env_table
+from vllm_lora_ext._util import generated_part
+from vllm_lora_ext.cli.readme import CLI_PART, ENV_PART, render_cli_summary, render_env_table
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

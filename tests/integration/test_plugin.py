@@ -133,9 +133,10 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     documented = re.findall(r"^\| \d+ \| `([^`]+)` \|", table, re.M)
     assert documented == [p.name for p in plugin.PATCHES]
     assert sorted(applied()) == sorted(documented)
-    from vllm_lora_ext.integration.patch_table import render_patch_table, table_part
+    from vllm_lora_ext._util import generated_part
+    from vllm_lora_ext.integration.patch_table import PART, render_patch_table
 
-    assert table_part(table) == render_patch_table(plugin.PATCHES), \
+    assert generated_part(table, PART) == render_patch_table(plugin.PATCHES), \
         "PATCHES.md differs from plugin.PATCHES: run `python -m vllm_lora_ext.integration.patch_table`"
 
 

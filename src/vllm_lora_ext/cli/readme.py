@@ -8,9 +8,10 @@ Each part lies between two HTML comments, ``<!-- generated: NAME -->`` and ``<!-
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
+
+from vllm_lora_ext._util import replace_generated
 
 __all__ = ["render_cli_summary", "render_env_table", "render_readme"]
 
@@ -88,22 +89,10 @@ def render_env_table() -> str:
     return "\n".join(["| variable | effect |", "|---|---|", *rows])
 
 
-def _replace(text: str, part: str, body: str) -> str:
-    pattern = re.compile(rf"(<!-- generated: {part} [^\n]*-->\n)(.*?)(<!-- end: {part} -->)", re.S)
-    if not pattern.search(text):
-        raise ValueError(f"README has no '<!-- generated: {part} ... -->' ... '<!-- end: {part} -->' section")
-    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
-
-
 def render_readme(text: str) -> str:
     """Return ``text`` (a README) with both generated parts rendered anew."""
-    return _replace(_replace(text, CLI_PART, render_cli_summary()), ENV_PART, render_env_table())
-
-
-def generated_part(text: str, part: str) -> str:
-    """Return what a README holds in one generated part (for the test that compares it)."""
-    match = re.search(rf"<!-- generated: {part} [^\n]*-->\n(.*?)<!-- end: {part} -->", text, re.S)
-    return match.group(1).removesuffix("\n") if match else ""
+    text = replace_generated(text, CLI_PART, render_cli_summary(), what="README")
+    return replace_generated(text, ENV_PART, render_env_table(), what="README")
 
 
 if __name__ == "__main__":  # pragma: no cover

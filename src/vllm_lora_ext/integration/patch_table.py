@@ -8,14 +8,14 @@ the prose around it is written by hand.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vllm_lora_ext._util import replace_generated
 from vllm_lora_ext.integration.patching import Patch
 
-__all__ = ["PART", "render_patch_table", "render_patches_md", "table_part"]
+__all__ = ["PART", "render_patch_table", "render_patches_md"]
 
 PART = "patch-table"
 _HEADER = ("| # | target | process | checked parameters | reads (vLLM private) | writes onto vLLM objects | why | "
@@ -38,26 +38,13 @@ def render_patch_table(patches: Sequence[Patch]) -> str:
     return "\n".join([_HEADER, "|" + "---|" * _HEADER.count(" | ") + "---|", *rows])
 
 
-def _pattern() -> re.Pattern[str]:
-    return re.compile(rf"(<!-- generated: {PART} [^\n]*-->\n)(.*?)(<!-- end: {PART} -->)", re.S)
-
-
-def table_part(text: str) -> str:
-    """Return the generated part of a ``PATCHES.md`` text (empty if it has none)."""
-    match = _pattern().search(text)
-    return match.group(2).removesuffix("\n") if match else ""
-
-
 def render_patches_md(text: str, patches: Sequence[Patch]) -> str:
     """Return ``text`` (a ``PATCHES.md``) with its table rendered anew from ``patches``.
 
     Raises:
         ValueError: ``text`` has no generated part.
     """
-    if not _pattern().search(text):
-        raise ValueError(f"PATCHES.md has no '<!-- generated: {PART} ... -->' ... '<!-- end: {PART} -->' section")
-    body = render_patch_table(patches)
-    return _pattern().sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
+    return replace_generated(text, PART, render_patch_table(patches), what="PATCHES.md")
 
 
 def main(argv: Sequence[str]) -> None:
