@@ -143,6 +143,16 @@ def _outside(path: str | os.PathLike[str], roots: Sequence[str], how: str) -> Ad
     return err
 
 
+def fmt_bytes(n: float) -> str:
+    """A byte count in B, KiB, MiB or GiB (``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
 def short_repr(value: Any) -> str:
     """Return a bounded ``repr`` for error messages (a hostile value is never echoed whole).
 

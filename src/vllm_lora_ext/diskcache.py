@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm_lora_ext import hubguard, metrics
+from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, MAX_STATE_FILE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes,
                                      state_root, write_in_place)
@@ -94,15 +95,6 @@ class PruneReport:
     bytes_before: int
     bytes_after: int
     max_bytes: int
-
-
-def _fmt(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 # ------------------------------------------------------------------------------------------------- the ledger
@@ -267,7 +259,7 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
     for key in keys:
         entries.pop(key, None)
         rev = state.revisions.pop(key)
-        logger.info("disk cache: evicted %s (%s, last used %s)", key, _fmt(rev.nbytes),
+        logger.info("disk cache: evicted %s (%s, last used %s)", key, fmt_bytes(rev.nbytes),
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use)))
     _write_ledger(root, entries)
     metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
@@ -275,10 +267,10 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
 
 def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0) -> DiskCacheFullError:
     in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable]) + pending
-    flight = f" (of which {_fmt(pending)} by other downloads in progress: retry once they finish)" if pending else ""
+    flight = f" (of which {fmt_bytes(pending)} by other downloads in progress: retry once they finish)" if pending else ""
     return DiskCacheFullError(
-        f"Adapter source {source!r} needs {_fmt(need)} in the Hugging Face cache, but the disk cache bound "
-        f"{ENV_DISK_CACHE_BYTES} is {_fmt(limit)} and {_fmt(in_use)} of it is held by revisions in use (pinned, "
+        f"Adapter source {source!r} needs {fmt_bytes(need)} in the Hugging Face cache, but the disk cache bound "
+        f"{ENV_DISK_CACHE_BYTES} is {fmt_bytes(limit)} and {fmt_bytes(in_use)} of it is held by revisions in use (pinned, "
         f"registered, or being read){flight} or shared with files the plugin did not download; nothing was evicted. "
         f"Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
         source=source, limit=limit, in_use=in_use, needed=need)

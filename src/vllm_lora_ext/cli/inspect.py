@@ -8,6 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int, resolve_offline
 from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
 
@@ -34,14 +35,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
     lines = [
         f"source      {summary.source}",
@@ -54,12 +47,12 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
         f"layout      {summary.layout}" + (f"  ({plural(len(summary.layers), 'MoE block')}: "
                                            + ", ".join(sorted(set(summary.layers.values()))) + ")" if summary.layers else ""),
         f"r / alpha   {summary.r} / {summary.lora_alpha:g}" + ("  (rsLoRA)" if summary.use_rslora else ""),
-        f"tensors     {summary.num_tensors}, {_fmt_bytes(summary.total_bytes)}",
+        f"tensors     {summary.num_tensors}, {fmt_bytes(summary.total_bytes)}",
         "",
     ]
     header = ("module", "kind", "rank", "alpha", "scaling", "A shape", "B shape", "dtype", "bytes")
     rows = [(m.module, m.kind, str(m.rank), f"{m.alpha:g}", f"{m.scaling:.4g}", "x".join(map(str, m.shape_a)),
-             "x".join(map(str, m.shape_b)), m.dtype, _fmt_bytes(m.nbytes)) for m in summary.modules]
+             "x".join(map(str, m.shape_b)), m.dtype, fmt_bytes(m.nbytes)) for m in summary.modules]
     shown = rows if max_rows is None else rows[:max_rows]
     widths = [max(len(r[i]) for r in [header, *shown]) for i in range(len(header))]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -171,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  ... {len(blocks) - 12} more blocks")
     for r in moe.get("ep", []):
         first = next(iter(r["experts"].values()))
-        print(f"EP rank {r['rank']}: experts {first} of each block, reads {_fmt_bytes(r['bytes'])}")
+        print(f"EP rank {r['rank']}: experts {first} of each block, reads {fmt_bytes(r['bytes'])}")
     if failed:
         print(f"error: {plural(len(summary.problems), 'problem')} (--strict)", file=sys.stderr)
     return failed
