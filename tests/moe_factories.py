@@ -120,6 +120,16 @@ def oracle_deltas(t: Truth, scaling: float) -> dict[str, torch.Tensor]:
             "down": torch.einsum("eor,eri->eoi", t.bd.float(), t.ad.float()) * scaling}
 
 
+def dense_delta(experts: Any, local_index: int) -> dict[str, torch.Tensor]:
+    """Return ``{"gate","up","down": ΔW (out, in)}`` for one kept expert of an ``ExpertsLoRA``, in float32."""
+    gate, up = experts._split_gate_up()
+    out = {}
+    for name, f in (("gate", gate), ("up", up), ("down", experts.down)):
+        if f is not None:
+            out[name] = f.b[local_index].float() @ f.a[local_index].float()
+    return out
+
+
 def peft_3d_delta(a_file: torch.Tensor, b_file: torch.Tensor, num_experts: int, scaling: float) -> torch.Tensor:
     """PEFT's own formula for a target_parameters delta: einsum('o r e, e r i -> e o i')."""
     rank = a_file.shape[0] // num_experts

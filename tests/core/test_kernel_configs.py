@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kernel_tables import shipped_gpus
 from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.kernel_configs import (
     FOLDER,
@@ -16,7 +17,6 @@ from vllm_lora_ext.kernel_configs import (
     file_stem,
     load_tables,
     lookup_config,
-    shipped_gpus,
 )
 
 SHRINK = {"block_m": 16, "block_n": 16, "block_k": 256, "split_k": 8, "num_warps": 4, "num_stages": 2, "num_ctas": 1,

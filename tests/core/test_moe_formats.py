@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_factories import (KeyByKey, Truth, block_tensors, make_truth, oracle_deltas, peft_3d_delta, to_3d, write_moe_adapter)
+from moe_factories import (KeyByKey, Truth, block_tensors, dense_delta, make_truth, oracle_deltas, peft_3d_delta, to_3d, write_moe_adapter)
 from factories import lora_config, write_adapter
 from vllm_lora_ext.config import config_from_dict
 from vllm_lora_ext.errors import ExpertLayoutError
@@ -44,7 +44,7 @@ def test_every_layout_gives_the_oracle_delta(tmp_path: Path, truth: Truth, form:
     plan, ex = _load(tmp_path)
     oracle = oracle_deltas(truth, SCALING)
     for e in range(E):
-        d = ex.dense_delta(e)
+        d = dense_delta(ex, e)
         for proj in ("gate", "up", "down"):
             torch.testing.assert_close(d[proj], oracle[proj][e], rtol=1e-5, atol=1e-6)
     assert plan.layout == {"2d": "2d", "3d": "3d", "3d_t": "3d"}.get(form, "2d+3d")
@@ -55,7 +55,7 @@ def test_the_same_delta_in_different_layouts_matches_exactly(tmp_path: Path, tru
     for form in FORMS:
         write_moe_adapter(tmp_path / form, [truth], [form], rank=R, alpha=ALPHA)  # type: ignore[list-item]
         _, ex = _load(tmp_path / form)
-        deltas.append([ex.dense_delta(e) for e in range(E)])
+        deltas.append([dense_delta(ex, e) for e in range(E)])
     for other in deltas[1:]:
         for e in range(E):
             for proj in ("gate", "up", "down"):
@@ -77,7 +77,7 @@ def test_a_fused_b_copied_by_row_blocks_equals_the_2d_read_bitwise(tmp_path: Pat
         got[form] = _load(tmp_path / form, spec)[1]
     for e in range(E):
         for proj in ("gate", "up", "down"):
-            assert torch.equal(got["2d"].dense_delta(e)[proj], got["3d"].dense_delta(e)[proj]), (e, proj)
+            assert torch.equal(dense_delta(got["2d"], e)[proj], dense_delta(got["3d"], e)[proj]), (e, proj)
     assert torch.equal(got["2d"].down.b, got["3d"].down.b)  # the factor itself, not only the delta
 
 
@@ -89,7 +89,7 @@ def test_3d_file_matches_peft_formula(tmp_path: Path, truth: Truth) -> None:
     _, ex = _load(tmp_path)
     peft = peft_3d_delta(a, b, E, SCALING)  # (E, 2I, H)
     for e in range(E):
-        d = ex.dense_delta(e)
+        d = dense_delta(ex, e)
         torch.testing.assert_close(torch.cat([d["gate"], d["up"]]), peft[e], rtol=1e-5, atol=1e-6)
 
 
@@ -122,7 +122,7 @@ def test_mixtral_w1_w3_w2_names(tmp_path: Path, truth: Truth) -> None:
                       block="block_sparse_moe")
     spec = MoESpec("model.layers.0.block_sparse_moe.experts", E, H, I, gate="w1", up="w3", down="w2")
     _, ex = _load(tmp_path, spec)
-    torch.testing.assert_close(ex.dense_delta(5)["up"], oracle_deltas(truth, SCALING)["up"][5], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense_delta(ex, 5)["up"], oracle_deltas(truth, SCALING)["up"][5], rtol=1e-5, atol=1e-6)
 
 
 def test_single_3d_parameter_is_placed_by_shape_not_by_name(tmp_path: Path, truth: Truth) -> None:
@@ -131,7 +131,7 @@ def test_single_3d_parameter_is_placed_by_shape_not_by_name(tmp_path: Path, trut
                              "base_model.model.model.layers.0.mlp.experts.lora_B.weight": b}, lora_config(R, ALPHA))
     plan, ex = _load(tmp_path)
     assert [k.role for k in plan.keys_3d] == ["gate_up"] and ex.down is None
-    torch.testing.assert_close(ex.dense_delta(1)["gate"], oracle_deltas(truth, SCALING)["gate"][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense_delta(ex, 1)["gate"], oracle_deltas(truth, SCALING)["gate"][1], rtol=1e-5, atol=1e-6)
 
 
 def test_swapped_nesting_is_read_by_shape(tmp_path: Path, truth: Truth) -> None:
@@ -142,7 +142,7 @@ def test_swapped_nesting_is_read_by_shape(tmp_path: Path, truth: Truth) -> None:
                              f"{p}.base_layer.lora_A.weight": da, f"{p}.base_layer.lora_B.weight": db},
                   lora_config(R, ALPHA))
     _, ex = _load(tmp_path)
-    torch.testing.assert_close(ex.dense_delta(0)["down"], oracle_deltas(truth, SCALING)["down"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense_delta(ex, 0)["down"], oracle_deltas(truth, SCALING)["down"][0], rtol=1e-5, atol=1e-6)
 
 
 def test_ambiguous_orientation_needs_the_config_to_settle_it(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_ambiguous_orientation_needs_the_config_to_settle_it(tmp_path: Path) -> 
         _load(tmp_path, spec)
     for extra in ({"peft_version": "0.18.0"}, {"moe_3d_orientation": "transposed"}):
         _, ex = _load(tmp_path, spec, cfg_extra=extra)
-        torch.testing.assert_close(ex.dense_delta(4)["up"], oracle_deltas(t, SCALING)["up"][4], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dense_delta(ex, 4)["up"], oracle_deltas(t, SCALING)["up"][4], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("mutate", "fragment"), [
@@ -189,8 +189,8 @@ def test_rslora_and_alpha_pattern_are_applied_per_projection(tmp_path: Path, tru
                       alpha_pattern={"down_proj": 2.0})
     _, ex = _load(tmp_path)
     o = oracle_deltas(truth, 1.0)
-    torch.testing.assert_close(ex.dense_delta(0)["gate"], o["gate"][0] * ALPHA / R**0.5, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ex.dense_delta(0)["down"], o["down"][0] * 2.0 / R**0.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense_delta(ex, 0)["gate"], o["gate"][0] * ALPHA / R**0.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense_delta(ex, 0)["down"], o["down"][0] * 2.0 / R**0.5, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kernel_tables import shipped_moe_gpus
 from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.kernel_configs.moe import (
     MOE_OPS,
@@ -17,7 +18,6 @@ from vllm_lora_ext.kernel_configs.moe import (
     load_moe_tables,
     moe_config_file_names,
     moe_tables_fit,
-    shipped_moe_gpus,
 )
 
 CONFIG = {"block_m": 16, "block_n": 64, "block_k": 16, "group_size_m": 1, "num_warps": 4, "num_stages": 5}

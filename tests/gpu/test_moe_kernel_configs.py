@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from factories import load_bench
+from kernel_tables import shipped_moe_gpus
 import torch
 
 from vllm_lora_ext.kernel_configs import file_stem
-from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, shipped_moe_gpus
+from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

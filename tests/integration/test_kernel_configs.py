@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from vllm_lora_ext.kernel_configs import FOLDER, config_file_names, lookup_config, shipped_gpus
+from kernel_tables import shipped_gpus
+from vllm_lora_ext.kernel_configs import FOLDER, config_file_names, lookup_config
 
 pytestmark = pytest.mark.vllm
 

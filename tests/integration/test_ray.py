@@ -317,6 +317,13 @@ def test_client_named_sources_stay_bounded_least_recently_used_first(
     assert ids["x"] not in registered and len([n for n in registered if n.startswith(f"{BASE}:")]) == 2
 
 
+def _held_ids(server: Any) -> list[str]:
+    """The ids ``server`` reports to Serve's router: loaded or loading in its multiplexed loader (sorted)."""
+    loader = getattr(server, "_load_model", None)
+    state = getattr(getattr(loader, "__wrapped__", None), "__serve_multiplex_wrapper", None)
+    return sorted(state._get_loading_and_loaded_model_ids()) if state is not None else []
+
+
 def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
         deployment: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Serve's router learns what a replica holds only from its ``@serve.multiplexed`` loader. Ray PR #61304
@@ -324,7 +331,7 @@ def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
     still served, see test_without_serves_loader_requests_are_served_and_one_warning_says_why)."""
     from ray.serve import multiplex
 
-    from vllm_lora_ext.integration.ray_report import held_ids, is_serve_multiplexed
+    from vllm_lora_ext.integration.ray_report import is_serve_multiplexed
 
     # the replica's runtime context, which Serve's loader reads (outside a running deployment there is none), and
     # Serve's controller, which its pushes reach (test_ray_serve_residency.py runs the real one)
@@ -336,9 +343,9 @@ def test_the_plugins_ids_are_reported_through_serves_multiplexed_loader(
     for model in (f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3", f"{BASE}:nope", f"{BASE}:style=0.5+ghost=0.5",
                   f"{BASE}:style=nan+domain", f"{BASE}:style"):
         _ask(server, model)
-    assert held_ids(server) == [f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3"]  # not the refused ids
+    assert _held_ids(server) == [f"{BASE}:style", f"{BASE}:style=0.7+domain=0.3"]  # not the refused ids
     _ask(server, f"{BASE}:domain")  # Ray's LRU bounds what is reported: the least recently used mix goes
-    assert held_ids(server) == [f"{BASE}:domain", f"{BASE}:style"]
+    assert _held_ids(server) == [f"{BASE}:domain", f"{BASE}:style"]
     assert _RecordingDownloader.calls == []  # nothing the plugin serves was looked up in a bucket
 
 

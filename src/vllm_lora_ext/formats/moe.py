@@ -165,15 +165,6 @@ class ExpertsLoRA:
                 w13_b[:, up_rows, rg:] = u.b
         return [w13_a, _a(self.down, e, i, dt)], [w13_b, _b(self.down, e, hidden, dt)]
 
-    def dense_delta(self, local_index: int) -> dict[str, torch.Tensor]:
-        """Return ``{"gate","up","down": ΔW (out, in)}`` for one kept expert, in float32 (for tests and mixing)."""
-        gate, up = self._split_gate_up()
-        out = {}
-        for name, f in (("gate", gate), ("up", up), ("down", self.down)):
-            if f is not None:
-                out[name] = f.b[local_index].float() @ f.a[local_index].float()
-        return out
-
     @property
     def dtype(self) -> torch.dtype:
         return next(f.a.dtype for f in (self.gate, self.up, self.down, self.gate_up) if f is not None)

@@ -34,7 +34,6 @@ try:  # the attribute ``@serve.multiplexed`` sets on the function it returns (Ra
 except ImportError:  # pragma: no cover - a Ray that moved it: is_serve_multiplexed then says False
     _MARKER = "_serve_multiplexed_function"
 
-_WRAPPER_ATTR = "__serve_multiplex_wrapper"  # where Serve keeps the loader's state, on the wrapped function
 _REPORTING: contextvars.ContextVar[str | None] = contextvars.ContextVar("vllm_lora_ext_ray_report", default=None)
 _WARNED: set[str] = set()
 
@@ -71,13 +70,6 @@ class _ReportOrDownload:
 def is_serve_multiplexed(loader: Any) -> bool:
     """Return whether ``loader`` is a function ``@serve.multiplexed`` made (Serve reports what it holds)."""
     return bool(getattr(loader, _MARKER, False))
-
-
-def held_ids(server: Any) -> list[str]:
-    """The ids ``server`` reports to Serve's router: loaded or loading in its multiplexed loader (sorted)."""
-    loader = getattr(server, "_load_model", None)
-    state = getattr(getattr(loader, "__wrapped__", None), _WRAPPER_ATTR, None)
-    return sorted(state._get_loading_and_loaded_model_ids()) if state is not None else []
 
 
 async def report_held(server: Any, model_id: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from vllm_lora_ext.errors import KernelConfigError
 
 __all__ = ["FOLDER", "SLICE_KEYS", "check_levels", "check_table", "config_file_names", "file_stem", "load_tables",
-           "lookup_config", "read_tables", "shipped_gpus"]
+           "lookup_config", "read_tables"]
 
 FOLDER = Path(__file__).resolve().parent
 # The keys vLLM's launchers read from a config (shrink also reads group_size_m, with a default).
@@ -53,12 +53,6 @@ def file_stem(device_name: str) -> str:
 def config_file_names(stem: str) -> tuple[str, str, str]:
     """Return the three file names vLLM looks for, for a GPU given by its `file_stem`."""
     return f"{stem}_SHRINK.json", f"{stem}_EXPAND_TRUE.json", f"{stem}_EXPAND_FALSE.json"
-
-
-def shipped_gpus(folder: Path = FOLDER) -> list[str]:
-    """Return the GPU stems that have all three files in ``folder``."""
-    stems = {p.name[: -len("_SHRINK.json")] for p in folder.glob("*_SHRINK.json")}
-    return sorted(s for s in stems if all((folder / n).is_file() for n in config_file_names(s)))
 
 
 def _is_int_key(key: object) -> bool:

@@ -44,7 +44,7 @@ from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.kernel_configs import FOLDER, check_levels, read_tables
 
 __all__ = ["MOE_OPS", "MOE_SLICE_KEYS", "check_moe_table", "check_moe_tables", "load_moe_tables",
-           "moe_config_file_names", "moe_tables_fit", "shipped_moe_gpus"]
+           "moe_config_file_names", "moe_tables_fit"]
 
 # vLLM's op types, in the order of the files' names (``get_lora_op_configs``'s ``op_type``).
 MOE_OPS = ("fused_moe_lora_w13_shrink", "fused_moe_lora_w13_expand", "fused_moe_lora_w2_shrink",
@@ -59,13 +59,6 @@ _TUNER = "bench/tune_moe_lora_kernels.py"
 def moe_config_file_names(stem: str) -> tuple[str, ...]:
     """Return the four file names vLLM looks for, in `MOE_OPS` order, for a GPU given by its ``file_stem``."""
     return tuple(f"{stem}_{op.upper()}.json" for op in MOE_OPS)
-
-
-def shipped_moe_gpus(folder: Path = FOLDER) -> list[str]:
-    """Return the GPU stems that have all four fused-MoE files in ``folder``."""
-    suffix = f"_{MOE_OPS[0].upper()}.json"
-    stems = {p.name[: -len(suffix)] for p in folder.glob(f"*{suffix}")}
-    return sorted(s for s in stems if all((folder / n).is_file() for n in moe_config_file_names(s)))
 
 
 def check_moe_table(table: Any, *, name: str = "table") -> None:
