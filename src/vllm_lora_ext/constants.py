@@ -97,6 +97,7 @@ MIX_NAME_PREFIX = "mix-"
 SourceKind = Literal["hf", "local"]
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def _env_flag(name: str) -> bool:
@@ -105,7 +106,12 @@ def _env_flag(name: str) -> bool:
 
 def _env_on(name: str) -> bool:
     """A switch that is on unless set to 0/false/no/off."""
-    return os.environ.get(name, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return os.environ.get(name, "1").strip().lower() not in _FALSE
+
+
+def _env_list(name: str) -> list[str]:
+    """A comma-separated setting's items, stripped, empty ones left out (unset: none)."""
+    return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
 
 
 def allow_unsupported_vllm() -> bool:
@@ -234,8 +240,7 @@ def client_sources() -> tuple[str, ...]:
 
     Unset or empty: clients name only the adapters the operator registered, and mixes of them.
     """
-    raw = os.environ.get(ENV_CLIENT_SOURCES, "")
-    return tuple(p.strip() for p in raw.split(",") if p.strip())
+    return tuple(_env_list(ENV_CLIENT_SOURCES))
 
 
 def max_client_sources() -> int:
@@ -337,8 +342,7 @@ _DROP_GROUPS = frozenset({"kv_b_proj", "shared_expert_gate", "experts"})
 def drop_unapplied() -> frozenset[str]:
     """Return the module groups whose never-applied LoRA weights are dropped with a warning instead of refused
     (``VLLM_LORA_EXT_DROP_UNAPPLIED``, a comma-separated list such as ``kv_b_proj``; unset, the default: none)."""
-    raw = os.environ.get(ENV_DROP_UNAPPLIED, "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return frozenset(_env_list(ENV_DROP_UNAPPLIED))
 
 
 # ----------------------------------------------------------------------------------------------------- disk tier
@@ -380,7 +384,6 @@ def moe_warmup_tokens() -> list[int] | None:
     return sorted({int(p) for p in parts})
 
 
-_FALSE = {"0", "false", "no", "off"}
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
           ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_PIN_SHARED, ENV_MIX_ON_GPU,
           ENV_TRANSPOSE_ON_GPU, ENV_MOE_WARMUP, ENV_BUILD_AT_START)
@@ -400,10 +403,10 @@ def check_settings() -> None:
         [`SettingsError`]: one or more settings are malformed; the message names each, its value and the fix.
     """
     problems: list[str] = []
-    for accessor in (max_mixes_setting, mix_wait_seconds, max_client_sources, prebuild_builds, prebuild_bytes,
-                     prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
-                     stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes,
-                     moe_warmup_tokens, functools.partial(_env_number, ENV_COMPONENT_CACHE, 8, minimum=0)):
+    for accessor in (functools.partial(max_mixes, 0), mix_wait_seconds, max_client_sources, prebuild_builds,
+                     prebuild_bytes, prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
+                     stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes, moe_warmup_tokens,
+                     functools.partial(_env_number, ENV_COMPONENT_CACHE, 8, minimum=0)):
         try:
             accessor()
         except SettingsError as err:
@@ -436,11 +439,6 @@ def check_settings() -> None:
             problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
     if problems:
         raise SettingsError("Bad settings: " + " ".join(problems))
-
-
-def max_mixes_setting() -> int | None:
-    """Return ``VLLM_LORA_EXT_MAX_MIXES`` if set (``None`` otherwise), checked."""
-    return max_mixes(0) if os.environ.get(ENV_MAX_MIXES, "").strip() else None
 
 
 # -------------------------------------------------------------------- settings of other programs, read here too
