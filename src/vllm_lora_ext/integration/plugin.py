@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from types import ModuleType
 from typing import Any
 
 from vllm_lora_ext import __version__, metrics
@@ -254,13 +253,9 @@ def register() -> None:
 
         stall_trace.start(stall_threshold)
     for patch in PATCHES:
-        when_imported(patch.module, functools.partial(_apply, patch))
+        when_imported(patch.module, functools.partial(apply_patch, patch=patch))
     _REGISTERED = True
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
-
-
-def _apply(patch: Patch, module: ModuleType) -> None:
-    apply_patch(module, patch)
 
 
 def unregister() -> None:

@@ -162,10 +162,10 @@ def _known_adapters(models: Any) -> tuple[dict[str, str], dict[str, float], str 
     return sources, weights, default
 
 
-def _mix_request_fields(request: Any) -> tuple[list[str] | None, list[float] | None]:
-    return check_mix_fields(getattr(request, "adapters", None), getattr(request, "adapter_weights", None))
-
-
+def _cpu_loras(engine_client: Any) -> int:
+    """The engine's ``--max-cpu-loras`` (which vLLM defaults to ``--max-loras``), else 8."""
+    lora_config = lora_config_of(engine_client)
+    return int(getattr(lora_config, "max_cpu_loras", None) or getattr(lora_config, "max_loras", None) or 8)
 
 
 # ------------------------------------------------------------------------------------------- background builds
@@ -178,9 +178,7 @@ def recently_used(engine_client: Any = None) -> RecentlyUsed:
     """The adapters this API server used last, as many as a worker's CPU cache holds (``--max-cpu-loras``)."""
     global _RECENT
     if _RECENT is None:
-        lora_config = lora_config_of(engine_client)
-        _RECENT = RecentlyUsed(int(getattr(lora_config, "max_cpu_loras", None) or
-                                   getattr(lora_config, "max_loras", None) or 8))
+        _RECENT = RecentlyUsed(_cpu_loras(engine_client))
     return _RECENT
 
 
@@ -252,10 +250,8 @@ def registry(engine_client: Any = None) -> MixRegistry:
     """
     global _REGISTRY
     if _REGISTRY is None:
-        lora_config = lora_config_of(engine_client)
-        default = int(getattr(lora_config, "max_cpu_loras", None) or getattr(lora_config, "max_loras", None) or 8)
         block = int(getattr(engine_client, "client_index", 0) or 0)
-        _REGISTRY = MixRegistry(max_mixes(default), block=block % 64)
+        _REGISTRY = MixRegistry(max_mixes(_cpu_loras(engine_client)), block=block % 64)
         logger.info("mix registry: at most %d mixes, ids from %d", _REGISTRY.capacity, _REGISTRY.first_id)
     return _REGISTRY
 
@@ -405,7 +401,8 @@ async def route_adapters(serving: Any, request: Any) -> Any:
 async def _route(serving: Any, request: Any) -> Any:
     models = serving.models
     generates = not never_generates(serving, request)
-    adapters, weights = _mix_request_fields(request)
+    adapters, weights = check_mix_fields(getattr(request, "adapters", None),
+                                         getattr(request, "adapter_weights", None))
     model = getattr(request, "model", None)
     if isinstance(model, str) and len(model) > MAX_MODEL_FIELD_CHARS:
         raise MixError(f"'model' has {len(model)} characters, more than {MAX_MODEL_FIELD_CHARS}. "
