@@ -181,8 +181,7 @@ def teardown() -> None:
             except KeyError:
                 pass
             if _OWNED["path"]:
-                shutil.rmtree(_OWNED["path"], ignore_errors=True)
-                release_owner(_OWNED["root"], _DIR_STEM)
+                _remove_owned_dir()
                 export_metrics_dir(None, only_if=_OWNED["path"])
         _OWNED.clear()
 
