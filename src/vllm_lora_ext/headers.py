@@ -34,6 +34,7 @@ __all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "t
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_NDIM = 8
+_MAX_DIM = (1 << 63) - 1  # torch sizes are int64: a longer dimension cannot be read, even beside a 0
 
 
 def _torch_dtype(name: str) -> torch.dtype | None:
@@ -220,18 +221,19 @@ _Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[in
 _BITS = {name: bits for name, (bits, _) in DTYPES.items()}
 
 
-# msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types
-# are the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
-# integers, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec decodes
-# strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__`` decodes
-# as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after. Without
-# msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
+# msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types are
+# the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
+# integers below 2^63, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec
+# decodes strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__``
+# decodes as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after.
+# Without msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
 if msgspec is not None:
     _Count = Annotated[int, msgspec.Meta(ge=0)]
+    _Dim = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DIM)]
 
     class _Entry(msgspec.Struct, gc=False):
         dtype: str | None = None
-        shape: Annotated[tuple[_Count, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
+        shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
         data_offsets: tuple[_Count, _Count] | None = None
 
     class _Metadata(msgspec.Struct, gc=False):
@@ -342,7 +344,7 @@ def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: 
             and len(shape) <= _MAX_NDIM
         if ok:
             for d in shape:
-                if type(d) is not int or d < 0:
+                if type(d) is not int or not 0 <= d <= _MAX_DIM:
                     ok = False
                     break
                 numel *= d
@@ -351,7 +353,7 @@ def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: 
                                      f"({str(entry)[:120]}). Re-save the file.", key=clip(key))
         if numel * bits != (end - start) * 8:
             raise AdapterFormatError(f"{where!r}: tensor {clip(key)!r} declares shape {shape} of {dtype} "
-                                     f"({numel * bits / 8:g} bytes) but spans {end - start} bytes. Re-save the file.",
+                                     f"({numel * bits // 8} bytes) but spans {end - start} bytes. Re-save the file.",
                                      key=clip(key))
         spans.append((start, end, key, dtype, tuple(shape)))
     spans.sort()

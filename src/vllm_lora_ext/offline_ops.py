@@ -20,7 +20,7 @@ from vllm_lora_ext._util import read_json_capped, short_repr
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES, MAX_EXPERTS
 from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, ExpertCountError, ExpertLayoutError,
                                   offline_pickle_error)
-from vllm_lora_ext.formats import classify_key, group_moe_keys
+from vllm_lora_ext.formats import classify_key, group_modules, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import plan_experts
 from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts
@@ -247,7 +247,7 @@ def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]]
     if fused and e is None:
         rows = {ab["A"][0] for ab in fused.values() if "A" in ab and len(ab["A"]) == 2}
         r = config.rank_for(prefix) if config is not None else None
-        if r and len(rows) == 1 and next(iter(rows)) % r == 0:
+        if r and len(rows) == 1 and next(iter(rows)) % r == 0 and next(iter(rows)):  # 0 rows settle no E
             e = next(iter(rows)) // r
             inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
     if e is None and experts:
@@ -360,12 +360,8 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
                                      adapter=name, key=k)
     tensors = reader.read_many(dense_keys)
     check_finite(tensors, adapter=name)
-    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for k in dense_keys:
-        info = classify_key(k)
-        if info.which == "A":
-            dense[info.module] = (tensors[k], tensors[k.replace("lora_A", "lora_B").replace("lora_embedding_A",
-                                                                                          "lora_embedding_B")])
+    # paired by module, not by spelling: PEFT's prefix may sit on one factor's key and not on the other's
+    dense = {m: (tensors[pair["A"]], tensors[pair["B"]]) for m, pair in group_modules(dense_keys).items()}
     options = ReadOptions(scaled=scaled, check_finite_as=name)
     moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader, config=config,
                            options=options) for p, g in groups.items()}

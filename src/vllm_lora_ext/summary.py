@@ -215,8 +215,8 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
         a, b = header.tensors[pair["A"]], header.tensors[pair["B"]]
         kind = classify_key(pair["A"]).kind
         # 3D fused tensors are (r·E, in) / (out, r·E): their rank is not readable without the model.
-        rank = a.shape[0] if kind != "moe_3d" else config.rank_for(module)
-        if not rank:  # validation's problems name it (a LoRA with no rank); no scaling to show
+        rank = (a.shape[0] if a.shape else 0) if kind != "moe_3d" else config.rank_for(module)
+        if not rank:  # validation's problems name it (a LoRA with no rank, a 0-d factor); no scaling to show
             continue
         modules.append(ModuleSummary(
             module=module, kind=kind, rank=rank, alpha=config.alpha_for(module),

@@ -103,10 +103,12 @@ def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[st
         vllm_lora_ext.errors.AdapterFormatError: Adapter 'x' has malformed LoRA factors: q: lora_A has rank 8 but lora_B has rank 4 (A (8, 16), B (16, 4)). Re-save the adapter: lora_A must be (r, in) and lora_B (out, r) of the same module.
     """
     pairs: dict[str, dict[str, str]] = {}
+    problems: list[str] = []
     for k in keys:
         info = classify_key(k)
-        pairs.setdefault(info.module, {})[info.which] = k
-    problems: list[str] = []
+        other = pairs.setdefault(info.module, {}).setdefault(info.which, k)
+        if other != k:  # e.g. one spelled with PEFT's prefix and one without: neither may be dropped silently
+            problems.append(f"{info.module}: two keys hold its lora_{info.which}, {other!r} and {k!r}; keep one")
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             have = "A" if "A" in pair else "B"
@@ -202,7 +204,9 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     least float32, and the result has float32's range), about 5x faster than converting to float32
     first; float16 (range 65504) accumulates into float32 so that the re-check stays rare.
     """
-    items = [(k, t) for k, t in tensors.items() if t.numel() and t.is_floating_point()]
+    # 8-bit floats have no sum or isfinite in torch: they are checked as float32
+    items = [(k, t.float() if t.element_size() == 1 else t) for k, t in tensors.items()
+             if t.numel() and t.is_floating_point()]
     if items and all(t.device.type != "cpu" for _, t in items):  # one device sync for all, not one per tensor
         totals = torch.stack([(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()).float()
                               for _, t in items])

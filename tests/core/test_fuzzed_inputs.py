@@ -1,0 +1,84 @@
+"""Inputs a coverage-guided fuzzer of the parsers found (header bytes, adapter configs, key spellings): each gets
+its typed error naming what is wrong, or is read as PEFT and vLLM read it; none raises a raw exception."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_lora_ext.cli import main
+from vllm_lora_ext.errors import AdapterFormatError, ExpertLayoutError
+from vllm_lora_ext.headers import read_header
+from vllm_lora_ext.offline_ops import load_adapter_files
+from vllm_lora_ext.sources import resolve_source
+from vllm_lora_ext.summary import finite_rule, summarize_adapter
+
+P = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+def _entry(shape: list[int], start: int, end: int, dtype: str = "F32") -> dict[str, Any]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
+
+
+def _adapter(folder: Path, header: dict[str, Any], data: bytes = b"", config: dict[str, Any] | None = None) -> Path:
+    folder.mkdir()
+    blob = json.dumps(header).encode()
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    (folder / "adapter_config.json").write_text(json.dumps(config or {"peft_type": "LORA", "r": 1, "lora_alpha": 16}))
+    return folder
+
+
+@pytest.mark.parametrize(("shape", "end"), [([10**100] * 4, 4), ([0, 2**64 + 5], 0), ([0, 2**63], 0)],
+                         ids=["numel-past-float", "zero-beside-past-uint64", "zero-beside-2^63"])
+def test_a_shape_no_torch_tensor_can_have_is_refused_by_the_header_parse(tmp_path: Path, shape: list[int],
+                                                                      end: int) -> None:
+    folder = _adapter(tmp_path / "a", {"x": _entry(shape, 0, end)}, b"\0" * end)
+    with pytest.raises(AdapterFormatError, match="'x' has an invalid shape or offsets"):
+        read_header(folder / "adapter_model.safetensors")
+
+
+def test_a_wrong_span_of_a_huge_shape_is_worded_in_whole_bytes(tmp_path: Path) -> None:
+    folder = _adapter(tmp_path / "a", {"x": _entry([2**40, 2**20], 0, 4)}, b"\0" * 4)
+    with pytest.raises(AdapterFormatError, match=r"\(4611686018427387904 bytes\) but spans 4 bytes"):
+        read_header(folder / "adapter_model.safetensors")
+
+
+def test_a_float8_factor_is_checked_for_nan_not_a_torch_error(tmp_path: Path) -> None:
+    folder = _adapter(tmp_path / "a", {f"{P}.lora_A.weight": _entry([1, 1], 0, 4),
+                                       f"{P}.lora_B.weight": _entry([1, 1], 4, 5, "F8_E4M3")}, b"\0" * 5)
+    r = resolve_source(str(folder))
+    summary = summarize_adapter(r, extra_rules=[finite_rule(r)])
+    assert any("F8_E4M3" in p for p in summary.problems), summary.problems  # the dtype rule names it
+
+
+def test_a_0d_factor_is_a_problem_for_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _adapter(tmp_path / "a", {f"{P}.lora_embedding_A": _entry([], 0, 4),
+                                       f"{P}.lora_embedding_B": _entry([1, 1], 4, 8)}, b"\0" * 8)
+    assert main(["inspect", str(folder), "--strict"]) == 1
+    out = capsys.readouterr()
+    assert "unexpected" not in out.err and "must be 2-D" in out.out + out.err
+
+
+def test_factors_with_and_without_peft_prefix_pair_by_module_and_a_factor_given_twice_is_refused(
+        tmp_path: Path) -> None:
+    short = P.removeprefix("base_model.model.")
+    one = _adapter(tmp_path / "one", {f"{short}.lora_A.weight": _entry([1, 2], 0, 8),
+                                      f"{P}.lora_B.weight": _entry([2, 1], 8, 16)}, b"\0" * 16)
+    assert list(load_adapter_files(resolve_source(str(one))).dense) == [short]
+    two = _adapter(tmp_path / "two", {f"{short}.lora_A.weight": _entry([1, 2], 0, 8),
+                                      f"{P}.lora_A.weight": _entry([1, 2], 8, 16),
+                                      f"{P}.lora_B.weight": _entry([2, 1], 16, 24)}, b"\0" * 24)
+    with pytest.raises(AdapterFormatError, match=r"two keys hold its lora_A, .*keep one"):
+        load_adapter_files(resolve_source(str(two)))
+
+
+def test_a_fused_block_of_0_rows_settles_no_expert_count(tmp_path: Path) -> None:
+    folder = _adapter(tmp_path / "a", {"model.layers.0.mlp.experts.base_layer.lora_A.weight": _entry([0, 1], 0, 0),
+                                       "model.layers.0.mlp.experts.base_layer.lora_B.weight": _entry([1, 0], 0, 0)},
+                      config={"peft_type": "LORA", "r": 8, "lora_alpha": 16})
+    with pytest.raises(ExpertLayoutError, match="does not settle E"):
+        load_adapter_files(resolve_source(str(folder)))
