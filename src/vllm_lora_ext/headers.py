@@ -210,11 +210,23 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
     # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
     checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
     (keys, dtypes, shapes, starts, ends), meta = checked
+    if b"\\u" in blob:  # an escape may spell a lone surrogate: no UTF-8 text, which safetensors itself refuses
+        _refuse_surrogates(itertools.chain(keys, meta, meta.values()), where)
     at = itertools.repeat(base)
     return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
                       nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
                       offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))),
                       stamp=file_stamp(st))
+
+
+def _refuse_surrogates(texts: Any, where: str) -> None:
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = clip(text.encode("utf-8", "replace").decode())
+            raise AdapterFormatError(f"{where!r}: header name {shown!r} holds an unpaired surrogate escape (shown as "
+                                     f"'?'), which is no UTF-8 text. Re-save the file.", key=shown) from None
 
 
 _Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]

@@ -187,7 +187,7 @@ class MixSpec:
             raise MixError(f"Mix path of {len(path)} characters is longer than {_MAX_MIX_PATH}.")
         try:
             raw = json.loads(path[len(MIX_PREFIX):])
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise MixError(f"Malformed mix path {short_repr(path)}: not JSON ({err}).") from err
         items = raw.get("adapters") if isinstance(raw, dict) and raw.get("v") == 1 and set(raw) == {"v", "adapters"} \
             else None

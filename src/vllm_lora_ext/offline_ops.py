@@ -208,6 +208,11 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
         else:
             e, h, i, notes[prefix] = _infer_sizes(prefix, fused, experts, h, i, num_experts, config)
         how = f"--num-experts {num_experts}" if num_experts is not None and dims is None and mark is None else notes[prefix]
+        if dims is None and num_experts is None and experts and len(experts) < e:  # E from key names or metadata
+            raise ExpertLayoutError(  # would size every expert's output: expert 65535 named in a 13 KB file
+                f"MoE block {prefix!r} holds 2D keys for {len(experts)} of its experts, yet E = {e} "
+                f"({notes[prefix]}): the adapter does not settle E. Pass the base model's config (--base-config) "
+                f"or --num-experts.", key=prefix)
         _check_experts_fit(prefix, e, experts, fused, config, how)
         out[prefix] = MoESpec(prefix, e, h, i, gate=names[0], up=names[1], down=names[2])
     return out, notes

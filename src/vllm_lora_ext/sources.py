@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 ConfigRule = Literal["adapter_config.json", "<stem>_config.json", "<stem>.json", "inferred"]
 
-_REPO_PART = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
-_REVISION = re.compile(r"^[A-Za-z0-9_.\-/+]{1,255}$")
+_REPO_PART = re.compile(r"[A-Za-z0-9_.\-]{1,96}\Z")  # \Z: '$' would let a trailing newline through
+_REVISION = re.compile(r"[A-Za-z0-9_.\-/+]{1,255}\Z")
 
 
 @dataclass(frozen=True)
@@ -203,17 +203,15 @@ def _check_relative_path(source: str, path: str, part: str) -> None:
     _check_component_lengths(source, path, part)
 
 
-_NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX; the hub's own limit is no larger)
+_NAME_MAX, _PATH_MAX = 255, 4095  # bytes in one path component and in a whole path (Linux NAME_MAX, PATH_MAX)
 
 
 def _check_component_lengths(source: str, path: str, part: str) -> None:
-    for c in path.split("/"):
-        n = len(os.fsencode(c))
-        if n > _NAME_MAX:  # quoted shortened: the source itself is at least this long
+    for c, most, what in [*((c, _NAME_MAX, "a file or folder name") for c in path.split("/")), (path, _PATH_MAX, "a path")]:
+        if (n := len(os.fsencode(c))) > most:  # quoted shortened: the source itself is at least this long
             shown = source if len(source) <= 80 else source[:60] + "..." + source[-10:]
-            raise AdapterSourceError(
-                f"Invalid adapter source {shown!r}: path component {c[:24]!r}... is {n} bytes long, and a file or "
-                f"folder name is at most {_NAME_MAX} bytes. Check the path.", source=source, part=part)
+            raise AdapterSourceError(f"Invalid adapter source {shown!r}: {c[:24]!r}... is {n} bytes long, and {what} "
+                                     f"is at most {most} bytes. Check the path.", source=source, part=part)
 
 
 def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
@@ -266,7 +264,10 @@ def parse_source(source: str | os.PathLike[str], *, allow_pickle: bool | None = 
                     f"Write hub sources as 'hf:org/repo[@rev][:path]', e.g. 'hf:{raw.split('//', 1)[-1].split(':', 1)[-1]}'.")
     if not raw.startswith(HF_PREFIX):
         _check_component_lengths(raw, raw, "path")
-        path = Path(raw).expanduser()
+        try:
+            path = Path(raw).expanduser()
+        except RuntimeError:  # '~name' of no user here
+            raise _fail(raw, "path", f"no home folder for {raw.split('/', 1)[0]!r}", "Write the whole path.") from None
         if _is_weight_file_name(path.name):
             _check_weight_suffix(raw, path.name, pickle_ok)
         return AdapterSource(raw=raw, kind="local", local_path=path.absolute())

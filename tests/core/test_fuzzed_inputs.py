@@ -82,3 +82,58 @@ def test_a_fused_block_of_0_rows_settles_no_expert_count(tmp_path: Path) -> None
                       config={"peft_type": "LORA", "r": 8, "lora_alpha": 16})
     with pytest.raises(ExpertLayoutError, match="does not settle E"):
         load_adapter_files(resolve_source(str(folder)))
+
+
+@pytest.mark.parametrize(("source", "fragment"), [
+    ("~nosuchuser-x9/adapter", "no home folder for '~nosuchuser-x9'"),
+    ("hf:org/repo\n:x.safetensors", "repo id 'org/repo\\n' has an invalid name"),
+    ("hf:org/repo@main\n:x", "revision"),
+    ("x/" * 3000, "is 6000 bytes long, and a path is at most 4095 bytes"),
+])
+def test_sources_that_reached_an_untyped_error_are_source_errors(source: str, fragment: str) -> None:
+    from vllm_lora_ext.errors import AdapterSourceError
+    from vllm_lora_ext.sources import parse_source
+
+    with pytest.raises(AdapterSourceError) as info:
+        resolve_source(parse_source(source))
+    assert fragment in str(info.value)
+
+
+def test_a_deeply_nested_mix_path_is_a_mix_error() -> None:
+    from vllm_lora_ext.errors import MixError
+    from vllm_lora_ext.mixing import MixSpec
+
+    with pytest.raises(MixError, match="not JSON"):
+        MixSpec.from_path("mix:" + "[" * 50000)
+
+
+def test_a_header_key_with_a_lone_surrogate_is_refused_by_the_header_parse(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    folder.mkdir()
+    blob = b'{"m\\ud800.lora_A.weight": {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}'
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 4)
+    with pytest.raises(AdapterFormatError, match=r"header name 'm\?.lora_A.weight' holds an unpaired surrogate"):
+        read_header(folder / "adapter_model.safetensors")
+
+
+def test_inspect_json_strict_says_on_stderr_why_it_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _adapter(tmp_path / "a", {f"{P}.lora_A.weight": _entry([2, 1], 0, 8),
+                                       f"{P}.lora_B.weight": _entry([1, 2], 8, 16)}, b"\0" * 16)
+    assert main(["inspect", str(folder), "--json", "--strict"]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["problems"] and 'error: 1 problem (--strict; see "problems")' in out.err
+
+
+def test_an_expert_index_alone_does_not_size_a_converted_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 6 KB file naming expert 65535 only: E from the key names would make convert write 65,536 experts."""
+    header: dict[str, Any] = {}
+    off = 0
+    for proj, (a, b) in {"gate_proj": ([1, 64], [64, 1]), "up_proj": ([1, 64], [64, 1]),
+                         "down_proj": ([1, 64], [64, 1])}.items():
+        for w, shape in (("A", a), ("B", b)):
+            header[f"model.layers.0.mlp.experts.65535.{proj}.lora_{w}.weight"] = _entry(shape, off, off + 256)
+            off += 256
+    folder = _adapter(tmp_path / "a", header, b"\0" * off, config={"r": 1, "lora_alpha": 1})
+    assert main(["convert", str(folder), "--to", "3d", "-o", str(tmp_path / "out")]) == 1
+    assert "holds 2D keys for 1 of its experts, yet E = 65536" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     failed = 1 if args.strict and summary.problems else 0
     if args.json:
         print(json.dumps({**summary.to_json(), **moe}, indent=2))
+        if failed:  # the problems are in the JSON; stderr still says why the exit code is 1
+            print(f"error: {plural(len(summary.problems), 'problem')} (--strict; see \"problems\")", file=sys.stderr)
         return failed
     print(render(summary, max_rows=None if args.all_modules else 40))
     blocks = moe.get("moe_blocks", {})
