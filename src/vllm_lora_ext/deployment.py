@@ -142,7 +142,7 @@ def read_deployment_config(path: str | os.PathLike[str]) -> DeploymentConfig:
         >>> read_deployment_config(p).get("sql").weight
         0.5
     """
-    p = Path(path).expanduser()
+    p = Path(os.path.expanduser(path))
     try:
         data, too_big = read_capped(p, MAX_CONFIG_BYTES)
         text = data.decode("utf-8")

@@ -51,10 +51,10 @@ _ANY_REPO = "*"  # a live process whose holds file cannot be read holds every re
 def cache_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Return the Hugging Face hub cache folder (``cache_dir``, else huggingface_hub's, read now)."""
     if cache_dir is not None:
-        return Path(cache_dir).expanduser()
+        return Path(os.path.expanduser(cache_dir))
     from huggingface_hub import constants
 
-    return Path(constants.HF_HUB_CACHE).expanduser()
+    return Path(os.path.expanduser(constants.HF_HUB_CACHE))
 
 
 def state_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:

@@ -8,6 +8,7 @@ from the base model's ``config.json`` (``num_experts``/``num_local_experts``, ``
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,7 @@ def load_base_config(value: str) -> dict[str, Any]:
                                        source=value)
         path = found
     else:
-        path = Path(value).expanduser()
+        path = Path(os.path.expanduser(value))
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():

@@ -46,7 +46,7 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
     Raises:
         [`OutputPathError`]: ``out`` is a file; or, without ``force``, it is a non-empty folder or holds an input.
     """
-    path = Path(out).expanduser().absolute()
+    path = Path(os.path.expanduser(out)).absolute()
     if path.exists() and not path.is_dir():
         raise OutputPathError(f"Output {str(path)!r} is a file; name a folder to write the adapter into.")
     real = os.path.realpath(path)
@@ -140,7 +140,7 @@ def claim_output(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), fo
     Raises:
         [`OutputPathError`]: another process is writing there, or a check of [`check_output_dir`] fails.
     """
-    claim = OutputClaim(Path(out).expanduser().absolute()).acquire()
+    claim = OutputClaim(Path(os.path.expanduser(out)).absolute()).acquire()
     try:
         check_output_dir(claim.path, inputs=inputs, force=force)
     except BaseException:
@@ -214,7 +214,7 @@ def write_atomically(out: str | os.PathLike[str], write: Callable[[Path], None])
     """
     if isinstance(out, OutputClaim) and out.held:
         return _write_under(out.path, write)
-    with OutputClaim(Path(out).expanduser().absolute()) as claim:
+    with OutputClaim(Path(os.path.expanduser(out)).absolute()) as claim:
         return _write_under(claim.path, write)
 
 

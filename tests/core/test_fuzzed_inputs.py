@@ -137,3 +137,12 @@ def test_an_expert_index_alone_does_not_size_a_converted_block(tmp_path: Path, c
     assert main(["convert", str(folder), "--to", "3d", "-o", str(tmp_path / "out")]) == 1
     assert "holds 2D keys for 1 of its experts, yet E = 65536" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tilde_of_no_user_in_a_cli_path_is_read_as_written_as_a_shell_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _adapter(tmp_path / "a", {f"{P}.lora_A.weight": _entry([1, 2], 0, 8),
+                                       f"{P}.lora_B.weight": _entry([2, 1], 8, 16)}, b"\0" * 16)
+    assert main(["inspect", str(folder), "--base-config", "~nosuchuser-x9/c.json"]) == 1
+    err = capsys.readouterr().err
+    assert "unexpected" not in err and "'~nosuchuser-x9/c.json' does not exist" in err

@@ -43,9 +43,9 @@ def add_parser(sub: Any) -> None:
 def _deployment(option: str | None) -> tuple[DeploymentConfig | None, str]:
     """The deployment config in use and how it was chosen (for messages)."""
     if option is not None:
-        path, how = Path(option).expanduser(), f"--config {option}"
+        path, how = Path(os.path.expanduser(option)), f"--config {option}"
     elif deployment_config_path() is not None:
-        path, how = Path(deployment_config_path() or "").expanduser(), f"{ENV_CONFIG}={deployment_config_path()}"
+        path, how = Path(os.path.expanduser(deployment_config_path() or "")), f"{ENV_CONFIG}={deployment_config_path()}"
     else:
         return None, f"no deployment config (pass --config FILE or set {ENV_CONFIG})"
     if not path.is_file():
@@ -65,7 +65,7 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
     if dep is not None and name in dep.adapters:
         entry = dep.adapters[name]
         return resolve_offline(entry.source.canonical()), entry.weight
-    if not name.startswith(HF_PREFIX) and not Path(name).expanduser().exists() and "/" not in name.strip("/"):
+    if not name.startswith(HF_PREFIX) and not Path(os.path.expanduser(name)).exists() and "/" not in name.strip("/"):
         if dep is None:
             raise MixError(f"{name!r} is no local adapter folder, and there is {where} to look the name up in. Give a "
                            f"local adapter folder or hf:org/repo, or name the deployment config.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import json
 import re
 import shutil
@@ -113,8 +114,8 @@ def gpu_problem() -> str | None:
 def _hub_or_path(model: str) -> tuple[str, str]:
     """(what vLLM and transformers take, what ``load_base_config`` takes) for MODEL."""
     bare = model[3:] if model.startswith("hf:") else model
-    if not model.startswith("hf:") and Path(model).expanduser().exists():
-        return str(Path(model).expanduser()), str(Path(model).expanduser())
+    if not model.startswith("hf:") and Path(os.path.expanduser(model)).exists():
+        return str(Path(os.path.expanduser(model))), str(Path(os.path.expanduser(model)))
     return bare, f"hf:{bare}"
 
 
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
     temporary = not args.workdir
     work = (Path(tempfile.mkdtemp(prefix="vllm-lora-verify-")) if temporary
-            else Path(args.workdir).expanduser().absolute())
+            else Path(os.path.expanduser(args.workdir)).absolute())
     work.mkdir(parents=True, exist_ok=True)
     try:
         report = _compare(args, work)
@@ -290,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(format_report(report))
     if args.json:
-        Path(args.json).expanduser().write_text(json.dumps(report.as_dict(), indent=2))
+        Path(os.path.expanduser(args.json)).write_text(json.dumps(report.as_dict(), indent=2))
     return 0 if report.passed else 1
 
 

@@ -19,6 +19,7 @@ the truncation overrides, the prompts and the adapter runs; each side writes its
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sys
@@ -42,7 +43,7 @@ def _write_json(path: str | Path, data: Any) -> None:
 
 def _model_files(job: Mapping[str, Any]) -> Path:
     """A local folder with the model's config, tokenizer and index (hub models: the small files only)."""
-    local = Path(job["model"]).expanduser()
+    local = Path(os.path.expanduser(job["model"]))
     if local.is_dir():
         return local
     from huggingface_hub import snapshot_download
@@ -53,7 +54,7 @@ def _model_files(job: Mapping[str, Any]) -> Path:
 def _shard_file(job: Mapping[str, Any], folder: Path, name: str) -> Path:
     if (folder / name).is_file():
         return folder / name
-    if Path(job["model"]).expanduser().is_dir():
+    if Path(os.path.expanduser(job["model"])).is_dir():
         raise VerifyError(f"Model folder {job['model']!r} has no {name}: --layers reads safetensors weights only.")
     from huggingface_hub import hf_hub_download
 
