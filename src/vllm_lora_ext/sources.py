@@ -207,11 +207,12 @@ _NAME_MAX, _PATH_MAX = 255, 4095  # bytes in one path component and in a whole p
 
 
 def _check_component_lengths(source: str, path: str, part: str) -> None:
-    for c, most, what in [*((c, _NAME_MAX, "a file or folder name") for c in path.split("/")), (path, _PATH_MAX, "a path")]:
+    name = ("path component", "a file or folder name", _NAME_MAX)
+    for c, (what, limit, most) in [*((c, name) for c in path.split("/")), (path, ("path", "a path", _PATH_MAX))]:
         if (n := len(os.fsencode(c))) > most:  # quoted shortened: the source itself is at least this long
             shown = source if len(source) <= 80 else source[:60] + "..." + source[-10:]
-            raise AdapterSourceError(f"Invalid adapter source {shown!r}: {c[:24]!r}... is {n} bytes long, and {what} "
-                                     f"is at most {most} bytes. Check the path.", source=source, part=part)
+            raise AdapterSourceError(f"Invalid adapter source {shown!r}: {what} {c[:24]!r}... is {n} bytes long, and "
+                                     f"{limit} is at most {most} bytes. Check the path.", source=source, part=part)
 
 
 def _check_weight_suffix(source: str, name: str, allow_pickle: bool) -> None:
