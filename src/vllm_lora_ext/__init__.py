@@ -29,7 +29,8 @@ from vllm_lora_ext.errors import (
     VllmLoraExtError,
 )
 
-# The rest of the API imports torch (1-2 s): loaded on first use, so `vllm-lora --help` and input errors answer fast.
+# The rest of the API is loaded on first use, so `vllm-lora --help` and input errors answer fast (reading
+# headers does not import torch; reading tensors does, 1-2 s).
 _LAZY = {
     "AdapterConfig": "config", "infer_config": "config", "read_config": "config",
     "classify_key": "formats", "detect_layout": "formats",

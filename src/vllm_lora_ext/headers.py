@@ -17,9 +17,11 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 try:
     import msgspec
@@ -37,45 +39,66 @@ _MAX_NDIM = 8
 _MAX_DIM = (1 << 63) - 1  # torch sizes are int64: a longer dimension cannot be read, even beside a 0
 
 
-def _torch_dtype(name: str) -> torch.dtype | None:
-    return getattr(torch, name, None)
-
-
-# The one dtype table: safetensors name -> (bits per element, torch dtype or None where torch has none).
-DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "BOOL": (8, torch.bool), "U8": (8, torch.uint8), "I8": (8, torch.int8), "I16": (16, torch.int16),
-    "U16": (16, _torch_dtype("uint16")), "I32": (32, torch.int32), "U32": (32, _torch_dtype("uint32")),
-    "I64": (64, torch.int64), "U64": (64, _torch_dtype("uint64")), "F16": (16, torch.float16),
-    "BF16": (16, torch.bfloat16), "F32": (32, torch.float32), "F64": (64, torch.float64),
-    "C64": (64, _torch_dtype("complex64")), "F8_E4M3": (8, _torch_dtype("float8_e4m3fn")),
-    "F8_E5M2": (8, _torch_dtype("float8_e5m2")), "F8_E8M0": (8, _torch_dtype("float8_e8m0fnu")),
-    "F8_E4M3FNUZ": (8, _torch_dtype("float8_e4m3fnuz")), "F8_E5M2FNUZ": (8, _torch_dtype("float8_e5m2fnuz")),
+# The one dtype table: safetensors name -> (bits per element, name of the torch dtype, or None where torch has none).
+# The torch dtypes themselves are looked up on first use ([`torch_dtype_of`]), so reading headers never imports torch.
+DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "I16": (16, "int16"),
+    "U16": (16, "uint16"), "I32": (32, "int32"), "U32": (32, "uint32"),
+    "I64": (64, "int64"), "U64": (64, "uint64"), "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"), "F32": (32, "float32"), "F64": (64, "float64"),
+    "C64": (64, "complex64"), "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E5M2": (8, "float8_e5m2"), "F8_E8M0": (8, "float8_e8m0fnu"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
     "F6_E2M3": (6, None), "F6_E3M2": (6, None), "F4": (4, None),
 }
 
 
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """Safetensors name -> torch dtype, for the [`DTYPES`] entries this torch has; imports torch (once)."""
+    import torch
+
+    found = {name: getattr(torch, attr, None) for name, (_, attr) in DTYPES.items() if attr is not None}
+    return {name: dt for name, dt in found.items() if dt is not None}
+
+
 def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
-    """Return the torch dtype of a safetensors dtype name.
+    """Return the torch dtype of a safetensors dtype name (importing torch on the first call).
 
     Raises:
         [`AdapterFormatError`]: the name is unknown, or this torch has no such dtype.
     """
-    entry = DTYPES.get(name)
-    if entry is None or entry[1] is None:
+    dt = _torch_dtypes().get(name)
+    if dt is None:
         raise AdapterFormatError(f"Tensor {key!r} has dtype {name!r}, which this torch cannot read. Re-save the "
                                  f"adapter in bfloat16, float16 or float32.", key=key)
-    return entry[1]
+    return dt
 
 
-_BY_TORCH_NAME = {str(dt).removeprefix("torch."): dt for _, dt in DTYPES.values() if dt is not None}
-# torch dtype -> its safetensors name, for tensors that came without a header (a pickle file, a hand-over)
-SAFETENSORS_NAMES = {dt: name for name, (_, dt) in DTYPES.items() if dt is not None}
+@cache
+def _by_torch_name() -> dict[str, torch.dtype]:
+    """Torch's own name of a dtype (``"bfloat16"``) -> the dtype, for the entries of [`_torch_dtypes`]."""
+    return {str(dt).removeprefix("torch."): dt for dt in _torch_dtypes().values()}
+
+
+if TYPE_CHECKING:
+    # torch dtype -> its safetensors name, for tensors that came without a header (a pickle file, a hand-over)
+    SAFETENSORS_NAMES: dict[torch.dtype, str]
+
+
+def __getattr__(name: str) -> Any:
+    """Build ``SAFETENSORS_NAMES`` (torch dtype -> its safetensors name) on first access, importing torch."""
+    if name != "SAFETENSORS_NAMES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = {dt: st_name for st_name, dt in _torch_dtypes().items()}
+    return value
 
 
 def dtype_by_name(name: str) -> torch.dtype:
     """Return the torch dtype of a [`DTYPES`] entry named either way: safetensors' name or torch's.
 
     Example:
+        >>> import torch
         >>> dtype_by_name("BF16") is dtype_by_name("bfloat16") is torch.bfloat16
         True
 
@@ -84,7 +107,7 @@ def dtype_by_name(name: str) -> torch.dtype:
     """
     if name in DTYPES:
         return torch_dtype_of(name)
-    dt = _BY_TORCH_NAME.get(name)
+    dt = _by_torch_name().get(name)
     if dt is None:
         raise AdapterFormatError(f"Unknown dtype {name!r}: it is neither a safetensors dtype name "
                                  f"({', '.join(DTYPES)}) nor the torch name of one.")

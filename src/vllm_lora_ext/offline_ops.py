@@ -12,9 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext._util import read_json_capped, short_repr
@@ -29,6 +27,9 @@ from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import check_adapter_rules, load_config
 from vllm_lora_ext.validation import check_finite, not_lora_reason
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "ep_read_plan",
            "MOE_SIZES_KEY", "recorded_moe_sizes", "require_safetensors"]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError
 from vllm_lora_ext.formats import classify_key
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
            "check_rank_budget", "check_finite", "first_nonfinite", "nonfinite_error"]
@@ -205,6 +207,8 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     first; float16 (range 65504) accumulates into float32 so that the re-check stays rare.
     """
     # 8-bit floats have no sum or isfinite in torch: they are checked as float32
+    import torch
+
     items = [(k, t.float() if t.element_size() == 1 else t) for k, t in tensors.items()
              if t.numel() and t.is_floating_point()]
     if items and all(t.device.type != "cpu" for _, t in items):  # one device sync for all, not one per tensor

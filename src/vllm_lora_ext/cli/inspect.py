@@ -121,7 +121,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once
+    resolved = resolve_offline(args.source)  # first: a bad or missing source answers before more is imported
     from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
     from vllm_lora_ext.summary import finite_rule, summarize_adapter
 

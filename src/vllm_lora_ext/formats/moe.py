@@ -30,13 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "Alloc", "Orientation", "Role"]
 
-Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+Alloc = Callable[[tuple[int, ...], "torch.dtype"], "torch.Tensor"]
 """``alloc(shape, dtype)``: memory a read writes a factor into (a build process's shared file, a host arena)."""
 
 Orientation = Literal["standard", "transposed"]
@@ -137,6 +138,8 @@ class ExpertsLoRA:
     def as_3d(self, *, hidden: int, alloc: Alloc | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Return vLLM's 3D-wrapper lists ``[w13, w2]``; separate gate/up become one rank ``r_g + r_u`` factor
         (in new tensors from ``alloc``, if given)."""
+        import torch
+
         e, i, dt = len(self.experts), self.intermediate, self.dtype
         new = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         if self.gate_up is not None:
@@ -175,12 +178,16 @@ class ExpertsLoRA:
 
 
 def _a(f: ExpertFactors | None, e: int, d_in: int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:
+    import torch
+
     if f is not None:
         return f.a
     return torch.zeros(e, rank if rank is not None else 1, d_in, dtype=dtype)
 
 
 def _b(f: ExpertFactors | None, e: int, d_out: int, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     if f is not None:
         return f.b
     return torch.zeros(e, d_out, 1, dtype=dtype)

@@ -18,8 +18,7 @@ import torch
 
 from vllm_lora_ext.building import BuiltAdapter
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.headers import SAFETENSORS_NAMES
-from vllm_lora_ext.reader import DTYPES
+from vllm_lora_ext.headers import SAFETENSORS_NAMES, torch_dtype_of
 from vllm_lora_ext.transport.arena import Arena, aligned
 from vllm_lora_ext.transport.files import owned_name, shared_dir
 
@@ -144,7 +143,7 @@ def from_shared(shared: SharedTensors, *, as_arena: bool = False) -> tuple[Built
     moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {
         p: ([], [], r) for p, (_, _, r) in meta.moe.items()}
     for group, name, index, dtype, shape, off in shared.entries:
-        t = view_at(buf, off, _torch_dtype(dtype), shape)
+        t = view_at(buf, off, torch_dtype_of(dtype), shape)
         if group == "dense":
             dense[name] = t
         else:
@@ -153,12 +152,6 @@ def from_shared(shared: SharedTensors, *, as_arena: bool = False) -> tuple[Built
             assert len(target) == index, "manifest out of order"
             target.append(t)
     return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts, host=host), buf
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = DTYPES[name][1]
-    assert dtype is not None, "to_shared names only dtypes this torch has"
-    return dtype
 
 
 def view_at(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
