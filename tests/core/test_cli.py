@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from vllm_lora_ext.reader import ReadStats, SafetensorsReader
 from vllm_lora_ext.sources import resolve_source
 
 E, H, I, R = 8, 32, 12, 4
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 BASE = {"num_experts": E, "hidden_size": H, "moe_intermediate_size": I}
 
 
@@ -43,6 +46,20 @@ def test_inspect_says_ep_size_has_no_effect_on_an_adapter_with_no_experts(
 def test_inspect_of_a_missing_source_exits_1_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_inspect_reads_headers_without_importing_torch(tmp_path: Path) -> None:
+    make_dense_adapter(tmp_path / "dense", rank=4, alpha=8)
+    write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, 0)], ["3d"], rank=R)
+    code = ("import sys; from vllm_lora_ext.cli import main\n"
+            "codes = [main(['inspect', sys.argv[1]]), main(['inspect', sys.argv[1], '--json']),"
+            " main(['inspect', sys.argv[2]]), main(['inspect', sys.argv[2], '--json'])]\n"
+            "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dense"), str(tmp_path / "moe")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[0, 0, 0, 0] False"  # (reads only headers: torch is for --values)
 
 
 def test_inspect_moe_3d_infers_sizes_without_a_base_config_and_reports_layout_and_ep_reads(
