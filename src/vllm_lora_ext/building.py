@@ -28,7 +28,7 @@ from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
 from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
-from vllm_lora_ext.headers import SAFETENSORS_NAMES
+from vllm_lora_ext.headers import safetensors_names
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
 from vllm_lora_ext.sources import parse_source, resolve_source
@@ -153,7 +153,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         config = config or load_config(resolved, name=job.name, header=source.header)
         if resolved.is_pickle:  # dtypes by safetensors name where it has one: every path refuses non-float factors
             shapes = {k: tuple(v.shape) for k, v in source.tensors.items()}
-            dtypes = {k: SAFETENSORS_NAMES.get(v.dtype, str(v.dtype)) for k, v in source.tensors.items()}
+            dtypes = {k: safetensors_names().get(v.dtype, str(v.dtype)) for k, v in source.tensors.items()}
         else:
             shapes, dtypes = source.header.shapes, source.header.dtypes
         if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):

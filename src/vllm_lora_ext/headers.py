@@ -32,7 +32,7 @@ from vllm_lora_ext._util import clip, gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
 
 __all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name",
-           "SAFETENSORS_NAMES"]
+           "safetensors_names"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_NDIM = 8
@@ -81,17 +81,10 @@ def _by_torch_name() -> dict[str, torch.dtype]:
     return {str(dt).removeprefix("torch."): dt for dt in _torch_dtypes().values()}
 
 
-if TYPE_CHECKING:
-    # torch dtype -> its safetensors name, for tensors that came without a header (a pickle file, a hand-over)
-    SAFETENSORS_NAMES: dict[torch.dtype, str]
-
-
-def __getattr__(name: str) -> Any:
-    """Build ``SAFETENSORS_NAMES`` (torch dtype -> its safetensors name) on first access, importing torch."""
-    if name != "SAFETENSORS_NAMES":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = {dt: st_name for st_name, dt in _torch_dtypes().items()}
-    return value
+@cache
+def safetensors_names() -> dict[torch.dtype, str]:
+    """Torch dtype -> its safetensors name, for tensors that came without a header (a pickle file, a hand-over)."""
+    return {dt: st_name for st_name, dt in _torch_dtypes().items()}
 
 
 def dtype_by_name(name: str) -> torch.dtype:

@@ -18,7 +18,7 @@ import torch
 
 from vllm_lora_ext.building import BuiltAdapter
 from vllm_lora_ext.errors import AdapterFormatError
-from vllm_lora_ext.headers import SAFETENSORS_NAMES, torch_dtype_of
+from vllm_lora_ext.headers import safetensors_names, torch_dtype_of
 from vllm_lora_ext.transport.arena import Arena, aligned
 from vllm_lora_ext.transport.files import owned_name, shared_dir
 
@@ -42,7 +42,7 @@ class SharedTensors:
 
 
 def _dtype_name(t: torch.Tensor, built: BuiltAdapter, name: str) -> str:
-    found = SAFETENSORS_NAMES.get(t.dtype)
+    found = safetensors_names().get(t.dtype)
     if found is None:
         raise AdapterFormatError(f"Adapter {built.identity!r}: tensor {name!r} has dtype {t.dtype}, which no "
                                  f"safetensors dtype names, so it cannot be handed over. Re-save the adapter in "
