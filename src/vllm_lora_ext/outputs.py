@@ -40,13 +40,18 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+def _absolute(out: str | os.PathLike[str]) -> Path:
+    """The output folder as an absolute path, ``~`` expanded as a shell does (``~name`` of no user stays)."""
+    return Path(os.path.expanduser(out)).absolute()
+
+
 def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> Path:
     """Return the output folder after checking that writing there destroys nothing.
 
     Raises:
         [`OutputPathError`]: ``out`` is a file; or, without ``force``, it is a non-empty folder or holds an input.
     """
-    path = Path(os.path.expanduser(out)).absolute()
+    path = _absolute(out)
     if path.exists() and not path.is_dir():
         raise OutputPathError(f"Output {str(path)!r} is a file; name a folder to write the adapter into.")
     real = os.path.realpath(path)
@@ -140,7 +145,7 @@ def claim_output(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), fo
     Raises:
         [`OutputPathError`]: another process is writing there, or a check of [`check_output_dir`] fails.
     """
-    claim = OutputClaim(Path(os.path.expanduser(out)).absolute()).acquire()
+    claim = OutputClaim(_absolute(out)).acquire()
     try:
         check_output_dir(claim.path, inputs=inputs, force=force)
     except BaseException:
@@ -214,7 +219,7 @@ def write_atomically(out: str | os.PathLike[str], write: Callable[[Path], None])
     """
     if isinstance(out, OutputClaim) and out.held:
         return _write_under(out.path, write)
-    with OutputClaim(Path(os.path.expanduser(out)).absolute()) as claim:
+    with OutputClaim(_absolute(out)) as claim:
         return _write_under(claim.path, write)
 
 

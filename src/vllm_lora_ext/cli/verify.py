@@ -114,8 +114,9 @@ def gpu_problem() -> str | None:
 def _hub_or_path(model: str) -> tuple[str, str]:
     """(what vLLM and transformers take, what ``load_base_config`` takes) for MODEL."""
     bare = model[3:] if model.startswith("hf:") else model
-    if not model.startswith("hf:") and Path(os.path.expanduser(model)).exists():
-        return str(Path(os.path.expanduser(model))), str(Path(os.path.expanduser(model)))
+    local = os.path.expanduser(model)
+    if not model.startswith("hf:") and os.path.exists(local):
+        return str(Path(local)), str(Path(local))
     return bare, f"hf:{bare}"
 
 
