@@ -22,8 +22,6 @@ from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, Expe
 from vllm_lora_ext.formats import classify_key, group_modules, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import plan_experts
-from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts
-from vllm_lora_ext.reader import SafetensorsReader
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import check_adapter_rules, load_config
 from vllm_lora_ext.validation import check_finite, not_lora_reason
@@ -349,6 +347,9 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
         [`AdapterFormatError`]: a pickle file, a key that is no LoRA weight, or factors the loader would refuse.
         [`ExpertLayoutError`]: an MoE block's sizes cannot be settled (pass ``base_config``).
     """
+    from vllm_lora_ext.formats.moe_read import ReadOptions, read_experts  # they read tensors: torch, when used
+    from vllm_lora_ext.reader import SafetensorsReader
+
     require_safetensors(resolved, name=name)
     config = load_config(resolved, name=name)
     reader = SafetensorsReader(resolved.weights_path)

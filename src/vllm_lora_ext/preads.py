@@ -11,12 +11,11 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from vllm_lora_ext.errors import AdapterFormatError
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["IOV_MAX", "preadv_exactly", "read_ranges"]
 
@@ -54,8 +53,6 @@ def read_ranges(reader: Any, key: str, dt: torch.dtype,
     """`SafetensorsReader.read` of some ``(dim, start, stop)`` ranges of one tensor, concatenated along ``dim``
     (each clipped to the tensor as Python slices are). Ranges of rows (``dim`` 0) are read alone, straight into
     the result; ranges of another dim are copied out of the tensor's rows, a block at a time."""
-    import torch
-
     dims = {d for d, _, _ in ranges}
     shape = tuple(reader.header.shapes[key])
     if len(dims) != 1:

@@ -20,16 +20,15 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.constants import GPU_HEADROOM_BYTES as _GPU_HEADROOM  # left free on a worker's GPU
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.headers import DTYPES, FileHeader, TensorInfo, dtype_by_name, file_stamp, read_header, torch_dtype_of
 from vllm_lora_ext.preads import preadv_exactly as _preadv_exactly, read_ranges as _read_ranges
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["TensorInfo", "FileHeader", "ReadStats", "SafetensorsReader", "DictSource", "read_header", "read_tensors",
            "load_pickle_tensors", "DTYPES", "torch_dtype_of", "dtype_by_name"]
@@ -89,8 +88,6 @@ def read_tensors(
 def load_pickle_tensors(path: str | os.PathLike[str], *, roots: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """Load a pickle weight file with ``torch.load(weights_only=True)`` (only after the user opted in), from one
     open file (with ``roots``: one whose real path lies in them, `open_confined`)."""
-    import torch
-
     with os.fdopen(open_confined(path, roots), "rb") as f:
         obj = torch.load(f, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -106,8 +103,6 @@ class DictSource:
         self.tensors = tensors
 
     def read(self, key: str, ranges: Any = None) -> torch.Tensor:
-        import torch
-
         t = self.tensors[key]
         if not ranges:
             return t
@@ -207,8 +202,6 @@ class SafetensorsReader:
             [`AdapterFormatError`]: the file has no such tensor, or ends before it does.
             ValueError: the ranges name more than one dim, or a dim the tensor lacks.
         """
-        import torch
-
         if key not in self.header.offsets:
             raise AdapterFormatError(f"{str(self.path)!r} has no tensor {key!r}.", key=key)
         dt = torch_dtype_of(self.header.dtypes[key], key=key)
@@ -232,8 +225,6 @@ class SafetensorsReader:
         each span is read into the memory it gives (a host arena) and the views are kept, whatever
         ``copy`` says. Only requested bytes are read, so ``stats.bytes_read`` is exact.
         """
-        import torch
-
         keys = list(keys)
         if not keys:
             return {}
@@ -284,8 +275,6 @@ class SafetensorsReader:
         Raises:
             [`AdapterFormatError`]: the file ends before a tensor does (it is truncated).
         """
-        import torch
-
         dtypes, shapes, offsets = self.header.dtypes, self.header.shapes, self.header.offsets
         plans: list[tuple[torch.dtype, tuple[int, ...], int] | None] = []
         for group in groups:  # (the header's per-key dicts: no object per key is made here)
@@ -341,8 +330,6 @@ class SafetensorsReader:
         Raises:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
         """
-        import torch
-
         start = self.header.offsets[key][0]
         per = min(rows, max(1, _GATHER_BLOCK // row_bytes))
         scratch = torch.empty(per * row_bytes, dtype=torch.uint8)
@@ -357,8 +344,6 @@ class SafetensorsReader:
                        scale: float | None) -> bool:
         """`read_transposed` on a CUDA ``device``, into ``out`` ``(cols, rows)``; ``False`` (``out`` unspecified)
         where the GPU lacks the memory, for the CPU to do it instead."""
-        import torch
-
         nbytes = out.numel() * out.element_size()
         if nbytes > _GPU_TRANSPOSE_MAX:
             return False
@@ -389,8 +374,6 @@ class SafetensorsReader:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
             ValueError: ``pieces`` gives no piece, or one that does not keep the rows as its second dim.
         """
-        import torch
-
         start, end = self.header.offsets[key]
         dt = torch_dtype_of(self.header.dtypes[key], key=key)
         shape = tuple(self.header.shapes[key])
@@ -442,8 +425,6 @@ class SafetensorsReader:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
             ValueError: ``cols`` does not divide the tensor's elements.
         """
-        import torch
-
         dt = torch_dtype_of(self.header.dtypes[key], key=key)
         if dtype is not None and dt != dtype:
             return None

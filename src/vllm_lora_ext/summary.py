@@ -15,7 +15,7 @@ from typing import Any
 from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
-from vllm_lora_ext.reader import FileHeader, read_header
+from vllm_lora_ext.headers import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes, check_has_factors, not_lora_reason
 

@@ -71,7 +71,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.formats.moe_plan import plan_experts
     from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs, recorded_moe_sizes
-    from vllm_lora_ext.reader import read_header
+    from vllm_lora_ext.headers import read_header
     from vllm_lora_ext.summary import load_config
 
     header = read_header(resolved.weights_path)

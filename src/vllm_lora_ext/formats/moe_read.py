@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
+
+import torch
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.formats.moe import Alloc, ExpertFactors, ExpertsLoRA, MoESpec, _into
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, Key2D, Key3D
 from vllm_lora_ext.validation import check_finite
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["TensorSource", "BulkReads", "ReadOptions", "read_experts", "read_blocks"]
 
@@ -212,8 +211,6 @@ def _role_by_expert(blk: _Block, role: str, ks: list[Key2D], loaded: Mapping[str
                     pos: Mapping[int, int]) -> ExpertFactors:
     """A role with missing experts (zeros: no delta), mixed ranks or per-module patterns, built expert by expert
     in float32 at the largest rank."""
-    import torch
-
     spec, opts = blk.plan.spec, blk.options
     n, r, name = len(blk.keep), max(k.rank for k in ks), _proj_name(spec, role)
     d_in = spec.intermediate if role == "down" else spec.hidden
@@ -315,8 +312,6 @@ def _memory(alloc: Alloc | None, want: torch.dtype | None) -> Alloc | None:
     """Where a tensor read straight from the file goes (`read_stacks`, `gather`): ``alloc``'s memory if its dtype
     is the one kept (``want``; None: any), else a new tensor (converted later, by a copy into ``alloc``); None
     (new tensors) without ``alloc``."""
-    import torch
-
     if alloc is None:
         return None
 
@@ -334,8 +329,6 @@ def _into_by_rows(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
     ``_ROW_BLOCK`` rows at a time: a block's source rows (64 × 4 KiB at r=16, 128 experts) stay in cache while
     every expert takes its ``r`` columns from them, instead of each expert's pass reading one element of
     every cache line of the whole tensor. The same bytes as one copy."""
-    import torch
-
     out = alloc(tuple(t.shape), t.dtype) if alloc is not None else torch.empty(t.shape, dtype=t.dtype)
     for i in range(0, t.shape[1], _ROW_BLOCK):
         out[:, i:i + _ROW_BLOCK].copy_(t[:, i:i + _ROW_BLOCK])
@@ -343,8 +336,6 @@ def _into_by_rows(t: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
 
 
 def _stack(tensors: list[torch.Tensor], alloc: Alloc | None) -> torch.Tensor:
-    import torch
-
     if alloc is None:
         return torch.stack(tensors)
     return torch.stack(tensors, out=alloc((len(tensors), *tensors[0].shape), tensors[0].dtype))
