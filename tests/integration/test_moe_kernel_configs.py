@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from factories import load_bench
+from kernel_tables import shipped_moe_gpus
 import torch
 
 from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, moe_config_file_names
@@ -196,11 +197,14 @@ def _fields(context: Any) -> dict[str, Any]:
     return {f.name: getattr(context, f.name) for f in dataclasses.fields(context)}
 
 
-def test_with_no_fused_moe_table_shipped_the_layer_and_the_lookup_are_vllms(plugin_on) -> None:
+def test_with_no_fused_moe_table_shipped_the_layer_and_the_lookup_are_vllms(plugin_on, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
     from vllm.lora.ops.triton_ops import utils
 
     from vllm_lora_ext.integration.patching import PATCH_MARK
+
+    monkeypatch.setattr(plugin_on, "load_moe_tables", lambda stem: load_moe_tables(stem, tmp_path))  # none here
 
     assert getattr(FusedMoEWithLoRA._build_lora_context, PATCH_MARK) and getattr(utils.load_lora_op_config, PATCH_MARK)
     layer = _moe_layer()
@@ -257,3 +261,13 @@ def test_a_shipped_table_stands_aside(plugin_on, tmp_path: Path, monkeypatch: py
         assert utils.load_lora_op_config(op, None) == want and want is None
     if setting == "a broken shipped table":
         assert "not using the shipped fused-MoE LoRA kernel configs" in caplog.text
+
+
+def test_the_shipped_h200_tables_turn_on_the_qwen3_30b_a3b_layer(plugin_on) -> None:
+    """The tables tuned on an H200 (``bench/results/tune_moe_lora_h200_r25.json``; their outputs checked against
+    vLLM's own on the GPU by ``tests/gpu/test_moe_kernel_configs.py``) ship in the package and fit the shape they
+    were tuned for, ranks 16 and 32; a rank they were not tuned for keeps vLLM's choice."""
+    assert STEM in shipped_moe_gpus()
+    assert _moe_layer()._build_lora_context().use_tuned_config is True
+    assert _moe_layer(rank=32)._build_lora_context().use_tuned_config is True
+    assert _moe_layer(rank=64)._build_lora_context().use_tuned_config is False
