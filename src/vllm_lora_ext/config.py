@@ -2,7 +2,7 @@
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``. Per-module
 ``rank_pattern`` / ``alpha_pattern`` use PEFT's key rule (``get_pattern_key``): the first key, in the order
-written, whose regex ``(.*\.)?(KEY)$`` matches the module name. A key ``re`` cannot compile is refused, as
+written, whose regex ``(.*\\.)?(KEY)$`` matches the module name. A key ``re`` cannot compile is refused, as
 PEFT cannot load it either; a key that takes over `PATTERN_MATCH_TIMEOUT_S` to match one name (nested
 repetition such as ``(a+)+c``) refuses the adapter rather than holding the process.
 """
@@ -143,7 +143,7 @@ _REGEX_SYNTAX = frozenset("^$*+?{}[]\\|()")  # every regex metacharacter but '.'
 
 
 def _check_pattern_key(key: str, field_name: str, adapter: str) -> None:
-    """Refuse a pattern key PEFT's ``re.match(rf"(.*\.)?({key})$", ...)`` cannot compile, or an over-long one."""
+    """Refuse a pattern key PEFT's ``re.match(rf"(.*\\.)?({key})$", ...)`` cannot compile, or an over-long one."""
     why = f"is {len(key)} characters, more than {MAX_PATTERN_KEY_CHARS}" if len(key) > MAX_PATTERN_KEY_CHARS else ""
     if not why:
         try:
@@ -159,7 +159,7 @@ def _check_pattern_key(key: str, field_name: str, adapter: str) -> None:
 @functools.lru_cache(maxsize=4096)
 def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
     """How to match ``key``: a literal tail every name it matches ends with ('' where none is certain), whether it is
-    plain (no metacharacter but ``.``, so it cannot backtrack), and its compiled ``fullmatch`` of ``(.*\.)?(?:key)``.
+    plain (no metacharacter but ``.``, so it cannot backtrack), and its compiled ``fullmatch`` of ``(.*\\.)?(?:key)``.
 
     Plain keys use ``re``; the others ``regex``, whose match takes a timeout.
     """
