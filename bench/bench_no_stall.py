@@ -18,10 +18,7 @@ Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM
 served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
 adapters, plugin only), ``mix_cached`` (after ``mix``: another new mix of the same four, whose builds the
 worker has cached), ``loaded`` (B is adapter A itself, already in a slot: the first-token reference).
-``--modes stock,plugin,pinned,thread,sync``: stock = the plugin installed but disabled; pinned = the build
-process's shared file page-locked where the worker maps it and no GPU staging (``VLLM_LORA_EXT_PIN_SHARED=1``,
-``VLLM_LORA_EXT_STAGE_GPU_BYTES=0``: issue 38's trial of the simpler path; the slot copy is then a DMA in the step);
-thread = background builds in a worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``);
+``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled; thread = background builds in a worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``);
 sync = the plugin loading in the engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the
 plugin's own load time, which background loading is measured against. ``--graphs``: full CUDA graphs (no
 torch.compile) instead of eager steps. The prefix cache is off and the server warms up twice, so that no Triton
@@ -191,8 +188,6 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0",
                VLLM_LORA_EXT_PREBUILD="0" if mode == "sync" else "1",
                VLLM_LORA_EXT_BUILD_PROCESS="0" if mode == "thread" else "1")
-    if mode == "pinned":  # issue 38's trial: the shared file pinned where the worker maps it, no GPU staging
-        env.update(VLLM_LORA_EXT_PIN_SHARED="1", VLLM_LORA_EXT_STAGE_GPU_BYTES="0")
     modules = ["A=" + str(paths["A"])] + ([f"C{i}={paths[f'C{i}']}" for i in range(4)] if mode != "stock" and
                                            {"mix", "mix_cached"} & set(cases) else [])
     # Eager steps of this model take up to ~0.19 s with nothing arriving; --graphs captures full CUDA graphs
@@ -277,18 +272,13 @@ def main() -> None:
         summary["b2d_output_equals_stock"] = results["plugin"]["2d"]["b_text"] == results["stock"]["2d"]["b_text"]
         print("B (2D) output, plugin (built in the background) == stock (built in the step):",
               summary["b2d_output_equals_stock"])
-    for mode in ("plugin", "pinned", "thread", "sync"):  # against stock in the same run (stock: the 2D case only)
+    for mode in ("plugin", "thread", "sync"):  # against stock in the same run (stock: the 2D case only)
         if f"{mode}/2d" in summary and "stock/2d" in summary:
             ours, stock = summary[f"{mode}/2d"], summary["stock/2d"]
             ratios = {k: ours[k] / stock[k] for k in ("max_gap_s", "b_ttft_s", "throughput_ratio") if stock[k]}
             ours["vs_stock"] = ratios
             print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
-    for case in ("2d", "3d"):  # issue 38: the pinned shared file against GPU staging, same run
-        if f"pinned/{case}" in summary and f"plugin/{case}" in summary:
-            ours, staged = summary[f"pinned/{case}"], summary[f"plugin/{case}"]
-            ours["vs_staged"] = {k: ours[k] / staged[k] for k in ("max_gap_s", "b_ttft_s", "throughput_ratio")}
-            print(f"{case}, pinned / staged: " + ", ".join(f"{k} {v:.3g}x" for k, v in ours["vs_staged"].items()))
-    for mode in ("plugin", "pinned", "thread"):
+    for mode in ("plugin", "thread"):
         for case in ("2d", "3d", "mix", "mix_cached"):
             if f"{mode}/{case}" in summary and f"sync/{case}" in summary:
                 extra = summary[f"{mode}/{case}"]["b_ttft_s"] - summary[f"sync/{case}"]["b_ttft_s"]

@@ -59,7 +59,6 @@ ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shar
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA kernel configs (dense and fused MoE)
-ENV_PIN_SHARED = "VLLM_LORA_EXT_PIN_SHARED"  # 1: a build process's shared file pinned where the worker maps it
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
@@ -286,13 +285,6 @@ def host_arenas_enabled() -> bool:
     return _env_on(ENV_HOST_ARENAS)
 
 
-def pin_shared() -> bool:
-    """Return whether a GPU worker page-locks a build process's shared file where it maps it, as it pins a host
-    arena (``VLLM_LORA_EXT_PIN_SHARED``, default off; with ``VLLM_LORA_EXT_STAGE_GPU_BYTES=0`` an alternative
-    to GPU staging)."""
-    return _env_flag(ENV_PIN_SHARED)
-
-
 def host_arena_min_bytes() -> int:
     """Return the smallest build that gets a host arena (``VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES``, default 4 MiB):
     an arena takes whole 2 MiB pages, and a small build gains little from one pinning call."""
@@ -385,7 +377,7 @@ def moe_warmup_tokens() -> list[int] | None:
 
 
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
-          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_PIN_SHARED, ENV_MIX_ON_GPU,
+          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU,
           ENV_TRANSPOSE_ON_GPU, ENV_MOE_WARMUP, ENV_BUILD_AT_START)
 ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read by component_cache_size (below); checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)

@@ -34,7 +34,6 @@ from vllm_lora_ext.constants import (  # noqa: F401 (the names the table documen
     ENV_MIX_WAIT,
     ENV_MOE_WARMUP,
     ENV_MOE_WARMUP_TOKENS,
-    ENV_PIN_SHARED,
     ENV_PREBUILD,
     ENV_PREBUILD_BUILDS,
     ENV_PREBUILD_BYTES,
@@ -57,8 +56,6 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_LOG_LEVEL: ("", "the plugin's log level (default INFO)"),
     ENV_BUILD_AT_START: ("=0", "check the deployment config's adapters at start and build each on its first request "
                               "(default: built at start); Ray Serve LLM replicas with residency routing set it"),
-    ENV_PIN_SHARED: ("=1", "page-lock a build process's shared file where the GPU worker maps it, as host arenas are "
-                          "(a trial against GPU staging; default off)"),
     ENV_PREBUILD: ("=0", "build adapters inside the engine step, as stock vLLM does (default: in the background)"),
     ENV_PREBUILD_BUILDS: ("", "background builds one worker runs at once (default 2)"),
     ENV_PREBUILD_BYTES: ("", "CPU memory a worker may hold in built, not yet used adapters (default 8 GiB)"),

@@ -55,33 +55,6 @@ def test_a_build_handed_over_in_shared_memory_is_bitwise_the_build(tmp_path: Pat
         assert [r for *_, r in handed.moe.values()] == [r for *_, r in reference.moe.values()]
 
 
-def test_a_shared_file_mapped_as_an_arena_is_the_same_build_and_its_release_hooks_run_after_the_last_view(
-        tmp_path: Path, build_dir: Path) -> None:
-    """``from_shared(as_arena=True)`` (``VLLM_LORA_EXT_PIN_SHARED``): the same tensors as the plain mapping, in one
-    full arena given as the adapter's ``host`` (the worker pins it in place as it pins a host arena); a hook on it
-    (the unpin) runs once the last tensor is gone, not before."""
-    import gc
-
-    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "3d"], rank=R)
-    job = _job(folder, "2d")
-    reference = build_adapter(job, PeftKeyRouter())
-    handed, mapping = from_shared(to_shared(build_adapter(job, PeftKeyRouter(), shared=True)), as_arena=True)
-    assert _files(build_dir) == []
-    host = handed.host
-    assert host is not None and host.used == host.capacity and host.buffer is mapping
-    assert all(torch.equal(x, y) and host.holds(x) for x, y in zip(_tensors(handed), _tensors(reference)))
-    released: list[int] = []
-    host.on_release(lambda: released.append(1))
-    host.close()
-    keep = _tensors(handed)[0]
-    del handed, mapping, host
-    gc.collect()
-    assert released == [] and keep.sum() == _tensors(reference)[0].sum()  # a view still reads the mapping
-    del keep
-    gc.collect()
-    assert released == [1]
-
-
 def test_a_build_failing_while_it_reads_leaves_no_shared_file(tmp_path: Path, build_dir: Path) -> None:
     from safetensors.torch import load_file, save_file
 

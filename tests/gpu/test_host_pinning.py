@@ -208,32 +208,3 @@ def test_a_helper_thread_pins_in_place_once_bound_to_the_worker_gpu() -> None:
     assert seen["bound"] is True and seen[True] is True
     assert seen[(True, "pinned")] is True and seen[(True, "no copy")] is True
     assert bind_worker_gpu("cpu") is False and bind_worker_gpu(None) is False
-
-
-def test_a_shared_file_mapped_as_an_arena_pins_in_place_copies_exactly_and_unpins_when_its_views_go(
-        tmp_path: object) -> None:
-    """``VLLM_LORA_EXT_PIN_SHARED`` (issue 38's trial): a build process's file, mapped by the worker as an arena,
-    page-locked where it lies; a copy from it is exact, and the registration ends with its last view."""
-    import os
-
-    from vllm_lora_ext.integration._compat import pin_in_place
-    from vllm_lora_ext.transport.arena import Arena
-    from vllm_lora_ext.transport.cuda import _libcuda
-
-    torch.zeros(1, device="cuda")
-    want = torch.randn(3, 1 << 20, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    path = os.path.join(str(tmp_path), "shared")
-    with open(path, "wb") as f:
-        f.write(want.view(torch.uint8).numpy().tobytes())
-    arena = Arena.over_file(path, want.numel() * 2)
-    os.unlink(path)
-    view = arena.buffer.view(torch.bfloat16).view(3, 1 << 20)
-    assert not view.is_pinned() and pin_in_place(arena)
-    arena.close()
-    assert view.is_pinned() and view.pin_memory().data_ptr() == view.data_ptr()
-    assert torch.equal(view.to("cuda", non_blocking=True).cpu(), want)
-    base = view.data_ptr()
-    del view, arena
-    gc.collect()
-    import ctypes  # the range is no longer registered: unregistering it again fails
-    assert _libcuda().cuMemHostUnregister(ctypes.c_void_p(base)) != 0

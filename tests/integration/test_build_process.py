@@ -63,17 +63,9 @@ def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
             assert y.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()  # views, no copy
 
 
-@pytest.mark.parametrize("pin_shared", ["0", "1"])
 def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager: Any, tmp_path: Path,
-                                                                   started: None, pin_shared: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also with the shared file mapped as an arena for pinning in place (``VLLM_LORA_EXT_PIN_SHARED``; no CUDA
-    here, so it stays pageable, as vLLM leaves LoRA memory without one)."""
+                                                                   started: None) -> None:
     from vllm.lora.worker_manager import WorkerLoRAManager
-
-    from vllm_lora_ext.constants import ENV_PIN_SHARED
-
-    monkeypatch.setenv(ENV_PIN_SHARED, pin_shared)
 
     adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj", "v_proj", "down_proj"], rank=8,
                                 alpha=16)

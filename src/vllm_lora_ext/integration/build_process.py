@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 from vllm_lora_ext._util import clip
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes, pin_shared
+from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
 from vllm_lora_ext.sharedfiles import folder_problem
 from vllm_lora_ext.transport.arena import ArenaSupply
@@ -289,7 +289,7 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     if child is None:
         return None
     try:
-        return from_shared(child.run(job, router.mapper, router.skip_prefixes), as_arena=pin_shared())
+        return from_shared(child.run(job, router.mapper, router.skip_prefixes), )
     except OSError as err:
         if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
             raise

@@ -47,10 +47,9 @@ and that worker's build process; a new mix's path through the modules is in the 
    on the staging stream (``cuda.stream_for(device, "staging")``) through two pinned bounce chunks
    (``staging._copy_through_pinned``); the model now points at views of that buffer. A mix is concatenated on
    the GPU instead (``integration.staging.concat_staged`` with ``staging._upload_and_place``), staged from the
-   start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. A simpler path
-   (``VLLM_LORA_EXT_PIN_SHARED=1`` with ``VLLM_LORA_EXT_STAGE_GPU_BYTES=0``): step 4 maps the file as an
-   ``arena.Arena`` (``Arena.over_file``), which ``integration.loader.assemble`` pins in place as in step 3, and
-   nothing is staged; step 6's slot copy is then a DMA from that mapping (``bench_no_stall.py --modes pinned``).
+   start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. Staging is kept over pinning the
+   shared file in place: the driver refused to page-lock a file mapping on the H200 host, and the slot copy from
+   it paused in-flight requests 0.26 s against staging's 0.054 s (``bench/results/no_stall_h200x2_r25_pinned_trial.json``).
 6. **Slot copy** (worker, engine thread, in the step). vLLM's ``add_adapter`` (patched by
    ``integration.worker_patches``, a row of ``integration.plugin.PATCHES``) takes the finished model from the
    table (``integration.prebuild.take_built``, from the patched ``_load_adapter``) and activates it: each factor

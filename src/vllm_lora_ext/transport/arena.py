@@ -183,11 +183,10 @@ class _Memory:
     ``integration`` (0: none), which a reuse keeps.
     """
 
-    def __init__(self, capacity: int, huge_pages: bool, *, fd: int = -1) -> None:
+    def __init__(self, capacity: int, huge_pages: bool) -> None:
         self.capacity = capacity
-        flags = mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self.mapping = mmap.mmap(fd, capacity, flags=flags)
-        if huge_pages and fd < 0 and huge_pages_offered():
+        self.mapping = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and huge_pages_offered():
             try:
                 self.mapping.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # refused (e.g. a seccomp filter): ordinary pages, still one range
@@ -348,22 +347,6 @@ class Arena:
         lease = _lease_type(memory.capacity).from_address(memory.base)
         lease.memory, lease.keep = memory, reuse
         return cls(torch.frombuffer(lease, dtype=torch.uint8), memory=memory, reused=reused)
-
-    @classmethod
-    def over_file(cls, path: str, size: int) -> Arena:
-        """The whole of an existing file, mapped shared, as a full and closed-to-allocation arena whose mapping a
-        worker may pin in place ([`on_release`] hooks run before the unmap, after the last view is gone): how a
-        worker maps a build process's shared file when ``VLLM_LORA_EXT_PIN_SHARED`` is on."""
-        fd = os.open(path, os.O_RDWR)
-        try:
-            memory = _Memory(max(int(size), 1), huge_pages=False, fd=fd)
-        finally:
-            os.close(fd)  # the mapping keeps the file
-        lease = _lease_type(memory.capacity).from_address(memory.base)
-        lease.memory, lease.keep = memory, False
-        arena = cls(torch.frombuffer(lease, dtype=torch.uint8), memory=memory)
-        arena.used = arena.capacity
-        return arena
 
     @classmethod
     def in_file(cls, capacity: int, directory: str | None = None, *, populate: bool = False) -> Arena:

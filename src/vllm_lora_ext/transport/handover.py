@@ -19,7 +19,7 @@ import torch
 from vllm_lora_ext.building import BuiltAdapter
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.headers import safetensors_names, torch_dtype_of
-from vllm_lora_ext.transport.arena import Arena, aligned
+from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.files import owned_name, shared_dir
 
 __all__ = ["SharedTensors", "from_shared", "to_shared", "trim_shared", "view_at"]
@@ -122,20 +122,13 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def from_shared(shared: SharedTensors, *, as_arena: bool = False) -> tuple[BuiltAdapter, torch.Tensor]:
+def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
     """Map a shared file, remove its name, and return the adapter whose tensors are views of it, and the mapping.
 
-    The memory lives as long as any of the tensors (or the returned ``uint8`` mapping) does. With ``as_arena`` the
-    file is mapped as an [`Arena`] (``Arena.over_file``), given as the adapter's ``host``, which the worker pins in
-    place as it pins a host arena (``VLLM_LORA_EXT_PIN_SHARED``).
+    The memory lives as long as any of the tensors (or the returned ``uint8`` mapping) does.
     """
-    host = None
     try:
-        if as_arena:
-            host = Arena.over_file(shared.path, shared.size)
-            buf = host.buffer
-        else:
-            buf = torch.from_file(shared.path, shared=True, size=max(shared.size, 1), dtype=torch.uint8)
+        buf = torch.from_file(shared.path, shared=True, size=max(shared.size, 1), dtype=torch.uint8)
     finally:
         os.unlink(shared.path)
     meta = shared.meta
@@ -151,7 +144,7 @@ def from_shared(shared: SharedTensors, *, as_arena: bool = False) -> tuple[Built
             target = lora_a if group == "a" else lora_b
             assert len(target) == index, "manifest out of order"
             target.append(t)
-    return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts, host=host), buf
+    return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts), buf
 
 
 def view_at(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
