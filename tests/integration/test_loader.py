@@ -150,3 +150,26 @@ def test_worker_state_reports_the_adapters_and_bytes_this_process_read(worker_ma
     assert after["adapter_reads"]["adapters"] == before["adapters"] + 1
     assert after["adapter_reads"]["bytes"] - before["bytes"] == weights  # every tensor is kept: the whole file
     assert after["registered"] and after["load_adapter_patched"] and after["rank"] is None
+
+
+def test_a_host_arena_left_pageable_where_vllm_pins_lora_memory_is_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Where vLLM pins LoRA memory but the arena cannot be page-locked in place (a thread with no CUDA context, or
+    the driver refuses), the slot copies run from pageable memory, several times slower: one warning a process
+    says so, naming the size; the arena is closed either way."""
+    from types import SimpleNamespace
+
+    from vllm_lora_ext.integration import loader
+    from vllm_lora_ext.transport.arena import HostArena
+
+    monkeypatch.setattr(loader, "pin_in_place", lambda arena: False)
+    monkeypatch.setattr(loader, "lora_host_memory_pinned", lambda: True)
+    monkeypatch.setattr(loader, "_UNPINNED", [])
+    arenas = [HostArena(1 << 20) for _ in range(2)]
+    for arena in arenas:
+        arena.empty((1024,), torch.bfloat16)
+        with caplog.at_level("WARNING", logger=loader.__name__):
+            loader._pin_host(SimpleNamespace(host=arena))
+        assert arena.buffer is None  # closed
+    said = [r for r in caplog.records if "could not be page-locked" in r.getMessage()]
+    assert len(said) == 1 and "2.0 KiB" in said[0].getMessage()

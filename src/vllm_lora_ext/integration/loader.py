@@ -22,7 +22,7 @@ import torch
 
 from vllm_lora_ext.constants import MIX_PREFIX, allow_unmatched_keys, drop_unapplied, mix_on_gpu, transpose_on_gpu
 from vllm_lora_ext import metrics
-from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext._util import fmt_bytes, gc_paused
 from vllm_lora_ext.errors import AdapterNotFoundError, RemoteError, VllmLoraExtError
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, MappedAdapter, ModuleKeys, build_adapter
 from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_memory_pinned, mla_attention_cls,
@@ -297,8 +297,15 @@ def _lora_cpu_tensor(t: torch.Tensor, dtype: Any) -> torch.Tensor:
 
 def _pin_host(built: BuiltAdapter) -> None:
     if built.host is not None:  # pinned where it lies, before vLLM looks (it copies what is not pinned)
-        pin_in_place(built.host)
+        if not pin_in_place(built.host) and lora_host_memory_pinned() and not _UNPINNED:
+            _UNPINNED.append(True)  # once a process: its slot copies then run from pageable memory
+            logger.warning("an adapter's host memory (%s) could not be page-locked in place (no CUDA context on "
+                           "this thread, or the driver refused): vLLM copies its factors from pageable memory",
+                           fmt_bytes(built.host.used))
         built.host.close()
+
+
+_UNPINNED: list[bool] = []
 
 
 def _wrap(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmKeyRouter,
