@@ -49,8 +49,8 @@ def _worth(line: str) -> bool:
 def _start(i: int, group: str, work: Path, gpu: int | None) -> tuple[subprocess.Popen, object]:
     folder = work / f"g{i}"
     folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_LORA_EXT_RESULTS=str(folder / "results.json"),
-               VLLM_LORA_EXT_SERVE_LOG=str(folder / "serve.log"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LORA_EXT_GPU_RESULTS=str(folder / "results.json"),
+               LORA_EXT_GPU_SERVE_LOG=str(folder / "serve.log"))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     log = (folder / "group.log").open("w")

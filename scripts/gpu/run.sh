@@ -43,7 +43,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/p
 
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 VLLM_LORA_EXT_RESULTS="$OUT/gpu-results.json" VLLM_LORA_EXT_SERVE_LOG="$OUT/serve.log"
+export PYTHONUNBUFFERED=1 LORA_EXT_GPU_RESULTS="$OUT/gpu-results.json" LORA_EXT_GPU_SERVE_LOG="$OUT/serve.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import vllm, torch, transformers, peft; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

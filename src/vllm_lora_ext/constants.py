@@ -6,6 +6,7 @@ time, so tests and offline switches behave.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -429,8 +430,22 @@ def check_settings() -> None:
         problem = not_a_regular_file(config)
         if problem:
             problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
+    problems += [_unknown(name) for name in sorted(os.environ) if name.startswith(_SETTING)
+                 and name not in {v for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)}]
     if problems:
         raise SettingsError("Bad settings: " + " ".join(problems))
+
+
+_SETTING = "VLLM_LORA_EXT_"  # every ENV_* name above starts so
+
+
+def _unknown(name: str) -> str:
+    """A ``VLLM_LORA_EXT_*`` name that is no setting: a typo would else do nothing (``ALLOWED_ROOT`` for
+    ``ALLOWED_ROOTS`` would leave runtime sources unconfined)."""
+    known = [v[len(_SETTING):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
+    near = difflib.get_close_matches(name[len(_SETTING):], known, n=1, cutoff=0.75)
+    return f"{clip(name)} is not a setting of vllm_lora_ext; " + (f"did you mean {_SETTING}{near[0]}?" if near
+                                                                  else "unset it (README: Environment variables).")
 
 
 # -------------------------------------------------------------------- settings of other programs, read here too

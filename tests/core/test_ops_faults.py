@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,20 @@ def test_counts_must_be_whole_numbers_never_silently_rounded(name: str, raw: str
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, raw)
     with pytest.raises(SettingsError, match=name):
+        check_settings()
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("VLLM_LORA_EXT_ALLOWED_ROOT", "did you mean VLLM_LORA_EXT_ALLOWED_ROOTS?"),  # a security setting, mistyped
+    ("VLLM_LORA_EXT_PREBULD", "did you mean VLLM_LORA_EXT_PREBUILD?"),
+    ("VLLM_LORA_EXT_PIN_SHARED", "unset it (README: Environment variables)."),  # a removed trial's setting
+])
+def test_a_plugin_variable_that_is_no_setting_is_refused_naming_the_nearest(name: str, said: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistyped name would do nothing at all (vLLM only calls every VLLM_* name it does not know "unknown"), so
+    it stops the start as a malformed value does; every documented setting passes (the next test)."""
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(SettingsError, match=re.escape(f"{name} is not a setting of vllm_lora_ext; {said}")):
         check_settings()
 
 

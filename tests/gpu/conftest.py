@@ -50,7 +50,7 @@ def gpu_session_env(gpu_workdir: Path) -> Iterator[None]:
     os.environ["HF_HUB_OFFLINE"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     yield
-    out = os.environ.get("VLLM_LORA_EXT_RESULTS")
+    out = os.environ.get("LORA_EXT_GPU_RESULTS")
     if out:
         import torch
 

@@ -92,6 +92,6 @@ def vllm_serve(model: Path | str, args: Sequence[str], *, env: dict[str, str], l
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        out = os.environ.get("VLLM_LORA_EXT_SERVE_LOG")
+        out = os.environ.get("LORA_EXT_GPU_SERVE_LOG")
         if out:
             Path(out).with_name(keep_log_as).write_text(log_path.read_text()[-300000:])

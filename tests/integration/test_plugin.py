@@ -60,6 +60,38 @@ print(heavy, is_registered(), getattr(wm.WorkerLoRAManager._load_adapter, PATCH_
     assert "vllm_lora_ext 0.1.0 active in process" in out.stderr
 
 
+def test_vllms_check_of_vllm_variables_keeps_quiet_on_the_plugins_settings_and_a_typo_stops_the_start() -> None:
+    """vLLM warns of every VLLM_* variable it does not know ("Unknown vLLM environment variable detected"), so each
+    of the plugin's settings used to draw a warning in every process, a valid one as much as a typo. With the plugin
+    registered, vLLM's own check (0.26-0.30 ``envs.validate_environ``, 0.31-0.33 the platform's) stays quiet on the
+    settings and still warns of its other unknown names; a ``VLLM_LORA_EXT_*`` name that is no setting stops
+    ``register()``, naming the setting it is closest to."""
+    code = """
+import logging, os
+os.environ.update(VLLM_LORA_EXT_PREBUILD="1", VLLM_NOT_A_REAL_VLLM_SETTING="1")
+from vllm_lora_ext.integration import plugin
+plugin.register()
+import vllm.envs as envs
+check = getattr(envs, "validate_environ", None)
+if check is None:
+    from vllm.platforms import current_platform
+    check = current_platform.validate_environ
+check(False)
+os.environ["VLLM_LORA_EXT_ALLOWED_ROOT"] = "/srv"
+plugin.unregister()
+try:
+    plugin.register()
+except Exception as err:
+    print("REFUSED", type(err).__name__, err)
+"""
+    out = _python(code, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Unknown vLLM environment variable detected: VLLM_NOT_A_REAL_VLLM_SETTING" in out.stderr
+    assert "Unknown vLLM environment variable detected: VLLM_LORA_EXT" not in out.stderr
+    assert ("REFUSED SettingsError Bad settings: VLLM_LORA_EXT_ALLOWED_ROOT is not a setting of vllm_lora_ext; "
+            "did you mean VLLM_LORA_EXT_ALLOWED_ROOTS?") in out.stdout
+
+
 def test_plugin_disabled_by_env_stays_inert() -> None:
     code = ("import os; os.environ['VLLM_LORA_EXT_DISABLE']='1'\n"
             "from vllm_lora_ext.integration import plugin; plugin.register()\n"

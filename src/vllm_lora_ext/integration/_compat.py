@@ -29,6 +29,9 @@ from vllm_lora_ext.errors import UnsupportedVLLMError
 
 logger = logging.getLogger(__name__)
 
+# The loggers of vLLM's check of VLLM_* variables (validate_environ): envs (0.26-0.30), platforms (0.31-0.33).
+ENV_CHECK_LOGGERS = ("vllm.envs", "vllm.platforms.interface")
+
 # Modules the plugin patches once they are imported (imports stay lazy in every process).
 WORKER_MANAGER_MODULE = "vllm.lora.worker_manager"
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"

@@ -24,6 +24,7 @@ from vllm_lora_ext.constants import check_settings, plugin_disabled, stall_trace
 from vllm_lora_ext.integration import engine_patches, server_patches, worker_patches
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
+    ENV_CHECK_LOGGERS,
     BASE_SERVING_MODULE,
     BEAM_SEARCH_MODULE,
     FUSED_MOE_LORA_MODULE,
@@ -246,6 +247,8 @@ def register() -> None:
         return
     vllm_version = check_vllm_version()
     check_settings()  # every VLLM_LORA_EXT_* setting, strictly, with one error naming the bad ones
+    for name in ENV_CHECK_LOGGERS:  # vLLM's word for each of them is "unknown"; checked above instead
+        logging.getLogger(name).addFilter(_not_ours)  # (once: a logger keeps one of each filter)
     metrics.setup()
     stall_threshold = stall_trace_seconds()
     if stall_threshold:
@@ -258,11 +261,20 @@ def register() -> None:
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
 
 
+def _not_ours(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "Unknown vLLM environment variable" warning for a ``VLLM_LORA_EXT_*`` name: `check_settings` has
+    refused every such name that is no setting, so the rest are the plugin's own."""
+    return not (str(record.msg).startswith("Unknown vLLM environment variable") and bool(record.args)
+                and str(record.args[0] if isinstance(record.args, tuple) else "").startswith("VLLM_LORA_EXT_"))
+
+
 def unregister() -> None:
     """Undo ``register()``: restore every patched vLLM attribute and drop hooks not yet run (tests)."""
     global _REGISTERED
     cancel_hooks()
     undo_all()
+    for name in ENV_CHECK_LOGGERS:
+        logging.getLogger(name).removeFilter(_not_ours)
     _REGISTERED = False
 
 
