@@ -18,11 +18,12 @@ Cases: ``2d`` (the 1.7 GB per-expert adapter), ``3d`` (the fused one; stock vLLM
 served adapter is 3D, so it runs for the plugin only), ``mix`` (a new mix of four registered 3D
 adapters, plugin only), ``mix_cached`` (after ``mix``: another new mix of the same four, whose builds the
 worker has cached), ``loaded`` (B is adapter A itself, already in a slot: the first-token reference).
-``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled; thread = background builds in a worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``);
-sync = the plugin loading in the engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the
-plugin's own load time, which background loading is measured against. ``--graphs``: full CUDA graphs (no
-torch.compile) instead of eager steps. The prefix cache is off and the server warms up twice, so that no Triton
-kernel compiles inside a measured run; B arrives ``--arrive`` seconds (default 4) into the in-flight requests.
+``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled; thread = background builds in a
+worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``); sync = the plugin loading in the
+engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the plugin's own load time, which
+background loading is measured against. ``--graphs``: full CUDA graphs (no torch.compile) instead of eager steps.
+The prefix cache is off and the server warms up twice, so that no Triton kernel compiles inside a measured run; B
+arrives ``--arrive`` seconds (default 4) into the in-flight requests.
 
 Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin,sync] [--graphs] [--out FILE]
 (the round-4 numbers: ``--graphs`` with the defaults, plugin in one call and ``--modes sync,stock`` in the next)
@@ -235,6 +236,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=20.0, help="seconds between the warm-up and the measured runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    unknown = set(args.modes.split(",")) - {"stock", "plugin", "thread", "sync"}
+    if unknown:
+        ap.error(f"--modes: {sorted(unknown)} are not modes; give stock, plugin, thread or sync")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-no-stall-")
     cases = args.cases.split(",")
     paths = build(Path(args.workdir), cases)

@@ -389,11 +389,12 @@ def check_settings() -> None:
     """Parse every ``VLLM_LORA_EXT_*`` setting now and refuse bad ones, all named in one error.
 
     Called once at start-up (the plugin's ``register()``), so a typo stops the server at once rather than
-    failing a background build or a request later. ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a
-    folder that cannot be used makes builds run in the worker, with a warning that names it.
+    failing a background build or a request later; so does a ``VLLM_LORA_EXT_*`` name that is no setting.
+    ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a folder that cannot be used makes builds run in the
+    worker, with a warning that names it.
 
     Raises:
-        [`SettingsError`]: one or more settings are malformed; the message names each, its value and the fix.
+        [`SettingsError`]: settings malformed or unknown; the message names each, its value and the fix.
     """
     problems: list[str] = []
     for accessor in (functools.partial(max_mixes, 0), mix_wait_seconds, max_client_sources, prebuild_builds,
@@ -430,8 +431,9 @@ def check_settings() -> None:
         problem = not_a_regular_file(config)
         if problem:
             problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
-    problems += [_unknown(name) for name in sorted(os.environ) if name.startswith(_SETTING)
-                 and name not in {v for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)}]
+    known = [v[len(_SETTING):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
+    problems += [_unknown(n, known) for n in sorted(os.environ) if n.startswith(_SETTING) and n[len(_SETTING):]
+                 not in known]
     if problems:
         raise SettingsError("Bad settings: " + " ".join(problems))
 
@@ -439,10 +441,9 @@ def check_settings() -> None:
 _SETTING = "VLLM_LORA_EXT_"  # every ENV_* name above starts so
 
 
-def _unknown(name: str) -> str:
-    """A ``VLLM_LORA_EXT_*`` name that is no setting: a typo would else do nothing (``ALLOWED_ROOT`` for
-    ``ALLOWED_ROOTS`` would leave runtime sources unconfined)."""
-    known = [v[len(_SETTING):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
+def _unknown(name: str, known: list[str]) -> str:
+    """A ``VLLM_LORA_EXT_*`` name that is no setting (``known``: the settings' names without the prefix): a typo
+    would else do nothing (``ALLOWED_ROOT`` for ``ALLOWED_ROOTS`` would leave runtime sources unconfined)."""
     near = difflib.get_close_matches(name[len(_SETTING):], known, n=1, cutoff=0.75)
     return f"{clip(name)} is not a setting of vllm_lora_ext; " + (f"did you mean {_SETTING}{near[0]}?" if near
                                                                   else "unset it (README: Environment variables).")

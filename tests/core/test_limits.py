@@ -55,17 +55,18 @@ def test_no_signature_has_over_7_parameters_except_the_listed_ones_which_never_g
 def test_every_python_file_compiles_without_a_warning() -> None:
     """An invalid escape such as ``\\.`` in a docstring is a DeprecationWarning on Python 3.11 and a SyntaxWarning
     on 3.12, which every vLLM process on the GPU machine printed three times at import; a later Python makes it an
-    error. Compiled here with warnings as errors: the package, its tests, benches and scripts."""
+    error. Compiled here with warnings as errors: the package, its tests, benches, scripts and examples."""
     import warnings
 
     root = SRC.parents[1]
+    folders = ("src", "tests", "bench", "scripts", "examples")
+    paths = sorted(p for folder in folders for p in (root / folder).rglob("*.py"))
     bad = []
-    for folder in ("src", "tests", "bench", "scripts"):
-        for path in sorted((root / folder).rglob("*.py")):
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                try:
-                    compile(path.read_text(encoding="utf-8"), str(path), "exec")
-                except (SyntaxError, SyntaxWarning, DeprecationWarning) as e:
-                    bad.append(f"{path.relative_to(root)}: {e}")
+    for path in paths + sorted(root.glob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                compile(path.read_text(encoding="utf-8"), str(path), "exec")
+            except (SyntaxError, SyntaxWarning, DeprecationWarning) as e:
+                bad.append(f"{path.relative_to(root)}: {e}")
     assert not bad, "\n".join(bad)

@@ -155,8 +155,8 @@ def test_worker_state_reports_the_adapters_and_bytes_this_process_read(worker_ma
 def test_a_host_arena_left_pageable_where_vllm_pins_lora_memory_is_said_once(monkeypatch: pytest.MonkeyPatch,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     """Where vLLM pins LoRA memory but the arena cannot be page-locked in place (a thread with no CUDA context, or
-    the driver refuses), the slot copies run from pageable memory, several times slower: one warning a process
-    says so, naming the size; the arena is closed either way."""
+    the driver refuses), vLLM copies the factors into pinned memory itself, or its slot copy reads pageable memory:
+    one warning a process says so, naming the size; the arena is closed either way."""
     from types import SimpleNamespace
 
     from vllm_lora_ext.integration import loader

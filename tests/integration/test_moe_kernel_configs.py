@@ -266,7 +266,7 @@ def test_a_shipped_table_stands_aside(plugin_on, tmp_path: Path, monkeypatch: py
 def test_the_shipped_h200_tables_turn_on_the_qwen3_30b_a3b_layer(plugin_on) -> None:
     """The tables tuned on an H200 (``bench/results/tune_moe_lora_h200_r25.json``; their outputs checked against
     vLLM's own on the GPU by ``tests/gpu/test_moe_kernel_configs.py``) ship in the package and fit the shape they
-    were tuned for, ranks 16 and 32; a rank they were not tuned for keeps vLLM's choice."""
+    were tuned for, ranks 16 and 32; a rank above those tuned keeps vLLM's choice."""
     assert STEM in shipped_moe_gpus()
     assert _moe_layer()._build_lora_context().use_tuned_config is True
     assert _moe_layer(rank=32)._build_lora_context().use_tuned_config is True

@@ -289,7 +289,7 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     if child is None:
         return None
     try:
-        return from_shared(child.run(job, router.mapper, router.skip_prefixes), )
+        return from_shared(child.run(job, router.mapper, router.skip_prefixes))
     except OSError as err:
         if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
             raise

@@ -298,10 +298,10 @@ def _lora_cpu_tensor(t: torch.Tensor, dtype: Any) -> torch.Tensor:
 def _pin_host(built: BuiltAdapter) -> None:
     if built.host is not None:  # pinned where it lies, before vLLM looks (it copies what is not pinned)
         if not pin_in_place(built.host) and lora_host_memory_pinned() and not _UNPINNED:
-            _UNPINNED.append(True)  # once a process: its slot copies then run from pageable memory
+            _UNPINNED.append(True)  # once a process
             logger.warning("an adapter's host memory (%s) could not be page-locked in place (no CUDA context on "
-                           "this thread, or the driver refused): vLLM copies its factors from pageable memory",
-                           fmt_bytes(built.host.used))
+                           "this thread, or the driver refused): vLLM copies its factors into pinned memory when it "
+                           "adds the adapter, or its slot copy reads pageable memory", fmt_bytes(built.host.used))
         built.host.close()
 
 
