@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 from typing import Literal
 
 from vllm_lora_ext._util import clip, not_a_regular_file
 from vllm_lora_ext.errors import SettingsError
+
+logger = logging.getLogger(__name__)
+_SETTING = "VLLM_LORA_EXT_"  # every ENV_* name below starts so
 
 HF_PREFIX = "hf:"
 MIX_PREFIX = "mix:"
@@ -389,7 +393,8 @@ def check_settings() -> None:
     """Parse every ``VLLM_LORA_EXT_*`` setting now and refuse bad ones, all named in one error.
 
     Called once at start-up (the plugin's ``register()``), so a typo stops the server at once rather than
-    failing a background build or a request later; so does a ``VLLM_LORA_EXT_*`` name that is no setting.
+    failing a background build or a request later; so does a name a letter or two off a setting's (any other
+    ``VLLM_LORA_EXT_*`` name that is no setting is logged as a warning).
     ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a folder that cannot be used makes builds run in the
     worker, with a warning that names it.
 
@@ -421,7 +426,7 @@ def check_settings() -> None:
             problems.append(f"{name}={os.environ[name][:80]!r} is not a switch; give 1/true/yes/on or 0/false/no/off.")
     if log_level() not in _LOG_LEVELS:
         problems.append(f"{ENV_LOG_LEVEL}={os.environ.get(ENV_LOG_LEVEL, '')[:80]!r} is not a log level; give one of "
-                        f"{', '.join(_LOG_LEVELS[:2] + _LOG_LEVELS[3:])}.")
+                        f"{', '.join(_LOG_LEVELS[:3] + _LOG_LEVELS[4:])}.")
     unknown = drop_unapplied() - _DROP_GROUPS
     if unknown:
         problems.append(f"{ENV_DROP_UNAPPLIED}={os.environ.get(ENV_DROP_UNAPPLIED, '')[:80]!r} names "
@@ -432,21 +437,15 @@ def check_settings() -> None:
         if problem:
             problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
     known = [v[len(_SETTING):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
-    problems += [_unknown(n, known) for n in sorted(os.environ) if n.startswith(_SETTING) and n[len(_SETTING):]
-                 not in known]
+    for name in sorted(n for n in os.environ if n.upper().startswith(_SETTING) and n[len(_SETTING):] not in known):
+        near = difflib.get_close_matches(name[len(_SETTING):].upper(), known, n=1, cutoff=0.75)
+        if near:  # a misspelt setting would do nothing (ALLOWED_ROOT for ALLOWED_ROOTS: runtime sources unconfined)
+            problems.append(f"{clip(name)} is not a setting of vllm_lora_ext; did you mean {_SETTING}{near[0]}?")
+        else:  # an old or foreign name: said, not fatal
+            logger.warning("%s is not a setting of vllm_lora_ext and has no effect; unset it (README: Environment "
+                           "variables).", clip(name))
     if problems:
         raise SettingsError("Bad settings: " + " ".join(problems))
-
-
-_SETTING = "VLLM_LORA_EXT_"  # every ENV_* name above starts so
-
-
-def _unknown(name: str, known: list[str]) -> str:
-    """A ``VLLM_LORA_EXT_*`` name that is no setting (``known``: the settings' names without the prefix): a typo
-    would else do nothing (``ALLOWED_ROOT`` for ``ALLOWED_ROOTS`` would leave runtime sources unconfined)."""
-    near = difflib.get_close_matches(name[len(_SETTING):], known, n=1, cutoff=0.75)
-    return f"{clip(name)} is not a setting of vllm_lora_ext; " + (f"did you mean {_SETTING}{near[0]}?" if near
-                                                                  else "unset it (README: Environment variables).")
 
 
 # -------------------------------------------------------------------- settings of other programs, read here too

@@ -43,6 +43,16 @@ def test_inspect_says_ep_size_has_no_effect_on_an_adapter_with_no_experts(
     assert "--ep-size has no effect" in err and "no expert weights" in err and "layout dense" in err
 
 
+def test_the_cli_refuses_a_misspelt_setting_as_the_server_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI reads settings too (``fetch`` and ``cache`` the disk bound, ``mix`` the deployment config): a
+    misspelt one, which would leave the bound off, exits 1 naming the setting meant."""
+    make_dense_adapter(tmp_path, rank=4, alpha=8)
+    monkeypatch.setenv("VLLM_LORA_EXT_DISK_CACHE_BYTE", "1000")
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "did you mean VLLM_LORA_EXT_DISK_CACHE_BYTES?" in capsys.readouterr().err
+
+
 def test_inspect_of_a_missing_source_exits_1_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -96,14 +96,31 @@ def test_counts_must_be_whole_numbers_never_silently_rounded(name: str, raw: str
 @pytest.mark.parametrize(("name", "said"), [
     ("VLLM_LORA_EXT_ALLOWED_ROOT", "did you mean VLLM_LORA_EXT_ALLOWED_ROOTS?"),  # a security setting, mistyped
     ("VLLM_LORA_EXT_PREBULD", "did you mean VLLM_LORA_EXT_PREBUILD?"),
-    ("VLLM_LORA_EXT_PIN_SHARED", "unset it (README: Environment variables)."),  # a removed trial's setting
+    ("vllm_lora_ext_allowed_roots", "did you mean VLLM_LORA_EXT_ALLOWED_ROOTS?"),  # the wrong case
 ])
 def test_a_plugin_variable_that_is_no_setting_is_refused_naming_the_nearest(name: str, said: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mistyped name would do nothing at all (vLLM only calls every VLLM_* name it does not know "unknown"), so
+    """A misspelt name would do nothing at all (vLLM only calls every VLLM_* name it does not know "unknown"), so
     it stops the start as a malformed value does; every documented setting passes (the next test)."""
     monkeypatch.setenv(name, "1")
     with pytest.raises(SettingsError, match=re.escape(f"{name} is not a setting of vllm_lora_ext; {said}")):
+        check_settings()
+
+
+def test_a_plugin_variable_far_from_any_setting_is_a_warning_not_a_stop(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """An old setting (the removed ``VLLM_LORA_EXT_PIN_SHARED``) or a foreign name left in a shell profile must not
+    break every vLLM command: it is named in a warning, and the start goes on."""
+    monkeypatch.setenv("VLLM_LORA_EXT_PIN_SHARED", "0")
+    with caplog.at_level("WARNING", logger="vllm_lora_ext.constants"):
+        check_settings()
+    assert ("VLLM_LORA_EXT_PIN_SHARED is not a setting of vllm_lora_ext and has no effect; unset it"
+            in caplog.text)
+
+
+def test_the_log_level_error_lists_warning_among_the_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_LORA_EXT_LOG_LEVEL", "verbose")
+    with pytest.raises(SettingsError, match="give one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
         check_settings()
 
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 from vllm_lora_ext.cli._args import one_line, plural, positive_int
+from vllm_lora_ext.constants import check_settings
 from vllm_lora_ext.errors import VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
@@ -105,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with _logging(args.verbose, args.quiet):
         try:
+            check_settings()  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused
             with strict_warnings():
                 code = int(args.func(args))
             sys.stdout.flush()

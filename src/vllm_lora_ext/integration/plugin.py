@@ -231,7 +231,7 @@ def register() -> None:
     """Install the plugin in this vLLM process (idempotent; safe to call many times).
 
     Raises:
-        [`SettingsError`]: a ``VLLM_LORA_EXT_*`` setting is malformed, or such a name is no setting (each is named).
+        [`SettingsError`]: a ``VLLM_LORA_EXT_*`` setting is malformed, or misspelt (each one is named).
         [`UnsupportedVLLMError`]: the installed vLLM is outside the tested range (set
             ``VLLM_LORA_EXT_ALLOW_UNSUPPORTED_VLLM=1`` to try anyway), or a patched name is missing
             or has another signature in it.
