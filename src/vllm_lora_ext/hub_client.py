@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
-from vllm_lora_ext.constants import SAFETENSORS_SUFFIX, hf_offline, proxy_configured
+from vllm_lora_ext.constants import PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
@@ -228,8 +228,9 @@ class HubClient:
             raise
 
 
-    def weight_files(self, revision: str | None) -> list[str]:
-        """Return the repo's ``.safetensors`` paths (for an error message; empty offline or on any failure)."""
+    def weight_files(self, revision: str | None, under: str = "") -> list[str]:
+        """Return the repo's weight paths, ``.safetensors`` first, then pickle files, those in folder ``under``
+        first within each (for an error message; empty offline or on any failure)."""
         if self.local_only:
             return []
         try:
@@ -239,4 +240,5 @@ class HubClient:
             files = [s.rfilename for s in info.siblings or []]
         except Exception:  # only an error message depends on it
             return []
-        return sorted(f for f in files if f.endswith(SAFETENSORS_SUFFIX))
+        return sorted((f for f in files if f.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES))),
+                      key=lambda f: (not f.endswith(SAFETENSORS_SUFFIX), not f.startswith(under), f))

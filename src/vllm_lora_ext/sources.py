@@ -370,20 +370,19 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> Reso
     else:
         base = f"{src.path_in_repo}/" if src.path_in_repo else ""
         weight_candidates = [base + ADAPTER_WEIGHTS_NAME] + ([base + n for n in PICKLE_WEIGHTS_NAMES] if pickle_ok else [])
-    weights: Path | None = None
-    for cand in weight_candidates:
-        weights = client.fetch(cand, src.revision)
-        if weights is not None:
-            weight_name = cand
-            break
+    fetched = ((client.fetch(c, src.revision), c) for c in weight_candidates)  # lazily: the first one found wins
+    weights, weight_name = next(((w, c) for w, c in fetched if w is not None), (None, ""))
     if weights is None:
         where = f"folder {src.path_in_repo!r}" if src.path_in_repo and not src.names_file else "repo root"
         what = repr(src.path_in_repo) if src.names_file else f"{ADAPTER_WEIGHTS_NAME} in the {where}"
-        found = client.weight_files(src.revision)
-        rev = f"@{src.revision}" if src.revision else ""
-        if found:
-            fix = (f"The repo holds {found[:5]}{' and more' if len(found) > 5 else ''}; name one, e.g. "
-                   f"'hf:{src.repo_id}{rev}:{found[0]}'.")
+        found = client.weight_files(src.revision, under=(src.path_in_repo or "").rpartition("/")[0] + "/"
+                                    if src.names_file else f"{src.path_in_repo}/" if src.path_in_repo else "")
+        rev, listed = f"@{src.revision}" if src.revision else "", f"{found[:5]}{' and more' if len(found) > 5 else ''}"
+        if found and found[0].endswith(PICKLE_SUFFIXES) and not pickle_ok:  # no .safetensors at all
+            fix = (f"The repo holds only pickle weights, {listed}, which can run code when loaded: re-save them as "
+                   f".safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1 (read with weights_only=True).")
+        elif found:
+            fix = f"The repo holds {listed}; name one, e.g. 'hf:{src.repo_id}{rev}:{found[0]}'."
         else:
             fix = (f"The repo holds no .safetensors file at this revision (or it could not be listed); check the "
                    f"revision, e.g. 'hf:{src.repo_id}@main'.")

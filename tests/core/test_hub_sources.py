@@ -179,6 +179,26 @@ def test_a_missing_file_names_a_real_file_of_the_repo_and_that_spelling_resolves
     assert resolve_source(example).weights_path.read_bytes() == repos["wa"]
 
 
+def test_a_folder_without_the_standard_file_is_answered_with_a_file_of_that_folder(repos) -> None:  # type: ignore[no-untyped-def]
+    """The example to name comes from the folder asked for when it has weights, not from the repo's first file."""
+    w, c = adapter_files(5)
+    repos["hub"].repo("acme/folders").commit({"a/x.safetensors": w, "sql/weights.safetensors": w,
+                                              "sql/weights_config.json": c})
+    with pytest.raises(AdapterNotFoundError, match=r"e\.g\. 'hf:acme/folders:sql/weights\.safetensors'"):
+        resolve_source("hf:acme/folders:sql")
+
+
+def test_a_repo_of_pickle_weights_only_is_answered_with_the_pickle_advice(repos) -> None:  # type: ignore[no-untyped-def]
+    """Not "holds no .safetensors file ... check the revision" (the revision was right): the files are named, with
+    what to do about pickle weights; with the opt-in, the pickle file is read."""
+    repos["hub"].repo("acme/pickle").commit({"adapter_model.bin": b"\0" * 64, "adapter_config.json": b"{}"})
+    with pytest.raises(AdapterNotFoundError) as e:
+        resolve_source("hf:acme/pickle")
+    msg = str(e.value)
+    assert "only pickle weights, ['adapter_model.bin']" in msg and "VLLM_LORA_EXT_ALLOW_PICKLE=1" in msg
+    assert "check the revision" not in msg
+
+
 def test_a_slow_download_logs_bytes_rate_and_percent(repos, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     import logging
 
