@@ -383,3 +383,9 @@ def test_mix_splits_only_the_model_syntax() -> None:
     assert _split_items(["a=0.7+b=0.3"]) == ["a=0.7", "b=0.3"]
     for whole in ("hf:org/repo@v1+build=0.5", "a=1e+0", "hf:o/r:sub+dir/x.safetensors", "a+b"):
         assert _split_items([whole]) == [whole]
+    # names of the deployment config take the config's weights in the model syntax, as the server reads 'a+b'
+    names = frozenset({"style", "domain"})
+    assert _split_items(["style+domain"], names) == ["style", "domain"]
+    assert _split_items(["style=0.7+domain"], names) == ["style=0.7", "domain"]
+    for whole in ("style+other", "hf:org/repo@v1+build", "a=1e+0"):
+        assert _split_items([whole], names) == [whole]

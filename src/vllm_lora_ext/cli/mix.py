@@ -33,7 +33,8 @@ def add_parser(sub: Any) -> None:
                                    "model; they are checked as the loader checks them before anything is written.")
     p.add_argument("items", nargs="+", metavar="NAME_OR_SOURCE=WEIGHT",
                    help=f"a name from --config (else {ENV_CONFIG}) or a source; '=WEIGHT' defaults to the config's "
-                        f"weight, else 1; at most {MAX_MIX_COMPONENTS}. The model syntax 'a=0.7+b=0.3' works too")
+                        f"weight, else 1; at most {MAX_MIX_COMPONENTS}. The model syntax works too: 'a=0.7+b=0.3', "
+                        f"or 'a+b' for config names")
     add_output(p, folder="output folder", over="over a source")
     p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
     add_base_config(p, needed_for="needed for 3D MoE inputs")
@@ -74,23 +75,28 @@ def _resolve_item(name: str, dep: DeploymentConfig | None, where: str) -> tuple[
     return resolve_offline(name), 1.0
 
 
-def _split_items(items: list[str]) -> list[str]:
-    """The items, with one written in the model syntax (``a=0.7+b=0.3``) split at its ``+``: only where every part
-    is ``NAME=WEIGHT``, so ``hf:org/repo@v1+build``, ``a=1e+0`` and an existing path holding ``+`` stay whole."""
+def _split_items(items: list[str], names: frozenset[str] = frozenset()) -> list[str]:
+    """The items, with one written in the model syntax (``a=0.7+b=0.3``, ``a+b`` of config ``names``) split at its
+    ``+``: only where every part is ``NAME=WEIGHT`` or one of ``names``, so ``hf:org/repo@v1+build``, ``a=1e+0``
+    and an existing path holding ``+`` stay whole."""
+    def component(part: str) -> bool:
+        name, eq, weight = part.rpartition("=")
+        return bool(name and weight) if eq else part.strip() in names
+
     out: list[str] = []
     for item in items:
         parts = item.split("+")
         whole = (len(parts) < 2 or os.path.exists(item) or os.path.exists(item.rpartition("=")[0])
-                 or not all(p.rpartition("=")[0] and p.rpartition("=")[2] for p in parts))
+                 or not all(component(p) for p in parts))
         out.extend([item] if whole else parts)
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    args.items = _split_items(args.items)
+    dep, where = _deployment(args.config)
+    args.items = _split_items(args.items, frozenset(dep.adapters) if dep is not None else frozenset())
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
-    dep, where = _deployment(args.config)
     items: list[tuple[str, str, ResolvedAdapter, float]] = []
     for item in args.items:  # every source first, before torch is imported: a missing one answers at once
         name, eq, weight = item.rpartition("=")
