@@ -228,7 +228,7 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
 def nonfinite_error(key: str, *, adapter: str = "adapter") -> AdapterFormatError:
     """Return the error for a factor ``key`` that holds NaN or infinity."""
     return AdapterFormatError(f"Adapter {adapter!r}: tensor {key!r} holds NaN or infinite values (after scaling). "
-                              f"Re-train or re-save the adapter; check lora_alpha and the mix weights.",
+                              f"Re-train or re-save the adapter; check lora_alpha (and, for a mix, its weights).",
                               adapter=adapter, key=key)
 
 

@@ -123,7 +123,7 @@ def test_convert_and_mix_refuse_factors_holding_nan_and_write_nothing(
         assert not (tmp_path / "out").exists() and _left_beside(tmp_path / "out") == []
     assert main(["inspect", "src", "--values", "--strict"]) == 1  # inspect reads the values only when asked
     assert (f"problem: Adapter 'src': tensor '{key}' holds NaN or infinite values (after scaling). Re-train or re-save "
-            f"the adapter; check lora_alpha and the mix weights.") in capsys.readouterr().out.splitlines()
+            f"the adapter; check lora_alpha (and, for a mix, its weights).") in capsys.readouterr().out.splitlines()
     assert main(["inspect", "src", "--strict"]) == 0
 
 

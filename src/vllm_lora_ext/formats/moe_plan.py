@@ -56,6 +56,9 @@ class ExpertsPlan:
         return "+".join(sorted(kinds))
 
 
+_UNSETTLED = "read the same in standard and transposed orientation"
+
+
 def _orientation_hint(config: AdapterConfig | None) -> Orientation | None:
     if config is None:
         return None
@@ -154,11 +157,13 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
     if any(k.role in ("gate", "up") for k in plan.keys_2d) and any(k.role == "gate_up" for k in plan.keys_3d):
         problems.append(f"{spec.prefix}: gate/up given both per expert (2D) and fused (3D)")
     if problems:
+        unsettled = all(_UNSETTLED in p for p in problems)  # the shapes fit; only their orientation is open
         raise ExpertLayoutError(
-            f"Adapter {adapter!r}: MoE block {spec.prefix!r} does not fit the model "
-            f"({spec.num_experts} experts, H={spec.hidden}, I={spec.intermediate}): " + "; ".join(problems[:5])
+            f"Adapter {adapter!r}: MoE block {spec.prefix!r} " + ("cannot be read unambiguously" if unsettled else
+                                                                  "does not fit the model")
+            + f" ({spec.num_experts} experts, H={spec.hidden}, I={spec.intermediate}): " + "; ".join(problems[:5])
             + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
-            + ". Check that the adapter was trained for this base model.",
+            + ("." if unsettled else ". Check that the adapter was trained for this base model."),
             adapter=adapter, key=spec.prefix)
     return plan
 
@@ -233,7 +238,7 @@ def _plan_3d(shapes: Mapping[str, tuple[int, ...]], threed: list[tuple[str, str,
         if len(orients) > 1:
             if hint is None:
                 problems.append(
-                    f"{module}: 3D {role} shapes A{sa} B{sb} read the same in standard and transposed orientation "
+                    f"{module}: 3D {role} shapes A{sa} B{sb} {_UNSETTLED} "
                     f"(H={spec.hidden}, I={spec.intermediate}); add \"moe_3d_orientation\": \"standard\" or "
                     f"\"transposed\" (or the PEFT \"peft_version\" that wrote it) to the adapter config")
                 continue
