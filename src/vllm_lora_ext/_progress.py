@@ -60,10 +60,12 @@ class ProgressLog:
 def logging_tqdm_class(what: str) -> Any:
     """Return a tqdm class for ``hf_hub_download(tqdm_class=...)`` that also logs progress lines.
 
-    It logs even when huggingface_hub's own bars are disabled (``HF_HUB_DISABLE_PROGRESS_BARS``),
-    as on a server whose stderr is not a terminal.
+    It is a subclass of huggingface_hub's own tqdm, so its switches hold (``HF_HUB_DISABLE_PROGRESS_BARS``,
+    ``disable_progress_bars()``, no bar where stderr is not a terminal); huggingface_hub gives any other class no
+    ``disable``, and it drew a bar on every download. The progress lines are logged even with the bar off, as on
+    a server.
     """
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    from huggingface_hub.utils import tqdm
 
     class _LoggingTqdm(tqdm):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -199,6 +199,30 @@ def test_a_repo_of_pickle_weights_only_is_answered_with_the_pickle_advice(repos)
     assert "check the revision" not in msg
 
 
+def test_downloads_draw_no_progress_bar_where_huggingface_hubs_bars_are_off(repos, monkeypatch, capsys,  # type: ignore[no-untyped-def]
+                                                                          caplog) -> None:
+    """The download's tqdm class is huggingface_hub's, so its switches hold: ``HF_HUB_DISABLE_PROGRESS_BARS`` (and a
+    stderr that is no terminal) draw no bar, while the progress lines are still logged. A plain tqdm subclass got no
+    ``disable`` from huggingface_hub and drew its bar on every download, into server logs too."""
+    import logging
+
+    import vllm_lora_ext._progress as progress
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    monkeypatch.setattr(progress, "AFTER_S", 0.0)
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    was_off = are_progress_bars_disabled()  # (the test session sets HF_HUB_DISABLE_PROGRESS_BARS=1)
+    disable_progress_bars()
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm_lora_ext.progress"):
+            resolve_source("hf:acme/multi:files/b.safetensors")
+    finally:
+        if not was_off:
+            enable_progress_bars()
+    assert "|" not in capsys.readouterr().err  # no bar
+    assert any("downloading acme/multi:files/b.safetensors" in r.getMessage() for r in caplog.records)
+
+
 def test_a_slow_download_logs_bytes_rate_and_percent(repos, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     import logging
 

@@ -56,9 +56,11 @@ def _flags_after(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 @contextlib.contextmanager
-def _logging(verbose: int, quiet: bool) -> Iterator[None]:
+def _logging(verbose: int, quiet: bool, *, bars: bool = True) -> Iterator[None]:
     """Our log lines on stderr, once each: the package's logger gets one handler for the command's length, and
-    huggingface_hub keeps its own (no root handler, which would print its retries a second time)."""
+    huggingface_hub keeps its own (no root handler, which would print its retries a second time). Without
+    ``bars`` (``-q``, ``--json``), huggingface_hub draws no download bars meanwhile."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
     from huggingface_hub.utils import logging as hf_logging
 
     level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
@@ -70,9 +72,14 @@ def _logging(verbose: int, quiet: bool) -> Iterator[None]:
     ours.setLevel(level)
     ours.propagate = False
     hf_logging.set_verbosity(logging.ERROR if quiet else logging.DEBUG if verbose > 1 else logging.WARNING)
+    bars_were_off = are_progress_bars_disabled()
+    if not bars:
+        disable_progress_bars()
     try:
         yield
     finally:
+        if not bars and not bars_were_off:
+            enable_progress_bars()
         ours.removeHandler(handler)
         ours.setLevel(saved[0])
         ours.propagate = saved[1]
@@ -104,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    with _logging(args.verbose, args.quiet):
+    with _logging(args.verbose, args.quiet, bars=not (args.quiet or getattr(args, "json", False))):
         try:
             check_settings()  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused
             with strict_warnings():
