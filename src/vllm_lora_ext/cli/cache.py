@@ -45,7 +45,8 @@ def _record(rev: CachedRevision) -> dict[str, Any]:
 
 def _line(rev: CachedRevision) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use))
-    held = "; ".join(rev.held_by) if rev.held_by else ("-" if rev.evictable else "shares its snapshot or commit")
+    kept = "nothing, but never evicted: its snapshot holds files the plugin did not download, or another repo shares it"
+    held = "; ".join(rev.held_by) if rev.held_by else ("-" if rev.evictable else kept)
     return f"{rev.repo_id}@{rev.commit[:12]}  {rev.nbytes:>12d} B  last use {when}  held by: {held}"
 
 
