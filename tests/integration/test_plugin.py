@@ -72,6 +72,11 @@ os.environ.update(VLLM_LORA_EXT_PREBUILD="1", VLLM_NOT_A_REAL_VLLM_SETTING="1")
 from vllm_lora_ext.integration import plugin
 plugin.register()
 import vllm.envs as envs
+class Said(logging.Handler):  # what reaches a handler of vLLM's checking loggers, whatever vLLM's own logging set-up
+    def emit(self, record):
+        print("SAID", record.getMessage())
+for name in ("vllm.envs", "vllm.platforms.interface"):
+    logging.getLogger(name).addHandler(Said())
 check = getattr(envs, "validate_environ", None)
 if check is None:
     from vllm.platforms import current_platform
@@ -86,8 +91,8 @@ except Exception as err:
 """
     out = _python(code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Unknown vLLM environment variable detected: VLLM_NOT_A_REAL_VLLM_SETTING" in out.stderr
-    assert "Unknown vLLM environment variable detected: VLLM_LORA_EXT" not in out.stderr
+    assert "SAID Unknown vLLM environment variable detected: VLLM_NOT_A_REAL_VLLM_SETTING" in out.stdout
+    assert "Unknown vLLM environment variable detected: VLLM_LORA_EXT" not in out.stdout + out.stderr
     assert ("REFUSED SettingsError Bad settings: VLLM_LORA_EXT_ALLOWED_ROOT is not a setting of vllm_lora_ext; "
             "did you mean VLLM_LORA_EXT_ALLOWED_ROOTS?") in out.stdout
 
