@@ -127,12 +127,16 @@ def test_convert_round_trips_keep_the_delta_exactly(tmp_path: Path, form: str) -
                 torch.testing.assert_close(d[proj], oracle[proj][e], rtol=1e-5, atol=1e-6)
 
 
-def test_convert_3d_to_2d_and_back_gives_the_same_file_tensors(tmp_path: Path) -> None:
+def test_convert_3d_to_2d_and_back_gives_the_same_file_tensors(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     write_moe_adapter(tmp_path / "src", [make_truth(E, H, I, R, 2)], ["3d"], rank=R)
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     cfg = ["--base-config", str(tmp_path / "config.json")]
     assert main(["convert", str(tmp_path / "src"), "--to", "2d", "-o", str(tmp_path / "as2d"), *cfg]) == 0
     assert main(["convert", str(tmp_path / "as2d"), "--to", "3d", "-o", str(tmp_path / "back"), *cfg]) == 0
+    assert "--rename has no effect" not in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "as2d"), "--to", "3d", "-o", str(tmp_path / "back2"), "--rename", *cfg]) == 0
+    assert "note: --rename has no effect with --to 3d" in capsys.readouterr().err  # said, not silently ignored
     a, b = load_file(str(tmp_path / "src/adapter_model.safetensors")), load_file(str(tmp_path / "back/adapter_model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 

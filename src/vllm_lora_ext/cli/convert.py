@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from vllm_lora_ext.cli._args import add_base_config, add_output, add_source, positive_int, resolve_offline
@@ -29,6 +30,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rename and args.to != "2d":
+        print("note: --rename has no effect with --to 3d: it names 2D projections (3D keys have one name each)",
+              file=sys.stderr)
     resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once
     from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
     from vllm_lora_ext.offline_writes import convert_adapter
