@@ -55,24 +55,25 @@ def hub_endpoint() -> str:
     return str(constants.ENDPOINT)
 
 
-def _refuse(source: str, header: str, value: str, why: str) -> HubAnswerError:
+def _refuse(source: str, header: str, value: str, why: str, filename: str = "") -> HubAnswerError:
+    of = f"{source!r}" + (f" (file {filename!r})" if filename and not source.endswith(filename) else "")
     return HubAnswerError(
-        f"The Hub at {hub_endpoint()!r} answered {header} {value[:80]!r} for {source!r}, which is {why}; nothing was "
+        f"The Hub at {hub_endpoint()!r} answered {header} {value[:80]!r} for {of}, which is {why}; nothing was "
         f"downloaded. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.",
         source=source, header=header, value=value[:200])
 
 
-def check_commit(value: str | None, source: str) -> str | None:
-    """Return ``value`` if it is a commit sha (or ``None``), else raise [`HubAnswerError`]."""
+def check_commit(value: str | None, source: str, filename: str = "") -> str | None:
+    """Return ``value`` if it is a commit sha (or ``None``), else raise [`HubAnswerError`] (naming ``filename``)."""
     if value is not None and not COMMIT_SHA.match(value):
-        raise _refuse(source, "X-Repo-Commit", value, "not a 40-hex-digit commit")
+        raise _refuse(source, "X-Repo-Commit", value, "not a 40-hex-digit commit", filename)
     return value
 
 
-def check_etag(value: str | None, source: str) -> str | None:
-    """Return ``value`` if it can name a blob file (or ``None``), else raise [`HubAnswerError`]."""
+def check_etag(value: str | None, source: str, filename: str = "") -> str | None:
+    """Return ``value`` if it can name a blob file (or ``None``), else raise [`HubAnswerError`] naming ``filename``."""
     if value is not None and (not value or len(value.encode("utf-8", "surrogatepass")) > 200 or ETAG_BAD.search(value)):
-        raise _refuse(source, "ETag", value, "not a plain file name (a blob in the cache is named by it)")
+        raise _refuse(source, "ETag", value, "not a plain file name (a blob in the cache is named by it)", filename)
     return value
 
 
@@ -94,14 +95,14 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
             break
         except Exception as err:
             response = getattr(err, "response", None)
-            check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source)
+            check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source, filename)
             logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
             status = getattr(response, "status_code", None)
             if status is not None and status < 500 and status != 429:
                 return HubFacts()
             if status is None or retry or not can_retry:
                 return HubFacts(failed=err)
-    commit, etag = check_commit(meta.commit_hash, source), check_etag(meta.etag, source)
+    commit, etag = check_commit(meta.commit_hash, source, filename), check_etag(meta.etag, source, filename)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
     return HubFacts(size=size, commit=commit, etag=etag, xet=getattr(meta, "xet_file_data", None) is not None)
 

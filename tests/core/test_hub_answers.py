@@ -47,6 +47,7 @@ def test_an_etag_that_is_not_a_file_name_is_refused_before_any_write(
     with pytest.raises(HubAnswerError, match="answered ETag .*not a plain file name.*HF_ENDPOINT") as info:
         resolve_source(repo)
     assert info.value.header == "ETag" and info.value.source == repo
+    assert f"for {repo!r} (file {WEIGHTS!r})" in str(info.value)  # which file of the repo the Hub answered for
     assert files_outside(tmp_path, isolated_hf_cache) == []
     assert not any(p.name.startswith(("blob", "x" * 20)) for p in isolated_hf_cache.rglob("*"))
 

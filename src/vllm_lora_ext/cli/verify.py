@@ -69,8 +69,9 @@ def _prompt(text: str) -> str:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("verify", help="check on a GPU that vLLM applies an adapter as HF + PEFT does (start here "
                                       "when LoRA outputs look wrong)")
-    p.add_argument("model", help="the base model: hub id (org/model or hf:org/model) or local folder")
-    p.add_argument("adapter", help="the adapter as trained (PEFT folder with adapter_config.json, or hf: source)")
+    p.add_argument("model", metavar="MODEL", help="the base model: hub id (org/model or hf:org/model) or local folder")
+    p.add_argument("adapter", metavar="ADAPTER",
+                   help="the adapter as trained (PEFT folder with adapter_config.json, or hf: source)")
     p.add_argument("--layers", type=positive_int, default=None, metavar="K",
                    help="keep only the first K decoder layers on both sides (adapter keys of later layers dropped)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
