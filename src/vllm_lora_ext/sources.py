@@ -310,9 +310,8 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
     path = src.local_path
     if src.names_file:
         if not path.is_file():
-            raise AdapterNotFoundError(
-                f"Adapter weight file {str(path)!r} does not exist (source {src.raw!r}). Check the path.", source=src.raw
-            )
+            raise AdapterNotFoundError(f"Adapter weight file {str(path)!r} does not exist (source {src.raw!r}). Check the "
+                                       f"path, or write hub sources as 'hf:org/repo:file'.", source=src.raw)
         weights = path
     else:
         if not path.exists():

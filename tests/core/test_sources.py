@@ -120,6 +120,14 @@ def test_bare_file_without_alpha_fails_saying_what_to_add(tmp_path: Path) -> Non
         load_config(resolve_source(str(tmp_path / "x.safetensors")))
 
 
+def test_a_missing_local_file_that_reads_like_a_hub_file_is_told_how_to_write_the_hub(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``acme/loras:style.safetensors`` without ``hf:`` is a local path; the refusal says how to name the Hub."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(AdapterNotFoundError, match="write hub sources as 'hf:org/repo:file'"):
+        resolve_source("acme/loras:style.safetensors")
+
+
 def test_missing_local_folder_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(AdapterNotFoundError, match="does not exist"):
         resolve_source(str(tmp_path / "nope"))
