@@ -17,7 +17,7 @@ from vllm_lora_ext._util import clip, not_a_regular_file
 from vllm_lora_ext.errors import SettingsError
 
 logger = logging.getLogger(__name__)
-_SETTING = "VLLM_LORA_EXT_"  # every ENV_* name below starts so
+SETTING_PREFIX = "VLLM_LORA_EXT_"  # every ENV_* name below starts so
 
 HF_PREFIX = "hf:"
 MIX_PREFIX = "mix:"
@@ -436,11 +436,11 @@ def check_settings() -> None:
         problem = not_a_regular_file(config)
         if problem:
             problems.append(f"{ENV_CONFIG}={clip(config)!r} {problem}; point it at a .json or .yaml file.")
-    known = [v[len(_SETTING):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
-    for name in sorted(n for n in os.environ if n.upper().startswith(_SETTING) and n[len(_SETTING):] not in known):
-        near = difflib.get_close_matches(name[len(_SETTING):].upper(), known, n=1, cutoff=0.75)
+    known = [v[len(SETTING_PREFIX):] for k, v in globals().items() if k.startswith("ENV_") and isinstance(v, str)]
+    for name in sorted(n for n in os.environ if n.upper().startswith(SETTING_PREFIX) and n[len(SETTING_PREFIX):] not in known):
+        near = difflib.get_close_matches(name[len(SETTING_PREFIX):].upper(), known, n=1, cutoff=0.75)
         if near:  # a misspelt setting would do nothing (ALLOWED_ROOT for ALLOWED_ROOTS: runtime sources unconfined)
-            problems.append(f"{clip(name)} is not a setting of vllm_lora_ext; did you mean {_SETTING}{near[0]}?")
+            problems.append(f"{clip(name)} is not a setting of vllm_lora_ext; did you mean {SETTING_PREFIX}{near[0]}?")
         else:  # an old or foreign name: said, not fatal
             logger.warning("%s is not a setting of vllm_lora_ext and has no effect; unset it (README: Environment "
                            "variables).", clip(name))

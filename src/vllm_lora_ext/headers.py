@@ -77,8 +77,9 @@ def torch_dtype_of(name: str, *, key: str | None = None) -> torch.dtype:
 
 @cache
 def _by_torch_name() -> dict[str, torch.dtype]:
-    """Torch's own name of a dtype (``"bfloat16"``) -> the dtype, for the entries of [`_torch_dtypes`]."""
-    return {str(dt).removeprefix("torch."): dt for dt in _torch_dtypes().values()}
+    """Torch's own name of a dtype (``"bfloat16"``, as [`DTYPES`] holds it) -> the dtype, for the entries of
+    [`_torch_dtypes`]."""
+    return {DTYPES[name][1]: dt for name, dt in _torch_dtypes().items()}
 
 
 @cache

@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import check_settings, plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.constants import SETTING_PREFIX, check_settings, plugin_disabled, stall_trace_seconds
 from vllm_lora_ext.integration import engine_patches, server_patches, worker_patches
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -263,9 +263,9 @@ def register() -> None:
 
 def _not_ours(record: logging.LogRecord) -> bool:
     """Drop vLLM's "Unknown vLLM environment variable" warning for a ``VLLM_LORA_EXT_*`` name: `check_settings` has
-    refused every such name that is no setting, so the rest are the plugin's own."""
+    refused a misspelt one and said of any other that is no setting that it has no effect."""
     return not (str(record.msg).startswith("Unknown vLLM environment variable") and bool(record.args)
-                and str(record.args[0] if isinstance(record.args, tuple) else "").startswith("VLLM_LORA_EXT_"))
+                and str(record.args[0] if isinstance(record.args, tuple) else "").startswith(SETTING_PREFIX))
 
 
 def unregister() -> None:
