@@ -210,9 +210,14 @@ def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
     """An upper bound on the bytes of the MoE factors kept on this rank, in the dtype they are built in (at most
     4 bytes an element); the file is sparse, so what is not written takes no memory."""
     itemsize = job.dtype.itemsize if job.dtype is not None else 4
+    by_shape: dict[tuple[tuple[int, ...], float], int] = {}  # a 2D adapter has ~10^4 keys of a few shapes
 
     def size(key: str, share: float = 1.0) -> int:
-        return aligned(int(math.prod(shapes[key]) * share) * itemsize) + ALIGN
+        shape = shapes[key]
+        n = by_shape.get((shape, share))
+        if n is None:
+            n = by_shape[(shape, share)] = aligned(int(math.prod(shape) * share) * itemsize) + ALIGN
+        return n
 
     total = 0
     for prefix, plan in plans.items():

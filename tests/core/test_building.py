@@ -137,6 +137,31 @@ def test_a_build_takes_the_ready_spare_when_it_fits_and_the_file_it_hands_over_i
     assert not any("-spare-" in n for n in os.listdir(build_dir))
 
 
+def _resident_kib(path: str) -> int:
+    """This process's resident KiB of its mapping of ``path`` (``/proc/self/smaps``)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(path))
+    return next(int(line.split()[1]) for line in lines[at + 1:] if line.startswith("Rss:"))
+
+
+@pytest.mark.parametrize("advice", ["madvise", "refused"])
+def test_a_spare_is_mapped_for_writing_before_any_build_writes_into_it(
+        build_dir: Path, advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each page of a spare is in the build process's page tables when it is made, so that a build's writes take
+    no fault per page; where the kernel refuses the advice, by writing one byte per page (the file holds zeros)."""
+    import vllm_lora_ext.transport.arena as arena_mod
+
+    if advice == "refused":
+        monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14 answers
+    supply = arena_mod.ArenaSupply(1 << 20)
+    supply.prepare(wait=True)
+    spare = supply._spare
+    assert spare is not None and spare.path is not None
+    assert _resident_kib(spare.path) == 1024
+    assert not spare.buffer.any()  # nothing written that a build could read back
+    supply.discard()
+
+
 def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:
     from vllm_lora_ext.transport.arena import ArenaSupply
 
