@@ -16,12 +16,18 @@ per decode step:
 
 So the extra cost of 32 adapters over one splits into GPU kernel time (and which kernels) and host time.
 
+``--shape moe`` profiles the MoE decode of ``bench_moe_decode.py`` instead (issue 39 item 2): the Qwen3-30B-A3B
+shape (``--layers`` of its 48, ``load_format=dummy``), its 16 r16 adapters on the experts (2D per-expert keys) and
+q/k/v/o, 16 slots, ``max_lora_rank`` from ``--max-lora-rank`` (16 by default), full CUDA graphs without
+torch.compile as that bench runs them; ``distinct`` is the 16 adapters over the 32 requests. Its kernels are
+split further: the fused-MoE LoRA kernels (``moe_lora``) and the base experts (``moe``).
+
 Variants, each its own process, one after another: ``stock`` (``VLLM_PLUGINS=none``), ``plugin`` (shipped tuned
 kernel configs), ``stock_specialize`` (stock with ``specialize_active_lora=True``: CUDA graphs captured per
 active-LoRA count, so a launch's grid spans the active adapters instead of all 65 slots).
 
 Usage: python bench/profile_decode.py [--variants stock,plugin,stock_specialize] [--tokens 64] [--reps 3]
-       [--eager] [--out FILE]
+       [--eager] [--shape dense|moe] [--layers 12] [--max-lora-rank 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,18 +46,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
 from bench_decode import N_REQ, SLOTS, prompt_ids, write_adapters, write_model  # noqa: E402
 
-GROUPS = ("lora_shrink", "lora_expand", "lora_other", "gemm", "attention", "other")
+GROUPS = ("lora_shrink", "lora_expand", "moe_lora", "lora_other", "moe", "gemm", "attention", "other")
 
 
 def kernel_group(name: str) -> str:
     """The group of one CUDA kernel, by its name."""
     n = name.lower()
+    if "fused_moe_lora" in n or ("moe" in n and "lora" in n):
+        return "moe_lora"
     if "lora_shrink" in n:
         return "lora_shrink"
     if "lora_expand" in n:
         return "lora_expand"
     if "lora" in n:
         return "lora_other"
+    if "moe" in n or "topk" in n or "align_block" in n:
+        return "moe"
     if any(s in n for s in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "sm80_", "ampere_", "matmul")):
         return "gemm"
     if any(s in n for s in ("flash", "attn", "attention", "paged")):
@@ -59,8 +69,21 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
+def _moe_engine(model: str, max_lora_rank: int, layers: int, eager: bool, kwargs: dict[str, Any]) -> Any:
+    """An engine as ``bench_moe_decode.py`` starts its own (one engine on the card)."""
+    from bench_moe_decode import SLOTS as MOE_SLOTS
+    from vllm import LLM
+
+    graphs = {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]}
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True,
+               max_lora_rank=max_lora_rank, max_loras=MOE_SLOTS, max_cpu_loras=40, max_num_seqs=64,
+               max_num_batched_tokens=2048, max_model_len=512, gpu_memory_utilization=0.4, seed=0,
+               hf_overrides={"num_hidden_layers": layers}, enforce_eager=eager,
+               compilation_config=None if eager else graphs, **kwargs)
+
+
 def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: int, eager: bool,
-                specialize: bool, cases_wanted: list[str]) -> None:
+                specialize: bool, cases_wanted: list[str], moe: dict[str, int] | None = None) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
@@ -82,14 +105,22 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
     WorkerLoRAManager.set_active_adapters = timed_set_active_loras  # type: ignore[method-assign]
     kwargs: dict[str, Any] = {"specialize_active_lora": True} if specialize else {}
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16, max_loras=SLOTS,
-              max_cpu_loras=SLOTS + 8, max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.5, seed=0,
-              enforce_eager=eager, **kwargs)
+    if moe is not None:
+        from bench_moe_decode import prompt_ids as moe_prompt_ids
+
+        llm = _moe_engine(model, moe["max_lora_rank"], moe["layers"], eager, kwargs)
+        ids = moe_prompt_ids()
+    else:
+        llm = LLM(model=model, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16, max_loras=SLOTS,
+                  max_cpu_loras=SLOTS + 8, max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.5, seed=0,
+                  enforce_eager=eager, **kwargs)
+        ids = prompt_ids()
     start_s = time.perf_counter() - t0
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids()]
+    prompts = [TokensPrompt(prompt_token_ids=i) for i in ids]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     reqs = [LoRARequest(f"a{i:02d}", i + 1, p) for i, p in enumerate(adapters)]
-    cases: dict[str, list[Any]] = {"one": [reqs[0]] * N_REQ, "distinct": reqs[:N_REQ], "base": [None] * N_REQ}
+    cases: dict[str, list[Any]] = {"one": [reqs[0]] * N_REQ, "distinct": [reqs[i % len(reqs)] for i in range(N_REQ)],
+                                   "base": [None] * N_REQ}
     cases = {c: v for c, v in cases.items() if c in cases_wanted}
 
     def run(case: str) -> float:
@@ -133,6 +164,19 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
     conn.send(out)
 
 
+def _moe_model(root: Path, layers: int) -> tuple[Path, list[str]]:
+    """bench_moe_decode.py's model folder (config only: dummy weights) and its 16 adapters, under ``root``."""
+    import json
+
+    from bench_moe_decode import write_adapters as moe_adapters
+    from bench_moe_load import QWEN3_30B_A3B
+
+    model = root / "qwen3-30b-a3b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": layers}))
+    return model, moe_adapters(root / "adapters", layers)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="stock,plugin,stock_specialize")
@@ -141,13 +185,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant")
+    ap.add_argument("--shape", choices=("dense", "moe"), default="dense",
+                    help="moe: bench_moe_decode.py's Qwen3-30B-A3B shape, adapters and engine settings")
+    ap.add_argument("--layers", type=int, default=12, help="--shape moe: decoder layers of the 48")
+    ap.add_argument("--max-lora-rank", type=int, default=16, help="--shape moe: the engine's max_lora_rank")
+    ap.add_argument("--workdir", default=None, help="--shape moe: reuse bench_moe_decode.py's --workdir (same --layers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     case_names = [c for c in args.cases.split(",") if c]
-    root = Path(tempfile.mkdtemp(prefix="profile-decode-"))
-    model = write_model(root)
-    adapters = write_adapters(root, N_REQ)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="profile-decode-"))
+    moe = None
+    if args.shape == "moe":
+        model, adapters = _moe_model(root, args.layers)
+        moe = {"max_lora_rank": args.max_lora_rank, "layers": args.layers}
+    else:
+        model = write_model(root)
+        adapters = write_adapters(root, N_REQ)
     ctx = mp.get_context("spawn")
     base_env = dict(os.environ)
     results: dict[str, Any] = {}
@@ -159,7 +213,7 @@ def main() -> None:
             os.environ["VLLM_PLUGINS"] = "none"
         parent, child = ctx.Pipe()
         p = ctx.Process(target=engine_main, args=(child, str(model), adapters, args.tokens, args.reps, args.eager,
-                                                  v.endswith("specialize"), case_names))
+                                                  v.endswith("specialize"), case_names, moe))
         t = time.perf_counter()
         p.start()
         if parent.poll(args.timeout):
@@ -187,14 +241,20 @@ def main() -> None:
                      **{f"{k}_ms_per_step": x for k, x in per.items()}}
             summary[v][case] = entry
             rows.append([v, case, entry["wall_ms_per_step"], entry["gpu_ms_per_step"], per["lora_shrink"],
-                         per["lora_expand"], per["lora_other"], per["gemm"], per["attention"], per["other"],
-                         entry["set_active_loras_ms"]])
+                         per["lora_expand"], per["moe_lora"], per["lora_other"], per["moe"], per["gemm"],
+                         per["attention"], per["other"], entry["set_active_loras_ms"]])
         if "one" in summary[v] and "distinct" in summary[v]:
             o, d = summary[v]["one"], summary[v]["distinct"]
             summary[v]["distinct_minus_one_ms_per_step"] = {k: d[k] - o[k] for k in o}
             summary[v]["distinct_vs_one_tok_s"] = o["wall_ms_per_step"] / d["wall_ms_per_step"]
-    print_table(rows, ["variant", "case", "wall ms/step", "GPU ms/step", "shrink", "expand", "lora other", "gemm",
-                       "attn", "other", "set_active_loras ms"])
+    print_table(rows, ["variant", "case", "wall ms/step", "GPU ms/step", "shrink", "expand", "moe lora",
+                       "lora other", "moe", "gemm", "attn", "other", "set_active_loras ms"])
+    for v, s in summary.items():
+        if "base" in s:
+            for case in ("one", "distinct"):
+                if case in s:
+                    s[f"{case}_vs_base_tok_s"] = s["base"]["wall_ms_per_step"] / s[case]["wall_ms_per_step"]
+                    print(f"{v}: {case} / base tok/s {s[case + '_vs_base_tok_s']:.3f}")
     for v, s in summary.items():
         if "distinct_minus_one_ms_per_step" in s:
             d = s["distinct_minus_one_ms_per_step"]
@@ -202,8 +262,15 @@ def main() -> None:
                   f"{d['wall_ms_per_step']:+.3f} ms, GPU {d['gpu_ms_per_step']:+.3f} ms (shrink "
                   f"{d['lora_shrink_ms_per_step']:+.3f}, expand {d['lora_expand_ms_per_step']:+.3f}), "
                   f"set_active_loras {d['set_active_loras_ms']:+.3f} ms")
-    write_json("profile_decode", {"model": "Llama 1B-shaped, random weights", "requests": N_REQ, "slots": SLOTS,
-                                  "max_lora_rank": 16, "adapter_rank": 8, "output_tokens": args.tokens,
+    if moe is not None:
+        from bench_moe_decode import RANK as MOE_RANK, SLOTS as MOE_SLOTS
+
+        shape = {"model": f"Qwen3-30B-A3B shape, {args.layers} of 48 layers, load_format=dummy",
+                 "slots": MOE_SLOTS, "max_lora_rank": args.max_lora_rank, "adapter_rank": MOE_RANK,
+                 "adapters": "16 x r16: 128 experts (2D per-expert keys) + q/k/v/o; distinct: the 16 over 32 requests"}
+    else:
+        shape = {"model": "Llama 1B-shaped, random weights", "slots": SLOTS, "max_lora_rank": 16, "adapter_rank": 8}
+    write_json("profile_decode", {**shape, "requests": N_REQ, "output_tokens": args.tokens,
                                   "cuda_graphs": not args.eager, "reps": args.reps, "variants": results,
                                   "summary": summary}, args.out)
 
