@@ -183,7 +183,8 @@ def test_a_process_that_dies_fails_every_build_it_had_in_flight(tmp_path: Path, 
 def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: Path, build_dir: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Cutting the file takes its inode lock while its pages are freed; the worker's map and unlink of the same
-    file must not wait for that, so the build process cuts it only once the name is gone."""
+    file must not wait for that, so the build process cuts it only once the name is gone. Its own views of the
+    build (unmapping a whole spare takes a tenth of a second) are dropped then too, after the answer, not before."""
     import threading
     import time
 
@@ -197,16 +198,18 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
     supply.prepare(wait=True)
     built = build_adapter(_moe_job(folder), VllmKeyRouter(None, None), shared=True, arenas=supply)
     shared = to_shared(built, trim=False)
+    held = [built]
     del built
     fd = os.open(shared.path, os.O_RDWR)
-    after = threading.Thread(target=build_process._after_hand_over, args=(fd, shared, supply))
+    after = threading.Thread(target=build_process._after_hand_over, args=(fd, shared, supply, held))
     after.start()
     time.sleep(0.2)
     assert os.path.getsize(shared.path) == 1 << 20  # the name is still there: not cut yet
+    assert len(held) == 1  # nor unmapped here
     probe = os.open(shared.path, os.O_RDONLY)
     handed, mapping = from_shared(shared)  # maps the used part and removes the name
     after.join(10)
-    assert not after.is_alive()
+    assert not after.is_alive() and held == []
     try:
         assert os.fstat(probe).st_size == shared.size < 1 << 20  # cut once the name was gone
     finally:

@@ -337,15 +337,15 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
 
     _gc_hold(+1)
     trim_fd: int | None = None
+    held: list[Any] = []  # this process's views of the arena: unmapped after the answer is sent, not before
     try:
         t0 = time.perf_counter()
         waited = t0 - received
         spares_before = arenas.taken
-        built = build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas)
+        held.append(build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas))
         t1 = time.perf_counter()
-        shared = to_shared(built, trim=False)
+        shared = to_shared(held[0], trim=False)
         trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
-        del built
         logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB; queued %.2f s, spare %s)", job.name,
                     t1 - t0, time.perf_counter() - t1, shared.size / 2**20, waited,
                     "used" if arenas.taken > spares_before else "none ready")
@@ -355,7 +355,7 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
     finally:
         _gc_hold(-1)
     _send(out, message)
-    threading.Thread(target=_after_hand_over, args=(trim_fd, shared if trim_fd is not None else None, arenas),
+    threading.Thread(target=_after_hand_over, args=(trim_fd, shared if trim_fd is not None else None, arenas, held),
                      name="vllm-lora-ext-trim", daemon=True).start()
 
 
@@ -363,17 +363,24 @@ _HAND_OVER_WAIT_S = 30.0
 _SETTLE_S = 0.5
 
 
-def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: ArenaSupply) -> None:
-    """Once the worker has the adapter, cut the spare's unused tail and prepare the next spare.
+def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: ArenaSupply, held: list[Any]) -> None:
+    """Once the worker has the adapter, drop this process's views of it (``held``), cut the spare's unused tail and
+    prepare the next spare.
 
     Not at once: cutting a file takes its inode lock while it frees the tail's pages (0.2-0.3 s for 1.8 GB),
     and the worker's ``open``/``unlink`` of the same file would wait for it, on the new adapter's critical path. The worker removes the file's name once it has mapped it; this waits for that (and
-    for the worker's staging copy to get going) before touching the file or the memory bus.
+    for the worker's staging copy to get going) before touching the file or the memory bus. The views go first:
+    unmapping a spare, whose every page is mapped (``transport.arena``), costs more than a mapping that only the
+    build's writes filled, and dropped before the answer it made the hand-over 0.13 s instead of 0.04 s (H200 host,
+    1.6 GB adapter, 32 requests decoding).
     """
-    if shared is not None and trim_fd is not None:
+    if shared is None or trim_fd is None:
+        held.clear()
+    else:
         deadline = time.monotonic() + _HAND_OVER_WAIT_S
         while os.path.exists(shared.path) and time.monotonic() < deadline:
             time.sleep(0.01)
+        held.clear()
         time.sleep(_SETTLE_S)
         trim_shared(trim_fd, shared)  # a spare's unused pages, freed after the worker has the adapter
     arenas.prepare()  # the next spare, now that this build no longer needs the memory bandwidth
