@@ -121,13 +121,21 @@ if __name__ == "__main__":
     print(source_hash())
 
 
+def _one_token(params: Any) -> Any:
+    one = params.clone()
+    one.max_tokens = 1
+    return one
+
+
 def answer_engine_command(conn: Any, llm: Any, cmd: str, lora_request: Any, prompts: Any, params: Any,
                           plp: Any) -> None:
-    """One engine process's answer to the driver (``run``: seconds to decode ``prompts``; ``logprobs``: each
-    prompt's logprobs), the protocol the decode benches' engines share."""
-    if cmd == "run":
+    """One engine process's answer to the driver (``run``: seconds to decode ``prompts``; ``activate``: the same
+    with one output token, which makes the requests' adapters active in their slots; ``logprobs``: each prompt's
+    logprobs), the protocol the decode benches' engines share."""
+    if cmd in ("run", "activate"):  # activate: one token each, which puts the requests' adapters in slots
         t = time.perf_counter()
-        llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+        llm.generate(prompts, params if cmd == "run" else _one_token(params), lora_request=lora_request,
+                     use_tqdm=False)
         conn.send(time.perf_counter() - t)
     elif cmd == "logprobs":
         outs = llm.generate(prompts, plp, lora_request=lora_request, use_tqdm=False)
