@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ from vllm_lora_ext.config import config_from_dict
 from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError, ExpertLayoutError, UnmatchedKeysError
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.planning import ModelSpec, PeftKeyRouter, plan_adapter
-from vllm_lora_ext.validation import ModuleDims
+from vllm_lora_ext.validation import ModuleDims, check_has_factors
 
 P = "base_model.model."
 MOE = "model.layers.0.block_sparse_moe.experts"  # vLLM's Mixtral name
@@ -113,3 +114,16 @@ def test_keys_a_router_refuses_are_refused_all_alike_when_it_routes_experts_alik
         with pytest.raises(UnmatchedKeysError) as e:
             plan_adapter(shapes, config_from_dict({"r": 4}), SPEC, router=_AskedRouter(alike, drop=".w2."))
         assert sorted(e.value.keys) == sorted(k for k in shapes if ".w2." in k)  # all eight, either way
+
+
+def test_the_no_factor_check_stops_at_the_first_factor_and_still_counts_a_file_without_one() -> None:
+    """The plan classifies a 2D MoE adapter's ~10^4 keys in one pass later; this check must not classify them all
+    one by one first (a cold build process paid 0.05 s of a 48-layer build for it)."""
+    def kinds() -> Iterator[str]:
+        yield "other"
+        yield "moe_2d"
+        raise AssertionError("read past the first factor")
+
+    check_has_factors(kinds())
+    with pytest.raises(AdapterFormatError, match="has 3 tensors, none a lora_A"):
+        check_has_factors(iter(["other"] * 3), adapter="x")
