@@ -1,0 +1,190 @@
+"""Probe where a build process's build of a 48-layer MoE adapter goes on this host (issue 39 item 4; CPU only).
+
+Times ``building.build_adapter(shared=True, arenas=ArenaSupply(2 GiB))`` as the build process runs it (its spare
+file made first, torch on a quarter of the cores up to 4) for the Qwen3-30B-A3B-shaped 2D and 3D adapters of
+``bench_moe_load.py``, split into phases by wrapping the functions it calls: the header, the plan, the MoE read
+(``read_blocks``; its ``preadv`` time summed over the reading threads), the finiteness scans (summed over the scan
+pool), the pack, then ``to_shared`` and ``from_shared``. One build of each layout is profiled (cProfile, the
+calling thread). With ``--bare``, it then times ``preadv`` of the same bytes, 1 and 4 threads, into a fresh
+``/dev/shm`` file, an allocated one (``Arena.in_file(populate=True)``: the spare) and touched anonymous memory.
+
+``--src DIR`` imports the package from another tree (``git archive <rev> src/vllm_lora_ext``), to time an
+earlier version on the same host; run it with and without, alternately, for a before and after (r26 ran
+new, old, new, old). No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
+dependency) headers take the entry-by-entry parse, which a serving process does not.
+
+Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--src DIR] [--workdir W] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, print_table, write_json  # noqa: E402
+
+ACC: dict[str, float] = {}
+LOCK = threading.Lock()
+
+
+def _timed(name: str, fn: Any) -> Any:
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            with LOCK:
+                ACC[name] = ACC.get(name, 0.0) + time.perf_counter() - t
+    return wrapper
+
+
+def _instrument() -> None:
+    import vllm_lora_ext.building as building
+    import vllm_lora_ext.formats.moe_read as moe_read
+    import vllm_lora_ext.reader as reader
+    import vllm_lora_ext.validation as validation
+
+    building.SafetensorsReader = _timed("header", building.SafetensorsReader)
+    building.plan_adapter = _timed("plan", building.plan_adapter)
+    building.read_blocks = _timed("read_blocks", building.read_blocks)
+    building.pack_block = _timed("pack", building.pack_block)
+    reader._preadv_exactly = _timed("preadv (sum over threads)", reader._preadv_exactly)
+    validation.first_nonfinite = _timed("scan (sum over the scan pool)", validation.first_nonfinite)
+    moe_read.check_finite = _timed("check in block (sum)", moe_read.check_finite)
+
+
+def _builds(job: Any, reps: int) -> tuple[list[dict[str, float]], str]:
+    from vllm_lora_ext.building import build_adapter
+    from vllm_lora_ext.planning import PeftKeyRouter
+    from vllm_lora_ext.transport.arena import ArenaSupply
+    from vllm_lora_ext.transport.handover import from_shared, to_shared
+
+    arenas = ArenaSupply(2 * 2**30)
+    runs = []
+    for r in range(reps + 1):  # the first: imports, pools
+        arenas.prepare(wait=True)
+        ACC.clear()
+        t = time.perf_counter()
+        built = build_adapter(job, PeftKeyRouter(), shared=True, arenas=arenas)
+        ACC["build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        shared = to_shared(built, trim=False)
+        ACC["to_shared"] = time.perf_counter() - t
+        t = time.perf_counter()
+        del built
+        ACC["drop the build's views"] = time.perf_counter() - t
+        t = time.perf_counter()
+        handed = from_shared(shared)
+        ACC["from_shared"] = time.perf_counter() - t
+        del handed
+        if r:
+            runs.append(dict(ACC))
+    arenas.prepare(wait=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    built = build_adapter(job, PeftKeyRouter(), shared=True, arenas=arenas)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+    if built.arena is not None:
+        built.arena.discard()
+    arenas.discard()
+    return runs, text.getvalue()[-5000:]
+
+
+def _bare(path: Path) -> dict[str, float]:
+    import torch
+
+    from vllm_lora_ext.reader import read_header
+    from vllm_lora_ext.transport.arena import Arena
+
+    hdr = read_header(path)
+    first, last = min(o[0] for o in hdr.offsets.values()), max(o[1] for o in hdr.offsets.values())
+    n = last - first
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(view: memoryview, threads: int) -> float:
+        chunk = -(-n // threads)
+
+        def one(i: int) -> None:
+            a, b = i * chunk, min(n, (i + 1) * chunk)
+            got = 0
+            while got < b - a:
+                got += os.preadv(fd, [view[a + got:b]], first + a + got)
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(threads)))
+        return time.perf_counter() - t
+
+    out = {}
+    for kind in ("shared file, fresh", "shared file, allocated (the spare)", "anonymous, touched"):
+        for threads in (1, 4):
+            times = []
+            for _ in range(3):
+                arena = Arena.in_file(n, None, populate="allocated" in kind) if kind.startswith("shared") else None
+                buf = arena.buffer if arena is not None else torch.ones(n, dtype=torch.uint8)
+                times.append(read(memoryview(buf.numpy()).cast("B"), threads))
+                del buf
+                if arena is not None:
+                    arena.discard()
+            out[f"{kind}, {threads} thread(s)"] = median(times)
+    os.close(fd)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--bare", action="store_true", help="also time bare preadv into three kinds of memory")
+    ap.add_argument("--src", default=None, help="import vllm_lora_ext from this folder (an earlier version)")
+    ap.add_argument("--workdir", default=None, help="reuse (or keep) the adapters written there")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sys.path.insert(0, args.src or str(Path(__file__).resolve().parents[1] / "src"))
+    import torch
+
+    import vllm_lora_ext
+    from bench_moe_load import E, H, I, make_adapter
+    from vllm_lora_ext.building import BuildJob
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.planning import ModelSpec
+
+    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))  # as the build process
+    _instrument()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="probe-build-"))
+    blocks = [f"model.layers.{layer}.mlp.experts" for layer in range(args.layers)]
+    model = ModelSpec(frozenset(), moe={p: MoESpec(p, E, H, I) for p in blocks}, max_rank=16)
+    result: dict[str, Any] = {"package": vllm_lora_ext.__file__, "layers": args.layers, "reps": args.reps,
+                              "forms": {}}
+    rows = []
+    for form in ("2d", "3d"):
+        folder = work / form
+        if not (folder / "adapter_model.safetensors").exists():
+            make_adapter(folder, args.layers, form)
+            os.sync()
+        runs, profile = _builds(BuildJob(str(folder), "probe", model, dtype=torch.bfloat16), args.reps)
+        med = {k: median([r[k] for r in runs]) for k in runs[0]}
+        result["forms"][form] = {"median_s": med, "runs": runs, "profile": profile,
+                                 "bare_s": _bare(folder / "adapter_model.safetensors") if args.bare else {}}
+        rows += [[form, k, v] for k, v in med.items()]
+        rows += [[form, f"bare: {k}", v] for k, v in result["forms"][form]["bare_s"].items()]
+    print(f"package: {vllm_lora_ext.__file__}")
+    print_table(rows, ["layout", "phase (median s; sums over threads exceed the build)", "seconds"])
+    write_json("probe_build_shared", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
