@@ -144,22 +144,50 @@ def _resident_kib(path: str) -> int:
     return next(int(line.split()[1]) for line in lines[at + 1:] if line.startswith("Rss:"))
 
 
+def _faults_writing_each_page(buffer: torch.Tensor) -> int:
+    """Minor page faults this process takes writing one byte of each page of ``buffer`` (a zero-filled spare)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer[::4096].fill_(0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 @pytest.mark.parametrize("advice", ["madvise", "refused"])
-def test_a_spare_is_mapped_for_writing_before_any_build_writes_into_it(
-        build_dir: Path, advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each page of a spare is in the build process's page tables when it is made, so that a build's writes take
-    no fault per page; where the kernel refuses the advice, by writing one byte per page (the file holds zeros)."""
+def test_a_spare_in_dev_shm_is_mapped_for_writing_before_any_build_writes_into_it(
+        advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build's writes into the spare take no fault per page: its pages are mapped writable when it is made (where
+    the kernel refuses the advice, by writing each page's byte back), and it still holds only zeros."""
     import vllm_lora_ext.transport.arena as arena_mod
 
     if advice == "refused":
         monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14 answers
-    supply = arena_mod.ArenaSupply(1 << 20)
-    supply.prepare(wait=True)
-    spare = supply._spare
-    assert spare is not None and spare.path is not None
-    assert _resident_kib(spare.path) == 1024
-    assert not spare.buffer.any()  # nothing written that a build could read back
-    supply.discard()
+    supply = arena_mod.ArenaSupply(8 << 20, directory="/dev/shm")
+    try:
+        supply.prepare(wait=True)
+        spare = supply._spare
+        assert spare is not None and spare.buffer is not None and spare.path.startswith("/dev/shm/")
+        assert _resident_kib(spare.path) == 8 << 10
+        assert not spare.buffer.any()
+        assert _faults_writing_each_page(spare.buffer) < (8 << 20) // 4096 // 4  # 2,048 without the mapping
+    finally:
+        supply.discard()
+
+
+def test_a_spare_in_a_disk_folder_is_not_mapped_ahead(build_dir: Path) -> None:
+    """Mapping a spare writable in a folder on disk would dirty every page for writeback: there it is left as made."""
+    if os.stat(build_dir).st_dev == os.stat("/dev/shm").st_dev:
+        pytest.skip("the temporary folder is on /dev/shm's file system")
+    from vllm_lora_ext.transport.arena import ArenaSupply
+
+    supply = ArenaSupply(1 << 20)
+    try:
+        supply.prepare(wait=True)
+        assert supply._spare is not None and supply._spare.path.startswith(str(build_dir))
+        assert _resident_kib(supply._spare.path) == 0
+    finally:
+        supply.discard()
 
 
 def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:

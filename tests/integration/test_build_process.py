@@ -218,3 +218,42 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
     for a in handed.moe.values():
         assert all(torch.isfinite(t.float()).all() for t in (*a[0], *a[1]))
     supply.discard()
+
+
+def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(tmp_path: Path, build_dir: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unmapping a spare whose every page is mapped takes a tenth of a second on a GPU host: the answer goes first,
+    and the build process drops its mapping once the worker has mapped the file (removed its name)."""
+    import io
+    import pickle
+    import time
+
+    from vllm_lora_ext.transport.arena import ArenaSupply
+
+    def mapped(path: str) -> bool:
+        return path in Path("/proc/self/maps").read_text()
+
+    monkeypatch.setattr(build_process, "_SETTLE_S", 0.0)
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    supply = ArenaSupply(1 << 20)
+    supply.prepare(wait=True)
+    assert supply._spare is not None
+    spare = supply._spare.path
+    at_answer: list[bool] = []
+
+    class Pipe(io.BytesIO):
+        def flush(self) -> None:
+            at_answer.append(mapped(spare))
+            super().flush()
+
+    out = Pipe()
+    build_process._answer(out, 7, _moe_job(folder), None, None, supply, time.perf_counter())
+    kind, number, shared = pickle.loads(out.getvalue())
+    assert (kind, number, shared.path) == ("ok", 7, spare) and at_answer == [True]
+    assert mapped(spare)  # kept while the worker has not mapped it
+    os.unlink(shared.path)  # what the worker does once it has mapped the file
+    deadline = time.monotonic() + 10
+    while mapped(spare) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not mapped(spare)
+    supply.discard()

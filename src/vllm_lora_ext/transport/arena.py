@@ -5,22 +5,16 @@ mapping on transparent huge pages, for builds in the worker; its memory is retur
 [`SharedArena`] (``Arena.in_file``): a new file (in ``/dev/shm`` where it fits), for builds in a build process,
 whose tensors are then handed over without a copy (``transport.handover``). Each keeps one spare for the next
 arena, by the one spare policy below ([`Spare`]): the process's anonymous mapping ([`prepare_spare`], and memory
-kept once released), and per build process a file with its pages taken ([`ArenaSupply`]).
+kept once released), and per build process a file with its pages taken and mapped ([`ArenaSupply`]).
 
-Reading an adapter from the page cache into fresh memory costs more in page faults than in copying: a fresh
-4 KiB page is faulted, zeroed and mapped before the read can fill it. A 1.6 GB read on 4 threads takes about
-four times as long into ``torch.empty`` memory as into memory touched before, and about twice as long into
-memory advised ``MADV_HUGEPAGE`` (``bench/probe_host_memory.py``). A [`HostArena`] is that huge-page memory, sized for one build,
-whose tensors are views that keep it alive.
-
-An arena is also one contiguous range, which a GPU worker can pin in place in one call (``cudaHostRegister``:
-for 1.6 GB of huge pages, about a seventh of the time of vLLM's ``pin_memory()`` copy). Hooks given to
-[`Arena.on_release`] run when the last view is gone and before the mapping is unmapped, which is where such
-a registration is undone. This module has no CUDA code; ``transport.cuda`` pins.
-
-A mix's composite is rebuilt for every new set of weights, each time into fresh memory (faults, then a
-registration). One mapping can therefore be kept ready ([`prepare_spare`]), or kept once released, for the next
-arena of about its size that asks for it (``reuse``): its pages are taken and it stays pinned.
+Reading an adapter from the page cache into fresh memory costs more in page faults than in copying (a page is
+faulted, zeroed and mapped before the read fills it): a 1.6 GB read on 4 threads takes about four times as long
+into ``torch.empty`` memory as into memory touched before, and twice as long into memory advised
+``MADV_HUGEPAGE`` (``bench/probe_host_memory.py``), which a [`HostArena`] is. An arena is also one contiguous
+range, which a GPU worker pins in place in one call (``cudaHostRegister``: for 1.6 GB of huge pages, a seventh of
+vLLM's ``pin_memory()`` copy); hooks given to [`Arena.on_release`] run when the last view is gone and before the
+unmap, where it is undone (``transport.cuda`` pins; this module has no CUDA code). A mix's composite, rebuilt for
+every new set of weights, may take a mapping kept ready ([`prepare_spare`]) or kept once released (``reuse``).
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -206,26 +201,36 @@ class _Memory:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without changing its bytes
+_POPULATE_CHUNK = 64 << 20  # a call holds the process's memory-map lock over its whole range: other threads wait
 _PAGE = mmap.PAGESIZE
 
 
-def _map_for_writing(buffer: torch.Tensor) -> None:
-    """Enter every page of a new shared-file mapping (pages allocated) in this process's page tables, writable.
+@lru_cache(maxsize=1)
+def _madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
-    Writes into a shared file mapping get no fault-around: each 4 KiB page takes a fault of its own, which made a
-    1.6 GB read into an allocated ``/dev/shm`` file 3.4x slower than into memory touched before on the H200 host
-    (``bench/results/probe_build_h200_r26.json``). Done as the spare is made, off the build's path; on kernels
-    without ``MADV_POPULATE_WRITE`` by writing one byte per page (the new file holds zeros there)."""
-    n = buffer.numel()
-    if n == 0:
-        return
+
+def _map_for_writing(buffer: torch.Tensor, path: str) -> None:
+    """Map every page of a new ``/dev/shm`` file (pages allocated) writable in this process, 64 MiB a call: writes
+    into a shared mapping get no fault-around, which made a 1.6 GB read into an allocated file 3.3x slower than into
+    touched memory (H200 host, ``bench/results/probe_build_h200_r26.json``). Without ``MADV_POPULATE_WRITE``, a
+    write per page that keeps its byte. Not in a disk folder, where it would dirty every page for writeback."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        done = libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(n), _MADV_POPULATE_WRITE) == 0
-    except (OSError, AttributeError):
-        done = False
-    if not done:
-        buffer[::_PAGE].zero_()
+        if _madvise() is None or os.stat(os.path.dirname(path)).st_dev != os.stat("/dev/shm").st_dev:
+            return
+    except OSError:
+        return
+    base, n = buffer.data_ptr(), buffer.numel()
+    for at in range(0, n, _POPULATE_CHUNK):
+        size = min(_POPULATE_CHUNK, n - at)
+        if _madvise()(base + at, size, _MADV_POPULATE_WRITE) != 0:
+            logger.debug("MADV_POPULATE_WRITE refused (errno %d): touching each page", ctypes.get_errno())
+            part = buffer[at:at + size:_PAGE]
+            part.copy_(part.clone())
 
 
 @lru_cache(maxsize=64)
@@ -246,12 +251,10 @@ def _lease_ended(lease: Any) -> None:
 
 class _HostSpare(Spare[_Memory]):
     """The process's spare anonymous mapping: released (or prepared) memory kept for the next ``reuse`` arena of
-    about its size (at most half again, or one huge page, larger), its pages taken and pinned if they were.
-
-    A mapping touched and pinned before costs an arena neither page faults (about half a fresh arena's fill
-    time) nor a registration. Released arenas' memory is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one
-    mapping at a time, the latest, which is dropped (hooks, then the unmap) when another takes its place.
-    """
+    about its size (at most half again, or one huge page, larger), its pages taken and pinned if they were, which
+    spares an arena page faults (about half a fresh arena's fill time) and a registration. Released arenas' memory
+    is kept up to ``VLLM_LORA_EXT_HOST_SPARE_BYTES``; one mapping at a time, the latest (the one it replaces is
+    dropped: hooks, then the unmap)."""
 
     def __init__(self) -> None:
         super().__init__(slack=lambda needed: max(needed // 2, HUGE_PAGE), let_go=lambda memory: None)
@@ -390,7 +393,7 @@ class Arena:
                 reserve_when_tight(fd, os.path.dirname(path), capacity, prefix=SHARED_PREFIX)
             buffer = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
             if populate:
-                _map_for_writing(buffer)
+                _map_for_writing(buffer, path)
         except BaseException:
             os.unlink(path)
             raise
@@ -448,14 +451,13 @@ SharedArena = Arena.in_file
 
 
 class ArenaSupply(Spare[Arena]):
-    """Hands out shared-file arenas ([`SharedArena`]) and keeps one spare ready, its pages already taken.
+    """Hands out shared-file arenas ([`SharedArena`]) and keeps one spare ready, its pages taken and mapped.
 
-    Writing a fresh ``/dev/shm`` file allocates (and zeroes) a page per 4 KiB written, which makes a 1.2 GB
-    write take about 1.7 times as long as into pages taken beforehand (the speed of ordinary memory). A build process takes the spare instead (when it is large enough) and calls
-    [`prepare`] for the next one once the build is answered, while it is idle (preparing during a build
-    only competes with it). The spare is at least ``spare_bytes`` and grows to the largest arena asked
-    for, up to twice ``spare_bytes``; ``spare_bytes=0`` keeps none. Its pages beyond what a build used
-    are given back when ``to_shared`` cuts the file to its size.
+    Writing a fresh ``/dev/shm`` file allocates, zeroes and maps a page per 4 KiB written; into the spare (pages
+    allocated, and in ``/dev/shm`` mapped for writing) a build's reads run at the speed of touched memory. A build
+    process takes the spare (when it is large enough) and calls [`prepare`] for the next once the build is
+    answered, while it is idle. The spare is at least ``spare_bytes`` and grows to the largest arena asked for, up to
+    twice ``spare_bytes``; ``spare_bytes=0`` keeps none. ``to_shared`` gives back the pages a build did not use.
     """
 
     def __init__(self, spare_bytes: int, directory: str | None = None) -> None:
