@@ -60,7 +60,7 @@ def kernel_group(name: str) -> str:
         return "lora_expand"
     if "lora" in n:
         return "lora_other"
-    if "moe" in n or "topk" in n or "align_block" in n:
+    if "moe" in n or "gating" in n:  # fused_moe_kernel, moe_align_block_size, topkGatingSoftmax
         return "moe"
     if any(s in n for s in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "sm80_", "ampere_", "matmul")):
         return "gemm"
