@@ -145,25 +145,29 @@ def _resident_kib(path: str) -> int:
 
 
 def _faults_writing_each_page(buffer: torch.Tensor) -> int:
-    """Minor page faults this process takes writing one byte of each page of ``buffer`` (a zero-filled spare)."""
+    """Minor page faults this thread takes writing one byte of each page of ``buffer`` (a zero-filled spare)."""
     import resource
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     buffer[::4096].fill_(0)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+SHM = os.path.isdir("/dev/shm") and __import__("vllm_lora_ext.transport.files", fromlist=["x"]).on_tmpfs("/dev/shm")
+
+
+@pytest.mark.skipif(not SHM, reason="no /dev/shm tmpfs")
 @pytest.mark.parametrize("advice", ["madvise", "refused"])
 def test_a_spare_in_dev_shm_is_mapped_for_writing_before_any_build_writes_into_it(
         advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build's writes into the spare take no fault per page: its pages are mapped writable when it is made (where
     the kernel refuses the advice, by writing each page's byte back), and it still holds only zeros."""
-    import vllm_lora_ext.transport.arena as arena_mod
+    import vllm_lora_ext.transport.files as files
+    from vllm_lora_ext.transport.arena import ArenaSupply
 
     if advice == "refused":
-        monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14 answers
-    supply = arena_mod.ArenaSupply(8 << 20, directory="/dev/shm")
+        monkeypatch.setattr(files, "_MADV_POPULATE_WRITE", -1)  # EINVAL, as a kernel before 5.14 answers
+    supply = ArenaSupply(8 << 20, directory="/dev/shm")
     try:
         supply.prepare(wait=True)
         spare = supply._spare
@@ -175,12 +179,37 @@ def test_a_spare_in_dev_shm_is_mapped_for_writing_before_any_build_writes_into_i
         supply.discard()
 
 
+@pytest.mark.skipif(not SHM, reason="no /dev/shm tmpfs")
+def test_mapping_for_writing_keeps_every_byte_when_the_kernel_refuses_part_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_lora_ext.transport.files as files
+
+    calls: list[int] = []
+
+    def flaky(address: int, size: int, advice: int) -> int:
+        calls.append(size)
+        return -1 if len(calls) == 2 else 0  # the second call refused: that chunk and the rest are written instead
+
+    monkeypatch.setattr(files, "_POPULATE_CHUNK", 1 << 20)
+    monkeypatch.setattr(files, "_madvise", lambda: flaky)
+    path = f"/dev/shm/vllm-lora-ext-test-{os.getpid()}.bin"
+    data = torch.arange(3 * (1 << 20) + 4096 * 5, dtype=torch.int64).to(torch.uint8)  # a ragged last chunk
+    data.numpy().tofile(path)
+    try:
+        mapped = torch.from_file(path, shared=True, size=data.numel(), dtype=torch.uint8)
+        files.map_for_writing(mapped, path)
+        assert calls == [1 << 20, 1 << 20] and torch.equal(mapped, data)
+        assert _resident_kib(path) == -(-data.numel() // 4096) * 4
+    finally:
+        os.unlink(path)
+
+
 def test_a_spare_in_a_disk_folder_is_not_mapped_ahead(build_dir: Path) -> None:
     """Mapping a spare writable in a folder on disk would dirty every page for writeback: there it is left as made."""
-    if os.stat(build_dir).st_dev == os.stat("/dev/shm").st_dev:
-        pytest.skip("the temporary folder is on /dev/shm's file system")
     from vllm_lora_ext.transport.arena import ArenaSupply
+    from vllm_lora_ext.transport.files import on_tmpfs
 
+    if on_tmpfs(str(build_dir)):
+        pytest.skip("the temporary folder is on a tmpfs")
     supply = ArenaSupply(1 << 20)
     try:
         supply.prepare(wait=True)
@@ -188,6 +217,26 @@ def test_a_spare_in_a_disk_folder_is_not_mapped_ahead(build_dir: Path) -> None:
         assert _resident_kib(supply._spare.path) == 0
     finally:
         supply.discard()
+
+
+def test_discarding_the_supply_waits_for_a_spare_being_made(build_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build process discards its supply as it exits; a spare thread cut off inside torch can abort the process."""
+    import time
+
+    from vllm_lora_ext.transport import arena as arena_mod
+
+    made = arena_mod.Arena.in_file
+
+    def slow(*a: object, **k: object) -> object:
+        time.sleep(0.5)
+        return made(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(arena_mod.Arena, "in_file", staticmethod(slow))
+    supply = arena_mod.ArenaSupply(1 << 20)
+    supply.prepare()
+    assert supply._thread is not None and supply._thread.is_alive()
+    supply.discard()
+    assert not supply._thread.is_alive() and not any("-spare-" in n for n in os.listdir(build_dir))
 
 
 def test_no_spare_is_kept_when_its_size_is_zero(build_dir: Path) -> None:

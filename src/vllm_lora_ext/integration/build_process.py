@@ -355,12 +355,16 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
     finally:
         _gc_hold(-1)
     _send(out, message)
-    threading.Thread(target=_after_hand_over, args=(trim_fd, shared if trim_fd is not None else None, arenas, held),
-                     name="vllm-lora-ext-trim", daemon=True).start()
+    after = threading.Thread(target=_after_hand_over, name="vllm-lora-ext-trim", daemon=True,
+                             args=(trim_fd, shared if trim_fd is not None else None, arenas, held))
+    _AFTER[:] = [*(t for t in _AFTER if t.is_alive()), after]
+    after.start()
 
 
 _HAND_OVER_WAIT_S = 30.0
 _SETTLE_S = 0.5
+_STOPPING = threading.Event()  # the worker closed the pipe: hand-overs still waiting give up
+_AFTER: list[threading.Thread] = []  # their threads, joined before the process exits (they hold torch tensors)
 
 
 def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: ArenaSupply, held: list[Any]) -> None:
@@ -378,12 +382,13 @@ def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: 
         held.clear()
     else:
         deadline = time.monotonic() + _HAND_OVER_WAIT_S
-        while os.path.exists(shared.path) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while os.path.exists(shared.path) and time.monotonic() < deadline and not _STOPPING.wait(0.01):
+            pass
         held.clear()
-        time.sleep(_SETTLE_S)
+        _STOPPING.wait(_SETTLE_S)
         trim_shared(trim_fd, shared)  # a spare's unused pages, freed after the worker has the adapter
-    arenas.prepare()  # the next spare, now that this build no longer needs the memory bandwidth
+    if not _STOPPING.is_set():
+        arenas.prepare()  # the next spare, now that this build no longer needs the memory bandwidth
 
 
 def _torch_threads() -> int:
@@ -438,7 +443,10 @@ def main() -> None:
                     return  # the pool's exit finishes the builds in flight first
                 pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, time.perf_counter())
     finally:
-        arenas.discard()
+        _STOPPING.set()
+        for thread in list(_AFTER):
+            thread.join(10.0)
+        arenas.discard()  # and waits for a spare being made
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import logging
 import math
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -34,7 +33,7 @@ import torch
 
 from vllm_lora_ext.constants import build_dir, host_spare_bytes
 from vllm_lora_ext.sharedfiles import reserve_when_tight
-from vllm_lora_ext.transport.files import SHARED_PREFIX, owned_name, shared_dir
+from vllm_lora_ext.transport.files import SHARED_PREFIX, map_for_writing, owned_name, shared_dir
 
 __all__ = ["ALIGN", "HUGE_PAGE", "Arena", "ArenaSupply", "HostArena", "SharedArena", "Spare", "aligned", "clear_spare",
            "huge_pages_offered", "prepare_spare"]
@@ -73,6 +72,7 @@ class Spare(Generic[K]):
         self._kept: K | None = None
         self._preparing = False
         self._closed = False
+        self._thread: threading.Thread | None = None
         self.taken = 0
 
     def fits(self, needed: int, kept: _Sized) -> bool:
@@ -110,8 +110,16 @@ class Spare(Generic[K]):
         if wait:
             self._make(size, make)
         else:
-            threading.Thread(target=self._make, args=(size, make), name=name, daemon=True).start()
+            self._thread = threading.Thread(target=self._make, args=(size, make), name=name, daemon=True)
+            self._thread.start()
         return True
+
+    def join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s for a spare being made: a process that exits while the thread is inside torch
+        can abort (``terminate called without an active exception``)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def _make(self, size: int, make: Callable[[int], K | None]) -> None:
         try:
@@ -198,39 +206,6 @@ class _Memory:
                 hook()
             except Exception:  # a hook's failure must not leak the mapping or reach an arbitrary thread's caller
                 logger.exception("a host arena's release hook failed")
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without changing its bytes
-_POPULATE_CHUNK = 64 << 20  # a call holds the process's memory-map lock over its whole range: other threads wait
-_PAGE = mmap.PAGESIZE
-
-
-@lru_cache(maxsize=1)
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-def _map_for_writing(buffer: torch.Tensor, path: str) -> None:
-    """Map every page of a new ``/dev/shm`` file (pages allocated) writable in this process, 64 MiB a call: writes
-    into a shared mapping get no fault-around, which made a 1.6 GB read into an allocated file 3.3x slower than into
-    touched memory (H200 host, ``bench/results/probe_build_h200_r26.json``). Without ``MADV_POPULATE_WRITE``, a
-    write per page that keeps its byte. Not in a disk folder, where it would dirty every page for writeback."""
-    try:
-        if _madvise() is None or os.stat(os.path.dirname(path)).st_dev != os.stat("/dev/shm").st_dev:
-            return
-    except OSError:
-        return
-    base, n = buffer.data_ptr(), buffer.numel()
-    for at in range(0, n, _POPULATE_CHUNK):
-        size = min(_POPULATE_CHUNK, n - at)
-        if _madvise()(base + at, size, _MADV_POPULATE_WRITE) != 0:
-            logger.debug("MADV_POPULATE_WRITE refused (errno %d): touching each page", ctypes.get_errno())
-            part = buffer[at:at + size:_PAGE]
-            part.copy_(part.clone())
 
 
 @lru_cache(maxsize=64)
@@ -393,7 +368,7 @@ class Arena:
                 reserve_when_tight(fd, os.path.dirname(path), capacity, prefix=SHARED_PREFIX)
             buffer = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
             if populate:
-                _map_for_writing(buffer, path)
+                map_for_writing(buffer, path)
         except BaseException:
             os.unlink(path)
             raise
@@ -494,6 +469,7 @@ class ArenaSupply(Spare[Arena]):
         return None
 
     def discard(self) -> None:
-        """Remove the spare (the process is ending); none is kept from now on."""
+        """Remove the spare (the process is ending) once any being made is done; none is kept from now on."""
         self.spare_bytes = 0
         self.clear(close=True)
+        self.join(60.0)
