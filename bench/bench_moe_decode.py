@@ -16,7 +16,8 @@ tokens and ``--tokens`` output tokens (greedy, ``ignore_eos``), timed from submi
 
 Each timed run comes right after a one-token run of the same requests (``activate``, timed apart as
 ``activate:<case>``): the cases use 32 LoRAs (stock: 20) over 16 slots, so without it each timed run would
-also copy its LoRAs into the slots (16 rank-32 mixes: about 13 GB at 12 layers) and time that. Runs before round 26 had no such pass: their distinct and mixes numbers include those copies.
+also copy its LoRAs into the slots (16 rank-32 mixes: about 13 GB at 12 layers) and time that. Runs before
+round 26 had no such pass: their distinct and mixes numbers include those copies.
 
 Goals (the plugin): one >= 0.90x base, distinct >= 0.85x base, mixes >= 0.98x distinct. Stock's numbers are
 printed beside each, from the same run.

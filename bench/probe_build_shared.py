@@ -8,18 +8,12 @@ pool), the pack, then ``to_shared`` and ``from_shared``. One build of each layou
 calling thread). With ``--bare``, it then times ``preadv`` of the same bytes, 1 and 4 threads, into a fresh
 ``/dev/shm`` file, an allocated one (``Arena.in_file(populate=True)``: the spare) and touched anonymous memory.
 
-``--worker`` also times the worker's own build (``build_adapter`` without ``shared``: a huge-page host arena, not
-pinned here) with host arenas on and off (``VLLM_LORA_EXT_HOST_ARENAS``), alternating, each build kept alive until
-three later ones are done, as vLLM's CPU cache keeps adapters: on the 2-core dev VM a 48-layer 2D build then took
-2.3 s in huge-page arenas against 0.7 s in ordinary memory, while the first build of a process took 0.6 s.
-
 ``--src DIR`` imports the package from another tree (``git archive <rev> src/vllm_lora_ext``), to time an
 earlier version on the same host; run it with and without, alternately, for a before and after (r26 ran
 new, old, new, old). No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
 dependency) headers take the entry-by-entry parse, which a serving process does not.
 
-Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--worker] [--src DIR] [--workdir W]
-       [--out FILE]
+Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--src DIR] [--workdir W] [--out FILE]
 """
 
 from __future__ import annotations
@@ -150,32 +144,11 @@ def _bare(path: Path) -> dict[str, float]:
     return out
 
 
-def _worker_builds(job: Any, reps: int) -> dict[str, list[float]]:
-    """The worker's build with host arenas on and off, alternating, three earlier builds alive at each."""
-    from collections import deque
-
-    from vllm_lora_ext.building import build_adapter
-    from vllm_lora_ext.planning import PeftKeyRouter
-
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    alive: deque[Any] = deque(maxlen=3)
-    for r in range(2 * reps):
-        mode = ("on", "off")[r % 2]
-        os.environ["VLLM_LORA_EXT_HOST_ARENAS"] = "1" if mode == "on" else "0"
-        t = time.perf_counter()
-        alive.append(build_adapter(job, PeftKeyRouter()))
-        times[mode].append(time.perf_counter() - t)
-    os.environ.pop("VLLM_LORA_EXT_HOST_ARENAS", None)
-    alive.clear()
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--bare", action="store_true", help="also time bare preadv into three kinds of memory")
-    ap.add_argument("--worker", action="store_true", help="also time the worker's build, host arenas on and off")
     ap.add_argument("--src", default=None, help="import vllm_lora_ext from this folder (an earlier version)")
     ap.add_argument("--workdir", default=None, help="reuse (or keep) the adapters written there")
     ap.add_argument("--out", default=None)
@@ -202,14 +175,11 @@ def main() -> None:
         if not (folder / "adapter_model.safetensors").exists():
             make_adapter(folder, args.layers, form)
             os.sync()
-        job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
-        runs, profile = _builds(job, args.reps)
+        runs, profile = _builds(BuildJob(str(folder), "probe", model, dtype=torch.bfloat16), args.reps)
         med = {k: median([r[k] for r in runs]) for k in runs[0]}
-        worker = _worker_builds(job, args.reps) if args.worker else {}
-        result["forms"][form] = {"median_s": med, "runs": runs, "profile": profile, "worker_s": worker,
+        result["forms"][form] = {"median_s": med, "runs": runs, "profile": profile,
                                  "bare_s": _bare(folder / "adapter_model.safetensors") if args.bare else {}}
         rows += [[form, k, v] for k, v in med.items()]
-        rows += [[form, f"worker build, host arenas {m} (3 earlier alive)", median(ts)] for m, ts in worker.items()]
         rows += [[form, f"bare: {k}", v] for k, v in result["forms"][form]["bare_s"].items()]
     print(f"package: {vllm_lora_ext.__file__}")
     print_table(rows, ["layout", "phase (median s; sums over threads exceed the build)", "seconds"])

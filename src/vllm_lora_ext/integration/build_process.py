@@ -372,8 +372,9 @@ def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: 
     prepare the next spare.
 
     Not at once: cutting a file takes its inode lock while it frees the tail's pages (0.2-0.3 s for 1.8 GB),
-    and the worker's ``open``/``unlink`` of the same file would wait for it, on the new adapter's critical path. The worker removes the file's name once it has mapped it; this waits for that (and
-    for the worker's staging copy to get going) before touching the file or the memory bus. The views go first:
+    and the worker's ``open``/``unlink`` of the same file would wait for it, on the new adapter's critical path.
+    The worker removes the file's name once it has mapped it; this waits for that (and for the worker's staging
+    copy to get going) before touching the file or the memory bus. The views go first:
     unmapping a spare, whose every page is mapped (``transport.arena``), costs more than a mapping that only the
     build's writes filled, and dropped before the answer it made the hand-over 0.13 s instead of 0.04 s (H200 host,
     1.6 GB adapter, 32 requests decoding).

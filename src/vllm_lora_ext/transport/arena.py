@@ -5,7 +5,7 @@ mapping on transparent huge pages, for builds in the worker; its memory is retur
 [`SharedArena`] (``Arena.in_file``): a new file (in ``/dev/shm`` where it fits), for builds in a build process,
 whose tensors are then handed over without a copy (``transport.handover``). Each keeps one spare for the next
 arena, by the one spare policy below ([`Spare`]): the process's anonymous mapping ([`prepare_spare`], and memory
-kept once released), and per build process a file with its pages taken and mapped ([`ArenaSupply`]).
+kept once released), and per build process a file with its pages taken (on a tmpfs, mapped too: [`ArenaSupply`]).
 
 Reading an adapter from the page cache into fresh memory costs more in page faults than in copying (a page is
 faulted, zeroed and mapped before the read fills it): a 1.6 GB read on 4 threads takes about four times as long
