@@ -10,7 +10,7 @@ import torch
 
 from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext.building import BuildJob, build_adapter
-from vllm_lora_ext.transport.files import sweep_stale
+from vllm_lora_ext.transport.files import on_tmpfs, sweep_stale
 from vllm_lora_ext.transport.handover import from_shared, to_shared, trim_shared
 from vllm_lora_ext.errors import AdapterFormatError
 from vllm_lora_ext.planning import PeftKeyRouter
@@ -153,7 +153,7 @@ def _faults_writing_each_page(buffer: torch.Tensor) -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
-SHM = os.path.isdir("/dev/shm") and __import__("vllm_lora_ext.transport.files", fromlist=["x"]).on_tmpfs("/dev/shm")
+SHM = os.path.isdir("/dev/shm") and on_tmpfs("/dev/shm")
 
 
 @pytest.mark.skipif(not SHM, reason="no /dev/shm tmpfs")
@@ -206,7 +206,6 @@ def test_mapping_for_writing_keeps_every_byte_when_the_kernel_refuses_part_way(m
 def test_a_spare_in_a_disk_folder_is_not_mapped_ahead(build_dir: Path) -> None:
     """Mapping a spare writable in a folder on disk would dirty every page for writeback: there it is left as made."""
     from vllm_lora_ext.transport.arena import ArenaSupply
-    from vllm_lora_ext.transport.files import on_tmpfs
 
     if on_tmpfs(str(build_dir)):
         pytest.skip("the temporary folder is on a tmpfs")
