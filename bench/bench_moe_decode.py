@@ -174,17 +174,34 @@ def _requests(llm: Any, variant: str, adapters: list[str], composites: list[str]
     return picked
 
 
+def write_model(work: Path, layers: int) -> Path:
+    """The model folder (its config only: the weights are dummy) for ``layers`` of the 48, under ``work``."""
+    model = work / "qwen3-30b-a3b"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": layers}))
+    return model
+
+
+def start_engine(model: str, *, max_lora_rank: int, layers: int, util: float, eager: bool = False,
+                 **kwargs: Any) -> Any:
+    """This bench's engine (``profile_decode.py --shape moe`` starts the same): full CUDA graphs unless ``eager``."""
+    from vllm import LLM
+
+    graphs = {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]}
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True,
+               max_lora_rank=max_lora_rank, max_loras=SLOTS, max_cpu_loras=40, max_num_seqs=64,
+               max_num_batched_tokens=2048, max_model_len=512, gpu_memory_utilization=util, seed=0,
+               hf_overrides={"num_hidden_layers": layers}, enforce_eager=eager,
+               compilation_config=None if eager else graphs, **kwargs)
+
+
 def engine_main(conn: Any, variant: str, spec: dict[str, Any]) -> None:
     """One engine: answers ("run" or "activate", case) with seconds and ("logprobs", case) with per-request lists."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    graphs = {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]}
-    llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enable_lora=True,
-              max_lora_rank=spec["max_lora_rank"], max_loras=SLOTS, max_cpu_loras=40, max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=512, gpu_memory_utilization=spec["util"], seed=0,
-              hf_overrides={"num_hidden_layers": spec["layers"]}, compilation_config=graphs)
+    llm = start_engine(spec["model"], max_lora_rank=spec["max_lora_rank"], layers=spec["layers"], util=spec["util"])
     start_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids()]
     params = SamplingParams(max_tokens=spec["tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
@@ -384,10 +401,8 @@ def main() -> None:
         raise SystemExit("--cases must include base (every ratio is against it)")
     rank = args.max_lora_rank or (2 * RANK if "mixes" in cases else RANK)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-moe-decode-"))
-    model = work / "qwen3-30b-a3b"
-    model.mkdir(parents=True, exist_ok=True)
-    cfg = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}
-    (model / "config.json").write_text(json.dumps(cfg))
+    model = write_model(work, args.layers)
+    cfg = json.loads((model / "config.json").read_text())
     t0 = time.perf_counter()
     adapters = write_adapters(work / "adapters", args.layers)
     composites = (write_composites(work / "composites", adapters, args.composites, cfg)

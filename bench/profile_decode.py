@@ -69,19 +69,6 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def _moe_engine(model: str, max_lora_rank: int, layers: int, eager: bool, kwargs: dict[str, Any]) -> Any:
-    """An engine as ``bench_moe_decode.py`` starts its own (one engine on the card)."""
-    from bench_moe_decode import SLOTS as MOE_SLOTS
-    from vllm import LLM
-
-    graphs = {"mode": 0, "cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]}
-    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True,
-               max_lora_rank=max_lora_rank, max_loras=MOE_SLOTS, max_cpu_loras=40, max_num_seqs=64,
-               max_num_batched_tokens=2048, max_model_len=512, gpu_memory_utilization=0.4, seed=0,
-               hf_overrides={"num_hidden_layers": layers}, enforce_eager=eager,
-               compilation_config=None if eager else graphs, **kwargs)
-
-
 def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: int, eager: bool,
                 specialize: bool, cases_wanted: list[str], moe: dict[str, int] | None = None) -> None:
     import torch
@@ -106,9 +93,10 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
     kwargs: dict[str, Any] = {"specialize_active_lora": True} if specialize else {}
     t0 = time.perf_counter()
     if moe is not None:
-        from bench_moe_decode import prompt_ids as moe_prompt_ids
+        from bench_moe_decode import prompt_ids as moe_prompt_ids, start_engine
 
-        llm = _moe_engine(model, moe["max_lora_rank"], moe["layers"], eager, kwargs)
+        llm = start_engine(model, max_lora_rank=moe["max_lora_rank"], layers=moe["layers"], util=0.4, eager=eager,
+                           **kwargs)
         ids = moe_prompt_ids()
     else:
         llm = LLM(model=model, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16, max_loras=SLOTS,
@@ -165,16 +153,10 @@ def engine_main(conn: Any, model: str, adapters: list[str], tokens: int, reps: i
 
 
 def _moe_model(root: Path, layers: int) -> tuple[Path, list[str]]:
-    """bench_moe_decode.py's model folder (config only: dummy weights) and its 16 adapters, under ``root``."""
-    import json
+    """bench_moe_decode.py's model folder and its 16 adapters, under ``root``."""
+    from bench_moe_decode import write_adapters as moe_adapters, write_model as moe_model
 
-    from bench_moe_decode import write_adapters as moe_adapters
-    from bench_moe_load import QWEN3_30B_A3B
-
-    model = root / "qwen3-30b-a3b"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": layers}))
-    return model, moe_adapters(root / "adapters", layers)
+    return moe_model(root, layers), moe_adapters(root / "adapters", layers)
 
 
 def main() -> None:

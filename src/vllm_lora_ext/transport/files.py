@@ -67,7 +67,7 @@ def on_tmpfs(directory: str) -> bool:
     try:
         real = os.path.realpath(directory)
         with open("/proc/self/mounts") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+            mounts = [fields[1:3] for fields in map(str.split, f) if len(fields) > 2]
     except OSError:
         return False
     best = ("", "")
@@ -107,4 +107,3 @@ def map_for_writing(buffer: torch.Tensor, path: str) -> None:
         if madvise is None:
             part = buffer[at:at + size:_PAGE]
             part.copy_(part.clone())
-
