@@ -8,6 +8,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,6 +120,25 @@ def write_json(name: str, payload: dict[str, Any], out: str | None = None) -> Pa
 
 if __name__ == "__main__":
     print(source_hash())
+
+
+class PhaseTimes(dict):  # type: ignore[type-arg]
+    """Seconds per phase, summed over every call and thread of the functions [`timed`] wraps (probes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def timed(self, name: str, fn: Any) -> Any:
+        """``fn``, its calls' wall time added to phase ``name``."""
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with self._lock:
+                    self[name] = self.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
 
 
 def _one_token(params: Any) -> Any:

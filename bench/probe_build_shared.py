@@ -25,28 +25,16 @@ import os
 import pstats
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, print_table, write_json  # noqa: E402
+from _common import PhaseTimes, median, print_table, write_json  # noqa: E402
 
-ACC: dict[str, float] = {}
-LOCK = threading.Lock()
-
-
-def _timed(name: str, fn: Any) -> Any:
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            with LOCK:
-                ACC[name] = ACC.get(name, 0.0) + time.perf_counter() - t
-    return wrapper
+ACC = PhaseTimes()
+_timed = ACC.timed
 
 
 def _instrument() -> None:

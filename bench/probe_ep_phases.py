@@ -25,12 +25,11 @@ import dataclasses
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, print_table, write_json  # noqa: E402
+from _common import PhaseTimes, median, print_table, write_json  # noqa: E402
 from bench_moe_load import E, H, I, make_adapter  # noqa: E402
 
 
@@ -62,18 +61,8 @@ def main() -> None:
         os.sync()
     path = folder / "adapter_model.safetensors"
 
-    acc: dict[str, float] = {}
-    lock = threading.Lock()
-
-    def timed(name: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                with lock:
-                    acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
-        return wrapper
+    acc = PhaseTimes()
+    timed = acc.timed
 
     building.SafetensorsReader = timed("header", building.SafetensorsReader)
     building.plan_adapter = timed("plan", building.plan_adapter)
