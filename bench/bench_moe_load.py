@@ -14,13 +14,16 @@ GPU mode (``--gpu``): real Qwen3-30B-A3B config (``--layers`` of its 48) with ``
 two engine processes. ``--first-run`` (issue 39 item 3): engines ``stock,plugin_nowarmup,plugin`` in turn
 (``plugin_nowarmup``: ``VLLM_LORA_EXT_MOE_WARMUP=0``), each fresh, with its own empty Triton cache directory
 so no engine reuses kernels another compiled; reports each engine's start-up (``LLM(...)``) and its first
-2D adapter's ``add_lora`` -> first token against runs 2+ (goal: <= 1.2x).
+2D adapter's ``add_lora`` -> first token against runs 2+ (goal: <= 1.2x). ``--modes`` lists the engines, stock first;
+a mode given twice runs twice (the spread between engines); ``plugin_old`` imports the package from ``--old-src``
+first (``git archive <rev> src/vllm_lora_ext``, its ``src``): an earlier version beside this one in the same run.
 
 Checks mode (``--checks``): what the load-time checks cost (strict header validation, factor dtypes,
 the NaN/inf scan folded into each block's read), in one process, cases interleaved: the plugin read
 with and without the checks, and the strict header parse against the lenient parse it replaced.
 
-Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --first-run | --checks] [--out FILE]
+Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --first-run | --checks] [--modes M,...]
+    [--old-src DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -405,6 +408,10 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
         if mode.startswith("plugin_nowarmup"):
             env["VLLM_LORA_EXT_MOE_WARMUP"] = "0"
+        if mode.startswith("plugin_old"):
+            if not args.old_src:
+                raise SystemExit("--modes plugin_old needs --old-src")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (args.old_src, env.get("PYTHONPATH")) if p)
         if args.first_run:  # a fresh server: no Triton kernel another engine of this run compiled to disk
             env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{mode}-", dir=tmp)
         out = subprocess.run([sys.executable, __file__, "--_engine", "--_model", str(model), "--_adapters", str(adapters),
@@ -414,8 +421,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         if not line:
             raise RuntimeError(f"{mode} engine failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
         results[mode] = json.loads(line[-1][len("RESULT "):])
-        logs[mode] = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()
-                      if "loaded adapter" in ln or "MoE LoRA kernels warmed up" in ln]
+        logs[mode] = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if "[vllm_lora_ext" in ln]
         if args.out:  # so far: a run cut short keeps the engines done
             write_json("moe_load_gpu", {"partial": True, "modes": modes[:n + 1], "results": results}, args.out)
     rows = []
@@ -435,6 +441,7 @@ def gpu_bench(args: argparse.Namespace) -> dict:
     if args.first_run:
         first_run_summary(results, modes, args.forms.split(",")[0])
     return {"mode": "gpu", "model": f"Qwen3-30B-A3B config, {args.layers} layers, load_format=dummy", "modes": modes,
+            "old_src": args.old_src,
             "first_run": args.first_run, "results": results,
             "table": rows,  # the worker's phases: describing the model, building, wrapping
             "plugin_logs": {m: logs[m] for m in modes[1:]}}
@@ -448,6 +455,9 @@ def main() -> None:
     ap.add_argument("--first-run", action="store_true",
                     help="GPU: the first adapter's add_lora -> first token in a fresh engine against runs 2+, and the "
                          "start-up time, for stock, the plugin without the MoE kernel warm-up and with it")
+    ap.add_argument("--old-src", default=None,
+                    help="GPU: the package folder (git archive <rev> src/vllm_lora_ext, its src/) that engines of mode "
+                         "plugin_old import first: an earlier version beside this one in the same run")
     ap.add_argument("--modes", default="stock,plugin",
                     help="GPU mode: engines to run in turn, stock first (a plugin mode may repeat, to see the noise)")
     ap.add_argument("--checks", action="store_true", help="CPU: cost of the load-time checks, same run")

@@ -10,10 +10,13 @@ calling thread). With ``--bare``, it then times ``preadv`` of the same bytes, 1 
 
 ``--src DIR`` imports the package from another tree (``git archive <rev> src/vllm_lora_ext``), to time an
 earlier version on the same host; run it with and without, alternately, for a before and after (r26 ran
-new, old, new, old). No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
+new, old, new, old). ``--worker`` times the build a GPU worker runs in its own thread instead
+(``build_adapter(shared=False)``: read into a host arena, torch's default threads, as in ``bench_moe_load.py
+--gpu``), with no hand-over. No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
 dependency) headers take the entry-by-entry parse, which a serving process does not.
 
-Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--src DIR] [--workdir W] [--out FILE]
+Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--worker] [--src DIR] [--workdir W]
+    [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,18 +41,46 @@ _timed = ACC.timed
 
 
 def _instrument() -> None:
+    import importlib
+
     import vllm_lora_ext.building as building
-    import vllm_lora_ext.formats.moe_read as moe_read
     import vllm_lora_ext.reader as reader
     import vllm_lora_ext.validation as validation
 
-    building.SafetensorsReader = _timed("header", building.SafetensorsReader)
-    building.plan_adapter = _timed("plan", building.plan_adapter)
-    building.read_blocks = _timed("read_blocks", building.read_blocks)
-    building.pack_block = _timed("pack", building.pack_block)
-    reader._preadv_exactly = _timed("preadv (sum over threads)", reader._preadv_exactly)
-    validation.first_nonfinite = _timed("scan (sum over the scan pool)", validation.first_nonfinite)
-    moe_read.check_finite = _timed("check in block (sum)", moe_read.check_finite)
+    try:
+        moe_read: Any = importlib.import_module("vllm_lora_ext.formats.moe_read")
+    except ImportError:  # an earlier version (--src)
+        moe_read = None
+
+    for module, name, phase in ((building, "SafetensorsReader", "header"), (building, "plan_adapter", "plan"),
+                                (building, "read_blocks", "read_blocks"), (building, "pack_block", "pack"),
+                                (reader, "_preadv_exactly", "preadv (sum over threads)"),
+                                (validation, "first_nonfinite", "scan (sum over the scan pool)"),
+                                (moe_read, "check_finite", "check in block (sum)")):
+        if hasattr(module, name):  # an earlier version (--src) may lack one
+            setattr(module, name, _timed(phase, getattr(module, name)))
+
+
+def _worker_builds(job: Any, reps: int) -> tuple[list[dict[str, float]], str]:
+    """``build_adapter(shared=False)`` as a GPU worker's thread runs it, ``reps`` times after one untimed."""
+    from vllm_lora_ext.building import build_adapter
+    from vllm_lora_ext.planning import PeftKeyRouter
+
+    runs = []
+    for r in range(reps + 1):
+        ACC.clear()
+        t = time.perf_counter()
+        built = build_adapter(job, PeftKeyRouter(), shared=False)
+        ACC["build"] = time.perf_counter() - t
+        ACC["host arena"] = float(built.host is not None)
+        if built.host is not None:
+            built.host.close()
+        t = time.perf_counter()
+        del built
+        ACC["drop the build"] = time.perf_counter() - t
+        if r:
+            runs.append(dict(ACC))
+    return runs, ""
 
 
 def _builds(job: Any, reps: int) -> tuple[list[dict[str, float]], str]:
@@ -137,6 +168,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--bare", action="store_true", help="also time bare preadv into three kinds of memory")
+    ap.add_argument("--worker", action="store_true", help="the worker's own build (no build process, no hand-over)")
     ap.add_argument("--src", default=None, help="import vllm_lora_ext from this folder (an earlier version)")
     ap.add_argument("--workdir", default=None, help="reuse (or keep) the adapters written there")
     ap.add_argument("--out", default=None)
@@ -150,20 +182,22 @@ def main() -> None:
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.planning import ModelSpec
 
-    torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))  # as the build process
+    if not args.worker:
+        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))  # as the build process
     _instrument()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="probe-build-"))
     blocks = [f"model.layers.{layer}.mlp.experts" for layer in range(args.layers)]
     model = ModelSpec(frozenset(), moe={p: MoESpec(p, E, H, I) for p in blocks}, max_rank=16)
     result: dict[str, Any] = {"package": vllm_lora_ext.__file__, "layers": args.layers, "reps": args.reps,
-                              "forms": {}}
+                              "worker": args.worker, "torch_threads": torch.get_num_threads(), "forms": {}}
     rows = []
     for form in ("2d", "3d"):
         folder = work / form
         if not (folder / "adapter_model.safetensors").exists():
             make_adapter(folder, args.layers, form)
             os.sync()
-        runs, profile = _builds(BuildJob(str(folder), "probe", model, dtype=torch.bfloat16), args.reps)
+        job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
+        runs, profile = (_worker_builds if args.worker else _builds)(job, args.reps)
         med = {k: median([r[k] for r in runs]) for k in runs[0]}
         result["forms"][form] = {"median_s": med, "runs": runs, "profile": profile,
                                  "bare_s": _bare(folder / "adapter_model.safetensors") if args.bare else {}}
