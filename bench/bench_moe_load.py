@@ -358,7 +358,10 @@ def gpu_engine(args: argparse.Namespace) -> None:
     llm = LLM(model=args._model, load_format="dummy", skip_tokenizer_init=True, enable_lora=True, max_lora_rank=16,
               max_loras=1, max_cpu_loras=8, enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.85,
               enable_mixed_moe_lora_format=True, seed=0)
-    out: dict = {"_start_s": time.perf_counter() - t_start}
+    import vllm_lora_ext
+
+    # which package this engine's plugin is (plugin_old: the --old-src tree), read back in the results
+    out: dict = {"_start_s": time.perf_counter() - t_start, "_package": vllm_lora_ext.__file__}
     i = 0
     for rep in range(args.runs):
         for form in args.forms.split(","):

@@ -140,9 +140,10 @@ _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 
 def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
     """Where B's time to first token went, from the plugin's lines in the server log (issue 39 item 4): the build
-    process's build and hand-over ("built adapter 'B2d' in X s, handed over in Y s"), the worker's load ("loaded
-    adapter 'B2d' ... X s (describing ..., building ..., wrapping ...)") and GPU staging ("staged N MiB ... in T
-    s"), each with its log time in seconds after B arrived."""
+    process's build and hand-over ("built adapter 'B2d' in X s, handed over in Y s", with the job's time in the pipe
+    and queued), the worker's wait for that answer ("the build process answered X s after the job was sent"), its
+    load ("loaded adapter 'B2d' ... X s (describing ..., building ..., wrapping ...)") and GPU staging ("staged N
+    MiB ... in T s"), each with its log time in seconds after B arrived."""
     import datetime
     import re
 
@@ -157,11 +158,18 @@ def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
             out["build"] = {"done_after_arrival_s": after(m.group(1)), "seconds": float(m.group(2)),
                             "phases": m.group(3)}
         m = re.search(_STAMP + r".*built adapter '" + re.escape(name) + r"' in ([\d.]+) s, handed over in ([\d.]+) s "
-                      r"\(([\d.]+) MiB; queued ([\d.]+) s", line)
+                      r"\(([\d.]+) MiB; (?:in the pipe ([\d.]+) s, )?queued ([\d.]+) s", line)
         if m and "build_process" not in out:
             out["build_process"] = {"done_after_arrival_s": after(m.group(1)), "build_s": float(m.group(2)),
                                     "hand_over_s": float(m.group(3)), "mib": float(m.group(4)),
-                                    "queued_s": float(m.group(5))}
+                                    "queued_s": float(m.group(6))}
+            if m.group(5) is not None:  # the job's time from the worker's send to the build process
+                out["build_process"]["in_pipe_s"] = float(m.group(5))
+        m = re.search(_STAMP + r".*adapter '" + re.escape(name) + r"': the build process answered ([\d.]+) s after the "
+                      r"job was sent[^;]*; mapped in ([\d.]+) s", line)
+        if m and "answer" not in out:  # the worker's wait, from its send to the answer: pipe, build, hand-over, reply
+            out["answer"] = {"done_after_arrival_s": after(m.group(1)), "after_send_s": float(m.group(2)),
+                             "mapped_s": float(m.group(3))}
         m = re.search(_STAMP + r".*staged ([\d.]+) MiB on \S+ in ([\d.]+) s", line)
         if m and "build" in out and "staging" not in out:
             out["staging"] = {"done_after_arrival_s": after(m.group(1)), "mib": float(m.group(2)),

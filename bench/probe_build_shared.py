@@ -12,7 +12,7 @@ calling thread). With ``--bare``, it then times ``preadv`` of the same bytes, 1 
 earlier version on the same host; run it with and without, alternately, for a before and after (r26 ran
 new, old, new, old). ``--worker`` times the build a GPU worker runs in its own thread instead
 (``build_adapter(shared=False)``: read into a host arena, torch's default threads, as in ``bench_moe_load.py
---gpu``), with no hand-over. No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
+--gpu``), with no hand-over; a fused 3D B is transposed on the CPU here, where the worker turns it on its GPU. No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
 dependency) headers take the entry-by-entry parse, which a serving process does not.
 
 Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--worker] [--src DIR] [--workdir W]

@@ -1,6 +1,6 @@
 """`bench/bench_no_stall.py`'s breakdown of B's time to first token (issue 39 item 4), read from the plugin's lines
-in a server log: the build process's build and hand-over, the worker's load and GPU staging, each timed from B's
-arrival; lines of other adapters are not B's."""
+in a server log: the build process's build and hand-over (with the job's time in the pipe), the worker's wait for
+its answer, the worker's load and GPU staging, each timed from B's arrival; lines of other adapters are not B's."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not
         f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_process] built adapter 'A' in 0.40 s, handed over in "
         "0.02 s (1620 MiB; queued 0.00 s, spare used)",
         f"INFO {stamp(0.62)} [vllm_lora_ext.integration.build_process] built adapter 'B2d' in 0.55 s, handed over "
-        "in 0.03 s (1620 MiB; queued 0.01 s, spare used)",
+        "in 0.03 s (1620 MiB; in the pipe 0.02 s, queued 0.01 s, spare used)",
+        f"(EngineCore pid=1) INFO {stamp(0.66)} [vllm_lora_ext.integration.build_process] adapter 'B2d': the build "
+        "process answered 0.64 s after the job was sent (its pickling included); mapped in 0.002 s",
         f"(EngineCore pid=1) INFO {stamp(0.7)} [vllm_lora_ext.integration.loader] loaded adapter 'B2d' from /w/B2d: "
         "rank 16, 98 modules (48 MoE blocks: 2d), 1620.3 MiB read, 0.71 s (describing the model 0.01 s, building "
         "0.66 s (build process), wrapping 0.04 s)",
@@ -31,7 +33,10 @@ def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not
     ])
     got = bench.b_phases(log, "B2d", arrived)
     assert got["build_process"] == {"done_after_arrival_s": 0.62, "build_s": 0.55, "hand_over_s": 0.03,
-                                    "mib": 1620.0, "queued_s": 0.01}
+                                    "mib": 1620.0, "queued_s": 0.01, "in_pipe_s": 0.02}
+    assert got["answer"] == {"done_after_arrival_s": 0.66, "after_send_s": 0.64, "mapped_s": 0.002}
+    older = bench.b_phases(log.replace("in the pipe 0.02 s, ", ""), "B2d", arrived)  # a log from before the field
+    assert older["build_process"]["queued_s"] == 0.01 and "in_pipe_s" not in older["build_process"]
     assert got["build"]["seconds"] == 0.71 and got["build"]["done_after_arrival_s"] == 0.7
     assert "building 0.66 s (build process)" in got["build"]["phases"]
     assert got["staging"] == {"done_after_arrival_s": 0.81, "mib": 1545.0, "seconds": 0.102}

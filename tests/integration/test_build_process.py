@@ -46,12 +46,15 @@ def _moe_job(path: Path, *, wrapper: str = "2d", experts: tuple[int, ...] | None
     (["2d", "2d"], "2d", None), (["3d", "3d_t"], "3d", None), (["2d", "3d"], "2d", (1, 3)),
 ])
 def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
-        tmp_path: Path, build_dir: Path, forms: list[str], wrapper: str, experts: tuple[int, ...] | None) -> None:
+        tmp_path: Path, build_dir: Path, forms: list[str], wrapper: str, experts: tuple[int, ...] | None,
+        caplog: pytest.LogCaptureFixture) -> None:
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], forms, rank=R)
     job = _moe_job(folder, wrapper=wrapper, experts=experts)
     router = VllmKeyRouter(None, None)
     here = build_adapter(job, router)
-    there, mapping = build_process.build_elsewhere(job, router)
+    with caplog.at_level("INFO", logger=build_process.__name__):
+        there, mapping = build_process.build_elsewhere(job, router)
+    assert "adapter 'moe': the build process answered" in caplog.text  # the worker's wait, for B's breakdown
     # the shared file's name is gone once mapped (the spare and the owner's lock file stay while the process lives)
     assert [n for n in os.listdir(build_dir) if "-spare-" not in n and not n.endswith(".lock")] == []
     assert sorted(there.moe) == sorted(here.moe) and there.bytes_read == here.bytes_read
@@ -233,7 +236,8 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
 
 
 def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(tmp_path: Path, build_dir: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
     """Unmapping a spare whose every page is mapped takes a tenth of a second on a GPU host: the answer goes first,
     and the build process drops its mapping once the worker has mapped the file (removed its name)."""
     import io
@@ -260,7 +264,9 @@ def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(
 
     out = Pipe()
     try:
-        build_process._answer(out, 7, _moe_job(folder), None, None, supply, time.perf_counter())
+        with caplog.at_level("INFO", logger=build_process.__name__):
+            build_process._answer(out, 7, _moe_job(folder), None, None, supply, (time.perf_counter(), 0.25))
+        assert "in the pipe 0.25 s, queued" in caplog.text  # the job's time from the worker's send, logged
         kind, number, shared = pickle.loads(out.getvalue())
         assert (kind, number, shared.path) == ("ok", 7, spare) and at_answer == [True]
         assert mapped(spare)  # kept while the worker has not mapped it

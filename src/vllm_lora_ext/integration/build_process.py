@@ -155,7 +155,8 @@ class _Child:
             try:
                 # Pickled whole first, then written in as few writes as the pipe takes: each write to a full
                 # pipe gives the GIL away, and a busy engine thread keeps it up to 5 ms each time.
-                stdin.write(pickle.dumps((number, job, mapper, skip_prefixes), protocol=pickle.HIGHEST_PROTOCOL))
+                message = (number, job, mapper, skip_prefixes, time.time())  # the send time: the pipe's delay logged
+                stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
                 stdin.flush()
             except (OSError, ValueError) as err:
                 self._pending.pop(number, None)
@@ -288,13 +289,19 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     child = _POOL.get() if wait_for_start else _POOL.get_started()
     if child is None:
         return None
+    t0 = time.perf_counter()
     try:
-        return from_shared(child.run(job, router.mapper, router.skip_prefixes))
+        shared = child.run(job, router.mapper, router.skip_prefixes)
+        t1 = time.perf_counter()
+        found = from_shared(shared)
     except OSError as err:
         if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
             raise
         _warn_hand_over(job.name, err)  # the shared folder failed (removed, full): the caller builds here instead
         return None
+    logger.info("adapter %r: the build process answered %.2f s after the job was sent (its pickling included); "
+                "mapped in %.3f s", job.name, t1 - t0, time.perf_counter() - t1)
+    return found
 
 
 _HAND_OVER_WARNED = threading.Event()
@@ -332,13 +339,16 @@ def _gc_hold(delta: int) -> None:
 
 
 def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply,
-            received: float) -> None:
+            arrival: tuple[float, float]) -> None:
+    """Build ``job`` and send its hand-over (or its error) back; ``arrival``: when it was read (``perf_counter``) and
+    how long it took from the worker's pickling of it to then (the pickling, the pipe and the unpickling)."""
     from vllm_lora_ext.integration.key_router import VllmKeyRouter
 
     _gc_hold(+1)
     trim_fd: int | None = None
     held: list[Any] = []  # this process's views of the arena: unmapped after the answer is sent, not before
     try:
+        received, in_pipe = arrival
         t0 = time.perf_counter()
         waited = t0 - received
         spares_before = arenas.taken
@@ -346,8 +356,8 @@ def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixe
         t1 = time.perf_counter()
         shared = to_shared(held[0], trim=False)
         trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
-        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB; queued %.2f s, spare %s)", job.name,
-                    t1 - t0, time.perf_counter() - t1, shared.size / 2**20, waited,
+        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB; in the pipe %.2f s, queued %.2f s, "
+                    "spare %s)", job.name, t1 - t0, time.perf_counter() - t1, shared.size / 2**20, in_pipe, waited,
                     "used" if arenas.taken > spares_before else "none ready")
         message: tuple[Any, ...] = ("ok", number, shared)
     except BaseException as err:  # sent back as a record of its type and fields; the process lives on
@@ -439,10 +449,11 @@ def main() -> None:
         with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
             while True:
                 try:
-                    number, job, mapper, skip_prefixes = pickle.load(inp)
+                    number, job, mapper, skip_prefixes, sent = pickle.load(inp)
                 except EOFError:
                     return  # the pool's exit finishes the builds in flight first
-                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, time.perf_counter())
+                arrival = (time.perf_counter(), max(0.0, time.time() - sent))
+                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, arrival)
     finally:
         _STOPPING.set()
         for thread in list(_AFTER):
