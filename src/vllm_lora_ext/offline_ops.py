@@ -170,7 +170,7 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
             ambiguous and that ``--base-config`` settles it), or they contradict its shapes.
     """
     blocks = group_moe_keys(shapes)
-    dims = _base_dims(base_config) if base_config is not None else None
+    dims = _base_dims(base_config) if base_config is not None and blocks else None  # (a dense base: no MoE block)
     out: dict[str, MoESpec] = {}
     notes: dict[str, str] = {}
     for prefix, keys in blocks.items():
@@ -222,7 +222,8 @@ def _check_experts_fit(prefix: str, e: int, experts: set[int], fused: Mapping[st
                        config: AdapterConfig | None, how: str) -> None:
     """Refuse an E (from a base config, ``--num-experts`` or metadata) that the block's own shapes contradict:
     read by it, a converted or inspected adapter would be another adapter, with no error."""
-    fix = "Give the base model the adapter was trained for (--base-config), or the right --num-experts."
+    fix = ("Give the base model the adapter was trained for (--base-config; 'vllm-lora convert' also takes the right "
+           "--num-experts).")
     if experts and max(experts) >= e:
         raise ExpertCountError(f"MoE block {prefix!r} names expert {max(experts)}, but E = {e} ({how}). {fix}",
                                key=prefix)

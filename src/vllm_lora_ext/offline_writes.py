@@ -97,9 +97,10 @@ def _check_not_a_no_op(src: LoadedAdapter, resolved: ResolvedAdapter, to: str, r
             return  # transposed (PEFT 0.17-0.18) 3D becomes standard 3D
     elif rename and any(classify_key(k).proj not in (None, *_STANDARD_NAMES) for k in shapes):
         return
+    renamable = not rename and any(classify_key(k).proj not in (None, *_STANDARD_NAMES) for k in shapes)
     raise AdapterFormatError(f"Adapter {name!r} is already {to.upper()} in every MoE block, nothing to convert. Use "
                              f"the adapter as it is" + (", or pass --rename to name its projections gate_proj/up_proj/"
-                                                        "down_proj." if to == "2d" else "."), adapter=name)
+                                                        "down_proj." if to == "2d" and renamable else "."), adapter=name)
 
 
 def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], *, to: Literal["2d", "3d"],

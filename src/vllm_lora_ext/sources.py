@@ -309,8 +309,9 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
     assert src.local_path is not None
     path = src.local_path
     if src.names_file:
-        if not path.is_file():
-            raise AdapterNotFoundError(f"Adapter weight file {str(path)!r} does not exist (source {src.raw!r}). Check the "
+        if not path.is_file():  # (a FIFO or a device is no file to read either)
+            what = "is not a regular file" if path.exists() else "does not exist"
+            raise AdapterNotFoundError(f"Adapter weight file {str(path)!r} {what} (source {src.raw!r}). Check the "
                                        f"path, or write hub sources as 'hf:org/repo:file'.", source=src.raw)
         weights = path
     else:
@@ -338,10 +339,11 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                     source=src.raw, filename=pickles[0].name,
                 )
             else:
-                found = sorted(p.name for p in path.glob("*.safetensors"))[:10]
+                found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())[:10]
                 hint = (f" It holds {found}: name one of them, e.g. '{path / found[0]}'." if found
                         else " Save the adapter with PEFT's save_pretrained().")
-                message = f"Adapter folder {str(path)!r} has no {ADAPTER_WEIGHTS_NAME} (source {src.raw!r})."
+                has = "a weight file that is not a regular file:" if weights.exists() else "no"
+                message = f"Adapter folder {str(path)!r} has {has} {ADAPTER_WEIGHTS_NAME} (source {src.raw!r})."
                 raise AdapterNotFoundError(  # the file listing is for the operator's log, not for HTTP clients
                     message + hint, source=src.raw,
                     public_message=message + " Name the adapter's .safetensors weight file, or save the adapter "

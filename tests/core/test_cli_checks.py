@@ -185,9 +185,14 @@ def test_convert_of_a_dense_adapter_is_refused_as_nothing_to_convert(
         "error: Adapter 'src' is already dense (it has no MoE expert weights), nothing to convert. 'vllm-lora convert' "
         "rewrites MoE blocks only; use the adapter as it is.")
     write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, 0)], ["2d"], rank=R)
-    assert main(["convert", "moe", "--to", "2d", "-o", "out"]) == 1
+    for extra in ([], ["--rename"]):  # its names are gate_proj/up_proj/down_proj already: no --rename hint
+        assert main(["convert", "moe", "--to", "2d", "-o", "out", *extra]) == 1
+        assert _error_line(capsys.readouterr().err) == (
+            "error: Adapter 'moe' is already 2D in every MoE block, nothing to convert. Use the adapter as it is.")
+    write_moe_adapter(tmp_path / "w", [make_truth(E, H, I, R, 0)], ["2d"], rank=R, names=("w1", "w3", "w2"))
+    assert main(["convert", "w", "--to", "2d", "-o", "out"]) == 1  # w1/w3/w2: --rename would rename them
     assert _error_line(capsys.readouterr().err) == (
-        "error: Adapter 'moe' is already 2D in every MoE block, nothing to convert. Use the adapter as it is, or pass "
+        "error: Adapter 'w' is already 2D in every MoE block, nothing to convert. Use the adapter as it is, or pass "
         "--rename to name its projections gate_proj/up_proj/down_proj.")
     assert not (tmp_path / "out").exists() and _left_beside(tmp_path / "out") == []
 
@@ -200,3 +205,30 @@ def test_messages_count_in_the_singular_and_name_the_adapter_as_given(
     assert "layout      moe_2d  (1 MoE block: 2d)" in capsys.readouterr().out.splitlines()
     assert main(["mix", "moe=0.5", "-o", "out"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'out'} (rank-concatenated mix of 1 adapter)"
+
+
+def test_a_fifo_or_device_named_as_weights_is_not_a_regular_file_not_a_missing_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "f.safetensors")
+    assert main(["inspect", "f.safetensors"]) == 1
+    assert "f.safetensors' is not a regular file (source 'f.safetensors')" in _error_line(capsys.readouterr().err)
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "d" / "adapter_model.safetensors")
+    assert main(["inspect", "d"]) == 1
+    line = _error_line(capsys.readouterr().err)  # and no advice to name the FIFO itself
+    assert "has a weight file that is not a regular file: adapter_model.safetensors" in line and "name one" not in line
+
+
+def test_a_mix_of_dense_adapters_given_the_dense_base_config_reports_the_real_mismatch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    _q_adapter(tmp_path / "a", 256, 64, seed=1)
+    _q_adapter(tmp_path / "b", 512, 64, seed=2)
+    (tmp_path / "base.json").write_text(json.dumps({"hidden_size": 256, "intermediate_size": 512}))  # no experts
+    assert main(["mix", "a=0.5", "b=0.5", "-o", "out", "--base-config", "base.json"]) == 1
+    assert _error_line(capsys.readouterr().err).startswith(f"error: Cannot mix these adapters: module '{Q}'")
+    _q_adapter(tmp_path / "c", 256, 64, seed=3)
+    assert main(["mix", "a=0.5", "c=0.5", "-o", "out", "--base-config", "base.json"]) == 0  # a dense base is fine

@@ -298,6 +298,11 @@ def test_cli_cache_ls_of_a_folder_that_does_not_exist_warns_naming_it(
     assert main(["cache", "ls", "--cache-dir", str(tmp_path / "typo")]) == 0  # an empty cache is no error
     out = capsys.readouterr()
     assert f"the Hugging Face cache folder '{tmp_path / 'typo'}' does not exist" in out.err
+    assert main(["cache", "prune", "--max-bytes", "0", "--cache-dir", str(tmp_path / "typo")]) == 0  # prune too
+    assert f"the Hugging Face cache folder '{tmp_path / 'typo'}' does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path / "file")]) == 0
+    assert f"the Hugging Face cache folder '{tmp_path / 'file'}' is not a folder" in capsys.readouterr().err
     assert "0 revisions, 0 bytes listed" in out.out and "only the revisions the plugin downloaded" in out.out
 
 

@@ -50,23 +50,32 @@ def _line(rev: CachedRevision) -> str:
     return f"{rev.repo_id}@{rev.commit[:12]}  {rev.nbytes:>12d} B  last use {when}  held by: {held}"
 
 
-def run_ls(args: argparse.Namespace) -> int:
+def _warn_missing(cache_dir: str | None) -> str:
+    """The cache folder; a warning first if it is not a folder (a mistyped --cache-dir or HF_HUB_CACHE would
+    otherwise look like an empty cache)."""
     from vllm_lora_ext.diskcache import cache_path
 
-    folder = cache_path(args.cache_dir)
-    if not folder.is_dir():  # a mistyped --cache-dir or HF_HUB_CACHE would otherwise look like an empty cache
-        print(f"warning: the Hugging Face cache folder {str(folder)!r} does not exist; check --cache-dir, HF_HUB_CACHE "
-              f"or HF_HOME", file=sys.stderr)
+    folder = cache_path(cache_dir)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        print(f"warning: the Hugging Face cache folder {str(folder)!r} {what}; check --cache-dir, HF_HUB_CACHE or "
+              f"HF_HOME", file=sys.stderr)
+    return str(folder)
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    folder = _warn_missing(args.cache_dir)
     revisions = list_cache(cache_dir=args.cache_dir)
     for rev in revisions:
         print(json.dumps(_record(rev)) if args.json else _line(rev))
     if not args.json:
-        print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed in {str(folder)!r} "
+        print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed in {folder!r} "
               f"(only the revisions the plugin downloaded)")
     return 0
 
 
 def run_prune(args: argparse.Namespace) -> int:
+    _warn_missing(args.cache_dir)
     report = prune_cache(args.max_bytes, cache_dir=args.cache_dir)
     for rev in report.evicted:
         print(json.dumps({"evicted": _record(rev)}) if args.json else f"evicted {_line(rev)}")

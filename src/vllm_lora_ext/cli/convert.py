@@ -34,12 +34,12 @@ def run(args: argparse.Namespace) -> int:
         print("note: --rename has no effect with --to 3d: it names 2D projections (3D keys have one name each)",
               file=sys.stderr)
     resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once
-    from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
-    from vllm_lora_ext.offline_writes import convert_adapter
-    from vllm_lora_ext.summary import load_config
+    with claim_output(args.output, inputs=[resolved.weights_path], force=args.force) as out:  # and a bad output
+        from vllm_lora_ext.offline_ops import base_config_for, require_safetensors
+        from vllm_lora_ext.offline_writes import convert_adapter
+        from vllm_lora_ext.summary import load_config
 
-    require_safetensors(resolved, name=args.source)
-    with claim_output(args.output, inputs=[resolved.weights_path], force=args.force) as out:
+        require_safetensors(resolved, name=args.source)
         base, base_from = base_config_for(load_config(resolved, name=args.source), args.base_config)
         if base_from and not args.base_config:
             print(f"base config: {base_from}")

@@ -103,17 +103,16 @@ def run(args: argparse.Namespace) -> int:
         if not eq:
             name, weight = item, ""
         items.append((name, weight, *_resolve_item(name, dep, where)))
-    from vllm_lora_ext.mixing import check_weight, parse_weight
-    from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
-    from vllm_lora_ext.offline_writes import mix_adapter_files
+    with claim_output(args.output, inputs=[r.weights_path for _, _, r, _ in items], force=args.force) as out:  # too
+        from vllm_lora_ext.mixing import check_weight, parse_weight
+        from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
+        from vllm_lora_ext.offline_writes import mix_adapter_files
 
-    pairs: list[tuple[ResolvedAdapter, float]] = []
-    names: list[str] = []
-    for name, weight, resolved, default in items:
-        require_safetensors(resolved, name=name)
-        pairs.append((resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
-        names.append(name)
-    with claim_output(args.output, inputs=[r.weights_path for r, _ in pairs], force=args.force) as out:
+        pairs: list[tuple[ResolvedAdapter, float]] = []
+        names = [name for name, *_ in items]
+        for name, weight, resolved, default in items:
+            require_safetensors(resolved, name=name)
+            pairs.append((resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
         base = load_base_config(args.base_config) if args.base_config else None
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
