@@ -26,9 +26,11 @@ def resolve_and_check(path: str, *, name: str = "adapter") -> ResolvedAdapter:
 
     Raises:
         [`AdapterSourceError`], [`AdapterNotFoundError`], [`AdapterFormatError`]: as the source or config is bad.
+        [`AdapterAccessError`]: a local source inside ``VLLM_LORA_EXT_ALLOWED_ROOTS`` whose config (or, without one,
+            weight file) leads out of them.
     """
     resolved = resolve_source(path)
-    load_config(resolved, name=name)
+    load_config(resolved, name=name, roots=confining_roots(resolved))  # a file leading out of the roots: unread
     return resolved
 
 

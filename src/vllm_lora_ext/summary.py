@@ -8,10 +8,12 @@ rule is one more entry of [`adapter_rules`]; [`collect_problems`] turns rule res
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
@@ -76,7 +78,12 @@ def load_config(resolved: ResolvedAdapter, *, name: str = "adapter", header: Fil
     if resolved.is_pickle:
         raise AdapterFormatError(f"Adapter {name!r}: pickle weights need an adapter_config.json beside them.",
                                  adapter=name)
-    header = header or read_header(resolved.weights_path)
+    if header is None:  # (with ``roots``: the weight file too must lie in one)
+        fd = open_confined(resolved.weights_path, roots)
+        try:
+            header = read_header(resolved.weights_path, fd=fd)
+        finally:
+            os.close(fd)
     return infer_config(header.shapes, header.metadata, name=name)
 
 

@@ -393,3 +393,27 @@ def test_an_opted_in_pickle_adapter_with_non_float_factors_is_refused_on_every_p
         with pytest.raises(AdapterFormatError, match="not a float type") as e:
             build_adapter(_dense_job(place), PeftKeyRouter(), shared=shared)
         assert key in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["config file", "weight file, no config"])
+def test_the_servers_check_of_a_source_inside_the_roots_never_reads_a_file_that_leads_out(
+        roots: tuple[Path, Path], what: str) -> None:
+    """The API server's resolve-and-check (``/v1/load_lora_adapter``) is held to the roots as a build is: a config
+    linked out of them is refused, never read, so no part of it reaches the client's error."""
+    import json as _json
+
+    from vllm_lora_ext.resolve import resolve_and_check
+
+    inside, outside = roots
+    secret = outside / "creds.json"
+    secret.write_text(_json.dumps({"r": "sk-SECRET-TOKEN", "lora_alpha": 8}))
+    folder = inside / "team" / "a"
+    if what == "config file":
+        swap_for_link(folder / "adapter_config.json", secret)
+    else:
+        (folder / "adapter_config.json").unlink()
+        swap_for_link(folder / "adapter_model.safetensors", outside / "team" / "a" / "adapter_model.safetensors")
+    with pytest.raises(AdapterAccessError, match=f"ALLOWED_ROOTS={inside}") as info:
+        resolve_and_check(str(folder), name="evil")
+    assert "SECRET" not in str(info.value) and "SECRET" not in info.value.client_message()
+    assert resolve_and_check(str(outside / "team" / "a"), name="operator's").weights_path  # outside: not held
