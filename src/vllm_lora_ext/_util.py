@@ -143,6 +143,19 @@ def _outside(path: str | os.PathLike[str], roots: Sequence[str], how: str) -> Ad
     return err
 
 
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """Return what tells one file's version from another: device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def files_unchanged(files: Sequence[tuple[str, tuple[int, int, int, int]]]) -> bool:
+    """Whether each ``(path, stamp)`` still names the file of that [`file_stamp`] (gone or replaced: ``False``)."""
+    try:
+        return all(file_stamp(os.stat(path)) == stamp for path, stamp in files)
+    except OSError:
+        return False
+
+
 def fmt_bytes(n: float) -> str:
     """A byte count in B, KiB, MiB or GiB (``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB)."""
     value = float(n)

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
-from vllm_lora_ext._util import gc_paused
+from vllm_lora_ext._util import file_stamp, gc_paused
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.constants import host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.diskholds import holding  # a build's revision is never evicted under it
@@ -80,6 +81,8 @@ class BuiltAdapter:
         host: the huge-page host arena the tensors were read into (builds in the worker), which the worker
             pins in place; closed (``host.close()``) once nothing more is allocated from it.
         turned_on_gpu: fused 3D factors transposed and scaled on the worker's GPU (``transpose_on``).
+        files: each file the build read (weights, config) with its [`file_stamp`] then: a cached build of a local
+            source is stale once one differs (``_util.files_unchanged``).
     """
 
     identity: str
@@ -91,6 +94,7 @@ class BuiltAdapter:
     arena: Arena | None = None
     host: Arena | None = None
     turned_on_gpu: int = 0
+    files: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,17 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             raise
         layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
-                            stats.turned_on_gpu)
+                            stats.turned_on_gpu, _stamps(resolved, source))
+
+
+def _stamps(resolved: Any, source: Any) -> tuple[tuple[str, tuple[int, int, int, int]], ...]:
+    """The files a build read, each with its stamp: the weight file's as its header was read, the config's now."""
+    weights = (source.header.stamp if not resolved.is_pickle and source.header.stamp is not None
+               else file_stamp(os.stat(resolved.weights_path)))
+    out = [(str(resolved.weights_path), weights)]
+    if resolved.config_path is not None:
+        out.append((str(resolved.config_path), file_stamp(os.stat(resolved.config_path))))
+    return tuple(out)
 
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:

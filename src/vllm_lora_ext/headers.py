@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
     msgspec = None  # type: ignore[assignment]
 
-from vllm_lora_ext._util import clip, gc_paused
+from vllm_lora_ext._util import clip, file_stamp, gc_paused
 from vllm_lora_ext.errors import AdapterFormatError
 
 __all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name",
@@ -186,11 +186,6 @@ def read_header(path: str | os.PathLike[str], *, fd: int | None = None) -> FileH
             return _read_header(path, own)
         finally:
             os.close(own)
-
-
-def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
-    """Return what tells one file's version from another: device, inode, size and modification time."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _pread_upto(fd: int, n: int, offset: int) -> bytes:

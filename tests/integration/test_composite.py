@@ -200,3 +200,39 @@ def test_a_mix_built_into_kept_memory_equals_one_built_into_fresh_memory_and_lea
                 assert x.dtype == y.dtype and torch.equal(x, y)
     assert torch.equal(first["model.layers.0.self_attn.q_proj"][0], kept_before)  # not the memory the first holds
     hostmem.clear_spare()
+
+
+def test_a_new_mix_after_a_component_folder_is_written_over_reads_the_new_bytes_not_the_cached_ones(
+        worker_manager: Any, tmp_path: Path) -> None:
+    """One client's adapter cached as a mix component, then the folder written over with another's: a new mix
+    naming that folder is built from the bytes there now, never from the cache of the old ones."""
+    import shutil
+
+    import vllm.lora.worker_manager as wm
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.integration import composite
+
+    alice = make_peft_adapter(tiny_llama(), tmp_path / "alice", targets=["q_proj"], rank=4, alpha=8, seed=1)
+    bob = make_peft_adapter(tiny_llama(), tmp_path / "bob", targets=["q_proj"], rank=4, alpha=8, seed=2)
+    upload = tmp_path / "upload"
+    shutil.copytree(alice, upload)
+
+    def mix(w: float) -> Any:
+        spec = MixSpec((MixComponent("up", str(upload), w),))
+        return wm.WorkerLoRAManager._load_adapter(worker_manager, LoRARequest(spec.lora_name, 1 << 30, spec.lora_path))
+
+    def deltas(lora: Any) -> dict[str, torch.Tensor]:
+        return {name: w.lora_b @ w.lora_a for name, w in lora.loras.items()}
+
+    first = deltas(_load(worker_manager, MixSpec((MixComponent("up", str(upload), 1.0),))))  # alice's, cached
+    assert composite._CACHE
+    shutil.rmtree(upload)
+    shutil.copytree(bob, upload)  # written over: another adapter at the same path
+    oracle = _dense_oracle(bob)
+    second = deltas(mix(0.5))
+    assert sorted(second) == sorted(oracle) == sorted(first)
+    for name, d in second.items():
+        torch.testing.assert_close(d, 0.5 * oracle[name], rtol=1e-4, atol=1e-5)  # bob's bytes, not alice's
+        assert not torch.allclose(0.5 * first[name], 0.5 * oracle[name], rtol=1e-3, atol=1e-4)  # (the control)
+    composite.clear_component_cache()

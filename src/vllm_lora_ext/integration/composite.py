@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vllm_lora_ext._util import files_unchanged
 from vllm_lora_ext.building import MappedAdapter
 from vllm_lora_ext.constants import component_cache_size, host_arena_min_bytes, host_arenas_enabled
 from vllm_lora_ext.integration._compat import lora_host_memory_pinned, pin_in_place
@@ -48,13 +49,28 @@ def _cache_size() -> int:
     return component_cache_size()
 
 
-def _component(manager: Any, c: MixComponent, load: LoadComponent) -> MappedAdapter:
-    key = (id(manager), c.source)
+def _cached(key: tuple[int, str]) -> MappedAdapter | None:
+    """The cached component, unless a file it was built from has changed since (a local folder written over):
+    a new mix then reads the bytes there now, as a plain load does."""
     with _LOCK:
         hit = _CACHE.get(key)
+    if hit is None or files_unchanged(hit.built.files):
         if hit is not None:
-            _CACHE.move_to_end(key)
-            return hit
+            with _LOCK:
+                if key in _CACHE:
+                    _CACHE.move_to_end(key)
+        return hit
+    with _LOCK:
+        if _CACHE.get(key) is hit:
+            del _CACHE[key]
+    return None
+
+
+def _component(manager: Any, c: MixComponent, load: LoadComponent) -> MappedAdapter:
+    key = (id(manager), c.source)
+    hit = _cached(key)
+    if hit is not None:
+        return hit
     model = load(c.name, c.source)
     size = _cache_size()
     if size:
@@ -71,8 +87,7 @@ def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedA
     A component load is mostly reading and copying (which release the GIL) or waiting for the build process,
     which runs them side by side.
     """
-    with _LOCK:
-        cached = {c.source for c in spec.components if (id(manager), c.source) in _CACHE}
+    cached = {c.source for c in spec.components if _cached((id(manager), c.source)) is not None}
     missing: dict[str, MixComponent] = {}  # by source: one load for a source named twice
     for c in spec.components:
         if c.source not in cached:
