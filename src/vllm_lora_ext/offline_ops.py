@@ -21,7 +21,7 @@ from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, Expe
                                   offline_pickle_error)
 from vllm_lora_ext.formats import classify_key, group_modules, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertsLoRA, MoESpec
-from vllm_lora_ext.formats.moe_plan import plan_experts
+from vllm_lora_ext.formats.moe_plan import declared_3d_ranks, plan_experts
 from vllm_lora_ext.sources import ResolvedAdapter
 from vllm_lora_ext.summary import check_adapter_rules, load_config
 from vllm_lora_ext.validation import check_finite, not_lora_reason
@@ -230,8 +230,7 @@ def _check_experts_fit(prefix: str, e: int, experts: set[int], fused: Mapping[st
     for module, ab in fused.items():
         rows = ab["A"][0] if "A" in ab and len(ab["A"]) == 2 else None
         # the config may name the fused tensor by its module or its parameter (gate_up_proj, down_proj)
-        ranks = ({config.rank_for(n) for n in (module, f"{prefix}.gate_up_proj", f"{prefix}.down_proj")}
-                 if config is not None else set())
+        ranks = declared_3d_ranks(config, module, prefix) if config is not None else set()
         if rows is None or (rows % e == 0 and (not ranks or rows // e in ranks)):
             continue
         per = f"{rows / e:g}" if rows % e else str(rows // e)

@@ -385,3 +385,19 @@ def test_a_fused_b_gathered_equals_it_read_by_column_ranges(
     for built in (gathered, by_ranges, control):
         if built.arena is not None:
             built.arena.discard()
+
+
+def test_a_3d_adapter_made_for_fewer_experts_is_refused_not_read_at_another_rank(tmp_path: Path) -> None:
+    """A 2D adapter that names experts 0-1 of this 4-expert model, converted to 3D without a base config, says
+    E = 2 in its rows (r·E = 2·4). On the model's E = 4 those rows read as rank 2 against the config's r = 4:
+    every expert would get another expert's factors at half the rank, with no error. Refused, naming both."""
+    from vllm_lora_ext.cli import main
+    from vllm_lora_ext.errors import ExpertLayoutError
+
+    partial = write_moe_adapter(tmp_path / "partial", [make_truth(2, H, I, R, s) for s in (0, 1)], ["2d", "2d"],
+                                rank=R)
+    build_adapter(moe_build_job(partial), PeftKeyRouter())  # as 2D it loads: experts 2 and 3 have no delta
+    assert main(["convert", str(partial), "--to", "3d", "-o", str(tmp_path / "as3d")]) == 0
+    with pytest.raises(ExpertLayoutError, match=r"3D A has 8 rows, 2 per expert with the model's E=4, but the "
+                                                r"adapter config's r is 4: the adapter was made for 2 experts"):
+        build_adapter(moe_build_job(tmp_path / "as3d"), PeftKeyRouter())

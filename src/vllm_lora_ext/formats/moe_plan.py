@@ -154,6 +154,13 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
     seen_roles: dict[str, str] = {}  # role -> "2d" or "3d", the form that gave it
     threed = _plan_2d(shapes, plan, problems, seen_roles)
     _plan_3d(shapes, threed, _orientation_hint(config), plan, problems, seen_roles)
+    for k3 in plan.keys_3d if config is not None else ():  # r·E rows, E the model's: r must be the config's
+        info = classify_key(k3.key_a)
+        declared = declared_3d_ranks(config, info.module, info.experts_prefix or info.module)
+        if declared and k3.rank not in declared:
+            problems.append(f"{info.module}: 3D A has {shapes[k3.key_a][0]} rows, {k3.rank} per expert with the "
+                            f"model's E={spec.num_experts}, but the adapter config's r is {min(declared)}: the "
+                            f"adapter was made for {shapes[k3.key_a][0] / min(declared):g} experts")
     if any(k.role in ("gate", "up") for k in plan.keys_2d) and any(k.role == "gate_up" for k in plan.keys_3d):
         problems.append(f"{spec.prefix}: gate/up given both per expert (2D) and fused (3D)")
     if problems:
@@ -166,6 +173,13 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
             + ("." if unsettled else ". Check that the adapter was trained for this base model."),
             adapter=adapter, key=spec.prefix)
     return plan
+
+
+def declared_3d_ranks(config: AdapterConfig, module: str, prefix: str) -> set[int]:
+    """The ranks the config may give a fused 3D factor: by its module's name or by the fused parameter's
+    (``<experts>.gate_up_proj``, ``<experts>.down_proj``; ``rank_pattern`` may name either, PEFT's
+    ``target_parameters``). A fused factor has ``r × E`` rows for one of them."""
+    return {config.rank_for(n) for n in (module, f"{prefix}.gate_up_proj", f"{prefix}.down_proj")}
 
 
 def _plan_2d(shapes: Mapping[str, tuple[int, ...]], plan: ExpertsPlan, problems: list[str],
