@@ -36,7 +36,7 @@ from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import ALIGN, Arena, ArenaSupply, aligned
-from vllm_lora_ext.validation import check_finite, check_rank_budget
+from vllm_lora_ext.validation import check_finite, check_fits_dtype, check_rank_budget
 
 __all__ = ["BuildJob", "BuiltAdapter", "MappedAdapter", "ModuleKeys", "build_adapter", "pack_block"]
 
@@ -182,6 +182,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             else:
                 dense = source.read_many(plan.dense_keys, copy=True)
             check_finite(dense, adapter=job.name)
+            check_fits_dtype(_dense_multipliers(dense, config), job.dtype, adapter=job.name)
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name, alloc=alloc, transpose_on=transpose_on,
                                   fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"),
                                   pools=pools)
@@ -213,6 +214,17 @@ def _stamps(resolved: Any, source: Any) -> tuple[tuple[str, tuple[int, int, int,
     if resolved.config_path is not None:
         out.append((str(resolved.config_path), file_stamp(os.stat(resolved.config_path))))
     return tuple(out)
+
+
+def _dense_multipliers(dense: Mapping[str, torch.Tensor], config: AdapterConfig) -> Any:
+    """Each dense factor with what serving multiplies it by: a B by its module's scaling (vLLM folds it into B in
+    the LoRA dtype), an A by 1."""
+    for key, t in dense.items():
+        info = classify_key(key)
+        if info.which == "B" and t.dim() == 2 and t.shape[1]:
+            yield key, t, config.scaling_for(info.module, int(t.shape[1]))
+        else:
+            yield key, t, 1.0
 
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_rank_budget", "check_finite", "first_nonfinite", "nonfinite_error"]
+           "check_rank_budget", "check_finite", "check_fits_dtype", "first_nonfinite", "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
 LORA_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -111,9 +111,10 @@ def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[st
     problems: list[str] = []
     for k in keys:
         info = classify_key(k)
-        other = pairs.setdefault(info.module, {}).setdefault(info.which, k)
-        if other != k:  # e.g. one spelled with PEFT's prefix and one without: neither may be dropped silently
-            problems.append(f"{info.module}: two keys hold its lora_{info.which}, {other!r} and {k!r}; keep one")
+        module = (module_of or {}).get(k, info.module)  # as the model names it: two spellings of one are one
+        other = pairs.setdefault(module, {}).setdefault(info.which, k)
+        if other != k:  # e.g. one spelled with PEFT's prefix and one without (or twice): neither may be dropped
+            problems.append(f"{module}: two keys hold its lora_{info.which}, {other!r} and {k!r}; keep one")
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             have = "A" if "A" in pair else "B"
@@ -244,3 +245,33 @@ def check_finite(tensors: Mapping[str, torch.Tensor], *, adapter: str = "adapter
     bad = first_nonfinite(tensors)
     if bad is not None:
         raise nonfinite_error(bad, adapter=adapter)
+
+
+def check_fits_dtype(factors: Iterable[tuple[str, torch.Tensor, float]], dtype: torch.dtype | None, *,
+                     adapter: str = "adapter") -> None:
+    """Refuse a factor that is finite as stored but would not be once served: cast to ``dtype`` (the LoRA dtype;
+    ``None``: its own) and multiplied by its ``(key, tensor, multiplier)`` multiplier (a dense B by its module's
+    scaling, which vLLM folds into B in that dtype; an A by 1). A float64 factor of 1e300, a float32 one of 1e5 in
+    float16, or ``lora_alpha: 1e300`` would otherwise turn every output of the request into inf or NaN.
+
+    Only factors whose dtype's range, times the multiplier, exceeds the target's are scanned (one pass each).
+
+    Raises:
+        [`AdapterFormatError`]: names the key, its largest magnitude, the multiplier and the dtype's limit.
+    """
+    import torch
+
+    for key, t, multiplier in factors:
+        if not t.numel() or not t.is_floating_point():
+            continue
+        limit = torch.finfo(dtype or t.dtype).max
+        if torch.finfo(t.dtype).max * abs(multiplier) <= limit:  # nothing it can hold goes past the limit
+            continue
+        lo, hi = torch.aminmax(t)
+        largest = max(-float(lo), float(hi))
+        if largest * abs(multiplier) > limit:
+            scaled = f" × scaling {multiplier:.3g}" if multiplier != 1 else ""
+            raise AdapterFormatError(
+                f"Adapter {adapter!r}: tensor {key!r} reaches {largest:.3g}{scaled}, past {dtype or t.dtype}'s "
+                f"largest value {limit:.3g}: it would be served as infinity. Re-save the adapter with smaller "
+                f"values; check lora_alpha.", adapter=adapter, key=key)

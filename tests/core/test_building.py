@@ -401,3 +401,49 @@ def test_a_3d_adapter_made_for_fewer_experts_is_refused_not_read_at_another_rank
     with pytest.raises(ExpertLayoutError, match=r"3D A has 8 rows, 2 per expert with the model's E=4, but the "
                                                 r"adapter config's r is 4: the adapter was made for 2 experts"):
         build_adapter(moe_build_job(tmp_path / "as3d"), PeftKeyRouter())
+
+
+@pytest.mark.parametrize(("case", "file_dtype", "lora_dtype", "value", "alpha"), [
+    ("float64 past every serving dtype", torch.float64, torch.bfloat16, 1e300, 8.0),
+    ("float32 past float16", torch.float32, torch.float16, 1e5, 8.0),
+    ("lora_alpha 1e300 folded into B", torch.float32, torch.float32, 1.0, 1e300),
+    ("lora_alpha 1e6 folded into a float16 B", torch.float16, torch.float16, 1.0, 1e6),
+])
+def test_a_dense_factor_finite_on_disk_but_infinite_once_served_is_refused(
+        tmp_path: Path, case: str, file_dtype: torch.dtype, lora_dtype: torch.dtype, value: float,
+        alpha: float) -> None:
+    """Cast to the LoRA dtype and multiplied by its scaling (as vLLM folds it into B), each of these factors would
+    be inf: every output of the request NaN or inf. Refused, naming the key; the same adapter in range loads."""
+    from factories import dense_tensors, llama_shapes, lora_config, write_adapter
+    from vllm_lora_ext.planning import ModelSpec
+    from vllm_lora_ext.validation import ModuleDims
+
+    tensors = dense_tensors(llama_shapes(), rank=4, seed=0, dtype=file_dtype)
+    b_key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    dims = {m: ModuleDims(i, o) for m, (i, o) in llama_shapes().items()}
+    model = ModelSpec(frozenset(dims), dims=dims, max_rank=16)
+    fine = write_adapter(tmp_path / "fine", tensors, lora_config(4, 8))
+    build_adapter(BuildJob(str(fine), "fine", model, dtype=lora_dtype), PeftKeyRouter())  # the control: it loads
+    tensors[b_key] = torch.full_like(tensors[b_key], value)
+    bad = write_adapter(tmp_path / "bad", tensors, lora_config(4, alpha))
+    with pytest.raises(AdapterFormatError, match=rf"tensor '{b_key}' reaches .* it would be served as infinity"):
+        build_adapter(BuildJob(str(bad), "bad", model, dtype=lora_dtype), PeftKeyRouter())
+
+
+@pytest.mark.parametrize("spelling", ["01", "prefixed"])
+def test_one_expert_given_twice_in_two_spellings_is_refused_not_one_dropped(tmp_path: Path, spelling: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from vllm_lora_ext.errors import ExpertLayoutError
+
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    for key in [k for k in tensors if ".layers.0.mlp.experts.1.gate_proj." in k]:
+        other = (key.replace(".experts.1.", ".experts.01.") if spelling == "01"
+                 else key.replace("base_model.model.", "", 1) if key.startswith("base_model.model.")
+                 else "base_model.model." + key)
+        tensors[other] = tensors[key] * 3
+    save_file(tensors, str(path))
+    with pytest.raises(ExpertLayoutError, match=r"keep one"):
+        build_adapter(moe_build_job(folder), PeftKeyRouter())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,22 @@ def test_a_mapper_that_drops_one_expert_still_has_that_expert_refused(tmp_path: 
     with pytest.raises(UnmatchedKeysError) as e:
         plan_adapter(shapes, config_from_dict({"r": 4}), spec, router=router)
     assert sorted(e.value.keys) == sorted(k for k in shapes if ".experts.2." in k)
+
+
+def test_one_dense_factor_spelled_twice_with_a_doubled_prefix_is_refused_not_one_dropped(tmp_path: Any) -> None:
+    from factories import dense_tensors, llama_shapes, lora_config, write_adapter
+    from vllm_lora_ext.building import BuildJob, build_adapter
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.integration.key_router import VllmKeyRouter
+    from vllm_lora_ext.planning import ModelSpec
+    from vllm_lora_ext.validation import ModuleDims
+
+    tensors = dense_tensors(llama_shapes(), rank=4, seed=0)
+    a_key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors["base_model.model." + a_key] = tensors[a_key] * 2  # vLLM names both q_proj: one would vanish
+    tensors["base_model.model." + a_key.replace("lora_A", "lora_B")] = tensors[a_key.replace("lora_A", "lora_B")].clone()
+    dims = {m: ModuleDims(i, o) for m, (i, o) in llama_shapes().items()}
+    job = BuildJob(str(write_adapter(tmp_path / "a", tensors, lora_config(4, 8))), "twice",
+                   ModelSpec(frozenset(dims), dims=dims, max_rank=16))
+    with pytest.raises(AdapterFormatError, match=r"two keys hold its lora_A, .*keep one"):
+        build_adapter(job, VllmKeyRouter(None, None))  # vLLM's parser: both are q_proj

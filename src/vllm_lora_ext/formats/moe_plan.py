@@ -191,7 +191,10 @@ def _plan_2d(shapes: Mapping[str, tuple[int, ...]], plan: ExpertsPlan, problems:
     infos: dict[str, Any] = {}
     for key in shapes:
         info = infos[key] = classify_key(key)
-        pairs.setdefault(info.module, {})[info.which] = key
+        other = pairs.setdefault(info.module, {}).setdefault(info.which, key)
+        if other != key:  # one spelled with PEFT's prefix and one without: neither may be dropped silently
+            problems.append(f"{info.module}: two keys hold its lora_{info.which}, {other!r} and {key!r}; keep one")
+    taken: dict[tuple[int, str], str] = {}  # (expert, role) -> its module: "01" and "1" are one expert
     threed: list[tuple[str, str, str]] = []
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
@@ -217,6 +220,10 @@ def _plan_2d(shapes: Mapping[str, tuple[int, ...]], plan: ExpertsPlan, problems:
             r = sa[0]
             if sa != (r, d_in) or sb != (d_out, r):
                 problems.append(f"{module}: shapes A{sa} B{sb}, expected A(r, {d_in}) B({d_out}, r) for {role}")
+                continue
+            first = taken.setdefault((info.expert, role), module)
+            if first != module:
+                problems.append(f"{module}: expert {info.expert}'s {role} is also given as {first!r}; keep one")
                 continue
             plan.keys_2d.append(Key2D(pair["A"], pair["B"], info.expert, role, r))
             seen_roles.setdefault(role, "2d")
