@@ -145,6 +145,9 @@ class ModelSpec:
             (``VLLM_LORA_EXT_DROP_UNAPPLIED``).
         allow_unmatched: keys that match no module are dropped with a warning instead of refused
             (``VLLM_LORA_EXT_ALLOW_UNMATCHED_KEYS``).
+        packed: each packed dense module and its constituents (``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``);
+            vLLM packs the constituents' factors over the packed module's own, so an adapter may give one or the
+            other, not both.
     """
 
     accepted: frozenset[str]
@@ -156,6 +159,7 @@ class ModelSpec:
     traits: Mapping[str, str] = field(default_factory=dict)
     drop_unapplied: frozenset[str] = frozenset()
     allow_unmatched: bool = False
+    packed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -230,7 +234,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         bad = set(unmatched)
         dense_keys = [k for k in dense_keys if k not in bad]
         module_of = {k: m for k, m in module_of.items() if k not in bad}
-    check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name)
+    check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name, packed=model.packed)
     plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
              for prefix, group in moe_groups.items()}
     return AdapterPlan(dense_keys, module_of, plans, dropped)

@@ -8,7 +8,7 @@ Pure core: shapes and dtypes come from the safetensors header; module dims from 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,7 +89,7 @@ def check_has_factors(kinds: Iterable[str], *, adapter: str = "adapter") -> None
 
 def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[str],
                         dims: Mapping[str, ModuleDims] | None = None, *, module_of: Mapping[str, str] | None = None,
-                        adapter: str = "adapter") -> None:
+                        adapter: str = "adapter", packed: Mapping[str, Sequence[str]] | None = None) -> None:
     """Check dense (non-MoE) LoRA pairs: both factors present, 2-D, ranks agree, dims fit the module.
 
     ``A`` must be ``(r, in)`` and ``B`` ``(out, r)`` with ``r >= 1``; where ``dims`` knows the module
@@ -115,6 +115,11 @@ def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[st
         other = pairs.setdefault(module, {}).setdefault(info.which, k)
         if other != k:  # e.g. one spelled with PEFT's prefix and one without (or twice): neither may be dropped
             problems.append(f"{module}: two keys hold its lora_{info.which}, {other!r} and {k!r}; keep one")
+    for whole, parts in (packed or {}).items():  # vLLM packs the parts over the whole's own factors: one is lost
+        given = [p for p in parts if p in pairs and p != whole]  # (Phi-3 packs qkv_proj as itself)
+        if whole in pairs and given:
+            problems.append(f"{whole}: given both as the packed module and as its parts {given}; vLLM would pack "
+                            f"the parts over it and drop its own factors: keep one")
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             have = "A" if "A" in pair else "B"

@@ -127,3 +127,19 @@ def test_the_no_factor_check_stops_at_the_first_factor_and_still_counts_a_file_w
     check_has_factors(kinds())
     with pytest.raises(AdapterFormatError, match="has 3 tensors, none a lora_A"):
         check_has_factors(iter(["other"] * 3), adapter="x")
+
+
+def test_a_module_packed_as_itself_is_no_conflict_but_a_packed_module_beside_its_parts_is() -> None:
+    """Phi-3 packs ``qkv_proj`` as ``["qkv_proj"]``: its adapters give ``qkv_proj`` alone, which is fine."""
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.validation import check_dense_factors
+
+    def keys(module: str, out: int) -> dict[str, tuple[int, ...]]:
+        return {f"{module}.lora_A.weight": (4, 16), f"{module}.lora_B.weight": (out, 4)}
+
+    phi3 = keys("m.qkv_proj", 48)
+    check_dense_factors(phi3, list(phi3), packed={"m.qkv_proj": ("m.qkv_proj",)})
+    llama = {**keys("m.qkv_proj", 48), **keys("m.k_proj", 16)}
+    with pytest.raises(AdapterFormatError, match=r"m.qkv_proj: given both as the packed module and as its parts "
+                                                 r"\['m.k_proj'\]"):
+        check_dense_factors(llama, list(llama), packed={"m.qkv_proj": ("m.q_proj", "m.k_proj", "m.v_proj")})

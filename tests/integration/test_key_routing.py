@@ -112,3 +112,26 @@ def test_one_dense_factor_spelled_twice_with_a_doubled_prefix_is_refused_not_one
                    ModelSpec(frozenset(dims), dims=dims, max_rank=16))
     with pytest.raises(AdapterFormatError, match=r"two keys hold its lora_A, .*keep one"):
         build_adapter(job, VllmKeyRouter(None, None))  # vLLM's parser: both are q_proj
+
+
+def test_an_adapter_giving_a_packed_module_and_its_parts_is_refused_not_packed_over(worker_manager: Any,
+                                                                                     tmp_path: Any) -> None:
+    """``qkv_proj`` beside ``q_proj``: vLLM packs q/k/v over the file's own ``qkv_proj`` factors, which then
+    vanish. Refused, naming both; either alone loads."""
+    import torch
+
+    from factories import lora_config, write_adapter
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.integration.loader import load_lora_model
+    from vllm.lora.request import LoRARequest
+
+    attn = "base_model.model.model.layers.0.self_attn"
+    parts = {f"{attn}.q_proj.lora_A.weight": torch.randn(4, 64), f"{attn}.q_proj.lora_B.weight": torch.randn(64, 4)}
+    whole = {f"{attn}.qkv_proj.lora_A.weight": torch.randn(4, 64),
+             f"{attn}.qkv_proj.lora_B.weight": torch.randn(128, 4)}
+    cfg = lora_config(4, 8, ["q_proj", "qkv_proj"])
+    assert load_lora_model(worker_manager, LoRARequest("parts", 1, str(write_adapter(tmp_path / "p", parts, cfg))))
+    both = write_adapter(tmp_path / "both", {**parts, **whole}, cfg)
+    with pytest.raises(AdapterFormatError, match=r"qkv_proj: given both as the packed module and as its parts "
+                                                 r"\['model.layers.0.self_attn.q_proj'\].*keep one"):
+        load_lora_model(worker_manager, LoRARequest("both", 2, str(both)))

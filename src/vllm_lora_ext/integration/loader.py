@@ -67,7 +67,9 @@ def model_spec(manager: Any, targets: Mapping[str, Any]) -> ModelSpec:
         moe={p: t.spec for p, t in targets.items()}, local_experts={p: t.local_experts for p, t in targets.items()},
         max_rank=int(manager.lora_config.max_lora_rank),
         pooling=bool(getattr(manager._adapter_manager, "is_pooling_model", False)),
-        traits=model_traits(manager), drop_unapplied=drop_unapplied())
+        traits=model_traits(manager), drop_unapplied=drop_unapplied(),
+        packed={name: tuple(parts) for name, parts in manager._adapter_manager.packed_modules.items()
+                if name not in targets})  # (an MoE block's "parts" are its experts: planned as a block)
 
 
 def model_traits(manager: Any) -> dict[str, str]:
