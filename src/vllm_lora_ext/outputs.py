@@ -41,8 +41,9 @@ _AT_FDCWD = -100
 
 
 def _absolute(out: str | os.PathLike[str]) -> Path:
-    """The output folder as an absolute path, ``~`` expanded as a shell does (``~name`` of no user stays)."""
-    return Path(os.path.expanduser(out)).absolute()
+    """The output folder as an absolute path, ``~`` expanded as a shell does (``~name`` of no user stays), ``.`` and
+    ``..`` taken away as written (``x/..`` is the folder that holds ``x``, never a folder inside ``x``)."""
+    return Path(os.path.normpath(Path(os.path.expanduser(out)).absolute()))
 
 
 def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> Path:

@@ -232,3 +232,30 @@ def test_a_mix_of_dense_adapters_given_the_dense_base_config_reports_the_real_mi
     assert _error_line(capsys.readouterr().err).startswith(f"error: Cannot mix these adapters: module '{Q}'")
     _q_adapter(tmp_path / "c", 256, 64, seed=3)
     assert main(["mix", "a=0.5", "c=0.5", "-o", "out", "--base-config", "base.json"]) == 0  # a dense base is fine
+
+
+def test_inspect_values_of_a_shape_torch_cannot_count_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import struct
+
+    monkeypatch.chdir(tmp_path)
+    header = json.dumps({"k.lora_A.weight": {"dtype": "F32", "shape": [2**63 - 1] * 7 + [0],
+                                             "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (tmp_path / "w" / "adapter_config.json").write_text(json.dumps(lora_config(4, 8, ["q_proj"])))
+    assert main(["inspect", "w", "--values", "--strict"]) == 1
+    out = capsys.readouterr()
+    assert "tensor 'k.lora_A.weight' has shape" in out.out and "torch cannot hold" in out.out  # a problem line
+    assert "unexpected" not in out.out + out.err
+
+
+def test_an_output_written_with_dot_dot_is_the_folder_above_not_a_folder_inside_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    _q_adapter(tmp_path / "a", 64, 64)
+    (tmp_path / "t" / "e" / "x").mkdir(parents=True)
+    assert main(["mix", "a=0.5", "-o", "t/e/x/..", "--force"]) == 0
+    assert (tmp_path / "t" / "e" / "adapter_model.safetensors").is_file() and (tmp_path / "t" / "e" / "x").is_dir()
+    assert sorted(p.name for p in (tmp_path / "t" / "e").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "vllm_lora_ext_mix.json", "x"]
