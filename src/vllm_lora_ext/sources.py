@@ -8,7 +8,8 @@ Grammar (everything a LoRA path may be)::
 
 - ``ORG/REPO`` follows the Hub's repo-id rules: one or two names of ``[A-Za-z0-9_.-]``, no ``--``/``..``,
   not starting or ending with ``-`` or ``.``, at most 96 characters.
-- ``REVISION`` is a branch, tag or commit sha (``refs/pr/N`` allowed); no ``:`` or ``..``. A 40-hex
+- ``REVISION`` is a branch, tag or commit sha (``refs/pr/N`` allowed); no ``:``, no empty, ``.`` or ``..``
+  component (``a//b`` and ``a/.`` would name the cache's ref ``a/b`` or ``a``). A 40-hex
   sha is a *pinned* source: once cached it resolves with no HTTP request at all.
 - ``PATH`` is relative and POSIX: no leading ``/``, no ``..``, ``\\`` or NUL, no empty component.
   Ending in ``.safetensors`` it names one weight file; ending in ``.bin``/``.pt``/``.pth``/``.ckpt``
@@ -181,7 +182,7 @@ def _check_revision(source: str, revision: str) -> None:
     if not revision:
         raise _fail(source, "revision", "empty revision after '@'",
                     "Remove '@' or give a branch, tag or commit, e.g. '@main'.")
-    if not _REVISION.match(revision) or ".." in revision or revision.startswith("/") or revision.endswith("/"):
+    if not _REVISION.match(revision) or ".." in revision or any(c in ("", ".") for c in revision.split("/")):
         raise _fail(source, "revision", f"revision {revision!r} is not a valid branch, tag or commit",
                     "Use a branch or tag name, 'refs/pr/N', or a 40-character commit sha.")
 
@@ -316,17 +317,12 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
         weights = path
     else:
         if not path.exists():
-            raise AdapterNotFoundError(
-                f"Adapter folder {str(path)!r} does not exist (source {src.raw!r}). "
-                f"Check the path, or write hub sources as 'hf:org/repo'.",
-                source=src.raw,
-            )
+            raise AdapterNotFoundError(f"Adapter folder {str(path)!r} does not exist (source {src.raw!r}). Check the "
+                                       f"path, or write hub sources as 'hf:org/repo'.", source=src.raw)
         if path.is_file():
-            raise AdapterSourceError(
-                f"Invalid adapter source {src.raw!r}: {path.name!r} is neither a folder nor a .safetensors file. "
-                f"Name the adapter's folder or its .safetensors weight file.",
-                source=src.raw, part="path",
-            )
+            raise AdapterSourceError(f"Invalid adapter source {src.raw!r}: {path.name!r} is neither a folder nor a "
+                                     f".safetensors file. Name the adapter's folder or its .safetensors weight file.",
+                                     source=src.raw, part="path")
         weights = path / ADAPTER_WEIGHTS_NAME
         if not weights.is_file():
             pickles = [path / n for n in PICKLE_WEIGHTS_NAMES if (path / n).is_file()]
@@ -353,6 +349,9 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
         cand = weights.parent / name
         if cand.is_file():
             return ResolvedAdapter(src, weights, cand, rule)
+        if cand.is_symlink() or cand.exists():  # a FIFO, folder or dangling link: never skipped for an inferred one
+            raise AdapterSourceError(f"Adapter config {str(cand)!r} is not a regular file (source {src.raw!r}). "
+                                     f"Replace it with the adapter's {name}.", source=src.raw, part="path")
     return ResolvedAdapter(src, weights, None, "inferred")
 
 

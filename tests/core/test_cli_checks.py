@@ -220,6 +220,11 @@ def test_a_fifo_or_device_named_as_weights_is_not_a_regular_file_not_a_missing_o
     assert main(["inspect", "d"]) == 1
     line = _error_line(capsys.readouterr().err)  # and no advice to name the FIFO itself
     assert "has a weight file that is not a regular file: adapter_model.safetensors" in line and "name one" not in line
+    _q_adapter(tmp_path / "c", 64, 64)
+    (tmp_path / "c" / "adapter_config.json").unlink()
+    os.mkfifo(tmp_path / "c" / "adapter_config.json")  # never skipped for a config inferred from the header
+    assert main(["inspect", "c"]) == 1
+    assert "adapter_config.json' is not a regular file" in _error_line(capsys.readouterr().err)
 
 
 def test_a_mix_of_dense_adapters_given_the_dense_base_config_reports_the_real_mismatch(

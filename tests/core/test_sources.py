@@ -55,6 +55,10 @@ def test_parse_source_marks_sha_revisions_as_pinned() -> None:
         ("hf:acme/-bad", "invalid name"),
         ("hf:acme/a--b", "invalid name"),
         ("hf:acme/sql@bad..rev", "not a valid branch"),
+        ("hf:acme/sql@a/.", "not a valid branch"),  # the cache would write the ref 'a'
+        ("hf:acme/sql@a//b", "not a valid branch"),
+        ("hf:acme/sql@.", "not a valid branch"),
+        ("hf:acme/sql@/main", "not a valid branch"),
         ("hf:acme/sql:adapter_config.json", "is a config file"),
         ("hf://acme/sql", "unknown scheme"),
         (" hf:acme/sql", "whitespace"),
