@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_express
            "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 _MAX_MIX_PATH = 64 * 1024
+_DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
 
 
 def _number_text(weight: object) -> str:
@@ -108,12 +110,10 @@ def parse_weight(text: str, *, name: str = "adapter") -> float:
         0.25
     """
     written = text.strip()
-    try:
-        value = float(written)
-    except ValueError:
+    if not _DECIMAL.fullmatch(written):  # float() alone reads '0_5' as 5 and other scripts' digits too
         raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
-                       f"Write it as NAME=0.7.") from None
-    return check_weight(value, name=name, text=written if len(written) <= 40 else written[:37] + "...")
+                       f"Write it as NAME=0.7.")
+    return check_weight(float(written), name=name, text=written if len(written) <= 40 else written[:37] + "...")
 
 
 @dataclass(frozen=True)

@@ -429,6 +429,7 @@ EXPRESSIONS = [
     ("", "empty adapter name"), ("a=", "empty weight after '='"), ("=0.5", "empty adapter name"), ("a=x", "is not a number"),
     ("a=nan", "is not finite"), ("a=1e400", "is not finite"), ("a=-inf", "is not finite"), ("a=1e300", "outside"),
     ("a=0.5+", "empty adapter name"), ("+".join(f"a{i}" for i in range(17)), "more than the 16 allowed"),
+    ("a=0_5", "is not a number"), ("a=\u0661", "is not a number"), ("a=0x10", "is not a number"),  # never 5 or 1
 ]
 
 
