@@ -90,7 +90,8 @@ def load_base_config(value: str) -> dict[str, Any]:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise AdapterNotFoundError(f"Base config {str(path)!r} does not exist. Pass the base model's config.json, "
+            what = "is not a regular file" if path.exists() else "does not exist"
+            raise AdapterNotFoundError(f"Base config {str(path)!r} {what}. Pass the base model's config.json, "
                                        f"its folder, or hf:org/model.", source=value)
     return read_json_capped(path, MAX_CONFIG_BYTES, "Base config", fix="pass the model's config.json.")
 

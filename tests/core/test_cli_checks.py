@@ -225,6 +225,10 @@ def test_a_fifo_or_device_named_as_weights_is_not_a_regular_file_not_a_missing_o
     os.mkfifo(tmp_path / "c" / "adapter_config.json")  # never skipped for a config inferred from the header
     assert main(["inspect", "c"]) == 1
     assert "adapter_config.json' is not a regular file" in _error_line(capsys.readouterr().err)
+    os.mkfifo(tmp_path / "base.json")
+    _q_adapter(tmp_path / "q", 64, 64)
+    assert main(["inspect", "q", "--base-config", "base.json"]) == 1
+    assert "base.json' is not a regular file" in _error_line(capsys.readouterr().err)
 
 
 def test_a_mix_of_dense_adapters_given_the_dense_base_config_reports_the_real_mismatch(
