@@ -301,11 +301,13 @@ def screen_unapplied(module_keys: Mapping[str, list[str]], moe_keys: Mapping[str
     return dropped
 
 
-def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> list[str]:
+def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str], *,
+                       dropped: frozenset[str] = frozenset()) -> list[str]:
     """Return one line per rule the adapter's modules fall under, for ``vllm-lora inspect``'s ``problem:`` lines.
 
     ``modules`` are the adapter's module names (PEFT's, ``base_model.model.`` removed); an MoE block's
-    routed experts are named ``...experts`` or ``...experts.<n>.<proj>``.
+    routed experts are named ``...experts`` or ``...experts.<n>.<proj>``. A rule whose group is in ``dropped``
+    (``VLLM_LORA_EXT_DROP_UNAPPLIED``) is no problem: its line starts ``note:`` and says the load drops them.
 
     Example:
         >>> unapplied_problems(["model.layers.0.self_attn.kv_b_proj"], {"mla": "deepseek_v2"})[0][:40]
@@ -317,6 +319,10 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str]) -> lis
         (blocks if sep else dense).append(head + sep if sep else m)
     lines = []
     for rule, names in find_unapplied(dense, dict.fromkeys(blocks), traits):
-        lines.append(f"vLLM would accept but not apply as trained this adapter's {_describe(rule, traits, names)}. "
-                     f"{rule.fix}; or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights with a warning.")
+        what = f"vLLM would accept but not apply as trained this adapter's {_describe(rule, traits, names)}."
+        if rule.group in dropped:
+            lines.append(f"note: {what} {ENV_DROP_UNAPPLIED}={rule.group} is set: a load drops them with a warning.")
+        else:
+            lines.append(f"{what} {rule.fix}; or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights "
+                         f"with a warning.")
     return lines

@@ -239,6 +239,18 @@ def test_inspect_with_an_mla_base_config_prints_a_problem_line(tmp_path: Path,
     assert "problem:" not in capsys.readouterr().out
 
 
+def test_inspect_under_the_drop_setting_notes_what_a_load_drops_and_strict_passes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = _kv_b_adapter(tmp_path / "a")
+    base = tmp_path / "config.json"
+    base.write_text(json.dumps({"model_type": "deepseek_v2", "kv_lora_rank": 16, "hidden_size": 64}))
+    monkeypatch.setenv("VLLM_LORA_EXT_DROP_UNAPPLIED", "kv_b_proj")
+    assert main(["inspect", str(adapter), "--base-config", str(base), "--strict"]) == 0
+    out = capsys.readouterr()
+    assert "problem:" not in out.out and "kv_b_proj" in out.err
+    assert "VLLM_LORA_EXT_DROP_UNAPPLIED=kv_b_proj is set: a load drops them with a warning" in out.err
+
+
 def test_the_settings_check_knows_every_group_the_refusal_table_has() -> None:
     from vllm_lora_ext import constants
     from vllm_lora_ext.unapplied import RULES

@@ -130,7 +130,14 @@ def run(args: argparse.Namespace) -> int:
                                 extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])
     base = load_base_config(args.base_config) if args.base_config else None
     if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
-        summary.problems.extend(unapplied_problems([m.module for m in summary.modules], traits_from_config(base)))
+        from vllm_lora_ext.constants import drop_unapplied
+
+        for line in unapplied_problems([m.module for m in summary.modules], traits_from_config(base),
+                                       dropped=drop_unapplied()):
+            if line.startswith("note: "):  # dropped at load by the setting: said, not a problem
+                print(line, file=sys.stderr)
+            else:
+                summary.problems.append(line)
     moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
     if args.ep_size and not summary.layout.startswith("moe"):
         print(f"note: --ep-size has no effect: the adapter has no expert weights (layout {summary.layout}); "
