@@ -81,8 +81,8 @@ class BuiltAdapter:
         host: the huge-page host arena the tensors were read into (builds in the worker), which the worker
             pins in place; closed (``host.close()``) once nothing more is allocated from it.
         turned_on_gpu: fused 3D factors transposed and scaled on the worker's GPU (``transpose_on``).
-        files: each file the build read (weights, config) with its [`file_stamp`] then: a cached build of a local
-            source is stale once one differs (``_util.files_unchanged``).
+        files: a local source's files the build read (weights, config), each with its [`file_stamp`] then: a
+            cached build of it is stale once one differs (``_util.files_unchanged``); none for a hub snapshot.
     """
 
     identity: str
@@ -147,6 +147,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
     """See [`build_adapter`]."""
     resolved = resolve_source(job.path)
     roots = confining_roots(resolved)  # a local source inside an allowed root: held to the roots on every build
+    config_stamp = _stamp_of(resolved.config_path)  # before it is read: an edit meanwhile makes the build stale
     known = resolved.config_path is not None or resolved.is_pickle
     config = load_config(resolved, name=job.name, roots=roots) if known else None
     stats = ReadStats()  # below: the header, an inferred config and every tensor from one open file (one snapshot)
@@ -203,16 +204,32 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             raise
         layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
-                            stats.turned_on_gpu, _stamps(resolved, source))
+                            stats.turned_on_gpu, _stamps(resolved, source, config_stamp))
 
 
-def _stamps(resolved: Any, source: Any) -> tuple[tuple[str, tuple[int, int, int, int]], ...]:
-    """The files a build read, each with its stamp: the weight file's as its header was read, the config's now."""
+_NEVER = (-1, -1, -1, -1)  # a stamp no file has
+
+
+def _stamp_of(path: Any) -> tuple[int, int, int, int] | None:
+    if path is None:
+        return None
+    try:
+        return file_stamp(os.stat(path))
+    except OSError:
+        return _NEVER
+
+
+def _stamps(resolved: Any, source: Any, config_stamp: tuple[int, int, int, int] | None
+            ) -> tuple[tuple[str, tuple[int, int, int, int]], ...]:
+    """A local source's files, each with its stamp when the build read it (the weight file's as its header was
+    read): a cached build of it is stale once one differs. A hub source is a pinned snapshot: none."""
+    if resolved.source.kind != "local":
+        return ()
     weights = (source.header.stamp if not resolved.is_pickle and source.header.stamp is not None
-               else file_stamp(os.stat(resolved.weights_path)))
-    out = [(str(resolved.weights_path), weights)]
+               else _stamp_of(resolved.weights_path))
+    out = [(str(resolved.weights_path), weights or _NEVER)]
     if resolved.config_path is not None:
-        out.append((str(resolved.config_path), file_stamp(os.stat(resolved.config_path))))
+        out.append((str(resolved.config_path), config_stamp or _NEVER))
     return tuple(out)
 
 

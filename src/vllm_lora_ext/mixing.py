@@ -51,7 +51,7 @@ __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_express
            "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 _MAX_MIX_PATH = 64 * 1024
-_DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
+_DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.I | re.A)
 
 
 def _number_text(weight: object) -> str:
@@ -103,17 +103,15 @@ def check_weight(weight: object, *, name: str = "adapter", text: str | None = No
 
 
 def parse_weight(text: str, *, name: str = "adapter") -> float:
-    """Parse a weight written as text (``a=0.7``, ``vllm-lora mix a=0.7``) and apply [`check_weight`].
-
-    Example:
-        >>> parse_weight("0.25")
-        0.25
-    """
+    """Parse a weight written as text (``a=0.7``, ``vllm-lora mix a=0.7``), an ASCII decimal number such as
+    ``0.25``, ``-1e-2`` or ``.5``, and apply [`check_weight`]."""
     written = text.strip()
-    if not _DECIMAL.fullmatch(written):  # float() alone reads '0_5' as 5 and other scripts' digits too
+    try:  # float() alone reads '0_5' as 5 and other scripts' digits; re.A: 'ınf' is no 'inf' either
+        value = float(written) if _DECIMAL.fullmatch(written) else float("not ASCII decimal")  # (-> ValueError)
+    except ValueError:
         raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
-                       f"Write it as NAME=0.7.")
-    return check_weight(float(written), name=name, text=written if len(written) <= 40 else written[:37] + "...")
+                       f"Write it as NAME=0.7.") from None
+    return check_weight(value, name=name, text=written if len(written) <= 40 else written[:37] + "...")
 
 
 @dataclass(frozen=True)

@@ -248,11 +248,11 @@ class SafetensorsReader:
                 a, b = offsets[key]
                 dt = torch_dtype_of(self.header.dtypes[key], key=key)
                 shape = self.header.shapes[key]
+                t = buf[a - start:b - start]
+                if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
+                    t = t.clone()
                 try:
-                    if (a - start) % dt.itemsize:  # unaligned inside the span: copy the bytes out first
-                        t = buf[a - start:b - start].clone().view(dt).view(shape)
-                    else:
-                        t = buf[a - start:b - start].view(dt).view(shape)
+                    t = t.view(dt).view(shape)
                 except RuntimeError as err:  # e.g. [2^63-1, ..., 0]: no bytes, yet no size torch can count
                     raise AdapterFormatError(f"{str(self.path)!r}: tensor {key!r} has shape {list(shape)}, which "
                                              f"torch cannot hold ({err}). Re-save the file.", key=key) from None

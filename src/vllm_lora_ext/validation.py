@@ -148,7 +148,7 @@ def check_dense_factors(shapes: Mapping[str, tuple[int, ...]], keys: Iterable[st
                             f"{want.d_in} -> {want.d_out}")
     if problems:
         _raise(adapter, problems, "Re-save the adapter: lora_A must be (r, in) and lora_B (out, r) of the same module."
-               if all("rank" in p or "2-D" in p or "without" in p or "empty" in p for p in problems)
+               if all("rank" in p or "2-D" in p or "without" in p or "empty" in p or "keep one" in p for p in problems)
                else "Check that the adapter was trained for this base model.", key=None)
 
 

@@ -447,3 +447,28 @@ def test_one_expert_given_twice_in_two_spellings_is_refused_not_one_dropped(tmp_
     save_file(tensors, str(path))
     with pytest.raises(ExpertLayoutError, match=r"keep one"):
         build_adapter(moe_build_job(folder), PeftKeyRouter())
+
+
+@pytest.mark.parametrize("case", ["no config, alpha in the metadata", "rank_pattern on the experts module",
+                                  "rank_pattern on the fused parameters", "convert's doubled gate_up rank"])
+def test_fused_3d_adapters_whose_ranks_the_config_gives_in_other_ways_still_load(tmp_path: Path, case: str) -> None:
+    """The check that a fused factor's rows give the config's rank must not refuse adapters that are right."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_lora_ext.cli import main
+
+    rank, cfg = (8, {"rank_pattern": {"experts": 8}}) if case == "rank_pattern on the experts module" else \
+        (8, {"rank_pattern": {"gate_up_proj": 8, "down_proj": 8}}) if "fused parameters" in case else (R, {})
+    form = "2d" if "convert" in case else "3d"
+    folder = write_moe_adapter(tmp_path / "a", [make_truth(E, H, I, rank, s) for s in (0, 1)], [form, form], rank=R,
+                               **cfg)
+    weights = folder / "adapter_model.safetensors"
+    if case.startswith("no config"):
+        save_file(load_file(weights), weights, metadata={"lora_alpha": "16"})
+        (folder / "adapter_config.json").unlink()
+    if "convert" in case:  # gate's and up's lora_A differ: one fused A of twice the rank, recorded by a pattern
+        tensors = load_file(weights)
+        save_file({k: t + 0.5 if ".up_proj.lora_A" in k else t for k, t in tensors.items()}, weights)
+        assert main(["convert", str(folder), "--to", "3d", "-o", str(tmp_path / "as3d")]) == 0
+        folder = tmp_path / "as3d"
+    build_adapter(moe_build_job(folder, max_rank=16), PeftKeyRouter())

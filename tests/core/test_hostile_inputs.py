@@ -430,6 +430,7 @@ EXPRESSIONS = [
     ("a=nan", "is not finite"), ("a=1e400", "is not finite"), ("a=-inf", "is not finite"), ("a=1e300", "outside"),
     ("a=0.5+", "empty adapter name"), ("+".join(f"a{i}" for i in range(17)), "more than the 16 allowed"),
     ("a=0_5", "is not a number"), ("a=\u0661", "is not a number"), ("a=0x10", "is not a number"),  # never 5 or 1
+    ("a=\u0131nf", "is not a number"), ("a=\u0130nf", "is not a number"),  # dotless/dotted I fold to 'i' unless ASCII
 ]
 
 

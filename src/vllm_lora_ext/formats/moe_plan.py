@@ -154,9 +154,10 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
     seen_roles: dict[str, str] = {}  # role -> "2d" or "3d", the form that gave it
     threed = _plan_2d(shapes, plan, problems, seen_roles)
     _plan_3d(shapes, threed, _orientation_hint(config), plan, problems, seen_roles)
-    for k3 in plan.keys_3d if config is not None else ():  # r·E rows, E the model's: r must be the config's
-        info = classify_key(k3.key_a)
-        declared = declared_3d_ranks(config, info.module, info.experts_prefix or info.module)
+    for k3 in plan.keys_3d if config is not None and not config.inferred else ():  # r·E rows: r is the config's
+        info = classify_key(k3.key_a)  # (an inferred config's r came from these very rows)
+        prefix = info.experts_prefix or info.module
+        declared = declared_3d_ranks(config, info.module, prefix) | declared_3d_ranks(config, prefix, prefix)
         if declared and k3.rank not in declared:
             problems.append(f"{info.module}: 3D A has {shapes[k3.key_a][0]} rows, {k3.rank} per expert with the "
                             f"model's E={spec.num_experts}, but the adapter config's r is {min(declared)}: the "
