@@ -112,15 +112,20 @@ def _offline_setting() -> str:
 
 
 def offline_message(what: str, filename: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None,
-                    fix: str) -> str:
-    """The message for a file that is not cached while the Hub may not be asked."""
-    return (f"{what} is not in the local Hugging Face cache ({filename!r} at revision {revision or 'main'!r}; cache "
-            f"{str(cache_path(cache_dir))!r}), and {_offline_setting()}, so the Hub was not asked. {fix}")
+                    fix: str, public: bool = False) -> str:
+    """The message for a file that is not cached while the Hub may not be asked (``public``: for a client, without
+    the server's cache folder)."""
+    where = "" if public else f"; cache {str(cache_path(cache_dir))!r}"
+    return (f"{what} is not in the local Hugging Face cache ({filename!r} at revision {revision or 'main'!r}{where}), "
+            f"and {_offline_setting()}, so the Hub was not asked. {fix}")
 
 
 def unreachable_message(what: str, filename: str, reason: str, *, cache_dir: str | os.PathLike[str] | None,
-                        fix: str) -> str:
-    """The message for a file that is not cached while the Hub does not answer."""
+                        fix: str, public: bool = False) -> str:
+    """The message for a file that is not cached while the Hub does not answer (``public``: for a client, without
+    the server's Hub address and cache folder)."""
+    if public:
+        return f"Could not reach the Hugging Face Hub for {what}, and {filename!r} is not in the server's cache. {fix}"
     return (f"Could not reach the Hugging Face Hub at {hub_endpoint()!r} ({reason.rstrip('.')}) for {what}, and "
             f"{filename!r} is not in the local cache ({str(cache_path(cache_dir))!r}). Check the network, or set HF_ENDPOINT "
             f"to a Hub or mirror that answers. {fix}")
@@ -160,9 +165,11 @@ class HubClient:
         else:
             fix = (f"To work from the cache only, fill it with 'vllm-lora fetch {raw}' where the Hub is reachable, "
                    f"then set HF_HUB_OFFLINE=1.")
-        message = (offline_message(what, filename, revision, cache_dir=self.cache_dir, fix=fix) if reason is None
-                   else unreachable_message(f"{self.label} {raw!r}", filename, reason, cache_dir=self.cache_dir, fix=fix))
-        return AdapterNotFoundError(message, source=raw, revision=revision)
+        message, public = (
+            (offline_message(what, filename, revision, cache_dir=self.cache_dir, fix=fix, public=p) if reason is None
+             else unreachable_message(f"{self.label} {raw!r}", filename, reason, cache_dir=self.cache_dir, fix=fix,
+                                      public=p)) for p in (False, True))
+        return AdapterNotFoundError(message, source=raw, revision=revision, public_message=public)
 
     def fetch(self, filename: str, revision: str | None) -> Path | None:
         """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""

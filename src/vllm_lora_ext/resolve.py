@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 
 from vllm_lora_ext._util import root_of, short_repr
-from vllm_lora_ext.constants import MIX_PREFIX, allowed_roots
+from vllm_lora_ext.constants import HF_PREFIX, MIX_PREFIX, allowed_roots
 from vllm_lora_ext.errors import AdapterAccessError
 from vllm_lora_ext.mixing import MixComponent, MixSpec
 from vllm_lora_ext.sources import ResolvedAdapter, _looks_like_repo_id, parse_source, resolve_source
@@ -47,7 +47,8 @@ def pin_path(path: str, *, name: str = "adapter") -> str:
 def check_allowed_root(path: str, roots: Sequence[str]) -> str:
     """Refuse a local source whose real path (symlinks followed) lies outside every allowed root; return the path
     to load: a local source's real path (so that a worker holds it to ``roots`` again on every build, see
-    `confining_roots`), any other source as given.
+    `confining_roots`), a bare ``org/repo`` that is no local folder as ``hf:org/repo`` (a folder made there later
+    is never read in its place), any other source as given.
 
     Hub sources pass (they are read from the Hub cache). Checked before any file is opened.
 
@@ -65,8 +66,8 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> str:
     src = parse_source(path)
     if src.kind != "local" or src.local_path is None:
         return path
-    if not src.local_path.exists() and _looks_like_repo_id(path):
-        return path  # read as 'hf:org/repo' (vLLM's own rule), not as a local path
+    if not src.local_path.exists() and _looks_like_repo_id(path):  # vLLM's own rule: then a hub repo, and written
+        return HF_PREFIX + path  # so: a folder of that name made before it is read is never read in its place
     real = os.path.realpath(src.local_path)
     if root_of(real, roots) is not None:
         return real

@@ -474,9 +474,10 @@ def _resolve(src: AdapterSource, *, cache_dir: str | os.PathLike[str] | None, to
         try:  # a mistyped relative path reads as org/repo: say both what is not here and what the Hub said
             return _resolve(parse_source(HF_PREFIX + src.raw, allow_pickle=pickle_ok), cache_dir=cache_dir, token=token,
                             offline=offline, pickle_ok=pickle_ok, fetching=fetching)
-        except (AdapterNotFoundError, AdapterDownloadError) as err:
+        except (AdapterNotFoundError, AdapterDownloadError) as err:  # (the client's text: no server folder)
             raise AdapterNotFoundError(f"No local folder {src.raw!r} ({str(src.local_path)!r} does not exist); as a Hub "
-                                       f"repo: {err}", source=src.raw) from err
+                                       f"repo: {err}", source=src.raw, public_message=f"No local folder {src.raw!r}; "
+                                       f"as a Hub repo: {err.client_message()}") from err
     client = HubClient(src, cache_dir=cache_dir, token=token, local_files_only=offline, fetching=fetching)
     t0 = time.perf_counter()
     with diskcache.resolving(src.repo_id or "", src.revision, cache_dir=cache_dir) as use:  # no eviction meanwhile

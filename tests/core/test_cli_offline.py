@@ -195,3 +195,15 @@ def test_the_hub_probe_is_certain_only_without_a_proxy(closed_hub: str, monkeypa
     assert hub_unreachable() == "Connection refused"
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:3128")  # a proxy may reach what this host cannot
     assert hub_unreachable() is None
+
+
+def test_an_unreachable_hub_and_the_cache_folder_are_named_to_the_operator_not_to_the_client(
+        closed_hub: str, isolated_hf_cache: Path) -> None:
+    from vllm_lora_ext.errors import AdapterNotFoundError
+    from vllm_lora_ext.sources import resolve_source
+
+    with pytest.raises(AdapterNotFoundError) as info:
+        resolve_source("hf:acme/unreached")
+    for private in (closed_hub, str(isolated_hf_cache)):  # the server's Hub address and cache folder
+        assert private in str(info.value) and private not in info.value.client_message()
+    assert "Could not reach the Hugging Face Hub" in info.value.client_message()

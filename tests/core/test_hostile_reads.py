@@ -417,3 +417,20 @@ def test_the_servers_check_of_a_source_inside_the_roots_never_reads_a_file_that_
         resolve_and_check(str(folder), name="evil")
     assert "SECRET" not in str(info.value) and "SECRET" not in info.value.client_message()
     assert resolve_and_check(str(outside / "team" / "a"), name="operator's").weights_path  # outside: not held
+
+
+def test_a_relative_org_repo_that_is_no_folder_is_pinned_as_a_hub_source_so_a_folder_made_later_is_never_read(
+        roots: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check saw no folder ``acme/y`` (vLLM reads it as the Hub repo), a folder (or a link out of the roots)
+    made there before the load reads it must not be read as the local source: the check returns ``hf:acme/y``."""
+    from vllm_lora_ext.resolve import check_allowed_root
+    from vllm_lora_ext.sources import parse_source
+
+    inside, outside = roots
+    monkeypatch.chdir(tmp_path)
+    assert check_allowed_root("acme/y", [str(inside)]) == "hf:acme/y"
+    (tmp_path / "acme").mkdir()
+    os.symlink(outside / "team" / "a", tmp_path / "acme" / "y")  # made after the check, before the read
+    assert parse_source(check_allowed_root("hf:acme/y", [str(inside)])).kind == "hf"
+    with pytest.raises(AdapterAccessError):  # named as a local path now, it is held to the roots as ever
+        check_allowed_root("acme/y", [str(inside)])

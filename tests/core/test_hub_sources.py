@@ -98,9 +98,16 @@ def test_branch_source_resolves_offline_from_cache(repos, monkeypatch) -> None: 
 
 def test_offline_source_not_in_cache_says_to_fetch(repos, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(AdapterNotFoundError, match="vllm-lora fetch hf:acme/single"):
+    with pytest.raises(AdapterNotFoundError, match="vllm-lora fetch hf:acme/single") as info:
         resolve_source("hf:acme/single")
     assert repos["hub"].count() == 0
+    from vllm_lora_ext.diskcache import cache_path
+
+    cache = str(cache_path(None))
+    assert cache in str(info.value) and cache not in info.value.client_message()  # the operator's log only
+    with pytest.raises(AdapterNotFoundError) as plain:  # read as org/repo: the server's working folder stays out
+        resolve_source("acme/single")
+    assert os.getcwd() not in plain.value.client_message() and "No local folder 'acme/single'" in str(plain.value)
 
 
 @pytest.mark.parametrize(("source", "fragment"), [

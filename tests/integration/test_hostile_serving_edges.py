@@ -155,8 +155,15 @@ def test_unloads_of_names_never_loaded_leave_no_lock_per_name(tmp_path: Path) ->
     asyncio.run(api.serves_the_real_mix())
 
 
+@pytest.mark.parametrize("mode", ["background build", "built in the step (prebuild off)",
+                                  "built in the step (wait over)"])
 def test_a_build_failure_never_shows_the_client_a_link_target_outside_the_allowed_roots(
-        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    if "prebuild off" in mode:  # vLLM then answers the engine's failure itself: a 500 with the worker's text
+        monkeypatch.setenv("VLLM_LORA_EXT_PREBUILD", "0")
+    elif "wait over" in mode:
+        monkeypatch.setenv("VLLM_LORA_EXT_PREBUILD_WAIT_S", "0")
+        monkeypatch.setenv("VLLM_LORA_EXT_BUILD_PROCESS", "0")
     secret = "team-x-secret"  # vLLM's sanitize_message blanks most paths; one after a space in a folder name stays
     store = make_peft_adapter(tiny_llama(), tmp_path / "Private Store" / "adapter", targets=["q_proj"], rank=4,
                               alpha=8)
@@ -176,7 +183,27 @@ def test_a_build_failure_never_shows_the_client_a_link_target_outside_the_allowe
     assert status(answer) == 400, answer
     assert "outside the folders this server may read" in answer.error.message
     assert secret not in answer.error.message
-    assert "x" not in models.lora_requests
+    assert "x" not in models.lora_requests and "x" not in models.lora_resolver_lock
+
+
+def test_a_load_refused_in_the_step_is_a_400_naming_the_fix_and_failed_loads_leave_no_lock(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    monkeypatch.setenv("VLLM_LORA_EXT_PREBUILD", "0")
+    big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
+    models = _models(_EngineOnWorker(worker_manager))
+    answer = asyncio.run(_load(models, "big", big))
+    assert status(answer) == 400, answer  # not vLLM's 500 with the engine call's text
+    assert "has rank 32" in answer.error.message and "--max-lora-rank 32" in answer.error.message
+    before = len(models.lora_resolver_lock)
+
+    async def made_up_names() -> None:
+        for i in range(50):  # vLLM's own 400 (no path): it makes a lock per name first
+            await models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=f"n{i}-" + "x" * 100, lora_path=""))
+
+    asyncio.run(made_up_names())
+    assert len(models.lora_resolver_lock) == before and "big" not in models.lora_resolver_lock
 
 
 def test_without_name_validation_a_named_adapter_is_served_itself_not_the_deployment_default(

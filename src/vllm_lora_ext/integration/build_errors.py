@@ -53,3 +53,15 @@ def worker_reason(err: BaseException) -> tuple[str, str]:
 
     public = err.client_message() if isinstance(err, VllmLoraExtError) else str(err)
     return cap(str(err)), cap(public)
+
+
+def typed_load_answer(answer: object, *, name: str, source: str) -> object | None:
+    """The error to answer instead of vLLM's own for a failed ``load_lora_adapter`` whose text carries the
+    worker's typed error (the engine built the adapter in its step: background builds off, or past their wait),
+    else ``None``. vLLM answers such a failure with the worker's whole text, a 500 or a 400 that may name server
+    folders; this is [`build_failure`]'s error, answered with its client message and status."""
+    info = getattr(answer, "error", None)  # vLLM's ErrorResponse(error=ErrorInfo(message, type, code))
+    text = getattr(info, "message", None)
+    if not isinstance(text, str) or error_from_text(text) is None:
+        return None
+    return build_failure(RuntimeError(text), name=name, source=source)

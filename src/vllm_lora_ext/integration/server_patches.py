@@ -16,8 +16,16 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``load_lora_adapter``: pin the source, build a new adapter in the background, hold its revision."""
 
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
+        try:
+            return await _load(self, request, base_model_name)
+        finally:  # a failed load of a made-up name leaves no lock behind (vLLM makes one per name asked for)
+            if getattr(request, "lora_name", None) not in self.lora_requests:
+                _drop_idle_lock(self, getattr(request, "lora_name", None))
+
+    async def _load(self: Any, request: Any, base_model_name: str | None) -> Any:
         from vllm.lora.request import LoRARequest
 
+        from vllm_lora_ext.integration.build_errors import typed_load_answer
         from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, pre_resolve,
                                                       recently_used, refuse_operator_name, sync_disk_holds)
 
@@ -39,9 +47,19 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(result, str) and path:
             recently_used(self.engine_client).touch(path)
             await sync_disk_holds(self)  # its revision is in use while it stays registered
-        return result
+        typed = typed_load_answer(result, name=name, source=path or "") if not isinstance(result, str) else None
+        return http_error(typed) if typed is not None else result  # the engine's build failed: 4xx, client text
 
     return load_lora_adapter
+
+
+def _drop_idle_lock(serving: Any, name: Any) -> None:
+    """Drop vLLM's lock for adapter ``name`` if nothing holds or waits for it: it keeps one per name ever asked
+    for, so a client's made-up names would pile up."""
+    locks = getattr(serving, "lora_resolver_lock", None)
+    lock = locks.get(name) if isinstance(locks, dict) else None
+    if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+        del locks[name]
 
 
 def make_unload_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,11 +73,8 @@ def make_unload_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]
             return refused
         try:
             return await original(self, request)
-        finally:  # vLLM keeps one lock per name ever asked for: a client's made-up names would pile up
-            locks = getattr(self, "lora_resolver_lock", None)
-            lock = locks.get(request.lora_name) if isinstance(locks, dict) else None
-            if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
-                del locks[request.lora_name]
+        finally:
+            _drop_idle_lock(self, request.lora_name)
 
     return unload_lora_adapter
 
