@@ -341,15 +341,18 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     cache, limit = cache_path(cache_dir), disk_cache_bytes()
     source = f"hf:{repo_id}" + (f"@{revision}" if revision else "")
 
-    def fetch(cap: int | None = None, local: bool = local_files_only) -> str:
+    pinned = revision if revision is not None and hubguard.COMMIT_SHA.match(revision) else None
+
+    def fetch(cap: int | None = None, local: bool = local_files_only, commit: str | None = pinned) -> str:
         bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename)
         path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
                                    local_files_only=local, tqdm_class=bar))
-        return hubguard.contained(path, repo_folder(cache, repo_id), source=source)
+        return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=commit)
 
     if local_files_only:
         return fetch()
     facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
+    named = pinned or facts.commit  # the download must land in this commit's snapshot
     if facts.failed is not None:  # retried already: the cache's copy of that revision, else the Hub's error
         try:
             path = fetch(local=True)
@@ -365,7 +368,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     root = state_root(cache_dir)
     if limit is None:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap)
+        path = fetch(cap, commit=named)
         commit = _commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
@@ -379,7 +382,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
     try:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap)
+        path = fetch(cap, commit=named)
         commit = _commit_of(Path(path))
         with locked(root):
             if reservation is not None:

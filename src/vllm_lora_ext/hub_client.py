@@ -184,7 +184,7 @@ class HubClient:
         if revision is not None and COMMIT_SHA.match(revision):
             if isinstance(cached, str):
                 repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
-                return Path(hubguard.contained(cached, repo, source=self.src.raw))
+                return Path(hubguard.contained(cached, repo, source=self.src.raw, commit=revision))
             if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
         if not self.local_only and not isinstance(cached, str):  # a download: not ~25 s of retries for nothing

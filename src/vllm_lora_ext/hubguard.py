@@ -19,6 +19,7 @@ Each refusal is a [`HubAnswerError`] naming the header, its value and the endpoi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -130,10 +131,12 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
     return _Capped
 
 
-def contained(path: str, repo: Path, *, source: str) -> str:
-    """Return ``path`` if it is ``snapshots/<sha>/…`` of ``repo`` (the repo's cache folder) and resolves inside the
-    Hugging Face cache that holds it (huggingface_hub 2's xet store keeps blobs in ``<cache>/blobs``, shared by
-    every repo). The folders are compared resolved, so a cache reached through a link is the same cache."""
+def contained(path: str, repo: Path, *, source: str, commit: str | None = None) -> str:
+    """Return ``path`` if it is ``snapshots/<sha>/…`` of ``repo`` (the repo's cache folder), of ``commit`` when
+    given (a pinned commit, or the one the Hub named just before the download), and resolves inside the Hugging
+    Face cache that holds it (huggingface_hub 2's xet store keeps blobs in ``<cache>/blobs``, shared by every
+    repo). The folders are compared resolved, so a cache reached through a link is the same cache. A snapshot of
+    another commit also removes ``refs/<commit>`` if the cache maps the pinned commit to it."""
     snapshots = os.path.realpath(repo / "snapshots")
     folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))  # the file itself stays a link
     inside_snapshots = os.path.commonpath([folder, snapshots]) == snapshots
@@ -141,6 +144,12 @@ def contained(path: str, repo: Path, *, source: str) -> str:
     real, cache = os.path.realpath(path), os.path.realpath(repo.parent)
     if len(parts) < 2 or not COMMIT_SHA.match(parts[0]) or ".." in parts:
         why = "is not a snapshot of a commit in the repo's cache folder"
+    elif commit is not None and parts[0] != commit:
+        why = (f"is of commit {parts[0]}, not of {commit}, which was asked for (pinned, or the commit the Hub named "
+               f"just before: pushed meanwhile, or a Hub that answers two requests differently; retry)")
+        with contextlib.suppress(OSError):  # a pinned commit the cache maps to another: never read that way again
+            if (repo / "refs" / commit).read_text().strip() == parts[0]:
+                os.unlink(repo / "refs" / commit)
     elif os.path.commonpath([real, cache]) != cache:
         why = "links outside the Hugging Face cache"
     else:

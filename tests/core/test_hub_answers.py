@@ -201,3 +201,33 @@ def test_honest_cache_layouts_are_read(tmp_path: Path, layout: str) -> None:
         path = diskcache.download_file("org/ad", "adapter_config.json", revision=revision, cache_dir=cache,
                                        local_files_only=True)
         assert Path(path).read_bytes() == b"{}"
+
+
+def test_a_pinned_commit_answered_with_another_is_refused_and_the_cache_never_maps_it_there(
+        hub: Any, repo: str, isolated_hf_cache: Path) -> None:
+    """``hf:acme/a@S`` answered as commit D (another of the repo's commits, or another repo's): refused, and the
+    cache's ``refs/S`` -> D that huggingface_hub wrote is removed, so no later (offline) read serves D as S."""
+    pinned = hub.repo("acme/a").refs["main"]
+    other = hub.repo("acme/a").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=5)),
+                                       "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    hub.lies[WEIGHTS] = {"commit": other}
+    with pytest.raises(HubAnswerError, match=f"is of commit {other}, not of {pinned}, which was asked for"):
+        resolve_source(f"{repo}@{pinned}")
+    assert not list(isolated_hf_cache.rglob(f"refs/{pinned}"))
+    hub.lies.clear()
+    assert resolve_source(f"{repo}@{pinned}").source.revision == pinned  # the honest answer still loads
+
+
+def test_a_push_between_the_hubs_head_and_the_download_is_refused_not_pinned_to_the_older_commit(
+        hub: Any, repo: str, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from vllm_lora_ext import hubguard
+
+    older = hub.repo("acme/a").refs["main"]
+    hub.repo("acme/a").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=6)),
+                               "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    real_head = hubguard.head
+    monkeypatch.setattr(hubguard, "head", lambda *a, **k: replace(real_head(*a, **k), commit=older))  # main moved on
+    with pytest.raises(HubAnswerError, match=f"not of {older}, which was asked for .*pushed meanwhile"):
+        resolve_source(repo)
