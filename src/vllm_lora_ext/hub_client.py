@@ -241,11 +241,13 @@ class HubClient:
         if self.local_only:
             return []
         try:
-            from huggingface_hub import HfApi
+            from huggingface_hub import HfApi, constants
 
-            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token)
+            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token,
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)  # a Hub that never answers: bounded
             files = [s.rfilename for s in info.siblings or []]
         except Exception:  # only an error message depends on it
             return []
-        return sorted((f for f in files if f.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES))),
-                      key=lambda f: (not f.endswith(SAFETENSORS_SUFFIX), not f.startswith(under), f))
+        shown = (f for f in files if isinstance(f, str) and len(f) <= 255 and f.isprintable() and not f.startswith("/")
+                 and ".." not in f.split("/") and f.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)))  # names to quote
+        return sorted(shown, key=lambda f: (not f.endswith(SAFETENSORS_SUFFIX), not f.startswith(under), f))

@@ -231,3 +231,18 @@ def test_a_push_between_the_hubs_head_and_the_download_is_refused_not_pinned_to_
     monkeypatch.setattr(hubguard, "head", lambda *a, **k: replace(real_head(*a, **k), commit=older))  # main moved on
     with pytest.raises(HubAnswerError, match=f"not of {older}, which was asked for .*pushed meanwhile"):
         resolve_source(repo)
+
+
+def test_a_hubs_file_listing_reaches_an_error_message_only_as_names_one_could_give(hub: Any) -> None:
+    """A repo without adapter_model.safetensors: the error suggests the repo's weight files, never a listed name
+    with '..', an absolute path, a control character or 200 kB of text."""
+    from vllm_lora_ext.errors import AdapterNotFoundError
+
+    hostile = ["../../etc/evil.safetensors", "/abs/evil.safetensors", "new\nline.safetensors",
+               "x" * 200_000 + ".safetensors"]
+    hub.repo("acme/b").commit({**{name: b"0" for name in hostile}, "ok/adapter_model.safetensors": b"0"})
+    with pytest.raises(AdapterNotFoundError) as info:
+        resolve_source("hf:acme/b")
+    text = str(info.value) + info.value.client_message()
+    assert "ok/adapter_model.safetensors" in text and len(text) < 5_000
+    assert not any(name[:20] in text for name in hostile)
