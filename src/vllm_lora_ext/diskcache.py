@@ -368,7 +368,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     root = state_root(cache_dir)
     if limit is None:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=named)
+        path = fetch(cap, commit=None)  # (the commit is checked once the file is listed: evictable either way)
         commit = _commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
@@ -376,13 +376,13 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                     _record(root, repo_id, commit, filename)
             except Exception as err:  # the bound is off: listing is a convenience, never a failure
                 logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
-        return path
+        return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
     root.mkdir(parents=True, exist_ok=True)
     incoming = _incoming(cache, repo_id, facts)
     reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
     try:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=named)
+        path = fetch(cap, commit=None)
         commit = _commit_of(Path(path))
         with locked(root):
             if reservation is not None:
@@ -393,7 +393,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     finally:
         if reservation is not None:
             reservation.release()  # a failed transfer; idempotent
-    return path
+    return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
 
 
 _T = TypeVar("_T")

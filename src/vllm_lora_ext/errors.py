@@ -24,7 +24,7 @@ __all__ = [
     "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError", "RemoteError",
     "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError", "UnsupportedVLLMError",
     "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record", "offline_pickle_error",
-    "rebuild_error", "with_record",
+    "rebuild_error", "with_record", "has_record",
 ]
 
 
@@ -381,6 +381,7 @@ def with_record(err: BaseException) -> BaseException:
         marked = None
     if marked is None or str(marked) != text:  # KeyError's str() quotes its text: the record would not read back
         marked = RemoteError(text, type_name=record["type"])
+    marked._recorded = True  # type: ignore[attr-defined]  # (a client's name may hold a mark: never asked by text)
     return marked
 
 
@@ -404,6 +405,12 @@ def error_from_text(text: str) -> BaseException | None:
             err._from_record = True  # type: ignore[attr-defined]
             return err
     return None
+
+
+def has_record(err: BaseException) -> bool:
+    """Whether `with_record` made ``err`` (its message ends with its own record): asked of the error, never of its
+    text, which may quote a client's string holding a mark."""
+    return bool(getattr(err, "_recorded", False))
 
 
 def is_rebuilt(err: BaseException) -> bool:

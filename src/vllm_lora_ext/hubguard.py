@@ -11,8 +11,10 @@ So before a download (the one place is [`diskcache.download_file`]):
 2. the download's byte counter (`capped`) stops the transfer once it passes the size announced (or, when none was,
    the disk cache bound), and huggingface_hub removes its partial file. Not for a file in Xet storage: hf_xet
    catches errors raised in its progress callbacks, so there only the bound's check after the download holds;
-3. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder or resolves outside
-   the cache: a Hub that answers huggingface_hub's own request otherwise than the plugin's is caught there.
+3. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder (of the commit asked
+   for, or named by the Hub just before) or resolves outside the cache: nothing is read from it. By then
+   huggingface_hub has written by its own second request, which the plugin does not see (README, "Known limits
+   against a hostile Hub or mirror").
 
 Each refusal is a [`HubAnswerError`] naming the header, its value and the endpoint.
 """
@@ -154,7 +156,9 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
         why = "links outside the Hugging Face cache"
     else:
         return path
-    public = (f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise "
+    public = (f"The cached file of {source!r} {why}. Nothing was read from it." if commit is not None and
+              why.startswith("is of commit") else
+              f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise "
               f"than the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's "
               f"folder from the Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as "
               f"huggingface.co does.")

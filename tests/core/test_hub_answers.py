@@ -227,10 +227,15 @@ def test_a_push_between_the_hubs_head_and_the_download_is_refused_not_pinned_to_
     older = hub.repo("acme/a").refs["main"]
     hub.repo("acme/a").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=6)),
                                "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "1GiB")
     real_head = hubguard.head
     monkeypatch.setattr(hubguard, "head", lambda *a, **k: replace(real_head(*a, **k), commit=older))  # main moved on
-    with pytest.raises(HubAnswerError, match=f"not of {older}, which was asked for .*pushed meanwhile"):
+    with pytest.raises(HubAnswerError, match=f"not of {older}, which was asked for .*pushed meanwhile") as info:
         resolve_source(repo)
+    assert "HF_ENDPOINT" not in info.value.client_message()  # an honest race: retry, nothing to repoint
+    monkeypatch.setattr(hubguard, "head", real_head)
+    assert resolve_source(repo).source.revision == hub.repo("acme/a").refs["main"]  # the retry
+    assert all(rev.evictable for rev in list_cache())  # what the refused try placed is listed: the bound evicts it
 
 
 def test_a_hubs_file_listing_reaches_an_error_message_only_as_names_one_could_give(hub: Any) -> None:

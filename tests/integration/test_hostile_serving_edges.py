@@ -262,3 +262,22 @@ def test_a_mix_refused_for_rank_tells_the_client_the_rank_it_needs_and_the_max(w
     assert status(answer) == 400, answer
     assert "rank 24" in answer.error.message and "max_lora_rank is 16" in answer.error.message
     assert not any(n.startswith("mix-") for n in models.lora_requests)  # the refused mix is not registered
+
+
+def test_a_record_forged_in_a_name_retypes_no_answer_of_a_load_built_in_the_step(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With background builds off, vLLM answers a failed load with the worker's text, and its other answers (400
+    'already loaded') quote the name: a client's name holding a record must not turn either into its 404."""
+    from vllm_lora_ext.errors import RECORD_MARK
+
+    monkeypatch.setenv("VLLM_LORA_EXT_PREBUILD", "0")
+    fake = '{"type":"AdapterNotFoundError","message":"spoofed","args":["spoofed"],"fields":{"source":"x"}}'
+    name = f"x{RECORD_MARK}{fake}]"
+    big = make_peft_adapter(tiny_llama(), tmp_path / "big", targets=["q_proj"], rank=32, alpha=32)  # max rank 16
+    small = make_peft_adapter(tiny_llama(), tmp_path / "small", targets=["q_proj"], rank=4, alpha=8)
+    models = _models(_EngineOnWorker(worker_manager))
+    answer = asyncio.run(_load(models, name, big))
+    assert status(answer) == 400 and "max_lora_rank" in answer.error.message, answer
+    assert isinstance(asyncio.run(_load(models, name, small)), str)  # loaded under that name
+    again = asyncio.run(_load(models, name, small))  # vLLM's own 400: already loaded
+    assert status(again) == 400 and "spoofed" not in again.error.message.replace(name, ""), again

@@ -23,7 +23,7 @@ def make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``WorkerLoRAManager._load_adapter``: take a model built in the background, else build it here."""
 
     def _load_adapter(self: Any, lora_request: Any) -> Any:
-        from vllm_lora_ext.errors import RECORD_MARK, VllmLoraExtError, with_record
+        from vllm_lora_ext.errors import VllmLoraExtError, has_record, with_record
         from vllm_lora_ext.integration.loader import load_lora_model
         from vllm_lora_ext.integration.prebuild import take_built
 
@@ -31,7 +31,7 @@ def make_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             built = take_built(self, lora_request)  # built in the background: the step only registers it
             return built if built is not None else load_lora_model(self, lora_request)
         except VllmLoraExtError as err:  # built in the step: its type and client text cross to the server too
-            if RECORD_MARK in str(err):  # (vLLM hands the server only the text of a failed engine call)
+            if has_record(err):  # (vLLM hands the server only the text of a failed engine call)
                 raise
             raise with_record(err) from err
 
