@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from factories import make_dense_adapter
+from factories import make_dense_adapter, make_peft_adapter, tiny_llama
 from vllm_lora_ext.constants import PREBUILD_PREFIX
 from vllm_lora_ext.integration import server
 from vllm_lora_ext.mixing import MixSpec
@@ -351,3 +351,22 @@ def test_an_offline_mix_never_takes_an_id_the_users_own_adapter_holds(tmp_path: 
     with pytest.raises(MixIdCollisionError, match=f"lora_int_id {req.lora_int_id} already names another adapter"):
         preload_offline(engine, LoRARequest("other", req.lora_int_id, mine))  # an id the mix holds is refused
     assert engine.held == {user_id: mine, req.lora_int_id: req.lora_path}
+
+
+def test_an_offline_load_failure_raises_the_workers_error_without_its_record(tmp_path: Path) -> None:
+    """vLLM hands back a failed engine call as text, with the worker's record in it: the offline caller gets the
+    worker's own error, its own message, not the record's JSON."""
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.errors import AdapterFormatError, RECORD_MARK, with_record
+    from vllm_lora_ext.integration.engine_patches import preload_offline
+
+    class Engine:  # the boundary: vLLM's engine, whose add_lora failure is text
+        def add_lora(self, req: Any) -> bool:
+            err = with_record(AdapterFormatError("Adapter 'a' has rank 32 but max_lora_rank is 16.", adapter="a"))
+            raise Exception(f"Call to add_lora method failed: {err}")
+
+    adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj"], rank=4, alpha=8)
+    with pytest.raises(AdapterFormatError) as info:
+        preload_offline(Engine(), LoRARequest("a", 7, str(adapter)))
+    assert str(info.value) == "Adapter 'a' has rank 32 but max_lora_rank is 16." and RECORD_MARK not in str(info.value)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vllm_lora_ext._util import clip
-from vllm_lora_ext.errors import MixIdCollisionError
+from vllm_lora_ext.errors import MixIdCollisionError, error_from_text
 from vllm_lora_ext.integration.patching import OFFLINE_LOADED_ATTR
 
 _MAX_OFFLINE_IDS = 65536
@@ -63,7 +63,7 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
             f"lora_int_id (or set load_inplace=True to replace it).")
     lora_request.lora_path = pinned
     if held != pinned:
-        engine.add_lora(lora_request)
+        add_lora_typed(engine, lora_request)
     loaded[lora_id] = pinned
     loaded.move_to_end(lora_id)
     while len(loaded) > _MAX_OFFLINE_IDS:
@@ -81,3 +81,15 @@ def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
         return leased(original(self, *args, **kwargs), claim_lease(kwargs.get("lora_request")))
 
     return generate
+
+
+def add_lora_typed(engine: Any, lora_request: Any) -> Any:
+    """``engine.add_lora``; a failure that carries the worker's record (`errors.with_record`) raises that error,
+    of its own type with its own message, not vLLM's text with the record in it."""
+    try:
+        return engine.add_lora(lora_request)
+    except Exception as err:
+        crossed = error_from_text(str(err))
+        if crossed is None:
+            raise
+        raise crossed from err

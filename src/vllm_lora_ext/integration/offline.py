@@ -85,7 +85,7 @@ def _load(engine: Any, pinned: MixSpec, name: str, path: str) -> Any:
     """
     from vllm.lora.request import LoRARequest
 
-    from vllm_lora_ext.integration.engine_patches import offline_loaded
+    from vllm_lora_ext.integration.engine_patches import add_lora_typed, offline_loaded
 
     loaded = offline_loaded(engine)
     listed = set(engine.list_loras()) if callable(getattr(engine, "list_loras", None)) else set()
@@ -103,7 +103,7 @@ def _load(engine: Any, pinned: MixSpec, name: str, path: str) -> Any:
         loaded.pop(old.lora_int_id, None)
     req = LoRARequest(lora_name=name, lora_int_id=entry.lora_int_id, lora_path=path)
     try:
-        engine.add_lora(req)
+        add_lora_typed(engine, req)
     except Exception:
         _REGISTRY.remove(pinned)
         raise
