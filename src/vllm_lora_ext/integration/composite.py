@@ -87,15 +87,19 @@ def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedA
     A component load is mostly reading and copying (which release the GIL) or waiting for the build process,
     which runs them side by side.
     """
-    cached = {c.source for c in spec.components if _cached((id(manager), c.source)) is not None}
-    missing: dict[str, MixComponent] = {}  # by source: one load for a source named twice
+    built: dict[str, MappedAdapter] = {}  # by source: one cache check (its files' stamps) and one load per source
+    missing: dict[str, MixComponent] = {}
     for c in spec.components:
-        if c.source not in cached:
-            missing.setdefault(c.source, c)
-    built: dict[str, MappedAdapter] = {}
+        if c.source in built or c.source in missing:
+            continue
+        hit = _cached((id(manager), c.source))
+        if hit is not None:
+            built[c.source] = hit
+        else:
+            missing[c.source] = c
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing), thread_name_prefix="vllm-lora-ext-component") as pool:
-            built = dict(zip(missing, pool.map(lambda c: _component(manager, c, load), missing.values())))
+            built.update(zip(missing, pool.map(lambda c: _component(manager, c, load), missing.values())))
     return [built[c.source] if c.source in built else _component(manager, c, load) for c in spec.components]
 
 
