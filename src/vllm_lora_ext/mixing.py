@@ -44,7 +44,7 @@ import torch
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MAX_MIX_COMPONENTS, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
-from vllm_lora_ext.validation import check_rank_budget
+from vllm_lora_ext.validation import check_rank_budget, largest_magnitude
 
 __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_expression", "resolve_mix", "concat_factors",
            "concat_many", "widest_dtype", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight",
@@ -482,16 +482,3 @@ class MixPlan:
 
 def _slices(factors: MixFactor | Sequence[MixFactor]) -> Sequence[MixFactor]:
     return [factors] if isinstance(factors, MixFactor) else factors
-
-
-def largest_magnitude(t: torch.Tensor) -> float:
-    """The largest magnitude in ``t`` (NaN if it holds a NaN; 0 for an empty tensor), for [`MixFactor.max_abs`].
-
-    Example:
-        >>> largest_magnitude(torch.tensor([1.0, -3.0]))
-        3.0
-    """
-    if not t.numel():
-        return 0.0
-    lo, hi = torch.aminmax(t)
-    return max(-float(lo), float(hi)) if not (torch.isnan(lo) or torch.isnan(hi)) else float("nan")

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_rank_budget", "check_finite", "check_fits_dtype", "first_nonfinite", "nonfinite_error"]
+           "check_rank_budget", "check_finite", "check_fits_dtype", "first_nonfinite", "largest_magnitude",
+           "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
 LORA_FACTOR_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
@@ -272,11 +273,26 @@ def check_fits_dtype(factors: Iterable[tuple[str, torch.Tensor, float]], dtype: 
         limit = torch.finfo(dtype or t.dtype).max
         if torch.finfo(t.dtype).max * abs(multiplier) <= limit:  # nothing it can hold goes past the limit
             continue
-        lo, hi = torch.aminmax(t)
-        largest = max(-float(lo), float(hi))
+        largest = largest_magnitude(t)
         if largest * abs(multiplier) > limit:
             scaled = f" × scaling {multiplier:.3g}" if multiplier != 1 else ""
             raise AdapterFormatError(
                 f"Adapter {adapter!r}: tensor {key!r} reaches {largest:.3g}{scaled}, past {dtype or t.dtype}'s "
                 f"largest value {limit:.3g}: it would be served as infinity. Re-save the adapter with smaller "
                 f"values; check lora_alpha.", adapter=adapter, key=key)
+
+
+def largest_magnitude(t: torch.Tensor) -> float:
+    """The largest magnitude in ``t`` (NaN if it holds a NaN; 0 for an empty tensor): one pass.
+
+    Example:
+        >>> import torch
+        >>> largest_magnitude(torch.tensor([1.0, -3.0]))
+        3.0
+    """
+    import torch
+
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi)) if not (torch.isnan(lo) or torch.isnan(hi)) else float("nan")
