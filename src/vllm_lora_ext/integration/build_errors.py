@@ -61,7 +61,8 @@ def typed_load_answer(answer: object, *, name: str, source: str) -> object | Non
     else ``None``. vLLM answers such a failure with the worker's whole text, a 500 or a 400 that may name server
     folders; this is [`build_failure`]'s error, answered with its client message and status."""
     info = getattr(answer, "error", None)  # vLLM's ErrorResponse(error=ErrorInfo(message, type, code))
-    text = getattr(info, "message", None)  # only vLLM's failed add_lora (500), whose text ends with the worker's
-    if getattr(info, "code", None) != 500 or not isinstance(text, str) or error_from_text(text) is None:
-        return None  # record; its other answers (400 "already loaded") may quote a client's name holding a mark
-    return build_failure(RuntimeError(text), name=name, source=source)
+    text = getattr(info, "message", None)
+    # Only vLLM's failed add_lora (500), whose text ends with the worker's record: its other answers (400 "already
+    # loaded") may quote a client's name holding a mark.
+    crossed = error_from_text(text) if getattr(info, "code", None) == 500 and isinstance(text, str) else None
+    return None if crossed is None else build_failure(crossed, name=name, source=source)

@@ -18,7 +18,6 @@ from typing import Any
 
 from vllm_lora_ext.constants import deployment_config_path
 from vllm_lora_ext.deployment import DeploymentConfig, read_deployment_config
-from vllm_lora_ext.errors import error_from_text
 from vllm_lora_ext.mixing import MixComponent, MixSpec, check_weight, resolve_mix
 from vllm_lora_ext.registry import MixRegistry
 from vllm_lora_ext.resolve import resolve_and_check
@@ -129,6 +128,7 @@ def prefetch(llm: Any, requests: Sequence[Any]) -> None:
         llm.generate(prompts, sampling, lora_request=reqs[0])
         ```
     """
+    from vllm_lora_ext.integration.engine_patches import add_lora_typed
     from vllm_lora_ext.integration.prebuild import probe_for
     from vllm_lora_ext.resolve import pin_path
 
@@ -137,10 +137,4 @@ def prefetch(llm: Any, requests: Sequence[Any]) -> None:
         if req is None:
             continue
         req.lora_path = pin_path(req.lora_path, name=req.lora_name)
-        try:
-            engine.add_lora(probe_for(req))
-        except Exception as err:  # an earlier build of it failed: its own error, typed from its record
-            crossed = error_from_text(str(err))
-            if crossed is None:
-                raise
-            raise crossed from err
+        add_lora_typed(engine, probe_for(req))  # an earlier build of it failed: its own error, typed from its record
