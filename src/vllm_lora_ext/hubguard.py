@@ -144,9 +144,11 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
     inside_snapshots = os.path.commonpath([folder, snapshots]) == snapshots
     parts = (*Path(os.path.relpath(folder, snapshots)).parts, os.path.basename(path)) if inside_snapshots else ()
     real, cache = os.path.realpath(path), os.path.realpath(repo.parent)
+    raced = False  # another commit's snapshot: a race or an inconsistent Hub, not a cache to clean by hand
     if len(parts) < 2 or not COMMIT_SHA.match(parts[0]) or ".." in parts:
         why = "is not a snapshot of a commit in the repo's cache folder"
     elif commit is not None and parts[0] != commit:
+        raced = True
         why = (f"is of commit {parts[0]}, not of {commit}, which was asked for (pinned, or the commit the Hub named "
                f"just before: pushed meanwhile, or a Hub that answers two requests differently; retry)")
         with contextlib.suppress(OSError):  # a pinned commit the cache maps to another: never read that way again
@@ -156,8 +158,7 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
         why = "links outside the Hugging Face cache"
     else:
         return path
-    public = (f"The cached file of {source!r} {why}. Nothing was read from it." if commit is not None and
-              why.startswith("is of commit") else
+    public = (f"The cached file of {source!r} {why}. Nothing was read from it." if raced else
               f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise "
               f"than the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's "
               f"folder from the Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as "

@@ -106,12 +106,10 @@ def parse_weight(text: str, *, name: str = "adapter") -> float:
     """Parse a weight written as text (``a=0.7``, ``vllm-lora mix a=0.7``), an ASCII decimal number such as
     ``0.25``, ``-1e-2`` or ``.5``, and apply [`check_weight`]."""
     written = text.strip()
-    try:  # float() alone reads '0_5' as 5 and other scripts' digits; re.A: 'ınf' is no 'inf' either
-        value = float(written) if _DECIMAL.fullmatch(written) else float("not ASCII decimal")  # (-> ValueError)
-    except ValueError:
+    if not _DECIMAL.fullmatch(written):  # float() alone reads '0_5' as 5 and other scripts' digits ('ınf': re.A)
         raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
-                       f"Write it as NAME=0.7.") from None
-    return check_weight(value, name=name, text=written if len(written) <= 40 else written[:37] + "...")
+                       f"Write it as NAME=0.7.")
+    return check_weight(float(written), name=name, text=written if len(written) <= 40 else written[:37] + "...")
 
 
 @dataclass(frozen=True)

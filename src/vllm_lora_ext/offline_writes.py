@@ -95,12 +95,12 @@ def _check_not_a_no_op(src: LoadedAdapter, resolved: ResolvedAdapter, to: str, r
         plans = [plan_experts(groups[p], spec, config=src.config, adapter=name) for p, spec in src.specs.items()]
         if any(k.orientation != "standard" for plan in plans for k in plan.keys_3d):
             return  # transposed (PEFT 0.17-0.18) 3D becomes standard 3D
-    elif rename and any(classify_key(k).proj not in (None, *_STANDARD_NAMES) for k in shapes):
+    renamable = to == "2d" and any(classify_key(k).proj not in (None, *_STANDARD_NAMES) for k in shapes)
+    if renamable and rename:
         return
-    renamable = not rename and any(classify_key(k).proj not in (None, *_STANDARD_NAMES) for k in shapes)
     raise AdapterFormatError(f"Adapter {name!r} is already {to.upper()} in every MoE block, nothing to convert. Use "
                              f"the adapter as it is" + (", or pass --rename to name its projections gate_proj/up_proj/"
-                                                        "down_proj." if to == "2d" and renamable else "."), adapter=name)
+                                                        "down_proj." if renamable else "."), adapter=name)
 
 
 def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], *, to: Literal["2d", "3d"],

@@ -157,7 +157,7 @@ def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config
     for k3 in plan.keys_3d if config is not None and not config.inferred else ():  # r·E rows: r is the config's
         info = classify_key(k3.key_a)  # (an inferred config's r came from these very rows)
         prefix = info.experts_prefix or info.module
-        declared = declared_3d_ranks(config, info.module, prefix) | declared_3d_ranks(config, prefix, prefix)
+        declared = declared_3d_ranks(config, info.module, prefix) | {config.rank_for(prefix)}  # (gate_up: .base_layer)
         if declared and k3.rank not in declared:
             problems.append(f"{info.module}: 3D A has {shapes[k3.key_a][0]} rows, {k3.rank} per expert with the "
                             f"model's E={spec.num_experts}, but the adapter config's r is {min(declared)}: the "
