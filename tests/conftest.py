@@ -76,6 +76,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     HUB.requests.clear()
     HUB.drop_once.clear()
     HUB.lies.clear()
+    HUB.seen.clear()
     yield HUB
     HUB.repos.clear()
     HUB.lies.clear()

@@ -54,7 +54,8 @@ class HubServer:
         self.drop_once: dict[str, list[int]] = {}
         self.busy: dict[str, int] = {}
         self.gates: dict[str, threading.Event] = {}
-        self.lies: dict[str, dict[str, object]] = {}
+        self.lies: dict[str, dict[str, object]] = {}  # per file; "from": k lies from its k-th request on (1-based)
+        self.seen: dict[str, int] = {}  # requests per file name
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -123,7 +124,11 @@ class HubServer:
                     return
                 repo, commit = found
                 data = repo.commits[commit].get(filename)
+                with server.lock:
+                    nth = server.seen[filename] = server.seen.get(filename, 0) + 1
                 lie = server.lies.get(filename, {})
+                if nth < int(lie.get("from", 1)):  # type: ignore[call-overload]
+                    lie = {}
                 commit = str(lie.get("commit", commit))
                 if data is None:
                     return self._error(404, "EntryNotFound", commit)

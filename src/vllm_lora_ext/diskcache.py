@@ -343,10 +343,13 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
 
     pinned = revision if revision is not None and hubguard.COMMIT_SHA.match(revision) else None
 
-    def fetch(cap: int | None = None, local: bool = local_files_only, commit: str | None = pinned) -> str:
+    def fetch(cap: int | None = None, local: bool = local_files_only, commit: str | None = pinned,
+              told: hubguard.HubFacts | None = None) -> str:  # told: hold huggingface_hub's requests to it
         bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename)
-        path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
-                                   local_files_only=local, tqdm_class=bar))
+        with contextlib.nullcontext() if told is None else hubguard.expecting(
+                told, pinned or told.commit, source=source, filename=filename):
+            path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
+                                       local_files_only=local, tqdm_class=bar))
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=commit)
 
     if local_files_only:
@@ -361,14 +364,14 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         logger.warning("%s:%s: the Hub did not answer (%s); using the cached copy of %s, which may be older than "
                        "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
         return path
-    cap = None if facts.xet else facts.size if facts.size is not None else limit  # hf_xet swallows the cap's error
+    cap = hubguard.transfer_cap(facts, limit, source=source, filename=filename)
     use = _RESOLVING.get()
     if use is not None:
         use.take_hold()
     root = state_root(cache_dir)
     if limit is None:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=None)  # (the commit is checked once the file is listed: evictable either way)
+        path = fetch(cap, commit=None, told=facts)  # (the commit is checked once the file is listed: evictable either way)
         commit = _commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
@@ -382,7 +385,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
     try:
         before = _commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=None)
+        path = fetch(cap, commit=None, told=facts)
         commit = _commit_of(Path(path))
         with locked(root):
             if reservation is not None:

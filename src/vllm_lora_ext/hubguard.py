@@ -11,12 +11,15 @@ So before a download (the one place is [`diskcache.download_file`]):
 2. the download's byte counter (`capped`) stops the transfer once it passes the size announced (or, when none was,
    the disk cache bound), and huggingface_hub removes its partial file. Not for a file in Xet storage: hf_xet
    catches errors raised in its progress callbacks, so there only the bound's check after the download holds;
-3. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder (of the commit asked
-   for, or named by the Hub just before) or resolves outside the cache: nothing is read from it. By then
-   huggingface_hub has written by its own second request, which the plugin does not see (README, "Known limits
-   against a hostile Hub or mirror").
+3. `expecting` holds huggingface_hub's own requests during the download to that first answer: its second metadata
+   request must name the same commit, ETag, size and storage (Xet or not), and every answer's commit must be a
+   sha, checked as each answer arrives (an event hook on huggingface_hub's HTTP client), before huggingface_hub
+   names or writes anything by it (a blob, a snapshot link, a ``.no_exist`` marker, ``refs/<revision>``);
+4. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder (of the commit asked
+   for, or named by the Hub just before) or resolves outside the cache: nothing is read from it.
 
-Each refusal is a [`HubAnswerError`] naming the header, its value and the endpoint.
+Each refusal is a [`HubAnswerError`] naming the header and its value, and for the operator the endpoint; a
+client is told the server's Hub answered wrongly, not where it is.
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ import inspect
 import logging
 import os
 import re
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from vllm_lora_ext.errors import HubAnswerError
+from vllm_lora_ext.constants import MAX_CONFIG_BYTES
+from vllm_lora_ext.errors import AdapterFormatError, HubAnswerError
 
-__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "contained", "head", "hub_endpoint"]
+__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "contained", "expecting", "head",
+           "hub_endpoint", "transfer_cap"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +66,15 @@ def hub_endpoint() -> str:
     return str(constants.ENDPOINT)
 
 
-def _refuse(source: str, header: str, value: str, why: str, filename: str = "") -> HubAnswerError:
+_CLIENT_FIX = "The server's Hub or mirror answers otherwise than huggingface.co; tell the server's operator."
+
+
+def _refuse(source: str, header: str, value: str, why: str, filename: str = "", *, retry: bool = False) -> HubAnswerError:
     of = f"{source!r}" + (f" (file {filename!r})" if filename and not source.endswith(filename) else "")
-    return HubAnswerError(
-        f"The Hub at {hub_endpoint()!r} answered {header} {value[:80]!r} for {of}, which is {why}; nothing was "
-        f"downloaded. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.",
-        source=source, header=header, value=value[:200])
+    said = f"answered {header} {value[:80]!r} for {of}, which is {why}; nothing was downloaded."
+    fix = "" if retry else " Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does."
+    return HubAnswerError(f"The Hub at {hub_endpoint()!r} {said}{fix}", source=source, header=header, value=value[:200],
+                          public_message=f"The Hub {said}" + (" Retry." if retry else f" {_CLIENT_FIX}"))
 
 
 def check_commit(value: str | None, source: str, filename: str = "") -> str | None:
@@ -110,6 +121,24 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
     return HubFacts(size=size, commit=commit, etag=etag, xet=getattr(meta, "xet_file_data", None) is not None)
 
 
+def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: str) -> int | None:
+    """The bytes a download of ``filename`` may write (`capped`): the size the Hub announced, else the disk cache
+    bound ``limit``, and for a JSON file (a config, which is read whole) at most ``MAX_CONFIG_BYTES``; ``None`` for
+    a file in Xet storage (hf_xet swallows the cap's error). A config announced larger is refused undownloaded.
+
+    Raises:
+        [`AdapterFormatError`]: a JSON file the Hub announces larger than ``MAX_CONFIG_BYTES``.
+    """
+    most = MAX_CONFIG_BYTES if filename.endswith(".json") else None
+    if most is not None and facts.size is not None and facts.size > most:
+        raise AdapterFormatError(f"{filename!r} of {source!r} is {facts.size} bytes on the Hub, larger than a config "
+                                 f"may be ({most} bytes); nothing was downloaded. Use a config of at most 1 MiB.")
+    if facts.xet:
+        return None
+    cap = facts.size if facts.size is not None else limit
+    return cap if most is None else most if cap is None else min(cap, most)
+
+
 def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
     """Return ``tqdm_class`` (or huggingface_hub's) counting the bytes written, which stops past ``cap`` bytes."""
     if tqdm_class is None:
@@ -125,9 +154,12 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
             if self._vle_bytes > cap:
                 raise HubAnswerError(
                     f"The Hub at {hub_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
-                    f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES); "
-                    f"the transfer was stopped and its partial file is not kept. Point HF_ENDPOINT at a Hub or mirror "
-                    f"that answers as huggingface.co does.", source=source, header="Content-Length", value=str(cap))
+                    f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES, "
+                    f"or a config's {MAX_CONFIG_BYTES} bytes); the transfer was stopped and its partial file is not "
+                    f"kept. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.", source=source,
+                    header="Content-Length", value=str(cap),
+                    public_message=f"The Hub sent more than {cap} bytes of {filename!r} for {source!r}, more than it "
+                                   f"announced or than the server allows; the transfer was stopped. {_CLIENT_FIX}")
             return super().update(n)
 
     return _Capped
@@ -159,9 +191,68 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
     else:
         return path
     public = (f"The cached file of {source!r} {why}. Nothing was read from it." if raced else
-              f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise "
-              f"than the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's "
-              f"folder from the Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as "
-              f"huggingface.co does.")
-    raise HubAnswerError(f"{public} (path {path!r}, resolves to {real!r})", source=source, header="cached path",
+              f"The cached file of {source!r} {why}: the server's Hub answered otherwise than huggingface.co, or its "
+              f"cache was changed by hand. Nothing was read from it. Tell the server's operator.")
+    private = public if raced else (
+        f"The cached file of {source!r} {why}: the Hub at {hub_endpoint()!r} answered huggingface_hub otherwise than "
+        f"the plugin, or the cache was changed by hand. Nothing was read from it. Remove the repo's folder from the "
+        f"Hugging Face cache, and point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.")
+    raise HubAnswerError(f"{private} (path {path!r}, resolves to {real!r})", source=source, header="cached path",
                          value=path[:200], public_message=public)
+
+
+# What huggingface_hub's requests in an `expecting` block must agree with: (source, filename, what `head` was told,
+# the commit the download must land in). Per thread (and task): other traffic on the shared client is untouched.
+_EXPECTED: ContextVar[tuple[str, str, HubFacts, str | None] | None] = ContextVar("vllm_lora_ext_hub_expected",
+                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str) -> Iterator[None]:
+    """Within the block, refuse any answer to huggingface_hub (its own metadata request, its download) that names a
+    commit other than a sha or than ``commit``, or, on its metadata request, another ETag, size or storage than
+    ``facts`` (see the module's step 3). Needs huggingface_hub's httpx client (1.0 and later); with an older one
+    only steps 1, 2 and 4 hold."""
+    from huggingface_hub import get_session
+
+    hooks = getattr(get_session(), "event_hooks", {}).get("response")
+    if isinstance(hooks, list) and _check_answer not in hooks:
+        hooks.append(_check_answer)  # the client is shared and long-lived: once (a second copy only checks twice)
+    token = _EXPECTED.set((source, filename, facts, commit))
+    try:
+        yield
+    finally:
+        _EXPECTED.reset(token)
+
+
+def _normal_etag(raw: str) -> str:
+    """An ETag header as huggingface_hub reads it into a file name (its leading ``W/`` and quotes stripped)."""
+    return raw.lstrip("W/").strip('"')
+
+
+def _check_answer(response: Any) -> None:
+    """The event hook of `expecting`: runs on each answer before huggingface_hub reads it."""
+    expected = _EXPECTED.get()
+    if expected is None:
+        return
+    source, filename, facts, commit = expected
+    headers = response.headers
+    said = check_commit(headers.get("X-Repo-Commit"), source, filename)
+    if said is not None and commit is not None and said != commit:
+        raise _refuse(source, "X-Repo-Commit", said, f"not the commit asked for, {commit} (pinned, or named by the Hub "
+                      f"just before: pushed meanwhile, or a Hub that answers two requests differently)",
+                      filename, retry=True)
+    location = headers.get("Location")
+    if response.request.method != "HEAD" or response.status_code >= 400 or (
+            300 <= response.status_code < 400 and location and not urlsplit(location).netloc):
+        return  # a download's body, an error, or a redirect huggingface_hub follows: no file's metadata
+    if facts == HubFacts():
+        return  # the plugin's request was answered with an error: nothing to hold this answer to
+    raw_etag = headers.get("X-Linked-Etag") or headers.get("ETag")
+    etag = check_etag(_normal_etag(raw_etag), source, filename) if raw_etag else None
+    size = headers.get("X-Linked-Size") or headers.get("Content-Length")
+    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", size, facts.size),
+                                ("X-Xet-Hash", "X-Xet-Hash" in headers, facts.xet)):
+        if before is not None and now is not None and str(now) != str(before):
+            raise _refuse(source, header, str(now), f"not the {before!r} it answered the plugin's request just before "
+                          f"(a Hub that answers two requests differently)", filename)

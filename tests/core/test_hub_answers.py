@@ -211,7 +211,7 @@ def test_a_pinned_commit_answered_with_another_is_refused_and_the_cache_never_ma
     other = hub.repo("acme/a").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=5)),
                                        "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
     hub.lies[WEIGHTS] = {"commit": other}
-    with pytest.raises(HubAnswerError, match=f"is of commit {other}, not of {pinned}, which was asked for"):
+    with pytest.raises(HubAnswerError, match=f"answered X-Repo-Commit '{other}' .*not the commit asked for, {pinned}"):
         resolve_source(f"{repo}@{pinned}")
     assert not list(isolated_hf_cache.rglob(f"refs/{pinned}"))
     hub.lies.clear()
@@ -230,7 +230,7 @@ def test_a_push_between_the_hubs_head_and_the_download_is_refused_not_pinned_to_
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "1GiB")
     real_head = hubguard.head
     monkeypatch.setattr(hubguard, "head", lambda *a, **k: replace(real_head(*a, **k), commit=older))  # main moved on
-    with pytest.raises(HubAnswerError, match=f"not of {older}, which was asked for .*pushed meanwhile") as info:
+    with pytest.raises(HubAnswerError, match=f"not the commit asked for, {older} .*pushed meanwhile") as info:
         resolve_source(repo)
     assert "HF_ENDPOINT" not in info.value.client_message()  # an honest race: retry, nothing to repoint
     monkeypatch.setattr(hubguard, "head", real_head)
@@ -251,3 +251,56 @@ def test_a_hubs_file_listing_reaches_an_error_message_only_as_names_one_could_gi
     text = str(info.value) + info.value.client_message()
     assert "ok/adapter_model.safetensors" in text and len(text) < 5_000
     assert not any(name[:20] in text for name in hostile)
+
+
+# huggingface_hub asks for a file's metadata itself after the plugin did (request 2 of the file), then downloads it
+# (request 3). A Hub that answers that second request otherwise than the first is refused before huggingface_hub
+# names or writes anything by it.
+@pytest.mark.parametrize(("lie", "header"), [
+    ({"etag": "../../../outside/blob"}, "ETag"),
+    ({"etag": "0" * 64}, "ETag"),  # a plain name, but not the one told just before (e.g. an already cached blob)
+    ({"size": 10}, "Content-Length"),
+    ({"commit": "../../../../outside/p"}, "X-Repo-Commit"),
+    ({"commit": "f" * 40}, "X-Repo-Commit"),
+])
+def test_a_second_metadata_answer_unlike_the_first_is_refused_before_any_write(
+        hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        lie: dict[str, Any], header: str) -> None:
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "1GiB")
+    hub.lies[WEIGHTS] = {**lie, "from": 2}
+    with pytest.raises(HubAnswerError, match=f"answered {header} ") as info:
+        resolve_source(repo)
+    assert info.value.header == header
+    assert "127.0.0.1" not in info.value.client_message()  # the server's Hub address stays with the operator
+    assert files_outside(tmp_path, isolated_hf_cache) == []
+    assert not [p for p in isolated_hf_cache.rglob("*") if "blobs" in p.parts and p.is_file()]  # nothing written
+    assert ("GET", f"/acme/a/resolve/main/{WEIGHTS}") not in hub.requests  # the download never started
+    hub.lies.clear()
+    assert Path(resolve_source(repo).weights_path).is_file()  # an honest answer after it loads
+
+
+def test_a_second_404_naming_a_path_for_a_commit_writes_no_marker_outside_the_cache(
+        hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path) -> None:
+    hub.lies["missing.safetensors"] = {"commit": "../../../../outside/p", "from": 2}
+    with pytest.raises(HubAnswerError, match="X-Repo-Commit"):
+        resolve_source(repo + ":missing.safetensors")
+    assert files_outside(tmp_path, isolated_hf_cache) == []
+    assert not list(isolated_hf_cache.rglob(".no_exist"))
+
+
+def test_a_config_announced_over_1_mib_is_refused_undownloaded_and_an_unannounced_one_is_cut(
+        hub: Any, isolated_hf_cache: Path) -> None:
+    from vllm_lora_ext.errors import AdapterFormatError
+
+    big = json.dumps({**lora_config(r=4), "pad": "x" * (2 << 20)}).encode()
+    hub.repo("acme/c").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=0)),
+                               "adapter_config.json": big})
+    with pytest.raises(AdapterFormatError, match=r"'adapter_config.json' of 'hf:acme/c@[0-9a-f]{40}' is \d+ bytes on the Hub, "
+                                                 r"larger than a config may be \(1048576 bytes\); nothing was downloaded"):
+        resolve_source("hf:acme/c")
+    assert not [r for r in hub.requests if r[0] == "GET" and r[1].endswith("adapter_config.json")]
+    hub.lies["adapter_config.json"] = {"size": -1}  # a HEAD that tells no size: the transfer stops past 1 MiB
+    with pytest.raises(HubAnswerError, match="sent more than 1048576 bytes of 'adapter_config.json'"):
+        resolve_source("hf:acme/c")
+    on_disk = sum(p.stat().st_size for p in isolated_hf_cache.rglob("*") if p.is_file() and not p.is_symlink())
+    assert on_disk < (2 << 20)
