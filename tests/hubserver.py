@@ -148,6 +148,9 @@ class HubServer:
                 self.send_response(status)
                 self.send_header("X-Repo-Commit", commit)
                 self.send_header("ETag", '"' + etag + '"')
+                if lie.get("xet"):  # the headers of a file in Xet storage
+                    self.send_header("X-Xet-Hash", "0" * 64)
+                    self.send_header("X-Xet-Refresh-Route", f"/api/models/{repo_id}/xet-read-token/{commit}")
                 if not (head and lie.get("size") == -1):  # -1: a HEAD that tells no size
                     self.send_header("Content-Length", str(end - start))
                 if status == 206:

@@ -230,6 +230,18 @@ def _normal_etag(raw: str) -> str:
     return raw.lstrip("W/").strip('"')
 
 
+_STORAGE = {True: "Xet storage", False: "no Xet storage"}
+
+
+def _in_xet(response: Any) -> bool:
+    """Whether huggingface_hub reads the answer as a file in Xet storage (as `head` reads ``HubFacts.xet``)."""
+    try:
+        from huggingface_hub.utils import parse_xet_file_data_from_response
+    except ImportError:  # a huggingface_hub without Xet
+        return False
+    return parse_xet_file_data_from_response(response) is not None
+
+
 def _check_answer(response: Any) -> None:
     """The event hook of `expecting`: runs on each answer before huggingface_hub reads it."""
     expected = _EXPECTED.get()
@@ -252,7 +264,7 @@ def _check_answer(response: Any) -> None:
     etag = check_etag(_normal_etag(raw_etag), source, filename) if raw_etag else None
     size = headers.get("X-Linked-Size") or headers.get("Content-Length")
     for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", size, facts.size),
-                                ("X-Xet-Hash", "X-Xet-Hash" in headers, facts.xet)):
+                                ("X-Xet-Hash", _STORAGE[_in_xet(response)], _STORAGE[facts.xet])):
         if before is not None and now is not None and str(now) != str(before):
             raise _refuse(source, header, str(now), f"not the {before!r} it answered the plugin's request just before "
                           f"(a Hub that answers two requests differently)", filename)
