@@ -24,13 +24,28 @@ def one_line(err: BaseException) -> str:
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + " ..."
 
 
+_HELD: list[object] = []  # this command's disk-tier holds: kept until the process ends, which ends them
+
+
 def resolve_offline(source: str) -> ResolvedAdapter:
     """`resolve_source` for an offline tool: a pickle weight file gets the fix that works here (re-save it as
-    safetensors), not the server's opt-in, which the offline tools do not take."""
+    safetensors), not the server's opt-in, which the offline tools do not take.
+
+    An ``hf:`` source is held in the disk tier from before its resolve until the command ends (the revision named,
+    or with a branch every revision of the repo), so neither another process's eviction nor this command's next
+    download (a mix's next component) removes it while the command reads it.
+    """
+    from vllm_lora_ext.diskholds import hold
     from vllm_lora_ext.errors import UnsafeFormatError, offline_pickle_error
-    from vllm_lora_ext.sources import resolve_source
+    from vllm_lora_ext.sources import parse_source, resolve_source
 
     try:
+        src = parse_source(source)
+        if src.kind == "hf" and src.repo_id:
+            try:
+                _HELD.append(hold(src.repo_id, src.revision, why="read by a vllm-lora command"))
+            except Exception:  # a read-only cache: nothing here evicts from it either
+                pass
         return resolve_source(source)
     except UnsafeFormatError as err:
         raise offline_pickle_error(source, err.filename) from err
