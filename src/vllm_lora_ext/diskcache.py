@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import logging
 import os
 import time
@@ -40,16 +39,15 @@ from typing import Any, TypeVar
 
 from vllm_lora_ext import hubguard, metrics
 from vllm_lora_ext._util import fmt_bytes
-from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, MAX_STATE_FILE_BYTES, disk_cache_bytes
-from vllm_lora_ext.diskholds import (DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes,
-                                     state_root, write_in_place)
+from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
+from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes, state_root
+from vllm_lora_ext.diskledger import LEDGER, commit_of, commits_having, read_ledger, record, repo_folder, write_ledger
 from vllm_lora_ext.errors import DiskCacheFullError
 
 __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
 
 logger = logging.getLogger(__name__)
 
-_LEDGER = "ledger.json"
 # The resolve running in this context: its hold is taken at its first download, and a refused download may look
 # past it.
 _RESOLVING: contextvars.ContextVar[_Use | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
@@ -97,70 +95,6 @@ class PruneReport:
     max_bytes: int
 
 
-# ------------------------------------------------------------------------------------------------- the ledger
-
-
-def _read_ledger(root: Path) -> dict[str, dict[str, Any]]:
-    path = root / _LEDGER
-    if not path.exists():
-        return {}
-    try:
-        if path.stat().st_size > MAX_STATE_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
-        data = json.loads(path.read_text())
-        entries = {str(k): dict(v) for k, v in data["revisions"].items()}
-        for v in entries.values():
-            str(v["repo_id"]), str(v["commit"]), list(v["files"]), float(v["last_use"])
-        return entries
-    except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
-        aside = path.with_name(f"{_LEDGER}.unreadable")
-        os.replace(path, aside)
-        logger.warning("the disk cache ledger %s could not be read (%s); it was moved to %s and the plugin now "
-                       "counts only what it downloads from here on", path, err, aside.name)
-        return {}
-
-
-def _write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
-    """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
-    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `_read_ledger` moves aside)."""
-    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)
-    path = root / _LEDGER
-    if in_place:
-        write_in_place(path, text)
-        return
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def repo_folder(cache: Path, repo_id: str) -> Path:
-    """A repo's folder in the Hugging Face cache (``models--org--name``)."""
-    return cache / ("models--" + repo_id.replace("/", "--"))
-
-
-def _commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:
-    snapshots = repo_folder(cache, repo_id) / "snapshots"
-    if not snapshots.is_dir():
-        return set()
-    return {s.name for s in snapshots.iterdir() if os.path.lexists(s / filename)}
-
-
-def _commit_of(path: Path) -> str | None:
-    parts = path.parts
-    return next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "snapshots"), None)
-
-
-def _record(root: Path, repo_id: str, commit: str, filename: str) -> None:
-    """List ``filename`` of ``repo_id@commit`` as placed by the plugin, used now. Call under `locked`."""
-    entries = _read_ledger(root)
-    key = f"{repo_id}@{commit}"
-    entry = entries.setdefault(key, {"repo_id": repo_id, "commit": commit, "files": [], "downloaded": time.time()})
-    if filename not in entry["files"]:
-        entry["files"] = sorted([*entry["files"], filename])
-    entry["last_use"] = time.time()
-    _write_ledger(root, entries)
-
-
 # ----------------------------------------------------------------------------------------- sizes and eviction
 
 
@@ -189,7 +123,7 @@ def _scan(cache: Path, root: Path) -> _State:
     """Match the ledger against huggingface_hub's scan of the cache; drop entries no longer on disk."""
     from huggingface_hub import scan_cache_dir
 
-    entries = _read_ledger(root)
+    entries = read_ledger(root)
     info = scan_cache_dir(cache)
     by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
               for rev in repo.revisions}
@@ -218,7 +152,7 @@ def _scan(cache: Path, root: Path) -> _State:
         revisions[key] = CachedRevision(rev.repo_id, rev.commit, rev.nbytes, rev.last_use, rev.files, whys,
                                         rev.evictable)
     if gone:
-        _write_ledger(root, entries)
+        write_ledger(root, entries)
     return state
 
 
@@ -255,13 +189,13 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
         return
     commits = [state.revisions[k].commit for k in keys]
     state.info.delete_revisions(*commits).execute()
-    entries = _read_ledger(root)
+    entries = read_ledger(root)
     for key in keys:
         entries.pop(key, None)
         rev = state.revisions.pop(key)
         logger.info("disk cache: evicted %s (%s, last used %s)", key, fmt_bytes(rev.nbytes),
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use)))
-    _write_ledger(root, entries)
+    write_ledger(root, entries)
     metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
 
 
@@ -370,13 +304,13 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         use.take_hold()
     root = state_root(cache_dir)
     if limit is None:
-        before = _commits_having(cache, repo_id, filename)
+        before = commits_having(cache, repo_id, filename)
         path = fetch(cap, commit=None, told=facts)  # (the commit is checked once the file is listed: evictable either way)
-        commit = _commit_of(Path(path))
+        commit = commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
                 with locked(root):
-                    _record(root, repo_id, commit, filename)
+                    record(root, repo_id, commit, filename)
             except Exception as err:  # the bound is off: listing is a convenience, never a failure
                 logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
@@ -384,14 +318,14 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     incoming = _incoming(cache, repo_id, facts)
     reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
     try:
-        before = _commits_having(cache, repo_id, filename)
+        before = commits_having(cache, repo_id, filename)
         path = fetch(cap, commit=None, told=facts)
-        commit = _commit_of(Path(path))
+        commit = commit_of(Path(path))
         with locked(root):
             if reservation is not None:
                 reservation.release()
             if commit is not None and commit not in before:
-                _record(root, repo_id, commit, filename)
+                record(root, repo_id, commit, filename)
                 _after_download(cache, root, source, f"{repo_id}@{commit}", limit)
     finally:
         if reservation is not None:
@@ -447,10 +381,10 @@ def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLik
 def _touch(root: Path, key: str) -> None:
     try:
         with locked(root):
-            entries = _read_ledger(root)
+            entries = read_ledger(root)
             if key in entries:
                 entries[key]["last_use"] = time.time()
-                _write_ledger(root, entries, in_place=True)
+                write_ledger(root, entries, in_place=True)
     except Exception as err:  # recency is advice: a failure costs eviction order, never a request
         logger.debug("could not mark %s used in the disk cache ledger: %s", key, err)
 
@@ -464,7 +398,7 @@ def list_cache(*, cache_dir: str | os.PathLike[str] | None = None) -> list[Cache
         []
     """
     cache, root = cache_path(cache_dir), state_root(cache_dir)
-    if not (root / _LEDGER).exists():
+    if not (root / LEDGER).exists():
         return []
     with locked(root):
         state = _scan(cache, root)
@@ -480,7 +414,7 @@ def prune_cache(max_bytes: int, *, cache_dir: str | os.PathLike[str] | None = No
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     cache, root = cache_path(cache_dir), state_root(cache_dir)
-    if not (root / _LEDGER).exists():
+    if not (root / LEDGER).exists():
         return PruneReport((), 0, 0, max_bytes)
     with locked(root):
         state = _scan(cache, root)

@@ -1,0 +1,83 @@
+"""The disk tier's ledger: which revisions of the Hugging Face cache the plugin downloaded, and when each was last
+used (``<HF cache>/.locks/vllm_lora_ext/ledger.json``), with the cache-layout helpers that read it. Call the
+writers under [`diskholds.locked`]; [`diskcache`] holds the rules that use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
+from vllm_lora_ext.diskholds import write_in_place
+
+__all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "record", "repo_folder", "write_ledger"]
+
+logger = logging.getLogger(__name__)
+
+LEDGER = "ledger.json"
+
+
+def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
+    path = root / LEDGER
+    if not path.exists():
+        return {}
+    try:
+        if path.stat().st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+        data = json.loads(path.read_text())
+        entries = {str(k): dict(v) for k, v in data["revisions"].items()}
+        for v in entries.values():
+            str(v["repo_id"]), str(v["commit"]), list(v["files"]), float(v["last_use"])
+        return entries
+    except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
+        aside = path.with_name(f"{LEDGER}.unreadable")
+        os.replace(path, aside)
+        logger.warning("the disk cache ledger %s could not be read (%s); it was moved to %s and the plugin now "
+                       "counts only what it downloads from here on", path, err, aside.name)
+        return {}
+
+
+def write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
+    """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
+    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `read_ledger` moves aside)."""
+    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)
+    path = root / LEDGER
+    if in_place:
+        write_in_place(path, text)
+        return
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def repo_folder(cache: Path, repo_id: str) -> Path:
+    """A repo's folder in the Hugging Face cache (``models--org--name``)."""
+    return cache / ("models--" + repo_id.replace("/", "--"))
+
+
+def commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:
+    snapshots = repo_folder(cache, repo_id) / "snapshots"
+    if not snapshots.is_dir():
+        return set()
+    return {s.name for s in snapshots.iterdir() if os.path.lexists(s / filename)}
+
+
+def commit_of(path: Path) -> str | None:
+    parts = path.parts
+    return next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "snapshots"), None)
+
+
+def record(root: Path, repo_id: str, commit: str, filename: str) -> None:
+    """List ``filename`` of ``repo_id@commit`` as placed by the plugin, used now. Call under `locked`."""
+    entries = read_ledger(root)
+    key = f"{repo_id}@{commit}"
+    entry = entries.setdefault(key, {"repo_id": repo_id, "commit": commit, "files": [], "downloaded": time.time()})
+    if filename not in entry["files"]:
+        entry["files"] = sorted([*entry["files"], filename])
+    entry["last_use"] = time.time()
+    write_ledger(root, entries)
