@@ -77,6 +77,8 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     HUB.drop_once.clear()
     HUB.lies.clear()
     HUB.seen.clear()
+    HUB.script.clear()
+    HUB.routes.clear()
     yield HUB
     HUB.repos.clear()
     HUB.lies.clear()

@@ -56,6 +56,11 @@ class HubServer:
         self.gates: dict[str, threading.Event] = {}
         self.lies: dict[str, dict[str, object]] = {}  # per file; "from": k lies from its k-th request on (1-based)
         self.seen: dict[str, int] = {}  # requests per file name
+        # attack harness: script[filename](nth, command, status, headers, body) -> (status, headers, body) rewrites
+        # a file's answer (headers: list of (name, value)); routes[path](command, headers) -> (status, headers, body)
+        # answers any other path (a CDN, a renamed repo)
+        self.script: dict[str, object] = {}
+        self.routes: dict[str, object] = {}
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -103,6 +108,11 @@ class HubServer:
                 path = self.path.split("?", 1)[0]
                 with server.lock:
                     server.requests.append((self.command, path))
+                route = server.routes.get(path) or next(
+                    (r for k, r in list(server.routes.items()) if k.endswith("*") and path.startswith(k[:-1])), None)
+                if route is not None:
+                    status, hdrs, body = route(self.command, dict(self.headers))  # type: ignore[operator]
+                    return self._send(status, hdrs, body, head)
                 parts = path.strip("/").split("/")
                 if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "revision":
                     return self._api_revision(parts[2] + "/" + parts[3], unquote("/".join(parts[5:])))
@@ -145,17 +155,24 @@ class HubServer:
                     start = int(a or 0)
                     end = int(b) + 1 if b else len(data)
                     status = 206
-                self.send_response(status)
-                self.send_header("X-Repo-Commit", commit)
-                self.send_header("ETag", '"' + etag + '"')
+                hdrs: list[tuple[str, str]] = [("X-Repo-Commit", commit), ("ETag", '"' + etag + '"')]
                 if lie.get("xet"):  # the headers of a file in Xet storage
-                    self.send_header("X-Xet-Hash", "0" * 64)
-                    self.send_header("X-Xet-Refresh-Route", f"/api/models/{repo_id}/xet-read-token/{commit}")
+                    hdrs.append(("X-Xet-Hash", "0" * 64))
+                    hdrs.append(("X-Xet-Refresh-Route", f"/api/models/{repo_id}/xet-read-token/{commit}"))
                 if not (head and lie.get("size") == -1):  # -1: a HEAD that tells no size
-                    self.send_header("Content-Length", str(end - start))
+                    hdrs.append(("Content-Length", str(end - start)))
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
-                self.send_header("Content-Type", "application/octet-stream")
+                    hdrs.append(("Content-Range", f"bytes {start}-{end - 1}/{len(data)}"))
+                hdrs.append(("Content-Type", "application/octet-stream"))
+                payload = data[start:end]
+                script = server.script.get(filename)
+                if script is not None:
+                    status, hdrs, payload = script(nth, self.command, status, hdrs, payload)  # type: ignore[operator]
+                    data = payload
+                    start, end = 0, len(payload)
+                self.send_response(status)
+                for k, v in hdrs:
+                    self.send_header(k, v)
                 self.end_headers()
                 if head:
                     return
@@ -174,6 +191,14 @@ class HubServer:
                     self.connection.shutdown(2)
                     return
                 self.wfile.write(payload)
+
+            def _send(self, status: int, hdrs: list[tuple[str, str]], body: bytes, head: bool) -> None:
+                self.send_response(status)
+                for k, v in hdrs:
+                    self.send_header(k, v)
+                self.end_headers()
+                if not head and body:
+                    self.wfile.write(body)
 
             def _find_commit(self, repo_id: str, revision: str) -> tuple[Repo, str] | None:
                 """The repo and the commit ``revision`` names there, or None once the 401 or 404 is sent."""

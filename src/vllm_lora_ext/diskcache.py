@@ -7,8 +7,11 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   cache (the user's own download, another model) is never listed, so never counted and never evicted.
   The bytes of a set of revisions are the bytes of the distinct blobs their files point at.
 - **Before a download** the Hub's checked metadata ([`hubguard`]) gives the size; if the listed revisions plus
-  the new file would pass the bound, the least recently used revisions nothing holds are evicted first, whole
-  (``scan_cache_dir().delete_revisions``). **After it**, the bound is checked again from the disk.
+  the new file could not fit the bound even with every unheld revision evicted, it is refused. Otherwise the least
+  recently used revisions nothing holds are evicted, whole (``scan_cache_dir().delete_revisions``), as the bytes
+  arrive: room is made ``_STEP`` ahead of them (for a file in Xet storage, whose transfer reports no bytes, for
+  the whole size at once), so a size announced far too high evicts for what was sent. **After it**, the bound is
+  checked again from the disk.
 - **Never evicted:** a revision any live process holds ([`diskholds`]: pinned by the deployment config or
   ``--lora-modules``, a registered adapter or live mix, a resolve downloading it, a build reading it); a
   revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
@@ -16,9 +19,10 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use.
 - **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process, and is
   held only while the ledger and the holds are read or written, never while a file transfers. With the bound
-  on, a download reserves its size in a hold under that lock, together with the room it makes: until the file
-  is listed, every other download counts those bytes as used, so two downloads, in one process or several,
-  never both count on the same free room, and a slow download never keeps another adapter's resolve waiting.
+  on, a download reserves the room it makes in a hold under that lock, and its announced size: until the file
+  is listed, every other download evicts around those bytes and counts the announced ones when it checks that
+  it can fit, so two downloads, in one process or several, never both count on the same free room, and a slow
+  download never keeps another adapter's resolve waiting.
   Recency (``last_use``) is the ledger's, shared by every process and server.
 
 With the bound off, downloads are still listed (best effort: a failure is logged), so ``vllm-lora cache ls``
@@ -210,23 +214,62 @@ def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int 
         source=source, limit=limit, in_use=in_use, needed=need)
 
 
+_STEP = 256 << 20  # a counted download's room is made this far ahead of the bytes that arrived (`_Room.grow`)
+
+
+@dataclass
+class _Room:
+    """A download's reservation: ``hold`` reserves ``reserved`` of the ``need`` bytes announced for ``file_key``."""
+
+    hold: DiskHold
+    reserved: int
+    need: int
+    file_key: str
+    cache: Path
+    limit: int
+    source: str
+    protect: tuple[str, ...]
+
+    def grow(self, received: int) -> None:
+        """Called with the bytes received so far: past half the last ``_STEP``, make room for the next under the
+        state lock, or stop the transfer with [`DiskCacheFullError`] (huggingface_hub removes its partial file)."""
+        if received + _STEP // 2 <= self.reserved or self.reserved >= max(self.need, received):
+            return
+        want = max(min(self.need, received + _STEP), received)
+        root = self.hold.root
+        with locked(root):
+            state = _scan(self.cache, root)
+            others = reserved_bytes([h for h in state.holds if h.reserve_key != self.file_key])
+            keys = _plan(state, others + want, self.limit, protect=self.protect)
+            if keys is None:
+                raise _refusal(self.source, want, self.limit, state, pending=others)
+            _evict(self.cache, root, state, keys)
+            self.hold.reserve(want)
+            self.reserved = want
+
+
 def _reserve(cache_dir: str | os.PathLike[str] | None, repo_id: str, filename: str, revision: str | None,
-             incoming: tuple[int, str | None], limit: int) -> DiskHold:
-    """Make room for a download of ``incoming`` (bytes, commit) and reserve it, in one turn of the state lock; the
-    returned hold ends the reservation."""
+             incoming: tuple[int, str | None], limit: int, *, upfront: bool) -> _Room:
+    """Check that a download of ``incoming`` (bytes, commit) can fit, make room for its first ``_STEP`` bytes
+    (``upfront``: for all of them, where no byte counter runs) and reserve that, in one turn of the state lock.
+    Room for the rest is made as the bytes arrive (`_Room.grow`), so a size announced far too high evicts for what
+    was sent, not for what was announced. Releasing the returned room's hold ends the reservation."""
     (need, commit), source = incoming, f"hf:{repo_id}" + (f"@{revision}" if revision else "")
     file_key = f"{repo_id}@{commit or revision or 'main'}:{filename}"
     cache, root = cache_path(cache_dir), state_root(cache_dir)
+    first = need if upfront else min(need, _STEP)
+    protect = (f"{repo_id}@{commit}",) if commit else ()
     with locked(root):
         state = _scan(cache, root)
-        pending = reserved_bytes(state.holds, {file_key: need})
-        keys = _plan(state, pending, limit, protect=(f"{repo_id}@{commit}",) if commit else ())
-        if keys is None:
+        pending = reserved_bytes(state.holds, {file_key: need}, announced=True)
+        if _plan(state, pending, limit, protect=protect) is None:
             raise _refusal(source, need, limit, state, pending=pending - need)
+        keys = _plan(state, reserved_bytes(state.holds, {file_key: first}), limit, protect=protect) or []
         _evict(cache, root, state, keys)
         metrics.DISK_CACHE_BYTES.set(state.total())
-        return hold(repo_id, commit or revision, why=f"download of {source}:{filename}", cache_dir=cache_dir,
-                    reserve=(file_key, need))
+        made = hold(repo_id, commit or revision, why=f"download of {source}:{filename}", cache_dir=cache_dir,
+                    reserve=(file_key, first, need))
+    return _Room(made, first, need, file_key, cache, limit, source, protect)
 
 
 def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) -> None:
@@ -278,8 +321,11 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     pinned = revision if revision is not None and hubguard.COMMIT_SHA.match(revision) else None
 
     def fetch(cap: int | None = None, local: bool = local_files_only, commit: str | None = pinned,
-              told: hubguard.HubFacts | None = None) -> str:  # told: hold huggingface_hub's requests to it
-        bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename)
+              told: hubguard.HubFacts | None = None, room: _Room | None = None) -> str:
+        bar = tqdm_class if cap is None else hubguard.capped(tqdm_class, cap, source=source, filename=filename,
+                                                             on_bytes=None if room is None else room.grow)
+        if told is not None and pinned is not None:  # huggingface_hub may read a cached listing instead of asking
+            hubguard.check_listing(repo_folder(cache, repo_id), pinned, filename, told, source=source)
         with contextlib.nullcontext() if told is None else hubguard.expecting(
                 told, pinned or told.commit, source=source, filename=filename):
             path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
@@ -305,7 +351,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     root = state_root(cache_dir)
     if limit is None:
         before = commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=None, told=facts)  # (the commit is checked once the file is listed: evictable either way)
+        path = fetch(cap, commit=None, told=facts)  # (its commit checked once the file is listed: evictable)
         commit = commit_of(Path(path))
         if commit is not None and commit not in before:
             try:
@@ -316,20 +362,21 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
     root.mkdir(parents=True, exist_ok=True)
     incoming = _incoming(cache, repo_id, facts)
-    reservation = _reserve(cache_dir, repo_id, filename, revision, incoming, limit) if incoming[0] else None
+    room = _reserve(cache_dir, repo_id, filename, revision, incoming, limit, upfront=cap is None) if incoming[0] \
+        else None
     try:
         before = commits_having(cache, repo_id, filename)
-        path = fetch(cap, commit=None, told=facts)
+        path = fetch(cap, commit=None, told=facts, room=room)
         commit = commit_of(Path(path))
         with locked(root):
-            if reservation is not None:
-                reservation.release()
+            if room is not None:
+                room.hold.release()
             if commit is not None and commit not in before:
                 record(root, repo_id, commit, filename)
                 _after_download(cache, root, source, f"{repo_id}@{commit}", limit)
     finally:
-        if reservation is not None:
-            reservation.release()  # a failed transfer; idempotent
+        if room is not None:
+            room.hold.release()  # a failed transfer; idempotent
     return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
 
 

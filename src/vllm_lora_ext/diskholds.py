@@ -72,7 +72,9 @@ class Hold:
         why: what holds it, e.g. ``"adapter 'sql' (registered)"``.
         pid: the holding process.
         reserve_key: the file a download in progress fetches (``repo@commit:file``), or ``None``.
-        reserved: the bytes that download will add (counted as used until it ends).
+        reserved: the bytes that download is about to add (evicted for; counted as used until it ends).
+        announced: the bytes its Hub announced, at least ``reserved`` (counted when a new download checks that it
+            can fit, so two downloads never both count on the same room).
     """
 
     repo_id: str
@@ -81,6 +83,7 @@ class Hold:
     pid: int
     reserve_key: str | None = None
     reserved: int = 0
+    announced: int = 0
 
     def covers(self, repo_id: str, commit: str) -> bool:
         """Whether this hold keeps revision ``commit`` of ``repo_id`` from eviction."""
@@ -187,6 +190,15 @@ class DiskHold:
         except Exception as err:  # a release must never fail a request; the hold then ends with the process
             logger.warning("could not release the disk cache hold on %s (%s): %s", self.repo_id, self.why, err)
 
+    def reserve(self, nbytes: int) -> None:
+        """Set the bytes this hold reserves for its download (made with ``reserve``). Call under [`locked`]."""
+        state = _root_state(self.root)
+        entry = state.holds.get(self.token)
+        if entry is not None and "reserve_key" in entry:
+            entry["reserved"] = int(nbytes)
+            entry["announced"] = max(int(entry.get("announced", 0)), int(nbytes))
+            state.write()
+
     def __enter__(self) -> DiskHold:
         return self
 
@@ -195,7 +207,7 @@ class DiskHold:
 
 
 def hold(repo_id: str, revision: str | None, *, why: str, cache_dir: str | os.PathLike[str] | None = None,
-         reserve: tuple[str, int] | None = None) -> DiskHold:
+         reserve: tuple[str, int, int] | None = None) -> DiskHold:
     """Keep ``repo_id`` at ``revision`` from eviction until the hold is released or this process ends.
 
     Args:
@@ -203,8 +215,8 @@ def hold(repo_id: str, revision: str | None, *, why: str, cache_dir: str | os.Pa
         revision (`str`, *optional*): a commit sha (that revision) or a branch/tag/``None`` (every revision).
         why (`str`): what holds it, shown by ``vllm-lora cache ls``.
         cache_dir (`str` or `os.PathLike`, *optional*): the hub cache (default: huggingface_hub's).
-        reserve (`tuple[str, int]`, *optional*): ``(file key, bytes)`` of a download in progress: until the hold
-            ends, every evictor counts these bytes as used ([`reserved_bytes`]).
+        reserve (`tuple[str, int, int]`, *optional*): ``(file key, bytes, bytes announced)`` of a download in
+            progress: until the hold ends, every evictor counts these bytes as used ([`reserved_bytes`]).
 
     Returns:
         [`DiskHold`]: the hold; once this returns, no eviction in any process removes the revision.
@@ -217,7 +229,7 @@ def hold(repo_id: str, revision: str | None, *, why: str, cache_dir: str | os.Pa
     token = secrets.token_hex(8)
     entry: dict[str, Any] = {"repo_id": repo_id, "revision": revision, "why": why}
     if reserve is not None:
-        entry.update(reserve_key=reserve[0], reserved=int(reserve[1]))
+        entry.update(reserve_key=reserve[0], reserved=int(reserve[1]), announced=max(int(reserve[2]), int(reserve[1])))
     with locked(root):
         state.take_owner()
         state.holds[token] = entry
@@ -302,13 +314,13 @@ def holding(source: _SourceLike, *, why: str, cache_dir: str | os.PathLike[str] 
             made.release()
 
 
-def reserved_bytes(holds: Sequence[Hold], also: Mapping[str, int] | None = None) -> int:
-    """Return the bytes the downloads in progress among ``holds`` (and ``also``: file key -> bytes) will add, each
-    file once (the largest size any process announced for it)."""
+def reserved_bytes(holds: Sequence[Hold], also: Mapping[str, int] | None = None, *, announced: bool = False) -> int:
+    """Return the bytes the downloads in progress among ``holds`` (and ``also``: file key -> bytes) are about to
+    add (``announced``: will add, by their Hubs' word), each file once (the largest any process counts for it)."""
     files: dict[str, int] = dict(also or {})
     for h in holds:
         if h.reserve_key is not None:
-            files[h.reserve_key] = max(files.get(h.reserve_key, 0), h.reserved)
+            files[h.reserve_key] = max(files.get(h.reserve_key, 0), h.announced if announced else h.reserved)
     return sum(files.values())
 
 
@@ -350,7 +362,8 @@ def _read_holds(path: Path) -> list[Hold]:
         data = json.loads(path.read_text())
         pid = int(data["pid"])
         return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid,
-                     None if h.get("reserve_key") is None else str(h["reserve_key"]), int(h.get("reserved", 0)))
+                     None if h.get("reserve_key") is None else str(h["reserve_key"]), int(h.get("reserved", 0)),
+                     int(h.get("announced", h.get("reserved", 0))))
                 for h in data["holds"]]
     except Exception as err:
         logger.warning("disk cache holds file %s of a live process cannot be read (%s); evicting nothing", path, err)

@@ -92,9 +92,10 @@ class AdapterNotFoundError(VllmLoraExtError, FileNotFoundError):
 class AdapterDownloadError(VllmLoraExtError, OSError):
     """The hub was reachable but the download failed (network cut, server error); retrying may work."""
 
-    def __init__(self, message: str, *, source: str) -> None:
+    def __init__(self, message: str, *, source: str, public_message: str | None = None) -> None:
         super().__init__(message)
         self.source = source
+        self.public_message = public_message
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

@@ -217,22 +217,28 @@ class HubClient:
         except hf_errors.EntryNotFoundError:
             return None
         except (hf_errors.HfHubHTTPError, OSError, ConnectionError) as err:
-            raise AdapterDownloadError(
-                f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {str(err).rstrip('.')}. Retry; a "
-                f"partial file is not kept in the cache.", source=self.src.raw) from err
+            raise self._failed(filename, err, str(err).rstrip(".")) from err
         except Exception as err:  # httpx transport errors have no common base with the above
             if "Timeout" in type(err).__name__:
                 via = " through the proxy set in HTTPS_PROXY/HTTP_PROXY/ALL_PROXY" if proxy_configured() else ""
+                said = f"did not answer in time for {filename!r} of {self.label} {self.src.raw!r} ({type(err).__name__})"
                 raise AdapterDownloadError(
-                    f"The Hugging Face Hub at {hub_endpoint()!r}{via} did not answer in time for {filename!r} of "
-                    f"{self.label} {self.src.raw!r} ({type(err).__name__}). Check the network{' and the proxy' if via else ''}"
+                    f"The Hugging Face Hub at {hub_endpoint()!r}{via} {said}. Check the network{' and the proxy' if via else ''}"
                     f", or set HF_HUB_OFFLINE=1 to use the local cache only (fill it with 'vllm-lora fetch' where the "
-                    f"Hub answers).", source=self.src.raw) from err
+                    f"Hub answers).", source=self.src.raw, public_message=f"The server's Hub {said}. Retry later.") from err
             if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
-                raise AdapterDownloadError(
-                    f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed: {err!r}. Retry; a partial "
-                    f"file is not kept in the cache.", source=self.src.raw) from err
+                raise self._failed(filename, err, repr(err)) from err
             raise
+
+    def _failed(self, filename: str, err: BaseException, detail: str) -> AdapterDownloadError:
+        """A failed transfer: ``detail`` (the library's words, which may name the Hub's address) for the operator;
+        for a client, the error's kind and HTTP status only."""
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        what, tail = f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed", "Retry; a partial file is " \
+            "not kept in the cache."
+        kind = type(err).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
+        return AdapterDownloadError(f"{what}: {detail}. {tail}", source=self.src.raw,
+                                    public_message=f"{what} ({kind}). {tail}")
 
 
     def weight_files(self, revision: str | None, under: str = "") -> list[str]:

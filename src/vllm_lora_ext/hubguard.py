@@ -29,18 +29,18 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES
 from vllm_lora_ext.errors import AdapterFormatError, HubAnswerError
 
-__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "contained", "expecting", "head",
-           "hub_endpoint", "transfer_cap"]
+__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "check_listing", "contained", "expecting",
+           "head", "hub_endpoint", "transfer_cap"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,10 @@ def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: s
     return cap if most is None else most if cap is None else min(cap, most)
 
 
-def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
-    """Return ``tqdm_class`` (or huggingface_hub's) counting the bytes written, which stops past ``cap`` bytes."""
+def capped(tqdm_class: Any, cap: int, *, source: str, filename: str,
+           on_bytes: Callable[[int], None] | None = None) -> Any:
+    """Return ``tqdm_class`` (or huggingface_hub's) counting the bytes written, which stops past ``cap`` bytes and
+    tells ``on_bytes`` the count after each update (it may stop the transfer by raising)."""
     if tqdm_class is None:
         from huggingface_hub.utils import tqdm as tqdm_class
 
@@ -160,6 +162,8 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str) -> Any:
                     header="Content-Length", value=str(cap),
                     public_message=f"The Hub sent more than {cap} bytes of {filename!r} for {source!r}, more than it "
                                    f"announced or than the server allows; the transfer was stopped. {_CLIENT_FIX}")
+            if on_bytes is not None:
+                on_bytes(self._vle_bytes)
             return super().update(n)
 
     return _Capped
@@ -225,6 +229,28 @@ def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str
         _EXPECTED.reset(token)
 
 
+def check_listing(repo: Path, commit: str, filename: str, facts: HubFacts, *, source: str) -> None:
+    """Check a pinned file's entry in the commit's cached tree listing (``trees/<commit>.json`` of the repo's cache
+    folder, which any ``snapshot_download`` of the repo writes): huggingface_hub reads a file in Xet storage by
+    it instead of asking the Hub, so no hook sees that answer. Its ETag must be a plain file name and, like a
+    second answer, agree with ``facts`` (`expecting`)."""
+    try:
+        from huggingface_hub._tree_cache import read_tree_cache
+    except ImportError:  # a huggingface_hub without the listing cache: it always asks
+        return
+    entry = (read_tree_cache(str(repo), commit) or {}).get(filename)
+    if entry is None or getattr(entry, "lfs_sha256", None) is None:
+        return  # not listed, or no LFS file: huggingface_hub asks the Hub, and `expecting` sees the answer
+    etag = check_etag(str(entry.lfs_sha256), source, filename)
+    if facts == HubFacts():
+        raise _refuse(source, "tree listing", str(etag), "a file the Hub answered the plugin's request for with an "
+                      "error (a Hub that answers two requests differently)", filename)
+    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", entry.lfs_size, facts.size)):
+        if before is not None and now is not None and str(now) != str(before):
+            raise _refuse(source, header, str(now), f"in its cached tree listing, not the {before!r} it answered the "
+                          f"plugin's request with (a Hub that answers two requests differently)", filename)
+
+
 def _normal_etag(raw: str) -> str:
     """An ETag header as huggingface_hub reads it into a file name (its leading ``W/`` and quotes stripped)."""
     return raw.lstrip("W/").strip('"')
@@ -242,6 +268,21 @@ def _in_xet(response: Any) -> bool:
     return parse_xet_file_data_from_response(response) is not None
 
 
+def _followed(response: Any) -> bool:
+    """Whether huggingface_hub follows this answer to a metadata request (a redirect it takes to the same Hub, as
+    its ``_httpx_follow_relative_redirects`` decides) rather than reading it as the file's metadata."""
+    location = response.headers.get("Location")
+    if not (response.has_redirect_location and location):
+        return False
+    url = str(response.request.url)
+    target = urljoin(url, location)
+    try:
+        from huggingface_hub.utils._http import _is_same_or_hub_host
+    except ImportError:  # an older huggingface_hub: it follows the relative ones
+        return not urlsplit(location).netloc
+    return bool(_is_same_or_hub_host(url, target))
+
+
 def _check_answer(response: Any) -> None:
     """The event hook of `expecting`: runs on each answer before huggingface_hub reads it."""
     expected = _EXPECTED.get()
@@ -254,14 +295,13 @@ def _check_answer(response: Any) -> None:
         raise _refuse(source, "X-Repo-Commit", said, f"not the commit asked for, {commit} (pinned, or named by the Hub "
                       f"just before: pushed meanwhile, or a Hub that answers two requests differently)",
                       filename, retry=True)
-    location = headers.get("Location")
-    if response.request.method != "HEAD" or response.status_code >= 400 or (
-            300 <= response.status_code < 400 and location and not urlsplit(location).netloc):
+    if response.request.method != "HEAD" or response.status_code >= 400 or _followed(response):
         return  # a download's body, an error, or a redirect huggingface_hub follows: no file's metadata
-    if facts == HubFacts():
-        return  # the plugin's request was answered with an error: nothing to hold this answer to
     raw_etag = headers.get("X-Linked-Etag") or headers.get("ETag")
     etag = check_etag(_normal_etag(raw_etag), source, filename) if raw_etag else None
+    if facts == HubFacts():  # the plugin's own request was answered with an error, this one with the file
+        raise _refuse(source, "status", str(response.status_code), "not the error it answered the plugin's request "
+                      "with just before (a Hub that answers two requests differently)", filename)
     size = headers.get("X-Linked-Size") or headers.get("Content-Length")
     for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", size, facts.size),
                                 ("X-Xet-Hash", _STORAGE[_in_xet(response)], _STORAGE[facts.xet])):

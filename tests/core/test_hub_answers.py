@@ -305,3 +305,39 @@ def test_a_config_announced_over_1_mib_is_refused_undownloaded_and_an_unannounce
         resolve_source("hf:acme/c")
     on_disk = sum(p.stat().st_size for p in isolated_hf_cache.rglob("*") if p.is_file() and not p.is_symlink())
     assert on_disk < (2 << 20)
+
+
+def test_a_size_announced_far_too_high_evicts_for_the_bytes_sent_not_for_the_size_announced(
+        hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext import diskcache
+    from vllm_lora_ext.errors import AdapterDownloadError
+
+    rev = len(save(dense_tensors(llama_shapes(), rank=4, seed=0))) + len(json.dumps(lora_config(r=4)))
+    for i in range(6):
+        hub.repo(f"acme/r{i}").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=i)),
+                                       "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+        resolve_source(f"hf:acme/r{i}")
+    hub.repo("acme/liar").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=9)),
+                                  "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(8 * rev))
+    monkeypatch.setattr(diskcache, "_STEP", rev)  # room made one adapter's bytes ahead of what arrived
+    hub.lies[WEIGHTS] = {"size": 7 * rev}  # announces seven adapters' bytes, sends one
+    with pytest.raises(AdapterDownloadError, match="Consistency check failed"):
+        resolve_source("hf:acme/liar")
+    assert len(list_cache()) >= 5  # before: the six were evicted down to one, making room for the announced size
+
+
+def test_an_honest_download_past_its_first_step_makes_room_as_its_bytes_arrive(
+        hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext import diskcache
+
+    rev = len(save(dense_tensors(llama_shapes(), rank=4, seed=0))) + len(json.dumps(lora_config(r=4)))
+    for i in range(4):
+        hub.repo(f"acme/s{i}").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=i)),
+                                       "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    for i in range(3):
+        resolve_source(f"hf:acme/s{i}")
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(int(3.5 * rev)))
+    monkeypatch.setattr(diskcache, "_STEP", rev // 4)  # the first step fits; the rest needs the oldest evicted
+    assert Path(resolve_source("hf:acme/s3").weights_path).is_file()
+    assert sorted(r.repo_id for r in list_cache()) == ["acme/s1", "acme/s2", "acme/s3"]
