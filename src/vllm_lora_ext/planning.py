@@ -15,7 +15,7 @@ from typing import Protocol
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import UnmatchedKeysError
-from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_rows, strip_peft_prefix
+from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_splits, strip_peft_prefix
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, plan_experts
 from vllm_lora_ext.unapplied import screen_unapplied
@@ -275,18 +275,21 @@ def _route_keys(keys: list[str], shapes: Mapping[str, tuple[int, ...]], model: M
             prefix = block_of[experts_prefix] = same_layer_block(routed, model.moe)
         return routes.moe_groups.setdefault(prefix, {}) if prefix in model.moe else None
 
-    # Plain per-expert keys are read in one pass, and the router is asked once per block, projection and
-    # factor: per key, what is left is a lookup of its pattern and one insert.
-    rows = expert_key_rows(keys) if alike else None
-    groups: dict[str, dict[str, tuple[int, ...]] | None] = {}  # per experts prefix in the file
-    for key, row in zip(keys, rows if rows is not None else itertools.repeat(None)):
-        if row is not None and row[1]:
-            without_expert = (row[0], row[1], row[3], row[4])  # the key's pattern: all but its expert number
-            verdict = answers.get(without_expert)
+    # Plain per-expert keys are split around their expert number in one pass, and the router is asked once per
+    # block, projection and factor: per key, what is left is a lookup of its pattern (the split) and one insert.
+    splits = expert_key_splits(keys) if alike else None
+    split_answers: dict[tuple[str, str], str] = {}  # per split pattern, as `answers`
+    groups: dict[str, dict[str, tuple[int, ...]] | None] = {}  # per split head (experts prefix, with PEFT's if any)
+    for key, split in zip(keys, splits if splits is not None else itertools.repeat(("", ""))):
+        head = split[0]
+        if head:
+            verdict = split_answers.get(split)
             if verdict is None:
-                verdict = answers[without_expert] = ask(key)[0]
+                verdict = split_answers[split] = ask(key)[0]
             if verdict == "lora":
-                group = groups[row[1]] if row[1] in groups else groups.setdefault(row[1], block_group(row[1]))
+                group = groups.get(head, False)
+                if group is False:
+                    group = groups[head] = block_group(strip_peft_prefix(head)[:-1])
                 if group is not None:
                     group[key] = shapes[key]
                 else:

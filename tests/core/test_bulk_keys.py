@@ -10,7 +10,8 @@ import pytest
 
 from vllm_lora_ext.config import config_from_dict
 from vllm_lora_ext.errors import ExpertLayoutError
-from vllm_lora_ext.formats import _classify_by_regex, classify_key, expert_key_rows, group_moe_keys
+from vllm_lora_ext.formats import (_classify_by_regex, classify_key, expert_key_rows, expert_key_splits,
+                                   group_moe_keys)
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.formats.moe_plan import _plan_complete_2d, plan_experts
 
@@ -53,6 +54,20 @@ def test_each_row_the_bulk_pass_reads_says_what_classify_key_says() -> None:
     assert read > 500  # the corpus exercises the read branch, not only the misses
     # the keys it leaves to classify_key include per-expert ones (non-ASCII digits, embedding names)
     assert any(classify_key(k).kind == "moe_2d" for k, r in zip(keys, rows) if not r[1])
+
+
+def test_each_split_the_bulk_pass_makes_is_the_row_it_reads_around_the_expert_number() -> None:
+    keys = _corpus()
+    random.Random(2).shuffle(keys)
+    rows, splits = expert_key_rows(keys), expert_key_splits(keys)
+    assert rows is not None and splits is not None and len(splits) == len(keys)
+    for key, (peft, prefix, expert, proj, which), split in zip(keys, rows, splits):
+        if not prefix:
+            assert split == ("", "")
+            continue
+        assert split == (f"{peft}{prefix}.", f".{proj}.lora_{which}.weight") and key == split[0] + expert + split[1]
+    assert sum(1 for s in splits if s[0]) > 500
+    assert expert_key_splits([]) == [] and expert_key_splits(["a\nb.experts.1.p.lora_A.weight"]) is None
 
 
 def test_a_key_holding_a_newline_makes_every_key_go_key_by_key() -> None:

@@ -17,7 +17,8 @@ from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
-__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "expert_key_rows", "group_moe_keys", "strip_peft_prefix"]
+__all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "expert_key_rows", "expert_key_splits",
+           "group_moe_keys", "strip_peft_prefix"]
 
 Layout = Literal["dense", "moe_2d", "moe_3d", "moe_mixed", "empty"]
 KeyKind = Literal["dense", "moe_2d", "moe_3d", "other"]
@@ -31,6 +32,11 @@ _EXPERT_3D = re.compile(r"^(?P<prefix>.*\.experts)(?P<nest>(\.base_layer)*)$")
 # atomic group takes the PEFT prefix whenever it is there, as classify_key strips it whenever it is there.
 _EXPERT_LINES = re.compile(r"^(?>(base_model\.model\.)?)(.*\.experts)\.([0-9]+)\.([^.\n]+)\.lora_([AB])\.weight$|^.*$",
                            re.MULTILINE)
+
+# The same lines split around the expert number: ``(head, tail)``, the head up to ".experts." (with the PEFT
+# prefix, taken as above) and the tail from the dot after the number; ``("", "")`` for any other line.
+_EXPERT_SPLITS = re.compile(r"^((?>(?:base_model\.model\.)?).*\.experts\.)[0-9]+(\.[^.\n]+\.lora_[AB]\.weight)$|^.*$",
+                            re.MULTILINE)
 
 ExpertRow = tuple[str, str, str, str, str]
 """``(peft_prefix, experts_prefix, expert, proj, which)`` of a per-expert key; ``experts_prefix`` is empty for others."""
@@ -122,6 +128,27 @@ def expert_key_rows(keys: Sequence[str]) -> list[ExpertRow] | None:
         return None
     rows = _EXPERT_LINES.findall(joined)
     return rows if len(rows) == len(keys) else None
+
+
+def expert_key_splits(keys: Sequence[str]) -> list[tuple[str, str]] | None:
+    """Split every plain per-expert (2D) key of ``keys`` around its expert number, in one regex pass.
+
+    Returns one ``(head, tail)`` per key, in order: the key is ``head + expert + tail``, where [`expert_key_rows`]
+    reads ``(peft_prefix, experts_prefix, expert, proj, which)``, ``head`` is ``peft_prefix + experts_prefix +
+    "."`` and ``tail`` is ``"." + proj + ".lora_" + which + ".weight"``; ``("", "")`` where it reads no row. Two
+    keys with the same pair differ in the expert number only. Returns ``None`` if a key holds a newline.
+
+    Example:
+        >>> expert_key_splits(["base_model.model.m.layers.0.mlp.experts.7.up_proj.lora_B.weight", "m.q.lora_A.weight"])
+        [('base_model.model.m.layers.0.mlp.experts.', '.up_proj.lora_B.weight'), ('', '')]
+    """
+    if not keys:
+        return []
+    joined = "\n".join(keys)
+    if joined.count("\n") != len(keys) - 1:
+        return None
+    splits = _EXPERT_SPLITS.findall(joined)
+    return splits if len(splits) == len(keys) else None
 
 
 def _classify_by_regex(key: str) -> KeyInfo:
