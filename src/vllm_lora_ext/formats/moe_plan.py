@@ -109,11 +109,12 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
     if len(set(roles)) != len(projs) or len(shapes) != 2 * spec.num_experts * len(projs):
         return None
     experts = range(spec.num_experts)
+    heads = [f"{head}{e}." for e in experts]
     plan = ExpertsPlan(spec)
     spelled = 0
     for proj, role in zip(projs, roles):
-        keys_a = [f"{head}{e}.{proj}.lora_A.weight" for e in experts]
-        keys_b = [f"{head}{e}.{proj}.lora_B.weight" for e in experts]
+        keys_a = list(map(str.__add__, heads, repeat(f"{proj}.lora_A.weight")))
+        keys_b = list(map(str.__add__, heads, repeat(f"{proj}.lora_B.weight")))
         try:
             shapes_a = set(map(tuple, map(shapes.__getitem__, keys_a)))  # (a caller's shapes may be lists)
             shapes_b = set(map(tuple, map(shapes.__getitem__, keys_b)))
@@ -126,7 +127,8 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
         d_out = spec.hidden if role == "down" else spec.intermediate
         if len(sa) != 2 or sa != (sa[0], d_in) or sb != (d_out, sa[0]):
             return None
-        plan.keys_2d += map(Key2D, keys_a, keys_b, experts, repeat(role), repeat(sa[0]))
+        # (tuple.__new__ makes each Key2D as its own constructor does, without a Python call per key)
+        plan.keys_2d += map(tuple.__new__, repeat(Key2D), zip(keys_a, keys_b, experts, repeat(role), repeat(sa[0])))
         spelled += 2 * len(keys_a)
     # Every key spelled is in the block, all are distinct (one per projection, expert and factor) and as many
     # as the block has: they are the block.
