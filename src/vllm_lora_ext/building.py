@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -253,26 +255,27 @@ def _stacked_bytes(plans: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
     """An upper bound on the bytes of the MoE factors kept on this rank, in the dtype they are built in (at most
     4 bytes an element); the file is sparse, so what is not written takes no memory."""
     itemsize = job.dtype.itemsize if job.dtype is not None else 4
-    by_shape: dict[tuple[tuple[int, ...], float], int] = {}  # a 2D adapter has ~10^4 keys of a few shapes
 
     def size(key: str, share: float = 1.0) -> int:
-        shape = shapes[key]
-        n = by_shape.get((shape, share))
-        if n is None:
-            n = by_shape[(shape, share)] = aligned(int(math.prod(shape) * share) * itemsize) + ALIGN
-        return n
+        return aligned(int(math.prod(shapes[key]) * share) * itemsize) + ALIGN
 
     total = 0
     for prefix, plan in plans.items():
         keep = job.model.local_experts.get(prefix)
         kept = None if keep is None else set(keep)
-        for k in plan.keys_2d:
-            if kept is None or k.expert in kept:
-                total += size(k.key_a) + size(k.key_b)
+        pairs = plan.keys_2d if kept is None else [k for k in plan.keys_2d if k.expert in kept]
+        # A 2D block's pairs of one role and rank have one shape each (the plan checked every one against the
+        # model's dims): counted, each sized once, by the last pair of its kind
+        last_of = dict(zip(map(_ROLE_RANK, pairs), pairs))
+        for kind, n in Counter(map(_ROLE_RANK, pairs)).items():
+            total += n * (size(last_of[kind].key_a) + size(last_of[kind].key_b))
         share = 1.0 if keep is None else len(keep) / max(1, job.model.moe[prefix].num_experts)
         for k3 in plan.keys_3d:
             total += size(k3.key_a, share) + size(k3.key_b, share)
     return total
+
+
+_ROLE_RANK = operator.attrgetter("role", "rank")
 
 
 def pack_block(experts: ExpertsLoRA, spec: MoESpec, wrapper: Wrapper, *, max_rank: int, adapter: str,
