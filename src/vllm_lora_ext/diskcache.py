@@ -203,13 +203,18 @@ def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
     metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
 
 
-def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0) -> DiskCacheFullError:
+def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0,
+             stopped_at: int | None = None) -> DiskCacheFullError:
+    """The refusal of a download (``stopped_at``: stopped after that many bytes, once held revisions left no room for
+    the rest; revisions evicted for the bytes before may be gone)."""
     in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable]) + pending
     flight = f" (of which {fmt_bytes(pending)} by other downloads in progress: retry once they finish)" if pending else ""
+    done = ("nothing was evicted" if stopped_at is None else f"the transfer was stopped after {fmt_bytes(stopped_at)} "
+            f"(revisions held since it began left no room for the rest) and its partial file is not kept")
     return DiskCacheFullError(
         f"Adapter source {source!r} needs {fmt_bytes(need)} in the Hugging Face cache, but the disk cache bound "
         f"{ENV_DISK_CACHE_BYTES} is {fmt_bytes(limit)} and {fmt_bytes(in_use)} of it is held by revisions in use (pinned, "
-        f"registered, or being read){flight} or shared with files the plugin did not download; nothing was evicted. "
+        f"registered, or being read){flight} or shared with files the plugin did not download; {done}. "
         f"Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
         source=source, limit=limit, in_use=in_use, needed=need)
 
@@ -242,8 +247,9 @@ class _Room:
             others = reserved_bytes([h for h in state.holds if h.reserve_key != self.file_key])
             keys = _plan(state, others + want, self.limit, protect=self.protect)
             if keys is None:
-                raise _refusal(self.source, want, self.limit, state, pending=others)
+                raise _refusal(self.source, self.need, self.limit, state, pending=others, stopped_at=received)
             _evict(self.cache, root, state, keys)
+            metrics.DISK_CACHE_BYTES.set(state.total())
             self.hold.reserve(want)
             self.reserved = want
 
@@ -327,7 +333,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         if told is not None and pinned is not None:  # huggingface_hub may read a cached listing instead of asking
             hubguard.check_listing(repo_folder(cache, repo_id), pinned, filename, told, source=source)
         with contextlib.nullcontext() if told is None else hubguard.expecting(
-                told, pinned or told.commit, source=source, filename=filename):
+                told, pinned or told.commit, source=source, filename=filename, pinned=pinned is not None):
             path = str(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
                                        local_files_only=local, tqdm_class=bar))
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=commit)

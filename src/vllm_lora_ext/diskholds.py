@@ -11,9 +11,11 @@ Layout, under ``<HF cache>/.locks/vllm_lora_ext/`` (huggingface_hub's cache scan
     holds/<pid>-<hex>.json    one process's holds, rewritten whole (write, then rename) under ``state.lock``
     holds/<pid>-<hex>.lock    held by that process for as long as it lives
 
-A hold may also reserve bytes: a download in progress into the revision holds it and counts its size (once per
-file, however many processes fetch that file) until it is listed in the ledger, so an evictor that plans room for
-another download never gives away the room this one will fill, and no cache-wide lock is held while it transfers.
+A hold may also reserve bytes: a download in progress into the revision holds it, with the bytes it is about to
+add (the room made so far, grown as its bytes arrive) and the size its Hub announced (once per file, however many
+processes fetch that file), until it is listed in the ledger. An evictor making room evicts around the reserved
+bytes; a new download checks that it fits beside the announced ones, so two downloads never count on the same
+room. No cache-wide lock is held while a file transfers.
 
 A process takes its ``.lock`` before it writes its first hold and never lets it go; the OS drops it when
 the process dies. An evictor (under ``state.lock``) tries each ``.lock``: if it can take it, the owner is

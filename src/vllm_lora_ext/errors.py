@@ -220,7 +220,8 @@ class VerifyError(VllmLoraExtError, RuntimeError):
 
 class DiskCacheFullError(VllmLoraExtError, RuntimeError):
     """A download would pass the disk cache bound (``VLLM_LORA_EXT_DISK_CACHE_BYTES``) and every revision that could
-    make room is in use. Nothing was evicted for it; retry once adapters are unloaded, or raise the bound.
+    make room is in use. Nothing was evicted for it, unless the message says its transfer was stopped part-way
+    (revisions held since it began left no room for the rest); retry once adapters are unloaded, or raise the bound.
 
     Not an ``OSError``: the download path maps those to a retryable download failure, and this one is not.
 

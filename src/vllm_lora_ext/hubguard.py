@@ -93,7 +93,7 @@ def check_etag(value: str | None, source: str, filename: str = "") -> str | None
 
 def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str) -> HubFacts:
     """Ask the Hub for ``filename``'s metadata and check it (see the module's step 1), retrying as
-    ``hf_hub_download`` does: a busy Hub (429, 5xx) through a round of backoff, an unreachable one not at all.
+    ``hf_hub_download`` does: a busy Hub (408, 429, 5xx) through a round of backoff, an unreachable one not at all.
 
     A 4xx answer gives empty facts: ``hf_hub_download`` asks again and raises its own error (and marks a missing
     file in the cache), which the callers map. A Hub still busy after the round, or unreachable, comes back as
@@ -112,7 +112,7 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
             check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source, filename)
             logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
             status = getattr(response, "status_code", None)
-            if status is not None and status < 500 and status != 429:
+            if status is not None and status < 500 and status not in (408, 429):  # (those two: busy, retried)
                 return HubFacts()
             if status is None or retry or not can_retry:
                 return HubFacts(failed=err)
@@ -124,7 +124,8 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
 def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: str) -> int | None:
     """The bytes a download of ``filename`` may write (`capped`): the size the Hub announced, else the disk cache
     bound ``limit``, and for a JSON file (a config, which is read whole) at most ``MAX_CONFIG_BYTES``; ``None`` for
-    a file in Xet storage (hf_xet swallows the cap's error). A config announced larger is refused undownloaded.
+    a file in Xet storage that hf_xet transfers (it swallows the cap's error; with hf_xet missing or turned off,
+    huggingface_hub downloads it over HTTP, counted). A config announced larger is refused undownloaded.
 
     Raises:
         [`AdapterFormatError`]: a JSON file the Hub announces larger than ``MAX_CONFIG_BYTES``.
@@ -133,10 +134,19 @@ def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: s
     if most is not None and facts.size is not None and facts.size > most:
         raise AdapterFormatError(f"{filename!r} of {source!r} is {facts.size} bytes on the Hub, larger than a config "
                                  f"may be ({most} bytes); nothing was downloaded. Use a config of at most 1 MiB.")
-    if facts.xet:
+    if facts.xet and _xet_transfers():
         return None
     cap = facts.size if facts.size is not None else limit
     return cap if most is None else most if cap is None else min(cap, most)
+
+
+def _xet_transfers() -> bool:
+    """Whether huggingface_hub hands a file in Xet storage to hf_xet (installed, and not turned off)."""
+    try:
+        from huggingface_hub.utils._runtime import is_xet_available
+    except ImportError:  # a huggingface_hub that does not say: assume it does
+        return True
+    return bool(is_xet_available())
 
 
 def capped(tqdm_class: Any, cap: int, *, source: str, filename: str,
@@ -206,27 +216,53 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
 
 
 # What huggingface_hub's requests in an `expecting` block must agree with: (source, filename, what `head` was told,
-# the commit the download must land in). Per thread (and task): other traffic on the shared client is untouched.
-_EXPECTED: ContextVar[tuple[str, str, HubFacts, str | None] | None] = ContextVar("vllm_lora_ext_hub_expected",
-                                                                                 default=None)
+# the commit the download must land in, whether that commit was pinned). Per thread (and task): other traffic on
+# the shared client is untouched.
+_EXPECTED: ContextVar[tuple[str, str, HubFacts, str | None, bool] | None] = ContextVar(
+    "vllm_lora_ext_hub_expected", default=None)
 
 
 @contextlib.contextmanager
-def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str) -> Iterator[None]:
+def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str, pinned: bool = False
+              ) -> Iterator[None]:
     """Within the block, refuse any answer to huggingface_hub (its own metadata request, its download) that names a
-    commit other than a sha or than ``commit``, or, on its metadata request, another ETag, size or storage than
-    ``facts`` (see the module's step 3). Needs huggingface_hub's httpx client (1.0 and later); with an older one
-    only steps 1, 2 and 4 hold."""
-    from huggingface_hub import get_session
-
-    hooks = getattr(get_session(), "event_hooks", {}).get("response")
-    if isinstance(hooks, list) and _check_answer not in hooks:
-        hooks.append(_check_answer)  # the client is shared and long-lived: once (a second copy only checks twice)
-    token = _EXPECTED.set((source, filename, facts, commit))
+    commit other than a sha or than ``commit`` (``pinned``: the caller's, which no retry changes), or, on its
+    metadata request, another ETag, size or storage than ``facts`` (see the module's step 3). Needs
+    huggingface_hub's httpx client (1.0 and later); with an older one only steps 1, 2 and 4 hold."""
+    _watch_clients()
+    token = _EXPECTED.set((source, filename, facts, commit, pinned))
     try:
         yield
     finally:
         _EXPECTED.reset(token)
+
+
+def _watch_clients() -> None:
+    """Put `_check_answer` on huggingface_hub's shared client and on every client its factory makes from now on:
+    it makes a new one after a connection error in a retried request, after a fork, or after
+    ``set_client_factory`` (whose factory is wrapped at the next `expecting`)."""
+    from huggingface_hub import get_session
+
+    try:
+        from huggingface_hub.utils import _http
+    except ImportError:  # pragma: no cover - an older huggingface_hub: its one session is watched below
+        _http = None
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
+    if callable(factory) and not getattr(factory, "_vllm_lora_ext_watched", False):
+        def watched() -> Any:
+            client = factory()
+            _hook(client)
+            return client
+
+        watched._vllm_lora_ext_watched = True  # type: ignore[attr-defined]
+        _http._GLOBAL_CLIENT_FACTORY = watched  # not set_client_factory, which closes the client in use
+    _hook(get_session())
+
+
+def _hook(client: Any) -> None:
+    hooks = getattr(client, "event_hooks", {}).get("response")
+    if isinstance(hooks, list) and _check_answer not in hooks:
+        hooks.append(_check_answer)  # a client is long-lived: once (a second copy would only check twice)
 
 
 def check_listing(repo: Path, commit: str, filename: str, facts: HubFacts, *, source: str) -> None:
@@ -239,13 +275,13 @@ def check_listing(repo: Path, commit: str, filename: str, facts: HubFacts, *, so
     except ImportError:  # a huggingface_hub without the listing cache: it always asks
         return
     entry = (read_tree_cache(str(repo), commit) or {}).get(filename)
-    if entry is None or getattr(entry, "lfs_sha256", None) is None:
-        return  # not listed, or no LFS file: huggingface_hub asks the Hub, and `expecting` sees the answer
+    if entry is None or getattr(entry, "lfs_sha256", None) is None or getattr(entry, "xet_hash", None) is None:
+        return  # listed as no file in Xet storage: huggingface_hub asks the Hub, and `expecting` sees the answer
     etag = check_etag(str(entry.lfs_sha256), source, filename)
     if facts == HubFacts():
-        raise _refuse(source, "tree listing", str(etag), "a file the Hub answered the plugin's request for with an "
-                      "error (a Hub that answers two requests differently)", filename)
-    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", entry.lfs_size, facts.size)):
+        return  # the plugin's request got an error (a private repo, a token gone): huggingface_hub's own says which
+    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", entry.lfs_size, facts.size),
+                                ("X-Xet-Hash", _STORAGE[True], _STORAGE[facts.xet])):
         if before is not None and now is not None and str(now) != str(before):
             raise _refuse(source, header, str(now), f"in its cached tree listing, not the {before!r} it answered the "
                           f"plugin's request with (a Hub that answers two requests differently)", filename)
@@ -288,13 +324,13 @@ def _check_answer(response: Any) -> None:
     expected = _EXPECTED.get()
     if expected is None:
         return
-    source, filename, facts, commit = expected
+    source, filename, facts, commit, pinned = expected
     headers = response.headers
     said = check_commit(headers.get("X-Repo-Commit"), source, filename)
     if said is not None and commit is not None and said != commit:
         raise _refuse(source, "X-Repo-Commit", said, f"not the commit asked for, {commit} (pinned, or named by the Hub "
                       f"just before: pushed meanwhile, or a Hub that answers two requests differently)",
-                      filename, retry=True)
+                      filename, retry=not pinned)
     if response.request.method != "HEAD" or response.status_code >= 400 or _followed(response):
         return  # a download's body, an error, or a redirect huggingface_hub follows: no file's metadata
     raw_etag = headers.get("X-Linked-Etag") or headers.get("ETag")

@@ -307,18 +307,25 @@ def test_a_config_announced_over_1_mib_is_refused_undownloaded_and_an_unannounce
     assert on_disk < (2 << 20)
 
 
+def adapters(hub: Any, name: str, n: int, *, fetched: int = 0) -> int:
+    """Repos ``<name>0`` .. (or ``name`` itself for one), the first ``fetched`` of them resolved; returns one
+    adapter's bytes on disk."""
+    names = [name] if n == 1 else [f"{name}{i}" for i in range(n)]
+    for i, repo_id in enumerate(names):
+        hub.repo(repo_id).commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=i)),
+                                  "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    for repo_id in names[:fetched]:
+        resolve_source(f"hf:{repo_id}")
+    return len(save(dense_tensors(llama_shapes(), rank=4, seed=0))) + len(json.dumps(lora_config(r=4)))
+
+
 def test_a_size_announced_far_too_high_evicts_for_the_bytes_sent_not_for_the_size_announced(
         hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_lora_ext import diskcache
     from vllm_lora_ext.errors import AdapterDownloadError
 
-    rev = len(save(dense_tensors(llama_shapes(), rank=4, seed=0))) + len(json.dumps(lora_config(r=4)))
-    for i in range(6):
-        hub.repo(f"acme/r{i}").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=i)),
-                                       "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
-        resolve_source(f"hf:acme/r{i}")
-    hub.repo("acme/liar").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=9)),
-                                  "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    rev = adapters(hub, "acme/r", 6, fetched=6)
+    adapters(hub, "acme/liar", 1)
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(8 * rev))
     monkeypatch.setattr(diskcache, "_STEP", rev)  # room made one adapter's bytes ahead of what arrived
     hub.lies[WEIGHTS] = {"size": 7 * rev}  # announces seven adapters' bytes, sends one
@@ -331,13 +338,45 @@ def test_an_honest_download_past_its_first_step_makes_room_as_its_bytes_arrive(
         hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_lora_ext import diskcache
 
-    rev = len(save(dense_tensors(llama_shapes(), rank=4, seed=0))) + len(json.dumps(lora_config(r=4)))
-    for i in range(4):
-        hub.repo(f"acme/s{i}").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=i)),
-                                       "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
-    for i in range(3):
-        resolve_source(f"hf:acme/s{i}")
+    import huggingface_hub.constants as hc
+
+    rev = adapters(hub, "acme/s", 4, fetched=3)
     monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(int(3.5 * rev)))
     monkeypatch.setattr(diskcache, "_STEP", rev // 4)  # the first step fits; the rest needs the oldest evicted
+    monkeypatch.setattr(hc, "DOWNLOAD_CHUNK_SIZE", 256)  # many updates, as a large file's chunks give
+    at_end: list[list[str]] = []  # what was cached when the transfer ended, before the check after it
+    real_after = diskcache._after_download
+    monkeypatch.setattr(diskcache, "_after_download", lambda *a, **k: (
+        at_end.append(sorted(r.repo_id for r in list_cache())), real_after(*a, **k))[1])
     assert Path(resolve_source("hf:acme/s3").weights_path).is_file()
+    assert at_end[0] == ["acme/s1", "acme/s2", "acme/s3"]  # the oldest went while the bytes arrived, not after
     assert sorted(r.repo_id for r in list_cache()) == ["acme/s1", "acme/s2", "acme/s3"]
+
+
+def test_a_download_in_progress_counts_its_announced_size_against_a_new_one(
+        hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download reserves only the room its bytes need next, but a new download must fit beside the whole size the
+    first one's Hub announced, so two never count on the same room."""
+    import threading
+
+    from vllm_lora_ext import diskcache
+    from vllm_lora_ext.errors import DiskCacheFullError
+
+    rev = adapters(hub, "acme/t", 2)
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(int(2.5 * rev)))
+    monkeypatch.setattr(diskcache, "_STEP", rev // 4)
+    hub.lies[WEIGHTS] = {"size": 2 * rev, "from": 1}  # t0's Hub announces two adapters' bytes (t1's too: refused)
+    gate = hub.gates["acme/t0/" + WEIGHTS] = threading.Event()
+    first = threading.Thread(target=lambda: pytest.raises(Exception, resolve_source, "hf:acme/t0"))
+    first.start()
+    try:
+        for _ in range(200):  # until t0's transfer has begun (its GET reached the Hub)
+            if ("GET", f"/acme/t0/resolve/main/{WEIGHTS}") in hub.requests:
+                break
+            threading.Event().wait(0.05)
+        hub.lies.clear()
+        with pytest.raises(DiskCacheFullError, match="by other downloads in progress"):
+            resolve_source("hf:acme/t1")  # 1 adapter beside t0's announced 2 pass the 2.5 bound
+    finally:
+        gate.set()
+        first.join(30)

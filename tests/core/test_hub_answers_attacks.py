@@ -34,6 +34,15 @@ def files_outside(root: Path, cache: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p != cache and cache not in p.parents]
 
 
+def refused_writing_nothing(repo: str, tmp_path: Path, cache: Path) -> None:
+    from vllm_lora_ext.errors import VllmLoraExtError
+
+    with pytest.raises(VllmLoraExtError):
+        resolve_source(repo)
+    written = {str(p.relative_to(tmp_path)): p.stat().st_size for p in files_outside(tmp_path, cache) if p.is_file()}
+    assert written == {}, f"huggingface_hub wrote outside the cache: {written}"
+
+
 def set_header(hdrs: list[tuple[str, str]], name: str, value: str | None) -> list[tuple[str, str]]:
     out = [(k, v) for k, v in hdrs if k.lower() != name.lower()]
     return out if value is None else [*out, (name, value)]
@@ -50,8 +59,6 @@ def test_a_4xx_to_the_plugins_head_then_200_with_a_traversing_etag_is_refused_an
     """Request 1 (the plugin's HEAD) gets a 4xx, so `head` returns empty facts; request 2 (huggingface_hub's HEAD)
     answers the file with ETag ``../../../outside/blob``, which would name a blob outside the HF cache. Refused
     before the GET, by the ETag's shape and by the answer differing from the first."""
-    from vllm_lora_ext.errors import VllmLoraExtError
-
     commit = hub.repo("acme/a").refs["main"]
     code = {404: "EntryNotFound", 401: "RepoNotFound", 403: "GatedRepo"}[first]
 
@@ -62,11 +69,7 @@ def test_a_4xx_to_the_plugins_head_then_200_with_a_traversing_etag_is_refused_an
         return status, set_header(hdrs, "ETag", '"../../../outside/blob"'), body
 
     hub.script[WEIGHTS] = script
-    with pytest.raises(VllmLoraExtError):
-        resolve_source(repo)
-    written = {str(p.relative_to(tmp_path)): p.stat().st_size for p in files_outside(tmp_path, isolated_hf_cache)
-               if p.is_file()}
-    assert written == {}, f"huggingface_hub wrote outside the cache: {written}"
+    refused_writing_nothing(repo, tmp_path, isolated_hf_cache)
 
 
 # --- A 3xx huggingface_hub does not follow is read as the file's metadata: checked as such ----------------------
@@ -77,8 +80,6 @@ def test_a_second_head_answer_huggingface_hub_does_not_follow_is_checked_as_the_
     ``_is_same_or_hub_host``), and ``hf_raise_for_status`` never raises on a 3xx, so a 304 (or 300) is read as the
     file's metadata; so is a 302 to ``https:/elsewhere`` (no host once joined). Its ETag ``../../../outside/blob``
     would name the blob and lock outside the cache: refused as a final answer."""
-    from vllm_lora_ext.errors import VllmLoraExtError
-
     def script(nth: int, method: str, code: int, hdrs: list, body: bytes) -> tuple:
         if nth == 2:
             hdrs = set_header(hdrs, "ETag", '"../../../outside/blob"')
@@ -88,11 +89,7 @@ def test_a_second_head_answer_huggingface_hub_does_not_follow_is_checked_as_the_
         return code, hdrs, body
 
     hub.script[WEIGHTS] = script
-    with pytest.raises(VllmLoraExtError):
-        resolve_source(repo)
-    written = {str(p.relative_to(tmp_path)): p.stat().st_size for p in files_outside(tmp_path, isolated_hf_cache)
-               if p.is_file()}
-    assert written == {}, f"huggingface_hub wrote outside the cache: {written}"
+    refused_writing_nothing(repo, tmp_path, isolated_hf_cache)
 
 
 # --- A failed download tells a client its kind and status, never the library's text with the Hub's address ----

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.constants import MAX_EXPERTS
 
@@ -31,24 +31,37 @@ def resolve_offline(source: str) -> ResolvedAdapter:
     """`resolve_source` for an offline tool: a pickle weight file gets the fix that works here (re-save it as
     safetensors), not the server's opt-in, which the offline tools do not take.
 
-    An ``hf:`` source is held in the disk tier from before its resolve until the command ends (the revision named,
-    or with a branch every revision of the repo), so neither another process's eviction nor this command's next
-    download (a mix's next component) removes it while the command reads it.
+    An ``hf:`` source is held in the disk tier from before its resolve (the revision named, or with a branch every
+    revision of the repo) and, once resolved, its commit until the command ends, so neither another process's
+    eviction nor this command's next download (a mix's next component) removes it while the command reads it.
     """
-    from vllm_lora_ext.diskholds import hold
     from vllm_lora_ext.errors import UnsafeFormatError, offline_pickle_error
     from vllm_lora_ext.sources import parse_source, resolve_source
 
     try:
         src = parse_source(source)
-        if src.kind == "hf" and src.repo_id:
-            try:
-                _HELD.append(hold(src.repo_id, src.revision, why="read by a vllm-lora command"))
-            except Exception:  # a read-only cache: nothing here evicts from it either
-                pass
-        return resolve_source(source)
+        before = _hold(src.repo_id, src.revision) if src.kind == "hf" and src.repo_id else None
+        resolved = resolve_source(source)
+        if before is not None and resolved.commit and resolved.commit != src.revision:
+            _hold(src.repo_id, resolved.commit)  # (narrowed to the commit read)
+            before.release()
+            _HELD.remove(before)
+        return resolved
     except UnsafeFormatError as err:
         raise offline_pickle_error(source, err.filename) from err
+
+
+def _hold(repo_id: str | None, revision: str | None) -> Any:
+    """Hold ``repo_id@revision`` for this command (``None`` where the cache cannot be written: then nothing here
+    evicts from it either)."""
+    from vllm_lora_ext.diskholds import hold
+
+    try:
+        made = hold(repo_id or "", revision, why="read by a vllm-lora command")
+    except Exception:
+        return None
+    _HELD.append(made)
+    return made
 
 
 def add_source(parser: argparse.ArgumentParser) -> None:
