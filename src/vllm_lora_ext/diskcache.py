@@ -340,16 +340,20 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
 
     if local_files_only:
         return fetch()
-    facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
-    named = pinned or facts.commit  # the download must land in this commit's snapshot
-    if facts.failed is not None:  # retried already: the cache's copy of that revision, else the Hub's error
+    facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source, retry=False)
+    if facts.failed is not None:  # busy or unreachable: the cache's copy of that revision at once, if any
         try:
             path = fetch(local=True)
-        except Exception:
-            raise facts.failed from None
-        logger.warning("%s:%s: the Hub did not answer (%s); using the cached copy of %s, which may be older than "
-                       "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
-        return path
+        except Exception:  # none: a busy Hub gets a round of backoff, as hf_hub_download gives it; a silent one not
+            if getattr(facts.failed, "response", None) is not None:
+                facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
+            if facts.failed is not None:
+                raise facts.failed from None
+        else:
+            logger.warning("%s:%s: the Hub did not answer (%s); using the cached copy of %s, which may be older than "
+                           "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
+            return path
+    named = pinned or facts.commit  # the download must land in this commit's snapshot
     cap = hubguard.transfer_cap(facts, limit, source=source, filename=filename)
     use = _RESOLVING.get()
     if use is not None:

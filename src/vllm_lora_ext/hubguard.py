@@ -91,21 +91,24 @@ def check_etag(value: str | None, source: str, filename: str = "") -> str | None
     return value
 
 
-def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str) -> HubFacts:
-    """Ask the Hub for ``filename``'s metadata and check it (see the module's step 1), retrying as
-    ``hf_hub_download`` does: a busy Hub (408, 429, 5xx) through a round of backoff, an unreachable one not at all.
+def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str,
+         retry: bool = True) -> HubFacts:
+    """Ask the Hub for ``filename``'s metadata and check it (see the module's step 1); with ``retry``, as
+    ``hf_hub_download`` does when nothing is cached: a busy Hub (408, 429, 5xx) through a round of backoff, an
+    unreachable one not at all.
 
     A 4xx answer gives empty facts: ``hf_hub_download`` asks again and raises its own error (and marks a missing
-    file in the cache), which the callers map. A Hub still busy after the round, or unreachable, comes back as
-    ``failed``: the caller then reads the cache only, so it costs what ``hf_hub_download`` alone would.
+    file in the cache), which the callers map. A Hub busy (after the round, with ``retry``) or unreachable comes
+    back as ``failed``: the caller then reads the cache only, as ``hf_hub_download`` would.
     """
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     url = hf_hub_url(repo_id, filename, revision=revision)
     can_retry = "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters
-    for retry in (False, True) if can_retry else (False,):
+    rounds = (False, True) if can_retry and retry else (False,)
+    for again in rounds:
         try:
-            meta = get_hf_file_metadata(url, token=token, **({"retry_on_errors": retry} if can_retry else {}))
+            meta = get_hf_file_metadata(url, token=token, **({"retry_on_errors": again} if can_retry else {}))
             break
         except Exception as err:
             response = getattr(err, "response", None)
@@ -114,7 +117,7 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
             status = getattr(response, "status_code", None)
             if status is not None and status < 500 and status not in (408, 429):  # (those two: busy, retried)
                 return HubFacts()
-            if status is None or retry or not can_retry:
+            if status is None or again or len(rounds) == 1:
                 return HubFacts(failed=err)
     commit, etag = check_commit(meta.commit_hash, source, filename), check_etag(meta.etag, source, filename)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
@@ -247,16 +250,22 @@ def _watch_clients() -> None:
         from huggingface_hub.utils import _http
     except ImportError:  # pragma: no cover - an older huggingface_hub: its one session is watched below
         _http = None
-    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
-    if callable(factory) and not getattr(factory, "_vllm_lora_ext_watched", False):
-        def watched() -> Any:
-            client = factory()
-            _hook(client)
-            return client
+    with getattr(_http, "_CLIENT_LOCK", contextlib.nullcontext()):  # as set_client_factory swaps it: none lost
+        factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
+        if callable(factory) and getattr(factory, "_vllm_lora_ext_watched", None) is not True:
+            _http._GLOBAL_CLIENT_FACTORY = _watched(factory)  # not set_client_factory: it closes the client in use
+    _hook(get_session())  # (after the lock, which get_session takes)
 
-        watched._vllm_lora_ext_watched = True  # type: ignore[attr-defined]
-        _http._GLOBAL_CLIENT_FACTORY = watched  # not set_client_factory, which closes the client in use
-    _hook(get_session())
+
+def _watched(factory: Any) -> Any:
+    """``factory``, making clients that carry `_check_answer`."""
+    def watched() -> Any:
+        client = factory()
+        _hook(client)
+        return client
+
+    watched._vllm_lora_ext_watched = True  # type: ignore[attr-defined]
+    return watched
 
 
 def _hook(client: Any) -> None:

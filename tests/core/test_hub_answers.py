@@ -114,8 +114,8 @@ def test_an_honest_hub_still_downloads_pinned_and_counted(hub: Any, repo: str,
 
 
 def test_a_hub_busy_through_every_retry_costs_one_round_and_the_cache_still_answers(hub: Any, repo: str) -> None:
-    """huggingface_hub retries a 503 about 23 s; the plugin's check must not add a second round before the cache's
-    copy of the branch is used (as hf_hub_download alone would use it)."""
+    """huggingface_hub retries a 503 about 23 s, but only for a file not cached: a cached branch is answered from
+    the cache after one busy answer, as hf_hub_download alone would answer it; a file not cached gets one round."""
     first = resolve_source(repo)
     hub.requests.clear()
     hub.busy[WEIGHTS] = 99
@@ -125,7 +125,18 @@ def test_a_hub_busy_through_every_retry_costs_one_round_and_the_cache_still_answ
         hub.busy.clear()
     assert again.weights_path == first.weights_path and again.commit == first.commit
     heads = [p for m, p in hub.requests if m == "HEAD" and p.endswith(WEIGHTS)]
-    assert 1 < len(heads) <= 7, heads  # one round of retries: what hf_hub_download alone sends (1 + 6)
+    assert len(heads) == 1, heads
+    hub.requests.clear()
+    hub.busy["adapter_model.safetensors"] = 99
+    hub.repo("acme/b").commit({WEIGHTS: save(dense_tensors(llama_shapes(), rank=4, seed=1)),
+                               "adapter_config.json": json.dumps(lora_config(r=4)).encode()})
+    try:
+        with pytest.raises(Exception):
+            resolve_source("hf:acme/b")
+    finally:
+        hub.busy.clear()
+    heads = [p for m, p in hub.requests if m == "HEAD" and p.endswith(WEIGHTS)]
+    assert 2 < len(heads) <= 8, heads  # nothing cached: one round of retries, as hf_hub_download alone sends
 
 
 def test_a_cached_branch_answers_within_2_s_when_the_hub_is_unreachable(

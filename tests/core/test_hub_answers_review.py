@@ -5,6 +5,7 @@ counted, and a transfer stopped part-way leaves nothing behind and names the fil
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from safetensors.torch import save
 
 from factories import dense_tensors, llama_shapes, lora_config
 from vllm_lora_ext import resolve_source
+from vllm_lora_ext.cli import _args
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
 
 WEIGHTS = "adapter_model.safetensors"
@@ -161,3 +163,52 @@ def test_a_xet_file_downloaded_over_plain_http_is_still_capped(
     hub.script[WEIGHTS] = script
     with pytest.raises(HubAnswerError, match="sent more than"):
         resolve_source(repo)
+
+
+@pytest.fixture
+def released() -> Iterator[None]:
+    yield
+    while _args._HELD:  # this test process lives on: end the holds a command would end by exiting
+        _args._HELD.pop().release()  # type: ignore[attr-defined]
+
+
+def test_a_failed_narrowing_hold_keeps_the_branch_hold(
+        hub: Any, repo: str, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch, released: None) -> None:
+    """The commit's hold cannot be taken (a lock timeout under contention): the branch hold taken before the resolve
+    stays, so the command never reads its source unheld."""
+    from vllm_lora_ext import diskholds
+    from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
+    from vllm_lora_ext.diskholds import live_holds, locked, state_root
+
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "1GiB")
+    real = diskholds.hold
+    made: list[str] = []
+
+    def flaky(repo_id: str, revision: str | None, **k: Any) -> Any:
+        if k.get("why") == "read by a vllm-lora command":
+            made.append(str(revision))
+            if len(made) == 2:
+                raise OSError("lock timeout")
+        return real(repo_id, revision, **k)
+
+    monkeypatch.setattr(diskholds, "hold", flaky)
+    _args.resolve_offline(repo)
+    root = state_root(None)
+    with locked(root):
+        mine = [h for h in live_holds(root) if h.repo_id == "acme/a" and h.why == "read by a vllm-lora command"]
+    assert mine, "the source is read with no hold"
+
+
+def test_a_busy_hub_with_a_cached_copy_answers_from_the_cache_without_a_backoff_round(
+        hub: Any, repo: str) -> None:
+    """As hf_hub_download does, a busy answer (408, 429, 5xx) to the first metadata request gives the cached copy at
+    once; the round of backoff (1+2+4+8+8 s a file) is only for a file not cached."""
+    import time
+
+    from vllm_lora_ext import resolve_source
+
+    resolve_source(repo)  # cached
+    hub.script[WEIGHTS] = lambda nth, method, code, hdrs, body: (503, [("Content-Length", "0")], b"")
+    started = time.monotonic()
+    resolve_source(repo)
+    assert time.monotonic() - started < 5, "a busy Hub with the file cached cost a full backoff round"

@@ -42,8 +42,8 @@ def resolve_offline(source: str) -> ResolvedAdapter:
         src = parse_source(source)
         before = _hold(src.repo_id, src.revision) if src.kind == "hf" and src.repo_id else None
         resolved = resolve_source(source)
-        if before is not None and resolved.commit and resolved.commit != src.revision:
-            _hold(src.repo_id, resolved.commit)  # (narrowed to the commit read)
+        if before is not None and resolved.commit and resolved.commit != src.revision \
+                and _hold(src.repo_id, resolved.commit) is not None:  # narrowed to the commit read
             before.release()
             _HELD.remove(before)
         return resolved
