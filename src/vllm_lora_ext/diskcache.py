@@ -340,13 +340,13 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
 
     if local_files_only:
         return fetch()
-    facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source, retry=False)
+    facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
     if facts.failed is not None:  # busy or unreachable: the cache's copy of that revision at once, if any
         try:
             path = fetch(local=True)
         except Exception:  # none: a busy Hub gets a round of backoff, as hf_hub_download gives it; a silent one not
             if getattr(facts.failed, "response", None) is not None:
-                facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source)
+                facts = hubguard.head(repo_id, filename, revision=revision, token=token, source=source, backoff=True)
             if facts.failed is not None:
                 raise facts.failed from None
         else:

@@ -92,33 +92,29 @@ def check_etag(value: str | None, source: str, filename: str = "") -> str | None
 
 
 def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool | None, source: str,
-         retry: bool = True) -> HubFacts:
-    """Ask the Hub for ``filename``'s metadata and check it (see the module's step 1); with ``retry``, as
-    ``hf_hub_download`` does when nothing is cached: a busy Hub (408, 429, 5xx) through a round of backoff, an
-    unreachable one not at all.
+         backoff: bool = False) -> HubFacts:
+    """Ask the Hub for ``filename``'s metadata once and check it (see the module's step 1); with ``backoff``,
+    through huggingface_hub's round of retries instead, which ``hf_hub_download`` runs after a busy answer (408,
+    429, 5xx) when nothing is cached.
 
     A 4xx answer gives empty facts: ``hf_hub_download`` asks again and raises its own error (and marks a missing
-    file in the cache), which the callers map. A Hub busy (after the round, with ``retry``) or unreachable comes
-    back as ``failed``: the caller then reads the cache only, as ``hf_hub_download`` would.
+    file in the cache), which the callers map. A busy or unreachable Hub comes back as ``failed``: the caller then
+    reads the cache, and asks again with ``backoff`` only if nothing is cached and the Hub was busy.
     """
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     url = hf_hub_url(repo_id, filename, revision=revision)
     can_retry = "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters
-    rounds = (False, True) if can_retry and retry else (False,)
-    for again in rounds:
-        try:
-            meta = get_hf_file_metadata(url, token=token, **({"retry_on_errors": again} if can_retry else {}))
-            break
-        except Exception as err:
-            response = getattr(err, "response", None)
-            check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source, filename)
-            logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
-            status = getattr(response, "status_code", None)
-            if status is not None and status < 500 and status not in (408, 429):  # (those two: busy, retried)
-                return HubFacts()
-            if status is None or again or len(rounds) == 1:
-                return HubFacts(failed=err)
+    try:
+        meta = get_hf_file_metadata(url, token=token, **({"retry_on_errors": backoff} if can_retry else {}))
+    except Exception as err:
+        response = getattr(err, "response", None)
+        check_commit((getattr(response, "headers", None) or {}).get("X-Repo-Commit"), source, filename)
+        logger.debug("no metadata for %s:%s before its download: %s", repo_id, filename, err)
+        status = getattr(response, "status_code", None)
+        if status is not None and status < 500 and status not in (408, 429):  # (those two: busy, retried)
+            return HubFacts()
+        return HubFacts(failed=err)
     commit, etag = check_commit(meta.commit_hash, source, filename), check_etag(meta.etag, source, filename)
     size = int(meta.size) if meta.size is not None and int(meta.size) >= 0 else None
     return HubFacts(size=size, commit=commit, etag=etag, xet=getattr(meta, "xet_file_data", None) is not None)
