@@ -35,6 +35,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="real-Hub tests are opt-in"))
 
 
+@pytest.fixture
+def released() -> Iterator[None]:
+    """End, after the test, the disk-tier holds a `vllm-lora` command's resolves took (a command ends them by
+    exiting; this test process lives on)."""
+    yield
+    from vllm_lora_ext.cli import _args
+
+    while _args._HELD:
+        _args._HELD.pop().release()  # type: ignore[attr-defined]
+
+
 @pytest.fixture(autouse=True)
 def isolated_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Give every test its own HF cache and start it offline (HF_HUB_OFFLINE=1)."""

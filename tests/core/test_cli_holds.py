@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,6 @@ from factories import dense_tensors, llama_shapes, lora_config
 from vllm_lora_ext.cli import _args
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
 from vllm_lora_ext.diskcache import list_cache
-
-
-@pytest.fixture
-def released() -> Iterator[None]:
-    yield
-    while _args._HELD:  # this test process lives on: end the holds the command would end by exiting
-        _args._HELD.pop().release()  # type: ignore[attr-defined]
 
 
 def test_a_source_read_by_a_command_survives_another_process_pruning_the_cache_to_zero(

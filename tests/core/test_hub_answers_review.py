@@ -5,7 +5,6 @@ counted, and a transfer stopped part-way leaves nothing behind and names the fil
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,13 +162,6 @@ def test_a_xet_file_downloaded_over_plain_http_is_still_capped(
     hub.script[WEIGHTS] = script
     with pytest.raises(HubAnswerError, match="sent more than"):
         resolve_source(repo)
-
-
-@pytest.fixture
-def released() -> Iterator[None]:
-    yield
-    while _args._HELD:  # this test process lives on: end the holds a command would end by exiting
-        _args._HELD.pop().release()  # type: ignore[attr-defined]
 
 
 def test_a_failed_narrowing_hold_keeps_the_branch_hold(
