@@ -305,6 +305,18 @@ def _incoming(cache: Path, repo_id: str, facts: hubguard.HubFacts) -> tuple[int,
     return facts.size or 0, facts.commit
 
 
+def _list_unbounded(root: Path, repo_id: str, commit: str | None, before: set[str], filename: str) -> None:
+    """List a file downloaded with the bound off into a commit's snapshot it was not in ``before`` (a convenience,
+    so a bound set later knows what the plugin may evict: a failure is logged, never raised)."""
+    if commit is None or commit in before:
+        return
+    try:
+        with locked(root):
+            record(root, repo_id, commit, filename)
+    except Exception as err:
+        logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
+
+
 def download_file(repo_id: str, filename: str, *, revision: str | None,
                   cache_dir: str | os.PathLike[str] | None = None, token: str | bool | None = None,
                   local_files_only: bool = False, tqdm_class: Any = None) -> str:
@@ -362,13 +374,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     if limit is None:
         before = commits_having(cache, repo_id, filename)
         path = fetch(cap, commit=None, told=facts)  # (its commit checked once the file is listed: evictable)
-        commit = commit_of(Path(path))
-        if commit is not None and commit not in before:
-            try:
-                with locked(root):
-                    record(root, repo_id, commit, filename)
-            except Exception as err:  # the bound is off: listing is a convenience, never a failure
-                logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
+        _list_unbounded(root, repo_id, commit_of(Path(path)), before, filename)
         return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
     root.mkdir(parents=True, exist_ok=True)
     incoming = _incoming(cache, repo_id, facts)
