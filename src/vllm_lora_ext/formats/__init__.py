@@ -15,7 +15,7 @@ import itertools
 import re
 from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 __all__ = ["KeyInfo", "Layout", "classify_key", "detect_layout", "expert_key_rows", "expert_key_splits",
            "group_moe_keys", "strip_peft_prefix"]
@@ -121,13 +121,7 @@ def expert_key_rows(keys: Sequence[str]) -> list[ExpertRow] | None:
         >>> expert_key_rows(["base_model.model.m.layers.0.mlp.experts.7.up_proj.lora_B.weight", "m.q.lora_A.weight"])
         [('base_model.model.', 'm.layers.0.mlp.experts', '7', 'up_proj', 'B'), ('', '', '', '', '')]
     """
-    if not keys:
-        return []
-    joined = "\n".join(keys)
-    if joined.count("\n") != len(keys) - 1:
-        return None
-    rows = _EXPERT_LINES.findall(joined)
-    return rows if len(rows) == len(keys) else None
+    return _line_matches(_EXPERT_LINES, keys)
 
 
 def expert_key_splits(keys: Sequence[str]) -> list[tuple[str, str]] | None:
@@ -142,13 +136,19 @@ def expert_key_splits(keys: Sequence[str]) -> list[tuple[str, str]] | None:
         >>> expert_key_splits(["base_model.model.m.layers.0.mlp.experts.7.up_proj.lora_B.weight", "m.q.lora_A.weight"])
         [('base_model.model.m.layers.0.mlp.experts.', '.up_proj.lora_B.weight'), ('', '')]
     """
+    return _line_matches(_EXPERT_SPLITS, keys)
+
+
+def _line_matches(pattern: re.Pattern[str], keys: Sequence[str]) -> list[Any] | None:
+    """``pattern``'s groups for each key, in one pass over the keys joined by newlines (``pattern`` matches every
+    line, multiline); ``None`` if a key holds a newline."""
     if not keys:
         return []
     joined = "\n".join(keys)
     if joined.count("\n") != len(keys) - 1:
         return None
-    splits = _EXPERT_SPLITS.findall(joined)
-    return splits if len(splits) == len(keys) else None
+    found = pattern.findall(joined)
+    return found if len(found) == len(keys) else None
 
 
 def _classify_by_regex(key: str) -> KeyInfo:
