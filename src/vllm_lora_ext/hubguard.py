@@ -285,11 +285,9 @@ def check_listing(repo: Path, commit: str, filename: str, facts: HubFacts, *, so
     etag = check_etag(str(entry.lfs_sha256), source, filename)
     if facts == HubFacts():
         return  # the plugin's request got an error (a private repo, a token gone): huggingface_hub's own says which
-    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", entry.lfs_size, facts.size),
-                                ("X-Xet-Hash", _STORAGE[True], _STORAGE[facts.xet])):
-        if before is not None and now is not None and str(now) != str(before):
-            raise _refuse(source, header, str(now), f"in its cached tree listing, not the {before!r} it answered the "
-                          f"plugin's request with (a Hub that answers two requests differently)", filename)
+    _agree((("ETag", etag, facts.etag), ("Content-Length", entry.lfs_size, facts.size),
+            ("X-Xet-Hash", _STORAGE[True], _STORAGE[facts.xet])), source, filename,
+           why="in its cached tree listing, not the {!r} it answered the plugin's request with")
 
 
 def _normal_etag(raw: str) -> str:
@@ -344,8 +342,15 @@ def _check_answer(response: Any) -> None:
         raise _refuse(source, "status", str(response.status_code), "not the error it answered the plugin's request "
                       "with just before (a Hub that answers two requests differently)", filename)
     size = headers.get("X-Linked-Size") or headers.get("Content-Length")
-    for header, now, before in (("ETag", etag, facts.etag), ("Content-Length", size, facts.size),
-                                ("X-Xet-Hash", _STORAGE[_in_xet(response)], _STORAGE[facts.xet])):
+    _agree((("ETag", etag, facts.etag), ("Content-Length", size, facts.size),
+            ("X-Xet-Hash", _STORAGE[_in_xet(response)], _STORAGE[facts.xet])), source, filename,
+           why="not the {!r} it answered the plugin's request just before")
+
+
+def _agree(pairs: Any, source: str, filename: str, *, why: str) -> None:
+    """Refuse the first ``(header, now, before)`` whose value now differs from what the Hub told the plugin before
+    (either unknown: no check); ``why`` says so, given ``before``."""
+    for header, now, before in pairs:
         if before is not None and now is not None and str(now) != str(before):
-            raise _refuse(source, header, str(now), f"not the {before!r} it answered the plugin's request just before "
-                          f"(a Hub that answers two requests differently)", filename)
+            raise _refuse(source, header, str(now), f"{why.format(before)} (a Hub that answers two requests "
+                          f"differently)", filename)
