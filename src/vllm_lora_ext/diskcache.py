@@ -244,10 +244,10 @@ class _Room:
         root = self.hold.root
         with locked(root):
             state = _scan(self.cache, root)
-            others = reserved_bytes([h for h in state.holds if h.reserve_key != self.file_key])
-            keys = _plan(state, others + want, self.limit, protect=self.protect)
+            pending = reserved_bytes(state.holds, {self.file_key: want})
+            keys = _plan(state, pending, self.limit, protect=self.protect)
             if keys is None:
-                raise _refusal(self.source, self.need, self.limit, state, pending=others, stopped_at=received)
+                raise _refusal(self.source, self.need, self.limit, state, pending=pending - want, stopped_at=received)
             _evict(self.cache, root, state, keys)
             metrics.DISK_CACHE_BYTES.set(state.total())
             self.hold.reserve(want)
