@@ -128,7 +128,13 @@ def _scan(cache: Path, root: Path) -> _State:
     from huggingface_hub import scan_cache_dir
 
     entries = read_ledger(root)
-    info = scan_cache_dir(cache)
+    for attempt in range(3):  # a file gone mid-scan: another download's ref or partial file, renamed meanwhile
+        try:
+            info = scan_cache_dir(cache)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
               for rev in repo.revisions}
     commit_repos: dict[str, int] = {}

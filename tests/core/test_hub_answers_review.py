@@ -204,3 +204,23 @@ def test_a_busy_hub_with_a_cached_copy_answers_from_the_cache_without_a_backoff_
     started = time.monotonic()
     resolve_source(repo)
     assert time.monotonic() - started < 5, "a busy Hub with the file cached cost a full backoff round"
+
+
+def test_a_file_renamed_by_another_download_mid_scan_does_not_fail_this_one(
+        hub: Any, repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub writes ``refs/<branch>`` through a temporary file it renames: a cache scan (the bound's) that
+    lists the temporary file and reads it after the rename meets a FileNotFoundError; the scan is taken again."""
+    import huggingface_hub
+
+    real = huggingface_hub.scan_cache_dir
+    raised: list[bool] = []
+
+    def racing(*a: Any, **k: Any) -> Any:
+        if not raised:
+            raised.append(True)
+            raise FileNotFoundError(2, "No such file or directory", "models--acme--b/refs/main.0123abcd.tmp")
+        return real(*a, **k)
+
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, "1GiB")
+    monkeypatch.setattr(huggingface_hub, "scan_cache_dir", racing)
+    assert Path(resolve_source(repo).weights_path).is_file() and raised
