@@ -174,7 +174,32 @@ def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
         if m and "build" in out and "staging" not in out:
             out["staging"] = {"done_after_arrival_s": after(m.group(1)), "mib": float(m.group(2)),
                               "seconds": float(m.group(3))}
+        _engine_phases(line, name, after, out)
     return out
+
+
+def _engine_phases(line: str, name: str, after: Any, out: dict[str, Any]) -> None:
+    """After staging: the server's last probe ("built in the background, answered X s after the first probe (N
+    probes)"), the engine taking the model ("taken by the engine"), its registration and slot copy in the engine
+    thread ("registered and copied into its slot in X s, unstaged in Y s"), and the load route's answer
+    ("registered by the engine X s after its build was answered")."""
+    import re
+
+    q = re.escape(name)
+    patterns = {
+        "probed": (r".*adapter '" + q + r"': built in the background, answered ([\d.]+) s after the first probe "
+                   r"\((\d+) probes\)", ("after_first_probe_s", "probes")),
+        "taken": (r".*adapter '" + q + r"' \(id \d+\): built in the background, taken by the engine", ()),
+        "slot_copy": (r".*adapter '" + q + r"' \(id \d+\): registered and copied into its slot in ([\d.]+) s, "
+                      r"unstaged in ([\d.]+) s \((\d+) bytes", ("register_s", "unstage_s", "copied_back_bytes")),
+        "registered": (r".*adapter '" + q + r"': registered by the engine ([\d.]+) s after its build was answered",
+                       ("after_build_answer_s",)),
+    }
+    for phase, (pattern, fields) in patterns.items():
+        m = re.search(_STAMP + pattern, line)
+        if m and phase not in out:
+            out[phase] = {"done_after_arrival_s": after(m.group(1)),
+                          **{f: float(m.group(i + 2)) for i, f in enumerate(fields)}}
 
 
 def window_stats(run: dict[str, Any], start: float, end: float) -> dict[str, float]:

@@ -41,3 +41,43 @@ def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not
     assert "building 0.66 s (build process)" in got["build"]["phases"]
     assert got["staging"] == {"done_after_arrival_s": 0.81, "mib": 1545.0, "seconds": 0.102}
     assert bench.b_phases(log, "B3d", arrived) == {}
+
+
+def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin_logs() -> None:
+    """The server's last probe, the engine taking the model, its registration and slot copy, and the load route's
+    answer; the formats are checked against the plugin's own logging calls, so the bench does not drift from them."""
+    from pathlib import Path
+
+    bench = load_bench("bench_no_stall")
+    arrived = round(time.time(), 3)
+
+    def stamp(after: float) -> str:
+        ms = round((arrived + after) * 1000)
+        return datetime.datetime.fromtimestamp(ms // 1000).strftime("%Y-%m-%d %H:%M:%S") + f",{ms % 1000:03d}"
+
+    log = "\n".join([
+        f"(APIServer pid=2) INFO {stamp(0.61)} [vllm_lora_ext.integration.server] adapter 'B2d': built in the "
+        "background, answered 0.602 s after the first probe (31 probes)",
+        f"(EngineCore pid=1) INFO {stamp(0.63)} [vllm_lora_ext.integration.prebuild] adapter 'B2d' (id 2): built in "
+        "the background, taken by the engine",
+        f"(EngineCore pid=1) INFO {stamp(0.64)} [vllm_lora_ext.integration.worker_patches] adapter 'B2d' (id 2): "
+        "registered and copied into its slot in 0.0123 s, unstaged in 0.0010 s (0 bytes copied back)",
+        f"(APIServer pid=2) INFO {stamp(0.66)} [vllm_lora_ext.integration.server_patches] adapter 'B2d': registered "
+        "by the engine 0.051 s after its build was answered",
+        f"(APIServer pid=2) INFO {stamp(0.9)} [vllm_lora_ext.integration.server] adapter 'B3d': built in the "
+        "background, answered 0.2 s after the first probe (3 probes)",
+    ])
+    got = bench.b_phases(log, "B2d", arrived)
+    assert got["probed"] == {"done_after_arrival_s": 0.61, "after_first_probe_s": 0.602, "probes": 31}
+    assert got["taken"] == {"done_after_arrival_s": 0.63}
+    assert got["slot_copy"] == {"done_after_arrival_s": 0.64, "register_s": 0.0123, "unstage_s": 0.001,
+                                "copied_back_bytes": 0}
+    assert got["registered"] == {"done_after_arrival_s": 0.66, "after_build_answer_s": 0.051}
+    src = Path(__file__).resolve().parents[2] / "src" / "vllm_lora_ext" / "integration"
+    texts = {name: (src / name).read_text() for name in ("server.py", "worker_patches.py", "server_patches.py",
+                                                           "prebuild.py")}
+    assert "built in the background, answered %.3f s after the first probe (%d probes)" in texts["server.py"]
+    assert "registered and copied into its slot in %.4f s, unstaged in %.4f s" in texts["worker_patches.py"]
+    assert '"(%d bytes copied back)"' in texts["worker_patches.py"]
+    assert "registered by the engine %.3f s after its build was answered" in texts["server_patches.py"]
+    assert "built in the background, taken by the engine" in texts["prebuild.py"]

@@ -215,15 +215,23 @@ async def _wait_built(engine_client: Any, lora_request: Any) -> None:
 
     probe = probe_for(lora_request)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + prebuild_wait_seconds()
-    delay = 0.005
+    start = loop.time()
+    deadline = start + prebuild_wait_seconds()
+    probes = 1
+    # A probe waits in the engine's queue for the step in progress, so a busy engine answers about one a
+    # step whatever the delay: ask again soon for the first seconds (a new adapter's first token waits on
+    # the answer), then back off for long builds (downloads).
     while not await _probe(engine_client, probe):
-        if loop.time() >= deadline:
+        now = loop.time()
+        if now >= deadline:
             logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
                            lora_request.lora_name, prebuild_wait_seconds())
             return
-        await asyncio.sleep(delay)
-        delay = min(0.025, delay * 1.5)
+        await asyncio.sleep(0.002 if now - start < 2.0 else 0.025)
+        probes += 1
+    if probes > 1:  # (one probe: it was resident already)
+        logger.info("adapter %r: built in the background, answered %.3f s after the first probe (%d probes)",
+                    lora_request.lora_name, loop.time() - start, probes)
 
 
 async def _probe(engine_client: Any, probe: Any) -> bool:

@@ -7,9 +7,12 @@ work itself is in `integration.server` and `integration.leases`, imported when a
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+logger = logging.getLogger(__name__)
 
 
 def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,13 +41,18 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             return request_or_error  # an ErrorResponse
         name, path = request_or_error.lora_name, request_or_error.lora_path
         replace = getattr(request_or_error, "load_inplace", False)
+        built = None
         if (name not in self.lora_requests or replace) and path:  # new, or replaced: build off the engine loop first
             try:
                 await ensure_built(self.engine_client, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path))
             except Exception as err:
                 return http_error(build_failure(err, name=name, source=path))
+            built = time.perf_counter()
         result = await original(self, request_or_error, base_model_name)
         if isinstance(result, str) and path:
+            if built is not None:  # the engine's part: registering the built adapter and its slot copy
+                logger.info("adapter %r: registered by the engine %.3f s after its build was answered",
+                            name, time.perf_counter() - built)
             recently_used(self.engine_client).touch(path)
             await sync_disk_holds(self)  # its revision is in use while it stays registered
         typed = typed_load_answer(result, name=name, source=path or "") if not isinstance(result, str) else None

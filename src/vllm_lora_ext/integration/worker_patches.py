@@ -9,6 +9,7 @@ kernel-config, MoE tile-config and warm-up replacements, also worker-side, live 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,19 +68,30 @@ def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                            lora_request.lora_int_id, clip(getattr(held, IDENTITY_ATTR)),
                            clip(str(lora_request.lora_path)))
             manager.remove_adapter(lora_request.lora_int_id)
+        start = time.perf_counter()
         try:
             return original(self, lora_request)
         finally:  # a model staged on the GPU by a background build is in its slot now: back to its CPU tensors
             if get is not None:
-                from vllm_lora_ext.integration.staging import unstage
-
-                registered = get(lora_request.lora_int_id)
-                if registered is not None:
-                    unstage(registered)
+                _unstage_registered(get(lora_request.lora_int_id), lora_request, start)
             note_name(self, lora_request)
             record_residency(self)  # the residency gauge: registered, activated or evicted
 
     return add_adapter
+
+
+def _unstage_registered(registered: Any, lora_request: Any, start: float) -> None:
+    """Point a model ``add_adapter`` just registered back at its CPU tensors if it was staged on the GPU, and log
+    what the engine thread spent on it (its registration and slot copy, then the unstage)."""
+    if registered is None or getattr(registered, STAGED_ATTR, None) is None:
+        return
+    from vllm_lora_ext.integration.staging import unstage
+
+    added = time.perf_counter()
+    copied = unstage(registered)
+    logger.info("adapter %r (id %d): registered and copied into its slot in %.4f s, unstaged in %.4f s "
+                "(%d bytes copied back)", lora_request.lora_name, lora_request.lora_int_id, added - start,
+                time.perf_counter() - added, copied)
 
 
 def make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
