@@ -461,8 +461,9 @@ def main() -> None:
     ap.add_argument("--old-src", default=None,
                     help="GPU: the package folder (git archive <rev> src/vllm_lora_ext, its src/) that engines of mode "
                          "plugin_old import first: an earlier version beside this one in the same run")
-    ap.add_argument("--modes", default="stock,plugin",
-                    help="GPU mode: engines to run in turn, stock first (a plugin mode may repeat, to see the noise)")
+    ap.add_argument("--modes", default=None,
+                    help="GPU mode: engines to run in turn, stock first (a plugin mode may repeat, to see the noise); "
+                         "default stock,plugin, and with --first-run stock,plugin_nowarmup,plugin")
     ap.add_argument("--checks", action="store_true", help="CPU: cost of the load-time checks, same run")
     ap.add_argument("--forms", default="2d,3d", help="which layouts (2d,3d), in this order")
     ap.add_argument("--workdir", default=None)
@@ -485,9 +486,10 @@ def main() -> None:
         return
     if args.first_run:
         args.gpu = True
-        args.modes = args.modes if args.modes != "stock,plugin" else "stock,plugin_nowarmup,plugin"
+        args.modes = args.modes or "stock,plugin_nowarmup,plugin"
         args.forms = args.forms if args.forms != "2d,3d" else "2d"
         args.runs = max(args.runs, 3)
+    args.modes = args.modes or "stock,plugin"
     payload = gpu_bench(args) if args.gpu else cpu_bench(args)
     write_json("moe_load_gpu" if args.gpu else "moe_load_cpu", payload, args.out)
 

@@ -35,3 +35,33 @@ def test_waiting_for_work_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> No
         threading.Event().wait(0.5)  # the engine waits on its input queue like this
         trace.stop()
     assert trace.stalls == 0 and not caplog.records
+
+
+def test_profiled_logs_a_slow_calls_top_functions_and_its_collections_only_when_the_trace_is_on(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cProfile
+    import gc
+
+    from vllm_lora_ext.stall_trace import profiled
+
+    def slow() -> int:
+        gc.collect()
+        return _spin(0.05)
+
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.stall_trace"):
+        monkeypatch.delenv("VLLM_LORA_EXT_STALL_TRACE_S", raising=False)
+        assert profiled(slow, "off") > 0
+        monkeypatch.setenv("VLLM_LORA_EXT_STALL_TRACE_S", "0.01")
+        assert profiled(slow, "registering X") > 0
+        assert profiled(lambda: 7, "fast") == 7  # under the threshold: nothing logged
+        with pytest.raises(ZeroDivisionError):  # the call's own error, unchanged
+            profiled(lambda: 1 // 0, "failing")
+        outer = cProfile.Profile()
+        outer.enable()  # another profiler on this thread: the call still runs, unprofiled
+        try:
+            assert profiled(lambda: 8, "under another profiler") == 8
+        finally:
+            outer.disable()
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and logged[0].startswith("registering X took ") and "_spin" in logged[0]
+    assert "1 garbage collections" in logged[0] or "garbage collections" in logged[0]

@@ -16,6 +16,7 @@ from typing import Any
 from vllm_lora_ext._util import clip
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, STAGED_ATTR
 from vllm_lora_ext.integration.prebuild import is_probe
+from vllm_lora_ext.stall_trace import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             manager.remove_adapter(lora_request.lora_int_id)
         start = time.perf_counter()
         try:
-            return original(self, lora_request)
+            what = f"add_adapter of {clip(str(lora_request.lora_name))!r}"
+            return profiled(lambda: original(self, lora_request), what)
         finally:  # a model staged on the GPU by a background build is in its slot now: back to its CPU tensors
             if get is not None:
                 _unstage_registered(get(lora_request.lora_int_id), lora_request, start)
