@@ -34,6 +34,7 @@ ENV_CHECK_LOGGERS = ("vllm.envs", "vllm.platforms.interface")
 
 # Modules the plugin patches once they are imported (imports stay lazy in every process).
 WORKER_MANAGER_MODULE = "vllm.lora.worker_manager"
+MODEL_MANAGER_MODULE = "vllm.lora.model_manager"  # LoRAModelManager._create_merged_loras_inplace (0.26-0.33)
 LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
 BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
 from vllm_lora_ext.errors import AdapterNotFoundError, with_record
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PREBUILD_ATTR, PREBUILD_NAMES_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, MERGED_ATTR, PREBUILD_ATTR, PREBUILD_NAMES_ATTR
 from vllm_lora_ext.prebuild import PrebuildTable
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,26 @@ def _build(manager: Any, path: str) -> Any:
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
                            separate_process=_use_build_process(), device=device)
     stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
+    merge_ahead(manager, lora)
     return lora
+
+
+def merge_ahead(manager: Any, lora: Any) -> None:
+    """Run vLLM's merge of ``lora``'s packed modules (``_create_merged_loras_inplace``, which its registration runs
+    in the engine step) here, on the table's thread, and mark the model so that the registration skips it.
+
+    The merge touches only the model (and reads the manager's fixed layout). Any GPU tensors it makes from a staged
+    model's are made on the staging stream and complete before the engine can take the model; ``unstage`` copies
+    such tensors back to the CPU after the slot copy, as it did when the engine thread made them.
+    """
+    adapters = getattr(manager, "_adapter_manager", None)
+    merge = getattr(adapters, "_create_merged_loras_inplace", None)
+    if merge is None or getattr(lora, MERGED_ATTR, False):
+        return
+    from vllm_lora_ext.integration.staging import on_staging_stream
+
+    on_staging_stream(lora, lambda: merge(lora))
+    setattr(lora, MERGED_ATTR, True)
 
 
 _MAX_NAMES = 4096

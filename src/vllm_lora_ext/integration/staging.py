@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _composite_la
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_staged", "concat_staged", "stage", "staged_bytes", "twins_from_gpu", "unstage"]
+__all__ = ["attach_staged", "concat_staged", "on_staging_stream", "stage", "staged_bytes", "twins_from_gpu",
+           "unstage"]
 
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _LOCK = threading.Lock()
@@ -127,6 +129,22 @@ def stage(lora: Any, device: Any) -> bool:
     with _LOCK:
         _STAGED.add(lora)
     return True
+
+
+def on_staging_stream(lora: Any, work: Callable[[], object]) -> None:
+    """Run ``work`` (vLLM's own processing of ``lora``'s tensors, off the engine thread) on the staging stream of
+    ``lora``'s GPU buffer and wait for it there, so that what it makes on the GPU is complete before the engine
+    takes the model; an unstaged model's ``work`` just runs."""
+    staging: Staging | None = getattr(lora, STAGED_ATTR, None)
+    if staging is None:
+        work()
+        return
+    device = staging.buffer.device
+    with torch.cuda.device(device):
+        stream = _side_stream(device)
+        with torch.cuda.stream(stream):
+            work()
+        stream.synchronize()
 
 
 def unstage(lora: Any) -> int:

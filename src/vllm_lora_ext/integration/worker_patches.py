@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_lora_ext._util import clip
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR, STAGED_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, MERGED_ATTR, STAGED_ATTR
 from vllm_lora_ext.integration.prebuild import is_probe
 from vllm_lora_ext.stall_trace import profiled
 
@@ -94,6 +94,17 @@ def _unstage_registered(registered: Any, lora_request: Any, start: float) -> Non
     logger.info("adapter %r (id %d): registered and copied into its slot in %.4f s, unstaged in %.4f s "
                 "(%d bytes copied back)", lora_request.lora_name, lora_request.lora_int_id, added - start,
                 time.perf_counter() - added, copied)
+
+
+def make_create_merged_loras(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``LoRAModelManager._create_merged_loras_inplace``: skip a model a background build merged already."""
+
+    def _create_merged_loras_inplace(self: Any, lora_model: Any) -> Any:
+        if getattr(lora_model, MERGED_ATTR, False):  # merged on the table's thread (integration.prebuild)
+            return None
+        return original(self, lora_model)
+
+    return _create_merged_loras_inplace
 
 
 def make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
