@@ -70,6 +70,27 @@ def test_each_split_the_bulk_pass_makes_is_the_row_it_reads_around_the_expert_nu
     assert expert_key_splits([]) == [] and expert_key_splits(["a\nb.experts.1.p.lora_A.weight"]) is None
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_splits_found_by_spelling_the_sampled_patterns_are_the_regex_passes(seed: int) -> None:
+    """A large adapter's keys are split by spelling the patterns a sample of them shows (`_spelled_splits`): the
+    same pairs as the regex pass, whatever the sample misses (odd keys, experts past the guess, a shuffle)."""
+    from vllm_lora_ext.formats import _EXPERT_SPLITS, _line_matches, _spelled_splits
+
+    rng = random.Random(seed)
+    projs = ["gate_proj", "up_proj", "down_proj"] + (["experts"] if seed % 2 else [])
+    keys = [f"{h}model.layers.{layer}.mlp.experts.{e}.{p}.lora_{w}.weight" for h in (P, "")[:1 + seed % 2]
+            for layer in range(4) for e in range(rng.choice([48, 64])) for p in projs for w in "AB"]
+    keys += rng.sample(_corpus(), 300 * (seed % 3)) + [f"{P}m.experts.{e}.x.lora_A.weight" for e in (200, 7, 0o7)]
+    keys += [f"{P}m.experts.007.x.lora_A.weight", f"{P}experts.1.p.lora_A.weight", "m.experts.1.q.lora_B.weight"]
+    if seed >= 3:
+        rng.shuffle(keys)
+    spelled = _spelled_splits(keys)
+    if seed % 3 == 0:  # (many odd patterns in the sample may make it spell too much: then the regex pass alone)
+        assert spelled is not None and sum(map(bool, spelled)) > len(keys) // 2  # found by spelling, most of them
+    assert expert_key_splits(keys) == _line_matches(_EXPERT_SPLITS, keys)
+    assert expert_key_splits([*keys, "a\nb.experts.1.p.lora_A.weight"]) is None
+
+
 def test_a_key_holding_a_newline_makes_every_key_go_key_by_key() -> None:
     keys = [f"{BLOCK}.0.up_proj.lora_A.weight", f"{BLOCK}.1.up_proj.lora_A.weight\n{BLOCK}.2.up_proj.lora_A.weight"]
     assert expert_key_rows(keys) is None

@@ -136,7 +136,50 @@ def expert_key_splits(keys: Sequence[str]) -> list[tuple[str, str]] | None:
         >>> expert_key_splits(["base_model.model.m.layers.0.mlp.experts.7.up_proj.lora_B.weight", "m.q.lora_A.weight"])
         [('base_model.model.m.layers.0.mlp.experts.', '.up_proj.lora_B.weight'), ('', '')]
     """
-    return _line_matches(_EXPERT_SPLITS, keys)
+    found = _spelled_splits(keys)
+    if found is None:
+        return _line_matches(_EXPERT_SPLITS, keys)
+    if not all(found):  # keys the spelling did not give (other keys, other experts): split by the regex pass
+        missing = [i for i, split in enumerate(found) if split is None]
+        rest = _line_matches(_EXPERT_SPLITS, [keys[i] for i in missing])
+        if rest is None:
+            return None
+        for i, split in zip(missing, rest):
+            found[i] = split
+    return found
+
+
+def _spelled_splits(keys: Sequence[str]) -> list[tuple[str, str] | None] | None:
+    """Each key's `expert_key_splits` pair found by spelling instead of reading: the heads and tails of a sample
+    of the keys (read by the regex pass), joined around every expert number up to the largest the sample and the
+    key count suggest, and each key looked up among them (``None`` where not found); ``None`` for few keys.
+
+    A spelled key splits by the regex pass exactly as it was spelled (the head's match ends at its
+    ``.experts.``, the only one the number and the tail can follow), so a key found is split as the regex pass
+    splits it, whatever the sample missed: what it missed is only found by that pass instead.
+    """
+    n = len(keys)
+    if n < 1024:
+        return None
+    sample = [*keys[:256], *keys[256::61]]  # (tails: the first keys, adjacent; heads: across the file)
+    rows = _line_matches(_EXPERT_SPLITS, sample)
+    if rows is None:
+        return None
+    read = [(key, row) for key, row in zip(sample, rows) if row[0]]
+    heads = dict.fromkeys(row[0] for _, row in read)
+    tails = dict.fromkeys(row[1] for _, row in read)
+    patterns = len(heads) * len(tails)
+    numbers = [key[len(row[0]):len(key) - len(row[1])] for key, row in read]
+    count = max([n // patterns if read else 0, *(int(e) + 1 for e in numbers if len(e) < 7)])
+    if not read or patterns * count > 2 * n:  # (no per-expert key read; or more spelled than twice the keys)
+        return None
+    experts = list(map(str, range(count)))
+    spelled: dict[str, tuple[str, str]] = {}
+    for head in heads:
+        numbered = list(map(str.__add__, itertools.repeat(head), experts))
+        for tail in tails:
+            spelled.update(zip(map(str.__add__, numbered, itertools.repeat(tail)), itertools.repeat((head, tail))))
+    return list(map(spelled.get, keys))
 
 
 def _line_matches(pattern: re.Pattern[str], keys: Sequence[str]) -> list[Any] | None:
