@@ -116,13 +116,12 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
         keys_a = list(map(str.__add__, heads, repeat(f"{proj}.lora_A.weight")))
         keys_b = list(map(str.__add__, heads, repeat(f"{proj}.lora_B.weight")))
         try:
-            shapes_a = set(map(tuple, map(shapes.__getitem__, keys_a)))  # (a caller's shapes may be lists)
-            shapes_b = set(map(tuple, map(shapes.__getitem__, keys_b)))
+            sa = _one_shape(list(map(shapes.__getitem__, keys_a)))
+            sb = _one_shape(list(map(shapes.__getitem__, keys_b)))
         except (KeyError, TypeError):
             return None
-        if len(shapes_a) != 1 or len(shapes_b) != 1:
+        if sa is None or sb is None:
             return None
-        sa, sb = shapes_a.pop(), shapes_b.pop()
         d_in = spec.intermediate if role == "down" else spec.hidden
         d_out = spec.hidden if role == "down" else spec.intermediate
         if len(sa) != 2 or sa != (sa[0], d_in) or sb != (d_out, sa[0]):
@@ -133,6 +132,16 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
     # Every key spelled is in the block, all are distinct (one per projection, expert and factor) and as many
     # as the block has: they are the block.
     return plan if spelled == len(shapes) else None
+
+
+def _one_shape(shapes: list[Any]) -> tuple[int, ...] | None:
+    """The one shape all of ``shapes`` are, as a tuple (a caller's shapes may be lists), or ``None`` if they are not
+    all one; counted against the first where it is a tuple, which is quicker than a set of them."""
+    first = shapes[0]
+    if type(first) is tuple and shapes.count(first) == len(shapes):
+        return first
+    found = set(map(tuple, shapes))
+    return found.pop() if len(found) == 1 else None
 
 
 def plan_experts(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec, *, config: AdapterConfig | None = None,
