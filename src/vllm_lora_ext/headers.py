@@ -221,14 +221,14 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
     base = 8 + n
     # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
     checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
-    (keys, dtypes, shapes, starts, ends), meta = checked
+    (keys, dtypes, shapes, starts, sizes), meta = checked
     if _has_unicode_escape(blob):  # it may spell a lone surrogate: no UTF-8 text, which safetensors refuses
         _refuse_surrogates(itertools.chain(keys, meta, meta.values()), where)
-    at = itertools.repeat(base)
+    # the spans follow each other (both checks saw to it): each ends where the next starts, the last at the file's end
+    firsts = list(map(operator.add, starts, itertools.repeat(base)))
     return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
-                      nbytes=dict(zip(keys, map(operator.sub, ends, starts))), metadata=dict(meta), header_bytes=base,
-                      offsets=dict(zip(keys, zip(map(operator.add, starts, at), map(operator.add, ends, at)))),
-                      stamp=file_stamp(st))
+                      nbytes=dict(zip(keys, sizes)), metadata=dict(meta), header_bytes=base,
+                      offsets=dict(zip(keys, zip(firsts, [*firsts[1:], size]))), stamp=file_stamp(st))
 
 
 def _has_unicode_escape(blob: bytes) -> bool:
@@ -247,7 +247,8 @@ def _refuse_surrogates(texts: Any, where: str) -> None:
                                      f"'?'), which is no UTF-8 text. Re-save the file.", key=shown) from None
 
 
-_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]
+_Entries = tuple[list[str], list[str], list[tuple[int, ...]], list[int], list[int]]  # keys, dtypes, shapes, starts,
+# and sizes (bytes), in file order
 _BITS = {name: bits for name, (bits, _) in DTYPES.items()}
 
 
@@ -316,19 +317,16 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     dtypes = list(map(_DTYPE, entries))
     shapes = list(map(_SHAPE, entries))
     offs = list(map(_OFFSETS, entries))
-    if None in dtypes or None in shapes or None in offs:  # an entry without one of its fields
+    try:  # (an entry without one of its fields has None there: a KeyError or a TypeError)
+        bits = list(map(_BITS.__getitem__, dtypes))  # (or an unknown dtype)
+        starts = list(map(_FIRST, offs))
+        ends = list(map(_SECOND, offs))
+        numels = list(map(math.prod, shapes))
+    except (KeyError, TypeError):
         return None
-    try:
-        bits = list(map(_BITS.__getitem__, dtypes))
-    except KeyError:  # an unknown dtype
-        return None
-    starts = list(map(_FIRST, offs))
-    ends = list(map(_SECOND, offs))
     sizes = list(map(operator.sub, ends, starts))
     smallest = min(sizes) if sizes else 0
-    if smallest < 0:
-        return None
-    if list(map(operator.mul, map(math.prod, shapes), bits)) != list(map(operator.mul, sizes, itertools.repeat(8))):
+    if smallest < 0 or not _sizes_fit(numels, bits, sizes):
         return None
     keys = list(decoded)
     # every span starting where the one before ends and none empty: the starts rise strictly, in file order already
@@ -337,10 +335,18 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
         spans = sorted(zip(starts, ends, keys, range(len(entries))))
         idx = [x[3] for x in spans]
         keys, dtypes, shapes = [x[2] for x in spans], [dtypes[i] for i in idx], [shapes[i] for i in idx]
-        starts, ends = [x[0] for x in spans], [x[1] for x in spans]
+        starts, ends, sizes = [x[0] for x in spans], [x[1] for x in spans], [sizes[i] for i in idx]
     if (starts and starts[0] != 0) or starts[1:] != ends[:-1] or (ends[-1] if ends else 0) != data_bytes:
         return None
-    return (keys, dtypes, shapes, starts, ends), meta or {}
+    return (keys, dtypes, shapes, starts, sizes), meta or {}
+
+
+def _sizes_fit(numels: list[int], bits: list[int], sizes: list[int]) -> bool:
+    """Whether each entry's elements times its dtype's bits are its span's bytes times 8 (one multiplication an
+    entry where all have one dtype of whole bytes)."""
+    if bits and bits[0] % 8 == 0 and bits.count(bits[0]) == len(bits):
+        return list(map(operator.mul, numels, itertools.repeat(bits[0] // 8))) == sizes
+    return list(map(operator.mul, numels, bits)) == list(map(operator.mul, sizes, itertools.repeat(8)))
 
 
 def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[_Entries, dict[str, str]]:
@@ -401,4 +407,4 @@ def _check_entries_one_by_one(raw: dict[str, Any], where: str, base: int, size: 
         raise AdapterFormatError(f"{where!r}: its tensors end at byte {base + expected} but the file has {size} "
                                  f"bytes; it is truncated or has trailing data. Re-download it.")
     return ([x[2] for x in spans], [x[3] for x in spans], [x[4] for x in spans], [x[0] for x in spans],
-            [x[1] for x in spans])
+            [x[1] - x[0] for x in spans])
