@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -253,17 +253,18 @@ _BITS = {name: bits for name, (bits, _) in DTYPES.items()}
 
 
 # msgspec decoders of a safetensors header: every entry into a typed struct, and ``__metadata__`` alone. The types are
-# the header's rules that a decoder checks in C as it parses: a string dtype, a shape of at most 8 non-negative
+# the header's rules that a decoder checks in C as it parses: a dtype the table names, a shape of at most 8 non-negative
 # integers below 2^63, exactly two non-negative integer offsets, metadata that maps strings to strings (msgspec
 # decodes strictly: ``bool`` and ``float`` are not integers). Fields default to ``None`` so that ``__metadata__``
-# decodes as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after.
+# decodes as an entry too (its strings are unknown fields, skipped); a real entry that lacks one is refused after. A
+# dtype decodes as the table's own string (one object per name, not one per entry).
 # Without msgspec (vLLM depends on it; so does this package) headers are parsed entry by entry.
 if msgspec is not None:
     _Count = Annotated[int, msgspec.Meta(ge=0)]
     _Dim = Annotated[int, msgspec.Meta(ge=0, le=_MAX_DIM)]
 
     class _Entry(msgspec.Struct, gc=False):
-        dtype: str | None = None
+        dtype: Literal[tuple(DTYPES)] | None = None  # type: ignore[valid-type]
         shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=_MAX_NDIM)] | None = None
         data_offsets: tuple[_Count, _Count] | None = None
 
