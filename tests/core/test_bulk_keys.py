@@ -157,6 +157,27 @@ def test_a_complete_per_expert_block_is_planned_by_sets_exactly_as_key_by_key(he
     assert len(fast.keys_2d) == 4 * len(projs) and {k.rank for k in fast.keys_2d} == {4}
 
 
+@pytest.mark.parametrize("head", ["", P])
+def test_a_complete_block_in_name_order_is_found_by_one_comparison_and_planned_as_in_any_order(head: str) -> None:
+    """A block written as safetensors writes it (keys by name: experts 0, 1, 10, 100, 101, ...) is recognised by
+    comparing its keys with the spelled ones (`_in_name_order`); its plan is the one of the same keys in any order."""
+    from vllm_lora_ext.formats.moe_plan import _in_name_order
+
+    spec = MoESpec(BLOCK, 120, 16, 6)
+    numeric = _block(120, head=head)
+    by_name = dict(sorted(numeric.items()))
+    shuffled = list(numeric.items())
+    random.Random(3).shuffle(shuffled)
+    projs = ["down_proj", "gate_proj", "up_proj"]
+    assert _in_name_order(by_name, f"{head}{BLOCK}.", projs, 120) is not None
+    assert _in_name_order(numeric, f"{head}{BLOCK}.", projs, 120) is None
+    plans = [_plan_complete_2d(shapes, spec) for shapes in (by_name, numeric, dict(shuffled))]
+    assert plans[0] is not None and plans[0].keys_2d == plans[1].keys_2d == plans[2].keys_2d  # (in one order)
+    assert _same(plans[0], _by_key(by_name, spec)) and _same(plans[0], _by_key(numeric, spec))
+    one = MoESpec(BLOCK, 1, 16, 6)
+    assert _plan_complete_2d(dict(sorted(_block(1, head=head).items())), one) is not None
+
+
 def _variants() -> dict[str, dict[str, tuple[int, ...]]]:
     full = _block()
     a0 = f"{P}{BLOCK}.0.up_proj.lora_A.weight"
@@ -185,6 +206,7 @@ def _variants() -> dict[str, dict[str, tuple[int, ...]]]:
 def test_anything_but_a_complete_block_is_left_to_the_key_by_key_plan(name: str) -> None:
     shapes = _variants()[name]
     assert _plan_complete_2d(shapes, SPEC) is None
+    assert _plan_complete_2d(dict(sorted(shapes.items())), SPEC) is None  # (in name order too)
     got: object
     try:
         got = plan_experts(shapes, SPEC, config=config_from_dict({"r": 4}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from vllm_lora_ext.config import AdapterConfig
@@ -110,14 +111,18 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
         return None
     experts = range(spec.num_experts)
     heads = [f"{head}{e}." for e in experts]
+    in_order = _in_name_order(shapes, head, projs, spec.num_experts)
     plan = ExpertsPlan(spec)
     spelled = 0
-    for proj, role in zip(projs, roles):
-        keys_a = list(map(str.__add__, heads, repeat(f"{proj}.lora_A.weight")))
-        keys_b = list(map(str.__add__, heads, repeat(f"{proj}.lora_B.weight")))
+    for i, (proj, role) in enumerate(zip(projs, roles)):
         try:
-            sa = _one_shape(list(map(shapes.__getitem__, keys_a)))
-            sb = _one_shape(list(map(shapes.__getitem__, keys_b)))
+            if in_order is not None:  # (the block's own keys: the spelled ones, found in order)
+                keys_a, keys_b, got_a, got_b = in_order[i]
+            else:
+                keys_a = list(map(str.__add__, heads, repeat(f"{proj}.lora_A.weight")))
+                keys_b = list(map(str.__add__, heads, repeat(f"{proj}.lora_B.weight")))
+                got_a, got_b = list(map(shapes.__getitem__, keys_a)), list(map(shapes.__getitem__, keys_b))
+            sa, sb = _one_shape(got_a), _one_shape(got_b)
         except (KeyError, TypeError):
             return None
         if sa is None or sb is None:
@@ -132,6 +137,35 @@ def _plan_complete_2d(shapes: Mapping[str, tuple[int, ...]], spec: MoESpec) -> E
     # Every key spelled is in the block, all are distinct (one per projection, expert and factor) and as many
     # as the block has: they are the block.
     return plan if spelled == len(shapes) else None
+
+
+def _in_name_order(shapes: Mapping[str, tuple[int, ...]], head: str, projs: list[str],
+                   num_experts: int) -> list[tuple[list[str], list[str], list[Any], list[Any]]] | None:
+    """Where the block's keys are exactly the ones its ``head``, ``projs`` and experts spell, in the order of their
+    names (as safetensors writes a file: experts ``0, 1, 10, 100, ...``), each projection's keys of A and of B by
+    expert and their shapes, found by one comparison of the key lists rather than a lookup per key; else ``None``.
+
+    ``projs`` are sorted and a key's expert number is followed by a dot, which sorts before every digit: the
+    names sort by expert number as text, then projection, then factor.
+    """
+    order = sorted(range(num_experts), key=str)
+    tails = [f".{proj}.lora_{which}.weight" for proj in projs for which in "AB"]
+    names = list(shapes)
+    if "\n" in head or any("\n" in tail for tail in tails) or len(names) != num_experts * len(tails):
+        return None
+    # (compared as text: each expert's lines are its head and number joining the tails, "" + h + t1 + "\n" + h + t2
+    # ...; with as many lines and no newline in any spelled line, equal texts are equal keys)
+    lines = ["", *(f"{tail}\n" for tail in tails[:-1]), tails[-1]]
+    if "\n".join(names) != "\n".join(map(str.join, map(str.__add__, repeat(head), map(str, order)), repeat(lines))):
+        return None
+    values = list(shapes.values())
+    at = [0] * num_experts  # each expert's place in ``order``
+    for place, e in enumerate(order):
+        at[e] = place
+    by_expert = itemgetter(*at) if num_experts > 1 else lambda row: (row[0],)
+    step = len(tails)
+    return [(list(by_expert(names[i::step])), list(by_expert(names[i + 1::step])), values[i::step],
+             values[i + 1::step]) for i in range(0, step, 2)]
 
 
 def _one_shape(shapes: list[Any]) -> tuple[int, ...] | None:
