@@ -91,6 +91,31 @@ def test_splits_found_by_spelling_the_sampled_patterns_are_the_regex_passes(seed
     assert expert_key_splits([*keys, "a\nb.experts.1.p.lora_A.weight"]) is None
 
 
+@pytest.mark.parametrize("change", ["", "007", "missing", "extra head", "newline"])
+def test_keys_in_name_order_are_split_by_one_comparison_as_the_regex_pass_splits_them(change: str) -> None:
+    """Keys in name order (as safetensors writes them) that the sampled patterns spell exactly are split by one
+    comparison of texts (`_splits_in_name_order`); any near miss is split otherwise, always as the regex pass."""
+    from vllm_lora_ext.formats import _EXPERT_SPLITS, _line_matches, _splits_in_name_order
+
+    keys = sorted(f"{P}model.layers.{layer}.mlp.experts.{e}.{p}.lora_{w}.weight" for layer in range(12)
+                  for e in range(20) for p in ("gate_proj", "up_proj", "down_proj") for w in "AB")
+    if change == "007":
+        keys[500] = keys[500].replace(".experts.", ".experts.00")
+    elif change == "missing":
+        keys[700] = keys[700].replace(".lora_A.", ".lora_C.")
+    elif change == "extra head":
+        keys[900] = keys[900].replace("model.layers", "model.layer")
+    elif change == "newline":
+        keys[1000] = keys[1000].replace("weight", "we\night")
+    heads = sorted({k[:k.index(".experts.") + 9] for k in keys})
+    tails = sorted({"." + k.split(".experts.")[1].split(".", 1)[1] for k in keys[:6]})
+    in_order = _splits_in_name_order(keys, heads, tails, 20)
+    assert (in_order is not None) == (change == "")
+    assert expert_key_splits(keys) == _line_matches(_EXPERT_SPLITS, keys)
+    if not change:
+        assert in_order == expert_key_splits(keys)
+
+
 def test_a_key_holding_a_newline_makes_every_key_go_key_by_key() -> None:
     keys = [f"{BLOCK}.0.up_proj.lora_A.weight", f"{BLOCK}.1.up_proj.lora_A.weight\n{BLOCK}.2.up_proj.lora_A.weight"]
     assert expert_key_rows(keys) is None

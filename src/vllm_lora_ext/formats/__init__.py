@@ -173,6 +173,10 @@ def _spelled_splits(keys: Sequence[str]) -> list[tuple[str, str] | None] | None:
     count = max([n // patterns if read else 0, *(int(e) + 1 for e in numbers if len(e) < 7)])
     if not read or patterns * count > 2 * n:  # (no per-expert key read; or more spelled than twice the keys)
         return None
+    if patterns * count == n:  # (as many keys as the patterns spell: maybe in name order, as safetensors writes them)
+        in_order = _splits_in_name_order(keys, sorted(heads), sorted(tails), count)
+        if in_order is not None:
+            return in_order  # type: ignore[return-value]
     experts = list(map(str, range(count)))
     spelled: dict[str, tuple[str, str]] = {}
     for head in heads:
@@ -180,6 +184,28 @@ def _spelled_splits(keys: Sequence[str]) -> list[tuple[str, str] | None] | None:
         for tail in tails:
             spelled.update(zip(map(str.__add__, numbered, itertools.repeat(tail)), itertools.repeat((head, tail))))
     return list(map(spelled.get, keys))
+
+
+def _splits_in_name_order(keys: Sequence[str], heads: list[str], tails: list[str],
+                          count: int) -> list[tuple[str, str]] | None:
+    """Each key's split where ``keys`` are exactly the ``heads`` (sorted) joined to experts ``0..count-1`` and the
+    ``tails`` (sorted) in the order of their names, found by one comparison of texts; ``None`` where they are not.
+
+    The keys sort by head, then expert number as text (a dot follows the number, and sorts before every digit), then
+    tail. Compared as text: each head and number joins the tails into its lines ("" + p + t1 + "\n" + p + t2 ...);
+    as many lines and no newline in a spelled one (none in a head or tail the regex pass reads), so equal texts are
+    equal keys.
+    """
+    if not heads or not tails or len(keys) != len(heads) * count * len(tails):
+        return None
+    numbers = list(map(str, sorted(range(count), key=str)))
+    lines = ["", *(f"{tail}\n" for tail in tails[:-1]), tails[-1]]
+    spelled = map(str.join, [head + number for head in heads for number in numbers], itertools.repeat(lines))
+    if "\n".join(keys) != "\n".join(spelled):
+        return None
+    rows = [[(head, tail) for tail in tails] for head in heads]  # each head's splits, one expert's keys
+    return list(itertools.chain.from_iterable(itertools.chain.from_iterable(map(itertools.repeat, rows,
+                                                                                   itertools.repeat(count)))))
 
 
 def _line_matches(pattern: re.Pattern[str], keys: Sequence[str]) -> list[Any] | None:
