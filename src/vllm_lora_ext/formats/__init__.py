@@ -125,7 +125,8 @@ def expert_key_rows(keys: Sequence[str]) -> list[ExpertRow] | None:
 
 
 def expert_key_splits(keys: Sequence[str]) -> list[tuple[str, str]] | None:
-    """Split every plain per-expert (2D) key of ``keys`` around its expert number, in one regex pass.
+    """Split every plain per-expert (2D) key of ``keys`` around its expert number, in one regex pass (for many keys:
+    by spelling the patterns a sample of them shows, `_spelled_splits`, and the regex pass for what it leaves).
 
     Returns one ``(head, tail)`` per key, in order: the key is ``head + expert + tail``, where [`expert_key_rows`]
     reads ``(peft_prefix, experts_prefix, expert, proj, which)``, ``head`` is ``peft_prefix + experts_prefix +
@@ -192,7 +193,7 @@ def _splits_in_name_order(keys: Sequence[str], heads: list[str], tails: list[str
     ``tails`` (sorted) in the order of their names, found by one comparison of texts; ``None`` where they are not.
 
     The keys sort by head, then expert number as text (a dot follows the number, and sorts before every digit), then
-    tail. Compared as text: each head and number joins the tails into its lines ("" + p + t1 + "\n" + p + t2 ...);
+    tail. Compared as text: each head and number joins the tails into its lines ("" + p + t1 + "\\n" + p + t2 ...);
     as many lines and no newline in a spelled one (none in a head or tail the regex pass reads), so equal texts are
     equal keys.
     """
