@@ -52,6 +52,9 @@ and that worker's build process; a new mix's path through the modules is in the 
    start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. Staging is kept over pinning the
    shared file in place: the driver refused to page-lock a file mapping on the H200 host, and the slot copy from
    it paused in-flight requests 0.26 s against staging's 0.054 s (``bench/results/no_stall_h200x2_r25_pinned_trial.json``).
+   Then, on the same thread, vLLM's merge of the model's packed modules (``_create_merged_loras_inplace``, which its
+   registration runs in the step) runs on the staging stream (``integration.prebuild.merge_ahead``), and the model is
+   marked so that the step's registration skips it.
 6. **Slot copy** (worker, engine thread, in the step). vLLM's ``add_adapter`` (patched by
    ``integration.worker_patches``, a row of ``integration.plugin.PATCHES``) takes the finished model from the
    table (``integration.prebuild.take_built``, from the patched ``_load_adapter``) and activates it: each factor
