@@ -282,16 +282,19 @@ _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 
 
-def _one_of_each_field(blob: bytes, entries: int) -> bool:
-    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse.
+def _one_of_each_field(blob: bytes, entries: int, objects: int) -> bool:
+    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse, and opens
+    as many objects as the parse holds (``objects``: the header, its entries and a metadata object).
 
     A duplicate key collapses entries silently (the last wins) in json and in msgspec alike. Each entry names
     each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
-    the duplicate (a metadata value mentioning those words only costs that parse).
+    the duplicate (a metadata value mentioning those words only costs that parse). A duplicate whose first value
+    names none of the fields (``{}``) leaves those counts equal; its brace does not.
     """
     if _has_unicode_escape(blob):  # a field name spelled with escapes ("\u0064type") escapes the counts
         return False  # (the slow parse reads it)
-    return blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
+    return (blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
+            and blob.count(b"{") == objects)  # (a brace in a name or a metadata text only costs the slow parse)
 
 
 def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
@@ -312,8 +315,8 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
         return None
     decoded.pop("__metadata__", None)
-    if not _one_of_each_field(blob, len(decoded)):  # a duplicate key: named by the entry-by-entry parse
-        return None
+    if not _one_of_each_field(blob, len(decoded), 1 + len(decoded) + (meta is not None)):  # a duplicate key: named
+        return None  # by the entry-by-entry parse
     entries = list(decoded.values())
     dtypes = list(map(_DTYPE, entries))
     shapes = list(map(_SHAPE, entries))
@@ -355,7 +358,9 @@ def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> t
     raise [`AdapterFormatError`] naming what is wrong."""
     try:
         raw = json.loads(blob)
-        if not _one_of_each_field(blob, len(raw) - ("__metadata__" in raw) if isinstance(raw, dict) else -1):
+        entries, objects = ((len(raw) - ("__metadata__" in raw), 1 + sum(isinstance(v, dict) for v in raw.values()))
+                            if isinstance(raw, dict) else (-1, -1))
+        if not _one_of_each_field(blob, entries, objects):
             raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({clip(str(err))}); not a "

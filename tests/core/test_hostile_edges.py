@@ -180,3 +180,28 @@ def test_claiming_an_owner_tag_in_a_removed_folder_never_closes_another_files_de
         os.fstat(other)  # still open
     finally:
         os.close(other)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "entry-by-entry"])
+@pytest.mark.parametrize("first", ["{}", "{ }", '{"__x": 1}'], ids=["empty", "spaced", "unknown-field"])
+def test_a_duplicate_key_whose_first_entry_names_no_field_is_refused(tmp_path: Path, first: str, bulk: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first entry with none of the three fields left the field counts equal to the entries the parse kept (the
+    last one wins), so the header was taken (in bulk, and entry by entry without msgspec); safetensors refuses
+    it. The entry-by-entry parse names it."""
+    if not bulk:
+        monkeypatch.setattr("vllm_lora_ext.headers._DECODERS", None)
+    header = ('{"w": ' + first + ', "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}').encode()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(AdapterFormatError, match="duplicate key 'w'"):
+        read_header(path)
+
+
+def test_braces_in_names_and_metadata_still_parse(tmp_path: Path) -> None:
+    header = json.dumps({"__metadata__": {"note": "{a} {b}"}, "w{0}": {"dtype": "F32", "shape": [4],
+                                                                     "data_offsets": [0, 16]}}).encode()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    got = read_header(path)
+    assert list(got.tensors) == ["w{0}"] and got.metadata == {"note": "{a} {b}"}
