@@ -83,7 +83,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand and fused-MoE LoRA kernel configs (default: the tuned "
                                "tables shipped for this GPU, see \"Tuned LoRA kernels\")"),
     ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
-                          " this (default 0: off)"),
+                          " this, and profile a worker's adapter registration in the step when it takes longer"
+                          " (default 0: off)"),
     ENV_CLIENT_SOURCES: ("", "Ray Serve LLM: comma-separated source prefixes (`hf:acme/`, `/srv/loras/`) clients may "
                              "name in `model=\"<id>:<source>\"`, compared after resolving `.`, `..`, `//` and "
                              "symlinks (default: none)"),
