@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 
 from factories import load_bench
 
 
-def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not_bs() -> None:
-    bench = load_bench("bench_no_stall")
-    arrived = round(time.time(), 3)  # a whole millisecond, as the log writes it
+def _clock() -> tuple[float, Callable[[float], str]]:
+    """B's arrival (a whole millisecond, as the log writes it) and the log's stamp of a time after it."""
+    arrived = round(time.time(), 3)
 
     def stamp(after: float) -> str:  # the log's clock, to the millisecond (rounded: %f would truncate 0.62 to 0.619)
         ms = round((arrived + after) * 1000)
         return datetime.datetime.fromtimestamp(ms // 1000).strftime("%Y-%m-%d %H:%M:%S") + f",{ms % 1000:03d}"
+
+    return arrived, stamp
+
+
+def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not_bs() -> None:
+    bench = load_bench("bench_no_stall")
+    arrived, stamp = _clock()
 
     log = "\n".join([
         f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_process] built adapter 'A' in 0.40 s, handed over in "
@@ -49,11 +57,7 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     from pathlib import Path
 
     bench = load_bench("bench_no_stall")
-    arrived = round(time.time(), 3)
-
-    def stamp(after: float) -> str:
-        ms = round((arrived + after) * 1000)
-        return datetime.datetime.fromtimestamp(ms // 1000).strftime("%Y-%m-%d %H:%M:%S") + f",{ms % 1000:03d}"
+    arrived, stamp = _clock()
 
     log = "\n".join([
         f"(APIServer pid=2) INFO {stamp(0.61)} [vllm_lora_ext.integration.server] adapter 'B2d': built in the "
