@@ -283,8 +283,9 @@ _SECOND = operator.itemgetter(1)
 
 
 def _one_of_each_field(blob: bytes, entries: int, objects: int) -> bool:
-    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse, and opens
-    as many objects as the parse holds (``objects``: the header, its entries and a metadata object).
+    """Whether the header's text names "dtype", "shape" and "data_offsets" once per entry of its parse, and holds
+    as many braces as the parse accounts for (``objects``: the header, its entries, a metadata object, and the
+    braces inside its names and metadata texts).
 
     A duplicate key collapses entries silently (the last wins) in json and in msgspec alike. Each entry names
     each field once, so unequal counts (cheap, in C) send the header through the slow parse that finds and names
@@ -294,7 +295,7 @@ def _one_of_each_field(blob: bytes, entries: int, objects: int) -> bool:
     if _has_unicode_escape(blob):  # a field name spelled with escapes ("\u0064type") escapes the counts
         return False  # (the slow parse reads it)
     return (blob.count(b'"dtype"') == blob.count(b'"shape"') == blob.count(b'"data_offsets"') == entries
-            and blob.count(b"{") == objects)  # (a brace in a name or a metadata text only costs the slow parse)
+            and blob.count(b"{") == objects)
 
 
 def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[str, str]] | None:
@@ -315,8 +316,12 @@ def _check_header_in_bulk(blob: bytes, data_bytes: int) -> tuple[_Entries, dict[
     except (ValueError, RecursionError):  # msgspec's DecodeError and ValidationError are ValueErrors; deep nesting
         return None
     decoded.pop("__metadata__", None)
-    if not _one_of_each_field(blob, len(decoded), 1 + len(decoded) + (meta is not None)):  # a duplicate key: named
-        return None  # by the entry-by-entry parse
+    objects = 1 + len(decoded) + (meta is not None)  # the header's, each entry's and a metadata object's braces
+    if blob.count(b"{") != objects:  # and those in names and metadata texts (no escapes: _one_of_each_field)
+        in_texts = sum(k.count("{") for k in decoded)
+        objects += in_texts + sum(k.count("{") + v.count("{") for k, v in (meta or {}).items())
+    if not _one_of_each_field(blob, len(decoded), objects):  # a duplicate key: named by the entry-by-entry parse
+        return None
     entries = list(decoded.values())
     dtypes = list(map(_DTYPE, entries))
     shapes = list(map(_SHAPE, entries))
@@ -357,11 +362,9 @@ def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> t
     """Parse the header with json and validate entry by entry; return what `_check_header_in_bulk` returns, or
     raise [`AdapterFormatError`] naming what is wrong."""
     try:
-        raw = json.loads(blob)
-        entries, objects = ((len(raw) - ("__metadata__" in raw), 1 + sum(isinstance(v, dict) for v in raw.values()))
-                            if isinstance(raw, dict) else (-1, -1))
-        if not _one_of_each_field(blob, entries, objects):
-            raw = json.loads(blob, object_pairs_hook=_no_duplicates)  # finds and names the duplicate key
+        # Every header here was refused by the bulk parse (or msgspec is missing): read it through the hook that
+        # finds and names a duplicate key, whatever its first value is (a number, null, {}).
+        raw = json.loads(blob, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({clip(str(err))}); not a "
                                  f"safetensors file.") from None

@@ -183,7 +183,8 @@ def test_claiming_an_owner_tag_in_a_removed_folder_never_closes_another_files_de
 
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "entry-by-entry"])
-@pytest.mark.parametrize("first", ["{}", "{ }", '{"__x": 1}'], ids=["empty", "spaced", "unknown-field"])
+@pytest.mark.parametrize("first", ["{}", "{ }", '{"__x": 1}', "5", "null", '"x"', "[1, 2]"],
+                         ids=["empty", "spaced", "unknown-field", "number", "null", "text", "list"])
 def test_a_duplicate_key_whose_first_entry_names_no_field_is_refused(tmp_path: Path, first: str, bulk: bool,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A first entry with none of the three fields left the field counts equal to the entries the parse kept (the
@@ -198,10 +199,31 @@ def test_a_duplicate_key_whose_first_entry_names_no_field_is_refused(tmp_path: P
         read_header(path)
 
 
-def test_braces_in_names_and_metadata_still_parse(tmp_path: Path) -> None:
-    header = json.dumps({"__metadata__": {"note": "{a} {b}"}, "w{0}": {"dtype": "F32", "shape": [4],
-                                                                     "data_offsets": [0, 16]}}).encode()
+def test_braces_in_names_and_metadata_parse_in_bulk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A brace inside a name or a metadata text (JSON-valued metadata) is counted as such: the header still takes
+    the bulk parse; a duplicate beside such braces still goes to the parse that names it."""
+    from vllm_lora_ext import headers
+
+    entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    header = json.dumps({"__metadata__": {"cfg{": '{"r": {"x": 1}}'}, "w{0}": entry}).encode()
     path = tmp_path / "a.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    slow = headers._check_header_one_by_one
+    monkeypatch.setattr(headers, "_check_header_one_by_one", lambda *a: pytest.fail("took the slow parse"))
     got = read_header(path)
-    assert list(got.tensors) == ["w{0}"] and got.metadata == {"note": "{a} {b}"}
+    assert list(got.tensors) == ["w{0}"] and got.metadata == {"cfg{": '{"r": {"x": 1}}'}
+    monkeypatch.setattr(headers, "_check_header_one_by_one", slow)
+    dup = ('{"__metadata__": {"a": "{"}, "w{": {}, "w{": ' + json.dumps(entry) + '}').encode()
+    path.write_bytes(struct.pack("<Q", len(dup)) + dup + bytes(16))
+    with pytest.raises(AdapterFormatError, match="duplicate key 'w{'"):
+        read_header(path)
+
+
+@pytest.mark.parametrize("first", ["0", "null"])
+def test_a_duplicate_metadata_key_is_refused(tmp_path: Path, first: str) -> None:
+    header = ('{"__metadata__": ' + first + ', "__metadata__": {"a": "b"}, '
+              '"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}').encode()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(AdapterFormatError, match="duplicate key '__metadata__'"):
+        read_header(path)
