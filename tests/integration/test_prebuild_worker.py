@@ -238,3 +238,28 @@ def test_a_request_on_a_registered_adapter_whose_files_broke_gets_a_400_not_a_50
         server.reset_registry()
     assert answer.error.code == 400 and "Adapter 'a' could not be loaded" in answer.error.message
     assert "header entry 'x' is malformed" in answer.error.message and engine.registered == []
+
+
+def test_at_most_four_waits_probe_fast_and_every_wait_gives_its_place_back() -> None:
+    """A client naming many evicted adapters at once starts a wait per adapter: only the first four probe every
+    2 ms; the rest every 25 ms. Each wait, fast or not, ends with the count back where it was."""
+    from vllm_lora_ext.integration import server
+
+    release = asyncio.Event()
+    seen: list[int] = []
+
+    class _Engine:
+        async def add_lora(self, probe: Any) -> bool:
+            seen.append(server._FAST_WAITS[0])
+            return release.is_set()
+
+    async def run() -> None:
+        waits = [asyncio.ensure_future(server.ensure_built(_Engine(), _request(Path(f"/a/{i}"), name=f"a{i}")))
+                 for i in range(6)]
+        await asyncio.sleep(0.2)
+        assert server._FAST_WAITS[0] == 4 and max(seen) == 4
+        release.set()
+        await asyncio.gather(*waits)
+
+    asyncio.run(run())
+    assert server._FAST_WAITS[0] == 0

@@ -210,28 +210,38 @@ def _forget_build(key: str, wait: asyncio.Future[None]) -> None:
         del _BUILDS[key]
 
 
+_FAST_WAITS = [0]  # waits probing every 2 ms now (the server's event loop is one thread)
+_MAX_FAST_WAITS = 4
+
+
 async def _wait_built(engine_client: Any, lora_request: Any) -> None:
+    """Probe until the build is done. A probe waits in the engine's queue for the step in progress, so a busy
+    engine answers about one a step whatever the delay: the first ``_MAX_FAST_WAITS`` waits at a time ask again
+    2 ms after an answer for their first 2 s (a new adapter's first token waits on it), then back off to 25 ms
+    (long builds, downloads); any more waits (a client naming many evicted adapters) probe every 25 ms."""
     from vllm_lora_ext.integration.prebuild import probe_for
 
     probe = probe_for(lora_request)
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + prebuild_wait_seconds()
+    fast = _FAST_WAITS[0] < _MAX_FAST_WAITS
+    _FAST_WAITS[0] += fast
     probes = 1
-    # A probe waits in the engine's queue for the step in progress, so a busy engine answers about one a
-    # step whatever the delay: ask again soon for the first seconds (a new adapter's first token waits on
-    # the answer), then back off for long builds (downloads).
-    while not await _probe(engine_client, probe):
-        now = loop.time()
-        if now >= deadline:
-            logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
-                           lora_request.lora_name, prebuild_wait_seconds())
-            return
-        await asyncio.sleep(0.002 if now - start < 2.0 else 0.025)
-        probes += 1
+    try:
+        while not await _probe(engine_client, probe):
+            now = loop.time()
+            if now >= deadline:
+                logger.warning("adapter %r: not built after %.0f s; the engine will build it in its step",
+                               clip(str(lora_request.lora_name)), prebuild_wait_seconds())
+                return
+            await asyncio.sleep(0.002 if fast and now - start < 2.0 else 0.025)
+            probes += 1
+    finally:
+        _FAST_WAITS[0] -= fast
     if probes > 1:  # (one probe: it was resident already)
         logger.info("adapter %r: built in the background, answered %.3f s after the first probe (%d probes)",
-                    lora_request.lora_name, loop.time() - start, probes)
+                    clip(str(lora_request.lora_name)), loop.time() - start, probes)
 
 
 async def _probe(engine_client: Any, probe: Any) -> bool:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm_lora_ext._util import clip
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,7 +54,7 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(result, str) and path:
             if built is not None:  # the engine's part: registering the built adapter and its slot copy
                 logger.info("adapter %r: registered by the engine %.3f s after its build was answered",
-                            name, time.perf_counter() - built)
+                            clip(str(name)), time.perf_counter() - built)
             recently_used(self.engine_client).touch(path)
             await sync_disk_holds(self)  # its revision is in use while it stays registered
         typed = typed_load_answer(result, name=name, source=path or "") if not isinstance(result, str) else None

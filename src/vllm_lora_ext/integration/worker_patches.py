@@ -92,7 +92,7 @@ def _unstage_registered(registered: Any, lora_request: Any, start: float) -> Non
     added = time.perf_counter()
     copied = unstage(registered)
     logger.info("adapter %r (id %d): registered and copied into its slot in %.4f s, unstaged in %.4f s "
-                "(%d bytes copied back)", lora_request.lora_name, lora_request.lora_int_id, added - start,
+                "(%d bytes copied back)", clip(str(lora_request.lora_name)), lora_request.lora_int_id, added - start,
                 time.perf_counter() - added, copied)
 
 
