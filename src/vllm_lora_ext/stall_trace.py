@@ -106,12 +106,10 @@ def profiled(call: Callable[[], T], what: str) -> T:
     from vllm_lora_ext.constants import stall_trace_seconds
 
     threshold = stall_trace_seconds()
-    if threshold <= 0:
+    if threshold <= 0 or sys.getprofile() is not None:  # off, or another profiler is on (3.11 would replace it)
         return call()
     import cProfile
     import gc
-    import io
-    import pstats
 
     pauses: list[float] = []
     started = [0.0]
@@ -125,7 +123,7 @@ def profiled(call: Callable[[], T], what: str) -> T:
     profile = cProfile.Profile()
     try:
         profile.enable()
-    except ValueError:  # another profiler is on in this thread (a bench's own cProfile): it gets the call
+    except ValueError:  # another profiler is on in this thread (3.12+ refuses a second): it gets the call
         return call()
     gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
@@ -138,7 +136,18 @@ def profiled(call: Callable[[], T], what: str) -> T:
         gc.callbacks.remove(on_gc)
         took = time.perf_counter() - t0
         if took >= threshold:
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(18)
-            logger.warning("%s took %.4f s (profiled; %d garbage collections, %.4f s):\n%s", what, took, len(pauses),
-                           sum(pauses), text.getvalue()[-6000:])
+            _report(profile, what, took, pauses)
+
+
+def _report(profile: Any, what: str, took: float, pauses: list[float]) -> None:
+    """Log a profiled call; a diagnostic never fails the call it watched."""
+    import io
+    import pstats
+
+    try:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(18)
+        logger.warning("%s took %.4f s (profiled; %d garbage collections in this process, %.4f s):\n%s", what, took,
+                       len(pauses), sum(pauses), text.getvalue()[-6000:])
+    except Exception:
+        logger.debug("could not report a profiled call", exc_info=True)

@@ -57,11 +57,13 @@ def test_profiled_logs_a_slow_calls_top_functions_and_its_collections_only_when_
         with pytest.raises(ZeroDivisionError):  # the call's own error, unchanged
             profiled(lambda: 1 // 0, "failing")
         outer = cProfile.Profile()
-        outer.enable()  # another profiler on this thread: the call still runs, unprofiled
+        outer.enable()  # another profiler on this thread: the call still runs, unprofiled, and the other goes on
         try:
             assert profiled(lambda: 8, "under another profiler") == 8
+            _spin(0.001)
         finally:
             outer.disable()
+        assert "_spin" in {getattr(entry.code, "co_name", None) for entry in outer.getstats()}
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 1 and logged[0].startswith("registering X took ") and "_spin" in logged[0]
     assert "1 garbage collections" in logged[0] or "garbage collections" in logged[0]
