@@ -142,9 +142,11 @@ def on_staging_stream(lora: Any, work: Callable[[], object]) -> None:
     device = staging.buffer.device
     with torch.cuda.device(device):
         stream = _side_stream(device)
+        done = torch.cuda.Event()
         with torch.cuda.stream(stream):
             work()
-        stream.synchronize()
+            done.record(stream)
+        done.synchronize()  # this work only, not other builds' copies queued on the shared stream after it
 
 
 def unstage(lora: Any) -> int:
