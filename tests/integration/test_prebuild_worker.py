@@ -254,7 +254,8 @@ def test_at_most_four_waits_probe_fast_and_every_wait_gives_its_place_back() -> 
             return release.is_set()
 
     async def run() -> None:
-        waits = [asyncio.ensure_future(server.ensure_built(_Engine(), _request(Path(f"/a/{i}"), name=f"a{i}")))
+        engine = _Engine()
+        waits = [asyncio.ensure_future(server.ensure_built(engine, _request(Path(f"/a/{i}"), name=f"a{i}")))
                  for i in range(6)]
         await asyncio.sleep(0.2)
         assert server._FAST_WAITS[0] == 4 and max(seen) == 4
