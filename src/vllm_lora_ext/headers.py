@@ -358,13 +358,19 @@ def _sizes_fit(numels: list[int], bits: list[int], sizes: list[int]) -> bool:
     return list(map(operator.mul, numels, bits)) == list(map(operator.mul, sizes, itertools.repeat(8)))
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json takes NaN and Infinity; JSON and safetensors do not
+
+
 def _check_header_one_by_one(blob: bytes, where: str, base: int, size: int) -> tuple[_Entries, dict[str, str]]:
     """Parse the header with json and validate entry by entry; return what `_check_header_in_bulk` returns, or
     raise [`AdapterFormatError`] naming what is wrong."""
     try:
         # Every header here was refused by the bulk parse (or msgspec is missing): read it through the hook that
         # finds and names a duplicate key, whatever its first value is (a number, null, {}).
-        raw = json.loads(blob, object_pairs_hook=_no_duplicates)
+        if blob.startswith(b"\xef\xbb\xbf"):  # json reads past a byte-order mark; safetensors does not
+            raise ValueError("it starts with a byte-order mark")
+        raw = json.loads(blob, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise AdapterFormatError(f"{where!r} has a header that is not valid JSON ({clip(str(err))}); not a "
                                  f"safetensors file.") from None

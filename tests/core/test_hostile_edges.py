@@ -227,3 +227,21 @@ def test_a_duplicate_metadata_key_is_refused(tmp_path: Path, first: str) -> None
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
     with pytest.raises(AdapterFormatError, match="duplicate key '__metadata__'"):
         read_header(path)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "entry-by-entry"])
+@pytest.mark.parametrize("text", ['\ufeff{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
+                                  '{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], "x": NaN}}',
+                                  '{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], "x": -Infinity}}'],
+                         ids=["bom", "nan", "infinity"])
+def test_what_json_reads_and_safetensors_refuses_is_refused(tmp_path: Path, text: str, bulk: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's json reads past a byte-order mark and takes NaN and Infinity, even in a field nothing reads;
+    safetensors refuses such a header, so the plugin does too (a file two readers read differently)."""
+    if not bulk:
+        monkeypatch.setattr("vllm_lora_ext.headers._DECODERS", None)
+    header = text.encode()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(AdapterFormatError, match="not valid JSON"):
+        read_header(path)
