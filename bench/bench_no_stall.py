@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -91,7 +92,7 @@ async def _stream(client: Any, base: str, body: dict[str, Any], times: list[floa
 
 
 async def run_case(base: str, model: str, case: str | None, paths: dict[str, Path], tokens: int,
-                   arrive: float) -> dict[str, Any]:
+                   arrive: float, rep: int = 0) -> dict[str, Any]:
     http = _http()
     limits = http.Limits(max_connections=100, max_keepalive_connections=100)
     async with http.AsyncClient(timeout=600, limits=limits) as client:
@@ -117,9 +118,10 @@ async def run_case(base: str, model: str, case: str | None, paths: dict[str, Pat
             elif case == "loaded":  # the reference: a request on an adapter already in a slot
                 body.update(model="A")
             else:
-                name = f"B{case}"
+                name = f"B{case}" + (f"-r{rep}" if rep else "")  # a later rep: the same files, a new adapter
+                out["b_name"] = name
                 r = await client.post(f"{base}/v1/load_lora_adapter",
-                                      json={"lora_name": name, "lora_path": str(paths[name])})
+                                      json={"lora_name": name, "lora_path": str(paths[f"B{case}"])})
                 out["load_status"] = r.status_code
                 out["load_seconds"] = time.perf_counter() - t_arrive
                 body.update(model=name)
@@ -245,16 +247,31 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
             asyncio.run(run_case(base, model, None, paths, 8, args.arrive))
         time.sleep(args.settle)  # a server that has been up a while: the build process (15-20 s to start) is ready
         runs["none"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
-        for case in cases:
-            if mode == "stock" and case not in ("2d", "loaded"):
-                continue
-            runs[case] = asyncio.run(run_case(base, model, case, paths, args.tokens, args.arrive))
+        for rep in range(args.reps):  # reps after the first: 2D, 3D and loaded only (a mix is new only once)
+            for case in cases:
+                if (mode == "stock" and case not in ("2d", "loaded")) or (rep and case in ("mix", "mix_cached")):
+                    continue
+                runs[case + (f"#{rep}" if rep else "")] = asyncio.run(run_case(base, model, case, paths, args.tokens,
+                                                                                args.arrive, rep))
         runs["none_again"] = asyncio.run(run_case(base, model, None, paths, args.tokens, args.arrive))
     log = (Path(args.workdir) / f"serve-{mode}.log").read_text(errors="replace")
-    for case, name in (("2d", "B2d"), ("3d", "B3d")):
-        if case in runs and mode != "stock":
-            runs[case]["b_phases"] = b_phases(log, name, runs[case]["t0_wall"] + runs[case]["t_arrive"])
+    for run in runs.values():
+        if "b_name" in run and mode != "stock":
+            run["b_phases"] = b_phases(log, run["b_name"], run["t0_wall"] + run["t_arrive"])
     return runs
+
+
+def _medians(summary: dict[str, Any], cases: list[str], reps: int) -> None:
+    """With ``--reps`` > 1: each mode and case's median over its reps (``<mode>/<case>/median``), printed."""
+    if reps < 2:
+        return
+    for key in [k for k in list(summary) if "#" not in k and k.split("/")[-1] in cases]:
+        rows = [summary[k] for k in summary if k == key or k.startswith(key + "#")]
+        if len(rows) > 1:
+            med = {f: statistics.median(r[f] for r in rows) for f in ("max_gap_s", "b_ttft_s", "throughput_ratio")}
+            summary[key + "/median"] = {**med, "reps": len(rows)}
+            print(f"{key}, median of {len(rows)}: max gap {med['max_gap_s']:.4f} s, B TTFT {med['b_ttft_s']:.4f} s, "
+                  f"tok/s {med['throughput_ratio']:.3f}x")
 
 
 def main() -> None:
@@ -267,6 +284,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--graphs", action="store_true", help="full CUDA graphs instead of --enforce-eager")
     ap.add_argument("--settle", type=float, default=20.0, help="seconds between the warm-up and the measured runs")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each 2D, 3D and loaded case in one server (a later "
+                                                         "rep loads the same files as a new adapter); medians printed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     unknown = set(args.modes.split(",")) - {"stock", "plugin", "thread", "sync"}
@@ -285,10 +304,8 @@ def main() -> None:
     rows, summary = [], {}
     for mode, runs in results.items():
         none = runs["none"]
-        for case in cases:
-            run = runs.get(case)
-            if run is None:
-                continue
+        for case in [k for k in runs if k.split("#")[0] in cases]:
+            run = runs[case]
             start, end = run["t_arrive"], run["t_b_first"] + 0.25
             with_b = window_stats(run, start, end)
             # the no-B reference: the faster of the run before the cases and the one after them (a stall in
@@ -305,6 +322,7 @@ def main() -> None:
             summary[f"{mode}/{case}"] = row
             rows.append([mode, case, row["max_gap_s"], row["p99_gap_s"], row["baseline_max_gap_s"], row["b_ttft_s"],
                          row["throughput_ratio"], f"{same}/{N_INFLIGHT}", f"{control}/{N_INFLIGHT}"])
+    _medians(summary, cases, args.reps)
     if "stock" in results and "plugin" in results and "2d" in results["stock"] and "2d" in results["plugin"]:
         summary["b2d_output_equals_stock"] = results["plugin"]["2d"]["b_text"] == results["stock"]["2d"]["b_text"]
         print("B (2D) output, plugin (built in the background) == stock (built in the step):",
@@ -331,7 +349,7 @@ def main() -> None:
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}
                                             for m, runs in results.items()}, "inflight": N_INFLIGHT,
                "tokens": args.tokens, "arrive_s": args.arrive, "graphs": args.graphs,
-               "note": "one run per case and mode"}
+               "note": f"{args.reps} run(s) per 2D, 3D and loaded case and mode (case#k: rep k)"}
     write_json("no_stall", payload, args.out)
 
 

@@ -85,3 +85,16 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     assert '"(%d bytes copied back)"' in texts["worker_patches.py"]
     assert "registered by the engine %.3f s after its build was answered" in texts["server_patches.py"]
     assert "built in the background, taken by the engine" in texts["prebuild.py"]
+
+
+def test_reps_give_each_mode_and_case_a_median_and_a_single_run_none() -> None:
+    bench = load_bench("bench_no_stall")
+    row = {"max_gap_s": 0.05, "b_ttft_s": 0.7, "throughput_ratio": 0.9}
+    summary = {"plugin/2d": row, "plugin/2d#1": {**row, "b_ttft_s": 0.6}, "plugin/2d#2": {**row, "b_ttft_s": 0.9},
+               "plugin/3d": row, "stock/2d": row, "b2d_output_equals_stock": True}
+    bench._medians(summary, ["2d", "3d"], 3)
+    assert summary["plugin/2d/median"] == {"max_gap_s": 0.05, "b_ttft_s": 0.7, "throughput_ratio": 0.9, "reps": 3}
+    assert "plugin/3d/median" not in summary and "stock/2d/median" not in summary  # one run: no median
+    once = {"plugin/2d": row}
+    bench._medians(once, ["2d"], 1)
+    assert once == {"plugin/2d": row}
