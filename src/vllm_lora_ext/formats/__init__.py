@@ -193,20 +193,31 @@ def _splits_in_name_order(keys: Sequence[str], heads: list[str], tails: list[str
     ``tails`` (sorted) in the order of their names, found by one comparison of texts; ``None`` where they are not.
 
     The keys sort by head, then expert number as text (a dot follows the number, and sorts before every digit), then
-    tail. Compared as text: each head and number joins the tails into its lines ("" + p + t1 + "\\n" + p + t2 ...);
-    as many lines and no newline in a spelled one (none in a head or tail the regex pass reads), so equal texts are
-    equal keys.
+    tail ([`spelled_in_name_order`]).
     """
-    if not heads or not tails or len(keys) != len(heads) * count * len(tails):
-        return None
-    numbers = list(map(str, sorted(range(count), key=str)))
-    lines = ["", *(f"{tail}\n" for tail in tails[:-1]), tails[-1]]
-    spelled = map(str.join, [head + number for head in heads for number in numbers], itertools.repeat(lines))
-    if "\n".join(keys) != "\n".join(spelled):
+    if not spelled_in_name_order(keys, heads, count, tails):
         return None
     rows = [[(head, tail) for tail in tails] for head in heads]  # each head's splits, one expert's keys
     return list(itertools.chain.from_iterable(itertools.chain.from_iterable(map(itertools.repeat, rows,
                                                                                    itertools.repeat(count)))))
+
+
+def spelled_in_name_order(keys: Sequence[str], heads: Sequence[str], count: int, tails: Sequence[str]) -> bool:
+    """Whether ``keys`` are exactly each of ``heads`` joined to the expert numbers ``0..count-1`` in the order of
+    their names (as text: ``0, 1, 10, 100, ...``) and each of those to every one of ``tails``, in that order; found
+    by one comparison of texts instead of a lookup per key.
+
+    Each head and number joins the tails into its lines ("" + p + t1 + "\\n" + p + t2 ...); with as many lines and
+    no newline in a head or tail, equal texts are equal keys.
+    """
+    if not heads or not tails or len(keys) != len(heads) * count * len(tails):
+        return False
+    if any("\n" in part for part in (*heads, *tails)):
+        return False
+    numbers = list(map(str, sorted(range(count), key=str)))
+    lines = ["", *(f"{tail}\n" for tail in tails[:-1]), tails[-1]]
+    spelled = map(str.join, [head + number for head in heads for number in numbers], itertools.repeat(lines))
+    return "\n".join(keys) == "\n".join(spelled)
 
 
 def _line_matches(pattern: re.Pattern[str], keys: Sequence[str]) -> list[Any] | None:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from vllm_lora_ext.config import AdapterConfig
 from vllm_lora_ext.errors import ExpertLayoutError
-from vllm_lora_ext.formats import classify_key, strip_peft_prefix
+from vllm_lora_ext.formats import classify_key, spelled_in_name_order, strip_peft_prefix
 from vllm_lora_ext.formats.moe import DOWN_NAMES, GATE_NAMES, UP_NAMES, MoESpec, Orientation, Role
 
 __all__ = ["Key2D", "Key3D", "ExpertsPlan", "plan_experts"]
@@ -148,16 +148,11 @@ def _in_name_order(shapes: Mapping[str, tuple[int, ...]], head: str, projs: list
     ``projs`` are sorted and a key's expert number is followed by a dot, which sorts before every digit: the
     names sort by expert number as text, then projection, then factor.
     """
-    order = sorted(range(num_experts), key=str)
     tails = [f".{proj}.lora_{which}.weight" for proj in projs for which in "AB"]
     names = list(shapes)
-    if "\n" in head or any("\n" in tail for tail in tails) or len(names) != num_experts * len(tails):
+    if not spelled_in_name_order(names, [head], num_experts, tails):
         return None
-    # (compared as text: each expert's lines are its head and number joining the tails, "" + h + t1 + "\n" + h + t2
-    # ...; with as many lines and no newline in any spelled line, equal texts are equal keys)
-    lines = ["", *(f"{tail}\n" for tail in tails[:-1]), tails[-1]]
-    if "\n".join(names) != "\n".join(map(str.join, map(str.__add__, repeat(head), map(str, order)), repeat(lines))):
-        return None
+    order = sorted(range(num_experts), key=str)
     values = list(shapes.values())
     at = [0] * num_experts  # each expert's place in ``order``
     for place, e in enumerate(order):
