@@ -98,16 +98,15 @@ def start(threshold_s: float, *, period_s: float = 0.05) -> bool:
     return True
 
 
-def profiled(call: Callable[[], T], what: str) -> T:
-    """Run ``call``; with the stall trace on (``VLLM_LORA_EXT_STALL_TRACE_S`` > 0), under ``cProfile``, and log its
-    top functions by cumulative time, with the garbage collections that ran inside it, when it took longer than the
-    threshold (a diagnostic for work in the engine step, such as registering an adapter, that a 50 ms sampler
-    cannot resolve). Off, it only calls ``call``."""
-    from vllm_lora_ext.constants import stall_trace_seconds
-
-    threshold = stall_trace_seconds()
-    if threshold <= 0 or sys.getprofile() is not None:  # off, or another profiler is on (3.11 would replace it)
+def profiled(call: Callable[[], T], what: Callable[[], str]) -> T:
+    """Run ``call``; with the stall trace running in this process ([`start`]: ``VLLM_LORA_EXT_STALL_TRACE_S`` > 0),
+    under ``cProfile``, and log its top functions by cumulative time, with the garbage collections that ran inside
+    it, when it took longer than the trace's threshold (a diagnostic for work in the engine step, such as registering
+    an adapter, that a 50 ms sampler cannot resolve); ``what()`` names it then. Off, it only calls ``call``."""
+    trace = _GLOBAL
+    if trace is None or sys.getprofile() is not None:  # off, or another profiler is on (3.11 would replace it)
         return call()
+    threshold = trace.threshold_s
     import cProfile
     import gc
 
@@ -139,7 +138,7 @@ def profiled(call: Callable[[], T], what: str) -> T:
             _report(profile, what, took, pauses)
 
 
-def _report(profile: Any, what: str, took: float, pauses: list[float]) -> None:
+def _report(profile: Any, what: Callable[[], str], took: float, pauses: list[float]) -> None:
     """Log a profiled call; a diagnostic never fails the call it watched."""
     import io
     import pstats
@@ -147,7 +146,7 @@ def _report(profile: Any, what: str, took: float, pauses: list[float]) -> None:
     try:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(18)
-        logger.warning("%s took %.4f s (profiled; %d garbage collections in this process, %.4f s):\n%s", what, took,
+        logger.warning("%s took %.4f s (profiled; %d garbage collections in this process, %.4f s):\n%s", what(), took,
                        len(pauses), sum(pauses), text.getvalue()[-6000:])
     except Exception:
         logger.debug("could not report a profiled call", exc_info=True)

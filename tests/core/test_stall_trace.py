@@ -42,6 +42,7 @@ def test_profiled_logs_a_slow_calls_top_functions_and_its_collections_only_when_
     import cProfile
     import gc
 
+    from vllm_lora_ext import stall_trace
     from vllm_lora_ext.stall_trace import profiled
 
     def slow() -> int:
@@ -49,17 +50,17 @@ def test_profiled_logs_a_slow_calls_top_functions_and_its_collections_only_when_
         return _spin(0.05)
 
     with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.stall_trace"):
-        monkeypatch.delenv("VLLM_LORA_EXT_STALL_TRACE_S", raising=False)
-        assert profiled(slow, "off") > 0
-        monkeypatch.setenv("VLLM_LORA_EXT_STALL_TRACE_S", "0.01")
-        assert profiled(slow, "registering X") > 0
-        assert profiled(lambda: 7, "fast") == 7  # under the threshold: nothing logged
+        monkeypatch.setattr(stall_trace, "_GLOBAL", None)  # no trace running in this process
+        assert profiled(slow, lambda: "off") > 0
+        monkeypatch.setattr(stall_trace, "_GLOBAL", StallTrace(0.01))  # VLLM_LORA_EXT_STALL_TRACE_S=0.01
+        assert profiled(slow, lambda: "registering X") > 0
+        assert profiled(lambda: 7, lambda: "fast") == 7  # under the threshold: nothing logged
         with pytest.raises(ZeroDivisionError):  # the call's own error, unchanged
-            profiled(lambda: 1 // 0, "failing")
+            profiled(lambda: 1 // 0, lambda: "failing")
         outer = cProfile.Profile()
         outer.enable()  # another profiler on this thread: the call still runs, unprofiled, and the other goes on
         try:
-            assert profiled(lambda: 8, "under another profiler") == 8
+            assert profiled(lambda: 8, lambda: "under another profiler") == 8
             _spin(0.001)
         finally:
             outer.disable()

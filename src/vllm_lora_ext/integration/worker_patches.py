@@ -71,8 +71,8 @@ def make_add_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             manager.remove_adapter(lora_request.lora_int_id)
         start = time.perf_counter()
         try:
-            what = f"add_adapter of {clip(str(lora_request.lora_name))!r}"
-            return profiled(lambda: original(self, lora_request), what)
+            return profiled(lambda: original(self, lora_request),
+                            lambda: f"add_adapter of {clip(str(lora_request.lora_name))!r}")
         finally:  # a model staged on the GPU by a background build is in its slot now: back to its CPU tensors
             if get is not None:
                 _unstage_registered(get(lora_request.lora_int_id), lora_request, start)
