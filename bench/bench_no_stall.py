@@ -181,16 +181,18 @@ def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
 
 
 def _engine_phases(line: str, name: str, after: Any, out: dict[str, Any]) -> None:
-    """After staging: the server's last probe ("built in the background, answered X s after the first probe (N
-    probes)"), the engine taking the model ("taken by the engine"), its registration and slot copy in the engine
-    thread ("registered and copied into its slot in X s, unstaged in Y s"), and the load route's answer
-    ("registered by the engine X s after its build was answered")."""
+    """After staging: the slot writes planned on the build's thread ("N slot writes planned in X s"), the server's
+    last probe ("built in the background, answered X s after the first probe (N probes)"), the engine taking the
+    model ("taken by the engine"), its registration and slot copy in the engine thread ("registered and copied into
+    its slot in X s, unstaged in Y s"), and the load route's answer ("registered by the engine X s after its build
+    was answered")."""
     import re
 
     q = re.escape(name)
     patterns = {
         "probed": (r".*adapter '" + q + r"': built in the background, answered ([\d.]+) s after the first probe "
                    r"\((\d+) probes\)", ("after_first_probe_s", "probes")),
+        "planned": (r".*adapter '" + q + r"': (\d+) slot writes planned in ([\d.]+) s", ("slot_writes", "plan_s")),
         "taken": (r".*adapter '" + q + r"' \(id \d+\): built in the background, taken by the engine", ()),
         "slot_copy": (r".*adapter '" + q + r"' \(id \d+\): registered and copied into its slot in ([\d.]+) s, "
                       r"unstaged in ([\d.]+) s \((\d+) bytes", ("register_s", "unstage_s", "copied_back_bytes")),

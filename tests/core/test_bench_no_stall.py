@@ -60,6 +60,8 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     arrived, stamp = _clock()
 
     log = "\n".join([
+        f"(EngineCore pid=1) INFO {stamp(0.58)} [vllm_lora_ext.integration.activation] adapter 'B2d': 1440 slot "
+        "writes planned in 0.0210 s (0 modules left to vLLM)",
         f"(APIServer pid=2) INFO {stamp(0.61)} [vllm_lora_ext.integration.server] adapter 'B2d': built in the "
         "background, answered 0.602 s after the first probe (31 probes)",
         f"(EngineCore pid=1) INFO {stamp(0.63)} [vllm_lora_ext.integration.prebuild] adapter 'B2d' (id 2): built in "
@@ -74,17 +76,19 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     got = bench.b_phases(log, "B2d", arrived)
     assert got["probed"] == {"done_after_arrival_s": 0.61, "after_first_probe_s": 0.602, "probes": 31}
     assert got["taken"] == {"done_after_arrival_s": 0.63}
+    assert got["planned"] == {"done_after_arrival_s": 0.58, "slot_writes": 1440, "plan_s": 0.021}
     assert got["slot_copy"] == {"done_after_arrival_s": 0.64, "register_s": 0.0123, "unstage_s": 0.001,
                                 "copied_back_bytes": 0}
     assert got["registered"] == {"done_after_arrival_s": 0.66, "after_build_answer_s": 0.051}
     src = Path(__file__).resolve().parents[2] / "src" / "vllm_lora_ext" / "integration"
     texts = {name: (src / name).read_text() for name in ("server.py", "worker_patches.py", "server_patches.py",
-                                                           "prebuild.py")}
+                                                           "prebuild.py", "activation.py")}
     assert "built in the background, answered %.3f s after the first probe (%d probes)" in texts["server.py"]
     assert "registered and copied into its slot in %.4f s, unstaged in %.4f s" in texts["worker_patches.py"]
     assert '"(%d bytes copied back)"' in texts["worker_patches.py"]
     assert "registered by the engine %.3f s after its build was answered" in texts["server_patches.py"]
     assert "built in the background, taken by the engine" in texts["prebuild.py"]
+    assert "%d slot writes planned in %.4f s" in texts["activation.py"]
 
 
 def test_reps_give_each_mode_and_case_a_median_and_a_single_run_none() -> None:

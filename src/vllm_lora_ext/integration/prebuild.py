@@ -92,11 +92,11 @@ def _build(manager: Any, path: str) -> Any:
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
                            separate_process=_use_build_process(), device=device)
     stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
-    merge_ahead(manager, lora)
+    merge_ahead(manager, lora, name)
     return lora
 
 
-def merge_ahead(manager: Any, lora: Any) -> None:
+def merge_ahead(manager: Any, lora: Any, name: str = "adapter") -> None:
     """Run vLLM's merge of ``lora``'s packed modules (``_create_merged_loras_inplace``, which its registration runs
     in the engine step) here, on the table's thread, and mark the model so that the registration skips it.
 
@@ -108,9 +108,14 @@ def merge_ahead(manager: Any, lora: Any) -> None:
     merge = getattr(adapters, "_create_merged_loras_inplace", None)
     if merge is None or getattr(lora, MERGED_ATTR, False):
         return
+    from vllm_lora_ext.integration.activation import plan_activation
     from vllm_lora_ext.integration.staging import on_staging_stream
 
-    on_staging_stream(lora, lambda: merge(lora))
+    def work() -> None:
+        merge(lora)
+        plan_activation(adapters, lora, name)  # the slot writes too, for the step to do in a few calls
+
+    on_staging_stream(lora, work)
     setattr(lora, MERGED_ATTR, True)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import GPU_HEADROOM_BYTES, stage_gpu_bytes
-from vllm_lora_ext.integration.patching import STAGED_ATTR
+from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR
 from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
 from vllm_lora_ext.transport.handover import view_at
@@ -160,6 +160,7 @@ def unstage(lora: Any) -> int:
     in the background after it). Then nothing waits in the step: the model keeps its GPU tensors
     (equal to the CPU ones to come) until the CPU tensors exist, and is pointed at them from there.
     """
+    lora.__dict__.pop(ACTIVATION_ATTR, None)  # its planned slot writes hold staged tensors: used once, or never
     staging: Staging | None = getattr(lora, STAGED_ATTR, None)
     if staging is None:
         return 0

@@ -107,6 +107,19 @@ def make_create_merged_loras(original: Callable[..., Any]) -> Callable[..., Any]
     return _create_merged_loras_inplace
 
 
+def make_activate_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``LoRAModelManager.activate_adapter``: a model whose slot writes were planned ahead gets them in a
+    few batched calls (``integration.activation``); every other one vLLM's own activation."""
+
+    def activate_adapter(self: Any, lora_id: int) -> Any:
+        from vllm_lora_ext.integration.activation import activate_planned
+
+        done = activate_planned(self, lora_id)
+        return original(self, lora_id) if done is None else done
+
+    return activate_adapter
+
+
 def make_apply_adapters(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``_apply_adapters``: touch the LRU caches for a batch whose adapters are all active."""
 

@@ -1,0 +1,244 @@
+"""A staged model's slot writes, planned on the build's thread and done in batches in the step, leave every slot
+exactly as vLLM's own ``activate_adapter`` does (PATCHES.md: ``LoRAModelManager.activate_adapter``;
+``integration.activation``).
+
+The modules are vLLM's own classes (``FusedMoEWithLoRA``, ``FusedMoE3DWithLoRA``, ``MergedQKVParallelLinearWithLoRA``,
+``RowParallelLinearWithLoRA``, ``ReplicatedLinearWithLoRA``), made with ``__new__`` and given the slot tensors their
+constructors would allocate (building them needs a GPU layer), on the CPU; their ``set_lora`` and ``reset_lora`` are
+vLLM's code. The manager is vLLM's ``LRUCacheLoRAModelManager`` with the fields activation reads. Two copies of one
+model are activated, one through the plan and one through vLLM's path, and every slot tensor compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+SLOTS, RANK, E, H, I = 4, 8, 4, 16, 12  # max_loras, max rank, experts, hidden, intermediate
+
+
+def _module(cls_name: str, tensors: dict[str, Any], **attrs: Any) -> Any:
+    import vllm.lora.layers as layers
+
+    cls = getattr(layers, cls_name)
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    for name, value in {**tensors, **attrs}.items():
+        object.__setattr__(module, name, value)
+    return module
+
+
+DEVICE = "cpu"  # tests/gpu/test_activation_gpu.py runs these on "cuda"
+
+
+def _stale(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A slot tensor holding an earlier adapter's values (every slot not zero)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    return (torch.randn(shape, generator=g).to(dtype) + 3).to(DEVICE)
+
+
+class _Live:
+    """A module of a class the plan does not know: vLLM's set_lora/reset_lora are called on it in the step."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def set_lora(self, index: int, a: Any, b: Any) -> None:
+        self.calls.append(("set", index))
+
+    def reset_lora(self, index: int) -> None:
+        self.calls.append(("reset", index))
+
+
+def _modules() -> dict[str, Any]:
+    moe2d = _module("FusedMoEWithLoRA", {
+        "w13_lora_a_stacked": (_stale(SLOTS, E, RANK, H), _stale(SLOTS, E, RANK, H)),
+        "w13_lora_b_stacked": (_stale(SLOTS, E, I, RANK), _stale(SLOTS, E, I, RANK)),
+        "w2_lora_a_stacked": (_stale(SLOTS, E, RANK, I),), "w2_lora_b_stacked": (_stale(SLOTS, E, H, RANK),),
+        "adapter_enabled": torch.ones(SLOTS + 1, dtype=torch.int32, device=DEVICE)},
+        _w13_slices=2, tp_size=1, tp_rank=0, fully_sharded=False)
+    moe3d = _module("FusedMoE3DWithLoRA", {
+        "w13_lora_a_stacked": (_stale(SLOTS, E, RANK, H),), "w13_lora_b_stacked": (_stale(SLOTS, E, 2 * I, RANK),),
+        "w2_lora_a_stacked": (_stale(SLOTS, E, RANK, I),), "w2_lora_b_stacked": (_stale(SLOTS, E, H, RANK),),
+        "adapter_enabled": torch.ones(SLOTS + 1, dtype=torch.int32, device=DEVICE)},
+        _w13_slices=1, tp_size=1, tp_rank=0, fully_sharded=False)
+    qkv = _module("MergedQKVParallelLinearWithLoRA", {
+        "lora_a_stacked": tuple(_stale(SLOTS, 1, RANK, H) for _ in range(3)),
+        "lora_b_stacked": (_stale(SLOTS, 1, H, RANK), _stale(SLOTS, 1, 4, RANK), _stale(SLOTS, 1, 4, RANK))},
+        n_slices=3, tp_size=1)
+    o = _module("RowParallelLinearWithLoRA", {"lora_a_stacked": (_stale(SLOTS, 1, RANK, H),),
+                                              "lora_b_stacked": (_stale(SLOTS, 1, H, RANK),)}, n_slices=1, tp_size=1)
+    gate = _module("ReplicatedLinearWithLoRA", {"lora_a_stacked": (_stale(SLOTS, 1, RANK, H),),
+                                                "lora_b_stacked": (_stale(SLOTS, 1, E, RANK),)}, n_slices=1, tp_size=1)
+    return {"layers.0.mlp.experts": moe2d, "layers.1.mlp.experts": moe3d, "layers.0.self_attn.qkv_proj": qkv,
+            "layers.0.self_attn.o_proj": o, "layers.0.mlp.gate": gate, "layers.0.custom": _Live()}
+
+
+def _manager(active: list[int | None]) -> Any:
+    from vllm.lora.model_manager import AdapterLRUCache, LRUCacheLoRAModelManager
+
+    mgr = object.__new__(LRUCacheLoRAModelManager)
+    mgr.is_pooling_model = False
+    mgr.supports_mm = False
+    mgr.modules = _modules()
+    mgr.lora_config = SimpleNamespace(max_loras=SLOTS)
+    mgr.lora_index_to_id = list(active)
+    mgr._active_adapters = AdapterLRUCache(SLOTS, lambda _id: None)
+    for lora_id in active:
+        if lora_id is not None:
+            mgr._active_adapters[lora_id] = None
+    mgr._registered_adapters = AdapterLRUCache(8, lambda _id: None)
+    return mgr
+
+
+def _model(lora_id: int, rank: int) -> Any:
+    """Rank ``rank`` (below the slots' 8, so the rest of each slot must end zero) on every module but the gate."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+    g = torch.Generator().manual_seed(lora_id)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).to(torch.bfloat16).to(DEVICE)
+
+    loras: dict[str, Any] = {
+        "layers.0.mlp.experts": PackedLoRALayerWeights(
+            "layers.0.mlp.experts", rank, [1] * 3, [t(E, rank, H), t(E, rank, I), t(E, rank, H)],
+            [t(E, I, rank), t(E, H, rank), t(E, I, rank)], scaling=[1.0] * 3),
+        "layers.1.mlp.experts": PackedLoRALayerWeights(
+            "layers.1.mlp.experts", rank, [1] * 2, [t(E, rank, H), t(E, rank, I)], [t(E, 2 * I, rank), t(E, H, rank)],
+            scaling=[1.0] * 2),
+        "layers.0.self_attn.qkv_proj": PackedLoRALayerWeights(
+            "layers.0.self_attn.qkv_proj", rank, [1] * 3, [t(rank, H), None, t(rank, H)], [t(H, rank), None, t(4, rank)],
+            scaling=[1.0] * 3),
+        "layers.0.self_attn.o_proj": LoRALayerWeights("layers.0.self_attn.o_proj", rank, 1, t(rank, H), t(H, rank)),
+        "layers.0.custom": LoRALayerWeights("layers.0.custom", rank, 1, t(rank, H), t(H, rank)),
+    }
+    return LoRAModel(lora_id, rank, loras)
+
+
+def _staged(model: Any) -> Any:
+    """Marked staged, as a background build's GPU staging marks it (its buffer here on the CPU)."""
+    from vllm_lora_ext.integration.patching import STAGED_ATTR
+    from vllm_lora_ext.transport.staging import Staging
+
+    setattr(model, STAGED_ATTR, Staging(torch.empty(16, dtype=torch.uint8, device=DEVICE)))
+    return model
+
+
+def _slot_tensors(mgr: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, module in mgr.modules.items():
+        for attr, value in vars(module).items():
+            for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(t, torch.Tensor):
+                    out[f"{name}.{attr}[{i}]"] = t
+    return out
+
+
+@pytest.fixture
+def patched() -> None:
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    from vllm.lora.model_manager import LoRAModelManager
+
+    assert getattr(LoRAModelManager.activate_adapter, plugin.PATCH_MARK, False)
+
+
+@pytest.mark.parametrize(("active", "taken"), [([7, None, 9, None], False), ([7, None, 9, None], True),
+                                               ([None, None, 9, 5], True), ([None, 8, None, 5], True),
+                                               ([None, 8, 9, 5], False)],
+                         ids=["slot-1", "slot-1-to-3", "slot-0-to-1", "slot-0-to-2", "slot-0"])
+def test_planned_activation_writes_every_slot_as_vllms_own(patched: None, active: list[int | None], taken: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.integration import activation
+    from vllm_lora_ext.integration.activation import plan_activation
+
+    replayed: list[int] = []
+    real_replay = activation.replay
+    monkeypatch.setattr(activation, "replay", lambda plan, index: replayed.append(index) or real_replay(plan, index))
+
+    planned, plain = _manager(active), _manager(active)
+    lora = _staged(_model(3, rank=5))
+    plan = plan_activation(planned, lora)
+    assert plan is not None and plan.slot == active.index(None) and plan.live == ("layers.0.custom",)
+    if taken:  # by another adapter after the plan: the writes move to the next free slot
+        active[plan.slot] = 11
+        planned.lora_index_to_id[plan.slot] = plain.lora_index_to_id[plan.slot] = 11
+    before = {k: v.clone() for k, v in _slot_tensors(planned).items()}
+    planned._registered_adapters[3] = lora
+    plain._registered_adapters[3] = _model(3, rank=5)  # no plan: vLLM's own activation
+    assert planned.activate_adapter(3) is True and plain.activate_adapter(3) is True
+
+    index = active.index(None)
+    assert replayed == [index]  # the planned model went through the plan, the other through vLLM's path
+    assert planned.lora_index_to_id == plain.lora_index_to_id and planned.lora_index_to_id[index] == 3
+    assert list(planned._active_adapters.keys()) == list(plain._active_adapters.keys())
+    got, want = _slot_tensors(planned), _slot_tensors(plain)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+        for slot in range(got[name].shape[0]):  # every other slot kept its earlier adapter's values
+            if slot != index:
+                assert torch.equal(got[name][slot], before[name][slot]), (name, slot)
+    assert planned.modules["layers.0.custom"].calls == [("set", index)]
+    assert not hasattr(lora, "_vllm_lora_ext_activation")  # used once
+
+
+def test_a_plan_is_for_its_manager_and_a_staged_model_only(patched: None) -> None:
+    from vllm_lora_ext.integration.activation import activate_planned, plan_activation
+
+    assert plan_activation(_manager([None] * SLOTS), _model(3, rank=5)) is None  # not staged: vLLM's path
+    mgr, other = _manager([None] * SLOTS), _manager([None] * SLOTS)
+    lora = _staged(_model(3, rank=5))
+    assert plan_activation(mgr, lora) is not None
+    other._registered_adapters[3] = lora
+    assert activate_planned(other, 3) is None  # planned for another manager: vLLM's path, plan dropped
+    assert not hasattr(lora, "_vllm_lora_ext_activation")
+
+
+def test_no_free_slot_is_vllms_error(patched: None) -> None:
+    from vllm_lora_ext.integration.activation import activate_planned, plan_activation
+
+    mgr = _manager([1, 2, 4, 5])
+    lora = _staged(_model(3, rank=5))
+    plan_activation(mgr, lora)
+    mgr._registered_adapters[3] = lora
+    assert activate_planned(mgr, 3) is None
+
+
+def test_writes_the_batches_would_reorder_are_refused() -> None:
+    from vllm_lora_ext.integration.activation import _check_order, _Recorder, _Refused
+
+    slots = torch.zeros(SLOTS, 6)
+    recorder = _Recorder(SLOTS - 1, SLOTS)
+    with recorder:
+        slots[SLOTS - 1, :4].copy_(torch.ones(4))
+        slots[SLOTS - 1] = 0  # a zero after a copy into the same slot: the batches would zero last
+    with pytest.raises(_Refused, match="order"):
+        _check_order(recorder.writes)
+    assert torch.equal(slots, torch.zeros(SLOTS, 6))  # the recorder wrote nothing
+
+    for write in (lambda: slots[SLOTS - 1].add_(1), lambda: slots[0].copy_(torch.ones(6)),
+                  lambda: slots.__setitem__(SLOTS - 1, torch.ones(6))):
+        with pytest.raises(_Refused), _Recorder(SLOTS - 1, SLOTS):
+            write()
+    assert torch.equal(slots, torch.zeros(SLOTS, 6))
+
+
+def test_a_module_class_with_its_own_set_lora_is_left_to_vllm() -> None:
+    from vllm.lora.layers import RowParallelLinearWithLoRA
+
+    from vllm_lora_ext.integration.activation import plannable
+
+    class Own(RowParallelLinearWithLoRA):
+        def set_lora(self, index: int, lora_a: Any, lora_b: Any) -> None:  # pragma: no cover - never called
+            raise AssertionError
+
+    assert plannable(RowParallelLinearWithLoRA.__new__(RowParallelLinearWithLoRA))
+    assert not plannable(Own.__new__(Own))
