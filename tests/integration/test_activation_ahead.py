@@ -242,3 +242,15 @@ def test_a_module_class_with_its_own_set_lora_is_left_to_vllm() -> None:
 
     assert plannable(RowParallelLinearWithLoRA.__new__(RowParallelLinearWithLoRA))
     assert not plannable(Own.__new__(Own))
+
+
+def test_the_plan_is_logged_under_the_adapters_name(patched: None, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from vllm_lora_ext.integration.activation import plan_activation
+
+    with caplog.at_level(logging.INFO, logger="vllm_lora_ext.integration.activation"):
+        plan = plan_activation(_manager([None] * SLOTS), _staged(_model(3, rank=5)), "B2d")
+    assert plan is not None
+    assert f"adapter 'B2d': {len(plan.writes)} slot writes planned in" in caplog.text
+    assert "(1 modules left to vLLM)" in caplog.text

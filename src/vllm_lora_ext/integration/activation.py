@@ -167,23 +167,37 @@ def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 def _check_order(writes: list[_Write]) -> list[_Write]:
     """The non-empty writes, after checking that doing them as zeros, fills, then copies (each class in order)
-    leaves every byte as the recorded order would, in every slot (one stride per storage)."""
-    seen: dict[int, list[tuple[int, int, int]]] = {}
-    strides: dict[int, int] = {}
+    leaves every byte as the recorded order would, in every slot (one stride per storage).
+
+    A storage whose writes come in that order already, with at most one copy, needs no more (vLLM's slot
+    tensors: a zero, then a copy or a fill); only another storage's writes are compared byte range by range."""
+    by_storage: dict[int, list[_Write]] = {}
     kept = []
     for w in writes:
-        ext = _extent(w.dst)
-        if ext is None:
+        if w.dst.numel() == 0:
             continue
-        ptr, lo, hi = ext
-        if strides.setdefault(ptr, w.stride) != w.stride:
+        group = by_storage.setdefault(w.dst.untyped_storage().data_ptr(), [])
+        if group and group[0].stride != w.stride:
             raise _Refused("one storage indexed by slot with two strides")
-        for kind, a, b in seen.get(ptr, ()):
+        group.append(w)
+        kept.append(w)
+    for group in by_storage.values():
+        kinds = [w.kind for w in group]
+        if kinds != sorted(kinds) or kinds.count(_COPY) > 1:
+            _check_overlaps(group)
+    return kept
+
+
+def _check_overlaps(group: list[_Write]) -> None:
+    seen: list[tuple[int, int, int]] = []
+    for w in group:
+        ext = _extent(w.dst)
+        assert ext is not None
+        _, lo, hi = ext
+        for kind, a, b in seen:
             if a < hi and lo < b and (kind > w.kind or kind == w.kind == _COPY):
                 raise _Refused("overlapping writes whose order the batches would change")
-        seen.setdefault(ptr, []).append((w.kind, lo, hi))
-        kept.append(w)
-    return kept
+        seen.append((w.kind, lo, hi))
 
 
 def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> ActivationPlan | None:
@@ -205,12 +219,12 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     recorder = _Recorder(plan.slot, len(slots))
     live = []
     try:
-        for name, module in list(modules.items()):
-            if not plannable(module):
-                live.append(name)
-                continue
-            weights = get(lora, name)
-            with recorder:
+        with recorder:  # (once around the loop: the lookups make no torch calls)
+            for module_name, module in list(modules.items()):
+                if not plannable(module):
+                    live.append(module_name)
+                    continue
+                weights = get(lora, module_name)
                 if weights:
                     module.set_lora(plan.slot, weights.lora_a, weights.lora_b)
                 else:
