@@ -269,3 +269,43 @@ def test_vllms_gpu_model_runner_takes_the_warm_up_arguments() -> None:
     from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
 
     assert runner_dummy_runs_with_loras(GPUModelRunner)  # the class: its _dummy_run's signature, no GPU needed
+
+
+_LOAD_PATH_PROBE = """
+import sys, torch
+from vllm_lora_ext.integration.warmup import LOAD_PATH_MODULES, make_compile_or_warm_up_model
+lora = sys.argv[1] == "lora"
+runner = type("Runner", (), {"lora_config": object() if lora else None,
+                             "get_model": lambda self: torch.nn.Linear(2, 2)})()
+worker = type("Worker", (), {"model_runner": runner})()
+assert not any(m in sys.modules for m in LOAD_PATH_MODULES), [m for m in LOAD_PATH_MODULES if m in sys.modules]
+assert make_compile_or_warm_up_model(lambda self: "warmed")(worker) == "warmed"
+print(sorted(m for m in LOAD_PATH_MODULES if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_lora_worker_imports_the_adapter_load_path_while_it_starts(lora: bool) -> None:
+    """The first add_lora in a fresh worker does not pay for importing the loader (about 0.1 s on the dev VM);
+    a worker without LoRA imports none of it. A fresh process, so nothing else imported the modules first."""
+    import subprocess
+    import sys
+
+    from vllm_lora_ext.integration.warmup import LOAD_PATH_MODULES
+
+    out = subprocess.run([sys.executable, "-c", _LOAD_PATH_PROBE, "lora" if lora else "none"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(sorted(LOAD_PATH_MODULES) if lora else [])
+
+
+def test_an_offline_engine_imports_source_resolution_when_vllm_builds_it() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom vllm_lora_ext.integration import plugin\nplugin.register()\n"
+             "assert 'vllm_lora_ext.resolve' not in sys.modules\nimport vllm.v1.engine.llm_engine\n"
+             "print('vllm_lora_ext.resolve' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

@@ -18,7 +18,11 @@ _MAX_OFFLINE_IDS = 65536
 
 
 def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``LLMEngine.add_request``: preload a request's adapter (`preload_offline`) before queueing it."""
+    """Return ``LLMEngine.add_request``: preload a request's adapter (`preload_offline`) before queueing it.
+
+    Made when vLLM's ``llm_engine`` module is imported (an offline ``LLM`` is being built): `preload_offline`'s
+    source resolution is imported now, not in the first request with an adapter."""
+    import vllm_lora_ext.resolve  # noqa: F401
 
     def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
                     lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
