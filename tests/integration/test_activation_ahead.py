@@ -123,11 +123,29 @@ def _model(lora_id: int, rank: int) -> Any:
 
 
 def _staged(model: Any) -> Any:
-    """Marked staged, as a background build's GPU staging marks it (its buffer here on the CPU)."""
+    """Staged as ``integration.staging.stage`` stages a model: every factor a view of one buffer, the model marked
+    (the buffer on ``DEVICE``)."""
     from vllm_lora_ext.integration.patching import STAGED_ATTR
     from vllm_lora_ext.transport.staging import Staging
 
-    setattr(model, STAGED_ATTR, Staging(torch.empty(16, dtype=torch.uint8, device=DEVICE)))
+    factors = []
+    for weights in model.loras.values():
+        for attr in ("lora_a", "lora_b"):
+            value = getattr(weights, attr)
+            for i, t in enumerate(value if isinstance(value, list) else [value]):
+                if t is not None:
+                    factors.append((weights, attr, i if isinstance(value, list) else None, t))
+    buffer = torch.empty(sum(t.nbytes for *_, t in factors), dtype=torch.uint8, device=DEVICE)
+    at = 0
+    for weights, attr, i, t in factors:
+        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        at += t.nbytes
+        if i is None:
+            setattr(weights, attr, view)
+        else:
+            getattr(weights, attr)[i] = view
+    setattr(model, STAGED_ATTR, Staging(buffer))
     return model
 
 
@@ -225,7 +243,9 @@ def test_writes_the_batches_would_reorder_are_refused() -> None:
     assert torch.equal(slots, torch.zeros(SLOTS, 6))  # the recorder wrote nothing
 
     for write in (lambda: slots[SLOTS - 1].add_(1), lambda: slots[0].copy_(torch.ones(6)),
-                  lambda: slots.__setitem__(SLOTS - 1, torch.ones(6))):
+                  lambda: slots.__setitem__(SLOTS - 1, torch.ones(6)),
+                  lambda: torch.ops.aten.copy_.default(slots[SLOTS - 1], torch.ones(6)),
+                  lambda: torch.ops.aten.fill_.Scalar(slots[SLOTS - 1], 5.0)):
         with pytest.raises(_Refused), _Recorder(SLOTS - 1, SLOTS):
             write()
     assert torch.equal(slots, torch.zeros(SLOTS, 6))
@@ -254,3 +274,33 @@ def test_the_plan_is_logged_under_the_adapters_name(patched: None, caplog: pytes
     assert plan is not None
     assert f"adapter 'B2d': {len(plan.writes)} slot writes planned in" in caplog.text
     assert "(1 modules left to vLLM)" in caplog.text
+
+
+def test_a_second_index_equal_to_the_slot_is_not_taken_for_the_slot() -> None:
+    """With as many experts as slots (Mixtral's 8 and max_loras 8), ``t[slot][e]`` with ``e == slot`` indexes the
+    experts of one slot: its view must not be moved by the expert stride as if it were a slot."""
+    from vllm_lora_ext.integration.activation import _Recorder, _Refused
+
+    slots = torch.zeros(SLOTS, SLOTS, 6)
+    with pytest.raises(_Refused), _Recorder(SLOTS - 1, SLOTS):
+        slots[SLOTS - 1][SLOTS - 1].copy_(torch.ones(6))
+    recorder = _Recorder(SLOTS - 1, SLOTS)
+    with recorder:
+        slots[SLOTS - 1, SLOTS - 1].copy_(torch.ones(6))
+    assert [w.stride for w in recorder.writes] == [SLOTS * 6]
+    assert torch.equal(slots, torch.zeros(SLOTS, SLOTS, 6))
+
+
+def test_a_source_set_lora_made_itself_or_a_full_module_head_leaves_the_model_to_vllm(patched: None) -> None:
+    """A source that is not one of the staged tensors (vLLM concatenating a tensor-parallel slice) would be held on
+    the GPU outside the staging budget; a classification head (vLLM 0.33) gets its full module in vLLM's
+    activate_adapter, which the plan does not do."""
+    from vllm_lora_ext.integration.activation import plan_activation
+
+    lora = _staged(_model(3, rank=5))
+    o = lora.loras["layers.0.self_attn.o_proj"]
+    o.lora_a = o.lora_a.clone()  # no longer a view of the staging buffer
+    assert plan_activation(_manager([None] * SLOTS), lora) is None
+    headed = _manager([None] * SLOTS)
+    headed.modules["layers.0.custom"].set_module_to_save = lambda *a: None
+    assert plan_activation(headed, _staged(_model(3, rank=5))) is None

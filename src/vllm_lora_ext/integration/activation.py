@@ -13,9 +13,12 @@ nothing: it notes each write's destination (a view of slot ``s``, and the slot d
 source. [`activate_planned`], in the step, moves every destination to the slot vLLM would pick (the first free one)
 and does the writes in that order's classes: the zero fills in one ``torch._foreach_zero_`` per dtype, the other
 fills one by one, then the copies in ``torch._foreach_copy_`` calls. The recorder refuses (and vLLM's own path
-runs) whatever that reordering could change: a write other than a fill or copy, a destination not a view of one
-slot, or two writes to overlapping memory whose order the classes would swap. Modules of classes whose
-``set_lora`` is not vLLM's own linear or fused-MoE one are left to vLLM, as is every model not staged.
+runs) whatever that could change: a write other than a fill or copy (any ``torch.ops`` operator included), a
+destination that is not a view of one slot of a whole slot tensor, two writes to overlapping memory whose order the
+classes would swap, or a source that is not one of the model's staged tensors (one set_lora made would be held on
+the GPU outside the staging budget). Modules of classes whose ``set_lora`` is not vLLM's own linear or fused-MoE
+one are left to vLLM; a model with a classification head (vLLM 0.33 sets its full module there too), and every
+model not staged, takes vLLM's path whole.
 
 The plan holds the staged tensors; it is used once, at the model's first activation, and dropped when the model is
 unstaged (``integration.staging.unstage``), so a later activation (after an eviction) is vLLM's, from CPU memory.
@@ -71,7 +74,6 @@ class ActivationPlan:
     slot: int
     writes: list[_Write] = field(default_factory=list)
     live: tuple[str, ...] = ()  # modules left to vLLM's set_lora / reset_lora
-    foreign: list[torch.Tensor] = field(default_factory=list)  # GPU sources made here, not views of the staging
 
 
 def _defined_by(cls: type, method: str) -> str:
@@ -102,6 +104,11 @@ class _Recorder(TorchFunctionMode):
         self.writes: list[_Write] = []
         self._views: dict[int, tuple[torch.Tensor, int]] = {}  # id(view of the slot) -> (view, slot stride)
 
+    def _slot_tensor(self, t: Any) -> bool:
+        """A tensor whose dimension 0 is the slot: vLLM allocates its slot tensors whole (a view, such as one slot
+        of them, would have another dimension first)."""
+        return isinstance(t, torch.Tensor) and t._base is None and t.dim() > 0 and t.shape[0] in self.sizes
+
     def _dst(self, t: Any) -> tuple[torch.Tensor, int]:
         found = self._views.get(id(t)) if isinstance(t, torch.Tensor) else None
         if found is None or found[0] is not t:
@@ -110,17 +117,17 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            raise _Refused(f"the operator {func!r}")  # (its name does not say whether it writes)
         name = getattr(func, "__name__", "")
         if name == "__getitem__":
             out = func(*args, **kwargs)
-            t = args[0]
-            if isinstance(out, torch.Tensor) and _slot_index(args[1], self.slot) and t.dim() > 0 \
-                    and t.shape[0] in self.sizes:
+            if isinstance(out, torch.Tensor) and _slot_index(args[1], self.slot) and self._slot_tensor(args[0]):
                 self._views[id(out)] = (out, args[0].stride(0))
             return out
         if name == "__setitem__":
             t, idx, value = args
-            if not (_slot_index(idx, self.slot) and t.dim() > 0 and t.shape[0] in self.sizes and _number(value)):
+            if not (_slot_index(idx, self.slot) and self._slot_tensor(t) and _number(value)):
                 raise _Refused("an indexed write other than a number into one slot")
             self._fill(t[idx], t.stride(0), value)
             return None
@@ -210,8 +217,9 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     modules = getattr(adapters, "modules", None)
     get = getattr(adapters, "_get_lora_layer_weights", None)
     staging = getattr(lora, STAGED_ATTR, None)
-    if not slots or modules is None or get is None or staging is None:
-        return None
+    if not slots or modules is None or get is None or staging is None \
+            or any(hasattr(m, "set_module_to_save") for m in list(modules.values())):
+        return None  # (vLLM 0.33 also gives a classification head its full module in activate_adapter)
     start = time.perf_counter()
     # the slot the step will most likely fill (vLLM's first free one now), so that its writes need no moving
     free = [i for i, held in enumerate(list(slots)) if held is None]
@@ -238,8 +246,11 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
         return None
     plan.live = tuple(live)
     base = staging.buffer.untyped_storage().data_ptr()
-    plan.foreign = [w.src for w in plan.writes if w.src is not None and w.src.is_cuda
-                    and w.src.untyped_storage().data_ptr() != base]
+    if any(w.src is not None and w.src.untyped_storage().data_ptr() != base for w in plan.writes):
+        logger.info("adapter %r: its slot writes are left to vLLM's activation (set_lora made a source of its own)",
+                    name)
+        return None  # (such a tensor, e.g. a tensor-parallel slice vLLM concatenates, would be held outside the
+        # staging budget until the model is taken)
     setattr(lora, ACTIVATION_ATTR, plan)
     logger.info("adapter %r: %d slot writes planned in %.4f s (%d modules left to vLLM)", name,
                 len(plan.writes), time.perf_counter() - start, len(live))
@@ -276,8 +287,6 @@ def replay(plan: ActivationPlan, index: int) -> None:
         dst.fill_(value)
     for (_, non_blocking), (dsts, srcs) in copies.items():
         torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
-    for t in plan.foreign:  # made on the staging stream: not reused before this stream's copies ran
-        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def activate_planned(adapters: Any, lora_id: int) -> bool | None:
