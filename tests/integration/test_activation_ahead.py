@@ -304,3 +304,31 @@ def test_a_source_set_lora_made_itself_or_a_full_module_head_leaves_the_model_to
     headed = _manager([None] * SLOTS)
     headed.modules["layers.0.custom"].set_module_to_save = lambda *a: None
     assert plan_activation(headed, _staged(_model(3, rank=5))) is None
+
+
+def test_an_adapter_of_planned_shapes_takes_that_plans_writes_with_its_own_tensors(
+        patched: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second adapter of one shape is not recorded again: the first plan's writes, kept without its tensors,
+    get the second adapter's tensors as sources; the slot then equals vLLM's own activation of the second. Another
+    rank (another signature) is recorded anew."""
+    from vllm_lora_ext.integration import activation
+    from vllm_lora_ext.integration.patching import STAGED_ATTR
+
+    recorded: list[int] = []
+    real_record = activation._record
+    monkeypatch.setattr(activation, "_record", lambda *a: recorded.append(1) or real_record(*a))
+    planned, plain = _manager([7, None, 9, None]), _manager([7, None, 9, None])
+    first = _staged(_model(3, rank=5))
+    assert activation.plan_activation(planned, first) is not None and recorded == [1]
+    second = _staged(_model(4, rank=5))
+    plan = activation.plan_activation(planned, second)
+    assert plan is not None and recorded == [1]  # from the kept writes
+    ours = getattr(second, STAGED_ATTR).buffer.untyped_storage().data_ptr()
+    sources = [w.src for w in plan.writes if w.src is not None]
+    assert sources and all(t.untyped_storage().data_ptr() == ours for t in sources)
+    planned._registered_adapters[4] = second
+    plain._registered_adapters[4] = _model(4, rank=5)
+    assert planned.activate_adapter(4) is True and plain.activate_adapter(4) is True
+    got, want = _slot_tensors(planned), _slot_tensors(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert activation.plan_activation(planned, _staged(_model(5, rank=6))) is not None and recorded == [1, 1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -64,6 +65,17 @@ class _Write:
     value: Any = None  # a fill's number
     src: torch.Tensor | None = None
     non_blocking: bool = False
+    module: int = -1  # which of the plan's modules wrote it
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a copy's source lies in its module's factors: a view of one factor tensor, at ``delta`` elements."""
+
+    path: tuple[str, int | None]  # ("lora_a" or "lora_b", list index or None)
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    delta: int
 
 
 @dataclass
@@ -102,6 +114,7 @@ class _Recorder(TorchFunctionMode):
         self.slot = slot
         self.sizes = (slots, slots + 1)  # a slot tensor's first dimension (vLLM's adapter_enabled has one more)
         self.writes: list[_Write] = []
+        self.module = -1  # the module whose set_lora / reset_lora runs now
         self._views: dict[int, tuple[torch.Tensor, int]] = {}  # id(view of the slot) -> (view, slot stride)
 
     def _slot_tensor(self, t: Any) -> bool:
@@ -144,7 +157,7 @@ class _Recorder(TorchFunctionMode):
             if not isinstance(src, torch.Tensor):
                 raise _Refused("a copy from a non-tensor")
             non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
-            self.writes.append(_Write(_COPY, view, stride, src=src, non_blocking=non_blocking))
+            self.writes.append(_Write(_COPY, view, stride, src=src, non_blocking=non_blocking, module=self.module))
             return args[0]
         if "out" in kwargs or name == "__set__" or (name.endswith("_") and not name.endswith("__")) \
                 or name.startswith("__i"):
@@ -153,7 +166,7 @@ class _Recorder(TorchFunctionMode):
 
     def _fill(self, view: torch.Tensor, stride: int, value: Any) -> None:
         zero = value == 0 and not (isinstance(value, float) and math.copysign(1.0, value) < 0)
-        self.writes.append(_Write(_ZERO if zero else _FILL, view, stride, value=value))
+        self.writes.append(_Write(_ZERO if zero else _FILL, view, stride, value=value, module=self.module))
 
 
 def _number(value: Any) -> bool:
@@ -211,8 +224,10 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     """Record ``lora``'s slot writes on ``adapters`` (a vLLM ``LoRAModelManager``) and keep the plan on ``lora``.
 
     Call it on the build's thread, after vLLM's merge ran on ``lora`` and with its staged tensors complete or queued
-    on the current stream (what set_lora makes from them is made there). Returns the plan, or ``None`` (nothing
-    kept: a model not staged, or a write the plan cannot take; vLLM's own activation then runs)."""
+    on the current stream. Returns the plan, or ``None`` (nothing kept: a model not staged, or a write the plan
+    cannot take; vLLM's own activation then runs). An adapter whose factors have the shapes, strides and dtypes of
+    one planned before on this manager, for the same slot, takes that plan's writes with its own tensors as the
+    sources ([`_from_template`]): vLLM's set_lora derives its sources from those alone."""
     slots = getattr(adapters, "lora_index_to_id", None)
     modules = getattr(adapters, "modules", None)
     get = getattr(adapters, "_get_lora_layer_weights", None)
@@ -224,20 +239,17 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     # the slot the step will most likely fill (vLLM's first free one now), so that its writes need no moving
     free = [i for i, held in enumerate(list(slots)) if held is None]
     plan = ActivationPlan(weakref.ref(adapters), free[0] if free else len(slots) - 1)
-    recorder = _Recorder(plan.slot, len(slots))
-    live = []
+    live, entries = [], []
+    for module_name, module in list(modules.items()):
+        if plannable(module):
+            entries.append((module, get(lora, module_name)))
+        else:
+            live.append(module_name)
+    key = (plan.slot, tuple(_signature(w) for _, w in entries))
+    template = _templates(adapters).get(key)
     try:
-        with recorder:  # (once around the loop: the lookups make no torch calls)
-            for module_name, module in list(modules.items()):
-                if not plannable(module):
-                    live.append(module_name)
-                    continue
-                weights = get(lora, module_name)
-                if weights:
-                    module.set_lora(plan.slot, weights.lora_a, weights.lora_b)
-                else:
-                    module.reset_lora(plan.slot)
-        plan.writes = _check_order(recorder.writes)
+        plan.writes = _from_template(template, entries) if template is not None else _record(plan.slot, len(slots),
+                                                                                               entries)
     except _Refused as why:
         logger.info("adapter %r: its slot writes are left to vLLM's activation (%s)", name, why)
         return None
@@ -251,10 +263,113 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
                     name)
         return None  # (such a tensor, e.g. a tensor-parallel slice vLLM concatenates, would be held outside the
         # staging budget until the model is taken)
+    if template is None:
+        _keep_template(adapters, key, plan.writes, entries)
     setattr(lora, ACTIVATION_ATTR, plan)
-    logger.info("adapter %r: %d slot writes planned in %.4f s (%d modules left to vLLM)", name,
-                len(plan.writes), time.perf_counter() - start, len(live))
+    logger.info("adapter %r: %d slot writes planned in %.4f s (%d modules left to vLLM%s)", name,
+                len(plan.writes), time.perf_counter() - start, len(live),
+                "; as an earlier adapter of its shapes" if template is not None else "")
     return plan
+
+
+def _record(slot: int, slots: int, entries: list[tuple[Any, Any]]) -> list[_Write]:
+    recorder = _Recorder(slot, slots)
+    with recorder:  # (once around the loop)
+        for i, (module, weights) in enumerate(entries):
+            recorder.module = i
+            if weights:
+                module.set_lora(slot, weights.lora_a, weights.lora_b)
+            else:
+                module.reset_lora(slot)
+    return _check_order(recorder.writes)
+
+
+# ----------------------------------------------------------------- plans kept by shape, for the next adapter
+_TEMPLATES: weakref.WeakKeyDictionary[Any, dict[Any, list[tuple[_Write, _Source | None]]]] = \
+    weakref.WeakKeyDictionary()
+_TEMPLATES_LOCK = threading.Lock()
+_MAX_TEMPLATES = 16  # per manager: a few adapter shapes times the slots
+
+
+def _templates(adapters: Any) -> dict[Any, list[tuple[_Write, _Source | None]]]:
+    with _TEMPLATES_LOCK:
+        return _TEMPLATES.setdefault(adapters, {})
+
+
+def _tensor_signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype, value.device
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_tensor_signature(v) for v in value)
+    return None if value is None else ("other", type(value).__name__)
+
+
+def _signature(weights: Any) -> Any:
+    """What a module's set_lora sees of an adapter's weights, values aside (``None``: reset_lora runs)."""
+    if not weights:
+        return None
+    return _tensor_signature(weights.lora_a), _tensor_signature(weights.lora_b)
+
+
+def _factors(weights: Any) -> list[tuple[tuple[str, int | None], torch.Tensor]]:
+    out: list[tuple[tuple[str, int | None], torch.Tensor]] = []
+    for attr in ("lora_a", "lora_b"):
+        value = getattr(weights, attr, None)
+        if isinstance(value, torch.Tensor):
+            out.append(((attr, None), value))
+        elif isinstance(value, (list, tuple)):
+            out += [((attr, i), t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _last(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _source_of(src: torch.Tensor, weights: Any) -> _Source | None:
+    """``src`` as a view of one of ``weights``' factors (same storage and dtype, inside its elements), or None."""
+    ptr, lo = src.untyped_storage().data_ptr(), src.storage_offset()
+    for path, f in _factors(weights) if weights else ():
+        if f.untyped_storage().data_ptr() == ptr and f.dtype == src.dtype and f.storage_offset() <= lo \
+                and _last(src) <= _last(f) and min(src.stride(), default=0) >= 0:
+            return _Source(path, tuple(src.shape), tuple(src.stride()), lo - f.storage_offset())
+    return None
+
+
+def _keep_template(adapters: Any, key: Any, writes: list[_Write], entries: list[tuple[Any, Any]]) -> None:
+    """Keep ``writes`` without their sources (which would hold this adapter's GPU tensors), each copy's source
+    described by where it lies in its module's factors; nothing is kept if one lies elsewhere."""
+    template: list[tuple[_Write, _Source | None]] = []
+    for w in writes:
+        spec = None
+        if w.src is not None:
+            spec = _source_of(w.src, entries[w.module][1])
+            if spec is None:
+                return
+        template.append((_Write(w.kind, w.dst, w.stride, w.value, None, w.non_blocking, w.module), spec))
+    kept = _templates(adapters)
+    with _TEMPLATES_LOCK:
+        while len(kept) >= _MAX_TEMPLATES:
+            kept.pop(next(iter(kept)))
+        kept[key] = template
+
+
+def _factor_at(weights: Any, path: tuple[str, int | None]) -> torch.Tensor:
+    value = getattr(weights, path[0])
+    return value if path[1] is None else value[path[1]]
+
+
+def _from_template(template: list[tuple[_Write, _Source | None]], entries: list[tuple[Any, Any]]) -> list[_Write]:
+    """The template's writes with this adapter's tensors as the copies' sources (factors of the same signature)."""
+    writes = []
+    for w, spec in template:
+        if spec is None:
+            writes.append(w)
+            continue
+        f = _factor_at(entries[w.module][1], spec.path)
+        src = f.as_strided(spec.shape, spec.stride, f.storage_offset() + spec.delta)
+        writes.append(_Write(w.kind, w.dst, w.stride, w.value, src, w.non_blocking, w.module))
+    return writes
 
 
 def _moved(w: _Write, shift: int) -> torch.Tensor:
