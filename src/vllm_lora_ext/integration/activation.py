@@ -327,13 +327,18 @@ def _last(t: torch.Tensor) -> int:
 
 
 def _source_of(src: torch.Tensor, weights: Any) -> _Source | None:
-    """``src`` as a view of one of ``weights``' factors (same storage and dtype, inside its elements), or None."""
+    """``src`` as a view of exactly one of ``weights``' factors (same storage and dtype, inside its elements), or
+    ``None``: none, or several (factors that share memory here need not in the next adapter)."""
     ptr, lo = src.untyped_storage().data_ptr(), src.storage_offset()
-    for path, f in _factors(weights) if weights else ():
-        if f.untyped_storage().data_ptr() == ptr and f.dtype == src.dtype and f.storage_offset() <= lo \
-                and _last(src) <= _last(f) and min(src.stride(), default=0) >= 0:
-            return _Source(path, tuple(src.shape), tuple(src.stride()), lo - f.storage_offset())
-    return None
+    if min(src.stride(), default=0) < 0:
+        return None
+    found = [(path, f) for path, f in (_factors(weights) if weights else ())
+             if f.untyped_storage().data_ptr() == ptr and f.dtype == src.dtype and f.storage_offset() <= lo
+             and _last(src) <= _last(f)]
+    if len(found) != 1:
+        return None
+    path, f = found[0]
+    return _Source(path, tuple(src.shape), tuple(src.stride()), lo - f.storage_offset())
 
 
 def _keep_template(adapters: Any, key: Any, writes: list[_Write], entries: list[tuple[Any, Any]]) -> None:
