@@ -135,12 +135,16 @@ def _staged(model: Any) -> Any:
             for i, t in enumerate(value if isinstance(value, list) else [value]):
                 if t is not None:
                     factors.append((weights, attr, i if isinstance(value, list) else None, t))
-    buffer = torch.empty(sum(t.nbytes for *_, t in factors), dtype=torch.uint8, device=DEVICE)
+    places: dict[int, int] = {}  # one region for a tensor given twice (as transport.staging._layout does)
     at = 0
+    for *_, t in factors:
+        if id(t) not in places:
+            places[id(t)] = at
+            at += t.nbytes
+    buffer = torch.empty(at, dtype=torch.uint8, device=DEVICE)
     for weights, attr, i, t in factors:
-        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view = buffer[places[id(t)]:places[id(t)] + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
-        at += t.nbytes
         if i is None:
             setattr(weights, attr, view)
         else:
@@ -332,3 +336,24 @@ def test_an_adapter_of_planned_shapes_takes_that_plans_writes_with_its_own_tenso
     got, want = _slot_tensors(planned), _slot_tensors(plain)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert activation.plan_activation(planned, _staged(_model(5, rank=6))) is not None and recorded == [1, 1]
+
+
+def test_a_plan_whose_sources_share_a_factors_memory_is_not_kept_for_an_adapter_whose_factors_do_not(
+        patched: None) -> None:
+    """Gate and up sharing one A (vLLM 0.33's conversion of a mixed-format 3D adapter, the plugin's fused gate_up
+    read as 2D) are one staged region: its w3 copy lies in two factors. The next adapter of the same shapes with its
+    own up A must get that A in the w3 slot (a reviewer's case: it got gate's)."""
+    from vllm_lora_ext.integration.activation import plan_activation
+
+    planned, plain = _manager([7, None, 9, None]), _manager([7, None, 9, None])
+    first = _model(3, rank=5)
+    a = first.loras["layers.0.mlp.experts"].lora_a
+    a[2] = a[0]
+    assert plan_activation(planned, _staged(first)) is not None
+    second = _staged(_model(4, rank=5))
+    assert plan_activation(planned, second) is not None
+    planned._registered_adapters[4] = second
+    plain._registered_adapters[4] = _model(4, rank=5)
+    assert planned.activate_adapter(4) is True and plain.activate_adapter(4) is True
+    got, want = _slot_tensors(planned), _slot_tensors(plain)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
