@@ -39,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR
+from vllm_lora_ext.integration.staging import factor_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,7 @@ def _defined_by(cls: type, method: str) -> str:
 def plannable(module: Any) -> bool:
     """Whether ``module``'s set_lora and reset_lora are vLLM's own linear or fused-MoE ones (tensor writes only)."""
     cls = type(module)
-    return (_defined_by(cls, "set_lora") in _KNOWN_SET_LORA and _defined_by(cls, "reset_lora") in _KNOWN_RESET_LORA
-            and not hasattr(module, "set_module_to_save"))
+    return _defined_by(cls, "set_lora") in _KNOWN_SET_LORA and _defined_by(cls, "reset_lora") in _KNOWN_RESET_LORA
 
 
 def _slot_index(idx: Any, slot: int) -> bool:
@@ -272,15 +272,20 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     return plan
 
 
+def _put_in_slot(module: Any, slot: int, weights: Any) -> None:
+    """What vLLM's activate_adapter does for one module: its weights into the slot, or the slot cleared."""
+    if weights:
+        module.set_lora(slot, weights.lora_a, weights.lora_b)
+    else:
+        module.reset_lora(slot)
+
+
 def _record(slot: int, slots: int, entries: list[tuple[Any, Any]]) -> list[_Write]:
     recorder = _Recorder(slot, slots)
     with recorder:  # (once around the loop)
         for i, (module, weights) in enumerate(entries):
             recorder.module = i
-            if weights:
-                module.set_lora(slot, weights.lora_a, weights.lora_b)
-            else:
-                module.reset_lora(slot)
+            _put_in_slot(module, slot, weights)
     return _check_order(recorder.writes)
 
 
@@ -311,17 +316,6 @@ def _signature(weights: Any) -> Any:
     return _tensor_signature(weights.lora_a), _tensor_signature(weights.lora_b)
 
 
-def _factors(weights: Any) -> list[tuple[tuple[str, int | None], torch.Tensor]]:
-    out: list[tuple[tuple[str, int | None], torch.Tensor]] = []
-    for attr in ("lora_a", "lora_b"):
-        value = getattr(weights, attr, None)
-        if isinstance(value, torch.Tensor):
-            out.append(((attr, None), value))
-        elif isinstance(value, (list, tuple)):
-            out += [((attr, i), t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-    return out
-
-
 def _last(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
@@ -332,7 +326,7 @@ def _source_of(src: torch.Tensor, weights: Any) -> _Source | None:
     ptr, lo = src.untyped_storage().data_ptr(), src.storage_offset()
     if min(src.stride(), default=0) < 0:
         return None
-    found = [(path, f) for path, f in (_factors(weights) if weights else ())
+    found = [((attr, i), f) for attr, i, f in (factor_tensors(weights, ("lora_a", "lora_b")) if weights else ())
              if f.untyped_storage().data_ptr() == ptr and f.dtype == src.dtype and f.storage_offset() <= lo
              and _last(src) <= _last(f)]
     if len(found) != 1:
@@ -427,12 +421,7 @@ def activate_planned(adapters: Any, lora_id: int) -> bool | None:
     index = adapters.lora_index_to_id.index(None)
     replay(plan, index)
     for name in plan.live:
-        module = adapters.modules[name]
-        weights = adapters._get_lora_layer_weights(lora, name)
-        if weights:
-            module.set_lora(index, weights.lora_a, weights.lora_b)
-        else:
-            module.reset_lora(index)
+        _put_in_slot(adapters.modules[name], index, adapters._get_lora_layer_weights(lora, name))
     adapters._active_adapters[lora_id] = None
     adapters.lora_index_to_id[index] = lora.id
     return True

@@ -33,25 +33,30 @@ from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _composite_la
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_staged", "concat_staged", "on_staging_stream", "stage", "staged_bytes", "twins_from_gpu",
-           "unstage"]
+__all__ = ["attach_staged", "concat_staged", "factor_tensors", "on_staging_stream", "stage", "staged_bytes",
+           "twins_from_gpu", "unstage"]
 
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _LOCK = threading.Lock()
 _STAGED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def factor_tensors(weights: Any, attrs: tuple[str, ...] = _FACTORS) -> list[tuple[str, int | None, torch.Tensor]]:
+    """Every factor tensor of one module's weights as (attribute, list index or None, tensor)."""
+    out: list[tuple[str, int | None, torch.Tensor]] = []
+    for attr in attrs:
+        value = getattr(weights, attr, None)
+        if isinstance(value, torch.Tensor):
+            out.append((attr, None, value))
+        elif isinstance(value, list):
+            out += [(attr, i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def _slots(lora: Any) -> list[tuple[Any, str, int | None, torch.Tensor]]:
     """Every factor tensor of a LoRAModel as (owner, attribute, list index or None, tensor)."""
-    out: list[tuple[Any, str, int | None, torch.Tensor]] = []
-    for weights in list(getattr(lora, "loras", {}).values()):  # a snapshot: another thread may read it meanwhile
-        for attr in _FACTORS:
-            value = getattr(weights, attr, None)
-            if isinstance(value, torch.Tensor):
-                out.append((weights, attr, None, value))
-            elif isinstance(value, list):
-                out += [(weights, attr, i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-    return out
+    return [(weights, attr, i, t)  # (a snapshot of the modules: another thread may read them meanwhile)
+            for weights in list(getattr(lora, "loras", {}).values()) for attr, i, t in factor_tensors(weights)]
 
 
 def _put(owner: Any, attr: str, index: int | None, tensor: torch.Tensor) -> None:
