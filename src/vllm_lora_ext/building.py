@@ -16,7 +16,7 @@ import math
 import operator
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -125,13 +125,8 @@ class MappedAdapter:
     modules: dict[str, ModuleKeys]
 
 
-Progress = Callable[[tuple[Any, ...]], None]
-"""Told of a shared build's progress: ``("arena", path, mapped bytes, whole file's bound)`` once its arena file is
-taken, then ``("spans", [(offset, bytes), ...])`` as each MoE block's final tensors are complete in it."""
-
-
-def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False, arenas: ArenaSupply | None = None,
-                  transpose_on: torch.device | None = None, progress: Progress | None = None) -> BuiltAdapter:
+def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
+                  arenas: ArenaSupply | None = None, transpose_on: torch.device | None = None) -> BuiltAdapter:
     """Resolve, plan, read, check and pack ``job``'s adapter for the model it describes.
 
     With ``shared``, MoE factors are built straight into a shared-file [`Arena`] (``built.arena``, from
@@ -144,17 +139,13 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False, are
         [`AdapterSourceError`], [`AdapterFormatError`], [`UnmatchedKeysError`], [`ExpertLayoutError`]:
             the adapter is malformed or does not fit the model (the message names the key and the fix).
         [`AdapterCompatibilityError`]: a rank exceeds ``max_lora_rank``, or the model's MoE blocks cannot take LoRA.
-
-    ``progress`` (a shared build's) hears where the arena file is and which of its bytes are final, block by block
-    ([`Progress`]); what it is told is only a hint: the hand-over's manifest is what says where each tensor is.
     """
     with gc_paused(), holding(parse_source(job.path), why=f"build of adapter {job.name!r}"):  # gc: ~10^5 objects
-        return _build_adapter(job, router, shared=shared, arenas=arenas, transpose_on=transpose_on,
-                              progress=progress)
+        return _build_adapter(job, router, shared=shared, arenas=arenas, transpose_on=transpose_on)
 
 
 def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None,
-                   transpose_on: torch.device | None = None, progress: Progress | None = None) -> BuiltAdapter:
+                   transpose_on: torch.device | None = None) -> BuiltAdapter:
     """See [`build_adapter`]."""
     resolved = resolve_source(job.path)
     roots = confining_roots(resolved)  # a local source inside an allowed root: held to the roots on every build
@@ -182,9 +173,6 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         if shared and plan.moe:
             need = _stacked_bytes(plan.moe, shapes, job)
             arena = arenas.take(need) if arenas is not None else Arena.in_file(need)
-            if progress is not None and arena.path is not None and not resolved.is_pickle:
-                progress(("arena", arena.path, need,
-                          aligned(need) + _dense_bytes(plan.dense_keys, source.header.nbytes)))
         elif not shared and host_arenas_enabled() and not resolved.is_pickle:
             need = _dense_bytes(plan.dense_keys, source.header.nbytes) + (_stacked_bytes(plan.moe, shapes, job)
                                                                           if plan.moe else 0)
@@ -201,20 +189,13 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name, alloc=alloc, transpose_on=transpose_on,
                                   fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"),
                                   pools=pools)
-
-            def finish(prefix: str, experts: ExpertsLoRA) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-                packed = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
-                                    max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
-                if progress is not None and arena is not None:  # this block's bytes are final: the worker may copy
-                    spans = [(off, t.nbytes) for t in (*packed[0], *packed[1])
-                             if t.nbytes and (off := arena.offset_of(t)) is not None]
-                    if spans:
-                        progress(("spans", spans))
-                return packed
-
-            moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = read_blocks(
-                plan.moe, source, config=config, experts={p: job.model.local_experts.get(p) for p in plan.moe},
-                options=options, finish=finish)
+            blocks = read_blocks(plan.moe, source, config=config,
+                                 experts={p: job.model.local_experts.get(p) for p in plan.moe}, options=options)
+            moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
+            for prefix, experts in blocks.items():
+                moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
+                                         max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
+            del blocks
             if not resolved.is_pickle:  # written over in place meanwhile: refused (replaced: never read)
                 source.check_unchanged()
         except BaseException:

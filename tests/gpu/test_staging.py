@@ -4,7 +4,6 @@ GPU tensors equal to the CPU ones, and unstaging gives back CPU tensors equal to
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import pytest
 import torch
@@ -218,95 +217,3 @@ def test_a_mix_of_components_in_pinned_arenas_goes_up_by_span_and_its_cpu_copy_c
         for j in range(2):
             assert not twins[2 * i + j].is_cuda and twins[2 * i + j].is_pinned()
             assert torch.equal(twins[2 * i + j], reference[key][j]), (key, j)
-
-
-def _built_model(tmp_path: Any, prestage: Any, scaling: float) -> tuple[Any, Any, dict[str, list[torch.Tensor]]]:
-    """A real build process's MoE build (2D, two blocks) as vLLM's packed weights: the model, its mapping, and the
-    expected factors (the second block's B scaled by ``scaling``, as vLLM's ``optimize()`` folds it)."""
-    from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.lora_weights import PackedLoRALayerWeights
-
-    from vllm_lora_ext.integration import build_process
-    from vllm_lora_ext.integration.key_router import VllmKeyRouter
-
-    folder = write_moe_adapter(tmp_path / "moe", [make_truth(BUILD_E, BUILD_H, BUILD_I, BUILD_R, s) for s in (0, 1)],
-                               ["2d", "2d"], rank=BUILD_R)
-    found = build_process.build_elsewhere(moe_build_job(folder), VllmKeyRouter(None, None), prestage=prestage)
-    assert found is not None
-    built, mapping = found
-    loras, expected = {}, {}
-    for k, (prefix, (lora_a, lora_b, rank)) in enumerate(sorted(built.moe.items())):
-        scale = scaling if k == 1 else 1.0
-        loras[prefix] = PackedLoRALayerWeights(prefix, rank, [1] * len(lora_a), list(lora_a), list(lora_b),
-                                               scaling=[scale] * len(lora_a))
-        expected[prefix] = [t.clone() for t in lora_a] + [(t * scale).to(t.dtype) for t in lora_b]
-    return LoRAModel(1, 8, loras), mapping, expected
-
-
-@pytest.mark.parametrize("forget_scaled", [False, True])
-def test_a_build_copied_while_built_stages_and_unstages_bitwise_and_a_scaled_b_is_copied_again(
-        tmp_path: Any, build_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        forget_scaled: bool) -> None:
-    """The image (``transport.prestage``) takes the place of the copy after the build; a B that ``optimize()`` scales
-    after its block was copied must go up again (the control, ``forget_scaled``, skips that and must differ)."""
-    from vllm_lora_ext.integration import staging
-    from vllm_lora_ext.integration.patching import PRESTAGE_ATTR, STAGED_ATTR
-    from vllm_lora_ext.transport.prestage import prestaged_bytes
-
-    if forget_scaled:
-        real = staging._optimize
-        monkeypatch.setattr(staging, "_optimize", lambda lora: (real(lora), set())[1])
-    prestage = staging.prestage_for("cuda:0")
-    assert prestage is not None
-    model, mapping, expected = _built_model(tmp_path, prestage, 3.0)
-    assert prestage.spans.total > 0 and prestage.refused is None  # the blocks went up while the build ran
-    setattr(model, PRESTAGE_ATTR, (prestage, mapping))
-    with caplog.at_level("INFO", logger=staging.__name__):
-        assert staging.stage(model, "cuda:0")
-    assert "while it was built" in caplog.text and prestaged_bytes() == 0
-    image = getattr(model, STAGED_ATTR).buffer
-    got = {p: [*w.lora_a, *w.lora_b] for p, w in model.loras.items()}
-    assert all(t.is_cuda and t.untyped_storage().data_ptr() == image.untyped_storage().data_ptr()
-               for ts in got.values() for t in ts)
-    same = all(torch.equal(g.cpu(), w) for p in expected for g, w in zip(got[p], expected[p]))
-    assert same != forget_scaled
-    assert staging.unstage(model) == 0  # every CPU twin is a view of the hand-over's mapping: nothing copied back
-    for p, weights in model.loras.items():
-        for t, w in zip([*weights.lora_a, *weights.lora_b], expected[p]):
-            assert t.device.type == "cpu" and t.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()
-            assert torch.equal(t, w)
-    assert staging.staged_bytes() == 0
-
-
-@pytest.mark.parametrize("rows", [16, 8192])
-def test_a_tensor_outside_the_build_goes_in_the_images_room_or_the_whole_model_is_copied(
-        tmp_path: Any, build_dir: Any, caplog: pytest.LogCaptureFixture, rows: int) -> None:
-    """vLLM pins a dense factor into new memory (``from_lora_tensors``): a small one is laid out in the image after
-    the build's bytes; one too large for the room left there sends the model to the copy path, the image freed."""
-    from vllm.lora.lora_weights import LoRALayerWeights
-
-    from vllm_lora_ext.integration import staging
-    from vllm_lora_ext.integration.patching import PRESTAGE_ATTR
-    from vllm_lora_ext.transport.prestage import prestaged_bytes
-
-    prestage = staging.prestage_for("cuda:0")
-    if rows == 16:  # the room a real build's image keeps for its dense factors (this adapter has none)
-        hear = prestage.hear
-        prestage.hear = lambda ev: hear(ev if ev[0] != "arena" else (*ev[:3], ev[3] + (1 << 20)))
-    model, mapping, expected = _built_model(tmp_path, prestage, 1.0)
-    g = torch.Generator().manual_seed(3)
-    extra = LoRALayerWeights("model.layers.0.self_attn.q_proj", 8, 16, torch.randn(8, rows, generator=g).to(
-        torch.bfloat16).pin_memory(), torch.randn(rows, 8, generator=g).to(torch.bfloat16).pin_memory(), scaling=2.0)
-    want = {"a": extra.lora_a.clone(), "b": (extra.lora_b * 2.0).to(torch.bfloat16)}
-    model.loras[extra.module_name] = extra
-    setattr(model, PRESTAGE_ATTR, (prestage, mapping))
-    with caplog.at_level("INFO", logger=staging.__name__):
-        assert staging.stage(model, "cuda:0")
-    assert ("while it was built" in caplog.text) == (rows == 16) and prestaged_bytes() == 0
-    assert torch.equal(extra.lora_a.cpu(), want["a"]) and torch.equal(extra.lora_b.cpu(), want["b"])
-    for p, w in expected.items():
-        assert all(torch.equal(g.cpu(), x) for g, x in zip([*model.loras[p].lora_a, *model.loras[p].lora_b], w))
-    assert staging.unstage(model) == 0
-    assert torch.equal(extra.lora_a, want["a"]) and torch.equal(extra.lora_b, want["b"])
-    assert staging.staged_bytes() == 0

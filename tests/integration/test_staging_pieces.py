@@ -229,31 +229,3 @@ def test_components_uploaded_into_one_scratch_are_stacked_one_component_at_a_tim
     assert without > with_units
     for arena in arenas:
         arena.close()
-
-
-def test_exact_runs_write_only_region_bytes_and_leave_the_gaps_as_they_were() -> None:
-    """A build's image is filled span by span (``transport.prestage``): bytes between a chunk's regions hold other
-    blocks' data already copied, so an exact copy sends each run of adjacent regions alone (the whole chunk would
-    write the pinned chunk's stale bytes over them)."""
-    from vllm_lora_ext.transport.staging import _runs
-
-    rng = random.Random(1)
-    for chunk in (64, 1000):
-        regions, offset = [], 0
-        for _ in range(60):
-            n = rng.choice([1, 5, 64, 300])
-            regions.append((offset, torch.randint(1, 255, (n,), dtype=torch.uint8)))
-            offset += n + rng.choice([0, 0, 8, 100])
-        image = torch.zeros(offset, dtype=torch.uint8)
-        want = image.clone()
-        for off, src in regions:
-            want[off:off + src.numel()] = src
-        pinned = torch.full((chunk,), 7, dtype=torch.uint8)  # stale bytes
-        for start, batch in _pieces(regions, chunk):
-            for rel, piece in batch:
-                pinned[rel:rel + piece.numel()] = piece
-            runs = _runs(batch)
-            assert all(e1 < s2 for (_, e1), (s2, _) in zip(runs, runs[1:]))  # adjacent regions joined
-            for lo, hi in runs:
-                image[start + lo:start + hi] = pinned[lo:hi]
-        assert torch.equal(image, want)

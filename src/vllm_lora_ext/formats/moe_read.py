@@ -352,12 +352,9 @@ def _proj_name(spec: MoESpec, role: str) -> str:
 
 def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, config: AdapterConfig,
                 experts: Mapping[str, Sequence[int] | None] | None = None,
-                options: ReadOptions = ReadOptions(),
-                finish: Callable[[str, ExpertsLoRA], Any] | None = None) -> dict[str, Any]:
+                options: ReadOptions = ReadOptions()) -> dict[str, ExpertsLoRA]:
     """Read several planned MoE blocks with [`read_experts`], ``options.workers`` at a time (torch ops release the
-    GIL); ``experts`` gives each block's kept experts (default: all). With ``finish``, each block's result is
-    ``finish(prefix, block)``, run on the thread that read it as soon as it is read (a build packs each block there
-    and reports it done, so the worker can copy it to the GPU while the next blocks are read).
+    GIL); ``experts`` gives each block's kept experts (default: all).
 
     Serving processes run torch with one intra-op thread, so blocks in parallel threads are what
     uses the host's cores. Results are in the order of ``plans``. With ``options.check_finite_as``, a host
@@ -395,7 +392,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     pools = options.pools if options.pools is not None else FreshPools
     with pools.lent_pool("vllm-lora-ext-scan", scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
 
-        def one(item: tuple[str, ExpertsPlan]) -> Any:
+        def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
             prefix, plan = item
             ex = read_experts(plan, source, config=config, experts=(experts or {}).get(prefix), options=per_block)
             factors = _factors(ex)
@@ -405,7 +402,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
                 done["blocks"] += 1
                 done["bytes"] += sum(t.numel() * t.element_size() for t in factors.values())
                 progress.update(done["bytes"], total=done["bytes"] * len(items) // done["blocks"])
-            return ex if finish is None else finish(prefix, ex)
+            return ex
 
         try:
             if n <= 1 or len(items) <= 1:

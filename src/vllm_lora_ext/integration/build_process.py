@@ -32,9 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from vllm_lora_ext._util import clip
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
@@ -44,9 +43,6 @@ from vllm_lora_ext.sharedfiles import folder_problem
 from vllm_lora_ext.transport.arena import ArenaSupply
 from vllm_lora_ext.transport.files import sweep_stale
 from vllm_lora_ext.transport.handover import SharedTensors, from_shared, to_shared, trim_shared
-
-if TYPE_CHECKING:
-    from vllm_lora_ext.transport.prestage import Prestage
 
 logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
 
@@ -79,7 +75,6 @@ class _Child:
         self.ready_after = float("nan")
         self._lock = threading.Lock()  # guards the pipe's writes, the job numbers and the pending map
         self._pending: dict[int, Future[SharedTensors]] = {}
-        self._listeners: dict[int, Callable[[Any], None]] = {}  # builds whose progress someone hears
         self._next = 0
         self._gone: BuildProcessError | None = None
         threading.Thread(target=self._read_answers, name=f"vllm-lora-ext-build-{self.proc.pid}",
@@ -100,12 +95,8 @@ class _Child:
                     self._ready.set()
                     continue
                 tag, number, payload = message
-                if tag == "progress":
-                    self._tell(number, payload)
-                    continue
                 with self._lock:
                     future = self._pending.pop(number, None)
-                    self._listeners.pop(number, None)
                 if future is None:
                     continue
                 if tag == "ok":
@@ -121,19 +112,11 @@ class _Child:
             self._fail(BuildProcessError(f"the build process (pid {self.proc.pid}) exited (code {code}); its "
                                          f"output is in the worker's log"), cause=err)
 
-    def _tell(self, number: int, event: Any) -> None:
-        """Hand a build's progress to its listener (which only queues it: a failure there stops no answer)."""
-        with self._lock:
-            listener = self._listeners.get(number)
-        if listener is not None:
-            listener(event)
-
     def _fail(self, error: BuildProcessError, *, cause: BaseException | None = None) -> None:
         error.__cause__ = cause
         with self._lock:
             self._gone = self._gone or error
             pending, self._pending = self._pending, {}
-            self._listeners.clear()
         self._ready.set()  # wakes anyone waiting for the start; they see it gone
         for future in pending.values():
             future.set_exception(error)
@@ -158,10 +141,8 @@ class _Child:
             self._ready_logged = True
             logger.info("build process %d ready after %.1f s", self.proc.pid, self.ready_after)
 
-    def submit(self, job: BuildJob, mapper: Any, skip_prefixes: Any,
-               listener: Callable[[Any], None] | None = None) -> Future[SharedTensors]:
-        """Send ``job``; the future gives its shared tensors or raises its error. ``listener`` hears the build's
-        progress events (`building.Progress`), on the thread that reads the answers: it must not block."""
+    def submit(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> Future[SharedTensors]:
+        """Send ``job``; the future gives its shared tensors or raises its error."""
         self.wait_ready()
         future: Future[SharedTensors] = Future()
         stdin = self.proc.stdin
@@ -171,21 +152,20 @@ class _Child:
                 raise self._gone
             number, self._next = self._next, self._next + 1
             self._pending[number] = future
-            if listener is not None:
-                self._listeners[number] = listener
             try:
                 # Pickled whole first, then written in as few writes as the pipe takes: each write to a full
                 # pipe gives the GIL away, and a busy engine thread keeps it up to 5 ms each time.
-                message = (number, job, mapper, skip_prefixes, time.time(),  # the send time: the pipe's delay logged
-                           listener is not None)
+                message = (number, job, mapper, skip_prefixes, time.time())  # the send time: the pipe's delay logged
                 stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
                 stdin.flush()
             except (OSError, ValueError) as err:
                 self._pending.pop(number, None)
-                self._listeners.pop(number, None)
                 raise BuildProcessError(f"the build process (pid {self.proc.pid}) is gone (code "
                                         f"{self.proc.poll()})") from err
         return future
+
+    def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
+        return self.submit(job, mapper, skip_prefixes).result()
 
     def close(self, *, wait: float | None = None) -> None:
         """Close its stdin (it exits on its own once its builds are done); with ``wait``, kill it if it has not
@@ -292,8 +272,7 @@ def shutdown() -> None:
     _POOL.shutdown()
 
 
-def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True,
-                    prestage: Prestage | None = None) -> tuple[BuiltAdapter, Any] | None:
+def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) -> tuple[BuiltAdapter, Any] | None:
     """Build ``job`` in the build process; return the adapter (tensors mapped from shared memory) and the mapping.
 
     Calls from several threads build at the same time in the one process. The process takes about 15 s
@@ -302,9 +281,6 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True,
 
     A build whose shared file could not be made or mapped (the folder was removed or is full) also returns
     ``None``, with one warning, and the caller builds where it is.
-
-    With ``prestage`` (`transport.prestage.Prestage`), each MoE block is copied to the GPU as the build process
-    finishes it; its copies are done when this returns (the caller takes or closes it).
 
     Raises:
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
@@ -315,13 +291,10 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True,
         return None
     t0 = time.perf_counter()
     try:
-        shared = child.submit(job, router.mapper, router.skip_prefixes,
-                              prestage.hear if prestage is not None else None).result()
+        shared = child.run(job, router.mapper, router.skip_prefixes)
         t1 = time.perf_counter()
-        if prestage is not None:
-            prestage.finish()  # its copies done and its own mapping dropped before the file's name goes
         found = from_shared(shared)
-    except OSError as err:  # (the caller closes the prestage)
+    except OSError as err:
         if isinstance(err, VllmLoraExtError):  # the adapter's own error (not found, download): the request's answer
             raise
         _warn_hand_over(job.name, err)  # the shared folder failed (removed, full): the caller builds here instead
@@ -366,26 +339,20 @@ def _gc_hold(delta: int) -> None:
 
 
 def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply,
-            arrival: tuple[float, float, bool]) -> None:
-    """Build ``job`` and send its hand-over (or its error) back; ``arrival``: when it was read (``perf_counter``),
-    how long it took from the worker's pickling of it to then (the pickling, the pipe and the unpickling), and
-    whether the worker hears its progress (``("progress", number, event)`` messages before the answer)."""
+            arrival: tuple[float, float]) -> None:
+    """Build ``job`` and send its hand-over (or its error) back; ``arrival``: when it was read (``perf_counter``) and
+    how long it took from the worker's pickling of it to then (the pickling, the pipe and the unpickling)."""
     from vllm_lora_ext.integration.key_router import VllmKeyRouter
 
     _gc_hold(+1)
     trim_fd: int | None = None
     held: list[Any] = []  # this process's views of the arena: unmapped after the answer is sent, not before
     try:
-        received, in_pipe, heard = arrival
+        received, in_pipe = arrival
         t0 = time.perf_counter()
         waited = t0 - received
         spares_before = arenas.taken
-
-        def progress(event: tuple[Any, ...]) -> None:
-            _send(out, ("progress", number, event))
-
-        held.append(build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas,
-                                  progress=progress if heard else None))
+        held.append(build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas))
         t1 = time.perf_counter()
         shared = to_shared(held[0], trim=False)
         trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
@@ -482,10 +449,10 @@ def main() -> None:
         with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
             while True:
                 try:
-                    number, job, mapper, skip_prefixes, sent, heard = pickle.load(inp)
+                    number, job, mapper, skip_prefixes, sent = pickle.load(inp)
                 except EOFError:
                     return  # the pool's exit finishes the builds in flight first
-                arrival = (time.perf_counter(), max(0.0, time.time() - sent), bool(heard))
+                arrival = (time.perf_counter(), max(0.0, time.time() - sent))
                 pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, arrival)
     finally:
         _STOPPING.set()

@@ -30,7 +30,7 @@ from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_me
                                                 validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.key_router import VllmKeyRouter
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR, PRESTAGE_ATTR, TRAITS_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
@@ -158,8 +158,7 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """
     if not lora_request.lora_path.startswith(MIX_PREFIX):
         return _counted(manager, "adapter", lambda: _load_adapter_model(manager, lora_request,
-                                                                        separate_process=separate_process,
-                                                                        device=device))
+                                                                        separate_process=separate_process))
 
     def load_mix() -> Any:
         nonlocal device
@@ -351,42 +350,27 @@ def _count_read(built: BuiltAdapter) -> None:
 
 
 def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False,
-                        component: bool = False, device: Any = None) -> Any:
-    """Build ``lora_request``'s adapter, then wrap it ([`assemble`]), or map it ([`map_component`]) for a mix.
-
-    With a CUDA ``device`` (a background build's) and the build process, the build is copied to that GPU as it is
-    built (``transport.prestage``); ``integration.staging.stage`` then takes the copy."""
+                        component: bool = False) -> Any:
+    """Build ``lora_request``'s adapter, then wrap it ([`assemble`]), or map it ([`map_component`]) for a mix."""
     from vllm.exceptions import LoRAAdapterNotFoundError
 
     t0 = time.perf_counter()
     job, router = build_job(manager, lora_request)
     t_job = time.perf_counter()
-    prestage = None
     try:
         found = None
         if separate_process:
             from vllm_lora_ext.integration.build_process import build_elsewhere
-            from vllm_lora_ext.integration.staging import prestage_for
 
-            prestage = prestage_for(device) if not component else None
-            # (the tensors keep the shared mapping alive)
-            found = build_elsewhere(job, router, wait_for_start=False, prestage=prestage)
+            found = build_elsewhere(job, router, wait_for_start=False)  # the tensors keep the shared mapping alive
             if found is None:
                 logger.info("adapter %r: no build process has finished starting; building in this thread",
                             lora_request.lora_name)
         built = found[0] if found is not None else build_adapter(job, router, transpose_on=_gpu_of(manager))
-        t_built = time.perf_counter()
-        lora = (map_component if component else assemble)(manager, lora_request, built, router)
-    except BaseException as err:
-        if prestage is not None:
-            prestage.close()
-        if isinstance(err, AdapterNotFoundError):  # vLLM's not-found error, with our message: the server answers 404
-            raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
-        raise
-    if prestage is not None and found is not None:
-        setattr(lora, PRESTAGE_ATTR, (prestage, found[1]))  # for staging to take
-    elif prestage is not None:
-        prestage.close()
+    except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
+        raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
+    t_built = time.perf_counter()
+    lora = (map_component if component else assemble)(manager, lora_request, built, router)
     now = time.perf_counter()
     modules = len(lora.modules) + len(built.moe) if component else len(lora.loras)
     _log_loaded(built, modules, lora_request, now - t0,

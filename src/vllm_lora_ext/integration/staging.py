@@ -24,18 +24,17 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import GPU_HEADROOM_BYTES, stage_gpu_bytes
-from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, PRESTAGE_ATTR, STAGED_ATTR
+from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR
 from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
 from vllm_lora_ext.transport.handover import view_at
-from vllm_lora_ext.transport.prestage import Prestage, Spans, prestaged_bytes
 from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _composite_layout, _composite_moves,
                                              _copy_through_pinned, _layout, _upload_and_place)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_staged", "concat_staged", "factor_tensors", "on_staging_stream", "prestage_for", "stage",
-           "staged_bytes", "twins_from_gpu", "unstage"]
+__all__ = ["attach_staged", "concat_staged", "factor_tensors", "on_staging_stream", "stage", "staged_bytes",
+           "twins_from_gpu", "unstage"]
 
 _FACTORS = ("lora_a", "lora_b", "embeddings_tensor")
 _LOCK = threading.Lock()
@@ -68,10 +67,9 @@ def _put(owner: Any, attr: str, index: int | None, tensor: torch.Tensor) -> None
 
 
 def staged_bytes() -> int:
-    """GPU bytes this process holds in staged adapters not yet copied into a slot (and in builds' images)."""
+    """GPU bytes this process holds in staged adapters not yet copied into a slot."""
     with _LOCK:
-        held = sum(getattr(m, STAGED_ATTR).nbytes for m in list(_STAGED) if getattr(m, STAGED_ATTR, None))
-    return held + prestaged_bytes()
+        return sum(getattr(m, STAGED_ATTR).nbytes for m in list(_STAGED) if getattr(m, STAGED_ATTR, None))
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -102,101 +100,11 @@ def stage(lora: Any, device: Any) -> bool:
     when the GPU lacks room; the adapter then goes into its slot from CPU memory, as in stock vLLM.
     """
     device = torch.device(device)
-    prestaged: tuple[Prestage, torch.Tensor] | None = lora.__dict__.pop(PRESTAGE_ATTR, None)
-    try:
-        if device.type != "cuda" or not torch.cuda.is_available() or getattr(lora, STAGED_ATTR, None) is not None:
-            return False
-        scaled = _optimize(lora)
-        slots = [s for s in _slots(lora) if s[3].device.type == "cpu"]
-        if prestaged is not None and _stage_in_image(lora, slots, prestaged[0], prestaged[1], scaled):
-            return True
-    finally:
-        if prestaged is not None:
-            prestaged[0].close()  # (nothing, once its image was taken)
-    return _stage_copied(lora, slots, device)
-
-
-def prestage_for(device: Any) -> Prestage | None:
-    """A [`Prestage`] for a background build on ``device``: a CUDA device, with staging on; else ``None``."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda" or not torch.cuda.is_available() or stage_gpu_bytes() <= 0:
-        return None
-    return Prestage(device, lambda total: _room(total, device, "adapter (while built)"))
-
-
-def _optimize(lora: Any) -> set[int]:
-    """Fold each module's scaling into B (vLLM's ``optimize()``); return the ids of the B tensors it scaled."""
-    scaled: set[int] = set()
+    if device.type != "cuda" or not torch.cuda.is_available() or getattr(lora, STAGED_ATTR, None) is not None:
+        return False
     for weights in getattr(lora, "loras", {}).values():
-        scaling = getattr(weights, "scaling", 1)
-        if any(s not in (None, 1) for s in (scaling if isinstance(scaling, (list, tuple)) else [scaling])):
-            weights.optimize()
-            scaled.update(id(t) for *_, t in factor_tensors(weights, ("lora_b",)))
-        else:
-            weights.optimize()
-    return scaled
-
-
-def _extent(t: torch.Tensor) -> int:
-    """The bytes from ``t``'s first element to the end of its last (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _stage_in_image(lora: Any, slots: list[tuple[Any, str, int | None, torch.Tensor]], prestage: Prestage,
-                    mapping: torch.Tensor, scaled: set[int]) -> bool:
-    """Point ``lora`` at views of a build's GPU image (``transport.prestage``), copying first what it lacks; whether
-    it could. A tensor of ``mapping`` (the hand-over's) is the image's bytes at its offset; the others (vLLM's
-    pinned copies of the dense factors) are laid out in the image after the last of those, where room is left for
-    the dense factors the hand-over appends."""
-    taken = prestage.take()
-    if taken is None:
-        return False
-    image, spans = taken
-    base, storage = mapping.data_ptr(), mapping.untyped_storage().data_ptr()
-    limit = min(image.numel(), mapping.numel())
-    places: list[int | None] = []
-    for *_, t in slots:
-        off, n = t.data_ptr() - base, _extent(t)
-        inside = t.untyped_storage().data_ptr() == storage and 0 <= off and off + n <= limit and not off % t.element_size()
-        places.append(off if inside else None)
-    mapped = [(off, _extent(t), t) for off, (*_, t) in zip(places, slots) if off is not None]
-    if not mapped:
-        return False
-    missing = Spans()
-    for off, n, t in mapped:
-        if id(t) in scaled or not spans.covers(off, off + n):
-            missing.add(off, off + n)
-    rest_at = aligned(max(off + n for off, n, _ in mapped), STAGE_ALIGN)
-    total, regions, rest_places = _layout([t for (*_, t), off in zip(slots, places) if off is None])
-    if rest_at + total > image.numel():
-        return False
-    rest = [(rest_at + at, t.contiguous()) for at, t in regions]
-    device = image.device
-    t0 = time.perf_counter()
-    with torch.cuda.device(device):
-        _copy_through_pinned(image, [(s, mapping[s:e]) for s, e in missing.items()]
-                             + [(at, t.view(-1).view(torch.uint8)) for at, t in rest if t.numel()],
-                             _side_stream(device), exact=True)
-    moved = iter(rest_places)
-    for (owner, attr, index, t), off in zip(slots, places):
-        if off is not None:  # the mapping's bytes at the same offset, strides and all
-            _put(owner, attr, index, image[off:off + _extent(t)].view(t.dtype).as_strided(t.shape, t.stride()))
-        else:  # laid out contiguous, as the copy path lays it
-            at = rest_at + next(moved)
-            _put(owner, attr, index, image[at:at + t.nbytes].view(t.dtype).view(t.shape))
-    setattr(lora, STAGED_ATTR, Staging(image, [0, *(at for at, _ in rest)], [mapping, *(t for _, t in rest)]))
-    with _LOCK:
-        _STAGED.add(lora)
-    logger.info("staged %.0f MiB on %s in %.3f s while it was built (%.0f MiB copied as it was built, in %.3f s; "
-                "%.0f MiB after)", image.numel() / 2**20, device, time.perf_counter() - t0, spans.total / 2**20,
-                prestage.seconds, (missing.total + total) / 2**20)
-    return True
-
-
-def _stage_copied(lora: Any, slots: list[tuple[Any, str, int | None, torch.Tensor]], device: torch.device) -> bool:
-    """Copy ``lora``'s CPU factors (``slots``) to one new GPU buffer and point ``lora`` at it."""
+        weights.optimize()
+    slots = [s for s in _slots(lora) if s[3].device.type == "cpu"]
     total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
@@ -286,11 +194,9 @@ def _point_at_cpu(lora: Any, staging: Staging, after: Any) -> int:
         if t.untyped_storage().data_ptr() == base and base <= ptr < end:
             region = bisect.bisect_right(staging.starts, ptr - base) - 1
             cpu = staging.cpu[region]
-            rel = ptr - base - staging.starts[region]
             if cpu.dtype == t.dtype:
-                twin = cpu.as_strided(t.shape, t.stride(), cpu.storage_offset() + rel // t.element_size())
-            elif cpu.dtype == torch.uint8 and rel % t.element_size() == 0 and rel + _extent(t) <= cpu.numel():
-                twin = cpu[rel:rel + _extent(t)].view(t.dtype).as_strided(t.shape, t.stride())  # a build's image
+                first = (ptr - base - staging.starts[region]) // t.element_size()
+                twin = cpu.as_strided(t.shape, t.stride(), cpu.storage_offset() + first)
         if twin is None:
             if after is None:
                 twin = t.to("cpu")

@@ -6,8 +6,7 @@ move, is here: [`arena`] (the ``Arena`` type, shared-file or anonymous, and the 
 [`files`] (shared files' folder, names and sweep, a new spare's pages mapped for writing), [`handover`] (a
 build's tensors through one shared file), [`cuda`] (the stream pool, the GPU-room check, the GPU transpose,
 pinning in place), [`staging`] (staged GPU buffers: layout, pinned copies, a mix's concatenation on the GPU) and
-[`pools`] (the kept thread pools) and [`prestage`] (a build copied to the GPU while it is built). Nothing here
-imports vLLM.
+[`pools`] (the kept thread pools). Nothing here imports vLLM.
 
 An adapter's life, from the request that names it to the CPU tensors vLLM keeps (with a background build, the
 default; the processes are the API server, the worker that owns a GPU (with one GPU, vLLM's engine-core process),
@@ -27,11 +26,7 @@ and that worker's build process; a new mix's path through the modules is in the 
    sends the job to this worker's build process (``python -m vllm_lora_ext.integration.build_process``), whose
    ``_answer`` runs ``building.build_adapter(job, router, shared=True, arenas=...)``: MoE factors are read and
    packed straight into a shared-file ``arena.Arena`` (``arena.ArenaSupply.take``: the spare file, pages taken
-   and, on a tmpfs, mapped for writing (``files.map_for_writing``), if it is large enough). For a background build
-   on a GPU worker, the build process also tells the worker where that file is and, as each MoE block is packed,
-   which of its spans are final (``building.Progress``, sent before the answer); the worker's
-   ``prestage.Prestage`` maps the file for reading and copies each span to the same offset of one GPU buffer (the
-   image) on a thread of its own, through staging's pinned chunks, while the next blocks are read. Without a build
+   and, on a tmpfs, mapped for writing (``files.map_for_writing``), if it is large enough). Without a build
    process (switched off, still starting, or its hand-over failed) the worker's thread builds instead
    (``building.build_adapter``), reading into an anonymous ``arena.Arena`` on huge pages, which
    ``integration.loader.assemble`` pins where it lies (``integration._compat.pin_in_place``, then
@@ -49,10 +44,7 @@ and that worker's build process; a new mix's path through the modules is in the 
    ``"cpu"``; MoE blocks as packed layers). A mix's component is not wrapped: ``integration.loader.map_component``
    keeps it as core data (``building.MappedAdapter``) in ``integration.composite``'s cache.
 5. **GPU staging** (worker, the table's thread). ``integration.staging.stage`` folds each module's scaling into
-   B (vLLM's ``optimize()``). A build copied while it was built (step 3) takes its image: each tensor of the
-   mapping becomes the image's bytes at its offset, and only what is not there yet goes up now (the dense
-   factors, which vLLM copied into pinned memory, into the room left after the arena's bytes; a B the fold
-   scaled). Otherwise it lays the CPU factors out in one buffer (``staging._layout``) and, within
+   B (vLLM's ``optimize()``), lays the CPU factors out in one buffer (``staging._layout``) and, within
    ``VLLM_LORA_EXT_STAGE_GPU_BYTES`` and the GPU's free memory (``cuda.gpu_free_bytes``), copies them to the GPU
    on the staging stream (``cuda.stream_for(device, "staging")``) through two pinned bounce chunks
    (``staging._copy_through_pinned``); the model now points at views of that buffer. A mix is concatenated on

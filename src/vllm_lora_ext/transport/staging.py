@@ -93,36 +93,20 @@ def _pieces(regions: list[tuple[int, torch.Tensor]], chunk: int) -> Any:
         yield start, batch
 
 
-def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any, *,
-                         exact: bool = False) -> None:
-    """Copy CPU regions (in ascending offset order) into the GPU ``buffer`` through two small pinned chunks, on
-    ``stream``.
+def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any) -> None:
+    """Copy CPU regions into the GPU ``buffer`` through two small pinned chunks, on ``stream``.
 
     A copy from pageable memory goes through the driver's own staging, which holds up the engine thread's
     launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk
-    while the other is in flight, and every host-to-device copy is a true asynchronous DMA. A chunk goes up whole,
-    gaps between its regions included (a layout's alignment padding); with ``exact``, each run of adjacent regions
-    goes up alone, and the buffer's bytes between regions are left as they are.
+    while the other is in flight, and every host-to-device copy is a true asynchronous DMA.
     """
     with _COPY_LOCK:  # one staging copy at a time: the pinned chunks are shared
         if not _BOUNCE:
             _BOUNCE.extend(torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-        _copy_chunks(buffer, regions, stream, exact)
+        _copy_chunks(buffer, regions, stream)
 
 
-def _runs(batch: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
-    """A chunk's regions ``(offset in the chunk, bytes)`` as runs of adjacent ones: ``[(start, end), ...]``."""
-    runs: list[tuple[int, int]] = []
-    for rel, piece in batch:
-        end = rel + piece.numel()
-        if runs and runs[-1][1] == rel:
-            runs[-1] = (runs[-1][0], end)
-        else:
-            runs.append((rel, end))
-    return runs
-
-
-def _copy_chunks(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any, exact: bool) -> None:
+def _copy_chunks(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], stream: Any) -> None:
     events = [torch.cuda.Event(), torch.cuda.Event()]
     used = [False, False]
     k = 0
@@ -134,8 +118,7 @@ def _copy_chunks(buffer: torch.Tensor, regions: list[tuple[int, torch.Tensor]], 
             pinned[rel:rel + piece.numel()].copy_(piece)
         span = batch[-1][0] + batch[-1][1].numel()
         with torch.cuda.stream(stream):
-            for lo, hi in _runs(batch) if exact else [(0, span)]:
-                buffer[start + lo:start + hi].copy_(pinned[lo:hi], non_blocking=True)
+            buffer[start:start + span].copy_(pinned[:span], non_blocking=True)
             events[k].record(stream)
         used[k] = True
         k ^= 1
