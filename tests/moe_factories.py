@@ -170,3 +170,57 @@ def spy_gpu_transposes(monkeypatch: Any) -> list[bool]:
 
     monkeypatch.setattr(SafetensorsReader, "_transposed_on", spy)
     return tried
+
+
+def merge_manager(layers: int, experts: int, **fields: Any) -> Any:
+    """vLLM's ``LRUCacheLoRAModelManager`` made with ``object.__new__`` (its constructor needs a model on a GPU), with
+    the fields its merge of packed modules reads: per layer an experts block of per-expert gate/down/up parts and
+    q/k/v; ``fields`` set more (``is_pooling_model``, ``supports_mm``, ...)."""
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+
+    mgr = object.__new__(LRUCacheLoRAModelManager)
+    mgr.is_pooling_model = False
+    mgr.modules = {}
+    mgr.packed_modules = {}
+    for layer in range(layers):
+        mgr.packed_modules[f"model.layers.{layer}.mlp.experts"] = [
+            f"model.layers.{layer}.mlp.experts.{e}.{w}" for e in range(experts)
+            for w in ("gate_proj", "down_proj", "up_proj")]
+        mgr.packed_modules[f"model.layers.{layer}.self_attn.qkv_proj"] = [
+            f"model.layers.{layer}.self_attn.{w}_proj" for w in "qkv"]
+    for name in ("_enable_moe_shared_loras", "_is_non_gated_moe", "_enable_mixed_moe_lora_format",
+                 "_is_3d_moe_model"):
+        setattr(mgr, name, False)
+    for name, value in fields.items():
+        setattr(mgr, name, value)
+    return mgr
+
+
+def merge_adapter(layers: int, experts: int, *, per_expert_layers: Sequence[int] = (), qkv: str = "qkv",
+                  lora_id: int = 1) -> Any:
+    """A ``LoRAModel`` for [`merge_manager`]: prepacked MoE blocks (as the plugin builds them), the given q/k/v parts
+    and o_proj in every layer, random factors; layers in ``per_expert_layers`` carry per-expert parts instead of a
+    prepacked block (vLLM's merge packs them)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+    g = torch.Generator().manual_seed(0)
+
+    def dense(name: str, rows: int, scaling: float = 1.0) -> Any:
+        return LoRALayerWeights(name, 2, 4, torch.randn(2, rows, generator=g), torch.randn(rows, 2, generator=g),
+                                scaling=scaling)
+
+    loras: dict[str, Any] = {}
+    for layer in range(layers):
+        name = f"model.layers.{layer}.mlp.experts"
+        if layer in per_expert_layers:
+            loras.update({f"{name}.{e}.{w}": dense(f"{name}.{e}.{w}", 8) for e in range(experts)
+                          for w in ("gate_proj", "down_proj", "up_proj")})
+        else:
+            loras[name] = PackedLoRALayerWeights(name, 2, [1] * 3, [torch.randn(1, 2, 8, generator=g) for _ in "abc"],
+                                                 [torch.randn(1, 8, 2, generator=g) for _ in "abc"],
+                                                 scaling=[1.0] * 3)
+        for w in qkv + "o":
+            sub = f"model.layers.{layer}.self_attn.{w}_proj"
+            loras[sub] = dense(sub, 16, 2.0)
+    return LoRAModel(lora_id, 2, loras)

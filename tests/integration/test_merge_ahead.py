@@ -13,27 +13,17 @@ from typing import Any
 
 import pytest
 
+from moe_factories import merge_manager
+
 pytestmark = pytest.mark.vllm
 
 LAYERS, EXPERTS = 2, 4
 
 
 def _manager() -> Any:
-    from vllm.lora.model_manager import AdapterLRUCache, LRUCacheLoRAModelManager
+    from vllm.lora.model_manager import AdapterLRUCache
 
-    mgr = object.__new__(LRUCacheLoRAModelManager)
-    mgr.is_pooling_model = False
-    mgr.modules = {}
-    mgr.packed_modules = {}
-    for layer in range(LAYERS):
-        mgr.packed_modules[f"model.layers.{layer}.mlp.experts"] = [
-            f"model.layers.{layer}.mlp.experts.{e}.{w}" for e in range(EXPERTS)
-            for w in ("gate_proj", "down_proj", "up_proj")]
-        mgr.packed_modules[f"model.layers.{layer}.self_attn.qkv_proj"] = [
-            f"model.layers.{layer}.self_attn.{w}_proj" for w in "qkv"]
-    for name in ("_enable_moe_shared_loras", "_is_non_gated_moe", "_enable_mixed_moe_lora_format",
-                 "_is_3d_moe_model"):
-        setattr(mgr, name, False)
+    mgr = merge_manager(LAYERS, EXPERTS)
     mgr._registered_adapters = AdapterLRUCache(4, lambda _id: None)
     worker = type("Worker", (), {})()
     worker._adapter_manager = mgr

@@ -116,7 +116,9 @@ PATCHES: tuple[Patch, ...] = (
           why="registering a new adapter runs this in the engine step: a Python pass over every packed sub-module "
               "name (18,432 for 48 layers of 128 experts), and on vLLM 0.26 the string of a factor tensor (a GPU "
               "sync for a staged one), 30 of the 49 ms an H200 step paused for a new MoE adapter. A background "
-              "build runs vLLM's own merge on its thread (integration.prebuild); this skips the model it merged",
+              "build runs vLLM's own merge on its thread (integration.prebuild); this skips the model it merged, and "
+              "shows vLLM's merge only the packed modules the model has parts of (144 lookups instead of 18,576 for "
+              "a prepacked MoE adapter; the same model, worker_patches._parts_only)",
           delete_when="vLLM merges packed modules when it loads an adapter, not when it registers one",
           related="vLLM issue #31941 (loading adapters off the engine loop)"),
     Patch(MODEL_MANAGER_MODULE, "LoRAModelManager.activate_adapter", ("lora_id",),
