@@ -53,8 +53,9 @@ and that worker's build process; a new mix's path through the modules is in the 
    shared file in place: the driver refused to page-lock a file mapping on the H200 host, and the slot copy from
    it paused in-flight requests 0.26 s against staging's 0.054 s (``bench/results/no_stall_h200x2_r25_pinned_trial.json``).
    Then, on the same thread, vLLM's merge of the model's packed modules (``_create_merged_loras_inplace``, which its
-   registration runs in the step) runs on the staging stream (``integration.prebuild.merge_ahead``), and the model is
-   marked so that the step's registration skips it. After it, vLLM's own ``set_lora``/``reset_lora`` of every LoRA
+   registration runs in the step) runs on the staging stream (``integration.prebuild.merge_ahead``), over only the
+   packed modules the model has parts of (``integration.worker_patches._parts_only``), and the model is marked so
+   that the step's registration skips it. After it, vLLM's own ``set_lora``/``reset_lora`` of every LoRA
    module run there under a recorder that writes nothing (``integration.activation.plan_activation``): the model
    keeps the list of its slot writes (destination views of the slot that is free now, and the sources).
 6. **Slot copy** (worker, engine thread, in the step). vLLM's ``add_adapter`` (patched by
