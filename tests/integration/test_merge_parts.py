@@ -116,3 +116,24 @@ def test_a_part_of_two_packed_modules_or_a_part_that_is_a_packed_module_sends_th
     assert _parts_only(manager, _adapter()) is manager
     manager = _manager()
     assert _parts_only(manager, _adapter()) is not manager  # the control: this manager is narrowed
+
+
+def test_a_worker_start_indexes_the_parts_and_the_first_merge_reuses_the_index() -> None:
+    """The index is made while the worker starts (``warmup.import_load_path``), not in the first adapter's merge
+    (issue 39 item 3: the first run pays no more than the second)."""
+    from types import SimpleNamespace
+
+    from vllm_lora_ext.integration.patching import PART_OWNERS_ATTR
+    from vllm_lora_ext.integration.warmup import import_load_path
+    from vllm_lora_ext.integration.worker_patches import _parts_only
+
+    manager = _manager()
+    runner = SimpleNamespace(lora_config=object(), lora_manager=SimpleNamespace(_adapter_manager=manager))
+    assert import_load_path(runner) > 0
+    index = manager.__dict__[PART_OWNERS_ATTR]
+    assert len(index[1]) == LAYERS * (3 * EXPERTS + 3)
+    assert _parts_only(manager, _adapter()) is not manager
+    assert manager.__dict__[PART_OWNERS_ATTR] is index  # reused, not made again
+    no_lora = _manager()
+    assert import_load_path(SimpleNamespace(lora_config=None, lora_manager=SimpleNamespace(
+        _adapter_manager=no_lora))) == 0.0 and PART_OWNERS_ATTR not in no_lora.__dict__

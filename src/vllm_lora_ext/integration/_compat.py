@@ -422,3 +422,8 @@ def merge_finds_parts_by_name(adapter_manager: Any) -> bool:
     (every version also tries the name without ``model.``) or a multimodal one on 0.33 (it also tries the text-only
     names of its language model)."""
     return not getattr(adapter_manager, "is_pooling_model", True) and not getattr(adapter_manager, "supports_mm", False)
+
+
+def runner_adapter_manager(runner: Any) -> Any:
+    """A model runner's ``LoRAModelManager`` (``runner.lora_manager._adapter_manager``, 0.26-0.33), or ``None``."""
+    return getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)

@@ -140,6 +140,13 @@ def _parts_only(manager: Any, lora_model: Any) -> Any:
     return _Narrowed(manager, {m: parts for m, parts in packed.items() if m in hit})
 
 
+def index_packed_parts(manager: Any) -> None:
+    """Make ``manager``'s index of packed parts now (a worker's start), not in its first adapter's merge."""
+    packed = getattr(manager, "packed_modules", None)
+    if isinstance(packed, dict):
+        _owners(manager, packed)
+
+
 def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None:
     """Each part's packed module (cached on the manager while ``packed`` is the same), or ``None`` if a part belongs
     to two packed modules or is a packed module itself."""
