@@ -43,11 +43,19 @@ def _unpinned() -> None:
 
 
 def _factors(model: Any) -> list[tuple[str, str, list[Any]]]:
+    """Each module's name, class and factors (A then B, ``None`` kept) in the model's order."""
     out = []
     for name, w in model.loras.items():
-        a = w.lora_a if isinstance(w.lora_a, list) else [w.lora_a]
-        out.append((name, type(w).__name__, a))
+        factors = [t for attr in ("lora_a", "lora_b") for t in (getattr(w, attr) if isinstance(getattr(w, attr), list)
+                                                               else [getattr(w, attr)])]
+        out.append((name, type(w).__name__, factors))
     return out
+
+
+def _equal(x: Any, y: Any) -> bool:
+    import torch
+
+    return x is y if x is None or y is None else bool(x.shape == y.shape and torch.equal(x, y))
 
 
 def main() -> None:
@@ -58,7 +66,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _unpinned()
-    import torch
     from moe_factories import merge_adapter, merge_manager
     from vllm.lora.model_manager import LoRAModelManager
 
@@ -79,8 +86,7 @@ def main() -> None:
             models[mode] = model
         a, b = _factors(models["stock"]), _factors(models["plugin"])
         assert [(n, c, len(f)) for n, c, f in a] == [(n, c, len(f)) for n, c, f in b], "the two merges differ"
-        assert all(torch.equal(x, y) for (_, _, fa), (_, _, fb) in zip(a, b) for x, y in zip(fa, fb)
-                   if x is not None and y is not None), "the two merges differ"
+        assert all(_equal(x, y) for (_, _, fa), (_, _, fb) in zip(a, b) for x, y in zip(fa, fb)), "the merges differ"
     med = {mode: median(t) for mode, t in times.items()}
     ratio = med["plugin"] / med["stock"]
     rows = [[mode, f"{med[mode] * 1e3:.2f}", f"{min(times[mode]) * 1e3:.2f}"] for mode in times]

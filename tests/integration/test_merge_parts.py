@@ -137,3 +137,47 @@ def test_a_worker_start_indexes_the_parts_and_the_first_merge_reuses_the_index()
     no_lora = _manager()
     assert import_load_path(SimpleNamespace(lora_config=None, lora_manager=SimpleNamespace(
         _adapter_manager=no_lora))) == 0.0 and PART_OWNERS_ATTR not in no_lora.__dict__
+
+
+def test_the_installed_patch_narrows_and_gives_vllms_model() -> None:
+    """The wiring: vLLM's ``_create_merged_loras_inplace`` as the plugin installs it makes the narrowed merge's few
+    lookups and the model vLLM's own merge over every packed module makes."""
+    from vllm.lora.model_manager import LoRAModelManager
+
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    installed = LoRAModelManager._create_merged_loras_inplace
+    assert getattr(installed, plugin.PATCH_MARK, False)
+    manager = _manager()
+    want, _ = _merged(manager, _adapter(), narrowed=False)
+    model, calls = _adapter(), [0]
+    lookup = manager._get_lora_layer_weights
+
+    def counted(lora_model: Any, name: str) -> Any:
+        calls[0] += 1
+        return lookup(lora_model, name)
+
+    manager._get_lora_layer_weights = counted
+    manager._create_merged_loras_inplace(model)
+    assert calls[0] == LAYERS * 3 and _same(_state(model), want)
+
+
+def test_under_expert_parallelism_the_narrowed_merge_keeps_vllms_local_experts() -> None:
+    """A 2D experts block under expert parallelism (rank 1 of 2): vLLM keeps this rank's experts of an adapter
+    with per-expert parts (``_restrict_to_local_experts``, and on 0.33 ``_slice_moe_lora_ep`` after the loop); the
+    narrowed merge gives the same model."""
+    from vllm.lora.layers import FusedMoEWithLoRA
+
+    class EPExperts(FusedMoEWithLoRA):  # vLLM's class, with only the fields the merge reads
+        use_ep, global_num_experts, local_num_experts, ep_rank = True, 8, 4, 1
+
+        def __getattr__(self, name: str) -> Any:
+            raise AttributeError(name)
+
+    manager = merge_manager(4, 8)
+    for layer in range(4):
+        manager.modules[f"model.layers.{layer}.mlp.experts"] = object.__new__(EPExperts)
+    want, _ = _merged(manager, merge_adapter(4, 8, per_expert_layers=(0, 2)), narrowed=False)
+    got, calls = _merged(manager, merge_adapter(4, 8, per_expert_layers=(0, 2)), narrowed=True)
+    assert _same(got, want) and calls < 4 * (3 * 8 + 3) / 2  # q/k/v, the local parts of two blocks, vLLM's EP slice

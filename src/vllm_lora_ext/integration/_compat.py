@@ -419,8 +419,8 @@ def has_upstream_residency_metric() -> bool:
 def merge_finds_parts_by_name(adapter_manager: Any) -> bool:
     """Whether vLLM's merge of packed modules finds each part of one in a ``LoRAModel`` by the part's own name alone
     (``_get_lora_layer_weights``: ``loras.get(name)``), as for a text model on 0.26-0.33. Not for a pooling model
-    (every version also tries the name without ``model.``) or a multimodal one on 0.33 (it also tries the text-only
-    names of its language model)."""
+    (every version also tries the name without ``model.``), nor for a multimodal one (0.33 also tries the text-only
+    names of its language model; on 0.26-0.32, where it does not, such models are left to the whole merge too)."""
     return not getattr(adapter_manager, "is_pooling_model", True) and not getattr(adapter_manager, "supports_mm", False)
 
 

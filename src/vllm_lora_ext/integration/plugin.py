@@ -53,6 +53,7 @@ from vllm_lora_ext.integration.patching import (
     MERGED_ATTR,
     OFFLINE_LOADED_ATTR,
     PATCH_MARK,
+    PART_OWNERS_ATTR,
     PINNED_NAMES_ATTR,
     PREBUILD_ATTR,
     PREBUILD_NAMES_ATTR,
@@ -112,7 +113,8 @@ PATCHES: tuple[Patch, ...] = (
                        why="as WorkerLoRAManager.add_adapter, for the LRU worker manager every engine uses",
                        delete_when="as WorkerLoRAManager.add_adapter", related="as WorkerLoRAManager.add_adapter"),
     Patch(MODEL_MANAGER_MODULE, "LoRAModelManager._create_merged_loras_inplace", ("lora_model",),
-          worker_patches.make_create_merged_loras, process="worker", reads=(), writes=(),
+          worker_patches.make_create_merged_loras, process="worker",
+          reads=("packed_modules", "is_pooling_model", "supports_mm"), writes=(f"LoRAModelManager.{PART_OWNERS_ATTR}",),
           why="registering a new adapter runs this in the engine step: a Python pass over every packed sub-module "
               "name (18,432 for 48 layers of 128 experts), and on vLLM 0.26 the string of a factor tensor (a GPU "
               "sync for a staged one), 30 of the 49 ms an H200 step paused for a new MoE adapter. A background "

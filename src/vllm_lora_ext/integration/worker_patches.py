@@ -117,13 +117,16 @@ class _Narrowed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_manager"], name)
 
+    def __setattr__(self, name: str, value: Any) -> None:  # (vLLM's merge writes nothing to it today)
+        setattr(self.__dict__["_manager"], name, value)
+
 
 def _parts_only(manager: Any, lora_model: Any) -> Any:
     """``manager``, or a [`_Narrowed`] view of it with only the packed modules ``lora_model`` has a part of.
 
     vLLM's merge looks every part of every packed module up in the model: 18,576 calls for 48 layers of 128 experts
-    and q/k/v, nearly all for per-expert names a prepacked MoE block never has (8 ms on the dev VM, several times
-    that on the build's thread beside a busy engine thread). A packed module none of whose parts the model has is one
+    and q/k/v, nearly all for per-expert names a prepacked MoE block never has (3.7-6.6 ms on the dev VM, several
+    times that on the build's thread beside a busy engine thread). A packed module none of whose parts the model has is one
     the merge skips, so leaving it out changes nothing, where the merge finds a part by its name alone
     (``_compat.merge_finds_parts_by_name``) and no part belongs to two packed modules or is one (checked once per
     manager); otherwise the whole manager is used.
@@ -149,7 +152,8 @@ def index_packed_parts(manager: Any) -> None:
 
 def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None:
     """Each part's packed module (cached on the manager while ``packed`` is the same), or ``None`` if a part belongs
-    to two packed modules or is a packed module itself."""
+    to two packed modules or is a packed module itself. vLLM fills ``packed_modules`` once, as it makes the manager's
+    LoRA modules; the cache key (the dict, its size and its parts' count) would miss an edit in place after that."""
     cached = manager.__dict__.get(PART_OWNERS_ATTR)
     key = (id(packed), len(packed), sum(map(len, packed.values())))
     if cached is not None and cached[0] == key:
@@ -165,7 +169,6 @@ def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None
             break
     manager.__dict__[PART_OWNERS_ATTR] = (key, owner)
     return owner
-
 
 
 def make_activate_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
