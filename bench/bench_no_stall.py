@@ -181,7 +181,8 @@ def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
 
 
 def _engine_phases(line: str, name: str, after: Any, out: dict[str, Any]) -> None:
-    """After staging: the slot writes planned on the build's thread ("N slot writes planned in X s"), the server's
+    """After staging: vLLM's merge on the build's thread ("merged ahead in X s"), the slot writes planned there ("N
+    slot writes planned in X s"), the server's
     last probe ("built in the background, answered X s after the first probe (N probes)"), the engine taking the
     model ("taken by the engine"), its registration and slot copy in the engine thread ("registered and copied into
     its slot in X s, unstaged in Y s"), and the load route's answer ("registered by the engine X s after its build
@@ -192,6 +193,7 @@ def _engine_phases(line: str, name: str, after: Any, out: dict[str, Any]) -> Non
     patterns = {
         "probed": (r".*adapter '" + q + r"': built in the background, answered ([\d.]+) s after the first probe "
                    r"\((\d+) probes\)", ("after_first_probe_s", "probes")),
+        "merged": (r".*adapter '" + q + r"': merged ahead in ([\d.]+) s", ("merge_s",)),
         "planned": (r".*adapter '" + q + r"': (\d+) slot writes planned in ([\d.]+) s", ("slot_writes", "plan_s")),
         "taken": (r".*adapter '" + q + r"' \(id \d+\): built in the background, taken by the engine", ()),
         "slot_copy": (r".*adapter '" + q + r"' \(id \d+\): registered and copied into its slot in ([\d.]+) s, "

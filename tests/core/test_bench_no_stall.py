@@ -60,6 +60,8 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     arrived, stamp = _clock()
 
     log = "\n".join([
+        f"(EngineCore pid=1) INFO {stamp(0.55)} [vllm_lora_ext.integration.prebuild] adapter 'B2d': merged ahead in "
+        "0.0041 s",
         f"(EngineCore pid=1) INFO {stamp(0.58)} [vllm_lora_ext.integration.activation] adapter 'B2d': 1440 slot "
         "writes planned in 0.0210 s (0 modules left to vLLM)",
         f"(APIServer pid=2) INFO {stamp(0.61)} [vllm_lora_ext.integration.server] adapter 'B2d': built in the "
@@ -76,6 +78,7 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     got = bench.b_phases(log, "B2d", arrived)
     assert got["probed"] == {"done_after_arrival_s": 0.61, "after_first_probe_s": 0.602, "probes": 31}
     assert got["taken"] == {"done_after_arrival_s": 0.63}
+    assert got["merged"] == {"done_after_arrival_s": 0.55, "merge_s": 0.0041}
     assert got["planned"] == {"done_after_arrival_s": 0.58, "slot_writes": 1440, "plan_s": 0.021}
     assert got["slot_copy"] == {"done_after_arrival_s": 0.64, "register_s": 0.0123, "unstage_s": 0.001,
                                 "copied_back_bytes": 0}
@@ -89,6 +92,7 @@ def test_the_engine_side_phases_after_staging_are_read_in_the_formats_the_plugin
     assert "registered by the engine %.3f s after its build was answered" in texts["server_patches.py"]
     assert "built in the background, taken by the engine" in texts["prebuild.py"]
     assert "%d slot writes planned in %.4f s" in texts["activation.py"]
+    assert "adapter %r: merged ahead in %.4f s" in texts["prebuild.py"]
 
 
 def test_reps_give_each_mode_and_case_a_median_and_a_single_run_none() -> None:

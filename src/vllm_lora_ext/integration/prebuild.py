@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
@@ -112,7 +113,9 @@ def merge_ahead(manager: Any, lora: Any, name: str = "adapter") -> None:
     from vllm_lora_ext.integration.staging import on_staging_stream
 
     def work() -> None:
+        t0 = time.perf_counter()
         merge(lora)
+        logger.info("adapter %r: merged ahead in %.4f s", name, time.perf_counter() - t0)
         plan_activation(adapters, lora, name)  # the slot writes too, for the step to do in a few calls
 
     on_staging_stream(lora, work)
