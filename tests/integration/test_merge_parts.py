@@ -115,6 +115,9 @@ def test_a_part_of_two_packed_modules_or_a_part_that_is_a_packed_module_sends_th
     manager.packed_modules["model.layers.0.self_attn.both"] = ["model.layers.0.self_attn.qkv_proj"]
     assert _parts_only(manager, _adapter()) is manager
     manager = _manager()
+    manager.packed_modules["model.layers.0.self_attn.odd"] = [("not", "a", "name")]
+    assert _parts_only(manager, _adapter()) is manager
+    manager = _manager()
     assert _parts_only(manager, _adapter()) is not manager  # the control: this manager is narrowed
 
 

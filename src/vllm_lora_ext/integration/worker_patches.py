@@ -152,7 +152,7 @@ def index_packed_parts(manager: Any) -> None:
 
 def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None:
     """Each part's packed module (cached on the manager while ``packed`` is the same), or ``None`` if a part belongs
-    to two packed modules or is a packed module itself. vLLM fills ``packed_modules`` once, as it makes the manager's
+    to two packed modules, is a packed module itself or is not a name. vLLM fills ``packed_modules`` once, as it makes the manager's
     LoRA modules; the cache key (the dict, its size and its parts' count) would miss an edit in place after that."""
     cached = manager.__dict__.get(PART_OWNERS_ATTR)
     key = (id(packed), len(packed), sum(map(len, packed.values())))
@@ -161,7 +161,7 @@ def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None
     owner: dict[str, str] | None = {}
     for module, parts in packed.items():
         for part in parts:
-            if part in owner or part in packed:
+            if not isinstance(part, str) or part in owner or part in packed:
                 owner = None
                 break
             owner[part] = module
