@@ -180,9 +180,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
     if any(s < 0 for s in t.stride()):
         raise _Refused("a negative stride")
     size = t.element_size()
-    lo = t.storage_offset() * size
-    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.untyped_storage().data_ptr(), lo, lo + (span + 1) * size
+    return t.untyped_storage().data_ptr(), t.storage_offset() * size, (_last(t) + 1) * size
 
 
 def _check_order(writes: list[_Write]) -> list[_Write]:

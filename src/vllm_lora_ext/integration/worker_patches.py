@@ -126,48 +126,47 @@ def _parts_only(manager: Any, lora_model: Any) -> Any:
 
     vLLM's merge looks every part of every packed module up in the model: 18,576 calls for 48 layers of 128 experts
     and q/k/v, nearly all for per-expert names a prepacked MoE block never has (3.7-6.6 ms on the dev VM, several
-    times that on the build's thread beside a busy engine thread). A packed module none of whose parts the model has is one
-    the merge skips, so leaving it out changes nothing, where the merge finds a part by its name alone
-    (``_compat.merge_finds_parts_by_name``) and no part belongs to two packed modules or is one (checked once per
-    manager); otherwise the whole manager is used.
+    times that on the build's thread beside a busy engine thread). A packed module none of whose parts the model has
+    is one the merge skips, so leaving it out changes nothing, where the merge finds a part by its name alone
+    (``_compat.merge_finds_parts_by_name``) and every part is a name of one packed module only, not itself one
+    ([`_owners`]); otherwise the whole manager is used.
     """
     from vllm_lora_ext.integration._compat import merge_finds_parts_by_name
 
-    packed = getattr(manager, "packed_modules", None)
-    if not isinstance(packed, dict) or not merge_finds_parts_by_name(manager):
-        return manager
-    owner = _owners(manager, packed)
+    owner = _owners(manager) if merge_finds_parts_by_name(manager) else None
     if owner is None:
         return manager
     hit = {owner[name] for name in lora_model.loras if name in owner}
-    return _Narrowed(manager, {m: parts for m, parts in packed.items() if m in hit})
+    return _Narrowed(manager, {m: parts for m, parts in manager.packed_modules.items() if m in hit})
 
 
 def index_packed_parts(manager: Any) -> None:
     """Make ``manager``'s index of packed parts now (a worker's start), not in its first adapter's merge."""
+    _owners(manager)
+
+
+def _owners(manager: Any) -> dict[str, str] | None:
+    """Each part's packed module, cached on the manager while its ``packed_modules`` is the same; ``None`` without
+    them, or if a part belongs to two packed modules, is a packed module itself or is not a name. vLLM fills
+    ``packed_modules`` once, as it makes the manager's LoRA modules; the cache key (the dict, its size and its parts'
+    count) would miss an edit in place after that."""
     packed = getattr(manager, "packed_modules", None)
-    if isinstance(packed, dict):
-        _owners(manager, packed)
-
-
-def _owners(manager: Any, packed: dict[str, list[str]]) -> dict[str, str] | None:
-    """Each part's packed module (cached on the manager while ``packed`` is the same), or ``None`` if a part belongs
-    to two packed modules, is a packed module itself or is not a name. vLLM fills ``packed_modules`` once, as it makes the manager's
-    LoRA modules; the cache key (the dict, its size and its parts' count) would miss an edit in place after that."""
+    if not isinstance(packed, dict):
+        return None
     cached = manager.__dict__.get(PART_OWNERS_ATTR)
     key = (id(packed), len(packed), sum(map(len, packed.values())))
-    if cached is not None and cached[0] == key:
-        return cached[1]  # type: ignore[no-any-return]
-    owner: dict[str, str] | None = {}
+    if cached is None or cached[0] != key:
+        cached = manager.__dict__[PART_OWNERS_ATTR] = (key, _index_parts(packed))
+    return cached[1]  # type: ignore[no-any-return]
+
+
+def _index_parts(packed: dict[str, list[str]]) -> dict[str, str] | None:
+    owner: dict[str, str] = {}
     for module, parts in packed.items():
         for part in parts:
             if not isinstance(part, str) or part in owner or part in packed:
-                owner = None
-                break
+                return None
             owner[part] = module
-        if owner is None:
-            break
-    manager.__dict__[PART_OWNERS_ATTR] = (key, owner)
     return owner
 
 
