@@ -27,21 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import median, print_table, write_json  # noqa: E402
 
 
-def _unpinned() -> None:
-    """vLLM 0.33's merge pins the factors when it believes it can; this host may have no driver."""
-    import importlib
-
-    for name in ("vllm.lora.model_manager", "vllm.utils.torch_utils"):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "PIN_MEMORY"):
-            mod.PIN_MEMORY = False  # type: ignore[attr-defined]
-        if hasattr(mod, "is_pin_memory_available"):
-            mod.is_pin_memory_available = lambda: False  # type: ignore[attr-defined]
-
-
 def _factors(model: Any) -> list[tuple[str, str, list[Any]]]:
     """Each module's name, class and factors (A then B, ``None`` kept) in the model's order."""
     out = []
@@ -65,8 +50,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    _unpinned()
+    from factories import unpin_vllm
     from moe_factories import merge_adapter, merge_manager
+
+    unpin_vllm()  # (vLLM 0.33's merge pins the factors when it believes it can)
     from vllm.lora.model_manager import LoRAModelManager
 
     from vllm_lora_ext.integration.worker_patches import _parts_only

@@ -182,11 +182,10 @@ def b_phases(log: str, name: str, t_arrive_wall: float) -> dict[str, Any]:
 
 def _engine_phases(line: str, name: str, after: Any, out: dict[str, Any]) -> None:
     """After staging: vLLM's merge on the build's thread ("merged ahead in X s"), the slot writes planned there ("N
-    slot writes planned in X s"), the server's
-    last probe ("built in the background, answered X s after the first probe (N probes)"), the engine taking the
-    model ("taken by the engine"), its registration and slot copy in the engine thread ("registered and copied into
-    its slot in X s, unstaged in Y s"), and the load route's answer ("registered by the engine X s after its build
-    was answered")."""
+    slot writes planned in X s"), the server's last probe ("built in the background, answered X s after the first
+    probe (N probes)"), the engine taking the model ("taken by the engine"), its registration and slot copy in the
+    engine thread ("registered and copied into its slot in X s, unstaged in Y s"), and the load route's answer
+    ("registered by the engine X s after its build was answered")."""
     import re
 
     q = re.escape(name)

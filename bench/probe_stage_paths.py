@@ -51,15 +51,13 @@ CASES = [("shm", "mmap_private"), ("shm", "mmap_shared"), ("shm", "pread"), ("an
 
 # ------------------------------------------------------------------------------------------------ the child
 
-def _huge_pages(path_or_addr: Any) -> int:
-    """Huge-page bytes of this process's mapping that starts at ``path_or_addr`` (``/proc/self/smaps``)."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
+def _huge_pages(addr: int) -> int:
+    """Huge-page bytes of this process's mapping that starts at ``addr`` (``/proc/self/smaps``)."""
     total, inside = 0, False
-    for line in lines:
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5:
-            start = int(head[0].split("-")[0], 16)
-            inside = path_or_addr == start or (isinstance(path_or_addr, str) and line.endswith(path_or_addr))
+            inside = int(head[0].split("-")[0], 16) == addr
         elif inside and head and head[0] in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
             total += int(head[1]) << 10
     return total
@@ -140,7 +138,7 @@ class _Copier:
         for b in self.bounce:
             b.write(b"\1" * BLOCK)
         self.k = 0
-        self.fd = os.open(self.name, os.O_RDONLY) if method in ("pread",) else None
+        self.fd = os.open(self.name, os.O_RDONLY) if method == "pread" else None
         if method.startswith("mmap"):
             fd = os.open(self.name, os.O_RDONLY if method == "mmap_private" else os.O_RDWR)
             flags = mmap.MAP_PRIVATE if method == "mmap_private" else mmap.MAP_SHARED
@@ -205,7 +203,6 @@ def _one(source: str, size: int, where: str, case: tuple[str, str], threads: int
             elif word[0] == "done":
                 built, t_built = float(word[1]), time.perf_counter()
                 break
-        # (beside: blocks reported while the last copy ran are read after "done": none are lost)
         t = time.perf_counter()
         for off, n in pending:
             copier.copy(off, n)

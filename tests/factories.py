@@ -6,7 +6,7 @@ import contextlib
 import json
 import subprocess
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +177,26 @@ def serving_models(engine: Any = None) -> Any:
     models.static_lora_modules = None
     models.registry = SimpleNamespace(is_base_model=lambda name: name == "base-model")
     return models
+
+
+# The vLLM modules that decide pinning (0.26: a PIN_MEMORY constant; 0.32: is_pin_memory_available where imported).
+PIN_MEMORY_MODULES = ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager",
+                      "vllm.utils.torch_utils", "vllm.lora.punica_wrapper.utils")
+
+
+def unpin_vllm(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """vLLM believes it can pin memory on a machine without a driver; tell it the truth, through ``set_attr``
+    (``setattr``, or a pytest monkeypatch's, undone after the test).
+
+    0.26 reads a PIN_MEMORY constant; 0.32's punica mapping asks is_pin_memory_available() where it imported it.
+    """
+    import importlib
+
+    for name in PIN_MEMORY_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        set_attr(mod, "PIN_MEMORY", False)
+        if hasattr(mod, "is_pin_memory_available"):
+            set_attr(mod, "is_pin_memory_available", lambda: False)

@@ -10,27 +10,12 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
-# The vLLM modules that decide pinning (0.26: a PIN_MEMORY constant; 0.32: is_pin_memory_available where imported).
-PIN_MEMORY_MODULES = ("vllm.lora.lora_model", "vllm.lora.lora_weights", "vllm.lora.model_manager",
-                      "vllm.utils.torch_utils", "vllm.lora.punica_wrapper.utils")
-
-
 @pytest.fixture
 def no_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM believes it can pin memory on a machine without a driver; tell it the truth.
+    """vLLM believes it can pin memory on a machine without a driver; tell it the truth (`factories.unpin_vllm`)."""
+    from factories import unpin_vllm
 
-    0.26 reads a PIN_MEMORY constant; 0.32's punica mapping asks is_pin_memory_available() where it imported it.
-    """
-    import importlib
-
-    for name in PIN_MEMORY_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        monkeypatch.setattr(mod, "PIN_MEMORY", False, raising=False)
-        if hasattr(mod, "is_pin_memory_available"):
-            monkeypatch.setattr(mod, "is_pin_memory_available", lambda: False)
+    unpin_vllm(lambda mod, name, value: monkeypatch.setattr(mod, name, value, raising=False))
 
 
 # The sizes vLLM's linear layers report for factories.tiny_llama (hidden 64, 2 kv heads of 16, intermediate 128).

@@ -44,16 +44,9 @@ def _conftest() -> Any:
 
 
 def no_pin_memory() -> None:
-    import importlib
+    from factories import unpin_vllm
 
-    for name in _conftest().PIN_MEMORY_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        mod.PIN_MEMORY = False  # type: ignore[attr-defined]
-        if hasattr(mod, "is_pin_memory_available"):
-            mod.is_pin_memory_available = lambda: False  # type: ignore[attr-defined]
+    unpin_vllm()
 
 
 def worker_manager() -> Any:
