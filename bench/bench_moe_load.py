@@ -16,7 +16,9 @@ two engine processes. ``--first-run`` (issue 39 item 3): engines ``stock,plugin_
 so no engine reuses kernels another compiled; reports each engine's start-up (``LLM(...)``) and its first
 2D adapter's ``add_lora`` -> first token against runs 2+ (goal: <= 1.2x). ``--modes`` lists the engines, stock first;
 a mode given twice runs twice (the spread between engines); ``plugin_old`` imports the package from ``--old-src``
-first (``git archive <rev> src/vllm_lora_ext``, its ``src``): an earlier version beside this one in the same run.
+first (``git archive <rev> src/vllm_lora_ext``, its ``src``): an earlier version beside this one in the same run;
+``plugin_profile`` runs the engine core in the bench's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and profiles
+runs 1 and 2 (``add_lora`` and the first step each, cProfile: its times run long), for what the first run does more.
 
 Checks mode (``--checks``): what the load-time checks cost (strict header validation, factor dtypes,
 the NaN/inf scan folded into each block's read), in one process, cases interleaved: the plugin read
@@ -37,6 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, print_table, write_json  # noqa: E402
@@ -362,20 +365,58 @@ def gpu_engine(args: argparse.Namespace) -> None:
 
     # which package this engine's plugin is (plugin_old: the --old-src tree), read back in the results
     out: dict = {"_start_s": time.perf_counter() - t_start, "_package": vllm_lora_ext.__file__}
+    profiling = os.environ.get("LORA_BENCH_PROFILE") == "1"
     i = 0
     for rep in range(args.runs):
         for form in args.forms.split(","):
             i += 1
             req = LoRARequest(lora_name=f"{form}-{rep}", lora_int_id=i, lora_path=str(Path(args._adapters) / form),
                               is_3d_lora_weight=form == "3d")
+            profile = _profiler() if profiling and rep < 2 else None  # plugin_profile: runs 1 and 2, in-process engine
             t0 = time.perf_counter()
-            llm.llm_engine.add_lora(req)
+            _under(profile, lambda: llm.llm_engine.add_lora(req))
             t1 = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(max_tokens=1, detokenize=False),
-                         lora_request=req, use_tqdm=False)
+            stats_add = _top(profile)
+            profile = _profiler() if profile is not None else None
+            _under(profile, lambda: llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
+                                                 SamplingParams(max_tokens=1, detokenize=False),
+                                                 lora_request=req, use_tqdm=False))
             t2 = time.perf_counter()
+            if profile is not None:
+                out.setdefault("_profiles", []).append({"run": rep + 1, "add_lora": stats_add, "first_step": _top(profile)})
             out.setdefault(form, []).append({"add_lora": t1 - t0, "first_step": t2 - t1, "total": t2 - t0})
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _profiler() -> Any:
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def _under(profile: Any, call: Any) -> None:
+    if profile is None:
+        call()
+        return
+    profile.enable()
+    try:
+        call()
+    finally:
+        profile.disable()
+
+
+def _top(profile: Any, n: int = 45) -> str | None:
+    """The profiled call's top functions by cumulative and by own time (``plugin_profile``: run 1 against run 2)."""
+    if profile is None:
+        return None
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(n)
+    stats.sort_stats("tottime").print_stats(n // 2)
+    return text.getvalue()
 
 
 def first_run_summary(results: dict, modes: list[str], form: str) -> None:
@@ -411,6 +452,8 @@ def gpu_bench(args: argparse.Namespace) -> dict:
         env = dict(os.environ, VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0")
         if mode.startswith("plugin_nowarmup"):
             env["VLLM_LORA_EXT_MOE_WARMUP"] = "0"
+        if mode.startswith("plugin_profile"):  # the engine core in this process, so one profiler sees the step
+            env.update(LORA_BENCH_PROFILE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if mode.startswith("plugin_old"):
             if not args.old_src:
                 raise SystemExit("--modes plugin_old needs --old-src")
