@@ -309,3 +309,48 @@ def test_an_offline_engine_imports_source_resolution_when_vllm_builds_it() -> No
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+_LOGITS_LOOKUP_PROBE = """
+import sys
+from vllm_lora_ext.integration import plugin
+if sys.argv[1] == "plugin":
+    plugin.register()
+import {module}
+from vllm.v1.sample.logits_processor import cached_load_custom_logitsprocs
+print(cached_load_custom_logitsprocs.cache_info().currsize)
+"""
+
+
+@pytest.mark.parametrize("module", ["vllm.v1.engine.llm_engine", "vllm.v1.engine.async_llm"])
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_front_end_looks_up_logits_processor_plugins_before_its_first_request(module: str, registered: bool) -> None:
+    """vLLM's first request in a fresh front end (offline ``LLM``, the API server's ``AsyncLLM``) scans every
+    installed distribution's entry points for logits-processor plugins (about 18 ms on the H200 host): with the
+    plugin, the cached lookup is filled when vLLM's engine module is imported. The control, without ``register()``,
+    leaves the cache empty (so the check would fail without the warm-up)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LOGITS_LOOKUP_PROBE.format(module=module),
+                          "plugin" if registered else "none"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == ("1" if registered else "0")
+
+
+def test_a_failing_logits_processor_plugin_is_left_for_the_first_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logits-processor plugin that fails to load does not stop the front end here: the lookup is not cached, and
+    vLLM's first request raises vLLM's own error, as without the warm-up."""
+    from vllm.v1.sample import logits_processor
+
+    from vllm_lora_ext.integration._compat import warm_logits_processor_lookup
+
+    calls: list[object] = []
+
+    def broken(key: object) -> None:
+        calls.append(key)
+        raise RuntimeError("plugin failed to load")
+
+    monkeypatch.setattr(logits_processor, "cached_load_custom_logitsprocs", broken)
+    assert warm_logits_processor_lookup() >= 0.0
+    assert calls == [None]
