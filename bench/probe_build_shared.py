@@ -15,8 +15,10 @@ new, old, new, old). ``--worker`` times the build a GPU worker runs in its own t
 --gpu``), with no hand-over; a fused 3D B is transposed on the CPU here, where the worker turns it on its GPU. No stock counterpart: stock vLLM has no build process. Without msgspec (vLLM's
 dependency) headers take the entry-by-entry parse, which a serving process does not.
 
+``--old-scan-rule`` scans on at most 2 threads, as before r32's ``moe_read.default_scan_workers`` (4 on a 16-core host).
+
 Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--worker] [--src DIR] [--workdir W]
-    [--out FILE]
+    [--forms 2d,3d] [--old-scan-rule] [--out FILE]
 """
 
 from __future__ import annotations
@@ -171,9 +173,16 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help="the worker's own build (no build process, no hand-over)")
     ap.add_argument("--src", default=None, help="import vllm_lora_ext from this folder (an earlier version)")
     ap.add_argument("--workdir", default=None, help="reuse (or keep) the adapters written there")
+    ap.add_argument("--forms", default="2d,3d")
+    ap.add_argument("--old-scan-rule", action="store_true",
+                    help="scan threads by r31's rule (at most 2), for a before and after of moe_read.default_scan_workers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, args.src or str(Path(__file__).resolve().parents[1] / "src"))
+    if args.old_scan_rule:
+        from vllm_lora_ext.formats import moe_read
+
+        moe_read.default_scan_workers = lambda cores, readers: min(2, cores - readers)
     import torch
 
     import vllm_lora_ext
@@ -191,7 +200,8 @@ def main() -> None:
     result: dict[str, Any] = {"package": vllm_lora_ext.__file__, "layers": args.layers, "reps": args.reps,
                               "worker": args.worker, "torch_threads": torch.get_num_threads(), "forms": {}}
     rows = []
-    for form in ("2d", "3d"):
+    result["scan_rule"] = "r31 (at most 2)" if args.old_scan_rule else "default_scan_workers"
+    for form in args.forms.split(","):
         folder = work / form
         if not (folder / "adapter_model.safetensors").exists():
             make_adapter(folder, args.layers, form)

@@ -212,8 +212,18 @@ def test_reading_some_experts_equals_full_read_then_index_bitwise(tmp_path: Path
     assert stats.bytes_read == header.header_bytes + round(header.total_bytes * share)
 
 
+@pytest.mark.parametrize(("cores", "expected"), [(2, 0), (4, 0), (6, 2), (8, 2), (10, 2), (12, 4), (16, 4), (64, 4)])
+def test_scan_threads_match_the_readers_only_on_hosts_with_twice_their_number_to_spare(cores: int,
+                                                                                      expected: int) -> None:
+    """Four readers: up to 10 cores keep r31's rule (at most 2 scanning threads, none without a spare core); from
+    12 the scan gets as many threads as the read (on the H200 host two could not keep up with four readers)."""
+    from vllm_lora_ext.formats.moe_read import default_scan_workers
+
+    assert default_scan_workers(cores, min(4, cores)) == expected
+
+
 @pytest.mark.parametrize("form", ["2d", "3d"])
-@pytest.mark.parametrize("scan_workers", [0, 1])
+@pytest.mark.parametrize("scan_workers", [0, 1, 4])
 def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_tensors(
         tmp_path: Path, form: str, scan_workers: int) -> None:
     # scan_workers=1: blocks are scanned on their own pool while the next are read (hosts with spare cores);
