@@ -10,7 +10,6 @@ import os
 import re
 import reprlib
 import stat
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -205,41 +204,6 @@ def gc_paused() -> Iterator[None]:
             _gc_users -= 1
             if _gc_users == 0 and _gc_was_enabled:
                 gc.enable()
-
-
-_SWITCH_LOCK = threading.Lock()
-_switch_users = 0  # blocks inside short_gil_slices now, in every thread
-_switch_was = 0.0  # the interpreter's switch interval when the first of them entered
-GIL_SLICE_S = 0.0005  # short_gil_slices' interval: a tenth of the interpreter's default 5 ms
-
-
-@contextlib.contextmanager
-def short_gil_slices(interval: float = GIL_SLICE_S) -> Iterator[None]:
-    """Shorten the interpreter's switch interval (``sys.setswitchinterval``) while a block runs on a helper thread
-    beside a busy one, e.g. a background build's last Python steps in a serving worker whose engine thread runs steps.
-
-    Every time a thread gives up the GIL (a torch call, a lock) and asks for it back, it waits until the thread
-    holding it lets go, up to the interval when that one runs Python. vLLM's merge of a new adapter's packed modules
-    takes about 1.4 ms alone on the dev VM and 15-19 ms on the H200 host beside an engine decoding 32 requests
-    (r32); beside a thread that only runs Python it took 1.2 s at the default 5 ms interval, 0.13 s at 0.5 ms.
-    The engine thread is interrupted that much more often for as long as the block runs (a few milliseconds).
-    Nested uses and uses from several threads share one setting: the first to enter lowers it (never raises it),
-    and the last to leave puts the interpreter's own back.
-    """
-    global _switch_users, _switch_was
-    with _SWITCH_LOCK:
-        if _switch_users == 0:
-            _switch_was = sys.getswitchinterval()
-            if interval < _switch_was:
-                sys.setswitchinterval(interval)
-        _switch_users += 1
-    try:
-        yield
-    finally:
-        with _SWITCH_LOCK:
-            _switch_users -= 1
-            if _switch_users == 0 and sys.getswitchinterval() != _switch_was:
-                sys.setswitchinterval(_switch_was)
 
 
 class FreshPools:

@@ -103,35 +103,3 @@ def test_merge_ahead_leaves_a_model_alone_without_a_manager_to_merge_with() -> N
     before = _shape(model)
     merge_ahead(type("Bare", (), {})(), model)
     assert _shape(model) == before and not getattr(model, MERGED_ATTR, False)
-
-
-def test_merge_ahead_runs_with_short_gil_slices_and_puts_the_interval_back(patched: None,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The merge and the slot-write plan run on the build's thread beside the engine thread: with short GIL slices
-    (`_util.short_gil_slices`), restored after, also when the merge fails."""
-    import sys
-
-    from vllm_lora_ext._util import GIL_SLICE_S
-    from vllm_lora_ext.integration.prebuild import merge_ahead
-
-    monkeypatch.setattr("vllm.lora.model_manager.PIN_MEMORY", False)
-    default = sys.getswitchinterval()
-    worker = _manager()
-    seen: list[float] = []
-    original = type(worker._adapter_manager)._create_merged_loras_inplace
-
-    def watched(self: object, lora: object) -> None:
-        seen.append(sys.getswitchinterval())
-        original(self, lora)
-
-    monkeypatch.setattr(type(worker._adapter_manager), "_create_merged_loras_inplace", watched)
-    merge_ahead(worker, _adapter(4))
-    assert seen == [GIL_SLICE_S] and sys.getswitchinterval() == default
-
-    def failing(self: object, lora: object) -> None:
-        raise RuntimeError("merge failed")
-
-    monkeypatch.setattr(type(worker._adapter_manager), "_create_merged_loras_inplace", failing)
-    with pytest.raises(RuntimeError):
-        merge_ahead(worker, _adapter(5))
-    assert sys.getswitchinterval() == default

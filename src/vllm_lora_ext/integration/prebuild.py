@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Any
 
-from vllm_lora_ext._util import short_gil_slices
 from vllm_lora_ext.constants import PREBUILD_PREFIX, build_process_enabled, prebuild_builds, prebuild_bytes
 from vllm_lora_ext.errors import AdapterNotFoundError, with_record
 from vllm_lora_ext.integration.patching import IDENTITY_ATTR, MERGED_ATTR, PREBUILD_ATTR, PREBUILD_NAMES_ATTR
@@ -93,9 +92,8 @@ def _build(manager: Any, path: str) -> Any:
     device = getattr(manager, "device", "cpu")
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
                            separate_process=_use_build_process(), device=device)
-    with short_gil_slices():  # the staging copy's chunks and the merge's steps: the engine thread holds the GIL
-        stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
-        merge_ahead(manager, lora, name)
+    stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
+    merge_ahead(manager, lora, name)
     return lora
 
 
@@ -120,8 +118,7 @@ def merge_ahead(manager: Any, lora: Any, name: str = "adapter") -> None:
         logger.info("adapter %r: merged ahead in %.4f s", name, time.perf_counter() - t0)
         plan_activation(adapters, lora, name)  # the slot writes too, for the step to do in a few calls
 
-    with short_gil_slices():  # the engine thread holds the GIL between steps: these short steps get it sooner
-        on_staging_stream(lora, work)
+    on_staging_stream(lora, work)
     setattr(lora, MERGED_ATTR, True)
 
 
