@@ -21,11 +21,14 @@ worker has cached), ``loaded`` (B is adapter A itself, already in a slot: the fi
 ``--modes stock,plugin,thread,sync``: stock = the plugin installed but disabled; thread = background builds in a
 worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``); sync = the plugin loading in the
 engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the plugin's own load time, which
-background loading is measured against. ``--graphs``: full CUDA graphs (no torch.compile) instead of eager steps.
+background loading is measured against; plugin_old = the plugin imported from ``--old-src`` (``git archive <rev>
+src/vllm_lora_ext``, its ``src``) in the server and its build process: an earlier version beside this one in the same
+run, on the same machine (its JSON carries both sides' medians and their ratio). ``--graphs``: full CUDA graphs (no torch.compile) instead of eager steps.
 The prefix cache is off and the server warms up twice, so that no Triton kernel compiles inside a measured run; B
 arrives ``--arrive`` seconds (default 4) into the in-flight requests.
 
-Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin,sync] [--graphs] [--out FILE]
+Usage: python bench/bench_no_stall.py [--cases 2d,3d,mix] [--modes stock,plugin,sync,plugin_old] [--old-src DIR]
+    [--graphs] [--reps N] [--out FILE]
 (the round-4 numbers: ``--graphs`` with the defaults, plugin in one call and ``--modes sync,stock`` in the next)
 """
 
@@ -227,6 +230,8 @@ def serve_mode(mode: str, paths: dict[str, Path], cases: list[str], args: argpar
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_LORA_EXT_DISABLE="1" if mode == "stock" else "0",
                VLLM_LORA_EXT_PREBUILD="0" if mode == "sync" else "1",
                VLLM_LORA_EXT_BUILD_PROCESS="0" if mode == "thread" else "1")
+    if mode == "plugin_old":  # the server, its engine and its build process import the earlier package first
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.old_src, env.get("PYTHONPATH")) if p)
     modules = ["A=" + str(paths["A"])] + ([f"C{i}={paths[f'C{i}']}" for i in range(4)] if mode != "stock" and
                                            {"mix", "mix_cached"} & set(cases) else [])
     # Eager steps of this model take up to ~0.19 s with nothing arriving; --graphs captures full CUDA graphs
@@ -277,6 +282,20 @@ def _medians(summary: dict[str, Any], cases: list[str], reps: int) -> None:
                   f"tok/s {med['throughput_ratio']:.3f}x")
 
 
+def _against_old(summary: dict[str, Any], cases: list[str]) -> None:
+    """This version (``plugin``) against the earlier one (``plugin_old``), case by case: each side's median over its
+    reps (its one run without ``--reps``), and this version's over the earlier one's (``plugin_vs_old/<case>``)."""
+    fields = ("max_gap_s", "b_ttft_s", "throughput_ratio")
+    for case in cases:
+        sides = {m: summary.get(f"{m}/{case}/median") or summary.get(f"{m}/{case}") for m in ("plugin", "plugin_old")}
+        if not all(sides.values()):
+            continue
+        ratios = {f: sides["plugin"][f] / sides["plugin_old"][f] for f in fields if sides["plugin_old"][f]}
+        summary[f"plugin_vs_old/{case}"] = {"plugin": {f: sides["plugin"][f] for f in fields},
+                                            "plugin_old": {f: sides["plugin_old"][f] for f in fields}, "ratio": ratios}
+        print(f"{case}, plugin / plugin_old: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="2d,3d,mix,mix_cached,loaded")
@@ -289,11 +308,16 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=20.0, help="seconds between the warm-up and the measured runs")
     ap.add_argument("--reps", type=int, default=1, help="runs of each 2D, 3D and loaded case in one server (a later "
                                                          "rep loads the same files as a new adapter); medians printed")
+    ap.add_argument("--old-src", default=None,
+                    help="the package folder (git archive <rev> src/vllm_lora_ext, its src/) that mode plugin_old "
+                         "imports first: an earlier version beside this one in the same run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    unknown = set(args.modes.split(",")) - {"stock", "plugin", "thread", "sync"}
+    unknown = set(args.modes.split(",")) - {"stock", "plugin", "thread", "sync", "plugin_old"}
     if unknown:
-        ap.error(f"--modes: {sorted(unknown)} are not modes; give stock, plugin, thread or sync")
+        ap.error(f"--modes: {sorted(unknown)} are not modes; give stock, plugin, thread, sync or plugin_old")
+    if "plugin_old" in args.modes.split(",") and not args.old_src:
+        ap.error("--modes plugin_old needs --old-src")
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-no-stall-")
     cases = args.cases.split(",")
     paths = build(Path(args.workdir), cases)
@@ -336,6 +360,7 @@ def main() -> None:
             ratios = {k: ours[k] / stock[k] for k in ("max_gap_s", "b_ttft_s", "throughput_ratio") if stock[k]}
             ours["vs_stock"] = ratios
             print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
+    _against_old(summary, cases)
     for mode in ("plugin", "thread"):
         for case in ("2d", "3d", "mix", "mix_cached"):
             if f"{mode}/{case}" in summary and f"sync/{case}" in summary:
@@ -351,7 +376,7 @@ def main() -> None:
                        "outputs = preloaded", "control"])
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}
                                             for m, runs in results.items()}, "inflight": N_INFLIGHT,
-               "tokens": args.tokens, "arrive_s": args.arrive, "graphs": args.graphs,
+               "tokens": args.tokens, "arrive_s": args.arrive, "graphs": args.graphs, "old_src": args.old_src,
                "note": f"{args.reps} run(s) per 2D, 3D and loaded case and mode (case#k: rep k)"}
     write_json("no_stall", payload, args.out)
 

@@ -8,6 +8,8 @@ import datetime
 import time
 from collections.abc import Callable
 
+import pytest
+
 from factories import load_bench
 
 
@@ -106,3 +108,16 @@ def test_reps_give_each_mode_and_case_a_median_and_a_single_run_none() -> None:
     once = {"plugin/2d": row}
     bench._medians(once, ["2d"], 1)
     assert once == {"plugin/2d": row}
+
+
+def test_this_version_is_set_against_the_earlier_one_by_medians_where_both_ran() -> None:
+    bench = load_bench("bench_no_stall")
+    new = {"max_gap_s": 0.03, "b_ttft_s": 0.6, "throughput_ratio": 0.95}
+    old = {"max_gap_s": 0.04, "b_ttft_s": 0.8, "throughput_ratio": 0.95}
+    summary = {"plugin/2d": {**new, "b_ttft_s": 9.0}, "plugin/2d/median": {**new, "reps": 3},  # the median, not rep 1
+               "plugin_old/2d": old, "plugin/3d": new}  # 3D: no earlier version ran
+    bench._against_old(summary, ["2d", "3d"])
+    got = summary["plugin_vs_old/2d"]
+    assert got["plugin"] == new and got["plugin_old"] == old
+    assert got["ratio"] == pytest.approx({"max_gap_s": 0.75, "b_ttft_s": 0.75, "throughput_ratio": 1.0})
+    assert "plugin_vs_old/3d" not in summary
