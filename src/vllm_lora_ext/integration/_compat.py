@@ -427,27 +427,3 @@ def merge_finds_parts_by_name(adapter_manager: Any) -> bool:
 def runner_adapter_manager(runner: Any) -> Any:
     """A model runner's ``LoRAModelManager`` (``runner.lora_manager._adapter_manager``, 0.26-0.33), or ``None``."""
     return getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
-
-
-LOGITS_PROCESSOR_MODULE = "vllm.v1.sample.logits_processor"  # cached_load_custom_logitsprocs (0.26-0.33)
-
-
-def warm_logits_processor_lookup() -> float:
-    """Run now, in a front-end process, the lookup of logits-processor plugins that the first request's
-    ``SamplingParams.verify`` would otherwise run (``cached_load_custom_logitsprocs``, an ``lru_cache``; its key is
-    the model's ``logits_processors``, warmed here for ``None``, the default): an ``entry_points()`` scan of every
-    installed distribution, about 18 ms of the first request in a fresh ``LLM`` on the H200 host (issue 39 item 3).
-    Returns the seconds it took (0 where the name is missing). A plugin that fails to load is not cached and is left
-    for the first request to report, as it would without this."""
-    import time
-
-    try:
-        lookup = getattr(importlib.import_module(LOGITS_PROCESSOR_MODULE), "cached_load_custom_logitsprocs")
-    except (ImportError, AttributeError):
-        return 0.0
-    t0 = time.perf_counter()
-    try:
-        lookup(None)
-    except Exception as err:  # a broken third-party plugin: the first request raises vLLM's own error
-        logger.debug("logits-processor plugins not loaded ahead: %s", err)
-    return time.perf_counter() - t0

@@ -21,12 +21,8 @@ def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``LLMEngine.add_request``: preload a request's adapter (`preload_offline`) before queueing it.
 
     Made when vLLM's ``llm_engine`` module is imported (an offline ``LLM`` is being built): `preload_offline`'s
-    source resolution is imported now, not in the first request with an adapter, and vLLM's lookup of
-    logits-processor plugins runs now (`_compat.warm_logits_processor_lookup`), not in the first request."""
+    source resolution is imported now, not in the first request with an adapter."""
     import vllm_lora_ext.resolve  # noqa: F401
-    from vllm_lora_ext.integration._compat import warm_logits_processor_lookup
-
-    warm_logits_processor_lookup()
 
     def add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
                     lora_request: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -79,13 +75,7 @@ def preload_offline(engine: Any, lora_request: Any) -> None:
 
 
 def make_generate(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``generate`` (``AsyncLLM``, online beam search): hold the request's mix while its outputs run.
-
-    Made in the API server process as vLLM's modules are imported: vLLM's lookup of logits-processor plugins runs
-    now (`_compat.warm_logits_processor_lookup`; once, it is cached), not in the first request."""
-    from vllm_lora_ext.integration._compat import warm_logits_processor_lookup
-
-    warm_logits_processor_lookup()
+    """Return ``generate`` (``AsyncLLM``, online beam search): hold the request's mix while its outputs run."""
 
     def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """Hold the request's mix from this call (generation admitted) until its outputs end (``leases.leased``)."""
