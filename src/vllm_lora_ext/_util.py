@@ -206,6 +206,15 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity set where the OS has one (a container's or ``taskset``'s
+    cpuset), else every core; at least 1. Thread counts for reads, scans and copies are sized from it."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call here (macOS)
+        return os.cpu_count() or 1
+
+
 class FreshPools:
     """Thread pools made for each call and shut down after it: what the data modules use when their caller lends
     none. Serving code passes the transport layer's kept pools instead (``vllm_lora_ext.transport.pools``, the same

@@ -279,14 +279,12 @@ def concat_many(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch.Tens
     Returns:
         ``{key: (A, B)}`` in the order of ``jobs``.
     """
-    import os
-
-    from vllm_lora_ext._util import FreshPools
+    from vllm_lora_ext._util import FreshPools, usable_cores
     from vllm_lora_ext.constants import mix_threads
 
     if workers is None:
         workers = mix_threads()
-    n = min(workers, len(jobs)) if workers is not None else max(1, min(4, os.cpu_count() or 1, len(jobs)))
+    n = min(workers, len(jobs)) if workers is not None else max(1, min(4, usable_cores(), len(jobs)))
 
     def one(key: Any) -> tuple[torch.Tensor, torch.Tensor]:
         parts, dim_a, dim_b = jobs[key]

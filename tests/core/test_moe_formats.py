@@ -222,6 +222,50 @@ def test_scan_threads_match_the_readers_only_on_hosts_with_twice_their_number_to
     assert default_scan_workers(cores, min(4, cores)) == expected
 
 
+@pytest.mark.parametrize(("cores", "scanning"), [(16, 3), (8, 2), (4, 1), (3, 0)])
+def test_read_blocks_sizes_its_scan_pool_by_the_rule_for_the_cores_it_may_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, scanning: int) -> None:
+    """Three blocks, so three readers: on 16 usable cores the scan gets three threads too (r31's rule gave 2), on 8
+    two, on 4 the one core left, on 3 none (each reader scans its own block). The cores are the process's affinity
+    set (`_util.usable_cores`), not the machine's."""
+    from vllm_lora_ext import _util
+    from vllm_lora_ext.formats import group_moe_keys
+    from vllm_lora_ext.formats.moe_read import read_blocks
+
+    write_moe_adapter(tmp_path, [make_truth(4, 8, 6, 2, seed) for seed in range(3)], ["2d"] * 3, rank=2)
+    monkeypatch.setattr(_util, "usable_cores", lambda: cores)
+    lent: list[tuple[str, int]] = []
+
+    class Spy(_util.FreshPools):
+        @staticmethod
+        def lent_pool(name: str, workers: int):  # type: ignore[no-untyped-def]
+            lent.append((name, workers))
+            return _util.FreshPools.lent_pool(name, workers)
+
+    reader = SafetensorsReader(tmp_path / "adapter_model.safetensors")
+    cfg = config_from_dict(json.loads((tmp_path / "adapter_config.json").read_text()))
+    plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
+    read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg,
+                options=ReadOptions(check_finite_as="x", pools=Spy))
+    assert [w for name, w in lent if "scan" in name] == ([scanning] if scanning else [])
+
+
+def test_usable_cores_are_the_affinity_set_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from vllm_lora_ext._util import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 7}, raising=False)
+    assert usable_cores() == 3
+
+    def missing(pid: int) -> set[int]:
+        raise AttributeError("no sched_getaffinity here")
+
+    monkeypatch.setattr(os, "sched_getaffinity", missing, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert usable_cores() == 6
+
+
 @pytest.mark.parametrize("form", ["2d", "3d"])
 @pytest.mark.parametrize("scan_workers", [0, 1, 4])
 def test_read_blocks_refuses_a_nan_in_any_block_and_otherwise_returns_the_same_tensors(

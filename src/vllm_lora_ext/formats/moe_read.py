@@ -376,17 +376,16 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
         [`AdapterFormatError`]: a factor holds NaN or infinity (the first block in ``plans`` order).
     """
     import contextlib
-    import os
     import threading
     from concurrent.futures import Future, wait
 
     from vllm_lora_ext._progress import ProgressLog
-    from vllm_lora_ext._util import FreshPools
+    from vllm_lora_ext._util import FreshPools, usable_cores
 
     from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
     items = list(plans.items())
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     check_finite_as = options.check_finite_as
     # up to 4 threads: more contend for the GIL and read slower
     n = options.workers if options.workers is not None else min(4, cores, max(1, len(items)))

@@ -404,7 +404,9 @@ def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: 
 
 def _torch_threads() -> int:
     """Threads for torch in the build process: a quarter of the cores, from 1 to 4 (it runs beside the engine)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    from vllm_lora_ext._util import usable_cores
+
+    return max(1, min(4, usable_cores() // 4))
 
 
 def main() -> None:
