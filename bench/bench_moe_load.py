@@ -31,6 +31,7 @@ Usage: python bench/bench_moe_load.py [--layers 48] [--runs 3] [--gpu | --first-
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import subprocess
@@ -365,33 +366,28 @@ def gpu_engine(args: argparse.Namespace) -> None:
 
     # which package this engine's plugin is (plugin_old: the --old-src tree), read back in the results
     out: dict = {"_start_s": time.perf_counter() - t_start, "_package": vllm_lora_ext.__file__}
-    profiling = os.environ.get("LORA_BENCH_PROFILE") == "1"
+    profiling = os.environ.get("LORA_BENCH_PROFILE") == "1"  # plugin_profile: runs 1 and 2, in-process engine
     i = 0
     for rep in range(args.runs):
         for form in args.forms.split(","):
             i += 1
             req = LoRARequest(lora_name=f"{form}-{rep}", lora_int_id=i, lora_path=str(Path(args._adapters) / form),
                               is_3d_lora_weight=form == "3d")
-            profile = _profiler() if profiling and rep < 2 else None  # plugin_profile: runs 1 and 2, in-process engine
+            profile = cProfile.Profile() if profiling and rep < 2 else None
             t0 = time.perf_counter()
             _under(profile, lambda: llm.llm_engine.add_lora(req))
             t1 = time.perf_counter()
             stats_add = _top(profile)
-            profile = _profiler() if profile is not None else None
+            profile = cProfile.Profile() if profile is not None else None
             _under(profile, lambda: llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
                                                  SamplingParams(max_tokens=1, detokenize=False),
                                                  lora_request=req, use_tqdm=False))
             t2 = time.perf_counter()
             if profile is not None:
-                out.setdefault("_profiles", []).append({"run": rep + 1, "add_lora": stats_add, "first_step": _top(profile)})
+                out.setdefault("_profiles", []).append({"run": rep + 1, "add_lora": stats_add,
+                                                        "first_step": _top(profile)})
             out.setdefault(form, []).append({"add_lora": t1 - t0, "first_step": t2 - t1, "total": t2 - t0})
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def _profiler() -> Any:
-    import cProfile
-
-    return cProfile.Profile()
 
 
 def _under(profile: Any, call: Any) -> None:

@@ -23,7 +23,8 @@ worker thread instead of the build process (``VLLM_LORA_EXT_BUILD_PROCESS=0``); 
 engine step (``VLLM_LORA_EXT_PREBUILD=0``), whose time to first token is the plugin's own load time, which
 background loading is measured against; plugin_old = the plugin imported from ``--old-src`` (``git archive <rev>
 src/vllm_lora_ext``, its ``src``) in the server and its build process: an earlier version beside this one in the same
-run, on the same machine (its JSON carries both sides' medians and their ratio). ``--graphs``: full CUDA graphs (no torch.compile) instead of eager steps.
+run, on the same machine (its JSON carries both sides' medians and their ratio). ``--graphs``: full CUDA graphs (no
+torch.compile) instead of eager steps.
 The prefix cache is off and the server warms up twice, so that no Triton kernel compiles inside a measured run; B
 arrives ``--arrive`` seconds (default 4) into the in-flight requests.
 
@@ -276,23 +277,31 @@ def _medians(summary: dict[str, Any], cases: list[str], reps: int) -> None:
     for key in [k for k in list(summary) if "#" not in k and k.split("/")[-1] in cases]:
         rows = [summary[k] for k in summary if k == key or k.startswith(key + "#")]
         if len(rows) > 1:
-            med = {f: statistics.median(r[f] for r in rows) for f in ("max_gap_s", "b_ttft_s", "throughput_ratio")}
+            med = {f: statistics.median(r[f] for r in rows) for f in _COMPARED}
             summary[key + "/median"] = {**med, "reps": len(rows)}
             print(f"{key}, median of {len(rows)}: max gap {med['max_gap_s']:.4f} s, B TTFT {med['b_ttft_s']:.4f} s, "
                   f"tok/s {med['throughput_ratio']:.3f}x")
 
 
+_COMPARED = ("max_gap_s", "b_ttft_s", "throughput_ratio")  # each case's figures that medians and ratios take
+
+
+def _ratios(ours: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """``ours``' compared figures over ``base``'s (a figure that is 0 in ``base`` is left out)."""
+    return {f: ours[f] / base[f] for f in _COMPARED if base[f]}
+
+
 def _against_old(summary: dict[str, Any], cases: list[str]) -> None:
     """This version (``plugin``) against the earlier one (``plugin_old``), case by case: each side's median over its
     reps (its one run without ``--reps``), and this version's over the earlier one's (``plugin_vs_old/<case>``)."""
-    fields = ("max_gap_s", "b_ttft_s", "throughput_ratio")
     for case in cases:
         sides = {m: summary.get(f"{m}/{case}/median") or summary.get(f"{m}/{case}") for m in ("plugin", "plugin_old")}
         if not all(sides.values()):
             continue
-        ratios = {f: sides["plugin"][f] / sides["plugin_old"][f] for f in fields if sides["plugin_old"][f]}
-        summary[f"plugin_vs_old/{case}"] = {"plugin": {f: sides["plugin"][f] for f in fields},
-                                            "plugin_old": {f: sides["plugin_old"][f] for f in fields}, "ratio": ratios}
+        ratios = _ratios(sides["plugin"], sides["plugin_old"])
+        summary[f"plugin_vs_old/{case}"] = {"plugin": {f: sides["plugin"][f] for f in _COMPARED},
+                                            "plugin_old": {f: sides["plugin_old"][f] for f in _COMPARED},
+                                            "ratio": ratios}
         print(f"{case}, plugin / plugin_old: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
 
 
@@ -357,7 +366,7 @@ def main() -> None:
     for mode in ("plugin", "thread", "sync"):  # against stock in the same run (stock: the 2D case only)
         if f"{mode}/2d" in summary and "stock/2d" in summary:
             ours, stock = summary[f"{mode}/2d"], summary["stock/2d"]
-            ratios = {k: ours[k] / stock[k] for k in ("max_gap_s", "b_ttft_s", "throughput_ratio") if stock[k]}
+            ratios = _ratios(ours, stock)
             ours["vs_stock"] = ratios
             print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
     _against_old(summary, cases)
@@ -376,7 +385,8 @@ def main() -> None:
                        "outputs = preloaded", "control"])
     payload = {"summary": summary, "runs": {m: {c: {k: v for k, v in r.items() if k != "times"} for c, r in runs.items()}
                                             for m, runs in results.items()}, "inflight": N_INFLIGHT,
-               "tokens": args.tokens, "arrive_s": args.arrive, "graphs": args.graphs, "old_src": args.old_src,
+               "tokens": args.tokens, "arrive_s": args.arrive, "graphs": args.graphs,
+               "old_src": args.old_src,
                "note": f"{args.reps} run(s) per 2D, 3D and loaded case and mode (case#k: rep k)"}
     write_json("no_stall", payload, args.out)
 

@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="reuse (or keep) the adapters written there")
     ap.add_argument("--forms", default="2d,3d")
     ap.add_argument("--old-scan-rule", action="store_true",
-                    help="scan threads by r31's rule (at most 2), for a before and after of moe_read.default_scan_workers")
+                    help="scan threads by r31's rule (at most 2): a before and after of moe_read.default_scan_workers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, args.src or str(Path(__file__).resolve().parents[1] / "src"))
@@ -192,7 +192,9 @@ def main() -> None:
     from vllm_lora_ext.planning import ModelSpec
 
     if not args.worker:
-        torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 4)))  # as the build process
+        from vllm_lora_ext.integration.build_process import _torch_threads
+
+        torch.set_num_threads(_torch_threads())  # as the build process
     _instrument()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="probe-build-"))
     blocks = [f"model.layers.{layer}.mlp.experts" for layer in range(args.layers)]

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, BinaryIO
 
-from vllm_lora_ext._util import clip
+from vllm_lora_ext._util import clip, usable_cores
 from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
 from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
 from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
@@ -404,8 +404,6 @@ def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: 
 
 def _torch_threads() -> int:
     """Threads for torch in the build process: a quarter of the cores, from 1 to 4 (it runs beside the engine)."""
-    from vllm_lora_ext._util import usable_cores
-
     return max(1, min(4, usable_cores() // 4))
 
 
