@@ -8,6 +8,7 @@ Pure core: shapes and dtypes come from the safetensors header; module dims from 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -210,22 +211,21 @@ def check_rank_budget(rank: int, max_rank: int, *, adapter: str, what: str, deta
 def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """Return the first key whose tensor holds a NaN or an infinity, else ``None``.
 
-    One pass per tensor: a sum, which is NaN or infinite whenever an element is, and finite otherwise
-    unless it overflows (an overflowing sum of finite values is re-checked element-wise, so a finite
-    tensor is never refused). bfloat16/float32/float64 sum in their own dtype (torch accumulates in at
-    least float32, and the result has float32's range), about 5x faster than converting to float32
-    first; float16 (range 65504) accumulates into float32 so that the re-check stays rare.
+    On the CPU, one pass per tensor: a sum, which is NaN or infinite whenever an element is, and finite otherwise
+    unless it overflows (an overflowing sum of finite values is re-checked element-wise, so a finite tensor is never
+    refused). bfloat16/float32/float64 sum in their own dtype (torch accumulates in at least float32, and the result
+    has float32's range), about 5x faster than converting to float32 first; float16 (range 65504) accumulates into
+    float32 so that the re-check stays rare. Tensors all on one GPU take [`_gpu_nonfinite`]: one kernel launch per
+    dtype and one device sync for all of them.
     """
-    # 8-bit floats have no sum or isfinite in torch: they are checked as float32
+    # 8-bit floats have no sum, norm or isfinite in torch: they are checked as float32
     import torch
 
     items = [(k, t.float() if t.element_size() == 1 else t) for k, t in tensors.items()
              if t.numel() and t.is_floating_point()]
-    if items and all(t.device.type != "cpu" for _, t in items):  # one device sync for all, not one per tensor
-        totals = torch.stack([(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()).float()
-                              for _, t in items])
-        if bool(torch.isfinite(totals).all()):
-            return None
+    devices = {t.device for _, t in items}
+    if len(devices) == 1 and next(iter(devices)).type != "cpu":
+        return _gpu_nonfinite(items)
     for key, t in items:
         total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
         if torch.isfinite(total):
@@ -233,6 +233,46 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
         if not bool(torch.isfinite(t).all()):
             return key
     return None
+
+
+_NORMS_PROPAGATE: dict[str, bool] = {}  # per device type: whether torch's fused inf-norm passes NaN and inf on
+
+
+def _gpu_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """[`first_nonfinite`] of tensors on one accelerator: each tensor's largest magnitude (``torch._foreach_norm``
+    with ``ord=inf``: fused kernels, a few launches for hundreds of tensors), which is NaN or infinite exactly when an
+    element is (a maximum cannot overflow), stacked and brought to the host once. Where torch's fused norm has not
+    shown, once per device type, that it passes NaN and infinity on, the tensors are summed one by one instead."""
+    import torch
+
+    device = items[0][1].device
+    if not _norms_propagate(device):
+        totals = [(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()).float() for _, t in items]
+        finite = torch.isfinite(torch.stack(totals)).tolist()
+        return next((k for (k, t), ok in zip(items, finite) if not ok and not bool(torch.isfinite(t).all())), None)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, t) in enumerate(items):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    maxima: list[torch.Tensor | None] = [None] * len(items)
+    for idx in by_dtype.values():
+        for i, m in zip(idx, torch._foreach_norm([items[i][1] for i in idx], math.inf)):
+            maxima[i] = m.float()
+    finite = torch.isfinite(torch.stack(maxima)).tolist()  # type: ignore[arg-type]
+    return next((k for (k, _), ok in zip(items, finite) if not ok), None)
+
+
+def _norms_propagate(device: torch.device) -> bool:
+    found = _NORMS_PROPAGATE.get(device.type)
+    if found is None:
+        import torch
+
+        cases = [(dtype, v) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+                 for v in (math.nan, math.inf, -math.inf, -3.0)]
+        probes = [torch.tensor([1.0, v, 2.0], dtype=dtype, device=device) for dtype, v in cases]
+        got = torch.stack([m.float() for m in torch._foreach_norm(probes, math.inf)]).tolist()
+        found = all(math.isnan(g) if math.isnan(v) else g == abs(v) for g, (_, v) in zip(got, cases))
+        _NORMS_PROPAGATE[device.type] = found
+    return found
 
 
 def nonfinite_error(key: str, *, adapter: str = "adapter") -> AdapterFormatError:

@@ -69,6 +69,34 @@ def test_a_build_failing_while_it_reads_leaves_no_shared_file(tmp_path: Path, bu
     assert _files(build_dir) == []
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_build_told_not_to_scan_leaves_a_nan_to_its_caller_and_says_so_across_the_hand_over(
+        tmp_path: Path, shared: bool) -> None:
+    """``BuildJob(scan_moe=False)`` (a background build on a GPU, scanned once staged) reads a NaN block as it is and
+    marks the build unscanned, also after the hand-over; the default build refuses the same file."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    folder = write_moe_adapter(tmp_path / "bad", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in tensors if ".layers.1." in k and k.endswith("down_proj.lora_B.weight"))
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    with pytest.raises(AdapterFormatError, match="NaN"):
+        build_adapter(_job(folder, "2d"), PeftKeyRouter(), shared=shared)
+    built = build_adapter(replace(_job(folder, "2d"), scan_moe=False), PeftKeyRouter(), shared=shared)
+    if shared:
+        built, _ = from_shared(to_shared(built))
+    assert built.moe_scanned is False
+    assert any(not bool(torch.isfinite(t).all()) for t in _tensors(built))
+    good = write_moe_adapter(tmp_path / "good", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    built = build_adapter(_job(good, "2d"), PeftKeyRouter(), shared=shared)
+    assert built.moe_scanned is True
+    assert from_shared(to_shared(built))[0].moe_scanned is True
+
+
 def test_shared_files_of_dead_build_processes_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -292,6 +292,30 @@ def test_finite_factors_whose_sum_overflows_are_not_refused() -> None:
     check_finite({A: torch.full((1024, 1024), 3e38, dtype=torch.float32)}, adapter="x")  # the control
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_the_fused_norm_scan_of_a_staged_model_finds_what_the_sum_scan_finds(dtype: torch.dtype,
+                                                                              bad: float | None) -> None:
+    """``validation._gpu_nonfinite`` (what ``first_nonfinite`` runs on tensors on one GPU: torch's fused inf-norm per
+    dtype, one sync) names the first non-finite tensor among many of mixed dtypes, as the CPU's sums do; a finite
+    tensor of maxima near float32's range is not refused (a maximum does not overflow). Run here on the CPU, whose
+    ``_foreach_norm`` is the same operation; ``tests/gpu/test_staging.py`` runs it on CUDA."""
+    from vllm_lora_ext.validation import _gpu_nonfinite, _norms_propagate, first_nonfinite
+
+    assert _norms_propagate(torch.device("cpu"))
+    tensors = {f"m{i}.lora_a": torch.full((4, 16), 0.5, dtype=torch.float32 if i % 2 else torch.bfloat16)
+               for i in range(6)}
+    tensors["big"] = torch.full((64, 64), 3e38, dtype=torch.float32)
+    t = torch.ones(4, 16).to(dtype)
+    if bad is not None:
+        t[2, 5] = bad
+    tensors["m3.lora_b[1]"] = t
+    tensors["m4.lora_b"] = torch.full((2, 2), float("nan")) if bad is not None else torch.ones(2, 2)
+    want = None if bad is None else "m3.lora_b[1]"
+    assert _gpu_nonfinite(list(tensors.items())) == want
+    assert first_nonfinite(tensors) == want  # (the CPU's sums)
+
+
 # ------------------------------------------------------------------------------------------------ MoE / EP (15)
 
 SPEC = MoESpec("model.layers.0.mlp.experts", num_experts=4, hidden=8, intermediate=6)

@@ -72,6 +72,40 @@ def test_nothing_is_staged_past_the_budget(monkeypatch: pytest.MonkeyPatch) -> N
                    for t in (w.lora_a if isinstance(w.lora_a, list) else [w.lora_a]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_a_staged_model_left_unscanned_is_scanned_on_the_gpu_and_refused_and_freed_if_not_finite(
+        bad: float | None) -> None:
+    """A background build on a GPU skips its MoE NaN/inf scan (``scan_moe=False``) and ``refuse_nonfinite`` scans the
+    staged tensors: torch's fused inf-norm on CUDA must pass NaN and infinity on (``_norms_propagate``, else the sum
+    fallback), the error names the packed factor, and the refused model's staging buffer is released."""
+    from vllm_lora_ext.errors import AdapterFormatError
+    from vllm_lora_ext.integration.patching import STAGED_ATTR, UNSCANNED_ATTR
+    from vllm_lora_ext.integration.staging import refuse_nonfinite, stage, staged_bytes
+    from vllm_lora_ext.validation import _norms_propagate
+
+    assert _norms_propagate(torch.device("cuda:0"))
+    model, expected = _model()
+    moe = model.loras["model.layers.0.mlp.experts"]
+    if bad is not None:
+        moe.lora_b[1][2, 17, 5] = bad  # deep in the middle of one packed factor
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    assert stage(model, "cuda:0") and staged_bytes() > 0
+    setattr(model, UNSCANNED_ATTR, True)
+    if bad is None:
+        refuse_nonfinite(model, "good")
+        assert getattr(model, STAGED_ATTR, None) is not None and not hasattr(model, UNSCANNED_ATTR)
+        for got, want in zip(moe.lora_a + moe.lora_b, expected["moe_a"] + expected["moe_b"]):
+            assert torch.equal(got.cpu(), want)  # the scan changed nothing
+        return
+    with pytest.raises(AdapterFormatError, match=r"'model.layers.0.mlp.experts.lora_b\[1\]' holds NaN or infinite"):
+        refuse_nonfinite(model, "bad")
+    assert model.loras == {} and staged_bytes() == 0
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+
+
 def _mix_jobs() -> dict[object, tuple[list[tuple[torch.Tensor, torch.Tensor, float]], int, int]]:
     """A mix's concatenation jobs: a dense module and two slices of a packed MoE block, three components."""
     g = torch.Generator().manual_seed(1)

@@ -30,7 +30,7 @@ from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_me
                                                 validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.key_router import VllmKeyRouter
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR, UNSCANNED_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
@@ -143,13 +143,16 @@ def module_dims(manager: Any) -> dict[str, ModuleDims]:
     return out
 
 
-def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None) -> Any:
+def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None,
+                    scan_moe: bool = True) -> Any:
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
     by a build process ([`build_process`]), and only wrapped in vLLM's objects here. With a CUDA ``device``
     (background builds; in the step the manager's, unless ``VLLM_LORA_EXT_MIX_ON_GPU=0``), a mix is
-    concatenated on that GPU, staged for its slot copy.
+    concatenated on that GPU, staged for its slot copy. With ``scan_moe=False``, an adapter's MoE factors are not
+    scanned for NaN/inf while read; the model then carries ``UNSCANNED_ATTR``, and the caller must scan it
+    (``integration.staging.refuse_nonfinite``) before it is served. A mix's components are always scanned.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -158,7 +161,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """
     if not lora_request.lora_path.startswith(MIX_PREFIX):
         return _counted(manager, "adapter", lambda: _load_adapter_model(manager, lora_request,
-                                                                        separate_process=separate_process))
+                                                                        separate_process=separate_process,
+                                                                        scan_moe=scan_moe))
 
     def load_mix() -> Any:
         nonlocal device
@@ -350,12 +354,14 @@ def _count_read(built: BuiltAdapter) -> None:
 
 
 def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bool = False,
-                        component: bool = False) -> Any:
+                        component: bool = False, scan_moe: bool = True) -> Any:
     """Build ``lora_request``'s adapter, then wrap it ([`assemble`]), or map it ([`map_component`]) for a mix."""
     from vllm.exceptions import LoRAAdapterNotFoundError
 
     t0 = time.perf_counter()
     job, router = build_job(manager, lora_request)
+    if not scan_moe and not component:
+        job = replace(job, scan_moe=False)
     t_job = time.perf_counter()
     try:
         found = None
@@ -371,6 +377,8 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
         raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
     t_built = time.perf_counter()
     lora = (map_component if component else assemble)(manager, lora_request, built, router)
+    if not built.moe_scanned:
+        setattr(lora, UNSCANNED_ATTR, True)
     now = time.perf_counter()
     modules = len(lora.modules) + len(built.moe) if component else len(lora.loras)
     _log_loaded(built, modules, lora_request, now - t0,

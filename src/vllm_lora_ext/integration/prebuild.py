@@ -85,16 +85,23 @@ def _build(manager: Any, path: str) -> Any:
     from vllm.lora.request import LoRARequest
 
     from vllm_lora_ext.integration.loader import load_lora_model
-    from vllm_lora_ext.integration.staging import stage
+    from vllm_lora_ext.integration.staging import refuse_nonfinite, stage
 
     name = manager.__dict__.get(PREBUILD_NAMES_ATTR, {}).get(path) or "adapter"
     logger.info("adapter %r: building in the background", name)
     device = getattr(manager, "device", "cpu")
+    # On a GPU, the MoE factors' NaN/inf scan waits for staging, where it takes a millisecond instead of a CPU pass
+    # over every byte on the build's path; what is not staged is scanned on the CPU there all the same
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
-                           separate_process=_use_build_process(), device=device)
+                           separate_process=_use_build_process(), device=device, scan_moe=not _on_cuda(device))
     stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
+    refuse_nonfinite(lora, name)
     merge_ahead(manager, lora, name)
     return lora
+
+
+def _on_cuda(device: Any) -> bool:
+    return str(device).startswith("cuda")
 
 
 def merge_ahead(manager: Any, lora: Any, name: str = "adapter") -> None:

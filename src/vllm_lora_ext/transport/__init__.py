@@ -49,7 +49,12 @@ and that worker's build process; a new mix's path through the modules is in the 
    on the staging stream (``cuda.stream_for(device, "staging")``) through two pinned bounce chunks
    (``staging._copy_through_pinned``); the model now points at views of that buffer. A mix is concatenated on
    the GPU instead (``integration.staging.concat_staged`` with ``staging._upload_and_place``), staged from the
-   start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. Staging is kept over pinning the
+   start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. A background build on a GPU
+   reads its MoE factors without their NaN/inf scan (``building.BuildJob.scan_moe=False``, the model marked
+   ``UNSCANNED_ATTR``); ``integration.staging.refuse_nonfinite`` scans them here, once staged, in a few fused
+   launches and one sync (on the CPU if they were not staged), and refuses the model, freeing its buffer, if one
+   holds NaN or infinity. Dense factors, a mix's components and every other build are scanned as they are read.
+   Staging is kept over pinning the
    shared file in place: the driver refused to page-lock a file mapping on the H200 host, and the slot copy from
    it paused in-flight requests 0.26 s against staging's 0.054 s (``bench/results/no_stall_h200x2_r25_pinned_trial.json``).
    Then, on the same thread, vLLM's merge of the model's packed modules (``_create_merged_loras_inplace``, which its
