@@ -16,9 +16,11 @@ new, old, new, old). ``--worker`` times the build a GPU worker runs in its own t
 dependency) headers take the entry-by-entry parse, which a serving process does not.
 
 ``--old-scan-rule`` scans on at most 2 threads, as before r32's ``moe_read.default_scan_workers`` (4 on a 16-core host).
+``--no-moe-scan`` builds as a background build on a GPU does since r33 (``BuildJob(scan_moe=False)``: no scan while
+read); ``--gpu-scan`` also times that scan where it then runs, on the GPU after staging (needs CUDA).
 
 Usage: python bench/probe_build_shared.py [--layers 48] [--reps 4] [--bare] [--worker] [--src DIR] [--workdir W]
-    [--forms 2d,3d] [--old-scan-rule] [--out FILE]
+    [--forms 2d,3d] [--old-scan-rule] [--no-moe-scan] [--gpu-scan] [--out FILE]
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def _builds(job: Any, reps: int) -> tuple[list[dict[str, float]], str]:
         t = time.perf_counter()
         handed = from_shared(shared)
         ACC["from_shared"] = time.perf_counter() - t
+        if _GPU_SCAN:
+            ACC.update(_gpu_scan(handed[0]))
         del handed
         if r:
             runs.append(dict(ACC))
@@ -122,6 +126,26 @@ def _builds(job: Any, reps: int) -> tuple[list[dict[str, float]], str]:
         built.arena.discard()
     arenas.discard()
     return runs, text.getvalue()[-5000:]
+
+
+_GPU_SCAN: list[bool] = []  # --gpu-scan
+
+
+def _gpu_scan(built: Any) -> dict[str, float]:
+    """The deferred NaN/inf scan as a background build on a GPU runs it once staged (``first_nonfinite`` over the MoE
+    factors on the GPU, after a plain copy up here): its seconds, the copy's excluded."""
+    import torch
+
+    from vllm_lora_ext.validation import first_nonfinite
+
+    named = {f"{p}.{g}[{i}]": t.to("cuda", non_blocking=False) for p, (a, b, _) in built.moe.items()
+             for g, ts in (("lora_a", a), ("lora_b", b)) for i, t in enumerate(ts)}
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    bad = first_nonfinite(named)
+    out = {"GPU scan (first_nonfinite, staged)": time.perf_counter() - t}
+    assert bad is None, bad
+    return out
 
 
 def _bare(path: Path) -> dict[str, float]:
@@ -176,8 +200,13 @@ def main() -> None:
     ap.add_argument("--forms", default="2d,3d")
     ap.add_argument("--old-scan-rule", action="store_true",
                     help="scan threads by r31's rule (at most 2): a before and after of moe_read.default_scan_workers")
+    ap.add_argument("--no-moe-scan", action="store_true",
+                    help="build with BuildJob(scan_moe=False), as a background build on a GPU does")
+    ap.add_argument("--gpu-scan", action="store_true", help="also time that scan on the GPU after the hand-over")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.gpu_scan:
+        _GPU_SCAN.append(True)
     sys.path.insert(0, args.src or str(Path(__file__).resolve().parents[1] / "src"))
     if args.old_scan_rule:
         from vllm_lora_ext.formats import moe_read
@@ -203,12 +232,14 @@ def main() -> None:
                               "worker": args.worker, "torch_threads": torch.get_num_threads(), "forms": {}}
     rows = []
     result["scan_rule"] = "r31 (at most 2)" if args.old_scan_rule else "default_scan_workers"
+    result["moe_scan"] = "none (BuildJob(scan_moe=False))" if args.no_moe_scan else "while read"
     for form in args.forms.split(","):
         folder = work / form
         if not (folder / "adapter_model.safetensors").exists():
             make_adapter(folder, args.layers, form)
             os.sync()
-        job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16)
+        job = BuildJob(str(folder), "probe", model, dtype=torch.bfloat16,
+                       **({"scan_moe": False} if args.no_moe_scan else {}))
         runs, profile = (_worker_builds if args.worker else _builds)(job, args.reps)
         med = {k: median([r[k] for r in runs]) for k in runs[0]}
         result["forms"][form] = {"median_s": med, "runs": runs, "profile": profile,
