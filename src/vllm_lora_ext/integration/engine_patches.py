@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_lora_ext._util import clip
 from vllm_lora_ext.errors import MixIdCollisionError, error_from_text
+from vllm_lora_ext.integration._compat import warm_logits_processor_lookup
 from vllm_lora_ext.integration.patching import OFFLINE_LOADED_ATTR
 
 _MAX_OFFLINE_IDS = 65536
@@ -31,6 +32,17 @@ def make_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, request_id, prompt, params, arrival_time, lora_request, *args, **kwargs)
 
     return add_request
+
+
+def make_input_processor_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``InputProcessor.__init__``: vLLM's, then its logits-processor lookup done ahead of the first request
+    ([`_compat.warm_logits_processor_lookup`])."""
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, vllm_config, *args, **kwargs)
+        warm_logits_processor_lookup(self)
+
+    return __init__
 
 
 def offline_loaded(engine: Any) -> collections.OrderedDict[int, str]:

@@ -30,6 +30,7 @@ from vllm_lora_ext.integration._compat import (
     FUSED_MOE_LORA_MODULE,
     GENERATE_SERVING_MODULE,
     GPU_WORKER_MODULE,
+    INPUT_PROCESSOR_MODULE,
     LLM_ENGINE_MODULE,
     LORA_EXPAND_OP_MODULE,
     LORA_OP_UTILS_MODULE,
@@ -244,6 +245,13 @@ PATCHES: tuple[Patch, ...] = (
           why="a client may not unload the operator's adapters (--lora-modules, the deployment config) and load "
               "its own under their names; the per-name lock vLLM keeps for every name ever asked for goes once free",
           delete_when="vLLM protects configured adapters from runtime unloads and frees its per-name locks"),
+    Patch(INPUT_PROCESSOR_MODULE, "InputProcessor.__init__", ("vllm_config",),
+          engine_patches.make_input_processor_init, process="engine",
+          why="vLLM looks its custom logits processors up (an entry-points scan over every installed distribution, "
+              "31 ms profiled) in the first request's processing, on the path of the first adapter's first token "
+              "(issue 39 item 3): do that cached lookup while the engine client starts, where vLLM defers it "
+              "(`_compat.warm_logits_processor_lookup`; a failing lookup is left to the first request)",
+          delete_when="vLLM loads logits-processor plugins at start-up on every model runner"),
 )
 
 
