@@ -224,8 +224,10 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     Call it on the build's thread, after vLLM's merge ran on ``lora`` and with its staged tensors complete or queued
     on the current stream. Returns the plan, or ``None`` (nothing kept: a model not staged, or a write the plan
     cannot take; vLLM's own activation then runs). An adapter whose factors have the shapes, strides and dtypes of
-    one planned before on this manager, for the same slot, takes that plan's writes with its own tensors as the
-    sources ([`_from_template`]): vLLM's set_lora derives its sources from those alone."""
+    one planned before on this manager takes that plan's writes with its own tensors as the sources
+    ([`_from_template`]): vLLM's set_lora derives its sources from those alone. The writes stay those of the slot
+    they were recorded for (``plan.slot``), which the step moves to the slot it fills ([`replay`]), as it moves any
+    plan's when that slot was taken meanwhile."""
     slots = getattr(adapters, "lora_index_to_id", None)
     modules = getattr(adapters, "modules", None)
     get = getattr(adapters, "_get_lora_layer_weights", None)
@@ -243,8 +245,11 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
             entries.append((module, get(lora, module_name)))
         else:
             live.append(module_name)
-    key = (plan.slot, tuple(_signature(w) for _, w in entries))
-    template = _templates(adapters).get(key)
+    key = tuple(_signature(w) for _, w in entries)
+    kept = _templates(adapters).get(key)
+    template = None
+    if kept is not None:  # its writes are for the slot it was recorded for: the step moves them, as any plan's
+        plan.slot, template = kept
     try:
         plan.writes = _from_template(template, entries) if template is not None else _record(plan.slot, len(slots),
                                                                                                entries)
@@ -262,7 +267,7 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
         return None  # (such a tensor, e.g. a tensor-parallel slice vLLM concatenates, would be held outside the
         # staging budget until the model is taken)
     if template is None:
-        _keep_template(adapters, key, plan.writes, entries)
+        _keep_template(adapters, key, plan.slot, plan.writes, entries)
     setattr(lora, ACTIVATION_ATTR, plan)
     logger.info("adapter %r: %d slot writes planned in %.4f s (%d modules left to vLLM%s)", name,
                 len(plan.writes), time.perf_counter() - start, len(live),
@@ -288,13 +293,13 @@ def _record(slot: int, slots: int, entries: list[tuple[Any, Any]]) -> list[_Writ
 
 
 # ----------------------------------------------------------------- plans kept by shape, for the next adapter
-_TEMPLATES: weakref.WeakKeyDictionary[Any, dict[Any, list[tuple[_Write, _Source | None]]]] = \
-    weakref.WeakKeyDictionary()
+_Template = tuple[int, list[tuple[_Write, _Source | None]]]  # the slot its writes are for, and the writes
+_TEMPLATES: weakref.WeakKeyDictionary[Any, dict[Any, _Template]] = weakref.WeakKeyDictionary()
 _TEMPLATES_LOCK = threading.Lock()
-_MAX_TEMPLATES = 16  # per manager: a few adapter shapes times the slots
+_MAX_TEMPLATES = 16  # per manager: adapter shapes (any slot: a plan's writes move to the slot the step picks)
 
 
-def _templates(adapters: Any) -> dict[Any, list[tuple[_Write, _Source | None]]]:
+def _templates(adapters: Any) -> dict[Any, _Template]:
     with _TEMPLATES_LOCK:
         return _TEMPLATES.setdefault(adapters, {})
 
@@ -333,7 +338,7 @@ def _source_of(src: torch.Tensor, weights: Any) -> _Source | None:
     return _Source(path, tuple(src.shape), tuple(src.stride()), lo - f.storage_offset())
 
 
-def _keep_template(adapters: Any, key: Any, writes: list[_Write], entries: list[tuple[Any, Any]]) -> None:
+def _keep_template(adapters: Any, key: Any, slot: int, writes: list[_Write], entries: list[tuple[Any, Any]]) -> None:
     """Keep ``writes`` without their sources (which would hold this adapter's GPU tensors), each copy's source
     described by where it lies in its module's factors; nothing is kept if one lies elsewhere."""
     template: list[tuple[_Write, _Source | None]] = []
@@ -348,7 +353,7 @@ def _keep_template(adapters: Any, key: Any, writes: list[_Write], entries: list[
     with _TEMPLATES_LOCK:
         while len(kept) >= _MAX_TEMPLATES:
             kept.pop(next(iter(kept)))
-        kept[key] = template
+        kept[key] = (slot, template)
 
 
 def _factor_at(weights: Any, path: tuple[str, int | None]) -> torch.Tensor:
