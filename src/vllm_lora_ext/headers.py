@@ -14,8 +14,10 @@ import math
 import operator
 import os
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
@@ -219,6 +221,10 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
     if len(blob) != n:
         raise AdapterFormatError(f"{where!r} is truncated inside its header. Re-download it.")
     base = 8 + n
+    kept = _kept_header(blob, size)
+    if kept is not None:  # the same bytes in a file of the same size: the same entries, checked the same way
+        return replace(kept, path=p, stamp=file_stamp(st), shapes=dict(kept.shapes), dtypes=dict(kept.dtypes),
+                       nbytes=dict(kept.nbytes), metadata=dict(kept.metadata), offsets=dict(kept.offsets))
     # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
     checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
     (keys, dtypes, shapes, starts, sizes), meta = checked
@@ -226,9 +232,43 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
         _refuse_surrogates(itertools.chain(keys, meta, meta.values()), where)
     # the spans follow each other (both checks saw to it): each ends where the next starts, the last at the file's end
     firsts = list(map(operator.add, starts, itertools.repeat(base)))
-    return FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
-                      nbytes=dict(zip(keys, sizes)), metadata=dict(meta), header_bytes=base,
-                      offsets=dict(zip(keys, zip(firsts, [*firsts[1:], size]))), stamp=file_stamp(st))
+    header = FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
+                        nbytes=dict(zip(keys, sizes)), metadata=dict(meta), header_bytes=base,
+                        offsets=dict(zip(keys, zip(firsts, [*firsts[1:], size]))), stamp=file_stamp(st))
+    _keep_header(blob, size, header)
+    return header
+
+
+# Headers parsed lately, by their exact bytes and their file's size: adapters of one shape and config (a server's new
+# adapter and the one before it) have byte-identical headers, and a 48-layer MoE adapter's takes 0.1 s to parse and
+# check. Only valid headers are kept (a refusal raises before), each entry's maps copied out to its caller; the key is
+# the bytes themselves (compared in full on a hit), not a digest of them.
+_KEPT_HEADERS: OrderedDict[tuple[bytes, int], FileHeader] = OrderedDict()
+_KEPT_LOCK = threading.Lock()
+_KEEP_HEADERS = 2
+_KEEP_MIN_BYTES = 64 << 10  # about 800 keys: smaller headers parse in well under a millisecond
+_KEEP_MAX_BYTES = 8 << 20  # about 100,000 keys: larger ones are not held in memory
+
+
+def _kept_header(blob: bytes, size: int) -> FileHeader | None:
+    if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
+        return None
+    with _KEPT_LOCK:
+        found = _KEPT_HEADERS.get((blob, size))
+        if found is not None:
+            _KEPT_HEADERS.move_to_end((blob, size))
+        return found
+
+
+def _keep_header(blob: bytes, size: int, header: FileHeader) -> None:
+    if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
+        return
+    kept = replace(header, shapes=dict(header.shapes), dtypes=dict(header.dtypes), nbytes=dict(header.nbytes),
+                   metadata=dict(header.metadata), offsets=dict(header.offsets))
+    with _KEPT_LOCK:
+        _KEPT_HEADERS[(blob, size)] = kept
+        while len(_KEPT_HEADERS) > _KEEP_HEADERS:
+            _KEPT_HEADERS.popitem(last=False)
 
 
 def _has_unicode_escape(blob: bytes) -> bool:

@@ -452,3 +452,50 @@ def test_dtype_by_name_refuses_a_name_outside_the_table() -> None:
 
     with pytest.raises(AdapterFormatError, match="Unknown dtype 'float128'"):
         dtype_by_name("float128")
+
+
+def _big(path: Path, seed: float = 0.0) -> Path:
+    """A safetensors file whose header passes the size kept (64 KiB: 1,024 keys of about 70 bytes of JSON each)."""
+    save_file({f"base_model.model.layers.{i}.mlp.experts.{e}.up_proj.lora_A.weight": torch.full((2, 3), seed)
+               for i in range(16) for e in range(64)}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def test_a_header_of_the_same_bytes_and_file_size_is_not_parsed_again(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's next adapter of one shape has the same header bytes: kept from the last parse (its file's own path
+    and stamp, maps of its own), not decoded and checked again; a file of another size is parsed (and refused)."""
+    parses: list[int] = []
+    real = reader_module._check_header_in_bulk
+    monkeypatch.setattr(reader_module, "_check_header_in_bulk", lambda *a: parses.append(1) or real(*a))
+    reader_module._KEPT_HEADERS.clear()
+    first = read_header(_big(tmp_path / "a.safetensors", 0.5))
+    second_path = _big(tmp_path / "b.safetensors", 2.0)  # other values, the same header bytes
+    assert parses == [1]
+    second = read_header(second_path)
+    assert parses == [1] and second.path == second_path and second.stamp != first.stamp
+    assert (second.shapes, second.dtypes, second.offsets, second.nbytes, second.metadata) == \
+        (first.shapes, first.dtypes, first.offsets, first.nbytes, first.metadata)
+    assert list(second.offsets) == list(first.offsets) and second.shapes is not first.shapes
+    second.shapes.clear()  # a caller's maps are its own
+    assert read_header(second_path).shapes == first.shapes and parses == [1]
+    longer = tmp_path / "c.safetensors"
+    longer.write_bytes(second_path.read_bytes() + b"\0\0")  # the same header, two bytes past its last span
+    with pytest.raises(AdapterFormatError):
+        read_header(longer)
+    assert parses == [1, 1]
+
+
+def test_a_refused_header_is_never_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _big(tmp_path / "a.safetensors")
+    raw, base, size = _header(good)
+    first = next(iter(k for k in raw if k != "__metadata__"))
+    raw[first]["shape"] = [3, 3]  # its span no longer fits its shape
+    blob = json.dumps(raw).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(blob)) + blob + good.read_bytes()[base:])
+    reader_module._KEPT_HEADERS.clear()
+    for _ in range(2):
+        with pytest.raises(AdapterFormatError, match="declares shape"):
+            read_header(bad)
+    assert not reader_module._KEPT_HEADERS
