@@ -235,7 +235,8 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-_NORMS_PROPAGATE: dict[str, bool] = {}  # per device type: whether torch's fused inf-norm passes NaN and inf on
+_NORMS_PROPAGATE: dict[str, bool] = {}  # per device type (one kernel per type): whether torch's fused inf-norm passes
+# NaN and inf on
 
 
 def _gpu_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> str | None:
@@ -266,11 +267,17 @@ def _norms_propagate(device: torch.device) -> bool:
     if found is None:
         import torch
 
-        cases = [(dtype, v) for dtype in (torch.bfloat16, torch.float16, torch.float32)
-                 for v in (math.nan, math.inf, -math.inf, -3.0)]
-        probes = [torch.tensor([1.0, v, 2.0], dtype=dtype, device=device) for dtype, v in cases]
+        # each dtype a factor can have, each value, in a short tensor (a kernel's scalar tail) and in a long one,
+        # where the value lies past the first 65,536 elements (a vectorised loop, another chunk of the launch)
+        cases = [(dtype, v, n) for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+                 for v in (math.nan, math.inf, -math.inf, -3.0) for n in (3, 70_001)]
+        probes = []
+        for dtype, v, n in cases:
+            t = torch.ones(n, dtype=dtype, device=device)
+            t[n - 2] = v
+            probes.append(t)
         got = torch.stack([m.float() for m in torch._foreach_norm(probes, math.inf)]).tolist()
-        found = all(math.isnan(g) if math.isnan(v) else g == abs(v) for g, (_, v) in zip(got, cases))
+        found = all(math.isnan(g) if math.isnan(v) else g == abs(v) for g, (_, v, _) in zip(got, cases))
         _NORMS_PROPAGATE[device.type] = found
     return found
 

@@ -89,3 +89,15 @@ def test_the_patch_is_installed_on_vllms_input_processor() -> None:
 
     plugin.register()
     assert getattr(InputProcessor.__init__, PATCH_MARK, False)
+
+
+def test_a_pooling_model_which_never_looks_is_not_warmed() -> None:
+    from vllm.v1.sample.logits_processor import cached_load_custom_logitsprocs
+
+    from vllm_lora_ext.integration._compat import warm_logits_processor_lookup
+
+    ip = _input_processor()
+    ip.model_config.runner_type = "pooling"
+    cached_load_custom_logitsprocs.cache_clear()
+    assert warm_logits_processor_lookup(ip) is False
+    assert cached_load_custom_logitsprocs.cache_info().misses == 0

@@ -269,43 +269,53 @@ def test_at_most_four_waits_probe_fast_and_every_wait_gives_its_place_back() -> 
 def test_a_background_build_scanned_after_staging_refuses_a_nan_with_a_4xx_and_frees_it(
         worker_manager: Any, adapter: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, a background build leaves its MoE factors' NaN/inf scan until they are staged (``scan_moe=False``,
-    then ``staging.refuse_nonfinite``). Here the worker is told it is on a GPU, and the load marks its model unscanned
-    with a NaN in one factor, as a build process's unscanned MoE block would arrive: the probe's answer is the
-    scan's typed error naming the module's factor (a 400), the refused model keeps no tensor, and the same adapter
-    built without the NaN is taken as usual."""
+    then ``staging.refuse_nonfinite``). Here the worker is told it is on a GPU, and the build it runs (in its thread)
+    answers as a build of an unscanned MoE block with a NaN would: ``moe_scanned=False``, a NaN in one factor. The
+    loader marks the model, the scan refuses it: the probe's answer is a 400 naming the module's factor, the load is
+    counted as rejected (not ok), the refused model keeps no tensor, and the same adapter built clean is taken."""
+    from dataclasses import replace
+
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     import vllm_lora_ext.integration.loader as loader
     import vllm_lora_ext.integration.prebuild as prebuild
+    import vllm_lora_ext.integration.staging as staging
     from vllm_lora_ext.errors import AdapterFormatError
     from vllm_lora_ext.integration.patching import UNSCANNED_ATTR
 
     plugin.register()
     server.reset_registry()
-    original = loader.load_lora_model
-    seen: list[Any] = []
+    real_build, real_record = loader.build_adapter, loader._record_load
+    jobs: list[Any] = []
+    outcomes: list[str] = []
 
-    def unscanned(manager: Any, lora_request: Any, **kwargs: Any) -> Any:
-        lora = original(manager, lora_request, **kwargs)
-        seen.append((kwargs.get("scan_moe"), lora))
-        if "poisoned" in lora_request.lora_name:
-            lora.loras["model.layers.1.self_attn.v_proj"].lora_b[3, 1] = float("nan")
-        setattr(lora, UNSCANNED_ATTR, True)
-        return lora
+    def build(job: Any, router: Any, **kwargs: Any) -> Any:
+        jobs.append(job)
+        built = real_build(job, router, **kwargs)
+        if "poisoned" in job.name:
+            built.dense[next(k for k in built.dense if ".v_proj.lora_B" in k)][3, 1] = float("nan")
+        return replace(built, moe_scanned=job.scan_moe)
 
     monkeypatch.setattr(prebuild, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(loader, "load_lora_model", unscanned)
+    monkeypatch.setattr(prebuild, "_use_build_process", lambda: False)
+    monkeypatch.setattr(loader, "build_adapter", build)
+    monkeypatch.setattr(loader, "_record_load", lambda kind, outcome, *a: (outcomes.append(outcome),
+                                                                           real_record(kind, outcome, *a)))
+    seen: list[Any] = []
+    real_refuse = staging.refuse_nonfinite
+    monkeypatch.setattr(staging, "refuse_nonfinite", lambda lora, name: (seen.append(lora), real_refuse(lora, name)))
     engine = _EngineOnWorker(worker_manager)
     with pytest.raises(AdapterFormatError) as caught:
         asyncio.run(server.ensure_built(engine, _request(adapter, name="poisoned")))
     answer = server.http_error(server.build_failure(caught.value, name="poisoned", source=str(adapter)))
     assert answer.error.code == 400, answer.error
-    assert "'model.layers.1.self_attn.v_proj.lora_b' holds NaN or infinite values" in answer.error.message
-    assert seen[0][0] is False and seen[0][1].loras == {}  # built unscanned; refused and emptied
+    assert "'model.layers.0.self_attn.v_proj.lora_b' holds NaN or infinite values" in answer.error.message
+    assert jobs[0].scan_moe is False and outcomes == ["rejected"]
+    assert seen[0].loras == {} and not hasattr(seen[0], UNSCANNED_ATTR)  # refused and emptied
     assert engine.registered == [] and table(worker_manager).state(str(adapter)) == "absent"  # its error given once
     req = _request(adapter, name="clean", lora_id=9)
     reference = WorkerLoRAManager._load_adapter.__wrapped__(worker_manager, req)
     _probe_until_built(worker_manager, req)
     built = WorkerLoRAManager._load_adapter(worker_manager, req)
     _same(built, reference)
-    assert seen[-1][0] is False and not hasattr(built, UNSCANNED_ATTR)  # scanned (clean) and the mark taken off
+    assert jobs[-1].scan_moe is False and outcomes[-1] == "ok" and not hasattr(built, UNSCANNED_ATTR)

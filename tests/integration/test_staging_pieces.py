@@ -1,9 +1,11 @@
-"""The staging copy's chunking (runs without a GPU): the chunks rebuild the GPU buffer's image exactly."""
+"""The staging copy's chunking (runs without a GPU): the chunks rebuild the GPU buffer's image exactly; the NaN/inf
+scan of a model left unstaged."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from vllm_lora_ext.transport.staging import _pieces
@@ -229,3 +231,19 @@ def test_components_uploaded_into_one_scratch_are_stacked_one_component_at_a_tim
     assert without > with_units
     for arena in arenas:
         arena.close()
+
+
+@pytest.mark.parametrize("cores", [1, 2, 8, 16])
+def test_an_unstaged_models_scan_on_threads_names_the_first_nonfinite_factor_in_order(
+        cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where staging declined (budget, free memory), ``refuse_nonfinite`` scans the CPU factors on up to 4 threads;
+    the factor it names is the first in the model's order, as one thread's scan would name it."""
+    import vllm_lora_ext._util as util
+    from vllm_lora_ext.integration.staging import _first_nonfinite_on_cpu
+
+    monkeypatch.setattr(util, "usable_cores", lambda: cores)
+    named = {f"m{i}.lora_b": torch.ones(64, 32, dtype=torch.bfloat16) for i in range(11)}
+    assert _first_nonfinite_on_cpu(named) is None
+    for bad in ("m9.lora_b", "m2.lora_b", "m5.lora_b"):
+        named[bad][7, 3] = float("nan") if bad != "m5.lora_b" else float("-inf")
+    assert _first_nonfinite_on_cpu(named) == "m2.lora_b"

@@ -438,9 +438,10 @@ def warm_logits_processor_lookup(input_processor: Any) -> bool:
     profiled over 247 distributions on the H200 host, r32), once, inside the first request's processing. On 0.26-0.32
     it runs from ``SamplingParams.verify``; on 0.33 from the V1 runner's ``validate_logits_processors_params``, a
     ``partial`` of ``validate_logits_processors_parameters``. 0.33's V2 runner loads its processors in
-    ``InputProcessor.__init__`` through its own builder, so nothing is left to warm there. A lookup that fails (a
-    processor named by a path that does not import) is left to the first request, which raises as before: vLLM's
-    cache keeps no failures.
+    ``InputProcessor.__init__`` through its own builder, so nothing is left to warm there; a pooling model's requests
+    never look (vLLM refuses sampling parameters for them first). A lookup that fails (a processor named by a path
+    that does not import) is left to the first request, which raises as before (vLLM's cache keeps no failures;
+    vLLM's own log line about it then also appears at start).
     """
     try:
         from vllm.v1.sample import logits_processor as procs
@@ -451,7 +452,10 @@ def warm_logits_processor_lookup(input_processor: Any) -> bool:
     validator = getattr(input_processor, "validate_logits_processors_params", None)
     if cached is None or (validator is not None and getattr(validator, "func", None) is not validate):
         return False
-    custom = getattr(getattr(input_processor, "model_config", None), "logits_processors", None)
+    model_config = getattr(input_processor, "model_config", None)
+    if getattr(model_config, "runner_type", None) == "pooling":
+        return False
+    custom = getattr(model_config, "logits_processors", None)
     try:
         cached(tuple(custom) if custom is not None else None)
     except Exception as err:  # the first request raises it, as it would have

@@ -144,7 +144,7 @@ def module_dims(manager: Any) -> dict[str, ModuleDims]:
 
 
 def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool = False, device: Any = None,
-                    scan_moe: bool = True) -> Any:
+                    scan_moe: bool = True, finish: Callable[[Any], None] | None = None) -> Any:
     """Build the ``LoRAModel`` for ``lora_request`` on the worker that owns ``manager``.
 
     With ``separate_process``, an adapter (or each component of a mix not cached yet) is read and packed
@@ -152,7 +152,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     (background builds; in the step the manager's, unless ``VLLM_LORA_EXT_MIX_ON_GPU=0``), a mix is
     concatenated on that GPU, staged for its slot copy. With ``scan_moe=False``, an adapter's MoE factors are not
     scanned for NaN/inf while read; the model then carries ``UNSCANNED_ATTR``, and the caller must scan it
-    (``integration.staging.refuse_nonfinite``) before it is served. A mix's components are always scanned.
+    (``integration.staging.refuse_nonfinite``) before it is served, in ``finish`` (run on the model inside the
+    load's count and time: a refusal there is a rejected load). A mix's components are always scanned.
 
     Raises:
         vLLM's ``LoRAAdapterNotFoundError``: the source does not exist (the server answers 404).
@@ -160,9 +161,13 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             the adapter cannot be served on this model, with the reason and the fix.
     """
     if not lora_request.lora_path.startswith(MIX_PREFIX):
-        return _counted(manager, "adapter", lambda: _load_adapter_model(manager, lora_request,
-                                                                        separate_process=separate_process,
-                                                                        scan_moe=scan_moe))
+        def load_adapter() -> Any:
+            lora = _load_adapter_model(manager, lora_request, separate_process=separate_process, scan_moe=scan_moe)
+            if finish is not None:
+                finish(lora)
+            return lora
+
+        return _counted(manager, "adapter", load_adapter)
 
     def load_mix() -> Any:
         nonlocal device
@@ -170,6 +175,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             device = getattr(manager, "device", None)
         lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
         setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+        if finish is not None:
+            finish(lora)
         return lora
 
     return _counted(manager, "mix", load_mix)

@@ -90,12 +90,15 @@ def _build(manager: Any, path: str) -> Any:
     name = manager.__dict__.get(PREBUILD_NAMES_ATTR, {}).get(path) or "adapter"
     logger.info("adapter %r: building in the background", name)
     device = getattr(manager, "device", "cpu")
+    def finish(lora: Any) -> None:  # inside the load's count: a refusal here is a rejected load
+        stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
+        refuse_nonfinite(lora, name)
+
     # On a GPU, the MoE factors' NaN/inf scan waits for staging, where it takes a millisecond instead of a CPU pass
     # over every byte on the build's path; what is not staged is scanned on the CPU there all the same
     lora = load_lora_model(manager, LoRARequest(lora_name=name, lora_int_id=1, lora_path=path),
-                           separate_process=_use_build_process(), device=device, scan_moe=not _on_cuda(device))
-    stage(lora, device)  # the step's slot copy then runs GPU to GPU (a mix built on the GPU is staged already)
-    refuse_nonfinite(lora, name)
+                           separate_process=_use_build_process(), device=device, scan_moe=not _on_cuda(device),
+                           finish=finish)
     merge_ahead(manager, lora, name)
     return lora
 

@@ -166,12 +166,15 @@ def refuse_nonfinite(lora: Any, name: str) -> None:
     """
     if not lora.__dict__.pop(UNSCANNED_ATTR, False):
         return
+    named = {f"{module}.{attr}" + ("" if i is None else f"[{i}]"): t
+             for module, weights in list(lora.loras.items()) for attr, i, t in factor_tensors(weights)}
     found: list[str | None] = []
     t0 = time.perf_counter()
-    on_staging_stream(lora, lambda: found.append(first_nonfinite(
-        {f"{module}.{attr}" + ("" if i is None else f"[{i}]"): t
-         for module, weights in list(lora.loras.items()) for attr, i, t in factor_tensors(weights)})))
     staged = getattr(lora, STAGED_ATTR, None) is not None
+    if staged:
+        on_staging_stream(lora, lambda: found.append(first_nonfinite(named)))
+    else:
+        found.append(_first_nonfinite_on_cpu(named))
     logger.info("adapter %r: scanned for NaN/inf %s in %.4f s", name, "on the GPU" if staged else "on the CPU",
                 time.perf_counter() - t0)
     if found[0] is None:
@@ -180,6 +183,22 @@ def refuse_nonfinite(lora: Any, name: str) -> None:
         unstage(lora)
     lora.loras.clear()
     raise nonfinite_error(found[0], adapter=name)
+
+
+def _first_nonfinite_on_cpu(named: dict[str, torch.Tensor]) -> str | None:
+    """``first_nonfinite`` of CPU tensors on up to 4 threads (the build process scanned them so while it read them):
+    the first key in order whose tensor holds NaN or infinity."""
+    from vllm_lora_ext._util import usable_cores
+    from vllm_lora_ext.transport import pools
+
+    keys = list(named)
+    workers = max(1, min(4, usable_cores() // 2, len(keys)))
+    if workers == 1:
+        return first_nonfinite(named)
+    parts = [keys[i::workers] for i in range(workers)]
+    with pools.lent_pool("vllm-lora-ext-scan", workers) as pool:
+        bad = [b for b in pool.map(lambda part: first_nonfinite({k: named[k] for k in part}), parts) if b is not None]
+    return min(bad, key=keys.index) if bad else None
 
 
 def unstage(lora: Any) -> int:
