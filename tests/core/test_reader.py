@@ -489,8 +489,7 @@ def test_a_header_of_the_same_bytes_and_file_size_is_not_parsed_again(tmp_path: 
 def test_a_refused_header_is_never_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     good = _big(tmp_path / "a.safetensors")
     raw, base, size = _header(good)
-    first = next(iter(k for k in raw if k != "__metadata__"))
-    raw[first]["shape"] = [3, 3]  # its span no longer fits its shape
+    raw[next(k for k in raw if k != "__metadata__")]["shape"] = [3, 3]  # its span no longer fits its shape
     blob = json.dumps(raw).encode()
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(struct.pack("<Q", len(blob)) + blob + good.read_bytes()[base:])

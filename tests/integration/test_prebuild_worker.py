@@ -319,3 +319,10 @@ def test_a_background_build_scanned_after_staging_refuses_a_nan_with_a_4xx_and_f
     built = WorkerLoRAManager._load_adapter(worker_manager, req)
     _same(built, reference)
     assert jobs[-1].scan_moe is False and outcomes[-1] == "ok" and not hasattr(built, UNSCANNED_ATTR)
+
+
+def test_a_load_left_unscanned_without_the_scan_that_follows_is_refused(worker_manager: Any, adapter: Path) -> None:
+    from vllm_lora_ext.integration.loader import load_lora_model
+
+    with pytest.raises(ValueError, match="finish="):
+        load_lora_model(worker_manager, _request(adapter), scan_moe=False)

@@ -225,9 +225,9 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     on the current stream. Returns the plan, or ``None`` (nothing kept: a model not staged, or a write the plan
     cannot take; vLLM's own activation then runs). An adapter whose factors have the shapes, strides and dtypes of
     one planned before on this manager takes that plan's writes with its own tensors as the sources
-    ([`_from_template`]): vLLM's set_lora derives its sources from those alone. The writes stay those of the slot
-    they were recorded for (``plan.slot``), which the step moves to the slot it fills ([`replay`]), as it moves any
-    plan's when that slot was taken meanwhile."""
+    ([`_from_template`]): vLLM's set_lora derives its sources from those alone. A kept plan serves any slot: its
+    writes are moved here from the slot they were recorded for to this plan's, so that the step has nothing to
+    move unless that slot is taken meanwhile ([`replay`])."""
     slots = getattr(adapters, "lora_index_to_id", None)
     modules = getattr(adapters, "modules", None)
     get = getattr(adapters, "_get_lora_layer_weights", None)
@@ -248,11 +248,11 @@ def plan_activation(adapters: Any, lora: Any, name: str = "adapter") -> Activati
     key = tuple(_signature(w) for _, w in entries)
     kept = _templates(adapters).get(key)
     template = None
-    if kept is not None:  # its writes are for the slot it was recorded for: the step moves them, as any plan's
-        plan.slot, template = kept
+    if kept is not None:  # recorded for its own slot: moved here to this plan's, off the engine thread
+        recorded_slot, template = kept
     try:
-        plan.writes = _from_template(template, entries) if template is not None else _record(plan.slot, len(slots),
-                                                                                               entries)
+        plan.writes = (_from_template(template, entries, plan.slot - recorded_slot) if template is not None
+                       else _record(plan.slot, len(slots), entries))
     except _Refused as why:
         logger.info("adapter %r: its slot writes are left to vLLM's activation (%s)", name, why)
         return None
@@ -296,7 +296,7 @@ def _record(slot: int, slots: int, entries: list[tuple[Any, Any]]) -> list[_Writ
 _Template = tuple[int, list[tuple[_Write, _Source | None]]]  # the slot its writes are for, and the writes
 _TEMPLATES: weakref.WeakKeyDictionary[Any, dict[Any, _Template]] = weakref.WeakKeyDictionary()
 _TEMPLATES_LOCK = threading.Lock()
-_MAX_TEMPLATES = 16  # per manager: adapter shapes (any slot: a plan's writes move to the slot the step picks)
+_MAX_TEMPLATES = 16  # per manager: adapter shapes (any slot: a kept plan's writes are moved to the plan's)
 
 
 def _templates(adapters: Any) -> dict[Any, _Template]:
@@ -361,16 +361,17 @@ def _factor_at(weights: Any, path: tuple[str, int | None]) -> torch.Tensor:
     return value if path[1] is None else value[path[1]]
 
 
-def _from_template(template: list[tuple[_Write, _Source | None]], entries: list[tuple[Any, Any]]) -> list[_Write]:
-    """The template's writes with this adapter's tensors as the copies' sources (factors of the same signature)."""
+def _from_template(template: list[tuple[_Write, _Source | None]], entries: list[tuple[Any, Any]],
+                   shift: int) -> list[_Write]:
+    """The template's writes moved ``shift`` slots (to the slot this plan is for), with this adapter's tensors as
+    the copies' sources (factors of the same signature)."""
     writes = []
     for w, spec in template:
-        if spec is None:
-            writes.append(w)
-            continue
-        f = _factor_at(entries[w.module][1], spec.path)
-        src = f.as_strided(spec.shape, spec.stride, f.storage_offset() + spec.delta)
-        writes.append(_Write(w.kind, w.dst, w.stride, w.value, src, w.non_blocking, w.module))
+        src = None
+        if spec is not None:
+            f = _factor_at(entries[w.module][1], spec.path)
+            src = f.as_strided(spec.shape, spec.stride, f.storage_offset() + spec.delta)
+        writes.append(_Write(w.kind, _moved(w, shift), w.stride, w.value, src, w.non_blocking, w.module))
     return writes
 
 

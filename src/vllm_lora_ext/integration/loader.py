@@ -160,6 +160,8 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
         [`AdapterSourceError`], [`AdapterFormatError`], [`UnmatchedKeysError`], [`AdapterCompatibilityError`]:
             the adapter cannot be served on this model, with the reason and the fix.
     """
+    if not scan_moe and finish is None:
+        raise ValueError("load_lora_model(scan_moe=False) needs the finish= that scans the model before it is served")
     if not lora_request.lora_path.startswith(MIX_PREFIX):
         def load_adapter() -> Any:
             lora = _load_adapter_model(manager, lora_request, separate_process=separate_process, scan_moe=scan_moe)

@@ -171,10 +171,15 @@ def refuse_nonfinite(lora: Any, name: str) -> None:
     found: list[str | None] = []
     t0 = time.perf_counter()
     staged = getattr(lora, STAGED_ATTR, None) is not None
-    if staged:
-        on_staging_stream(lora, lambda: found.append(first_nonfinite(named)))
-    else:
-        found.append(_first_nonfinite_on_cpu(named))
+    try:
+        if staged:
+            on_staging_stream(lora, lambda: found.append(first_nonfinite(named)))
+        else:
+            found.append(_first_nonfinite_on_cpu(named))
+    except BaseException:  # (a CUDA error, no memory): the model is dropped; its staging buffer goes at once
+        if staged:
+            unstage(lora)
+        raise
     logger.info("adapter %r: scanned for NaN/inf %s in %.4f s", name, "on the GPU" if staged else "on the CPU",
                 time.perf_counter() - t0)
     if found[0] is None:
@@ -196,8 +201,9 @@ def _first_nonfinite_on_cpu(named: dict[str, torch.Tensor]) -> str | None:
     if workers == 1:
         return first_nonfinite(named)
     parts = [keys[i::workers] for i in range(workers)]
-    with pools.lent_pool("vllm-lora-ext-scan", workers) as pool:
-        bad = [b for b in pool.map(lambda part: first_nonfinite({k: named[k] for k in part}), parts) if b is not None]
+    found = pools.run_in_pool("vllm-lora-ext-scan", workers, lambda part: first_nonfinite({k: named[k] for k in part}),
+                              parts)  # (an error reaches the caller once no part runs)
+    bad = [b for b in found if b is not None]
     return min(bad, key=keys.index) if bad else None
 
 
