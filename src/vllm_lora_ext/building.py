@@ -194,9 +194,9 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                 dense = source.read_many(plan.dense_keys, copy=True)
             check_finite(dense, adapter=job.name)
             check_fits_dtype(_dense_multipliers(dense, config), job.dtype, adapter=job.name)
+            fused = frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d")
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name if job.scan_moe else None, alloc=alloc,
-                                  transpose_on=transpose_on, fused_gate_up=frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d"),
-                                  pools=pools)
+                                  transpose_on=transpose_on, fused_gate_up=fused, pools=pools)
             blocks = read_blocks(plan.moe, source, config=config,
                                  experts={p: job.model.local_experts.get(p) for p in plan.moe}, options=options)
             moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}

@@ -223,8 +223,7 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
     base = 8 + n
     kept = _kept_header(blob, size)
     if kept is not None:  # the same bytes in a file of the same size: the same entries, checked the same way
-        return replace(kept, path=p, stamp=file_stamp(st), shapes=dict(kept.shapes), dtypes=dict(kept.dtypes),
-                       nbytes=dict(kept.nbytes), metadata=dict(kept.metadata), offsets=dict(kept.offsets))
+        return _with_own_maps(kept, path=p, stamp=file_stamp(st))
     # (refused in bulk, or no msgspec: parsed and checked entry by entry, which names what is wrong)
     checked = _check_header_in_bulk(blob, size - base) or _check_header_one_by_one(blob, where, base, size)
     (keys, dtypes, shapes, starts, sizes), meta = checked
@@ -250,6 +249,12 @@ _KEEP_MIN_BYTES = 64 << 10  # about 800 keys: smaller headers parse in well unde
 _KEEP_MAX_BYTES = 8 << 20  # about 100,000 keys: larger ones are not held in memory
 
 
+def _with_own_maps(header: FileHeader, **changes: Any) -> FileHeader:
+    """``header`` with ``changes`` and copies of its maps, which its holder may change without touching the kept one."""
+    return replace(header, shapes=dict(header.shapes), dtypes=dict(header.dtypes), nbytes=dict(header.nbytes),
+                   metadata=dict(header.metadata), offsets=dict(header.offsets), **changes)
+
+
 def _kept_header(blob: bytes, size: int) -> FileHeader | None:
     if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
         return None
@@ -263,8 +268,7 @@ def _kept_header(blob: bytes, size: int) -> FileHeader | None:
 def _keep_header(blob: bytes, size: int, header: FileHeader) -> None:
     if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
         return
-    kept = replace(header, shapes=dict(header.shapes), dtypes=dict(header.dtypes), nbytes=dict(header.nbytes),
-                   metadata=dict(header.metadata), offsets=dict(header.offsets))
+    kept = _with_own_maps(header)
     with _KEPT_LOCK:
         _KEPT_HEADERS[(blob, size)] = kept
         while len(_KEPT_HEADERS) > _KEEP_HEADERS:

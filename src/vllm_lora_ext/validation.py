@@ -216,7 +216,8 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     refused). bfloat16/float32/float64 sum in their own dtype (torch accumulates in at least float32, and the result
     has float32's range), about 5x faster than converting to float32 first; float16 (range 65504) accumulates into
     float32 so that the re-check stays rare. Tensors all on one GPU take [`_gpu_nonfinite`]: one kernel launch per
-    dtype and one device sync for all of them.
+    dtype and one device sync for all of them (or, where torch's fused norm fails its check, their sums stacked and
+    synced once, then summed one by one only if one is not finite).
     """
     # 8-bit floats have no sum, norm or isfinite in torch: they are checked as float32
     import torch
@@ -225,10 +226,12 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
              if t.numel() and t.is_floating_point()]
     devices = {t.device for _, t in items}
     if len(devices) == 1 and next(iter(devices)).type != "cpu":
-        return _gpu_nonfinite(items)
+        if _norms_propagate(next(iter(devices))):
+            return _gpu_nonfinite(items)
+        if bool(torch.isfinite(torch.stack([_total(t).float() for _, t in items])).all()):  # one sync for all
+            return None
     for key, t in items:
-        total = t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
-        if torch.isfinite(total):
+        if torch.isfinite(_total(t)):
             continue
         if not bool(torch.isfinite(t).all()):
             return key
@@ -239,18 +242,20 @@ _NORMS_PROPAGATE: dict[str, bool] = {}  # per device type (one kernel per type):
 # NaN and inf on
 
 
-def _gpu_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> str | None:
-    """[`first_nonfinite`] of tensors on one accelerator: each tensor's largest magnitude (``torch._foreach_norm``
-    with ``ord=inf``: fused kernels, a few launches for hundreds of tensors), which is NaN or infinite exactly when an
-    element is (a maximum cannot overflow), stacked and brought to the host once. Where torch's fused norm has not
-    shown, once per device type, that it passes NaN and infinity on, the tensors are summed one by one instead."""
+def _total(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s sum: in its own dtype, float16's in float32 (see [`first_nonfinite`])."""
     import torch
 
-    device = items[0][1].device
-    if not _norms_propagate(device):
-        totals = [(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()).float() for _, t in items]
-        finite = torch.isfinite(torch.stack(totals)).tolist()
-        return next((k for (k, t), ok in zip(items, finite) if not ok and not bool(torch.isfinite(t).all())), None)
+    return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
+
+
+def _gpu_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """[`first_nonfinite`] of tensors on one accelerator whose fused norm passes NaN and infinity on
+    ([`_norms_propagate`]; elsewhere the tensors are summed): each tensor's largest magnitude (``torch._foreach_norm``
+    with ``ord=inf``: fused kernels, a few launches for hundreds of tensors), which is NaN or infinite exactly when an
+    element is (a maximum cannot overflow), stacked and brought to the host once."""
+    import torch
+
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, (_, t) in enumerate(items):
         by_dtype.setdefault(t.dtype, []).append(i)

@@ -162,14 +162,6 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
     """
     if not scan_moe and finish is None:
         raise ValueError("load_lora_model(scan_moe=False) needs the finish= that scans the model before it is served")
-    if not lora_request.lora_path.startswith(MIX_PREFIX):
-        def load_adapter() -> Any:
-            lora = _load_adapter_model(manager, lora_request, separate_process=separate_process, scan_moe=scan_moe)
-            if finish is not None:
-                finish(lora)
-            return lora
-
-        return _counted(manager, "adapter", load_adapter)
 
     def load_mix() -> Any:
         nonlocal device
@@ -177,11 +169,21 @@ def load_lora_model(manager: Any, lora_request: Any, *, separate_process: bool =
             device = getattr(manager, "device", None)
         lora = build_composite(manager, lora_request, separate_process=separate_process, device=device)
         setattr(lora, IDENTITY_ATTR, lora_request.lora_path)
+        return lora
+
+    def load_adapter() -> Any:
+        return _load_adapter_model(manager, lora_request, separate_process=separate_process, scan_moe=scan_moe)
+
+    mix = lora_request.lora_path.startswith(MIX_PREFIX)
+    load = load_mix if mix else load_adapter
+
+    def load_finished() -> Any:
+        lora = load()
         if finish is not None:
             finish(lora)
         return lora
 
-    return _counted(manager, "mix", load_mix)
+    return _counted(manager, "mix" if mix else "adapter", load_finished)
 
 
 def load_component(manager: Any, name: str, source: str, *, separate_process: bool = False) -> MappedAdapter:

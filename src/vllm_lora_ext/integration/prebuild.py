@@ -104,7 +104,9 @@ def _build(manager: Any, path: str) -> Any:
 
 
 def _on_cuda(device: Any) -> bool:
-    return str(device).startswith("cuda")
+    from vllm_lora_ext.transport.cuda import cuda_device_in_use
+
+    return cuda_device_in_use(device) is not None
 
 
 def merge_ahead(manager: Any, lora: Any, name: str = "adapter") -> None:
