@@ -56,7 +56,7 @@ def _instrument() -> None:
     except ImportError:  # an earlier version (--src)
         moe_read = None
 
-    for module, name, phase in ((building, "SafetensorsReader", "header"), (building, "plan_adapter", "plan"),
+    for module, name, phase in ((building, "SafetensorsReader", "header"), (building, "_planned" if hasattr(building, "_planned") else "plan_adapter", "plan"),
                                 (building, "read_blocks", "read_blocks"), (building, "pack_block", "pack"),
                                 (reader, "_preadv_exactly", "preadv (sum over threads)"),
                                 (validation, "first_nonfinite", "scan (sum over the scan pool)"),

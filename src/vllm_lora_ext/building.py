@@ -15,6 +15,7 @@ import contextlib
 import math
 import operator
 import os
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from vllm_lora_ext.errors import AdapterCompatibilityError
 from vllm_lora_ext.formats import classify_key
 from vllm_lora_ext.formats.moe import Alloc, ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_read import ReadOptions, read_blocks
-from vllm_lora_ext.planning import KeyRouter, ModelSpec, plan_adapter
+from vllm_lora_ext.planning import AdapterPlan, KeyRouter, ModelSpec, plan_adapter
 from vllm_lora_ext.headers import safetensors_names
 from vllm_lora_ext.reader import DictSource, ReadStats, SafetensorsReader, load_pickle_tensors
 from vllm_lora_ext.resolve import confining_roots
@@ -173,9 +174,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             shapes, dtypes = source.header.shapes, source.header.dtypes
         if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
             raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
-        model = replace(job.model, allow_unmatched=job.allow_unmatched)
-        plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name,
-                            identity=resolved.identity)
+        token = None if resolved.is_pickle else source.header.token
+        plan = _planned(token, shapes, dtypes, config, job, router, resolved.identity)
         arena = None
         host = None
         if shared and plan.moe:
@@ -216,6 +216,36 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
                             stats.turned_on_gpu, _stamps(resolved, source, config_stamp),
                             moe_scanned=job.scan_moe or not moe)
+
+
+# The last plan made from a kept header (``FileHeader.token``, 64 KiB to 8 MiB of header): a server's new adapter
+# usually has the same header bytes, config and model as the one before it, and planning the 36,864 keys of a
+# 48-layer expert adapter takes 0.03-0.05 s. A plan is only read once made, and depends on nothing but these (the
+# name and source appear only in the messages of a refusal, and a refusal is never kept). A plan that dropped keys
+# is not kept: it warned about them, and each adapter that drops keys warns anew.
+_KEPT_PLAN: list[tuple[tuple[Any, ...], AdapterPlan]] = []
+_KEPT_PLAN_LOCK = threading.Lock()
+
+
+def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+             config: AdapterConfig, job: BuildJob, router: KeyRouter, identity: str) -> AdapterPlan:
+    """`plan_adapter` for ``job``'s adapter, or the kept plan of the same header, config, model and router."""
+    model = replace(job.model, allow_unmatched=job.allow_unmatched)
+    key = (token, replace(config, name="adapter"), model, router) if token is not None else None
+    with _KEPT_PLAN_LOCK:
+        kept = _KEPT_PLAN[0] if _KEPT_PLAN else None
+    if key is not None and kept is not None and _same_key(kept[0], key):
+        return kept[1]
+    plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name, identity=identity)
+    if key is not None and not plan.dropped:
+        with _KEPT_PLAN_LOCK:
+            _KEPT_PLAN[:] = [(key, plan)]
+    return plan
+
+
+def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """The same header bytes and file size, config, model and router (each equal)."""
+    return a[0] == b[0] and a[3] == b[3] and a[1] == b[1] and a[2] == b[2]
 
 
 _NEVER = (-1, -1, -1, -1)  # a stamp no file has

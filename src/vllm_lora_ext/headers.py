@@ -136,6 +136,9 @@ class FileHeader:
     # (st_dev, st_ino, st_size, st_mtime_ns) of the file the header was read from: a reader given this header
     # reads its tensors only from that same file (`SafetensorsReader`)
     stamp: tuple[int, int, int, int] | None = None
+    # (header bytes, file size) of a header large enough to keep (see `_KEEP_MIN_BYTES`): headers with equal tokens
+    # have equal entries, so what is planned from one holds for the other (``building``'s kept plan)
+    token: tuple[bytes, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def tensors(self) -> Mapping[str, TensorInfo]:
@@ -233,7 +236,8 @@ def _read_header(path: str | os.PathLike[str], fd: int) -> FileHeader:
     firsts = list(map(operator.add, starts, itertools.repeat(base)))
     header = FileHeader(path=p, shapes=dict(zip(keys, shapes)), dtypes=dict(zip(keys, dtypes)),
                         nbytes=dict(zip(keys, sizes)), metadata=dict(meta), header_bytes=base,
-                        offsets=dict(zip(keys, zip(firsts, [*firsts[1:], size]))), stamp=file_stamp(st))
+                        offsets=dict(zip(keys, zip(firsts, [*firsts[1:], size]))), stamp=file_stamp(st),
+                        token=(blob, size) if _keepable(blob) else None)
     _keep_header(blob, size, header)
     return header
 
@@ -255,8 +259,12 @@ def _with_own_maps(header: FileHeader, **changes: Any) -> FileHeader:
                    metadata=dict(header.metadata), offsets=dict(header.offsets), **changes)
 
 
+def _keepable(blob: bytes) -> bool:
+    return _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES
+
+
 def _kept_header(blob: bytes, size: int) -> FileHeader | None:
-    if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
+    if not _keepable(blob):
         return None
     with _KEPT_LOCK:
         found = _KEPT_HEADERS.get((blob, size))
@@ -266,7 +274,7 @@ def _kept_header(blob: bytes, size: int) -> FileHeader | None:
 
 
 def _keep_header(blob: bytes, size: int, header: FileHeader) -> None:
-    if not _KEEP_MIN_BYTES <= len(blob) <= _KEEP_MAX_BYTES:
+    if not _keepable(blob):
         return
     kept = _with_own_maps(header)
     with _KEPT_LOCK:

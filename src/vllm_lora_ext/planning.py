@@ -117,6 +117,12 @@ class PeftKeyRouter:
         'model.layers.0.self_attn.q_proj'
     """
 
+    def __eq__(self, other: object) -> bool:  # no state: any two route alike
+        return type(other) is PeftKeyRouter
+
+    def __hash__(self) -> int:
+        return hash(PeftKeyRouter)
+
     def skip(self, key: str) -> bool:
         return False
 

@@ -135,3 +135,22 @@ def test_an_adapter_giving_a_packed_module_and_its_parts_is_refused_not_packed_o
     with pytest.raises(AdapterFormatError, match=r"qkv_proj: given both as the packed module and as its parts "
                                                  r"\['model.layers.0.self_attn.q_proj'\].*keep one"):
         load_lora_model(worker_manager, LoRARequest("both", 2, str(both)))
+
+
+def test_routers_are_equal_only_with_equal_mappers_and_skipped_prefixes_as_a_pickled_job_brings_them() -> None:
+    """A build process gets each job's mapper unpickled anew: equal routers let it keep one plan
+    (``building._planned``); any other rule or skipped prefix is another router."""
+    import pickle
+
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from vllm_lora_ext.integration.loader import VllmKeyRouter
+
+    mapper = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."})
+    router = VllmKeyRouter(mapper, ["vision_tower"])
+    again = VllmKeyRouter(pickle.loads(pickle.dumps(mapper)), ["vision_tower"])
+    assert again == router and hash(again) == hash(router)
+    assert VllmKeyRouter(mapper, None) != router
+    assert VllmKeyRouter(WeightsMapper(orig_to_new_prefix={"model.": "other.model."}), ["vision_tower"]) != router
+    assert VllmKeyRouter(None, None) == VllmKeyRouter(None, [])  # no prefix either way
+    assert router != object()

@@ -19,6 +19,15 @@ class VllmKeyRouter:
         self.mapper = mapper
         self.skip_prefixes = skip_prefixes
 
+    def __eq__(self, other: object) -> bool:
+        """Routers with equal mappers and skipped prefixes answer every key alike (so a build's kept plan, made
+        with one, holds for the other: ``building._planned``)."""
+        return (type(other) is VllmKeyRouter and list(other.skip_prefixes or ()) == list(self.skip_prefixes or ())
+                and other.mapper == self.mapper)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.skip_prefixes or ()))
+
     def skip(self, key: str) -> bool:
         from vllm.lora.utils import is_base_embedding_weights
 

@@ -1,0 +1,103 @@
+"""A build's kept plan: the next adapter with the same header bytes, config, model and router is not planned again
+(``building._planned``), and nothing else is served a plan made for another (no vLLM)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_factories import BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
+from vllm_lora_ext import building, headers
+from vllm_lora_ext.errors import AdapterCompatibilityError, UnmatchedKeysError
+from vllm_lora_ext.planning import PeftKeyRouter
+
+E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
+pytestmark = pytest.mark.usefixtures("build_dir")
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every adapter `plan_adapter` plans, by name; headers of any size kept (the test adapters' are small)."""
+    monkeypatch.setattr(headers, "_KEEP_MIN_BYTES", 0)
+    headers._KEPT_HEADERS.clear()
+    building._KEPT_PLAN.clear()
+    seen: list[str] = []
+    real = building.plan_adapter
+    monkeypatch.setattr(building, "plan_adapter", lambda *a, **k: seen.append(k["name"]) or real(*a, **k))
+    yield seen
+    headers._KEPT_HEADERS.clear()
+    building._KEPT_PLAN.clear()
+
+
+def _adapter(folder: Path, seeds: tuple[int, int], **extra: torch.Tensor) -> Path:
+    return write_moe_adapter(folder, [make_truth(E, H, I, R, s) for s in seeds], ["2d", "3d"], rank=R, extra=extra)
+
+
+def _tensors(built: building.BuiltAdapter) -> list[torch.Tensor]:
+    return [t for p in sorted(built.moe) for t in (*built.moe[p][0], *built.moe[p][1])]
+
+
+def test_the_next_adapter_of_the_same_header_config_and_model_is_built_from_the_kept_plan_bitwise(
+        tmp_path: Path, plans: list[str]) -> None:
+    first = _adapter(tmp_path / "a", (0, 1))
+    second = _adapter(tmp_path / "b", (2, 3))  # other values: the same header bytes
+    building.build_adapter(replace(moe_build_job(first), name="first"), PeftKeyRouter())
+    got = building.build_adapter(replace(moe_build_job(second), name="second"), PeftKeyRouter())
+    assert plans == ["first"]
+    building._KEPT_PLAN.clear()
+    want = building.build_adapter(replace(moe_build_job(second), name="again"), PeftKeyRouter())
+    assert plans == ["first", "again"]
+    assert len(_tensors(got)) == len(_tensors(want)) > 0
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(got), _tensors(want)))
+    assert [r for *_, r in got.moe.values()] == [r for *_, r in want.moe.values()]
+
+
+def test_another_model_or_config_is_planned_again_and_refused_where_it_must_be(tmp_path: Path,
+                                                                              plans: list[str]) -> None:
+    """The kept plan's checks held for its own model: a lower ``--max-lora-rank``, other experts on this rank or
+    another config each plan anew, and what that plan refuses is refused."""
+    first = _adapter(tmp_path / "a", (0, 1))
+    building.build_adapter(moe_build_job(first), PeftKeyRouter())
+    with pytest.raises(AdapterCompatibilityError, match="rank"):
+        building.build_adapter(moe_build_job(first, max_rank=R // 2), PeftKeyRouter())
+    building.build_adapter(moe_build_job(first, experts=(0, 2)), PeftKeyRouter())
+    assert len(plans) == 3
+    other_alpha = write_moe_adapter(tmp_path / "c", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "3d"],
+                                    rank=R, alpha=32)
+    building.build_adapter(moe_build_job(other_alpha), PeftKeyRouter())
+    assert len(plans) == 4
+
+
+def test_a_plan_that_dropped_keys_is_not_kept_so_each_adapter_warns_of_its_own(
+        tmp_path: Path, plans: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    stray = {"base_model.model.model.layers.0.mlp.nowhere.lora_A.weight": torch.ones(R, H),
+             "base_model.model.model.layers.0.mlp.nowhere.lora_B.weight": torch.ones(H, R)}
+    folder = _adapter(tmp_path / "a", (0, 1), **stray)
+    with pytest.raises(UnmatchedKeysError):
+        building.build_adapter(moe_build_job(folder), PeftKeyRouter())
+    job = replace(moe_build_job(folder), allow_unmatched=True)
+    with caplog.at_level(logging.WARNING, logger="vllm_lora_ext.planning"):
+        for _ in range(2):
+            building.build_adapter(job, PeftKeyRouter())
+    assert len(plans) == 3 and not building._KEPT_PLAN
+    assert sum("Dropping them" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_headers_of_other_bytes_or_file_sizes_get_other_tokens(tmp_path: Path, plans: list[str]) -> None:
+    first = _adapter(tmp_path / "a", (0, 1)) / "adapter_model.safetensors"
+    second = _adapter(tmp_path / "b", (2, 3)) / "adapter_model.safetensors"
+    a, b = headers.read_header(first), headers.read_header(second)
+    assert a.token is not None and a.token == b.token
+    longer = tmp_path / "longer.safetensors"
+    longer.write_bytes(first.read_bytes())
+    with longer.open("ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(Exception):  # the same header bytes past its last span: refused, never equal to a kept one
+        headers.read_header(longer)
+    other = write_moe_adapter(tmp_path / "c", [make_truth(E, H, I, R + 1, s) for s in (0, 1)], ["2d", "3d"],
+                              rank=R + 1) / "adapter_model.safetensors"
+    assert headers.read_header(other).token != a.token
