@@ -11,16 +11,33 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _model() -> tuple[object, dict[str, list[torch.Tensor]]]:
+def _in_one_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors copied into one flat CPU storage, each at a 64-byte boundary with a gap after it (as a build
+    process's hand-over file holds an adapter)."""
+    sizes = [-(-t.nbytes // 64) * 64 + 64 for t in tensors]
+    flat = torch.zeros(sum(sizes), dtype=torch.uint8)
+    out, at = [], 0
+    for t, size in zip(tensors, sizes):
+        view = flat[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+        at += size
+    return out
+
+
+def _model(one_storage: bool = False) -> tuple[object, dict[str, list[torch.Tensor]]]:
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
     g = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
-    dense = LoRALayerWeights("model.layers.0.self_attn.q_proj", 8, 16, torch.randn(8, 64, generator=g).to(bf),
-                             torch.randn(64, 8, generator=g).to(bf), scaling=2.0)
-    a = [torch.randn(4, 8, 64, generator=g).to(bf) for _ in range(3)]
-    b = [torch.randn(4, 32, 8, generator=g).to(bf) for _ in range(3)]
+    factors = [torch.randn(8, 64, generator=g).to(bf), torch.randn(64, 8, generator=g).to(bf),
+               *(torch.randn(4, 8, 64, generator=g).to(bf) for _ in range(3)),
+               *(torch.randn(4, 32, 8, generator=g).to(bf) for _ in range(3))]
+    if one_storage:
+        factors = _in_one_storage(factors)
+    dense = LoRALayerWeights("model.layers.0.self_attn.q_proj", 8, 16, factors[0], factors[1], scaling=2.0)
+    a, b = factors[2:5], factors[5:]
     moe = PackedLoRALayerWeights("model.layers.0.mlp.experts", 8, [1, 1, 1], list(a), list(b), scaling=[1.0] * 3)
     model = LoRAModel(1, 8, {dense.module_name: dense, moe.module_name: moe})
     expected = {"dense_a": [dense.lora_a.clone()], "dense_b": [(dense.lora_b * 2.0).to(bf)],  # scaling folded
@@ -28,16 +45,27 @@ def _model() -> tuple[object, dict[str, list[torch.Tensor]]]:
     return model, expected
 
 
-def test_stage_then_unstage_round_trips_bitwise_and_frees_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("one_storage", [False, True], ids=["tensors", "one_storage"])
+def test_stage_then_unstage_round_trips_bitwise_and_frees_the_buffer(monkeypatch: pytest.MonkeyPatch,
+                                                                      one_storage: bool) -> None:
+    """Factors in tensors of their own go up region by region; factors in one storage (a hand-over) go up as that
+    storage's span, mirrored in the buffer, and come back as views of it."""
+    from vllm_lora_ext.integration import staging as staging_module
     from vllm_lora_ext.integration.staging import stage, staged_bytes, unstage
 
-    model, expected = _model()
+    copies: list[int] = []
+    real = staging_module._copy_through_pinned
+    monkeypatch.setattr(staging_module, "_copy_through_pinned",
+                        lambda buffer, regions, stream: copies.append(len(regions)) or real(buffer, regions, stream))
+    model, expected = _model(one_storage)
+    storage = model.loras["model.layers.0.self_attn.q_proj"].lora_a.untyped_storage().data_ptr()
     dense, moe = model.loras["model.layers.0.self_attn.q_proj"], model.loras["model.layers.0.mlp.experts"]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     assert stage(model, "cuda:0")
     assert staged_bytes() > 0
     assert dense.scaling == 1.0 and dense.lora_a.is_cuda and all(t.is_cuda for t in moe.lora_a + moe.lora_b)
+    assert copies == ([1] if one_storage else [8])
     assert torch.equal(dense.lora_b.cpu(), expected["dense_b"][0])
     for got, want in zip(moe.lora_a + moe.lora_b, expected["moe_a"] + expected["moe_b"]):
         assert torch.equal(got.cpu(), want)
@@ -51,6 +79,8 @@ def test_stage_then_unstage_round_trips_bitwise_and_frees_the_buffer(monkeypatch
     assert staged_bytes() == 0
     assert not dense.lora_a.is_cuda and all(not t.is_cuda for t in moe.lora_a + moe.lora_b)
     assert torch.equal(moe.lora_a[1], expected["moe_a"][1][1:3])
+    if one_storage:  # the CPU twins are the hand-over's own memory
+        assert all(t.untyped_storage().data_ptr() == storage for t in [dense.lora_a, dense.lora_b, *moe.lora_a])
     assert torch.equal(dense.lora_b, expected["dense_b"][0])
     for got, want in zip([moe.lora_a[0], moe.lora_a[2]] + moe.lora_b, [expected["moe_a"][0], expected["moe_a"][2]]
                          + expected["moe_b"]):

@@ -247,3 +247,74 @@ def test_an_unstaged_models_scan_on_threads_names_the_first_nonfinite_factor_in_
     for bad in ("m9.lora_b", "m2.lora_b", "m5.lora_b"):
         named[bad][7, 3] = float("nan") if bad != "m5.lora_b" else float("-inf")
     assert _first_nonfinite_on_cpu(named) == "m2.lora_b"
+
+
+def _one_storage(sizes: list[int], gap: int = 64) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """bfloat16 tensors of ``sizes`` elements in one flat storage, each at a 64-byte boundary, ``gap`` bytes apart."""
+    at, spans = 0, []
+    for n in sizes:
+        spans.append((at, n))
+        at += -(-(2 * n + gap) // 64) * 64
+    flat = torch.randint(0, 256, (at,), dtype=torch.uint8)
+    return flat, [flat[a:a + 2 * n].view(torch.bfloat16) for a, n in spans]
+
+
+def _mirror(tensors: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, list[int]]:
+    """Lay ``tensors`` out as ``integration.staging.stage`` does, fill a buffer with its copies and return the
+    regions' new starts, the buffer and each tensor's place."""
+    from vllm_lora_ext.transport.staging import _as_stored, _layout
+
+    total, regions, places = _layout(tensors)
+    stored = _as_stored([(off, t.contiguous()) for off, t in regions])
+    assert stored is not None
+    total, starts, copies = stored
+    moved = dict(zip((off for off, _ in regions), starts))
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    for at, src in copies:
+        buffer[at:at + src.numel()] = src
+    return starts, buffer, [moved[p] for p in places]
+
+
+def test_tensors_of_one_storage_are_laid_out_as_stored_and_its_span_fills_the_buffer_exactly() -> None:
+    from vllm_lora_ext.transport.staging import STAGE_ALIGN
+
+    flat, tensors = _one_storage([300, 64, 1000, 7, 4096])
+    given = [tensors[2], tensors[0], tensors[4], tensors[0], tensors[1], tensors[3]]  # one given twice
+    starts, buffer, places = _mirror(given)
+    base = flat.data_ptr()
+    assert starts == [t.data_ptr() - base for t in (tensors[2], tensors[0], tensors[4], tensors[1], tensors[3])]
+    assert buffer.numel() % STAGE_ALIGN == 0 and buffer.numel() - (flat.numel() - 64) < STAGE_ALIGN
+    for t, at in zip(given, places):
+        assert at % 64 == 0 and torch.equal(buffer[at:at + t.nbytes], t.view(torch.uint8))  # (bytes: NaNs)
+
+
+def test_tensors_of_other_storages_go_after_the_span_of_the_one_holding_most() -> None:
+    """A hand-over's MoE factors lie in its file; vLLM pins its dense factors into memory of their own."""
+    from vllm_lora_ext.transport.staging import STAGE_ALIGN
+
+    flat, tensors = _one_storage([300, 1000, 4096])
+    loose = [torch.randn(8, 16).to(torch.bfloat16), torch.randn(16, 8).t()]  # the second strided
+    given = [loose[0], tensors[1], loose[1], tensors[0], tensors[2]]
+    starts, buffer, places = _mirror(given)
+    span = -(-(tensors[2].data_ptr() + tensors[2].nbytes - flat.data_ptr()) // STAGE_ALIGN) * STAGE_ALIGN
+    assert starts[1] == tensors[1].data_ptr() - flat.data_ptr() and starts[0] >= span and starts[2] > starts[0]
+    for t, at in zip(given, places):
+        assert at % STAGE_ALIGN == 0 or at < span
+        assert torch.equal(buffer[at:at + t.nbytes], t.contiguous().view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", ["one each", "overlapping", "unaligned", "sparse"])
+def test_tensors_not_in_one_storage_compactly_and_apart_keep_a_region_each(case: str) -> None:
+    from vllm_lora_ext.transport.staging import _as_stored, _layout
+
+    flat, tensors = _one_storage([256, 256, 256])
+    if case == "one each":  # no storage holds two: nothing to gain
+        tensors = [t.clone() for t in tensors]
+    elif case == "overlapping":  # a part of another, which staging gives a region of its own
+        tensors[1] = tensors[0][64:192]
+    elif case == "unaligned":
+        tensors[1] = flat[6:6 + 512].view(torch.bfloat16)
+    elif case == "sparse":  # the span would be far larger than what is staged
+        big = torch.zeros(1 << 20, dtype=torch.uint8)
+        tensors = [big[:512].view(torch.bfloat16), big[-512:].view(torch.bfloat16)]
+    assert _as_stored([(off, t.contiguous()) for off, t in _layout(tensors)[1]]) is None

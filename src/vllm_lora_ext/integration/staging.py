@@ -28,7 +28,7 @@ from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR, UNS
 from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
 from vllm_lora_ext.transport.handover import view_at
-from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _composite_layout, _composite_moves,
+from vllm_lora_ext.transport.staging import (STAGE_ALIGN, Staging, _as_stored, _composite_layout, _composite_moves,
                                              _copy_through_pinned, _layout, _upload_and_place)
 from vllm_lora_ext.validation import first_nonfinite, nonfinite_error
 
@@ -109,6 +109,14 @@ def stage(lora: Any, device: Any) -> bool:
     total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
+    regions = [(off, t.contiguous()) for off, t in regions]
+    copies = [(off, t.view(-1).view(torch.uint8)) for off, t in regions if t.numel()]
+    stored = _as_stored(regions)
+    if stored is not None:  # most of it mirrors the storage it lies in, whose span goes up whole
+        total, starts, copies = stored
+        moved = dict(zip((off for off, _ in regions), starts))  # (a region of no bytes may share an offset: moot)
+        places = [moved[p] for p in places]
+        regions = sorted(zip(starts, (t for _, t in regions)), key=lambda r: r[0])
     if not _room(total, device, "adapter"):
         return False
     with torch.cuda.device(device):
@@ -118,17 +126,16 @@ def stage(lora: Any, device: Any) -> bool:
             with torch.cuda.stream(stream):
                 buffer = torch.empty(total, dtype=torch.uint8, device=device)
             t_alloc = time.perf_counter() - t0
-            cpu = [t.contiguous() for _, t in regions]
-            staging = Staging(buffer, [off for off, _ in regions], cpu)
+            staging = Staging(buffer, [off for off, _ in regions], [t for _, t in regions])
             views = [(owner, attr, index, buffer[off:off + t.nbytes].view(t.dtype).view(t.shape))
                      for (owner, attr, index, t), off in zip(slots, places)]
-            _copy_through_pinned(buffer, [(off, src.view(-1).view(torch.uint8)) for off, src in
-                                          zip(staging.starts, cpu) if src.numel()], stream)
+            _copy_through_pinned(buffer, copies, stream)
         except torch.cuda.OutOfMemoryError:
             logger.info("adapter not staged on the GPU: out of memory for %.0f MiB", total / 2**20)
             return False
-    logger.info("staged %.0f MiB on %s in %.3f s (allocation %.3f s)", total / 2**20, device,
-                 time.perf_counter() - t0, t_alloc)
+    logger.info("staged %.0f MiB on %s in %.3f s (allocation %.3f s; %s)", total / 2**20, device,
+                time.perf_counter() - t0, t_alloc,
+                f"one span as stored, {len(copies) - 1} regions" if stored is not None else f"{len(copies)} regions")
     for owner, attr, index, gpu in views:
         _put(owner, attr, index, gpu)
     setattr(lora, STAGED_ATTR, staging)
