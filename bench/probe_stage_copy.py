@@ -12,11 +12,16 @@ the worker sees it:
 - ``staging, 4 intra-op threads`` and ``staging, 1 intra-op thread``;
 - ``populate, then staging``: ``madvise(MADV_POPULATE_READ)`` over the mapping first (Linux 5.14+), timed with it;
 - ``staging, pages mapped``: the same mapping staged a second time (no page faults: the copy and DMA alone);
-- ``pageable copy``: ``buffer.copy_(mapping)``, the driver's own staging.
+- ``pageable copy``: ``buffer.copy_(mapping)``, the driver's own staging;
+- ``--regions 1152,1``: also ``staging`` over that many regions (a 2D expert adapter's 1,152 factors, as the worker
+  copied them region by region until r34; one span, as ``transport.staging._as_stored`` lays a hand-over out now);
+- ``--busy K``: K processes spinning on a core each meanwhile (the engine thread, the API server, the build
+  process: what shares the host with the worker's staging while requests decode).
 
 Each case checks the GPU buffer against the file's bytes. No stock counterpart: stock vLLM has no hand-over file.
 
-Usage: python bench/probe_stage_copy.py [--mib 1584] [--reps 3] [--out FILE]
+Usage: python bench/probe_stage_copy.py [--mib 1584] [--reps 3] [--regions 1152,1] [--busy K] [--cases 'staging;pageable copy']
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -74,12 +79,13 @@ def _case(name: str, path: str, nbytes: int, gpu: Any, stream: Any) -> float:
     if name == "staging, pages mapped":
         staging._copy_through_pinned(gpu, _regions(buf, 48), stream)
         t0 = time.perf_counter()
+    count = int(name.split(", ")[1].split()[0]) if name.endswith(" regions") else 48
     if name == "pageable copy":
         with torch.cuda.stream(stream):
             gpu.copy_(buf, non_blocking=True)
         stream.synchronize()
     else:
-        staging._copy_through_pinned(gpu, _regions(buf, 48), stream)
+        staging._copy_through_pinned(gpu, _regions(buf, count), stream)
     seconds = time.perf_counter() - t0
     torch.set_num_threads(threads)
     assert torch.equal(gpu[::4099].cpu(), buf[::4099]), name
@@ -93,25 +99,37 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1584)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--regions", default="", help="also stage over these many regions (comma-separated)")
+    ap.add_argument("--busy", type=int, default=0, help="processes spinning on a core each meanwhile")
+    ap.add_argument("--cases", default="", help="only these of the fixed cases (names separated by ';')")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     nbytes = args.mib << 20
     cases = ["staging", "staging, 4 intra-op threads", "staging, 1 intra-op thread", "populate, then staging",
              "staging, pages mapped", "pageable copy"]
+    if args.cases:
+        cases = [c for c in cases if c in args.cases.split(";")]
+    cases += [f"staging, {int(n)} regions" for n in args.regions.split(",") if n]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     times: dict[str, list[float]] = {c: [] for c in cases}
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        path = os.path.join(tmp, "handover")
-        _write_file(path, nbytes)
-        _case("staging", path, nbytes, gpu, stream)  # warm-up: the pinned chunks, CUDA
-        for _ in range(args.reps):  # interleaved
-            for c in cases:
-                times[c].append(_case(c, path, nbytes, gpu, stream))
+    try:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            path = os.path.join(tmp, "handover")
+            _write_file(path, nbytes)
+            _case("staging", path, nbytes, gpu, stream)  # warm-up: the pinned chunks, CUDA
+            for _ in range(args.reps):  # interleaved
+                for c in cases:
+                    times[c].append(_case(c, path, nbytes, gpu, stream))
+    finally:
+        for p in spinners:
+            p.kill()
     rows = [[c, f"{median(t):.4f}", f"{args.mib / 1024 / median(t):.1f}"] for c, t in times.items()]
     print_table(rows, ["case", "median s", "GiB/s"])
     write_json("probe_stage_copy", {"mib": args.mib, "reps": args.reps, "torch_threads": torch.get_num_threads(),
+                                    "busy_processes": args.busy,
                                     "kernel": os.uname().release, "gpu": torch.cuda.get_device_name(),
                                     "seconds": times, "median_s": {c: median(t) for c, t in times.items()}},
                args.out)
