@@ -122,17 +122,25 @@ def test_a_part_of_two_packed_modules_or_a_part_that_is_a_packed_module_sends_th
 
 
 def test_a_worker_start_indexes_the_parts_and_the_first_merge_reuses_the_index() -> None:
-    """The index is made while the worker starts (``warmup.import_load_path``), not in the first adapter's merge
-    (issue 39 item 3: the first run pays no more than the second)."""
+    """The index is made while the worker starts (``warmup.import_load_path``), not in the first adapter's merge,
+    and the first read's pools are started then too (issue 39 item 3: the first run pays no more than the second)."""
     from types import SimpleNamespace
 
     from vllm_lora_ext.integration.patching import PART_OWNERS_ATTR
     from vllm_lora_ext.integration.warmup import import_load_path
     from vllm_lora_ext.integration.worker_patches import _parts_only
 
+    from vllm_lora_ext._util import usable_cores
+    from vllm_lora_ext.formats.moe_read import read_pools
+    from vllm_lora_ext.transport import pools
+
     manager = _manager()
     runner = SimpleNamespace(lora_config=object(), lora_manager=SimpleNamespace(_adapter_manager=manager))
+    for key in read_pools(usable_cores()):
+        pools._IDLE.pop(key, None)
     assert import_load_path(runner) > 0
+    for key in read_pools(usable_cores()):  # and the first read's pools are ready, every thread started
+        assert [len(p._threads) for p in pools._IDLE[key]] == [key[1]]
     index = manager.__dict__[PART_OWNERS_ATTR]
     assert len(index[1]) == LAYERS * (3 * EXPERTS + 3)
     assert _parts_only(manager, _adapter()) is not manager

@@ -433,6 +433,10 @@ def main() -> None:
     from vllm_lora_ext.integration._compat import preload_build_job_modules
 
     preload_build_job_modules()  # and what a job's key mapper unpickles with
+    from vllm_lora_ext.formats.moe_read import read_pools
+    from vllm_lora_ext.transport.pools import start_pools
+
+    start_pools(read_pools(usable_cores()))  # the first build's read and scan threads, ready
     for directory in {build_dir() or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
         stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
         if stale:

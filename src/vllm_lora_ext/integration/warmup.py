@@ -180,18 +180,23 @@ LOAD_PATH_MODULES = ("vllm_lora_ext.integration.loader", "vllm_lora_ext.integrat
 
 
 def import_load_path(runner: Any) -> float:
-    """Import the adapter load path in a LoRA worker while it starts (not in its first ``add_lora``), and index its
-    LoRA manager's packed parts for the merge (``worker_patches.index_packed_parts``); return the seconds it took
-    (0 without LoRA)."""
+    """Import the adapter load path in a LoRA worker while it starts (not in its first ``add_lora``), start the
+    threads its first read lends (``transport.pools.start_pools``), and index its LoRA manager's packed parts for
+    the merge (``worker_patches.index_packed_parts``); return the seconds it took (0 without LoRA)."""
     if getattr(runner, "lora_config", None) is None:
         return 0.0
     import importlib
 
     from vllm_lora_ext.integration._compat import runner_adapter_manager
 
+    from vllm_lora_ext._util import usable_cores
+    from vllm_lora_ext.formats.moe_read import read_pools
+    from vllm_lora_ext.transport.pools import start_pools
+
     t0 = time.perf_counter()
     for name in LOAD_PATH_MODULES:
         importlib.import_module(name)
+    start_pools(read_pools(usable_cores()))  # the first build's read and scan threads, ready
     manager = runner_adapter_manager(runner)
     if manager is not None:
         from vllm_lora_ext.integration.worker_patches import index_packed_parts
