@@ -222,7 +222,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
 # usually has the same header bytes, config and model as the one before it, and planning the 36,864 keys of a
 # 48-layer expert adapter takes 0.03-0.05 s. A plan is only read once made, and depends on nothing but these (the
 # name and source appear only in the messages of a refusal, and a refusal is never kept). A plan that dropped keys
-# is not kept: it warned about them, and each adapter that drops keys warns anew.
+# is not kept: it warned about them, and each adapter that drops keys warns anew. Its key holds the header's bytes
+# (at most 8 MiB) as long as the plan is kept. Plans are read-only once made: the one kept is shared by builds.
 _KEPT_PLAN: list[tuple[tuple[Any, ...], AdapterPlan]] = []
 _KEPT_PLAN_LOCK = threading.Lock()
 
@@ -231,7 +232,9 @@ def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ..
              config: AdapterConfig, job: BuildJob, router: KeyRouter, identity: str) -> AdapterPlan:
     """`plan_adapter` for ``job``'s adapter, or the kept plan of the same header, config, model and router."""
     model = replace(job.model, allow_unmatched=job.allow_unmatched)
-    key = (token, replace(config, name="adapter"), model, router) if token is not None else None
+    # (the patterns' order too: PEFT's first matching key gives a module's rank, and dicts compare without order)
+    config_key = (replace(config, name="adapter"), tuple(config.rank_pattern), tuple(config.alpha_pattern))
+    key = (token, config_key, model, router) if token is not None else None
     with _KEPT_PLAN_LOCK:
         kept = _KEPT_PLAN[0] if _KEPT_PLAN else None
     if key is not None and kept is not None and _same_key(kept[0], key):

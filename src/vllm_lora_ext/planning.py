@@ -118,7 +118,7 @@ class PeftKeyRouter:
     """
 
     def __eq__(self, other: object) -> bool:  # no state: any two route alike
-        return type(other) is PeftKeyRouter
+        return type(other) is type(self)
 
     def __hash__(self) -> int:
         return hash(PeftKeyRouter)

@@ -101,3 +101,30 @@ def test_headers_of_other_bytes_or_file_sizes_get_other_tokens(tmp_path: Path, p
     other = write_moe_adapter(tmp_path / "c", [make_truth(E, H, I, R + 1, s) for s in (0, 1)], ["2d", "3d"],
                               rank=R + 1) / "adapter_model.safetensors"
     assert headers.read_header(other).token != a.token
+
+
+def _with_rank_pattern(folder: Path, seeds: tuple[int, int], pattern: dict[str, int]) -> Path:
+    import json
+
+    _adapter(folder, seeds)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(r=2 * R, rank_pattern=pattern)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_config_whose_patterns_differ_only_in_order_is_planned_again_and_refused(tmp_path: Path,
+                                                                                   plans: list[str]) -> None:
+    """PEFT gives a module the rank of the first pattern that matches it, in the order written; configs compare
+    equal whatever their dicts' order. The second config's patterns give the 3D blocks rank 2R where the file has R:
+    refused fresh, and refused after the first's plan was kept (found by r34's review: it was served)."""
+    from vllm_lora_ext.errors import ExpertLayoutError
+
+    good = _with_rank_pattern(tmp_path / "a", (0, 1), {".*": R, "model.*": 2 * R})
+    bad = _with_rank_pattern(tmp_path / "b", (2, 3), {"model.*": 2 * R, ".*": R})
+    with pytest.raises(ExpertLayoutError):
+        building.build_adapter(replace(moe_build_job(bad), name="fresh"), PeftKeyRouter())
+    building.build_adapter(replace(moe_build_job(good), name="good"), PeftKeyRouter())
+    with pytest.raises(ExpertLayoutError):
+        building.build_adapter(replace(moe_build_job(bad), name="bad"), PeftKeyRouter())
+    assert plans == ["fresh", "good", "bad"]

@@ -318,3 +318,19 @@ def test_tensors_not_in_one_storage_compactly_and_apart_keep_a_region_each(case:
         big = torch.zeros(1 << 20, dtype=torch.uint8)
         tensors = [big[:512].view(torch.bfloat16), big[-512:].view(torch.bfloat16)]
     assert _as_stored([(off, t.contiguous()) for off, t in _layout(tensors)[1]]) is None
+
+
+def test_two_storages_over_the_same_memory_are_two_and_a_span_past_its_storage_is_refused() -> None:
+    """Storages are told apart by address and size (two ``frombuffer`` over one buffer share an address): a span
+    laid out over the smaller one would reach past its end (r34's review)."""
+    import numpy as np
+
+    from vllm_lora_ext.transport.staging import _as_stored
+
+    memory = np.zeros(4096, dtype=np.uint8)
+    small, large = torch.frombuffer(memory[:1024], dtype=torch.uint8), torch.frombuffer(memory, dtype=torch.uint8)
+    assert small.untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
+    regions = [(0, small[0:512]), (512, large[1024:2048]), (1536, large[2048:3072]), (2560, small[512:1024])]
+    starts_size, starts, copies = _as_stored(regions)
+    assert starts[1:3] == [0, 1024] and [at for at, _ in copies] == [0, 2048, 2560]  # the larger's span, then the rest
+    assert copies[0][1].numel() == 2048

@@ -22,7 +22,7 @@ class VllmKeyRouter:
     def __eq__(self, other: object) -> bool:
         """Routers with equal mappers and skipped prefixes answer every key alike (so a build's kept plan, made
         with one, holds for the other: ``building._planned``)."""
-        return (type(other) is VllmKeyRouter and list(other.skip_prefixes or ()) == list(self.skip_prefixes or ())
+        return (type(other) is type(self) and list(other.skip_prefixes or ()) == list(self.skip_prefixes or ())
                 and other.mapper == self.mapper)
 
     def __hash__(self) -> int:

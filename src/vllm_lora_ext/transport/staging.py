@@ -24,7 +24,7 @@ from vllm_lora_ext.transport.arena import ALIGN, aligned
 
 __all__ = ["STAGE_ALIGN", "Staging", "in_source_order"]
 
-STAGE_ALIGN = 256  # every region of a staged buffer starts on a 256-byte boundary
+STAGE_ALIGN = 256  # a staged region starts on a 256-byte boundary (64 in a span kept as stored: `_as_stored`)
 # Copies a batch's host bytes into the scratch: (scratch, direct [(offset, pinned bytes)], bounced, stream).
 CopyUp = Callable[[torch.Tensor, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]], Any], None]
 
@@ -73,18 +73,18 @@ def _as_stored(regions: list[tuple[int, torch.Tensor]]) -> tuple[int, list[int],
     copies (that storage's span whole, then the rest). ``None`` where that storage's regions are not 64-byte
     aligned and apart, within an eighth more bytes. A 2D expert adapter's 1,584 MiB then go up in about 50
     chunk-sized copies over torch's intra-op threads, not one per region (1,152), each waiting for all of them."""
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}  # (two storages over the same memory: two groups)
     for i, (_, t) in enumerate(regions):
         if t.device.type == "cpu" and t.nbytes:
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+            groups.setdefault((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()), []).append(i)
     if not groups:
         return None
-    base, group = max(groups.items(), key=lambda g: sum(regions[i][1].nbytes for i in g[1]))
+    (base, size), group = max(groups.items(), key=lambda g: sum(regions[i][1].nbytes for i in g[1]))
     spans = {i: (regions[i][1].data_ptr() - base, regions[i][1].data_ptr() - base + regions[i][1].nbytes)
              for i in group}
     ordered = sorted(spans.values())
     used = sum(end - start for start, end in ordered)
-    if (len(group) < 2 or any(start < 0 or start % ALIGN for start, _ in ordered)
+    if (len(group) < 2 or ordered[-1][1] > size or any(start < 0 or start % ALIGN for start, _ in ordered)
             or any(end > start for (_, end), (start, _) in zip(ordered, ordered[1:]))  # a region each, for unstaging
             or ordered[-1][1] - ordered[0][0] > used + used // 8 + STAGE_ALIGN * len(group)):
         return None
