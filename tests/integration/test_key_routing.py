@@ -153,4 +153,7 @@ def test_routers_are_equal_only_with_equal_mappers_and_skipped_prefixes_as_a_pic
     assert VllmKeyRouter(mapper, None) != router
     assert VllmKeyRouter(WeightsMapper(orig_to_new_prefix={"model.": "other.model."}), ["vision_tower"]) != router
     assert VllmKeyRouter(None, None) == VllmKeyRouter(None, [])  # no prefix either way
+    rules = {"model.": "language_model.model.", "model.layers.": "x."}  # applied in order: the order is a rule too
+    assert (VllmKeyRouter(WeightsMapper(orig_to_new_prefix=rules), None)
+            != VllmKeyRouter(WeightsMapper(orig_to_new_prefix=dict(reversed(rules.items()))), None))
     assert router != object()

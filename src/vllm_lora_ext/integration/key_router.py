@@ -23,7 +23,7 @@ class VllmKeyRouter:
         """Routers with equal mappers and skipped prefixes answer every key alike (so a build's kept plan, made
         with one, holds for the other: ``building._planned``)."""
         return (type(other) is type(self) and list(other.skip_prefixes or ()) == list(self.skip_prefixes or ())
-                and other.mapper == self.mapper)
+                and _in_order(other.mapper) == _in_order(self.mapper))
 
     def __hash__(self) -> int:
         return hash(tuple(self.skip_prefixes or ()))
@@ -49,6 +49,14 @@ class VllmKeyRouter:
         prefixes = self.skip_prefixes or []
         return (mapper_ignores_expert_numbers(self.mapper)
                 and not any(any(c.isdigit() for c in p) for p in prefixes))
+
+
+def _in_order(mapper: Any) -> Any:
+    """A mapper's rules with their order (a ``WeightsMapper`` applies them in order; its dataclass equality does not
+    see it)."""
+    if mapper is None or not hasattr(mapper, "__dict__"):
+        return mapper
+    return type(mapper), [(k, list(v.items()) if isinstance(v, dict) else v) for k, v in sorted(vars(mapper).items())]
 
 
 def _skipped(key: str, prefixes: list[str]) -> bool:
