@@ -222,17 +222,14 @@ def test_scan_threads_match_the_readers_only_on_hosts_with_twice_their_number_to
     assert default_scan_workers(cores, min(4, cores)) == expected
 
 
-@pytest.mark.parametrize(("cores", "scanning"), [(16, 3), (8, 2), (4, 1), (3, 0)])
-def test_read_blocks_sizes_its_scan_pool_by_the_rule_for_the_cores_it_may_use(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, scanning: int) -> None:
-    """Three blocks, so three readers: on 16 usable cores the scan gets three threads too (r31's rule gave 2), on 8
-    two, on 4 the one core left, on 3 none (each reader scans its own block). The cores are the process's affinity
-    set (`_util.usable_cores`), not the machine's."""
+def _pools_lent(folder: Path, blocks: int, monkeypatch: pytest.MonkeyPatch, cores: int) -> list[tuple[str, int]]:
+    """``(name, threads)`` of every pool `read_blocks` lends to read (and scan) an adapter of ``blocks`` MoE blocks
+    on ``cores`` usable cores (`_util.usable_cores`: the process's affinity set, not the machine's)."""
     from vllm_lora_ext import _util
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe_read import read_blocks
 
-    write_moe_adapter(tmp_path, [make_truth(4, 8, 6, 2, seed) for seed in range(3)], ["2d"] * 3, rank=2)
+    write_moe_adapter(folder, [make_truth(4, 8, 6, 2, seed) for seed in range(blocks)], ["2d"] * blocks, rank=2)
     monkeypatch.setattr(_util, "usable_cores", lambda: cores)
     lent: list[tuple[str, int]] = []
 
@@ -242,12 +239,35 @@ def test_read_blocks_sizes_its_scan_pool_by_the_rule_for_the_cores_it_may_use(
             lent.append((name, workers))
             return _util.FreshPools.lent_pool(name, workers)
 
-    reader = SafetensorsReader(tmp_path / "adapter_model.safetensors")
-    cfg = config_from_dict(json.loads((tmp_path / "adapter_config.json").read_text()))
+        @staticmethod
+        def run_in_pool(name, workers, fn, items):  # type: ignore[no-untyped-def]
+            lent.append((name, workers))
+            return _util.FreshPools.run_in_pool(name, workers, fn, items)
+
+    reader = SafetensorsReader(folder / "adapter_model.safetensors")
+    cfg = config_from_dict(json.loads((folder / "adapter_config.json").read_text()))
     plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
     read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg,
                 options=ReadOptions(check_finite_as="x", pools=Spy))
+    return lent
+
+
+@pytest.mark.parametrize(("cores", "scanning"), [(16, 3), (8, 2), (4, 1), (3, 0)])
+def test_read_blocks_sizes_its_scan_pool_by_the_rule_for_the_cores_it_may_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, scanning: int) -> None:
+    """Three blocks, so three readers: on 16 usable cores the scan gets three threads too (r31's rule gave 2), on 8
+    two, on 4 the one core left, on 3 none (each reader scans its own block)."""
+    lent = _pools_lent(tmp_path, 3, monkeypatch, cores)
     assert [w for name, w in lent if "scan" in name] == ([scanning] if scanning else [])
+
+
+@pytest.mark.parametrize("cores", [2, 8, 16])
+def test_the_pools_a_worker_starts_ahead_are_the_ones_a_many_block_read_lends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int) -> None:
+    """``moe_read.read_pools`` (what ``transport.pools.start_pools`` starts while a worker starts) names them."""
+    from vllm_lora_ext.formats.moe_read import read_pools
+
+    assert sorted(_pools_lent(tmp_path, 6, monkeypatch, cores)) == sorted(read_pools(cores))
 
 
 def test_usable_cores_are_the_affinity_set_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
