@@ -239,8 +239,10 @@ def run_all(pool: Any, fn: Any, items: Any) -> list[Any]:
     dropped and the running ones finish before the error reaches the caller: nothing is left running."""
     from concurrent.futures import wait
 
-    futures = [pool.submit(fn, x) for x in items]
-    try:
+    futures = []
+    try:  # (a submit that fails part-way, e.g. no thread can start: the calls submitted are waited for too)
+        for x in items:
+            futures.append(pool.submit(fn, x))
         return [f.result() for f in futures]
     finally:
         for f in futures:

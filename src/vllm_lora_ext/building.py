@@ -18,7 +18,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -233,7 +233,9 @@ def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ..
     """`plan_adapter` for ``job``'s adapter, or the kept plan of the same header, config, model and router."""
     model = replace(job.model, allow_unmatched=job.allow_unmatched)
     # (the patterns' order too: PEFT's first matching key gives a module's rank, and dicts compare without order)
-    config_key = (replace(config, name="adapter"), tuple(config.rank_pattern), tuple(config.alpha_pattern))
+    # (its fields read as they are: a config's own checks, which compile every pattern, are not run again)
+    config_key = (*(getattr(config, f.name) for f in fields(config) if f.name != "name"),
+                  tuple(config.rank_pattern), tuple(config.alpha_pattern))
     key = (token, config_key, model, router) if token is not None else None
     with _KEPT_PLAN_LOCK:
         kept = _KEPT_PLAN[0] if _KEPT_PLAN else None

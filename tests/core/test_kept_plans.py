@@ -128,3 +128,20 @@ def test_a_config_whose_patterns_differ_only_in_order_is_planned_again_and_refus
     with pytest.raises(ExpertLayoutError):
         building.build_adapter(replace(moe_build_job(bad), name="bad"), PeftKeyRouter())
     assert plans == ["fresh", "good", "bad"]
+
+
+def test_the_key_reads_the_config_without_running_its_checks_again(tmp_path: Path, plans: list[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config's checks compile every pattern (a hostile config with 20,000 of them: seconds): a build runs them once,
+    as it reads the config, not again to key its plan (r34's second review)."""
+    from vllm_lora_ext.config import AdapterConfig
+
+    folder = _adapter(tmp_path / "a", (0, 1))
+    checks: list[int] = []
+    real = AdapterConfig.__post_init__
+    monkeypatch.setattr(AdapterConfig, "__post_init__", lambda self: checks.append(1) or real(self))
+    for _ in range(2):
+        checks.clear()
+        building.build_adapter(moe_build_job(folder), PeftKeyRouter())
+        assert len(checks) == 1
+    assert len(plans) == 1

@@ -4,6 +4,9 @@ their threads alive and each on one OpenMP thread (no vLLM)."""
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from vllm_lora_ext.transport import pools
 
@@ -18,3 +21,38 @@ def test_started_pools_are_lent_next_with_every_thread_alive_and_the_openmp_runt
         assert pool is kept and len(pool._threads) == 3 and all(t.is_alive() for t in pool._threads)
         seen = set(pool.map(lambda _: threading.current_thread().name, range(30)))
     assert seen <= {t.name for t in kept._threads}
+
+
+def test_a_thread_that_cannot_start_fails_neither_start_up_nor_the_next_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up goes on where the host's thread limit stops a pool's second thread, and no pool with a thread still
+    waiting at its gate is kept for the next load (r34's second review: start-up failed, then a load waited 5 s)."""
+    name = "test-no-thread"
+    pools._IDLE.pop((name, 4), None)
+    real, started = threading.Thread.start, []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith(name):
+            started.append(self.name)
+            if len(started) == 2:
+                raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    pools.start_pools([(name, 4)])
+    monkeypatch.setattr(threading.Thread, "start", real)
+    assert not pools._IDLE.get((name, 4))
+    t0 = time.perf_counter()
+    assert pools.run_in_pool(name, 4, lambda x: x, [1]) == [1]
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_pool_whose_thread_initializer_raised_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "test-broken"
+    pools._IDLE.pop((name, 2), None)
+    monkeypatch.setattr(pools, "one_intra_op_thread", lambda: 1 / 0)
+    pools.start_pools([(name, 2)])
+    with pytest.raises(Exception):
+        pools.run_in_pool(name, 2, lambda x: x, [1])
+    assert not pools._IDLE.get((name, 2))
+    monkeypatch.undo()
+    assert pools.run_in_pool(name, 2, lambda x: x, [1]) == [1]

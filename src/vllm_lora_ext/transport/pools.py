@@ -64,11 +64,7 @@ def lent_pool(name: str, workers: int) -> Iterator[ThreadPoolExecutor]:
     try:
         yield pool
     finally:
-        with _LOCK:
-            keep = _IDLE_PID[0] == pid and len(_IDLE.setdefault(key, [])) < _MAX_IDLE
-            if keep:
-                _IDLE[key].append(pool)
-        if not keep:
+        if not (_IDLE_PID[0] == pid and _keep_idle(key, pool)):
             pool.shutdown(wait=False)
 
 
@@ -85,15 +81,40 @@ def run_in_pool(name: str, workers: int, fn: Callable[[T], R], items: Iterable[T
 def start_pools(wanted: Iterable[tuple[str, int]]) -> None:
     """Make the kept pools ``wanted`` (``(name, threads)``) with all their threads started, each set to one OpenMP
     thread, so that the first load lends them ready (a worker's start-up: finding the OpenMP runtime reads the
-    process's memory map, 13 ms in a vLLM engine). Best effort: a pool whose threads do not all start in 5 s is
-    left as it is."""
+    process's memory map, 13 ms in a vLLM engine). Best effort: a pool whose threads do not all start (the host's
+    thread limit, an initializer that raised, 5 s passed) is shut down and not kept; start-up goes on."""
     for name, workers in wanted:
-        with lent_pool(name, workers) as pool:
-            gate = threading.Barrier(workers)  # every task waits for all: each runs on a thread of its own
-            try:
-                run_all(pool, lambda _: gate.wait(timeout=5.0), range(workers))
-            except threading.BrokenBarrierError:
-                logger.debug("pool %s: not every thread started", name)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=one_intra_op_thread)
+        gate = threading.Barrier(workers)  # every task waits for all: each runs on a thread of its own
+        futures = []
+        try:
+            for _ in range(workers):
+                futures.append(pool.submit(gate.wait, 5.0))
+            for future in futures:
+                future.result()
+        except Exception:  # noqa: BLE001 - start-up goes on; the first load makes its pool itself
+            gate.abort()
+            pool.shutdown(wait=False, cancel_futures=True)
+            logger.debug("pool %s: not every thread started", name, exc_info=True)
+            continue
+        if not _keep_idle((name, workers), pool):
+            pool.shutdown(wait=False)
+
+
+def _keep_idle(key: tuple[str, int], pool: ThreadPoolExecutor) -> bool:
+    """Keep ``pool`` idle under ``key`` for this process (at most `_MAX_IDLE` a key); whether it was kept."""
+    if getattr(pool, "_broken", False):  # a thread's initializer raised: the pool takes no more work
+        return False
+    pid = os.getpid()
+    with _LOCK:
+        if _IDLE_PID[0] != pid:  # a forked child: the pools it inherited have no threads
+            _IDLE.clear()
+            _IDLE_PID[0] = pid
+        idle = _IDLE.setdefault(key, [])
+        if len(idle) >= _MAX_IDLE:
+            return False
+        idle.append(pool)
+        return True
 
 
 def one_intra_op_thread() -> None:
