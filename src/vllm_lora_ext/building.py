@@ -239,18 +239,13 @@ def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ..
     key = (token, config_key, model, router) if token is not None else None
     with _KEPT_PLAN_LOCK:
         kept = _KEPT_PLAN[0] if _KEPT_PLAN else None
-    if key is not None and kept is not None and _same_key(kept[0], key):
+    if key is not None and kept is not None and kept[0] == key:  # (token first: the bytes, compared in full)
         return kept[1]
     plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name, identity=identity)
     if key is not None and not plan.dropped:
         with _KEPT_PLAN_LOCK:
             _KEPT_PLAN[:] = [(key, plan)]
     return plan
-
-
-def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """The same header bytes and file size, config, model and router (each equal)."""
-    return a[0] == b[0] and a[3] == b[3] and a[1] == b[1] and a[2] == b[2]
 
 
 _NEVER = (-1, -1, -1, -1)  # a stamp no file has

@@ -24,7 +24,8 @@ from vllm_lora_ext.formats.moe import Alloc, ExpertFactors, ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, Key2D, Key3D
 from vllm_lora_ext.validation import check_finite
 
-__all__ = ["TensorSource", "BulkReads", "ReadOptions", "default_scan_workers", "read_experts", "read_blocks"]
+__all__ = ["TensorSource", "BulkReads", "ReadOptions", "default_scan_workers", "read_experts", "read_blocks", "read_pools",
+           "READ_POOL", "SCAN_POOL"]
 
 Ranges = Sequence[tuple[int, int, int]]
 """``[(dim, start, stop), ...]``: slices of one tensor along one dim, concatenated in that order."""
@@ -361,15 +362,15 @@ def default_scan_workers(cores: int, readers: int) -> int:
     return max(min(2, cores - readers), min(readers, cores - 2 * readers))
 
 
+READ_POOL, SCAN_POOL = "vllm-lora-ext-read", "vllm-lora-ext-scan"  # the kept pools' names (transport.pools)
+
+
 def read_pools(cores: int) -> list[tuple[str, int]]:
     """The kept pools ([`read_blocks`]'s) an adapter of many MoE blocks is read and scanned on, as
     ``(name, threads)``, on a host of ``cores``."""
     readers = min(4, cores)
     scanners = default_scan_workers(cores, readers) if readers > 1 else 0
-    return [(_READ_POOL, readers)] + ([(_SCAN_POOL, scanners)] if scanners > 0 else [])
-
-
-_READ_POOL, _SCAN_POOL = "vllm-lora-ext-read", "vllm-lora-ext-scan"
+    return [(READ_POOL, readers)] + ([(SCAN_POOL, scanners)] if scanners > 0 else [])
 
 
 def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, config: AdapterConfig,
@@ -411,7 +412,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
 
     per_block = replace(options, check_finite_as=None) if scanning else options  # (scanned on the pool instead)
     pools = options.pools if options.pools is not None else FreshPools
-    with pools.lent_pool(_SCAN_POOL, scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
+    with pools.lent_pool(SCAN_POOL, scan_workers) if scanning else contextlib.nullcontext() as scan_pool:
 
         def one(item: tuple[str, ExpertsPlan]) -> ExpertsLoRA:
             prefix, plan = item
@@ -429,7 +430,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
             if n <= 1 or len(items) <= 1:
                 out = {p: one((p, pl)) for p, pl in items}
             else:  # (a failed block: the blocks not started are dropped, the running ones finish first)
-                out = dict(zip((p for p, _ in items), pools.run_in_pool(_READ_POOL, n, one, items)))
+                out = dict(zip((p for p, _ in items), pools.run_in_pool(READ_POOL, n, one, items)))
             for prefix, _ in items:
                 bad = scans[prefix].result() if prefix in scans else None
                 if bad is not None:

@@ -201,6 +201,7 @@ def _first_nonfinite_on_cpu(named: dict[str, torch.Tensor]) -> str | None:
     """``first_nonfinite`` of CPU tensors on up to 4 threads (the build process scanned them so while it read them):
     the first key in order whose tensor holds NaN or infinity."""
     from vllm_lora_ext._util import usable_cores
+    from vllm_lora_ext.formats.moe_read import SCAN_POOL
     from vllm_lora_ext.transport import pools
 
     keys = list(named)
@@ -208,7 +209,7 @@ def _first_nonfinite_on_cpu(named: dict[str, torch.Tensor]) -> str | None:
     if workers == 1:
         return first_nonfinite(named)
     parts = [keys[i::workers] for i in range(workers)]
-    found = pools.run_in_pool("vllm-lora-ext-scan", workers, lambda part: first_nonfinite({k: named[k] for k in part}),
+    found = pools.run_in_pool(SCAN_POOL, workers, lambda part: first_nonfinite({k: named[k] for k in part}),
                               parts)  # (an error reaches the caller once no part runs)
     bad = [b for b in found if b is not None]
     return min(bad, key=keys.index) if bad else None
