@@ -24,8 +24,8 @@ from vllm_lora_ext.formats.moe import Alloc, ExpertFactors, ExpertsLoRA, MoESpec
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, Key2D, Key3D
 from vllm_lora_ext.validation import check_finite
 
-__all__ = ["TensorSource", "BulkReads", "ReadOptions", "default_scan_workers", "read_experts", "read_blocks", "read_pools",
-           "READ_POOL", "SCAN_POOL"]
+__all__ = ["TensorSource", "BulkReads", "ReadOptions", "default_scan_workers", "read_experts", "read_blocks",
+           "read_pools", "READ_POOL", "SCAN_POOL"]
 
 Ranges = Sequence[tuple[int, int, int]]
 """``[(dim, start, stop), ...]``: slices of one tensor along one dim, concatenated in that order."""
