@@ -110,13 +110,14 @@ def stage(lora: Any, device: Any) -> bool:
     if not slots or total == 0:
         return False
     regions = [(off, t.contiguous()) for off, t in regions]
-    copies = [(off, t.view(-1).view(torch.uint8)) for off, t in regions if t.numel()]
     stored = _as_stored(regions)
     if stored is not None:  # most of it mirrors the storage it lies in, whose span goes up whole
         total, starts, copies = stored
         moved = dict(zip((off for off, _ in regions), starts))  # (a region of no bytes may share an offset: moot)
         places = [moved[p] for p in places]
         regions = sorted(zip(starts, (t for _, t in regions)), key=lambda r: r[0])
+    else:  # a copy a region
+        copies = [(off, t.view(-1).view(torch.uint8)) for off, t in regions if t.numel()]
     if not _room(total, device, "adapter"):
         return False
     with torch.cuda.device(device):
