@@ -206,7 +206,11 @@ def engine_main(conn: Any, variant: str, spec: dict[str, Any]) -> None:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids()]
     params = SamplingParams(max_tokens=spec["tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     plp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    cases = _requests(llm, variant, spec["adapters"], spec["composites"], spec["cases"])
+    try:
+        cases = _requests(llm, variant, spec["adapters"], spec["composites"], spec["cases"])
+    except Exception as e:  # a refused adapter or mix: said to the parent, which stops this engine
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
     conn.send({"ready": True, "start_s": start_s, "pid": os.getpid()})
     while True:
         cmd, case = conn.recv()
@@ -244,9 +248,13 @@ class Engines:
         while time.perf_counter() < deadline:
             if conn.poll(5):
                 try:
-                    return conn.recv()
+                    got = conn.recv()
                 except EOFError:
                     break
+                if not (isinstance(got, dict) and "error" in got):
+                    return got
+                print(f"{variant}: {what} failed: {got['error']}", flush=True)
+                break
             if not p.is_alive():
                 break
         p.kill()
@@ -400,6 +408,9 @@ def main() -> None:
     if "base" not in cases:
         raise SystemExit("--cases must include base (every ratio is against it)")
     rank = args.max_lora_rank or (2 * RANK if "mixes" in cases else RANK)
+    if "mixes" in cases and rank < 2 * RANK:  # (r35's run lost its call to a refused mix)
+        raise SystemExit(f"--max-lora-rank {rank}: a mix of two r{RANK} adapters has rank {2 * RANK}; give "
+                         f"--max-lora-rank {2 * RANK} (the default with the mixes case) or drop mixes from --cases")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-moe-decode-"))
     model = write_model(work, args.layers)
     cfg = json.loads((model / "config.json").read_text())

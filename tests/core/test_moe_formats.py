@@ -222,16 +222,14 @@ def test_scan_threads_match_the_readers_only_on_hosts_with_twice_their_number_to
     assert default_scan_workers(cores, min(4, cores)) == expected
 
 
-def _pools_lent(folder: Path, blocks: int, monkeypatch: pytest.MonkeyPatch, cores: int, *, form: str = "2d",
-                scan: bool = True) -> list[tuple[str, int]]:
-    """``(name, threads)`` of every pool `read_blocks` lends to read (and scan, with ``scan``) an adapter of
-    ``blocks`` MoE blocks saved in ``form`` on ``cores`` usable cores (`_util.usable_cores`: the process's affinity
-    set, not the machine's)."""
+def _pools_lent(folder: Path, blocks: int, monkeypatch: pytest.MonkeyPatch, cores: int) -> list[tuple[str, int]]:
+    """``(name, threads)`` of every pool `read_blocks` lends to read (and scan) an adapter of ``blocks`` MoE blocks
+    on ``cores`` usable cores (`_util.usable_cores`: the process's affinity set, not the machine's)."""
     from vllm_lora_ext import _util
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe_read import read_blocks
 
-    write_moe_adapter(folder, [make_truth(4, 8, 6, 2, seed) for seed in range(blocks)], [form] * blocks, rank=2)
+    write_moe_adapter(folder, [make_truth(4, 8, 6, 2, seed) for seed in range(blocks)], ["2d"] * blocks, rank=2)
     monkeypatch.setattr(_util, "usable_cores", lambda: cores)
     lent: list[tuple[str, int]] = []
 
@@ -250,7 +248,7 @@ def _pools_lent(folder: Path, blocks: int, monkeypatch: pytest.MonkeyPatch, core
     cfg = config_from_dict(json.loads((folder / "adapter_config.json").read_text()))
     plans = {p: plan_experts(g, MoESpec(p, 4, 8, 6), config=cfg) for p, g in group_moe_keys(reader.header.shapes).items()}
     read_blocks(plans, KeyByKey(reader.read, reader.read_many), config=cfg,
-                options=ReadOptions(check_finite_as="x" if scan else None, pools=Spy))
+                options=ReadOptions(check_finite_as="x", pools=Spy))
     return lent
 
 
@@ -266,26 +264,10 @@ def test_read_blocks_sizes_its_scan_pool_by_the_rule_for_the_cores_it_may_use(
 @pytest.mark.parametrize("cores", [2, 8, 16])
 def test_the_pools_a_worker_starts_ahead_are_the_ones_a_many_block_read_lends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int) -> None:
-    """``moe_read.read_pools`` (what ``transport.pools.start_pools`` starts while a worker starts) names them: a 2D
-    adapter's read and scan, and a fused 3D adapter's read that scans nothing (a background build for a GPU)."""
+    """``moe_read.read_pools`` (what ``transport.pools.start_pools`` starts while a worker starts) names them."""
     from vllm_lora_ext.formats.moe_read import read_pools
 
-    lent = (_pools_lent(tmp_path / "2d", 10, monkeypatch, cores)
-            + _pools_lent(tmp_path / "3d", 10, monkeypatch, cores, form="3d", scan=False))
-    assert sorted(set(lent)) == sorted(read_pools(cores))
-
-
-@pytest.mark.parametrize(("cores", "form", "scan", "readers"),
-                         [(16, "3d", False, 6), (16, "3d", True, 4), (16, "2d", False, 4), (16, "3d_gu+2d_down", False, 4),
-                          (8, "3d", False, 6), (2, "3d", False, 2)])
-def test_a_fused_3d_read_that_scans_nothing_reads_on_the_threads_its_scan_would_have_had(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, form: str, scan: bool, readers: int) -> None:
-    """Six blocks. A fused 3D adapter's B is reordered and scaled on the CPU as it is read (4 keys a block, little
-    Python): where nothing is scanned while read, its read takes the scan's threads too (16 cores: 4 + 2 scan
-    threads' worth for six blocks, capped by the blocks). A 2D block's 768 keys keep 4 readers either way, and so
-    does a read that scans."""
-    lent = _pools_lent(tmp_path, 6, monkeypatch, cores, form=form, scan=scan)
-    assert [w for name, w in lent if "read" in name] == [readers]
+    assert sorted(_pools_lent(tmp_path, 6, monkeypatch, cores)) == sorted(read_pools(cores))
 
 
 def test_usable_cores_are_the_affinity_set_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:

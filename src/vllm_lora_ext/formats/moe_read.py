@@ -25,7 +25,7 @@ from vllm_lora_ext.formats.moe_plan import ExpertsPlan, Key2D, Key3D
 from vllm_lora_ext.validation import check_finite
 
 __all__ = ["TensorSource", "BulkReads", "ReadOptions", "default_scan_workers", "read_experts", "read_blocks",
-           "read_pools", "READ_POOL", "SCAN_POOL", "default_readers"]
+           "read_pools", "default_readers", "READ_POOL", "SCAN_POOL"]
 
 Ranges = Sequence[tuple[int, int, int]]
 """``[(dim, start, stop), ...]``: slices of one tensor along one dim, concatenated in that order."""
@@ -362,17 +362,12 @@ def default_scan_workers(cores: int, readers: int) -> int:
     return max(min(2, cores - readers), min(readers, cores - 2 * readers))
 
 
-def default_readers(cores: int, blocks: int, *, scanning: bool, turning: bool) -> int:
-    """Threads that read ``blocks`` MoE blocks on a host of ``cores``: up to 4 (more contend for the GIL and read
-    slower: a 2D block is 768 keys, each some Python). A read whose every block is fused 3D and turned
-    on the CPU (``turning``: a fused B reordered and scaled there, the larger part of its build; 4 keys a block) and
-    that scans nothing while it reads (a background build for a GPU, which scans there) also takes the threads
-    its scan would have had ([`default_scan_workers`]): 8 on a 16-core host, as many as read and scanned before
-    r33."""
-    readers = min(4, cores)
-    if turning and not scanning and readers > 1:
-        readers += default_scan_workers(cores, readers)
-    return max(1, min(readers, blocks))
+def default_readers(cores: int, blocks: int) -> int:
+    """Threads that read ``blocks`` MoE blocks on a host of ``cores``: up to 4, one per core. More contend for the
+    GIL and read no faster: r35 timed 8 on the H200 host (16 cores) with nothing scanned while read, a background
+    build's case. A fused 3D adapter's build (its B turned on the CPU, 4 keys a block) took 0.335 s (median of 9)
+    against 0.304 s on 4, a 2D one's 0.282 s against 0.241 s (``bench/results/probe_build_h200_r35_readers.json``)."""
+    return max(1, min(4, cores, blocks))
 
 
 READ_POOL, SCAN_POOL = "vllm-lora-ext-read", "vllm-lora-ext-scan"  # the kept pools' names (transport.pools)
@@ -380,14 +375,10 @@ READ_POOL, SCAN_POOL = "vllm-lora-ext-read", "vllm-lora-ext-scan"  # the kept po
 
 def read_pools(cores: int) -> list[tuple[str, int]]:
     """The kept pools ([`read_blocks`]'s) an adapter of many MoE blocks is read and scanned on, as
-    ``(name, threads)``, on a host of ``cores``: a 2D adapter's read and scan, and a fused 3D adapter's read where
-    it scans nothing (a background build for a GPU) if that takes more threads."""
-    many = 1 << 16  # blocks: more than any read has threads
-    readers = default_readers(cores, many, scanning=True, turning=False)
+    ``(name, threads)``, on a host of ``cores``."""
+    readers = default_readers(cores, cores)
     scanners = default_scan_workers(cores, readers) if readers > 1 else 0
-    turners = default_readers(cores, many, scanning=False, turning=True)
-    return ([(READ_POOL, readers)] + ([(SCAN_POOL, scanners)] if scanners > 0 else [])
-            + ([(READ_POOL, turners)] if turners != readers else []))
+    return [(READ_POOL, readers)] + ([(SCAN_POOL, scanners)] if scanners > 0 else [])
 
 
 def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, config: AdapterConfig,
@@ -416,10 +407,7 @@ def read_blocks(plans: Mapping[str, ExpertsPlan], source: TensorSource, *, confi
     items = list(plans.items())
     cores = usable_cores()
     check_finite_as = options.check_finite_as
-    on_cpu = options.transpose_on is None or options.transpose_on.type != "cuda"
-    turning = bool(items) and on_cpu and all(not p.keys_2d for _, p in items)
-    n = options.workers if options.workers is not None else default_readers(
-        cores, len(items), scanning=check_finite_as is not None, turning=turning)
+    n = options.workers if options.workers is not None else default_readers(cores, len(items))
     scan_workers = options.scan_workers
     if scan_workers is None:
         scan_workers = default_scan_workers(cores, n) if n > 1 and len(items) > 1 else 0
