@@ -8,8 +8,9 @@ for a pinned host-to-device copy (``probe_host_memory_h200.json``). This times, 
 each in a fresh mapping of a file written by a child process (so this process has none of its pages mapped), as
 the worker sees it:
 
-- ``staging``: ``_copy_through_pinned`` as the worker runs it (torch's default intra-op threads);
-- ``staging, 4 intra-op threads`` and ``staging, 1 intra-op thread``;
+- ``staging``: ``_copy_through_pinned`` as the worker runs it (since r35 on ``pools.copy_threads`` OpenMP threads,
+  half the cores; torch's default intra-op threads before);
+- ``--threads 16,8,4``: also ``staging, N copy threads`` (``copy_threads`` made to answer N);
 - ``populate, then staging``: ``madvise(MADV_POPULATE_READ)`` over the mapping first (Linux 5.14+), timed with it;
 - ``staging, pages mapped``: the same mapping staged a second time (no page faults: the copy and DMA alone);
 - ``pageable copy``: ``buffer.copy_(mapping)``, the driver's own staging;
@@ -20,7 +21,8 @@ the worker sees it:
 
 Each case checks the GPU buffer against the file's bytes. No stock counterpart: stock vLLM has no hand-over file.
 
-Usage: python bench/probe_stage_copy.py [--mib 1584] [--reps 3] [--regions 1152,1] [--busy K] [--cases 'staging;pageable copy']
+Usage: python bench/probe_stage_copy.py [--mib 1584] [--reps 3] [--regions 1152,1] [--threads 16,8] [--busy K]
+       [--cases 'staging;pageable copy']
        [--out FILE]
 """
 
@@ -68,13 +70,12 @@ def _case(name: str, path: str, nbytes: int, gpu: Any, stream: Any) -> float:
     from vllm_lora_ext.transport import staging
 
     buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # a fresh mapping: no page mapped
-    threads = torch.get_num_threads()
+    rule = staging.copy_threads
+    if name.endswith(" copy threads"):
+        n = int(name.split(", ")[1].split()[0])
+        staging.copy_threads = lambda cores: n  # type: ignore[assignment]
     t0 = time.perf_counter()
-    if name == "staging, 4 intra-op threads":
-        torch.set_num_threads(4)
-    elif name == "staging, 1 intra-op thread":
-        torch.set_num_threads(1)
-    elif name == "populate, then staging" and not _populate(buf):
+    if name == "populate, then staging" and not _populate(buf):
         print("MADV_POPULATE_READ refused (errno %d)" % ctypes.get_errno(), flush=True)
     if name == "staging, pages mapped":
         staging._copy_through_pinned(gpu, _regions(buf, 48), stream)
@@ -87,7 +88,7 @@ def _case(name: str, path: str, nbytes: int, gpu: Any, stream: Any) -> float:
     else:
         staging._copy_through_pinned(gpu, _regions(buf, count), stream)
     seconds = time.perf_counter() - t0
-    torch.set_num_threads(threads)
+    staging.copy_threads = rule  # type: ignore[assignment]
     assert torch.equal(gpu[::4099].cpu(), buf[::4099]), name
     del buf
     return seconds
@@ -100,16 +101,17 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1584)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--regions", default="", help="also stage over these many regions (comma-separated)")
+    ap.add_argument("--threads", default="", help="also stage on these many copy threads (comma-separated)")
     ap.add_argument("--busy", type=int, default=0, help="processes spinning on a core each meanwhile")
     ap.add_argument("--cases", default="", help="only these of the fixed cases (names separated by ';')")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     nbytes = args.mib << 20
-    cases = ["staging", "staging, 4 intra-op threads", "staging, 1 intra-op thread", "populate, then staging",
-             "staging, pages mapped", "pageable copy"]
+    cases = ["staging", "populate, then staging", "staging, pages mapped", "pageable copy"]
     if args.cases:
         cases = [c for c in cases if c in args.cases.split(";")]
     cases += [f"staging, {int(n)} regions" for n in args.regions.split(",") if n]
+    cases += [f"staging, {int(n)} copy threads" for n in args.threads.split(",") if n]
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
@@ -128,7 +130,11 @@ def main() -> None:
             p.kill()
     rows = [[c, f"{median(t):.4f}", f"{args.mib / 1024 / median(t):.1f}"] for c, t in times.items()]
     print_table(rows, ["case", "median s", "GiB/s"])
+    from vllm_lora_ext._util import usable_cores
+    from vllm_lora_ext.transport.pools import copy_threads
+
     write_json("probe_stage_copy", {"mib": args.mib, "reps": args.reps, "torch_threads": torch.get_num_threads(),
+                                    "copy_threads": copy_threads(usable_cores()),
                                     "busy_processes": args.busy,
                                     "kernel": os.uname().release, "gpu": torch.cuda.get_device_name(),
                                     "seconds": times, "median_s": {c: median(t) for c, t in times.items()}},

@@ -56,3 +56,52 @@ def test_a_pool_whose_thread_initializer_raised_is_not_kept(monkeypatch: pytest.
     assert not pools._IDLE.get((name, 2))
     monkeypatch.undo()
     assert pools.run_in_pool(name, 2, lambda x: x, [1]) == [1]
+
+
+def test_intra_op_threads_sets_the_calling_threads_count_for_the_block_and_gives_it_back() -> None:
+    """The staging copy's fills run on `transport.pools.copy_threads` OpenMP threads of the thread that stages
+    (r35): inside the block torch's ops on that thread see that count, after it the thread's own count, and another
+    thread meanwhile keeps its own."""
+    import torch
+
+    if pools._openmp() is None:
+        pytest.skip("torch's OpenMP runtime not found")
+    own = torch.get_num_threads()
+    want = 1 if own > 1 else 2
+    seen_elsewhere: list[int] = []
+    inside = threading.Event()
+    done = threading.Event()
+
+    def other() -> None:
+        mine = torch.get_num_threads()
+        inside.wait(5)
+        seen_elsewhere.append(torch.get_num_threads() - mine)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with pools.intra_op_threads(want):
+        assert torch.get_num_threads() == want
+        inside.set()
+        assert done.wait(5)
+    t.join()
+    assert torch.get_num_threads() == own
+    assert seen_elsewhere == [0]
+
+
+def test_intra_op_threads_gives_the_count_back_when_the_block_raises() -> None:
+    import torch
+
+    if pools._openmp() is None:
+        pytest.skip("torch's OpenMP runtime not found")
+    own = torch.get_num_threads()
+    with pytest.raises(ZeroDivisionError), pools.intra_op_threads(1 if own > 1 else 2):
+        1 / 0
+    assert torch.get_num_threads() == own
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (16, 8), (32, 16), (128, 16)])
+def test_the_staging_copy_fills_on_half_the_cores_up_to_16(cores: int, threads: int) -> None:
+    from vllm_lora_ext.transport.pools import copy_threads
+
+    assert copy_threads(cores) == threads

@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_lora_ext._util import usable_cores
 from vllm_lora_ext.transport.arena import ALIGN, aligned
+from vllm_lora_ext.transport.pools import copy_threads, intra_op_threads
 
 __all__ = ["STAGE_ALIGN", "Staging", "in_source_order"]
 
@@ -106,6 +108,7 @@ _BOUNCE: list[torch.Tensor] = []  # two pinned chunks per process, allocated onc
 _COPY_LOCK = threading.Lock()
 
 
+
 def _pieces(regions: list[tuple[int, torch.Tensor]], chunk: int) -> Any:
     """Group consecutive (GPU offset, CPU bytes) regions into chunk-sized windows of the GPU buffer:
     yields ``(window start, [(offset in window, bytes), ...])``; a large region is split across windows."""
@@ -131,10 +134,10 @@ def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Te
     """Copy CPU regions into the GPU ``buffer`` through two small pinned chunks, on ``stream``.
 
     A copy from pageable memory goes through the driver's own staging, which holds up the engine thread's
-    launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk
-    while the other is in flight, and every host-to-device copy is a true asynchronous DMA.
+    launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk while the other is in
+    flight (on `copy_threads` OpenMP threads), and every host-to-device copy is a true asynchronous DMA.
     """
-    with _COPY_LOCK:  # one staging copy at a time: the pinned chunks are shared
+    with _COPY_LOCK, intra_op_threads(copy_threads(usable_cores())):  # (one copy at a time: the chunks are shared)
         if not _BOUNCE:
             _BOUNCE.extend(torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2))
         _copy_chunks(buffer, regions, stream)
