@@ -254,6 +254,7 @@ class Engines:
                 if not (isinstance(got, dict) and "error" in got):
                     return got
                 print(f"{variant}: {what} failed: {got['error']}", flush=True)
+                p.join(60)  # it exits on its own, and its exit stops vLLM's engine-core process
                 break
             if not p.is_alive():
                 break

@@ -206,7 +206,8 @@ def main() -> None:
                     help="build with BuildJob(scan_moe=False), as a background build on a GPU does")
     ap.add_argument("--gpu-scan", action="store_true", help="also time that scan on the GPU after the hand-over")
     ap.add_argument("--readers", type=int, default=None,
-                    help="read on this many threads, not moe_read.default_readers' (up to 4)")
+                    help="read on this many threads, not moe_read.default_readers' (up to 4); no effect with a --src "
+                         "tree older than r35, which has no default_readers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.gpu_scan:
@@ -216,10 +217,15 @@ def main() -> None:
         from vllm_lora_ext.formats import moe_read
 
         moe_read.default_scan_workers = lambda cores, readers: min(2, cores - readers)
+    readers: Any = "moe_read's rule (up to 4)"
     if args.readers is not None:
         from vllm_lora_ext.formats import moe_read
 
-        moe_read.default_readers = lambda cores, blocks: max(1, min(args.readers, blocks))
+        if hasattr(moe_read, "default_readers"):
+            moe_read.default_readers = lambda cores, blocks: max(1, min(args.readers, blocks))
+            readers = args.readers
+        else:
+            print("--readers: this tree has no moe_read.default_readers; it reads on its own rule", flush=True)
     import torch
 
     import vllm_lora_ext
@@ -241,7 +247,7 @@ def main() -> None:
     rows = []
     result["scan_rule"] = "r31 (at most 2)" if args.old_scan_rule else "default_scan_workers"
     result["moe_scan"] = "none (BuildJob(scan_moe=False))" if args.no_moe_scan else "while read"
-    result["readers"] = args.readers if args.readers is not None else "moe_read.default_readers"
+    result["readers"] = readers
     for form in args.forms.split(","):
         folder = work / form
         if not (folder / "adapter_model.safetensors").exists():

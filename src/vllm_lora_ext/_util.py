@@ -250,6 +250,20 @@ def run_all(pool: Any, fn: Any, items: Any) -> list[Any]:
         wait(futures)
 
 
+def path_kind(path: str | os.PathLike[str]) -> str:
+    """``"file"`` (a regular file, through links), ``"absent"`` or ``"other"`` (a folder, a FIFO, a device, a
+    dangling link), from one ``stat``: a folder on the path swapped meanwhile reads as absent, never as another
+    kind, as two checks (``is_file`` then ``exists``) could read it."""
+    try:
+        return "file" if stat.S_ISREG(os.stat(path).st_mode) else "other"
+    except OSError as err:  # (any other error, a permission refused, reaches the caller)
+        if err.errno == errno.ELOOP:  # a loop of links
+            return "other"
+        if err.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise
+        return "other" if os.path.islink(path) else "absent"
+
+
 def not_a_regular_file(path: str | os.PathLike[str]) -> str | None:
     """Return why ``path`` cannot be read as a config file (missing, a folder, a FIFO, a device), or ``None``.
 

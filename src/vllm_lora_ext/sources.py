@@ -36,18 +36,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from vllm_lora_ext.constants import (
-    ADAPTER_CONFIG_NAME,
-    ADAPTER_WEIGHTS_NAME,
-    HF_PREFIX,
-    PICKLE_SUFFIXES,
-    PICKLE_WEIGHTS_NAMES,
-    SAFETENSORS_SUFFIX,
-    SourceKind,
-    allow_pickle as _env_allow_pickle,
-    hf_offline,
-)
+from vllm_lora_ext.constants import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, HF_PREFIX, PICKLE_SUFFIXES,
+                                     PICKLE_WEIGHTS_NAMES, SAFETENSORS_SUFFIX, SourceKind, hf_offline)
+from vllm_lora_ext.constants import allow_pickle as _env_allow_pickle
 from vllm_lora_ext import diskcache, metrics
+from vllm_lora_ext._util import path_kind
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA
 from vllm_lora_ext.hub_client import HubClient
@@ -347,9 +340,10 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                 )
     for name, rule in _config_candidates(weights.name):
         cand = weights.parent / name
-        if cand.is_file():
+        kind = path_kind(cand)  # (one stat: a folder swapped meanwhile is absent then, not "not a regular file")
+        if kind == "file":
             return ResolvedAdapter(src, weights, cand, rule)
-        if cand.is_symlink() or cand.exists():  # a FIFO, folder or dangling link: never skipped for an inferred one
+        if kind == "other":  # a FIFO, folder or dangling link: never skipped for an inferred one
             raise AdapterSourceError(f"Adapter config {str(cand)!r} is not a regular file (source {src.raw!r}). "
                                      f"Replace it with the adapter's {name}.", source=src.raw, part="path")
     return ResolvedAdapter(src, weights, None, "inferred")

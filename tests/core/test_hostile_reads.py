@@ -434,3 +434,27 @@ def test_a_relative_org_repo_that_is_no_folder_is_pinned_as_a_hub_source_so_a_fo
     assert parse_source(check_allowed_root("hf:acme/y", [str(inside)])).kind == "hf"
     with pytest.raises(AdapterAccessError):  # named as a local path now, it is held to the roots as ever
         check_allowed_root("acme/y", [str(inside)])
+
+
+def test_a_config_candidate_is_classified_by_one_stat(tmp_path: Path) -> None:
+    """`_util.path_kind`, which resolving a local source uses for each config candidate: a regular file (through a
+    link) is a file; a folder, a FIFO, a dangling link and a loop of links are "other" (refused, never skipped);
+    a missing name, or one under a missing folder, is absent. One stat each, so the folder of
+    `test_a_folder_flipping_between_inside_and_a_link_out_never_yields_the_outside_bytes`, swapped between two
+    checks, can no longer read as "not a regular file"."""
+    import os
+
+    from vllm_lora_ext._util import path_kind
+
+    (tmp_path / "f").write_text("{}")
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "p")
+    os.symlink(tmp_path / "f", tmp_path / "to_f")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.symlink(tmp_path / "loop_b", tmp_path / "loop_a")
+    os.symlink(tmp_path / "loop_a", tmp_path / "loop_b")
+    kinds = {n: path_kind(tmp_path / n) for n in ("f", "to_f", "d", "p", "dangling", "loop_a", "missing")}
+    assert kinds == {"f": "file", "to_f": "file", "d": "other", "p": "other", "dangling": "other",
+                     "loop_a": "other", "missing": "absent"}
+    assert path_kind(tmp_path / "missing" / "adapter_config.json") == "absent"
+    assert path_kind(tmp_path / "f" / "adapter_config.json") == "absent"  # under a file: ENOTDIR

@@ -58,35 +58,60 @@ def test_a_pool_whose_thread_initializer_raised_is_not_kept(monkeypatch: pytest.
     assert pools.run_in_pool(name, 2, lambda x: x, [1]) == [1]
 
 
-def test_intra_op_threads_sets_the_calling_threads_count_for_the_block_and_gives_it_back() -> None:
-    """The staging copy's fills run on `transport.pools.copy_threads` OpenMP threads of the thread that stages
-    (r35): inside the block torch's ops on that thread see that count, after it the thread's own count, and another
-    thread meanwhile keeps its own."""
+def _on_a_thread_of(count: int, fn: object) -> list[object]:
+    """Run ``fn()`` on a new thread whose OpenMP count is ``count``; its result (or error) in a list."""
+    import torch
+
+    out: list[object] = []
+
+    def run() -> None:
+        torch.get_num_threads()  # torch's per-thread set-up first
+        pools._openmp().omp_set_num_threads(count)
+        try:
+            out.append(fn())  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+def test_intra_op_threads_lowers_the_calling_threads_count_for_the_block_and_gives_it_back() -> None:
+    """The staging copy's fills run on at most `transport.pools.copy_threads` OpenMP threads of the thread that
+    stages (r35): inside the block torch's ops on that thread see that count, after it the thread's own count, and
+    another thread meanwhile keeps its own."""
     import torch
 
     if pools._openmp() is None:
         pytest.skip("torch's OpenMP runtime not found")
     own = torch.get_num_threads()
-    want = 1 if own > 1 else 2
-    seen_elsewhere: list[int] = []
-    inside = threading.Event()
-    done = threading.Event()
 
-    def other() -> None:
-        mine = torch.get_num_threads()
-        inside.wait(5)
-        seen_elsewhere.append(torch.get_num_threads() - mine)
-        done.set()
+    def inside() -> tuple[int, int, int]:
+        with pools.intra_op_threads(2):
+            during = torch.get_num_threads()
+            elsewhere = _on_a_thread_of(3, torch.get_num_threads)[0]
+        return during, int(elsewhere), torch.get_num_threads()  # type: ignore[call-overload]
 
-    t = threading.Thread(target=other)
-    t.start()
-    with pools.intra_op_threads(want):
-        assert torch.get_num_threads() == want
-        inside.set()
-        assert done.wait(5)
-    t.join()
+    assert _on_a_thread_of(4, inside) == [(2, 3, 4)]
     assert torch.get_num_threads() == own
-    assert seen_elsewhere == [0]
+
+
+def test_intra_op_threads_never_raises_the_count() -> None:
+    """vLLM 0.33's workers run torch on one thread (TP > 1 workers on their share of the cores): the staging copy
+    keeps that count rather than starting more threads than the user or vLLM allowed."""
+    import torch
+
+    if pools._openmp() is None:
+        pytest.skip("torch's OpenMP runtime not found")
+
+    def inside() -> int:
+        with pools.intra_op_threads(8):
+            return torch.get_num_threads()
+
+    assert _on_a_thread_of(1, inside) == [1]
+    assert _on_a_thread_of(3, inside) == [3]
 
 
 def test_intra_op_threads_gives_the_count_back_when_the_block_raises() -> None:
@@ -94,10 +119,13 @@ def test_intra_op_threads_gives_the_count_back_when_the_block_raises() -> None:
 
     if pools._openmp() is None:
         pytest.skip("torch's OpenMP runtime not found")
-    own = torch.get_num_threads()
-    with pytest.raises(ZeroDivisionError), pools.intra_op_threads(1 if own > 1 else 2):
-        1 / 0
-    assert torch.get_num_threads() == own
+
+    def inside() -> int:
+        with pytest.raises(ZeroDivisionError), pools.intra_op_threads(1):
+            1 / 0
+        return torch.get_num_threads()
+
+    assert _on_a_thread_of(4, inside) == [4]
 
 
 @pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (16, 8), (32, 16), (128, 16)])

@@ -119,7 +119,7 @@ def _keep_idle(key: tuple[str, int], pool: ThreadPoolExecutor) -> bool:
 
 def copy_threads(cores: int) -> int:
     """OpenMP threads that fill GPU staging's pinned chunks (``staging._copy_through_pinned``) on a host of
-    ``cores``: half of them, up to 16 (8 on a 16-core host).
+    ``cores``, at most: half of them, up to 16 (8 on a 16-core host), or fewer where the thread has fewer.
 
     Each chunk's fill is one parallel copy that ends when its slowest thread does. A team of every core (torch's
     default in a TP=1 engine) shares cores with the engine thread, the API server and the build process while
@@ -132,16 +132,18 @@ def copy_threads(cores: int) -> int:
 
 @contextlib.contextmanager
 def intra_op_threads(n: int) -> Iterator[None]:
-    """Run torch's CPU ops on the calling thread on ``n`` OpenMP threads while the block runs, then give the thread
-    its own count back (the rest of the process keeps its setting). Does nothing where torch's OpenMP runtime is
-    not found."""
+    """Run torch's CPU ops on the calling thread on at most ``n`` OpenMP threads while the block runs, then give
+    the thread its own count back (the rest of the process keeps its setting). Never more than the thread has:
+    where vLLM or the user set fewer (vLLM 0.33's workers run torch on one thread unless ``OMP_NUM_THREADS`` is
+    set; TP > 1 workers share the cores), that count stays. Does nothing where torch's OpenMP runtime is not
+    found."""
     import torch
 
     omp = _openmp()
-    if omp is None:
+    before = torch.get_num_threads()  # (torch's own per-thread set-up first: see `one_intra_op_thread`)
+    if omp is None or before <= n:
         yield
         return
-    before = torch.get_num_threads()  # (torch's own per-thread set-up first: see `one_intra_op_thread`)
     omp.omp_set_num_threads(max(1, n))
     try:
         yield

@@ -108,7 +108,6 @@ _BOUNCE: list[torch.Tensor] = []  # two pinned chunks per process, allocated onc
 _COPY_LOCK = threading.Lock()
 
 
-
 def _pieces(regions: list[tuple[int, torch.Tensor]], chunk: int) -> Any:
     """Group consecutive (GPU offset, CPU bytes) regions into chunk-sized windows of the GPU buffer:
     yields ``(window start, [(offset in window, bytes), ...])``; a large region is split across windows."""
@@ -135,7 +134,7 @@ def _copy_through_pinned(buffer: torch.Tensor, regions: list[tuple[int, torch.Te
 
     A copy from pageable memory goes through the driver's own staging, which holds up the engine thread's
     launches for the whole copy (0.4 s for 1.6 GB). Here the CPU fills one pinned chunk while the other is in
-    flight (on `copy_threads` OpenMP threads), and every host-to-device copy is a true asynchronous DMA.
+    flight (on at most `copy_threads` OpenMP threads), and every host-to-device copy is a true asynchronous DMA.
     """
     with _COPY_LOCK, intra_op_threads(copy_threads(usable_cores())):  # (one copy at a time: the chunks are shared)
         if not _BOUNCE:
