@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import regex
 
 from vllm_lora_ext._util import clip, read_json_capped, short_repr
 from vllm_lora_ext.constants import (MAX_CONFIG_BYTES, MAX_PATTERN_KEY_CHARS, METADATA_ALPHA_KEYS,
-                                     METADATA_RANK_KEYS, PATTERN_MATCH_TIMEOUT_S)
+                                     MAX_PATTERN_KEYS, METADATA_RANK_KEYS, PATTERN_MATCH_TIMEOUT_S)
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
 _MAX_RANK = 1 << 16
@@ -78,6 +79,10 @@ class AdapterConfig:
                 raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(alpha)} must "
                                          f"be a finite number.", adapter=self.name, key="alpha_pattern")
         for field_name in ("rank_pattern", "alpha_pattern"):
+            if len(getattr(self, field_name)) > MAX_PATTERN_KEYS:  # (each module is matched against every key)
+                raise AdapterFormatError(f"Adapter {self.name!r}: {field_name} has {len(getattr(self, field_name))} "
+                                         f"keys, more than {MAX_PATTERN_KEYS}. Write fewer, more general patterns "
+                                         f"in adapter_config.json.", adapter=self.name, key=field_name)
             for k in getattr(self, field_name):
                 _check_pattern_key(k, field_name, self.name)
 
@@ -173,7 +178,9 @@ def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adapter: str) -> str | None:
-    # PEFT's get_pattern_key: the first key in order whose regex matches
+    # PEFT's get_pattern_key: the first key in order whose regex matches. The keys that can backtrack share one
+    # time budget per module (PATTERN_MATCH_TIMEOUT_S): many keys each just under it add up to no more.
+    deadline = None
     for key in patterns:
         tail, plain, fullmatch = _matcher(key)
         if not module.endswith(tail):
@@ -182,14 +189,18 @@ def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adap
             if module == key or module.endswith("." + key) or fullmatch(module):
                 return key
             continue
+        now = time.monotonic()
+        deadline = deadline or now + PATTERN_MATCH_TIMEOUT_S
         try:
-            if fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S):
+            if now >= deadline:
+                raise TimeoutError
+            if fullmatch(module, timeout=deadline - now):
                 return key
         except TimeoutError:
             raise AdapterFormatError(
                 f"Adapter {adapter!r}: {field_name} key {short_repr(key)} takes over {PATTERN_MATCH_TIMEOUT_S} s to "
-                f"match {short_repr(module)} (nested repetition such as (a+)+). Write the module names in "
-                f"adapter_config.json instead.", adapter=adapter, key=field_name) from None
+                f"match {short_repr(module)}, with the keys before it (nested repetition such as (a+)+). Write the "
+                f"module names in adapter_config.json instead.", adapter=adapter, key=field_name) from None
     return None
 
 

@@ -37,21 +37,25 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MAX_MIX_COMPONENTS, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
 from vllm_lora_ext.validation import check_rank_budget, largest_magnitude
 
+if TYPE_CHECKING:  # torch is imported where a mix is built: a command line checks weights and names without it
+    import torch
+
 __all__ = ["MixComponent", "MixSpec", "MixFactor", "MixPlan", "parse_mix_expression", "resolve_mix", "concat_factors",
            "concat_many", "widest_dtype", "composite_shapes", "check_weight", "largest_magnitude", "parse_weight",
            "MIX_NAME_PREFIX", "MAX_MIX_COMPONENTS"]
 
 _MAX_MIX_PATH = 64 * 1024
-_DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.I | re.A)
+# (each digit run has one place in a match: a long run that fails to match fails in linear time, where
+# [0-9]+\.?[0-9]* split it every way first, 66 s for 40,000 digits)
+_DECIMAL = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.I | re.A)
+_MAX_WEIGHT_TEXT = 64  # characters: a longer weight is refused before it is parsed
 
 
 def _number_text(weight: object) -> str:
@@ -106,6 +110,9 @@ def parse_weight(text: str, *, name: str = "adapter") -> float:
     """Parse a weight written as text (``a=0.7``, ``vllm-lora mix a=0.7``), an ASCII decimal number such as
     ``0.25``, ``-1e-2`` or ``.5``, and apply [`check_weight`]."""
     written = text.strip()
+    if len(written) > _MAX_WEIGHT_TEXT:
+        raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is {len(written)} characters long, "
+                       f"more than the {_MAX_WEIGHT_TEXT} a weight may have. Write it as NAME=0.7.")
     if not _DECIMAL.fullmatch(written):  # float() alone reads '0_5' as 5 and other scripts' digits ('ınf': re.A)
         raise MixError(f"Weight {short_repr(text)} of adapter {short_repr(name)} is not a number. "
                        f"Write it as NAME=0.7.")
@@ -309,6 +316,8 @@ def _concat_shape(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], ran
 def widest_dtype(parts: Sequence[tuple[torch.Tensor, torch.Tensor, Any]]) -> torch.dtype:
     """The dtype all factors of ``parts`` fit unrounded (``torch.promote_types``): float32 for float32 with
     bfloat16 in either order, and for float16 with bfloat16."""
+    import torch
+
     return functools.reduce(torch.promote_types, (t.dtype for a, b, *_ in parts for t in (a, b)))
 
 
@@ -317,6 +326,7 @@ def composite_shapes(jobs: Mapping[Any, tuple[Sequence[tuple[torch.Tensor, torch
     """The ``(A shape, B shape, dtype)`` [`concat_many`] gives each of ``jobs``, without building anything.
 
     Example:
+        >>> import torch
         >>> composite_shapes({"m": ([(torch.ones(2, 5), torch.ones(3, 2), 1.0), (torch.ones(4, 5), torch.ones(3, 4), 1.0)], 0, 1)})
         {'m': ([6, 5], [3, 6], torch.float32)}
     """
@@ -338,12 +348,15 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
     (``rank_dim_a=1, rank_dim_b=2``).
 
     Example:
+        >>> import torch
         >>> a, b = concat_factors([(torch.ones(1, 2), torch.ones(3, 1), 0.5), (torch.ones(2, 2), torch.ones(3, 2), 2.0)])
         >>> (b @ a)[0, 0].item()
         4.5
     """
     a_shape, b_shape, out_dtype = _concat_shape(parts, rank_dim_a, rank_dim_b, dtype)
     ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
+    import torch
+
     a = alloc(tuple(a_shape), out_dtype) if alloc is not None else torch.empty(a_shape, dtype=out_dtype)
     b = alloc(tuple(b_shape), out_dtype) if alloc is not None else torch.empty(b_shape, dtype=out_dtype)
     off = 0
@@ -386,7 +399,7 @@ class MixFactor:
 
 # A component as a mix takes it: per module, its factor (one job), or the slices of a packed block (a job each).
 ComponentFactors = Mapping[Any, "MixFactor | Sequence[MixFactor]"]
-Part = tuple[torch.Tensor, torch.Tensor, float]
+Part = tuple["torch.Tensor", "torch.Tensor", float]
 
 
 @dataclass(frozen=True)
@@ -416,6 +429,7 @@ class MixPlan:
         A module's form (one factor, or the slices of a packed block) is its first component's.
 
         Example:
+            >>> import torch
             >>> one = {"m": MixFactor(torch.ones(2, 5), torch.ones(3, 2), scaling=0.5, max_abs=1.0)}
             >>> plan = MixPlan.from_components("mix", [("a", 2.0, one), ("b", 1.0, one)])
             >>> plan.rank("m"), plan.bounds["m"], plan.stays_finite(torch.float16)
@@ -470,6 +484,8 @@ class MixPlan:
         ``False`` and the caller scans ``A``. ``B`` is a copy of finite components and needs no check either way.
         """
         for key, (parts, _, _) in self.jobs.items():
+            import torch
+
             limit = torch.finfo(dtype or widest_dtype(parts)).max / 2
             if not all(bound <= limit for bound in self.bounds[key]):  # NaN-safe
                 return False

@@ -36,6 +36,7 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from vllm_lora_ext.constants import MAX_MODEL_FIELD_CHARS
 from vllm_lora_ext.multiplex import looks_like_source, split_model_id
 
 __all__ = ["LEVELS", "AdapterId", "adapter_id", "home_order", "rank_replicas", "adapter_levels"]
@@ -62,7 +63,6 @@ class AdapterId:
         return self.home or self.key
 
 
-@functools.lru_cache(maxsize=4096)  # a router ranks every reported id on every request
 def adapter_id(model_id: str) -> AdapterId:
     """Return the routing key and mix components of a multiplexed id ``<base>:<adapter>``.
 
@@ -75,7 +75,18 @@ def adapter_id(model_id: str) -> AdapterId:
         'qwen:style=0.7+domain'
         >>> sorted(adapter_id("qwen:style=0.70+domain").components)
         ['qwen:domain', 'qwen:style']
+
+    An id longer than a ``model`` field may be (`MAX_MODEL_FIELD_CHARS`, which its replica refuses) is its own key,
+    not parsed and not kept: a router ranks the ids clients send before any replica sees them.
     """
+    if len(model_id) > MAX_MODEL_FIELD_CHARS:
+        return AdapterId(model_id, frozenset())
+    return _adapter_id(model_id)
+
+
+@functools.lru_cache(maxsize=4096)  # a router ranks every reported id on every request
+def _adapter_id(model_id: str) -> AdapterId:
+    """`adapter_id` of an id of a ``model`` field's length at most."""
     base, adapter = split_model_id(model_id)
     if not adapter or looks_like_source(adapter) or ("+" not in adapter and "=" not in adapter):
         return AdapterId(model_id, frozenset())

@@ -577,3 +577,59 @@ def test_a_pattern_key_that_backtracks_for_ever_refuses_the_adapter_in_bounded_t
     with pytest.raises(AdapterFormatError, match=r"rank_pattern key '\(\(a\|aa\)\+\)\+b' takes over"):
         cfg.rank_for("a" * 60)
     assert time.monotonic() - start < 5
+
+
+# The slow key of r35's attack: it backtracks for about 20 ms on a module name, under the 0.05 s one key may take,
+# and never matches; 200 of them made a 2-layer adapter's build take 12.6 s, a 1 MiB config's 22,055 hours.
+_SLOW_KEY = r"(([a-z_.]|[a-z_.]{2})+)+[0-9](?:i)?"
+
+
+def test_many_pattern_keys_each_just_under_the_limit_share_one_budget_per_module() -> None:
+    import time
+
+    keys = {_SLOW_KEY + "x" * i: 2.0 for i in range(200)}  # distinct keys, each as slow
+    cfg = config_from_dict({"r": 8, "lora_alpha": 16, "alpha_pattern": keys}, name="x")
+    start = time.monotonic()
+    with pytest.raises(AdapterFormatError, match=r"alpha_pattern key .* takes over 0.05 s to match .*with the keys "
+                                                 r"before it"):
+        cfg.scaling_for("base_model.model.model.layers.0.self_attn.q_proj")
+    assert time.monotonic() - start < 5
+
+
+def test_a_config_with_more_pattern_keys_than_the_limit_is_refused_naming_the_count() -> None:
+    from vllm_lora_ext.constants import MAX_PATTERN_KEYS
+
+    many = {f"layers.{i}.q_proj": 4 for i in range(MAX_PATTERN_KEYS + 1)}
+    with pytest.raises(AdapterFormatError, match=rf"rank_pattern has {MAX_PATTERN_KEYS + 1} keys, more than "
+                                                 rf"{MAX_PATTERN_KEYS}"):
+        config_from_dict({"r": 8, "rank_pattern": many}, name="x")
+    assert config_from_dict({"r": 8, "rank_pattern": dict(list(many.items())[:MAX_PATTERN_KEYS])}, name="x")
+
+
+@pytest.mark.timeout(60)
+def test_a_long_run_of_digits_in_a_mix_weight_is_refused_in_linear_time() -> None:
+    """`mixing._DECIMAL` split a digit run every way before failing (66 s for 40,000 digits, reachable through the
+    4,096-character 'model' field and, before it, a Ray router's multiplexed id); one split a run, and a weight of
+    more than 64 characters is refused unread."""
+    from vllm_lora_ext.mixing import _DECIMAL, parse_weight
+
+    assert _DECIMAL.fullmatch("1" * 200_000 + "x") is None  # (the old pattern: about 27 minutes)
+    with pytest.raises(MixError, match="200001 characters long"):
+        parse_mix_expression("a=" + "1" * 200_000 + "x")
+    with pytest.raises(MixError, match="70 characters long, more than the 64"):
+        parse_weight("0." + "1" * 68, name="a")
+    assert parse_weight("0." + "1" * 62, name="a") == pytest.approx(1 / 9)
+
+
+@pytest.mark.timeout(60)
+def test_a_router_ranks_an_over_long_multiplexed_id_as_its_own_key_without_parsing_or_keeping_it() -> None:
+    from vllm_lora_ext.constants import MAX_MODEL_FIELD_CHARS
+    from vllm_lora_ext.residency import _adapter_id, adapter_id
+
+    long_id = "qwen:a=" + "1" * 200_000 + "x+b=0.5"
+    before = _adapter_id.cache_info().currsize
+    got = adapter_id(long_id)
+    assert got.key == long_id and not got.components
+    assert _adapter_id.cache_info().currsize == before
+    edge = "qwen:a=0.5+" + "b" * (MAX_MODEL_FIELD_CHARS - 11)
+    assert len(edge) == MAX_MODEL_FIELD_CHARS and adapter_id(edge).components  # at the limit: parsed as before

@@ -19,6 +19,7 @@ from vllm_lora_ext.constants import (ADAPTER_WEIGHTS_NAME, ENV_CONFIG, HF_PREFIX
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.outputs import claim_output
 from vllm_lora_ext.sources import ResolvedAdapter
+from vllm_lora_ext.mixing import check_weight, parse_weight  # (torch is imported by the functions that use it)
 
 if TYPE_CHECKING:  # the mixing and writing modules import torch: loaded only when mixing
     from vllm_lora_ext.deployment import DeploymentConfig
@@ -97,22 +98,22 @@ def run(args: argparse.Namespace) -> int:
     args.items = _split_items(args.items, frozenset(dep.adapters) if dep is not None else frozenset())
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
-    items: list[tuple[str, str, ResolvedAdapter, float]] = []
-    for item in args.items:  # every source first, before torch is imported: a missing one answers at once
+    items: list[tuple[str, ResolvedAdapter, float]] = []
+    for item in args.items:  # every source and weight first, before torch is imported: a bad one answers at once
         name, eq, weight = item.rpartition("=")
         if not eq:
             name, weight = item, ""
-        items.append((name, weight, *_resolve_item(name, dep, where)))
-    with claim_output(args.output, inputs=[r.weights_path for _, _, r, _ in items], force=args.force) as out:  # too
-        from vllm_lora_ext.mixing import check_weight, parse_weight
+        resolved, default = _resolve_item(name, dep, where)
+        items.append((name, resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
+    with claim_output(args.output, inputs=[r.weights_path for _, r, _ in items], force=args.force) as out:  # too
         from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
         from vllm_lora_ext.offline_writes import mix_adapter_files
 
         pairs: list[tuple[ResolvedAdapter, float]] = []
         names = [name for name, *_ in items]
-        for name, weight, resolved, default in items:
+        for name, resolved, w in items:
             require_safetensors(resolved, name=name)
-            pairs.append((resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
+            pairs.append((resolved, w))
         base = load_base_config(args.base_config) if args.base_config else None
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
