@@ -1,7 +1,7 @@
 """Write a small demo LoRA adapter (PEFT format) for a Qwen3-MoE-shaped model: attention + MoE experts.
 
     python examples/make_adapter.py /tmp/demo-adapter [--layout 2d|3d]
-    vllm-lora inspect /tmp/demo-adapter            # 3d: add --base-config /tmp/demo-adapter/base_config.json
+    vllm-lora inspect /tmp/demo-adapter            # or --base-config /tmp/demo-adapter/base_config.json
 
 Only torch and safetensors are needed; the tensors are random (seeded).
 """

@@ -31,10 +31,10 @@ except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
     msgspec = None  # type: ignore[assignment]
 
 from vllm_lora_ext._util import clip, file_stamp, gc_paused
-from vllm_lora_ext.errors import AdapterFormatError
+from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
-__all__ = ["TensorInfo", "FileHeader", "read_header", "file_stamp", "DTYPES", "torch_dtype_of", "dtype_by_name",
-           "safetensors_names"]
+__all__ = ["TensorInfo", "FileHeader", "read_header", "may_hold_lora", "file_stamp", "DTYPES", "torch_dtype_of",
+           "dtype_by_name", "safetensors_names"]
 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_NDIM = 8
@@ -191,6 +191,15 @@ def read_header(path: str | os.PathLike[str], *, fd: int | None = None) -> FileH
             return _read_header(path, own)
         finally:
             os.close(own)
+
+
+def may_hold_lora(path: str | os.PathLike[str]) -> bool:
+    """Whether a safetensors file's header names a LoRA factor (``lora_A``/``lora_B``), for a hint: a file that
+    cannot be read as safetensors counts as one (the load that names it says what is wrong)."""
+    try:
+        return any(".lora_" in k or k.startswith("lora_") for k in read_header(path).shapes)
+    except (VllmLoraExtError, OSError):
+        return True
 
 
 def _pread_upto(fd: int, n: int, offset: int) -> bytes:

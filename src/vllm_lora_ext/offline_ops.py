@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["LoadedAdapter", "load_adapter_files", "load_base_config", "moe_specs", "infer_moe_specs", "ep_read_plan",
-           "MOE_SIZES_KEY", "recorded_moe_sizes", "require_safetensors"]
+           "MOE_SIZES_KEY", "recorded_moe_sizes", "require_safetensors", "is_moe_config"]
 
 # The safetensors ``__metadata__`` key under which ``vllm-lora convert`` records each MoE block's sizes and 2D
 # projection names, so that its own output reads back without ``--base-config`` and keeps ``w1/w2/w3`` names. It is
@@ -40,15 +40,31 @@ MOE_SIZES_KEY = "vllm_lora_ext.moe_sizes"
 _PROJ_NAMES = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
 
 
-def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # a config's expert count, by model family
+
+
+def _text_config(base_config: Mapping[str, Any]) -> dict[str, Any]:
     text = base_config.get("text_config")
-    cfg = dict(text if isinstance(text, Mapping) else base_config)
-    e = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    return dict(text if isinstance(text, Mapping) else base_config)
+
+
+def is_moe_config(base_config: Mapping[str, Any]) -> bool:
+    """Whether a base model's config names an expert count (an MoE model's does)."""
+    cfg = _text_config(base_config)
+    return any(cfg.get(k) for k in _EXPERT_KEYS)
+
+
+def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:
+    cfg = _text_config(base_config)
+    e = next((cfg[k] for k in _EXPERT_KEYS if cfg.get(k)), None)
     h = cfg.get("hidden_size")
     i = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
     if not (e and h and i):
-        raise ExpertLayoutError("The base config has no num_experts/num_local_experts, hidden_size and "
-                                "moe_intermediate_size/intermediate_size; pass the MoE model's config.json.")
+        missing = [what for what, v in (("/".join(_EXPERT_KEYS), e), ("hidden_size", h),
+                                        ("moe_intermediate_size/intermediate_size", i)) if not v]
+        kind = " (not an MoE model's config)" if not e else ""
+        raise ExpertLayoutError(f"The base config has no {' or '.join(missing)}{kind}; pass the MoE model's "
+                                f"config.json.")
     for name, v, top in (("num_experts", e, MAX_EXPERTS), ("hidden_size", h, 1 << 20), ("intermediate_size", i, 1 << 20)):
         if type(v) is not int or not 1 <= v <= top:
             raise ExpertLayoutError(f"The base config's {name}={short_repr(v)} must be an integer from 1 to {top}; "
@@ -153,7 +169,7 @@ def _solve_3d(pairs: list[tuple[int, int]], orientation: str | None) -> set[tupl
 def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str, Any] | None = None,
                     num_experts: int | None = None, config: AdapterConfig | None = None,
                     recorded: Mapping[str, tuple[int, int, int, tuple[str, str, str]]] | None = None,
-                    base_from: str = "--base-config") -> tuple[dict[str, MoESpec], dict[str, str]]:
+                    base_from: str = "the base config") -> tuple[dict[str, MoESpec], dict[str, str]]:
     """Return a [`MoESpec`] per experts block, and per block a note on what was inferred or is ambiguous.
 
     Sizes come from the base config when given; else from what ``vllm-lora convert`` recorded in the weight

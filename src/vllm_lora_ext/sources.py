@@ -41,6 +41,7 @@ from vllm_lora_ext.constants import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, 
 from vllm_lora_ext.constants import allow_pickle as _env_allow_pickle
 from vllm_lora_ext import diskcache, metrics
 from vllm_lora_ext._util import path_kind
+from vllm_lora_ext.headers import may_hold_lora
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA
 from vllm_lora_ext.hub_client import HubClient
@@ -329,7 +330,10 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                 )
             else:
                 found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())[:10]
-                hint = (f" It holds {found}: name one of them, e.g. '{path / found[0]}'." if found
+                lora = [f for f in found if may_hold_lora(path / f)]
+                hint = (f" It holds {lora}: name one of them, e.g. '{path / lora[0]}'." if lora
+                        else f" Its {found} hold no lora_A/lora_B weights: it looks like a base model, not an "
+                             f"adapter. Name the adapter's folder." if found
                         else " Save the adapter with PEFT's save_pretrained().")
                 has = "a weight file that is not a regular file:" if weights.exists() else "no"
                 message = f"Adapter folder {str(path)!r} has {has} {ADAPTER_WEIGHTS_NAME} (source {src.raw!r})."

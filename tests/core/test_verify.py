@@ -260,14 +260,15 @@ def test_measure_gap_refuses_runs_over_other_positions_and_counts_nan_as_infinit
 
 
 def test_verify_names_a_missing_adapter_first_and_without_a_gpu_says_so_and_exits_2(tmp_path: Path) -> None:
-    """A mistyped adapter is named here at once (not only on the GPU machine); a good one, without a GPU, exits 2
-    saying what verify needs, before reading the model."""
+    """A mistyped adapter is named here at once (not only on the GPU machine), a usage error: exit 2, as the README
+    says (1 is a FAIL verdict); a good one, without a GPU, exits 2 saying what verify needs, before reading the
+    model."""
     from factories import make_dense_adapter
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "verify", "org/model", str(tmp_path / "missing")],
                          capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 1 and "missing' does not exist" in out.stderr, out.stderr
+    assert out.returncode == 2 and "missing' does not exist" in out.stderr, out.stderr
     good = make_dense_adapter(tmp_path / "good")
     out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "verify", "org/model", str(good)],
                          capture_output=True, text=True, env=env, timeout=120)

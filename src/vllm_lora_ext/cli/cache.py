@@ -22,7 +22,7 @@ def _size(text: str) -> int:
     try:
         return parse_size(text, name="--max-bytes")
     except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--max-bytes=")) from None  # (argparse names it)
 
 
 def add_parser(sub: Any) -> None:

@@ -1,5 +1,6 @@
-"""``vllm-lora inspect SOURCE``: layout, modules, ranks, scaling, dtypes and bytes of an adapter, and every problem
-the loader would refuse it for (``problem:`` lines; ``--strict`` exits 1 when there is one)."""
+"""``vllm-lora inspect SOURCE``: layout, modules, ranks, scaling, dtypes and bytes of an adapter, and the problems
+the loader would refuse it for that show in the adapter itself (``problem:`` lines; ``--strict`` exits 1 when there
+is one). Dense modules are checked against the model's own modules only when it loads."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ if TYPE_CHECKING:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("inspect", help="show what an adapter holds (reads headers only, unless --values)",
                        description="Show an adapter's layout, modules, ranks, alpha, scaling, shapes, dtypes and "
-                                   "bytes, reading headers only, and a problem: line for everything the loader would "
-                                   "refuse or scale wrongly. A fused 3D adapter's sizes come from --base-config, else "
+                                   "bytes, reading headers only, and a problem: line for what the loader would refuse "
+                                   "or scale wrongly in the adapter itself (its files, config, ranks, MoE layout and, "
+                                   "with a base config, MoE sizes); dense modules' names and shapes are checked "
+                                   "against the model when it loads. A fused 3D adapter's sizes come from --base-config, else "
                                    "from the base model's config.json when its base_model_name_or_path is in the "
                                    "local Hugging Face cache, else from its own shapes where they allow one reading.")
     add_source(p)
@@ -70,7 +73,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
     from vllm_lora_ext.formats import group_moe_keys
     from vllm_lora_ext.formats.moe import MoESpec
     from vllm_lora_ext.formats.moe_plan import plan_experts
-    from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs, recorded_moe_sizes
+    from vllm_lora_ext.offline_ops import ep_read_plan, infer_moe_specs, is_moe_config, recorded_moe_sizes
     from vllm_lora_ext.headers import read_header
     from vllm_lora_ext.summary import load_config
 
@@ -87,6 +90,11 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
     notes: dict[str, str] = {}
     unsettled: dict[str, str] = {}
     contradicted: dict[str, str] = {}
+    wrong_base: list[str] = []
+    if base_config is not None and not is_moe_config(base_config):  # sizes from the adapter's own shapes instead
+        wrong_base.append(f"{base_from}: not an MoE model's config (it names no expert count); the MoE blocks' "
+                          f"sizes below come from the adapter itself. Pass the MoE base model's config.json.")
+        base_config, base_from = None, None
     for prefix, group in groups.items():  # block by block: one ambiguous block leaves the others inspected
         try:
             found, why = infer_moe_specs(group, base_config=base_config, config=config, recorded=recorded,
@@ -98,7 +106,7 @@ def _moe_report(resolved: Any, base_config: dict | None, ep_size: int | None, *,
         except ExpertLayoutError as err:
             unsettled[prefix] = str(err)
     blocks: dict[str, Any] = {prefix: {"contradicted": reason} for prefix, reason in contradicted.items()}
-    problems: list[str] = list(contradicted.values())
+    problems: list[str] = wrong_base + list(contradicted.values())
     for prefix, spec in specs.items():
         try:
             plan = plan_experts(groups[prefix], spec, config=config, adapter=name)

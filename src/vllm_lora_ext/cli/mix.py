@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
                         f"or 'a+b' for config names")
     add_output(p, folder="output folder", over="over a source")
     p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
-    add_base_config(p, needed_for="needed for 3D MoE inputs")
+    add_base_config(p, needed_for="MoE sizes of 3D inputs whose own shapes allow more than one reading")
     p.set_defaults(func=run)
 
 
@@ -93,9 +93,23 @@ def _split_items(items: list[str], names: frozenset[str] = frozenset()) -> list[
     return out
 
 
+def _refuse_unknown_names(items: list[str], dep: DeploymentConfig | None, where: str) -> None:
+    """Name the parts of an item in the model syntax that the config does not define (``style+nosuch``), where
+    others are its names: the item was kept whole, and would be refused as one unknown name."""
+    for item in items:
+        if dep is None or "+" not in item or os.path.exists(item):
+            continue
+        named = [p.rpartition("=")[0] or p for p in item.split("+")]
+        unknown = [n for n in named if n not in dep.adapters]
+        if unknown and len(unknown) < len(named):
+            raise MixError(f"Mix {item!r} names {unknown}, which {where} does not define; it defines "
+                           f"{sorted(dep.adapters)[:10]}. Give names it defines.")
+
+
 def run(args: argparse.Namespace) -> int:
     dep, where = _deployment(args.config)
     args.items = _split_items(args.items, frozenset(dep.adapters) if dep is not None else frozenset())
+    _refuse_unknown_names(args.items, dep, where)
     if len(args.items) > MAX_MIX_COMPONENTS:
         raise MixError(f"{len(args.items)} adapters is more than the {MAX_MIX_COMPONENTS} one mix may have.")
     items: list[tuple[str, ResolvedAdapter, float]] = []
@@ -105,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             name, weight = item, ""
         resolved, default = _resolve_item(name, dep, where)
         items.append((name, resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
+    _say_doubtful(items)
     with claim_output(args.output, inputs=[r.weights_path for _, r, _ in items], force=args.force) as out:  # too
         from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
         from vllm_lora_ext.offline_writes import mix_adapter_files
@@ -120,6 +135,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out.path} (rank-concatenated mix of {plural(len(pairs), 'adapter')}{used})")
     _say_widened(pairs, names, out.path)
     return 0
+
+
+def _say_doubtful(items: list[tuple[str, ResolvedAdapter, float]]) -> None:
+    """Say on stderr what is allowed but likely a mistake: a weight of 0 (the component adds its rank and nothing
+    else), one adapter twice (its rank counts twice), inputs trained on different base models."""
+    from vllm_lora_ext.summary import load_config
+
+    seen: dict[str, str] = {}
+    for name, resolved, weight in items:
+        if weight == 0:
+            print(f"note: {name} has weight 0: it adds its rank to the mix and nothing to its output", file=sys.stderr)
+        key = os.path.realpath(resolved.weights_path)
+        if key in seen:
+            same = "is given twice" if seen[key] == name else f"is the same adapter as {seen[key]}"
+            print(f"note: {name} {same}: its rank counts twice; give it once, with the sum of the weights",
+                  file=sys.stderr)
+        seen.setdefault(key, name)
+    bases = {name: load_config(resolved, name=name).base_model_name_or_path for name, resolved, _ in items}
+    if len({b for b in bases.values() if b}) > 1:
+        named = ", ".join(f"{n}: {b}" for n, b in bases.items() if b)
+        print(f"note: the inputs were trained on different base models ({named}); their shapes fit, but a mix is "
+              f"meant for one base model", file=sys.stderr)
 
 
 def _say_widened(pairs: list[tuple[ResolvedAdapter, float]], names: list[str], out: Path) -> None:

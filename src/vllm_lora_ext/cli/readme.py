@@ -96,5 +96,9 @@ def render_readme(text: str) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    ap = argparse.ArgumentParser(prog="python -m vllm_lora_ext.cli.readme",
+                                 description="Rewrite the README's generated parts (the CLI summary and the "
+                                             "environment-variable table) in place.")
+    ap.add_argument("readme", nargs="?", default="README.md", help="the README to rewrite (default: README.md)")
+    path = Path(ap.parse_args().readme)
     path.write_text(render_readme(path.read_text()))

@@ -268,15 +268,19 @@ def _compare(args: argparse.Namespace, work: Path) -> VerifyReport:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_lora_ext.cli._args import resolve_offline
+    from vllm_lora_ext.cli._args import one_line, resolve_offline
+    from vllm_lora_ext.errors import VllmLoraExtError
 
-    resolve_offline(args.adapter)  # a mistyped adapter answers here, not on the GPU machine
-    problem = gpu_problem()
+    try:  # usage errors exit 2, as a FAIL verdict exits 1
+        resolve_offline(args.adapter)  # a mistyped adapter answers here, not on the GPU machine
+        if args.tokens > 512:
+            raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
+        problem = gpu_problem()
+    except VllmLoraExtError as err:
+        problem = one_line(err)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.tokens > 512:
-        raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
     temporary = not args.workdir
     work = (Path(tempfile.mkdtemp(prefix="vllm-lora-verify-")) if temporary
             else Path(os.path.expanduser(args.workdir)).absolute())
