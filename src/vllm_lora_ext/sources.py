@@ -330,7 +330,7 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                 )
             else:
                 found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())[:10]
-                lora = [f for f in found if may_hold_lora(path / f)]
+                lora = [f for f in found if (path / f).is_symlink() or may_hold_lora(path / f)]  # (no link read)
                 hint = (f" It holds {lora}: name one of them, e.g. '{path / lora[0]}'." if lora
                         else f" Its {found} hold no lora_A/lora_B weights: it looks like a base model, not an "
                              f"adapter. Name the adapter's folder." if found
