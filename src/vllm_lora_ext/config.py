@@ -23,7 +23,8 @@ import regex
 
 from vllm_lora_ext._util import clip, read_json_capped, short_repr
 from vllm_lora_ext.constants import (MAX_CONFIG_BYTES, MAX_PATTERN_KEY_CHARS, METADATA_ALPHA_KEYS,
-                                     MAX_PATTERN_KEYS, METADATA_RANK_KEYS, PATTERN_MATCH_TIMEOUT_S)
+                                     MAX_PATTERN_KEYS, METADATA_RANK_KEYS, PATTERN_LOOKUP_CPU_S,
+                                     PATTERN_MATCH_TIMEOUT_S)
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
 _MAX_RANK = 1 << 16
@@ -78,11 +79,12 @@ class AdapterConfig:
             if not isinstance(k, str) or not _is_number(alpha):
                 raise AdapterFormatError(f"Adapter {self.name!r}: alpha_pattern[{short_repr(k)}]={short_repr(alpha)} must "
                                          f"be a finite number.", adapter=self.name, key="alpha_pattern")
+        keys = len(self.rank_pattern) + len(self.alpha_pattern)  # (each module is matched against every key)
+        if keys > MAX_PATTERN_KEYS:  # (and the compiled keys of one config stay cached together: `_matcher`)
+            raise AdapterFormatError(f"Adapter {self.name!r}: rank_pattern and alpha_pattern have {keys} keys, more "
+                                     f"than {MAX_PATTERN_KEYS}. Write fewer, more general patterns in "
+                                     f"adapter_config.json.", adapter=self.name, key="rank_pattern")
         for field_name in ("rank_pattern", "alpha_pattern"):
-            if len(getattr(self, field_name)) > MAX_PATTERN_KEYS:  # (each module is matched against every key)
-                raise AdapterFormatError(f"Adapter {self.name!r}: {field_name} has {len(getattr(self, field_name))} "
-                                         f"keys, more than {MAX_PATTERN_KEYS}. Write fewer, more general patterns "
-                                         f"in adapter_config.json.", adapter=self.name, key=field_name)
             for k in getattr(self, field_name):
                 _check_pattern_key(k, field_name, self.name)
 
@@ -178,9 +180,10 @@ def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adapter: str) -> str | None:
-    # PEFT's get_pattern_key: the first key in order whose regex matches. The keys that can backtrack share one
-    # time budget per module (PATTERN_MATCH_TIMEOUT_S): many keys each just under it add up to no more.
-    deadline = None
+    # PEFT's get_pattern_key: the first key in order whose regex matches. A key that can backtrack gets
+    # PATTERN_MATCH_TIMEOUT_S to match; together such keys get PATTERN_LOOKUP_CPU_S of this thread's CPU time per
+    # module (many keys each just under the limit add up to no more; waits for a busy process's GIL do not count).
+    spent = 0.0
     for key in patterns:
         tail, plain, fullmatch = _matcher(key)
         if not module.endswith(tail):
@@ -189,19 +192,40 @@ def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adap
             if module == key or module.endswith("." + key) or fullmatch(module):
                 return key
             continue
-        now = time.monotonic()
-        deadline = deadline or now + PATTERN_MATCH_TIMEOUT_S
+        t0 = time.thread_time()
         try:
-            if now >= deadline:
-                raise TimeoutError
-            if fullmatch(module, timeout=deadline - now):
+            if _cpu_bounded(fullmatch, module):
                 return key
         except TimeoutError:
-            raise AdapterFormatError(
-                f"Adapter {adapter!r}: {field_name} key {short_repr(key)} takes over {PATTERN_MATCH_TIMEOUT_S} s to "
-                f"match {short_repr(module)}, with the keys before it (nested repetition such as (a+)+). Write the "
-                f"module names in adapter_config.json instead.", adapter=adapter, key=field_name) from None
+            raise _too_slow(adapter, field_name, f"key {short_repr(key)}", PATTERN_MATCH_TIMEOUT_S, module) from None
+        spent += time.thread_time() - t0
+        if spent > PATTERN_LOOKUP_CPU_S:
+            raise _too_slow(adapter, field_name, f"keys up to {short_repr(key)}", PATTERN_LOOKUP_CPU_S, module)
     return None
+
+
+def _cpu_bounded(fullmatch: Callable[..., Any], module: str, attempts: int = 8) -> bool:
+    """``fullmatch(module)`` given PATTERN_MATCH_TIMEOUT_S of this thread's CPU time. ``regex``'s own timeout is
+    wall-clock, and a match that waited for the GIL (other threads of a busy server) timed out after 0.2 ms of CPU
+    (6 of 3,000 beside 4 busy threads): such a timeout is tried again, up to ``attempts`` times.
+
+    Raises:
+        TimeoutError: the match took PATTERN_MATCH_TIMEOUT_S of CPU, or timed out ``attempts`` times.
+    """
+    t0 = time.thread_time()
+    for _ in range(attempts - 1):
+        try:
+            return bool(fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S))
+        except TimeoutError:
+            if time.thread_time() - t0 >= PATTERN_MATCH_TIMEOUT_S:
+                raise
+    return bool(fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S))
+
+
+def _too_slow(adapter: str, field_name: str, what: str, limit: float, module: str) -> AdapterFormatError:
+    return AdapterFormatError(f"Adapter {adapter!r}: {field_name} {what} take{'s' if what.startswith('key ') else ''} "
+                              f"over {limit} s to match {short_repr(module)} (nested repetition such as (a+)+). Write "
+                              f"the module names in adapter_config.json instead.", adapter=adapter, key=field_name)
 
 
 _REJECT = (

@@ -83,8 +83,8 @@ MAX_MIX_COMPONENTS = 16  # a mix of more adapters is refused before anything is 
 # Size caps on files that are read whole.
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json and a deployment config
 MAX_PATTERN_KEY_CHARS = 1024  # a rank_pattern / alpha_pattern key (a module name or a regex)
-PATTERN_MATCH_TIMEOUT_S = 0.05  # a field's pattern keys together against one module name (config.py)
-MAX_PATTERN_KEYS = 4096  # keys of one rank_pattern / alpha_pattern (config.py)
+PATTERN_MATCH_TIMEOUT_S = 0.05  # one pattern key against one module name (config.py)
+MAX_PATTERN_KEYS, PATTERN_LOOKUP_CPU_S = 4096, 0.5  # both patterns' keys; CPU s their regexes get per module
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
 MAX_STATE_FILE_BYTES = 16 << 20  # the disk tier's ledger or a holds file larger than this is not ours: not read
 # The longest 'model' field a request may send, and the longest adapter part of a Ray multiplexed id.

@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from functools import cache
@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency (`_DECODERS`)
     msgspec = None  # type: ignore[assignment]
 
-from vllm_lora_ext._util import clip, file_stamp, gc_paused
+from vllm_lora_ext._util import clip, file_stamp, gc_paused, open_confined
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 
 __all__ = ["TensorInfo", "FileHeader", "read_header", "may_hold_lora", "file_stamp", "DTYPES", "torch_dtype_of",
@@ -193,13 +193,22 @@ def read_header(path: str | os.PathLike[str], *, fd: int | None = None) -> FileH
             os.close(own)
 
 
-def may_hold_lora(path: str | os.PathLike[str]) -> bool:
-    """Whether a safetensors file's header names a LoRA factor (``lora_A``/``lora_B``), for a hint: a file that
-    cannot be read as safetensors counts as one (the load that names it says what is wrong)."""
+def may_hold_lora(path: str | os.PathLike[str], roots: Sequence[str] | None) -> bool:
+    """Whether a safetensors file's header may name a LoRA factor, for a hint: up to its first MiB of header is
+    searched for ``lora_``, neither parsed nor kept. The file is opened as a load opens it (`open_confined`: a
+    regular file within ``roots``, never waiting on a FIFO); one that cannot be opened counts as one."""
     try:
-        return any(".lora_" in k or k.startswith("lora_") for k in read_header(path).shapes)
+        fd = open_confined(path, roots)
     except (VllmLoraExtError, OSError):
         return True
+    try:
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return b"lora_" in os.pread(fd, min(n, 1 << 20), 8)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _pread_upto(fd: int, n: int, offset: int) -> bytes:

@@ -49,9 +49,12 @@ def _text_config(base_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_moe_config(base_config: Mapping[str, Any]) -> bool:
-    """Whether a base model's config names an expert count (an MoE model's does)."""
+    """Whether a base model's config names an expert count (an MoE model's does; ERNIE-4.5's ``moe_num_experts``
+    and DBRX's ``ffn_config`` count too, though only ``_EXPERT_KEYS`` give sizes here)."""
     cfg = _text_config(base_config)
-    return any(cfg.get(k) for k in _EXPERT_KEYS)
+    ffn = cfg.get("ffn_config")
+    return any(cfg.get(k) for k in (*_EXPERT_KEYS, "moe_num_experts")) or (
+        isinstance(ffn, Mapping) and bool(ffn.get("moe_num_experts")))
 
 
 def _base_dims(base_config: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -76,10 +76,11 @@ def adapter_id(model_id: str) -> AdapterId:
         >>> sorted(adapter_id("qwen:style=0.70+domain").components)
         ['qwen:domain', 'qwen:style']
 
-    An id longer than a ``model`` field may be (`MAX_MODEL_FIELD_CHARS`, which its replica refuses) is its own key,
-    not parsed and not kept: a router ranks the ids clients send before any replica sees them.
+    An id whose adapter part is longer than a replica takes (`MAX_MODEL_FIELD_CHARS`: `multiplex` refuses it), or
+    whose base is, is its own key, not parsed and not kept: a router ranks the ids clients send before any replica
+    sees them.
     """
-    if len(model_id) > MAX_MODEL_FIELD_CHARS:
+    if max(map(len, split_model_id(model_id))) > MAX_MODEL_FIELD_CHARS:
         return AdapterId(model_id, frozenset())
     return _adapter_id(model_id)
 

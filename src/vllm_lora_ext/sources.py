@@ -38,7 +38,7 @@ from typing import Literal
 
 from vllm_lora_ext.constants import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, HF_PREFIX, PICKLE_SUFFIXES,
                                      PICKLE_WEIGHTS_NAMES, SAFETENSORS_SUFFIX, SourceKind, hf_offline)
-from vllm_lora_ext.constants import allow_pickle as _env_allow_pickle
+from vllm_lora_ext.constants import allow_pickle as _env_allow_pickle, allowed_roots
 from vllm_lora_ext import diskcache, metrics
 from vllm_lora_ext._util import path_kind
 from vllm_lora_ext.headers import may_hold_lora
@@ -330,7 +330,7 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
                 )
             else:
                 found = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())[:10]
-                lora = [f for f in found if (path / f).is_symlink() or may_hold_lora(path / f)]  # (no link read)
+                lora = [f for f in found if may_hold_lora(path / f, allowed_roots())]
                 hint = (f" It holds {lora}: name one of them, e.g. '{path / lora[0]}'." if lora
                         else f" Its {found} hold no lora_A/lora_B weights: it looks like a base model, not an "
                              f"adapter. Name the adapter's folder." if found

@@ -41,3 +41,13 @@ def test_a_bad_weight_and_an_unknown_name_in_the_model_syntax_are_named(tmp_path
     out = _mix("style+nosuch", "--config", str(config), "-o", str(tmp_path / "o2"), cwd=tmp_path)
     assert out.returncode == 1 and "names ['nosuch'], which" in out.stderr, out.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_weight_written_with_a_plus_stays_one_weight(tmp_path: Path) -> None:
+    """'style=1e+0' is one weight, not the mix 'style=1e' + '0' (a reviewer's find: the unknown-name check split it)."""
+    a = make_dense_adapter(tmp_path / "a")
+    b = make_dense_adapter(tmp_path / "b", seed=1)
+    config = tmp_path / "deploy.json"
+    config.write_text(json.dumps({"adapters": {"style": str(a), "domain": str(b)}}))
+    out = _mix("style=1e+0", "domain=0.5", "--config", str(config), "-o", str(tmp_path / "o"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr

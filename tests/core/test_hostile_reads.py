@@ -460,21 +460,24 @@ def test_a_config_candidate_is_classified_by_one_stat(tmp_path: Path) -> None:
     assert path_kind(tmp_path / "f" / "adapter_config.json") == "absent"  # under a file: ENOTDIR
 
 
-def test_a_folder_without_an_adapter_names_its_lora_files_and_reads_no_linked_one(tmp_path: Path) -> None:
-    """The hint for a folder with no adapter_model.safetensors: its files that hold LoRA factors are named; a base
-    model's folder is said to be one; a file linked from elsewhere is listed unread (it may lie outside the roots)."""
+def test_a_folder_without_an_adapter_names_its_lora_files_and_reads_nothing_outside_the_roots(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hint for a folder with no adapter_model.safetensors: its files that may hold LoRA factors are named (their
+    first MiB of header searched, neither parsed nor kept), a base model's folder is said to be one, and a file
+    linked from outside the allowed roots, or a FIFO, is listed unread (opened as a load opens it)."""
     from safetensors.torch import save_file
 
     from vllm_lora_ext.errors import AdapterNotFoundError
     from vllm_lora_ext.sources import resolve_source
 
-    base = tmp_path / "base"
-    base.mkdir()
+    inside = tmp_path / "roots"
+    base, multi = inside / "base", inside / "multi"
+    base.mkdir(parents=True)
+    multi.mkdir()
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOWED_ROOTS", str(inside))
     save_file({"model.layers.0.mlp.up_proj.weight": torch.ones(2, 2)}, str(base / "model.safetensors"))
     with pytest.raises(AdapterNotFoundError, match="hold no lora_A/lora_B weights: it looks like a base model"):
         resolve_source(str(base))
-    multi = tmp_path / "multi"
-    multi.mkdir()
     save_file({"base_model.model.x.q_proj.lora_A.weight": torch.ones(2, 2)}, str(multi / "chat.safetensors"))
     save_file({"model.w": torch.ones(2, 2)}, str(multi / "full.safetensors"))
     outside = tmp_path / "outside.safetensors"

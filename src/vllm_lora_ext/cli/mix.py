@@ -96,10 +96,15 @@ def _split_items(items: list[str], names: frozenset[str] = frozenset()) -> list[
 def _refuse_unknown_names(items: list[str], dep: DeploymentConfig | None, where: str) -> None:
     """Name the parts of an item in the model syntax that the config does not define (``style+nosuch``), where
     others are its names: the item was kept whole, and would be refused as one unknown name."""
+    from vllm_lora_ext.mixing import parse_mix_expression
+
     for item in items:
         if dep is None or "+" not in item or os.path.exists(item):
             continue
-        named = [p.rpartition("=")[0] or p for p in item.split("+")]
+        try:
+            named = [name for name, _ in parse_mix_expression(item)]
+        except MixError:  # no mix in the model syntax ('a=1e+0', a source holding '+'): read as before
+            continue
         unknown = [n for n in named if n not in dep.adapters]
         if unknown and len(unknown) < len(named):
             raise MixError(f"Mix {item!r} names {unknown}, which {where} does not define; it defines "
@@ -119,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
             name, weight = item, ""
         resolved, default = _resolve_item(name, dep, where)
         items.append((name, resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
-    _say_doubtful(items)
     with claim_output(args.output, inputs=[r.weights_path for _, r, _ in items], force=args.force) as out:  # too
         from vllm_lora_ext.offline_ops import load_base_config, require_safetensors
         from vllm_lora_ext.offline_writes import mix_adapter_files
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         for name, resolved, w in items:
             require_safetensors(resolved, name=name)
             pairs.append((resolved, w))
+        _say_doubtful(items)
         base = load_base_config(args.base_config) if args.base_config else None
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
