@@ -202,9 +202,9 @@ def may_hold_lora(path: str | os.PathLike[str], roots: Sequence[str] | None) -> 
     except (VllmLoraExtError, OSError):
         return True
     try:
-        head = os.pread(fd, 8, 0)
+        head = _pread_upto(fd, 8, 0)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        return b"lora_" in os.pread(fd, min(n, 1 << 20), 8)
+        return b"lora_" in _pread_upto(fd, min(n, 1 << 20), 8)
     except OSError:
         return True
     finally:

@@ -353,10 +353,10 @@ def concat_factors(parts: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
         >>> (b @ a)[0, 0].item()
         4.5
     """
-    a_shape, b_shape, out_dtype = _concat_shape(parts, rank_dim_a, rank_dim_b, dtype)
-    ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
     import torch
 
+    a_shape, b_shape, out_dtype = _concat_shape(parts, rank_dim_a, rank_dim_b, dtype)
+    ranks = [int(p[0].shape[rank_dim_a]) for p in parts]
     a = alloc(tuple(a_shape), out_dtype) if alloc is not None else torch.empty(a_shape, dtype=out_dtype)
     b = alloc(tuple(b_shape), out_dtype) if alloc is not None else torch.empty(b_shape, dtype=out_dtype)
     off = 0
@@ -483,9 +483,9 @@ class MixPlan:
         once, is finite, so the composite needs no scan. Otherwise (an unknown or NaN bound too) this says
         ``False`` and the caller scans ``A``. ``B`` is a copy of finite components and needs no check either way.
         """
-        for key, (parts, _, _) in self.jobs.items():
-            import torch
+        import torch
 
+        for key, (parts, _, _) in self.jobs.items():
             limit = torch.finfo(dtype or widest_dtype(parts)).max / 2
             if not all(bound <= limit for bound in self.bounds[key]):  # NaN-safe
                 return False

@@ -23,8 +23,8 @@ def add_parser(sub: Any) -> None:
                                    "bytes, reading headers only, and a problem: line for what the loader would refuse "
                                    "or scale wrongly in the adapter itself (its files, config, ranks, MoE layout and, "
                                    "with a base config, MoE sizes); dense modules' names and shapes are checked "
-                                   "against the model when it loads. A fused 3D adapter's sizes come from --base-config, else "
-                                   "from the base model's config.json when its base_model_name_or_path is in the "
+                                   "against the model when it loads. A fused 3D adapter's sizes come from "
+                                   "--base-config, else from the base model's config.json when its base_model_name_or_path is in the "
                                    "local Hugging Face cache, else from its own shapes where they allow one reading.")
     add_source(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

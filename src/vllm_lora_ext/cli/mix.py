@@ -18,10 +18,10 @@ from vllm_lora_ext.constants import (ADAPTER_WEIGHTS_NAME, ENV_CONFIG, HF_PREFIX
                                      deployment_config_path)
 from vllm_lora_ext.errors import DeploymentConfigError, MixError
 from vllm_lora_ext.outputs import claim_output
+from vllm_lora_ext.mixing import check_weight, parse_mix_expression, parse_weight  # (imports no torch)
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.mixing import check_weight, parse_weight  # (torch is imported by the functions that use it)
 
-if TYPE_CHECKING:  # the mixing and writing modules import torch: loaded only when mixing
+if TYPE_CHECKING:  # the writing modules import torch: loaded only when mixing
     from vllm_lora_ext.deployment import DeploymentConfig
 
 
@@ -96,8 +96,6 @@ def _split_items(items: list[str], names: frozenset[str] = frozenset()) -> list[
 def _refuse_unknown_names(items: list[str], dep: DeploymentConfig | None, where: str) -> None:
     """Name the parts of an item in the model syntax that the config does not define (``style+nosuch``), where
     others are its names: the item was kept whole, and would be refused as one unknown name."""
-    from vllm_lora_ext.mixing import parse_mix_expression
-
     for item in items:
         if dep is None or "+" not in item or os.path.exists(item):
             continue

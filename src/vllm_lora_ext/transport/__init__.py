@@ -49,9 +49,9 @@ and that worker's build process; a new mix's path through the modules is in the 
    on the staging stream (``cuda.stream_for(device, "staging")``) through two pinned bounce chunks
    (``staging._copy_through_pinned``, its fills on half the cores: ``pools.copy_threads``); the model now points
    at views of that buffer. The factors of the storage holding most of them (the hand-over file, a host arena)
-   keep their places there (``staging._as_stored``), so that storage's span goes up whole: for a 2D expert adapter about 50 chunk copies instead of one per factor
-   (1,152; 0.039 against 0.113 s on an H200 host alone, ``bench/results/probe_stage_copy_h200_r34.json``). A mix is concatenated on
-   the GPU instead (``integration.staging.concat_staged`` with ``staging._upload_and_place``), staged from the
+   keep their places there (``staging._as_stored``), so that storage's span goes up whole: for a 2D expert
+   adapter about 50 chunk copies instead of one per factor (1,152; 0.039 against 0.113 s on an H200 host alone,
+   ``bench/results/probe_stage_copy_h200_r34.json``). A mix is concatenated on the GPU instead (``integration.staging.concat_staged`` with ``staging._upload_and_place``), staged from the
    start. An adapter that does not fit stays in CPU memory, as stock vLLM keeps it. A background build on a GPU
    reads its MoE factors without their NaN/inf scan (``building.BuildJob.scan_moe=False``, the model marked
    ``UNSCANNED_ATTR``); ``integration.staging.refuse_nonfinite`` scans them here, once staged, in a few fused
