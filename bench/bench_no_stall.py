@@ -370,6 +370,11 @@ def main() -> None:
             ours["vs_stock"] = ratios
             print(f"2D, {mode} / stock: " + ", ".join(f"{k} {v:.3g}x" for k, v in ratios.items()))
     _against_old(summary, cases)
+    if "plugin" in results and "plugin_old" in results:  # B's own greedy text: the same adapter, built two ways
+        summary["b_text_equals_old"] = {k: run["b_text"] == results["plugin_old"][k].get("b_text")
+                                        for k, run in results["plugin"].items()
+                                        if isinstance(run, dict) and "b_text" in run and k in results["plugin_old"]}
+        print("B's output, plugin == plugin_old:", summary["b_text_equals_old"])
     for mode in ("plugin", "thread"):
         for case in ("2d", "3d", "mix", "mix_cached"):
             if f"{mode}/{case}" in summary and f"sync/{case}" in summary:

@@ -224,3 +224,36 @@ def merge_adapter(layers: int, experts: int, *, per_expert_layers: Sequence[int]
             sub = f"model.layers.{layer}.self_attn.{w}_proj"
             loras[sub] = dense(sub, 16, 2.0)
     return LoRAModel(lora_id, 2, loras)
+
+
+def deferred_model(tmp_path: Path, wrapper: str = "2d") -> tuple[Any, Any]:
+    """A LoRAModel of a fused 3D adapter built as a build process does for a GPU (handed over, B as stored, marked
+    ``UNTURNED_ATTR`` as the loader marks it), and the ordinary build's ``moe``."""
+    from vllm.lora.lora_model import LoRAModel
+
+    from dataclasses import replace
+
+    from vllm_lora_ext.building import build_adapter
+    from vllm_lora_ext.integration.moe import packed_layer
+    from vllm_lora_ext.integration.patching import UNTURNED_ATTR
+    from vllm_lora_ext.planning import PeftKeyRouter
+    from vllm_lora_ext.transport.handover import from_shared, to_shared
+
+    truths = [make_truth(BUILD_E, BUILD_H, BUILD_I, BUILD_R, s, dtype=torch.bfloat16) for s in (0, 1)]
+    folder = write_moe_adapter(tmp_path / "a", truths, ["3d", "3d"], rank=BUILD_R, alpha=24)
+    job = replace(moe_build_job(folder, wrapper=wrapper), scan_moe=False)
+    want = build_adapter(job, PeftKeyRouter())
+    built, _ = from_shared(to_shared(build_adapter(replace(job, defer_turn=True), PeftKeyRouter(), shared=True)))
+    assert built.unturned
+    loras = {p: packed_layer(p, a, b, r) for p, (a, b, r) in built.moe.items()}
+    model = LoRAModel(1, BUILD_R, loras)
+    setattr(model, UNTURNED_ATTR, [(built.moe[p][1][i], rows, cols, scale)
+                                   for p, parts in built.unturned.items() for i, rows, cols, scale in parts])
+    return model, want.moe
+
+
+def assert_served_as_built(model: Any, want: Any) -> None:
+    for prefix, (a, b, _) in want.items():
+        got = model.loras[prefix]
+        for x, y in zip(list(got.lora_a) + list(got.lora_b), a + b):
+            assert torch.equal(x.cpu(), y)

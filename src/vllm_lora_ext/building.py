@@ -62,6 +62,9 @@ class BuildJob:
             must scan them before the model is served (``BuiltAdapter.moe_scanned``): a background build scans
             them on the GPU once staged (``integration.prebuild``), where it takes about a millisecond instead of
             a CPU pass over every byte on the build's path.
+        defer_turn: leave a fused 3D B as stored, for the caller to transpose and scale on its GPU once staged
+            (``BuiltAdapter.unturned``; [`ReadOptions.defer_turn`]). Only with ``scan_moe=False``: the caller scans
+            the turned factors.
     """
 
     path: str
@@ -72,6 +75,7 @@ class BuildJob:
     dtype: torch.dtype | None = None
     allow_unmatched: bool = False
     scan_moe: bool = True
+    defer_turn: bool = False
 
 
 @dataclass
@@ -93,6 +97,9 @@ class BuiltAdapter:
             cached build of it is stale once one differs (``_util.files_unchanged``); none for a hub snapshot.
         moe_scanned: whether the MoE factors were scanned for NaN/inf (``False`` only for a job with
             ``scan_moe=False`` and MoE blocks: the caller must scan them before serving).
+        unturned: per MoE block, the factors of ``lora_b`` still as stored (``BuildJob.defer_turn``), as
+            ``(index, rows, cols, scale)``: that tensor's bytes are the row-major ``(rows, cols)`` matrix whose
+            transpose times ``scale`` it must hold (``formats.moe.turn_in_place``) before it is served.
     """
 
     identity: str
@@ -106,6 +113,7 @@ class BuiltAdapter:
     turned_on_gpu: int = 0
     files: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     moe_scanned: bool = True
+    unturned: dict[str, tuple[tuple[int, int, int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -196,13 +204,18 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             check_fits_dtype(_dense_multipliers(dense, config), job.dtype, adapter=job.name)
             fused = frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d")
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name if job.scan_moe else None, alloc=alloc,
-                                  transpose_on=transpose_on, fused_gate_up=fused, pools=pools)
+                                  transpose_on=transpose_on, defer_turn=job.defer_turn, fused_gate_up=fused,
+                                  pools=pools)
             blocks = read_blocks(plan.moe, source, config=config,
                                  experts={p: job.model.local_experts.get(p) for p in plan.moe}, options=options)
             moe: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
+            unturned: dict[str, tuple[tuple[int, int, int, float], ...]] = {}
             for prefix, experts in blocks.items():
                 moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
                                          max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
+                lying = _lying(experts, moe[prefix][1])
+                if lying:
+                    unturned[prefix] = lying
             del blocks
             if not resolved.is_pickle:  # written over in place meanwhile: refused (replaced: never read)
                 source.check_unchanged()
@@ -215,7 +228,33 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
                             stats.turned_on_gpu, _stamps(resolved, source, config_stamp),
-                            moe_scanned=job.scan_moe or not moe)
+                            moe_scanned=job.scan_moe or not moe, unturned=unturned)
+
+
+def _lying(experts: ExpertsLoRA, lora_b: list[torch.Tensor]) -> tuple[tuple[int, int, int, float], ...]:
+    """Where a block's B left as stored (``ExpertFactors.lying``) lies in its packed ``lora_b``, as ``(index, rows,
+    cols, scale)``: a fused gate_up kept fused, or its two halves (views) as the split's gate and up.
+
+    Raises:
+        RuntimeError: the packing copied such a B (it would be served as stored); no layout does.
+    """
+    def at(t: torch.Tensor) -> int | None:
+        return next((i for i, b in enumerate(lora_b)
+                     if b.data_ptr() == t.data_ptr() and b.nbytes == t.nbytes and b.dtype == t.dtype), None)
+
+    parts = []
+    fused = experts.gate_up
+    if fused is not None and fused.lying is not None:
+        parts += [fused] if at(fused.b) is not None else [f for f in experts._split_gate_up() if f is not None]
+    if experts.down is not None and experts.down.lying is not None:
+        parts.append(experts.down)
+    found = []
+    for f in parts:
+        i = at(f.b)
+        if i is None or f.lying is None:
+            raise RuntimeError(f"MoE block {experts.prefix!r}: a fused 3D B left as stored was packed by a copy")
+        found.append((i, *f.lying))
+    return tuple(found)
 
 
 # The last plan made from a kept header (``FileHeader.token``, 64 KiB to 8 MiB of header): a server's new adapter

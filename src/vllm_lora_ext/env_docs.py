@@ -68,7 +68,7 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                           "GiB; 0: never stage)"),
     ENV_TRANSPOSE_ON_GPU: ("=0", "transpose a fused 3D adapter's B factors on the CPU when the worker loads it "
                                  "(default: on the worker's GPU, the same bytes; a 48-layer 3D build"
-                                 " takes about half the time)"),
+                                 " takes about half the time; a build process leaves them for the GPU)"),
     ENV_MIX_ON_GPU: ("=0", "concatenate a mix loaded in the engine step on the CPU (default: on the worker's GPU,"
                            " as background builds do, where it fits; 11-24 ms against 59-79 ms on the CPU for"
                            " four 7B r16 components)"),

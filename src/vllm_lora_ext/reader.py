@@ -403,7 +403,7 @@ class SafetensorsReader:
 
     def read_transposed(self, key: str, cols: int, into: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None
                         = None, *, scale: float | None = None, dtype: torch.dtype | None = None,
-                        device: torch.device | None = None) -> torch.Tensor | None:
+                        device: torch.device | None = None, lying: bool = False) -> torch.Tensor | None:
         """Read a tensor as the transpose of its bytes taken as a row-major ``(numel // cols, cols)`` matrix.
 
         Returns ``None`` (nothing read) if ``dtype`` is given and the tensor is stored in another: scaled in its
@@ -425,6 +425,10 @@ class SafetensorsReader:
         the largest part of a fused 3D adapter's build. The GPU's temporaries are twice the tensor; for a tensor over 64 MiB, where the GPU lacks that much free memory (and 512 MiB), or
         where it runs out, the CPU does it.
 
+        With ``lying``, nothing is turned or scaled: the result holds the tensor's bytes as they lie (a row-major
+        ``(numel // cols, cols)`` matrix, read with one ``preadv``) under the result's shape, and the caller turns
+        and scales them later (``formats.moe.turn_in_place``, or on a GPU once staged). ``device`` is then unused.
+
         Raises:
             [`AdapterFormatError`]: the file ends before the tensor does (it is truncated).
             ValueError: ``cols`` does not divide the tensor's elements.
@@ -437,6 +441,12 @@ class SafetensorsReader:
             raise ValueError(f"read_transposed: {cols} columns do not divide the {numel} elements of {key!r}")
         rows = numel // cols
         out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
+        if lying:
+            if numel:
+                _preadv_exactly(self.fileno(), [memoryview(out.view(-1).view(torch.uint8).numpy())],  # type: ignore[arg-type]
+                                self.header.offsets[key][0], path=self.path, key=key)
+            self.stats.count(numel * dt.itemsize, 1)
+            return out
         if numel and device is not None and self._transposed_on(device, key, out, rows, cols, scale):
             self.stats.count(numel * dt.itemsize, 1, on_gpu=1)
             return out

@@ -4,6 +4,7 @@ GPU tensors equal to the CPU ones, and unstaging gives back CPU tensors equal to
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,43 @@ def test_a_mix_of_components_in_pinned_arenas_goes_up_by_span_and_its_cpu_copy_c
         for j in range(2):
             assert not twins[2 * i + j].is_cuda and twins[2 * i + j].is_pinned()
             assert torch.equal(twins[2 * i + j], reference[key][j]), (key, j)
+
+
+@pytest.mark.parametrize("early_unstage", [False, True], ids=["written_back_first", "unstaged_first"])
+def test_a_b_left_as_stored_is_turned_on_the_gpu_once_staged_and_its_cpu_copy_written_back(
+        tmp_path: Path, build_dir: Path, monkeypatch: pytest.MonkeyPatch, early_unstage: bool) -> None:
+    """A build process's fused 3D B, left as stored, is transposed and scaled in its staged copy: the GPU tensors
+    equal the ordinary build's, and once the CPU copy is written back (before or after the step's unstage) so do
+    the CPU tensors the model is pointed back at."""
+    import threading
+    import time
+
+    from moe_factories import assert_served_as_built, deferred_model
+    from vllm_lora_ext.integration import staging as staging_module
+    from vllm_lora_ext.integration.patching import STAGED_ATTR
+    from vllm_lora_ext.integration.staging import stage, staged_bytes, unstage
+
+    go = threading.Event()
+    real = staging_module._written_back
+    monkeypatch.setattr(staging_module, "_written_back", lambda *a: (go.wait(30), real(*a))[1])
+    cpu_turns: list[int] = []
+    turn = staging_module.turn_in_place
+    monkeypatch.setattr(staging_module, "turn_in_place", lambda t, *a: (cpu_turns.append(int(t.is_cpu)), turn(t, *a)))
+    model, want = deferred_model(tmp_path, "2d")
+    assert stage(model, "cuda:0")
+    assert sum(cpu_turns) == 0 and len(cpu_turns) == 6  # 2 blocks x (gate, up, down), all on the GPU
+    assert all(t.is_cuda for w in model.loras.values() for t in w.lora_b)
+    assert_served_as_built(model, want)  # the GPU tensors, as the slot copy reads them
+    if not early_unstage:
+        go.set()
+        deadline = time.monotonic() + 30
+        while getattr(model, STAGED_ATTR).cpu is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert unstage(model) == 0
+    go.set()
+    deadline = time.monotonic() + 30
+    while getattr(model, STAGED_ATTR, None) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert getattr(model, STAGED_ATTR, None) is None and staged_bytes() == 0
+    assert all(t.is_cpu for w in model.loras.values() for t in w.lora_b)
+    assert_served_as_built(model, want)  # the CPU tensors, written back from the GPU

@@ -66,6 +66,31 @@ def test_the_build_process_gives_the_tensors_a_build_in_the_worker_gives(
             assert y.untyped_storage().data_ptr() == mapping.untyped_storage().data_ptr()  # views, no copy
 
 
+@pytest.mark.parametrize("wrapper", ["2d", "3d"])
+def test_a_build_process_leaves_b_as_stored_for_a_gpu_and_says_where_across_the_hand_over(
+        tmp_path: Path, wrapper: str) -> None:
+    """``BuildJob.defer_turn`` (a background build for a GPU): the build process's hand-over names each B it left as
+    stored, and turning those gives the worker's ordinary build bit for bit."""
+    from dataclasses import replace
+
+    from vllm_lora_ext.formats.moe import turn_in_place
+
+    truths = [make_truth(E, H, I, R, s, dtype=torch.bfloat16) for s in (0, 1)]
+    folder = write_moe_adapter(tmp_path / "moe", truths, ["3d", "3d"], rank=R, alpha=24)
+    job = replace(_moe_job(folder, wrapper=wrapper), scan_moe=False)
+    router = VllmKeyRouter(None, None)
+    here = build_adapter(job, router)
+    there, _ = build_process.build_elsewhere(replace(job, defer_turn=True), router)
+    assert sorted(there.unturned) == sorted(BLOCKS) and here.unturned == {}
+    for prefix, parts in there.unturned.items():
+        for i, rows, cols, scale in parts:
+            assert not torch.equal(there.moe[prefix][1][i], here.moe[prefix][1][i])
+            turn_in_place(there.moe[prefix][1][i], rows, cols, scale)
+    for prefix, (a, b, _) in here.moe.items():
+        for x, y in zip((*a, *b), (*there.moe[prefix][0], *there.moe[prefix][1])):
+            assert torch.equal(x, y)
+
+
 def test_a_worker_load_through_the_build_process_equals_vllms_own(worker_manager: Any, tmp_path: Path,
                                                                    started: None) -> None:
     from vllm.lora.worker_manager import WorkerLoRAManager

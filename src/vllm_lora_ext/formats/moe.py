@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "Alloc", "Orientation", "Role"]
+__all__ = ["MoESpec", "ExpertFactors", "ExpertsLoRA", "Alloc", "Orientation", "Role", "turn_in_place"]
 
 Alloc = Callable[[tuple[int, ...], "torch.dtype"], "torch.Tensor"]
 """``alloc(shape, dtype)``: memory a read writes a factor into (a build process's shared file, a host arena)."""
@@ -87,10 +87,16 @@ class MoESpec:
 
 @dataclass
 class ExpertFactors:
-    """One projection for the kept experts: ``a (E', r, in)``, ``b (E', out, r)``, scaling folded into ``b``."""
+    """One projection for the kept experts: ``a (E', r, in)``, ``b (E', out, r)``, scaling folded into ``b``.
+
+    ``lying``: ``(rows, cols, scale)`` where ``b``'s bytes are not yet ``b`` but a fused 3D B as stored, the
+    row-major ``(rows, cols)`` matrix whose transpose times ``scale`` is ``b`` ([`turn_in_place`] makes it so;
+    a build for a GPU leaves that to the GPU: ``BuildJob.defer_turn``).
+    """
 
     a: torch.Tensor
     b: torch.Tensor
+    lying: tuple[int, int, float] | None = None
 
     @property
     def rank(self) -> int:
@@ -117,7 +123,17 @@ class ExpertsLoRA:
     def _split_gate_up(self, alloc: Alloc | None = None) -> tuple[ExpertFactors | None, ExpertFactors | None]:
         if self.gate_up is None:
             return self.gate, self.up
-        b = self.gate_up.b
+        b, lying = self.gate_up.b, self.gate_up.lying
+        if lying is not None and self.interleaved:  # (a 3D-wrapper layout: kept fused, never split in serving)
+            turn_in_place(b, *lying)
+            self.gate_up = ExpertFactors(self.gate_up.a, b)
+            lying = None
+        if lying is not None:  # gate's rows lie first, then up's: each half of the bytes is its own lying B
+            rows, cols, scale = lying
+            flat, half = b.view(-1), b.numel() // 2
+            gb, ub = flat[:half].view(b.shape[0], -1, b.shape[2]), flat[half:].view(b.shape[0], -1, b.shape[2])
+            return (ExpertFactors(self.gate_up.a, gb, (rows // 2, cols, scale)),
+                    ExpertFactors(self.gate_up.a, ub, (rows // 2, cols, scale)))
         if self.interleaved:
             gb, ub = b[:, 0::2], b[:, 1::2]
         else:
@@ -175,6 +191,20 @@ class ExpertsLoRA:
     @property
     def max_rank(self) -> int:
         return max(f.rank for f in (self.gate, self.up, self.down, self.gate_up) if f is not None)
+
+
+def turn_in_place(t: torch.Tensor, rows: int, cols: int, scale: float | None) -> None:
+    """Make a contiguous ``t`` whose bytes are the row-major ``(rows, cols)`` matrix ``m`` hold ``m.t() * scale``
+    (``torch.mul`` in the same float32 opmath and one rounding as ``SafetensorsReader.read_transposed``, bit for
+    bit; on whichever device ``t`` is)."""
+    import torch
+
+    lying = t.view(-1).view(rows, cols).clone()
+    turned = t.view(-1).view(cols, rows)
+    if scale is None:
+        turned.copy_(lying.t())
+    else:
+        torch.mul(lying.t(), scale, out=turned)
 
 
 def _a(f: ExpertFactors | None, e: int, d_in: int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:

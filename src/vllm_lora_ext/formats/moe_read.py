@@ -53,8 +53,10 @@ class BulkReads(Protocol):
         """``torch.cat(pieces(t))`` for the tensor ``t``, copied out a block of rows at a time."""
 
     def read_transposed(self, key: str, cols: int, into: Alloc | None = None, *, scale: float | None = None,
-                        dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor | None:
-        """``t.reshape(-1, cols).t() * scale``, contiguous; ``None`` where ``t`` is not in ``dtype``."""
+                        dtype: torch.dtype | None = None, device: torch.device | None = None,
+                        lying: bool = False) -> torch.Tensor | None:
+        """``t.reshape(-1, cols).t() * scale``, contiguous (with ``lying``: ``t``'s bytes as stored, under that
+        shape); ``None`` where ``t`` is not in ``dtype``."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class ReadOptions:
             too is written into ``alloc``'s memory; other blocks' fused B is split later, into new tensors.
         transpose_on: a CUDA device that transposes a fused B ([`BulkReads.read_transposed`]); ``None``
             or any other device: the CPU does.
+        defer_turn: without a CUDA ``transpose_on``, leave a fused B that would be read transposed as stored, in
+            ``alloc``'s memory, marked ``ExpertFactors.lying``: the caller turns it (on its GPU once staged).
+            Only where nothing is scanned (``check_finite_as=None``): scaling may overflow, so the caller scans the
+            turned factors.
         workers: blocks [`read_blocks`] reads at a time (``None``: [`default_readers`]).
         scan_workers: threads [`read_blocks`] scans blocks for NaN/inf on while the next are read (``None``:
             up to 2 of the cores the readers leave).
@@ -87,9 +93,14 @@ class ReadOptions:
     alloc: Alloc | None = None
     fused_gate_up: frozenset[str] = frozenset()
     transpose_on: torch.device | None = None
+    defer_turn: bool = False
     workers: int | None = None
     scan_workers: int | None = None
     pools: Any = None
+
+    def __post_init__(self) -> None:
+        if self.defer_turn and self.check_finite_as is not None:
+            raise ValueError("ReadOptions(defer_turn=True) scans nothing: the caller scans the turned factors")
 
 
 @dataclass
@@ -236,10 +247,15 @@ def _read_3d(blk: _Block, k3: Key3D) -> None:
     a3 = a_file.reshape(n, r, a_file.shape[1])
     # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
     # model splits it into new tensors (which are).
+    # A B left lying goes there too: its halves become the split's gate and up as they are.
     b_alloc = opts.alloc if k3.role != "gate_up" or spec.prefix in opts.fused_gate_up else None
     name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
     s = blk.config.scaling_for(f"{spec.prefix}.{name}", r) if opts.scaled else 1.0
     b3, state = _read_3d_b(blk, k3, b_alloc, s, target)
+    if state == "lying":
+        a3 = a3 if a_in_alloc else _into(a3, opts.alloc, target)
+        setattr(blk.out, k3.role, ExpertFactors(a3, b3, (b3.numel() // n, n, s)))
+        return
     if state != "done":
         if k3.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
@@ -270,8 +286,9 @@ def _read_3d_a(blk: _Block, k3: Key3D) -> tuple[torch.Tensor, bool]:
 def _read_3d_b(blk: _Block, k3: Key3D, b_alloc: Alloc | None, s: float,
                target: torch.dtype) -> tuple[torch.Tensor, str]:
     """A fused B's columns of the kept experts as ``(n, out, r)``, and its state: ``"done"`` (read transposed and
-    scaled, in its final memory), ``"final"`` (contiguous in the memory it is kept in, not scaled) or ``"view"``
-    (a view of what was read, to be copied and scaled).
+    scaled, in its final memory), ``"lying"`` (as stored, in ``alloc``'s memory: ``ReadOptions.defer_turn``),
+    ``"final"`` (contiguous in the memory it is kept in, not scaled) or ``"view"`` (a view of what was read, to be
+    copied and scaled).
 
     A rank's share of B (its columns sit in every row) is copied once out of the file, straight into (n, out, r)
     order, a block of rows at a time. All of a standard B is one transpose of its bytes as an (out·r, E) matrix:
@@ -280,9 +297,11 @@ def _read_3d_b(blk: _Block, k3: Key3D, b_alloc: Alloc | None, s: float,
     e_all, n, r = blk.plan.spec.num_experts, len(blk.keep), k3.rank
     full, standard = n == e_all, k3.orientation == "standard"
     if blk.transposed is not None and full and standard:
-        done = blk.transposed(k3.key_b, e_all, b_alloc, scale=s, dtype=target, device=blk.gpu)
+        lying = blk.options.defer_turn and blk.gpu is None
+        done = blk.transposed(k3.key_b, e_all, blk.options.alloc if lying else b_alloc, scale=s, dtype=target,
+                              device=blk.gpu, lying=lying)
         if done is not None:
-            return done.view(n, -1, r), "done"
+            return done.view(n, -1, r), "lying" if lying else "done"
     spans = _ranges(blk.keep)
     if blk.gather is not None and not full:
         b_mem = b_alloc if standard else None

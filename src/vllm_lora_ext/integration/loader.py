@@ -30,7 +30,7 @@ from vllm_lora_ext.integration._compat import (is_first_model_rank, lora_host_me
                                                 validate_loaded)
 from vllm_lora_ext.integration.composite import compose_mix
 from vllm_lora_ext.integration.key_router import VllmKeyRouter
-from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR, UNSCANNED_ATTR
+from vllm_lora_ext.integration.patching import IDENTITY_ATTR, TRAITS_ATTR, UNSCANNED_ATTR, UNTURNED_ATTR
 from vllm_lora_ext.integration.moe import moe_targets, packed_layer
 from vllm_lora_ext.planning import ModelSpec
 from vllm_lora_ext.transport.cuda import bind_worker_gpu, cuda_device_in_use
@@ -371,8 +371,8 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
 
     t0 = time.perf_counter()
     job, router = build_job(manager, lora_request)
-    if not scan_moe and not component:
-        job = replace(job, scan_moe=False)
+    if not scan_moe and not component:  # (a build process then leaves a fused 3D B for the GPU to turn once staged)
+        job = replace(job, scan_moe=False, defer_turn=separate_process and transpose_on_gpu())
     t_job = time.perf_counter()
     try:
         found = None
@@ -390,6 +390,9 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
     lora = (map_component if component else assemble)(manager, lora_request, built, router)
     if not built.moe_scanned:
         setattr(lora, UNSCANNED_ATTR, True)
+    if built.unturned:  # ([] when they were turned where they were built)
+        setattr(lora, UNTURNED_ATTR, [(built.moe[prefix][1][i], rows, cols, scale)
+                                      for prefix, parts in built.unturned.items() for i, rows, cols, scale in parts])
     now = time.perf_counter()
     modules = len(lora.modules) + len(built.moe) if component else len(lora.loras)
     _log_loaded(built, modules, lora_request, now - t0,

@@ -38,6 +38,8 @@ STAGED_ATTR = "_vllm_lora_ext_staged"  # on a LoRAModel whose tensors are still 
 MERGED_ATTR = "_vllm_lora_ext_merged"  # on a LoRAModel vLLM's merge ran on off the engine thread (prebuild.py)
 PART_OWNERS_ATTR = "_vllm_lora_ext_part_owners"  # on a LoRAModelManager: packed part -> its module (worker_patches.py)
 UNSCANNED_ATTR = "_vllm_lora_ext_unscanned"  # on a LoRAModel whose MoE factors await their NaN/inf scan (prebuild.py)
+# on a LoRAModel whose fused 3D B factors still lie as stored: [(tensor, rows, cols, scale)] (staging.stage turns them)
+UNTURNED_ATTR = "_vllm_lora_ext_unturned"
 ACTIVATION_ATTR = "_vllm_lora_ext_activation"  # on a staged LoRAModel: its recorded slot writes (activation.py)
 PREBUILD_ATTR = "_vllm_lora_ext_prebuild"  # on a WorkerLoRAManager: its table of background builds (prebuild.py)
 PREBUILD_NAMES_ATTR = "_vllm_lora_ext_prebuild_names"  # on a WorkerLoRAManager: pinned source -> probe's name

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from vllm_lora_ext.constants import GPU_HEADROOM_BYTES, stage_gpu_bytes
-from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR, UNSCANNED_ATTR
+from vllm_lora_ext.formats.moe import turn_in_place
+from vllm_lora_ext.integration.patching import ACTIVATION_ATTR, STAGED_ATTR, UNSCANNED_ATTR, UNTURNED_ATTR
 from vllm_lora_ext.transport.arena import aligned
 from vllm_lora_ext.transport.cuda import gpu_free_bytes, stream_for
 from vllm_lora_ext.transport.handover import view_at
@@ -99,8 +100,45 @@ def stage(lora: Any, device: Any) -> bool:
     Folds each module's scaling into B first (vLLM's own ``optimize()``, here rather than in the step),
     so the GPU copy and the CPU tensors stay equal. Nothing is staged off CUDA, past the budget, or
     when the GPU lacks room; the adapter then goes into its slot from CPU memory, as in stock vLLM.
+
+    Fused 3D B factors a build process left as stored (``UNTURNED_ATTR``) are transposed and scaled here: on the
+    GPU after their copy, their CPU twins written back from it in the background (`unstage` waits for them),
+    or on the CPU where the model is not staged.
     """
-    device = torch.device(device)
+    unturned = lora.__dict__.pop(UNTURNED_ATTR, None) or []
+    staged = False
+    try:
+        staged = _stage(lora, torch.device(device), unturned)
+    finally:
+        if not staged:
+            _turn_on_cpu(unturned)
+    return staged
+
+
+def _turn_on_cpu(unturned: list[tuple[torch.Tensor, int, int, float]]) -> None:
+    t0 = time.perf_counter()
+    for t, rows, cols, scale in unturned:
+        turn_in_place(t, rows, cols, scale)
+    if unturned:
+        logger.info("turned %d fused 3D factors on the CPU in %.3f s", len(unturned), time.perf_counter() - t0)
+
+
+def _alone(unturned: list[tuple[torch.Tensor, int, int, float]], tensors: list[torch.Tensor]) -> list[Any]:
+    """The ``unturned`` factors that are a slot of their own among ``tensors`` (the model's CPU factors): turned on
+    the GPU once staged. Any other (no slot of its bytes, or one with only part of them) is turned on the CPU here."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.nbytes)
+    longest = max((end - start for start, end in spans), default=0)
+    alone, rest = [], []
+    for item in unturned:
+        lo, hi = item[0].data_ptr(), item[0].data_ptr() + item[0].nbytes
+        near = [sp for sp in spans[bisect.bisect_left(spans, (lo - longest, 0)):bisect.bisect_left(spans, (hi, 0))]
+                if sp[1] > lo]  # every slot sharing a byte with it
+        (alone if near and all(sp == (lo, hi) for sp in near) else rest).append(item)
+    _turn_on_cpu(rest)
+    return alone
+
+
+def _stage(lora: Any, device: torch.device, unturned: list[tuple[torch.Tensor, int, int, float]]) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available() or getattr(lora, STAGED_ATTR, None) is not None:
         return False
     for weights in getattr(lora, "loras", {}).values():
@@ -109,6 +147,7 @@ def stage(lora: Any, device: Any) -> bool:
     total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
+    unturned = _alone(unturned, [t for *_, t in slots])
     regions = [(off, t.contiguous()) for off, t in regions]
     stored = _as_stored(regions)
     if stored is not None:  # most of it mirrors the storage it lies in, whose span goes up whole
@@ -131,18 +170,56 @@ def stage(lora: Any, device: Any) -> bool:
             views = [(owner, attr, index, buffer[off:off + t.nbytes].view(t.dtype).view(t.shape))
                      for (owner, attr, index, t), off in zip(slots, places)]
             _copy_through_pinned(buffer, copies, stream)
+            turns = _turn_on_gpu(unturned, slots, views, stream)
         except torch.cuda.OutOfMemoryError:
             logger.info("adapter not staged on the GPU: out of memory for %.0f MiB", total / 2**20)
             return False
-    logger.info("staged %.0f MiB on %s in %.3f s (allocation %.3f s; %s)", total / 2**20, device,
+    logger.info("staged %.0f MiB on %s in %.3f s (allocation %.3f s; %s%s)", total / 2**20, device,
                 time.perf_counter() - t0, t_alloc,
-                f"one span as stored, {len(copies) - 1} regions" if stored is not None else f"{len(copies)} regions")
+                f"one span as stored, {len(copies) - 1} regions" if stored is not None else f"{len(copies)} regions",
+                f"; {len(turns)} fused 3D factors turned on the GPU" if turns else "")
     for owner, attr, index, gpu in views:
         _put(owner, attr, index, gpu)
+    if turns:  # their CPU twins are the bytes as stored: written back from the GPU before they are used
+        twins, staging.cpu = staging.cpu, None
+        turned = torch.cuda.Event()
+        turned.record(stream)
+        _twins_later(lora, staging, lambda: _written_back(turns, twins, turned), "staged adapter")
     setattr(lora, STAGED_ATTR, staging)
     with _LOCK:
         _STAGED.add(lora)
     return True
+
+
+def _turn_on_gpu(unturned: list[tuple[torch.Tensor, int, int, float]], slots: list[Any], views: list[Any],
+                 stream: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Transpose and scale each of ``unturned`` in its staged copy, on ``stream`` after the copy: ``[(CPU tensor,
+    its turned GPU copy)]``."""
+    gpu_of = {(t.data_ptr(), t.nbytes): gpu for (*_, t), (*_, gpu) in zip(slots, views)}
+    turns = []
+    with torch.cuda.stream(stream):
+        for t, rows, cols, scale in unturned:
+            gpu = gpu_of[(t.data_ptr(), t.nbytes)]
+            turn_in_place(gpu, rows, cols, scale)
+            turns.append((t, gpu))
+    return turns
+
+
+def _written_back(turns: list[tuple[torch.Tensor, torch.Tensor]], twins: list[torch.Tensor] | None,
+                  turned: Any) -> list[torch.Tensor]:
+    """``twins`` (the staged regions' CPU tensors), once each turned factor's GPU bytes are copied back over its CPU
+    tensor after the event ``turned``: the GPU's bytes, so the two stay equal bit for bit. On a stream of its own:
+    the staging stream's next work (the scan, the merge, other adapters) does not wait for these copies."""
+    assert twins is not None
+    device = turns[0][1].device
+    with torch.cuda.device(device):
+        side = stream_for(device, "twins")
+        side.wait_event(turned)
+        with torch.cuda.stream(side):
+            for cpu, gpu in turns:
+                cpu.copy_(gpu)
+        side.synchronize()
+    return twins
 
 
 def on_staging_stream(lora: Any, work: Callable[[], object]) -> None:
@@ -172,6 +249,7 @@ def refuse_nonfinite(lora: Any, name: str) -> None:
     Raises:
         [`AdapterFormatError`]: names the module's factor (``<module>.lora_b[1]``) and the fix.
     """
+    _turn_on_cpu(lora.__dict__.pop(UNTURNED_ATTR, None) or [])  # (never staged: scanned as served)
     if not lora.__dict__.pop(UNSCANNED_ATTR, False):
         return
     named = {f"{module}.{attr}" + ("" if i is None else f"[{i}]"): t
@@ -338,26 +416,31 @@ def attach_staged(lora: Any, staging: Staging, twins: Any) -> None:
     setattr(lora, STAGED_ATTR, staging)
     with _LOCK:
         _STAGED.add(lora)
+    _twins_later(lora, staging, twins, "mix built on the GPU")
 
+
+def _twins_later(lora: Any, staging: Staging, twins: Any, what: str) -> None:
+    """Build ``staging``'s CPU twins (``twins()``) on a helper thread; a model `unstage` found without them is
+    pointed at them from there. If they cannot be built, the GPU tensors are copied back instead."""
     def build() -> None:
         t0 = time.perf_counter()
         try:
             cpu = list(twins())
         except Exception:  # memory, most likely: no twin matches, so each tensor is copied back from the GPU
-            logger.exception("the CPU copy of a mix built on the GPU failed; its tensors are copied back instead")
+            logger.exception("the CPU copy of a %s failed; its tensors are copied back instead", what)
             cpu = [torch.empty(0, dtype=torch.uint8)] * len(staging.starts)
         with staging.lock:
             staging.cpu = cpu
             waiting = staging.waiting
-        logger.info("CPU copy of a mix built on the GPU ready after %.2f s%s", time.perf_counter() - t0,
+        logger.info("CPU copy of a %s ready after %.2f s%s", what, time.perf_counter() - t0,
                     "; GPU buffer released" if waiting is not None else "")
         if waiting is not None:  # the step's unstage found no twins: finish it here
             try:
                 _point_at_cpu(lora, staging, waiting)
             except Exception:  # the model keeps its GPU tensors (still correct); its buffer stays counted as staged
-                logger.exception("could not point a mix built on the GPU at its CPU copy; it keeps its GPU memory")
+                logger.exception("could not point a %s at its CPU copy; it keeps its GPU memory", what)
 
-    threading.Thread(target=build, name="vllm-lora-ext-mix-twins", daemon=True).start()
+    threading.Thread(target=build, name="vllm-lora-ext-twins", daemon=True).start()
 
 
 def twins_from_gpu(staging: Staging, regions: list[tuple[torch.dtype, tuple[int, ...]]], *,

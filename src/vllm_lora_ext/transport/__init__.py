@@ -57,6 +57,11 @@ and that worker's build process; a new mix's path through the modules is in the 
    ``UNSCANNED_ATTR``); ``integration.staging.refuse_nonfinite`` scans them here, once staged, in a few fused
    launches and one sync (on the CPU if they were not staged), and refuses the model, freeing its buffer, if one
    holds NaN or infinity. Dense factors, a mix's components and every other build are scanned as they are read.
+   Such a build also leaves a fused 3D B as stored (``building.BuildJob.defer_turn``, listed in
+   ``building.BuiltAdapter.unturned``, the model marked ``UNTURNED_ATTR``): ``stage`` transposes and scales it in
+   its staged copy, on the staging stream before the scan, and copies the result back over its CPU tensor on a
+   stream of its own (``staging._twins_later``, as for a mix; `unstage` waits for it); where the model is not
+   staged it is turned on the CPU there (``formats.moe.turn_in_place``).
    Staging is kept over pinning the
    shared file in place: the driver refused to page-lock a file mapping on the H200 host, and the slot copy from
    it paused in-flight requests 0.26 s against staging's 0.054 s (``bench/results/no_stall_h200x2_r25_pinned_trial.json``).

@@ -102,7 +102,8 @@ def to_shared(built: BuiltAdapter, *, trim: bool = True) -> SharedTensors:
     finally:
         os.close(fd)
     meta = BuiltAdapter(built.identity, built.config, {}, {p: ([], [], r) for p, (_, _, r) in built.moe.items()},
-                        built.bytes_read, built.layouts, files=built.files, moe_scanned=built.moe_scanned)
+                        built.bytes_read, built.layouts, files=built.files, moe_scanned=built.moe_scanned,
+                        unturned=built.unturned)
     return SharedTensors(path, size, tuple(entries), meta)
 
 
@@ -145,7 +146,7 @@ def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
             assert len(target) == index, "manifest out of order"
             target.append(t)
     return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts, files=meta.files,
-                        moe_scanned=meta.moe_scanned), buf
+                        moe_scanned=meta.moe_scanned, unturned=meta.unturned), buf
 
 
 def view_at(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
