@@ -213,7 +213,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             for prefix, experts in blocks.items():
                 moe[prefix] = pack_block(experts, job.model.moe[prefix], job.wrappers.get(prefix, "2d"),
                                          max_rank=job.model.max_rank, adapter=job.name, alloc=alloc)
-                lying = _lying(experts, moe[prefix][1])
+                lying = _lying(experts, moe[prefix][1], job.name)
                 if lying:
                     unturned[prefix] = lying
             del blocks
@@ -231,7 +231,8 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
                             moe_scanned=job.scan_moe or not moe, unturned=unturned)
 
 
-def _lying(experts: ExpertsLoRA, lora_b: list[torch.Tensor]) -> tuple[tuple[int, int, int, float], ...]:
+def _lying(experts: ExpertsLoRA, lora_b: list[torch.Tensor],
+           adapter: str) -> tuple[tuple[int, int, int, float], ...]:
     """Where a block's B left as stored (``ExpertFactors.lying``) lies in its packed ``lora_b``, as ``(index, rows,
     cols, scale)``: a fused gate_up kept fused, or its two halves (views) as the split's gate and up.
 
@@ -252,7 +253,9 @@ def _lying(experts: ExpertsLoRA, lora_b: list[torch.Tensor]) -> tuple[tuple[int,
     for f in parts:
         i = at(f.b)
         if i is None or f.lying is None:
-            raise RuntimeError(f"MoE block {experts.prefix!r}: a fused 3D B left as stored was packed by a copy")
+            raise RuntimeError(f"Adapter {adapter!r}, MoE block {experts.prefix!r}: a fused 3D B left as stored "
+                               f"was packed by a copy (a bug). Set VLLM_LORA_EXT_TRANSPOSE_ON_GPU=0 to build it "
+                               f"turned.")
         found.append((i, *f.lying))
     return tuple(found)
 

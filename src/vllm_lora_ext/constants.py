@@ -299,8 +299,8 @@ def host_arena_min_bytes() -> int:
 
 def transpose_on_gpu() -> bool:
     """Return whether a worker's read of a fused 3D MoE adapter transposes and scales its B factors on the worker's GPU
-    (``VLLM_LORA_EXT_TRANSPOSE_ON_GPU``, default on; 0 turns it off; a build process then leaves them for it to
-    turn once staged): the same tensors, bit for bit, without the CPU's strided pass over them."""
+    (``VLLM_LORA_EXT_TRANSPOSE_ON_GPU``, default on, and a build process leaves them for it to turn once staged;
+    0 turns both off): the same tensors, bit for bit, without the CPU's strided pass over them."""
     return _env_on(ENV_TRANSPOSE_ON_GPU)
 
 

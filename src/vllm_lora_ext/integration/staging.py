@@ -105,13 +105,15 @@ def stage(lora: Any, device: Any) -> bool:
     GPU after their copy, their CPU twins written back from it in the background (`unstage` waits for them),
     or on the CPU where the model is not staged.
     """
-    unturned = lora.__dict__.pop(UNTURNED_ATTR, None) or []
+    unturned = list(lora.__dict__.pop(UNTURNED_ATTR, None) or [])
     staged = False
     try:
-        staged = _stage(lora, torch.device(device), unturned)
+        staged = _stage(lora, torch.device(device), unturned)  # (takes out of ``unturned`` what it turned)
     finally:
         if not staged:
             _turn_on_cpu(unturned)
+    # Staged: the turns are queued on the staging stream, before the scan that `refuse_nonfinite` runs there and
+    # waits for (a model left unturned is always left unscanned: ``BuildJob.defer_turn`` needs ``scan_moe=False``).
     return staged
 
 
@@ -123,9 +125,10 @@ def _turn_on_cpu(unturned: list[tuple[torch.Tensor, int, int, float]]) -> None:
         logger.info("turned %d fused 3D factors on the CPU in %.3f s", len(unturned), time.perf_counter() - t0)
 
 
-def _alone(unturned: list[tuple[torch.Tensor, int, int, float]], tensors: list[torch.Tensor]) -> list[Any]:
-    """The ``unturned`` factors that are a slot of their own among ``tensors`` (the model's CPU factors): turned on
-    the GPU once staged. Any other (no slot of its bytes, or one with only part of them) is turned on the CPU here."""
+def _alone(unturned: list[tuple[torch.Tensor, int, int, float]],
+           tensors: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+    """The ``unturned`` factors that are a slot of their own among ``tensors`` (the model's CPU factors), which the
+    GPU may turn once staged, and the rest (no slot of its bytes, or one with only part of them)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.nbytes)
     longest = max((end - start for start, end in spans), default=0)
     alone, rest = [], []
@@ -134,8 +137,7 @@ def _alone(unturned: list[tuple[torch.Tensor, int, int, float]], tensors: list[t
         near = [sp for sp in spans[bisect.bisect_left(spans, (lo - longest, 0)):bisect.bisect_left(spans, (hi, 0))]
                 if sp[1] > lo]  # every slot sharing a byte with it
         (alone if near and all(sp == (lo, hi) for sp in near) else rest).append(item)
-    _turn_on_cpu(rest)
-    return alone
+    return alone, rest
 
 
 def _stage(lora: Any, device: torch.device, unturned: list[tuple[torch.Tensor, int, int, float]]) -> bool:
@@ -147,7 +149,9 @@ def _stage(lora: Any, device: torch.device, unturned: list[tuple[torch.Tensor, i
     total, regions, places = _layout([t for *_, t in slots])
     if not slots or total == 0:
         return False
-    unturned = _alone(unturned, [t for *_, t in slots])
+    alone, rest = _alone(unturned, [t for *_, t in slots])
+    _turn_on_cpu(rest)
+    unturned[:] = alone  # (what `stage` turns on the CPU if this returns False: each factor is turned once)
     regions = [(off, t.contiguous()) for off, t in regions]
     stored = _as_stored(regions)
     if stored is not None:  # most of it mirrors the storage it lies in, whose span goes up whole

@@ -37,7 +37,8 @@ class Staging:
 
     buffer: torch.Tensor  # uint8, on the GPU
     starts: list[int] = field(default_factory=list)  # byte offset of each region, ascending
-    # The region's CPU tensor (contiguous); ``None`` until a composite built on the GPU has its CPU twins.
+    # The region's CPU tensor (contiguous); ``None`` until a composite built on the GPU, or an adapter whose fused
+    # 3D B was turned on the GPU, has its CPU twins (written back meanwhile).
     cpu: list[torch.Tensor] | None = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: Any = None  # the engine stream's event, once unstage is called before the CPU twins exist
