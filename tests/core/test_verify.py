@@ -277,6 +277,27 @@ def test_verify_names_a_missing_adapter_first_and_without_a_gpu_says_so_and_exit
     assert "Traceback" not in out.stderr
 
 
+def test_verify_refuses_a_missing_served_adapter_or_layers_that_lose_a_group_with_exit_2_before_any_side(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What verify refuses in its input before running a side (a mistyped ``--served``, a ``--layers`` that keeps no
+    key of a module group) is a usage error, exit 2, as the README says; a FAIL verdict is 1."""
+    from vllm_lora_ext.cli import _parser, verify
+
+    config = _configs()["qwen3_moe"]  # 6 layers; experts from layer 1
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(config.to_json_string())
+    torch.manual_seed(0)
+    make_peft_adapter(transformers.AutoModelForCausalLM.from_config(config), tmp_path / "trained", rank=8,
+                      targets=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    monkeypatch.setattr(verify, "gpu_problem", lambda: None)
+    monkeypatch.setattr(verify, "_side", lambda *a: pytest.fail("a side ran"))
+    base = ["verify", str(tmp_path / "model"), str(tmp_path / "trained"), "--workdir", str(tmp_path / "w")]
+    assert verify.run(_parser().parse_args([*base, "--served", str(tmp_path / "nosuch")])) == 2
+    assert "nosuch' does not exist" in capsys.readouterr().err
+    assert verify.run(_parser().parse_args([*base, "--layers", "1"])) == 2
+    assert "--layers 2 or more" in capsys.readouterr().err
+
+
 def test_verify_is_a_listed_command_with_its_options(capsys: pytest.CaptureFixture[str]) -> None:
     from vllm_lora_ext.cli import main
 

@@ -252,8 +252,7 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
-def _compare(args: argparse.Namespace, work: Path) -> VerifyReport:
-    job, groups = prepare_job(args, work)
+def _compare(args: argparse.Namespace, work: Path, job: dict[str, Any], groups: list[str]) -> VerifyReport:
     job_path = work / "job.json"
     job_path.write_text(json.dumps(job))
     _side("hf", job_path, work / "hf.log", args)
@@ -273,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # usage errors exit 2, as a FAIL verdict exits 1
         resolve_offline(args.adapter)  # a mistyped adapter answers here, not on the GPU machine
+        if args.served:
+            resolve_offline(args.served)
         if args.tokens > 512:
             raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
         problem = gpu_problem()
@@ -286,7 +287,14 @@ def run(args: argparse.Namespace) -> int:
             else Path(os.path.expanduser(args.workdir)).absolute())
     work.mkdir(parents=True, exist_ok=True)
     try:
-        report = _compare(args, work)
+        job, groups = prepare_job(args, work)  # (no side has run: what it refuses is the input's, exit 2)
+    except VllmLoraExtError as err:
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    try:
+        report = _compare(args, work, job, groups)
     except BaseException:
         if temporary and (work / "job.json").exists():
             print(f"verify: kept {work} (the job, both sides' logs)", file=sys.stderr)
