@@ -30,6 +30,9 @@ def test_a_zero_weight_a_repeated_adapter_and_different_base_models_are_noted(tm
     assert f"note: {a} has weight 0" in out.stderr
     assert f"note: {a} is given twice: its rank counts twice" in out.stderr
     assert "trained on different base models" in out.stderr and "org/base-two" in out.stderr
+    quiet = _mix("-q", f"{a}=0", f"{a}=0.5", f"{b}=0.5", "-o", str(tmp_path / "quiet"), cwd=tmp_path)
+    assert quiet.returncode == 0 and "note:" not in quiet.stderr, quiet.stderr  # -q: errors only
+    assert "wrote " in quiet.stdout  # (results still print)
 
 
 def test_a_bad_weight_and_an_unknown_name_in_the_model_syntax_are_named(tmp_path: Path) -> None:

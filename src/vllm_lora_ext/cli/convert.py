@@ -30,7 +30,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rename and args.to != "2d":
+    if args.rename and args.to != "2d" and not getattr(args, "quiet", False):
         print("note: --rename has no effect with --to 3d: it names 2D projections (3D keys have one name each)",
               file=sys.stderr)
     resolved = resolve_offline(args.source)  # before torch is imported: a bad or missing source answers at once

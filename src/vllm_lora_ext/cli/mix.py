@@ -131,12 +131,14 @@ def run(args: argparse.Namespace) -> int:
         for name, resolved, w in items:
             require_safetensors(resolved, name=name)
             pairs.append((resolved, w))
-        _say_doubtful(items)
+        if not getattr(args, "quiet", False):  # (-q: errors only; the notes are advice)
+            _say_doubtful(items)
         base = load_base_config(args.base_config) if args.base_config else None
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
     print(f"wrote {out.path} (rank-concatenated mix of {plural(len(pairs), 'adapter')}{used})")
-    _say_widened(pairs, names, out.path)
+    if not getattr(args, "quiet", False):
+        _say_widened(pairs, names, out.path)
     return 0
 
 
