@@ -296,6 +296,13 @@ def test_verify_refuses_a_missing_served_adapter_or_layers_that_lose_a_group_wit
     assert "nosuch' does not exist" in capsys.readouterr().err
     assert verify.run(_parser().parse_args([*base, "--layers", "1"])) == 2
     assert "--layers 2 or more" in capsys.readouterr().err
+    temp = tmp_path / "temp"  # without --workdir: the folder it made goes, whatever the refusal
+    monkeypatch.setattr(verify.tempfile, "mkdtemp", lambda **kw: (temp.mkdir(), str(temp))[1])
+    assert verify.run(_parser().parse_args([*base[:3], "--layers", "1"])) == 2 and not temp.exists()
+    monkeypatch.setattr(verify, "prepare_job", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space"):
+        verify.run(_parser().parse_args(base[:3]))
+    assert not temp.exists()
 
 
 def test_verify_is_a_listed_command_with_its_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,3 +113,35 @@ def test_the_loader_leaves_b_for_the_gpu_only_in_a_background_build_through_a_bu
     monkeypatch.setenv("VLLM_LORA_EXT_TRANSPOSE_ON_GPU", "0")
     lora = loader._load_adapter_model(worker_manager, req, separate_process=True, scan_moe=False)
     assert getattr(jobs[-1], "defer_turn") is False and not hasattr(lora, UNTURNED_ATTR)
+
+
+def test_an_error_while_turning_fails_the_staging_and_turns_nothing_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while a model's factors are turned fails its load (the caller never serves it): nothing is turned
+    again on the way out. A second reviewer's case (the second of two CPU turns raising)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from vllm_lora_ext.formats.moe import turn_in_place
+    from vllm_lora_ext.integration import staging
+    from vllm_lora_ext.integration.patching import UNTURNED_ATTR
+
+    whole = torch.arange(64, dtype=torch.float32).view(8, 8)
+    first, second = whole.view(-1)[:16], whole.view(-1)[16:32]
+    want = first.clone()
+    turn_in_place(want, 2, 8, 2.0)
+    module = LoRALayerWeights("model.layers.0.self_attn.q_proj", 8, 16, torch.ones(8, 8), whole, scaling=1.0)
+    model = LoRAModel(1, 8, {module.module_name: module})
+    setattr(model, UNTURNED_ATTR, [(first, 2, 8, 2.0), (second, 2, 8, 2.0)])
+    calls: list[int] = []
+
+    def turn(t: torch.Tensor, *a: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("no memory")
+        turn_in_place(t, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "turn_in_place", turn)
+    monkeypatch.setattr(staging.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="no memory"):
+        staging.stage(model, "cuda:0")
+    assert torch.equal(first, want) and len(calls) == 2

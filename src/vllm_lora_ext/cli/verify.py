@@ -288,9 +288,11 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         job, groups = prepare_job(args, work)  # (no side has run: what it refuses is the input's, exit 2)
-    except VllmLoraExtError as err:
+    except BaseException as err:
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
+        if not isinstance(err, VllmLoraExtError):
+            raise
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     try:

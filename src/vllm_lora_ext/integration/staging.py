@@ -106,12 +106,10 @@ def stage(lora: Any, device: Any) -> bool:
     or on the CPU where the model is not staged.
     """
     unturned = list(lora.__dict__.pop(UNTURNED_ATTR, None) or [])
-    staged = False
-    try:
-        staged = _stage(lora, torch.device(device), unturned)  # (takes out of ``unturned`` what it turned)
-    finally:
-        if not staged:
-            _turn_on_cpu(unturned)
+    # (an error raised here fails the load: the model is never served, and nothing more is turned)
+    staged = _stage(lora, torch.device(device), unturned)  # (takes out of ``unturned`` what it turned)
+    if not staged:
+        _turn_on_cpu(unturned)
     # Staged: the turns are queued on the staging stream, before the scan that `refuse_nonfinite` runs there and
     # waits for (a model left unturned is always left unscanned: ``BuildJob.defer_turn`` needs ``scan_moe=False``).
     return staged
