@@ -443,8 +443,8 @@ class SafetensorsReader:
         out = into((cols, rows), dt) if into is not None else torch.empty((cols, rows), dtype=dt)
         if lying:
             if numel:
-                _preadv_exactly(self.fileno(), [memoryview(out.view(-1).view(torch.uint8).numpy())],  # type: ignore[arg-type]
-                                self.header.offsets[key][0], path=self.path, key=key)
+                raw = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                _preadv_exactly(self.fileno(), [raw], self.header.offsets[key][0], path=self.path, key=key)
             self.stats.count(numel * dt.itemsize, 1)
             return out
         if numel and device is not None and self._transposed_on(device, key, out, rows, cols, scale):

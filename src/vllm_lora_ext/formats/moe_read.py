@@ -247,16 +247,12 @@ def _read_3d(blk: _Block, k3: Key3D) -> None:
     a3 = a_file.reshape(n, r, a_file.shape[1])
     # A fused gate_up B is put in ``alloc`` only where it is kept fused (a 3D-wrapper model): a 2D-wrapper
     # model splits it into new tensors (which are).
-    # A B left lying goes there too: its halves become the split's gate and up as they are.
     b_alloc = opts.alloc if k3.role != "gate_up" or spec.prefix in opts.fused_gate_up else None
     name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
     s = blk.config.scaling_for(f"{spec.prefix}.{name}", r) if opts.scaled else 1.0
     b3, state = _read_3d_b(blk, k3, b_alloc, s, target)
-    if state == "lying":
-        a3 = a3 if a_in_alloc else _into(a3, opts.alloc, target)
-        setattr(blk.out, k3.role, ExpertFactors(a3, b3, (b3.numel() // n, n, s)))
-        return
-    if state != "done":
+    lying = (b3.numel() // n, n, s) if state == "lying" else None
+    if state not in ("done", "lying"):
         if k3.orientation == "transposed":  # stored ΔW_eᵀ = B_e A_e  ->  ΔW_e = A_eᵀ B_eᵀ
             a3, b3 = b3.transpose(1, 2), a3.transpose(1, 2)
         if b3.dtype == target:  # one copy into (n, out, r) order, then scale in place (float32 opmath)
@@ -266,7 +262,7 @@ def _read_3d(blk: _Block, k3: Key3D) -> None:
             b3 = b3.mul_(s)
         else:
             b3 = _into(b3.float() * s, b_alloc, target)
-    setattr(blk.out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, opts.alloc, target), b3))
+    setattr(blk.out, k3.role, ExpertFactors(a3 if a_in_alloc else _into(a3, opts.alloc, target), b3, lying))
 
 
 def _read_3d_a(blk: _Block, k3: Key3D) -> tuple[torch.Tensor, bool]:
@@ -297,6 +293,7 @@ def _read_3d_b(blk: _Block, k3: Key3D, b_alloc: Alloc | None, s: float,
     e_all, n, r = blk.plan.spec.num_experts, len(blk.keep), k3.rank
     full, standard = n == e_all, k3.orientation == "standard"
     if blk.transposed is not None and full and standard:
+        # (left lying, a fused gate_up B goes into ``alloc`` as well: its halves are then the split's gate and up)
         lying = blk.options.defer_turn and blk.gpu is None
         done = blk.transposed(k3.key_b, e_all, blk.options.alloc if lying else b_alloc, scale=s, dtype=target,
                               device=blk.gpu, lying=lying)

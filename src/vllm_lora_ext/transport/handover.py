@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -101,9 +101,8 @@ def to_shared(built: BuiltAdapter, *, trim: bool = True) -> SharedTensors:
         raise
     finally:
         os.close(fd)
-    meta = BuiltAdapter(built.identity, built.config, {}, {p: ([], [], r) for p, (_, _, r) in built.moe.items()},
-                        built.bytes_read, built.layouts, files=built.files, moe_scanned=built.moe_scanned,
-                        unturned=built.unturned)
+    # (every other field travels as it is: the arenas are this process's, the tensors the manifest's)
+    meta = replace(built, dense={}, moe={p: ([], [], r) for p, (_, _, r) in built.moe.items()}, arena=None, host=None)
     return SharedTensors(path, size, tuple(entries), meta)
 
 
@@ -145,8 +144,7 @@ def from_shared(shared: SharedTensors) -> tuple[BuiltAdapter, torch.Tensor]:
             target = lora_a if group == "a" else lora_b
             assert len(target) == index, "manifest out of order"
             target.append(t)
-    return BuiltAdapter(meta.identity, meta.config, dense, moe, meta.bytes_read, meta.layouts, files=meta.files,
-                        moe_scanned=meta.moe_scanned, unturned=meta.unturned), buf
+    return replace(meta, dense=dense, moe=moe), buf
 
 
 def view_at(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
