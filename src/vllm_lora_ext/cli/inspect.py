@@ -24,8 +24,9 @@ def add_parser(sub: Any) -> None:
                                    "or scale wrongly in the adapter itself (its files, config, ranks, MoE layout and, "
                                    "with a base config, MoE sizes); dense modules' names and shapes are checked "
                                    "against the model when it loads. A fused 3D adapter's sizes come from "
-                                   "--base-config, else from the base model's config.json when its base_model_name_or_path is in the "
-                                   "local Hugging Face cache, else from its own shapes where they allow one reading.")
+                                   "--base-config, else from the base model's config.json when its "
+                                   "base_model_name_or_path is in the local Hugging Face cache, else from its own "
+                                   "shapes where they allow one reading.")
     add_source(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all-modules", action="store_true", help="list every module (default: at most 40 rows)")
