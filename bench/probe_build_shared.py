@@ -235,7 +235,7 @@ def main() -> None:
     from vllm_lora_ext.planning import ModelSpec
 
     if not args.worker:
-        from vllm_lora_ext.integration.build_process import _torch_threads
+        from vllm_lora_ext.integration.build_child import _torch_threads
 
         torch.set_num_threads(_torch_threads())  # as the build process
     _instrument()

@@ -41,7 +41,7 @@ from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import ALIGN, Arena, ArenaSupply, aligned
 from vllm_lora_ext.validation import check_finite, check_fits_dtype, check_rank_budget
 
-__all__ = ["BuildJob", "BuiltAdapter", "MappedAdapter", "ModuleKeys", "build_adapter", "pack_block"]
+__all__ = ["BuildJob", "BuiltAdapter", "MappedAdapter", "ModuleKeys", "build_adapter", "pack_block", "plan_ahead"]
 
 Wrapper = Literal["2d", "3d"]
 
@@ -100,6 +100,8 @@ class BuiltAdapter:
         unturned: per MoE block, the factors of ``lora_b`` still as stored (``BuildJob.defer_turn``), as
             ``(index, rows, cols, scale)``: that tensor's bytes are the row-major ``(rows, cols)`` matrix whose
             transpose times ``scale`` it must hold (``formats.moe.turn_in_place``) before it is served.
+        plan_kept: the build took the kept plan of an earlier adapter with the same header bytes, config and model
+            (and so its kept header) instead of parsing and planning anew ([`plan_ahead`]).
     """
 
     identity: str
@@ -114,6 +116,7 @@ class BuiltAdapter:
     files: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     moe_scanned: bool = True
     unturned: dict[str, tuple[tuple[int, int, int, float], ...]] = field(default_factory=dict)
+    plan_kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,29 @@ def build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool = False,
         return _build_adapter(job, router, shared=shared, arenas=arenas, transpose_on=transpose_on)
 
 
+def plan_ahead(job: BuildJob, router: KeyRouter) -> bool:
+    """Read ``job``'s header and plan it as a build would, reading no tensor, and keep both: the next build of an
+    adapter with the same header bytes, config and model (one trained the same way) skips that work, 0.1-0.2 s for
+    a 48-layer MoE adapter. A build process is told of the adapters its worker built while it started
+    (``integration.build_process``). Returns whether the plan was kept already.
+
+    Raises:
+        What [`build_adapter`] raises for a source, header, config or plan it refuses.
+    """
+    with gc_paused(), holding(parse_source(job.path), why=f"plan of adapter {job.name!r}"):
+        return _build_adapter(job, router, shared=False, arenas=None, plan_only=True).plan_kept
+
+
 def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None,
-                   transpose_on: torch.device | None = None) -> BuiltAdapter:
-    """See [`build_adapter`]."""
+                   transpose_on: torch.device | None = None, plan_only: bool = False) -> BuiltAdapter:
+    """See [`build_adapter`]; with ``plan_only`` ([`plan_ahead`]), stop once planned (an adapter with no tensor)."""
     resolved = resolve_source(job.path)
     roots = confining_roots(resolved)  # a local source inside an allowed root: held to the roots on every build
     config_stamp = _stamp_of(resolved.config_path)  # before it is read: an edit meanwhile makes the build stale
     known = resolved.config_path is not None or resolved.is_pickle
     config = load_config(resolved, name=job.name, roots=roots) if known else None
+    if plan_only and resolved.is_pickle and config is not None:  # read whole, with no header to keep: no plan ahead
+        return BuiltAdapter(resolved.identity, config, {}, {})
     stats = ReadStats()  # below: the header, an inferred config and every tensor from one open file (one snapshot)
     source: Any = (DictSource(load_pickle_tensors(resolved.weights_path, roots=roots)) if resolved.is_pickle
                    else SafetensorsReader(resolved.weights_path, stats=stats, roots=roots))
@@ -183,7 +201,9 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         if job.moe_error is not None and any(classify_key(k).kind in ("moe_2d", "moe_3d") for k in shapes):
             raise AdapterCompatibilityError(job.moe_error, adapter=job.name)
         token = None if resolved.is_pickle else source.header.token
-        plan = _planned(token, shapes, dtypes, config, job, router, resolved.identity)
+        plan, kept = _planned(token, shapes, dtypes, config, job, router, resolved.identity)
+        if plan_only:
+            return BuiltAdapter(resolved.identity, config, {}, {}, plan_kept=kept)
         arena = None
         host = None
         if shared and plan.moe:
@@ -228,7 +248,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
         layouts = tuple(sorted({p.layout for p in plan.moe.values()}))
         return BuiltAdapter(resolved.identity, config, dense, moe, stats.bytes_read, layouts, arena, host,
                             stats.turned_on_gpu, _stamps(resolved, source, config_stamp),
-                            moe_scanned=job.scan_moe or not moe, unturned=unturned)
+                            moe_scanned=job.scan_moe or not moe, unturned=unturned, plan_kept=kept)
 
 
 def _lying(experts: ExpertsLoRA, lora_b: list[torch.Tensor],
@@ -271,8 +291,9 @@ _KEPT_PLAN_LOCK = threading.Lock()
 
 
 def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
-             config: AdapterConfig, job: BuildJob, router: KeyRouter, identity: str) -> AdapterPlan:
-    """`plan_adapter` for ``job``'s adapter, or the kept plan of the same header, config, model and router."""
+             config: AdapterConfig, job: BuildJob, router: KeyRouter, identity: str) -> tuple[AdapterPlan, bool]:
+    """`plan_adapter` for ``job``'s adapter, or the kept plan of the same header, config, model and router; and
+    whether it was the kept one."""
     model = replace(job.model, allow_unmatched=job.allow_unmatched)
     # (the patterns' order too: PEFT's first matching key gives a module's rank, and dicts compare without order)
     # (its fields read as they are: a config's own checks, which compile every pattern, are not run again)
@@ -282,12 +303,12 @@ def _planned(token: tuple[bytes, int] | None, shapes: Mapping[str, tuple[int, ..
     with _KEPT_PLAN_LOCK:
         kept = _KEPT_PLAN[0] if _KEPT_PLAN else None
     if key is not None and kept is not None and kept[0] == key:  # (token first: the bytes, compared in full)
-        return kept[1]
+        return kept[1], True
     plan = plan_adapter(shapes, config, model, router=router, dtypes=dtypes, name=job.name, identity=identity)
     if key is not None and not plan.dropped:
         with _KEPT_PLAN_LOCK:
             _KEPT_PLAN[:] = [(key, plan)]
-    return plan
+    return plan, False
 
 
 _NEVER = (-1, -1, -1, -1)  # a stamp no file has

@@ -145,3 +145,34 @@ def test_the_key_reads_the_config_without_running_its_checks_again(tmp_path: Pat
         building.build_adapter(moe_build_job(folder), PeftKeyRouter())
         assert len(checks) == 1
     assert len(plans) == 1
+
+
+def test_a_plan_ahead_reads_no_tensor_and_the_next_adapter_of_its_shape_takes_it(
+        tmp_path: Path, plans: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``building.plan_ahead`` (what a build process does for the builds its worker made while it started) parses
+    and plans only; the next build of the same header, config and model says it took the kept plan, and builds the
+    same tensors as a build planned anew. A pickle source is not read for a plan ahead (it has no header to keep)."""
+    from safetensors.torch import load_file
+
+    first = _adapter(tmp_path / "a", (0, 1))
+    second = _adapter(tmp_path / "b", (2, 3))
+    reads: list[int] = []
+    real_read = building.read_blocks
+    monkeypatch.setattr(building, "read_blocks", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    assert building.plan_ahead(replace(moe_build_job(first), name="ahead"), PeftKeyRouter()) is False
+    assert reads == [] and plans == ["ahead"]
+    assert building.plan_ahead(replace(moe_build_job(first), name="again"), PeftKeyRouter()) is True
+    got = building.build_adapter(replace(moe_build_job(second), name="second"), PeftKeyRouter())
+    assert got.plan_kept and plans == ["ahead"]
+    building._KEPT_PLAN.clear()
+    want = building.build_adapter(replace(moe_build_job(second), name="anew"), PeftKeyRouter())
+    assert not want.plan_kept and plans == ["ahead", "anew"]
+    assert len(_tensors(got)) == len(_tensors(want)) > 0
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(got), _tensors(want)))
+    torch.save(load_file(str(first / "adapter_model.safetensors")), first / "adapter_model.bin")
+    (first / "adapter_model.safetensors").unlink()
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOW_PICKLE", "1")
+    loaded: list[int] = []
+    real_load = building.load_pickle_tensors
+    monkeypatch.setattr(building, "load_pickle_tensors", lambda *a, **k: loaded.append(1) or real_load(*a, **k))
+    assert building.plan_ahead(moe_build_job(first), PeftKeyRouter()) is False and loaded == []

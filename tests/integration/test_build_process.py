@@ -18,7 +18,7 @@ from factories import make_peft_adapter, tiny_llama
 from moe_factories import BUILD_BLOCKS, BUILD_E, BUILD_H, BUILD_I, BUILD_R, make_truth, moe_build_job, write_moe_adapter
 from vllm_lora_ext.building import BuildJob, build_adapter
 from vllm_lora_ext.errors import AdapterCompatibilityError, BuildProcessError, ExpertLayoutError
-from vllm_lora_ext.integration import build_process
+from vllm_lora_ext.integration import build_child, build_process
 from vllm_lora_ext.integration.loader import VllmKeyRouter, load_lora_model
 
 E, H, I, R = BUILD_E, BUILD_H, BUILD_I, BUILD_R
@@ -232,7 +232,7 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
     from vllm_lora_ext.transport.handover import from_shared, to_shared
     from vllm_lora_ext.integration.loader import VllmKeyRouter
 
-    monkeypatch.setattr(build_process, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(build_child, "_SETTLE_S", 0.0)
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
     supply = ArenaSupply(1 << 20)
     supply.prepare(wait=True)
@@ -241,7 +241,7 @@ def test_the_spare_is_cut_only_after_the_worker_has_removed_its_name(tmp_path: P
     held = [built]
     del built
     fd = os.open(shared.path, os.O_RDWR)
-    after = threading.Thread(target=build_process._after_hand_over, args=(fd, shared, supply, held))
+    after = threading.Thread(target=build_child._after_hand_over, args=(fd, shared, supply, held))
     after.start()
     time.sleep(0.2)
     assert os.path.getsize(shared.path) == 1 << 20  # the name is still there: not cut yet
@@ -274,7 +274,7 @@ def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(
     def mapped(path: str) -> bool:
         return path in Path("/proc/self/maps").read_text()
 
-    monkeypatch.setattr(build_process, "_SETTLE_S", 0.0)
+    monkeypatch.setattr(build_child, "_SETTLE_S", 0.0)
     folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
     supply = ArenaSupply(1 << 20)
     supply.prepare(wait=True)
@@ -289,8 +289,8 @@ def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(
 
     out = Pipe()
     try:
-        with caplog.at_level("INFO", logger=build_process.__name__):
-            build_process._answer(out, 7, _moe_job(folder), None, None, supply, (time.perf_counter(), 0.25))
+        with caplog.at_level("INFO", logger=build_child.__name__):
+            build_child._answer(out, 7, _moe_job(folder), None, None, supply, (time.perf_counter(), 0.25))
         assert "in the pipe 0.25 s, queued" in caplog.text  # the job's time from the worker's send, logged
         kind, number, shared = pickle.loads(out.getvalue())
         assert (kind, number, shared.path) == ("ok", 7, spare) and at_answer == [True]
@@ -302,3 +302,38 @@ def test_the_build_process_answers_before_it_drops_its_own_mapping_of_the_build(
         assert not mapped(spare)
     finally:
         supply.discard()
+
+
+def test_a_build_process_still_starting_plans_the_workers_builds_ahead_for_the_next_adapter_of_their_shape(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """While the process starts, the worker builds in its own thread (a server's adapters named at its start); once
+    started, the process plans those adapters ahead in the order built, so the next adapter of the first one's
+    shape (byte-equal header: trained the same way) takes the kept header and plan there, although a small adapter
+    (whose header is not kept) was built after it. A process that planned nothing ahead plans it anew (control)."""
+    import time
+
+    from vllm_lora_ext.formats.moe import MoESpec
+    from vllm_lora_ext.planning import ModelSpec
+
+    e, h, i, r = 128, 8, 4, 2  # 1,536 keys: a header large enough to be kept (64 KiB or more)
+    truths = [make_truth(e, h, i, r, s) for s in (0, 1)]
+    folders = [write_moe_adapter(tmp_path / n, truths, ["2d", "2d"], rank=r) for n in ("first", "next")]
+    model = ModelSpec(frozenset(BLOCKS), moe={p: MoESpec(p, e, h, i) for p in BLOCKS}, max_rank=16)
+    jobs = [BuildJob(path=str(f), name=f.name, model=model, dtype=torch.bfloat16) for f in folders]
+    small = write_moe_adapter(tmp_path / "small", [make_truth(E, H, I, R, s) for s in (0, 1)], ["3d", "3d"], rank=R)
+    router = VllmKeyRouter(None, None)
+    build_process.shutdown()
+    with caplog.at_level("INFO", logger=build_process.__name__):
+        for job in (jobs[0], _moe_job(small)):
+            assert build_process.build_elsewhere(job, router, wait_for_start=False) is None  # built here instead
+        build_process._POOL.get()
+        deadline = time.monotonic() + 60
+        while caplog.text.count("the build process planned it ahead") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "adapter 'first': the build process planned it ahead in" in caplog.text
+    assert "adapter 'moe': the build process planned it ahead in" in caplog.text
+    built, _ = build_process.build_elsewhere(jobs[1], router)
+    assert built.plan_kept
+    build_process.shutdown()
+    built, _ = build_process.build_elsewhere(jobs[1], router)  # a new process: nothing planned ahead
+    assert not built.plan_kept

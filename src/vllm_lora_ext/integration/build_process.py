@@ -3,14 +3,17 @@
 A background build in a worker thread shares the Python GIL with the engine thread. Its per-key
 Python work (header, planning, checks) then slows every engine step: with 32 requests decoding, building a
 37k-key MoE adapter in a thread leaves gaps of 0.5–0.7 s between their tokens. Here each worker starts a build
-process (``python -m vllm_lora_ext.integration.build_process``) the first time it builds in the
+process (``python -m vllm_lora_ext.integration.build_child``) the first time it builds in the
 background, and hands it a `BuildJob`: the model as plain data and vLLM's key mapper. The process
 runs `vllm_lora_ext.building.build_adapter` (resolve, read, plan, check, pack), with per-expert
 factors stacked straight into one shared-memory file, and answers with its manifest; the worker maps
 that file, so the tensors are not copied again. While idle, the process keeps one spare file with its
 pages already taken (``VLLM_LORA_EXT_BUILD_SPARE_BYTES``, default 2 GiB, growing with the adapters built
 up to twice that), so that a build's writes do not allocate a page per 4 KiB. A process takes 15-20 s to start
-(it imports vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait.
+(it imports vLLM's key parser); builds asked for meanwhile run in the worker thread rather than wait, and are then
+planned ahead in the process, in the order built (their headers parsed and plans made, no tensor read), so that
+the next adapter of the same shape (one trained the same way: byte-equal headers) takes the kept header and plan,
+as a build after one of its shape does (``building.plan_ahead``; 0.1-0.2 s at 48 layers).
 
 The protocol is pickle over the process's stdin/stdout; it is private to the worker and its child.
 The process exits when the worker closes its stdin (or dies). Errors come back as the plugin's own
@@ -29,28 +32,26 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, BinaryIO
+from typing import Any
 
-from vllm_lora_ext._util import clip, usable_cores
-from vllm_lora_ext.building import BuildJob, BuiltAdapter, build_adapter
-from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir, build_spare_bytes
-from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, error_record, rebuild_error
+from vllm_lora_ext._util import clip
+from vllm_lora_ext.building import BuildJob, BuiltAdapter
+from vllm_lora_ext.constants import ENV_BUILD_DIR, build_dir
+from vllm_lora_ext.errors import BuildProcessError, VllmLoraExtError, rebuild_error
+from vllm_lora_ext.integration.build_child import AHEAD
 from vllm_lora_ext.sharedfiles import folder_problem
-from vllm_lora_ext.transport.arena import ArenaSupply
-from vllm_lora_ext.transport.files import sweep_stale
-from vllm_lora_ext.transport.handover import SharedTensors, from_shared, to_shared, trim_shared
+from vllm_lora_ext.transport.handover import SharedTensors, from_shared
 
-logger = logging.getLogger("vllm_lora_ext.integration.build_process")  # also when run as __main__
+logger = logging.getLogger(__name__)
 
 __all__ = ["build_dir_usable", "build_elsewhere", "prestart", "shutdown"]
 
 _START_TIMEOUT_S = 300.0
-_BUILD_THREADS = 4  # builds one process runs at once (a mix's components; more wait their turn)
-_NICE = 5  # below the engine's priority: on a busy host the engine thread gets the core first
+_CHILD = "vllm_lora_ext.integration.build_child"  # the process's side, run as a module
+_MAX_AHEAD = 8  # jobs kept to plan ahead while the process starts (a server's adapters named at its start)
 
 
 class _Child:
@@ -64,7 +65,7 @@ class _Child:
     def __init__(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # what this process imports, the child does
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, close_fds=True)
         _widen_pipe(self.proc.stdin)
         self.started = time.monotonic()
@@ -77,6 +78,7 @@ class _Child:
         self._pending: dict[int, Future[SharedTensors]] = {}
         self._next = 0
         self._gone: BuildProcessError | None = None
+        self._ahead: list[tuple[BuildJob, Any, Any]] = []  # jobs to plan ahead once started, oldest first
         threading.Thread(target=self._read_answers, name=f"vllm-lora-ext-build-{self.proc.pid}",
                          daemon=True).start()
 
@@ -93,8 +95,12 @@ class _Child:
                 if message[0] == "ready":
                     self.ready_after = time.monotonic() - self.started  # logged by the first caller to see it
                     self._ready.set()
+                    self._send_ahead()
                     continue
                 tag, number, payload = message
+                if tag == "planned":
+                    _log_planned(*payload)
+                    continue
                 with self._lock:
                     future = self._pending.pop(number, None)
                 if future is None:
@@ -145,24 +151,48 @@ class _Child:
         """Send ``job``; the future gives its shared tensors or raises its error."""
         self.wait_ready()
         future: Future[SharedTensors] = Future()
-        stdin = self.proc.stdin
-        assert stdin is not None
         with self._lock:
             if self._gone is not None:
                 raise self._gone
             number, self._next = self._next, self._next + 1
             self._pending[number] = future
             try:
-                # Pickled whole first, then written in as few writes as the pipe takes: each write to a full
-                # pipe gives the GIL away, and a busy engine thread keeps it up to 5 ms each time.
-                message = (number, job, mapper, skip_prefixes, time.time())  # the send time: the pipe's delay logged
-                stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-                stdin.flush()
-            except (OSError, ValueError) as err:
+                self._write((number, job, mapper, skip_prefixes, time.time()))  # the send time: the pipe's delay
+            except BuildProcessError:
                 self._pending.pop(number, None)
-                raise BuildProcessError(f"the build process (pid {self.proc.pid}) is gone (code "
-                                        f"{self.proc.poll()})") from err
+                raise
         return future
+
+    def _write(self, message: tuple[Any, ...]) -> None:  # under the lock
+        # Pickled whole first, then written in as few writes as the pipe takes: each write to a full pipe gives the
+        # GIL away, and a busy engine thread keeps it up to 5 ms each time.
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            stdin.flush()
+        except (OSError, ValueError) as err:
+            raise BuildProcessError(f"the build process (pid {self.proc.pid}) is gone (code "
+                                    f"{self.proc.poll()})") from err
+
+    def plan_ahead(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> None:
+        """Have the process plan ``job``'s adapter once it has started, after those asked for before it (the last
+        ``_MAX_AHEAD``); it answers with a "planned" record each, logged."""
+        with self._lock:
+            self._ahead = [*(a for a in self._ahead if a[0].path != job.path), (job, mapper, skip_prefixes)]
+            del self._ahead[:-_MAX_AHEAD]
+        if self._ready.is_set():  # (started meanwhile: the reader has sent what it found, or sends this now)
+            self._send_ahead()
+
+    def _send_ahead(self) -> None:
+        with self._lock:
+            ahead, self._ahead = self._ahead, []
+            if not ahead or self._gone is not None:
+                return
+            try:  # one message: planned one after another in this order, so the last one's plan is the one kept
+                self._write((AHEAD, ahead, None, None, time.time()))
+            except BuildProcessError as err:  # a speed-up only: the next build finds the process gone
+                logger.debug("no plan ahead: %s", err)
 
     def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
         return self.submit(job, mapper, skip_prefixes).result()
@@ -214,11 +244,16 @@ class _Pool:
         child.wait_ready()
         return child
 
-    def get_started(self) -> _Child | None:
-        """The build process if it has finished starting, else ``None`` (one is then starting)."""
+    def get_started(self, ahead: tuple[BuildJob, Any, Any] | None = None) -> _Child | None:
+        """The build process if it has finished starting, else ``None`` (one is then starting, and plans ``ahead``'s
+        job once it has)."""
         with self._lock:
             child = self._current()
-        return child if child.check_ready() else None
+        if child.check_ready():
+            return child
+        if ahead is not None:
+            child.plan_ahead(*ahead)
+        return None
 
     def prestart(self) -> None:
         with self._lock:
@@ -277,7 +312,8 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
 
     Calls from several threads build at the same time in the one process. The process takes about 15 s
     to start (it imports vLLM's key parser). With ``wait_for_start=False`` this returns ``None`` at once
-    while it starts, and the caller builds where it is; later builds find it started.
+    while it starts, and the caller builds where it is; later builds find it started. The process plans such jobs
+    ahead once it has started (see the module's notes).
 
     A build whose shared file could not be made or mapped (the folder was removed or is full) also returns
     ``None``, with one warning, and the caller builds where it is.
@@ -286,7 +322,7 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
         [`BuildProcessError`] if the process could not start or died (the next build starts a new one).
     """
-    child = _POOL.get() if wait_for_start else _POOL.get_started()
+    child = _POOL.get() if wait_for_start else _POOL.get_started((job, router.mapper, router.skip_prefixes))
     if child is None:
         return None
     t0 = time.perf_counter()
@@ -304,6 +340,14 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     return found
 
 
+def _log_planned(name: str, seconds: float, kept: bool, refusal: str | None) -> None:
+    if refusal is not None:  # (its build in this worker answered for it already)
+        logger.info("adapter %r: the build process did not plan it ahead (%s)", name, refusal)
+    else:
+        logger.info("adapter %r: the build process planned it ahead in %.2f s%s, for the next adapter of its shape",
+                    name, seconds, " (kept already)" if kept else "")
+
+
 _HAND_OVER_WARNED = threading.Event()
 
 
@@ -312,158 +356,3 @@ def _warn_hand_over(name: str, err: OSError) -> None:
     _HAND_OVER_WARNED.set()
     log("adapter %r: the build process could not hand it over (%s: %s); it is built in the worker instead. Check "
         "that %s (or /dev/shm) exists, is writable and has room.", name, type(err).__name__, err, ENV_BUILD_DIR)
-
-
-# ------------------------------------------------------------------------------------------------ the child
-
-
-_SEND_LOCK = threading.Lock()
-_ACTIVE = [0]  # builds running in this process; the cyclic GC is off while any runs
-
-
-def _send(out: BinaryIO, message: tuple[Any, ...]) -> None:
-    with _SEND_LOCK:
-        pickle.dump(message, out, protocol=pickle.HIGHEST_PROTOCOL)
-        out.flush()
-
-
-def _gc_hold(delta: int) -> None:
-    import gc
-
-    with _SEND_LOCK:
-        _ACTIVE[0] += delta
-        if _ACTIVE[0] == 1 and delta > 0:
-            gc.disable()  # an MoE adapter makes ~10^5 small objects: no full-heap collections meanwhile
-        elif _ACTIVE[0] == 0:
-            gc.enable()
-
-
-def _answer(out: BinaryIO, number: int, job: BuildJob, mapper: Any, skip_prefixes: Any, arenas: ArenaSupply,
-            arrival: tuple[float, float]) -> None:
-    """Build ``job`` and send its hand-over (or its error) back; ``arrival``: when it was read (``perf_counter``) and
-    how long it took from the worker's pickling of it to then (the pickling, the pipe and the unpickling)."""
-    from vllm_lora_ext.integration.key_router import VllmKeyRouter
-
-    _gc_hold(+1)
-    trim_fd: int | None = None
-    held: list[Any] = []  # this process's views of the arena: unmapped after the answer is sent, not before
-    try:
-        received, in_pipe = arrival
-        t0 = time.perf_counter()
-        waited = t0 - received
-        spares_before = arenas.taken
-        held.append(build_adapter(job, VllmKeyRouter(mapper, skip_prefixes), shared=True, arenas=arenas))
-        t1 = time.perf_counter()
-        shared = to_shared(held[0], trim=False)
-        trim_fd = os.open(shared.path, os.O_RDWR)  # the worker removes the name once it has mapped the file
-        logger.info("built adapter %r in %.2f s, handed over in %.2f s (%.0f MiB; in the pipe %.2f s, queued %.2f s, "
-                    "spare %s)", job.name, t1 - t0, time.perf_counter() - t1, shared.size / 2**20, in_pipe, waited,
-                    "used" if arenas.taken > spares_before else "none ready")
-        message: tuple[Any, ...] = ("ok", number, shared)
-    except BaseException as err:  # sent back as a record of its type and fields; the process lives on
-        message = ("err", number, error_record(err))
-    finally:
-        _gc_hold(-1)
-    _send(out, message)
-    after = threading.Thread(target=_after_hand_over, name="vllm-lora-ext-trim", daemon=True,
-                             args=(trim_fd, shared if trim_fd is not None else None, arenas, held))
-    _AFTER[:] = [*(t for t in _AFTER if t.is_alive()), after]
-    after.start()
-
-
-_HAND_OVER_WAIT_S = 30.0
-_SETTLE_S = 0.5
-_STOPPING = threading.Event()  # the worker closed the pipe: hand-overs still waiting give up
-_AFTER: list[threading.Thread] = []  # their threads, joined before the process exits (they hold torch tensors)
-
-
-def _after_hand_over(trim_fd: int | None, shared: SharedTensors | None, arenas: ArenaSupply, held: list[Any]) -> None:
-    """Once the worker has the adapter, drop this process's views of it (``held``), cut the spare's unused tail and
-    prepare the next spare.
-
-    Not at once: cutting a file takes its inode lock while it frees the tail's pages (0.2-0.3 s for 1.8 GB),
-    and the worker's ``open``/``unlink`` of the same file would wait for it, on the new adapter's critical path.
-    The worker removes the file's name once it has mapped it; this waits for that (and for the worker's staging
-    copy to get going) before touching the file or the memory bus. The views go first:
-    unmapping a spare, whose every page is mapped (``transport.arena``), costs more than a mapping that only the
-    build's writes filled, and dropped before the answer it made the hand-over 0.13 s instead of 0.04 s (H200 host,
-    1.6 GB adapter, 32 requests decoding).
-    """
-    if shared is None or trim_fd is None:
-        held.clear()
-    else:
-        deadline = time.monotonic() + _HAND_OVER_WAIT_S
-        while os.path.exists(shared.path) and time.monotonic() < deadline and not _STOPPING.wait(0.01):
-            pass
-        held.clear()
-        _STOPPING.wait(_SETTLE_S)
-        trim_shared(trim_fd, shared)  # a spare's unused pages, freed after the worker has the adapter
-    if not _STOPPING.is_set():
-        arenas.prepare()  # the next spare, now that this build no longer needs the memory bandwidth
-
-
-def _torch_threads() -> int:
-    """Threads for torch in the build process: a quarter of the cores, from 1 to 4 (it runs beside the engine)."""
-    return max(1, min(4, usable_cores() // 4))
-
-
-def main() -> None:
-    """The build process: build the jobs read from stdin, a few at a time, until it closes."""
-    import signal
-    from concurrent.futures import ThreadPoolExecutor
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server; the worker closing stdin ends this
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the protocol owns the real stdout; anything printed (vLLM logs to stdout) goes to stderr
-    inp = os.fdopen(os.dup(0), "rb")
-    try:
-        os.nice(_NICE)
-    except OSError:
-        pass
-    import torch
-
-    # A few threads for the packing copies (an engine at TP=1 gives torch every core, and on one thread a 3D
-    # adapter's build takes about twice as long here as in the engine); the reader has its own.
-    torch.set_num_threads(_torch_threads())
-    from vllm_lora_ext._logging import attach_handler_once
-    from vllm_lora_ext.integration.key_router import VllmKeyRouter
-
-    attach_handler_once()
-    VllmKeyRouter(None, None).module("base_model.model.x.lora_A.weight")  # import vLLM's parser now
-    from vllm_lora_ext.integration._compat import preload_build_job_modules
-
-    preload_build_job_modules()  # and what a job's key mapper unpickles with
-    from vllm_lora_ext.formats.moe_read import read_pools
-    from vllm_lora_ext.transport.pools import start_pools
-
-    start_pools(read_pools(usable_cores()))  # the first build's read and scan threads, ready
-    for directory in {build_dir() or "/dev/shm", tempfile.gettempdir()}:  # where shared_dir puts them
-        stale = sweep_stale(directory)  # left by a worker that died between a build and its hand-over
-        if stale:
-            logger.warning("removed %d shared files of build processes that are gone from %s", len(stale), directory)
-    try:
-        spare = build_spare_bytes()
-    except ValueError as err:  # refused at the server's start; never a reason for this process to die
-        logger.warning("%s; the build process keeps no spare file", err)
-        spare = 0
-    arenas = ArenaSupply(spare)
-    _send(out, ("ready", os.getpid()))
-    arenas.prepare()  # the first spare, while no build is asked for yet
-    try:
-        with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
-            while True:
-                try:
-                    number, job, mapper, skip_prefixes, sent = pickle.load(inp)
-                except EOFError:
-                    return  # the pool's exit finishes the builds in flight first
-                arrival = (time.perf_counter(), max(0.0, time.time() - sent))
-                pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, arrival)
-    finally:
-        _STOPPING.set()
-        for thread in list(_AFTER):
-            thread.join(10.0)
-        arenas.discard()  # and waits for a spare being made
-
-
-if __name__ == "__main__":
-    main()

@@ -397,7 +397,9 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
     modules = len(lora.modules) + len(built.moe) if component else len(lora.loras)
     _log_loaded(built, modules, lora_request, now - t0,
                 f"describing the model {t_job - t0:.2f} s, building {t_built - t_job:.2f} s"
-                f"{' (build process)' if found is not None else ''}, wrapping {now - t_built:.2f} s")
+                f"{' (build process)' if found is not None else ''}"
+                f"{', its header and plan kept from an earlier adapter' if built.plan_kept else ''}, wrapping "
+                f"{now - t_built:.2f} s")
     return lora
 
 

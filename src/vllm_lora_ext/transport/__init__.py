@@ -23,14 +23,16 @@ and that worker's build process; a new mix's path through the modules is in the 
    (a ``mix:`` path) it builds each component not in ``integration.composite``'s cache this way, several at once,
    and ``integration.composite.compose_mix`` concatenates them (planned by ``mixing.MixPlan``; see step 5).
 3. **Build process** (worker thread, then the build process). ``integration.build_process.build_elsewhere``
-   sends the job to this worker's build process (``python -m vllm_lora_ext.integration.build_process``), whose
+   sends the job to this worker's build process (``python -m vllm_lora_ext.integration.build_child``), whose
    ``_answer`` runs ``building.build_adapter(job, router, shared=True, arenas=...)``: MoE factors are read and
    packed straight into a shared-file ``arena.Arena`` (``arena.ArenaSupply.take``: the spare file, pages taken
    and, on a tmpfs, mapped for writing (``files.map_for_writing``), if it is large enough). Without a build
    process (switched off, still starting, or its hand-over failed) the worker's thread builds instead
    (``building.build_adapter``), reading into an anonymous ``arena.Arena`` on huge pages, which
    ``integration.loader.assemble`` pins where it lies (``integration._compat.pin_in_place``, then
-   ``cuda.register_in_place``) before wrapping it as in step 4; there is no shared file.
+   ``cuda.register_in_place``) before wrapping it as in step 4; there is no shared file. A process that was still
+   starting then plans the last such job ahead once started (``building.plan_ahead``): the next adapter of its
+   shape takes the kept header and plan.
 4. **/dev/shm shared file** (build process, then worker). ``handover.to_shared`` appends what is not in the
    arena yet (the dense factors) to its file, or, for an adapter without MoE blocks, writes them to a new one
    (``files.shared_dir``: ``VLLM_LORA_EXT_BUILD_DIR``, else ``/dev/shm`` where it has room, else the temp dir);
@@ -38,7 +40,7 @@ and that worker's build process; a new mix's path through the modules is in the 
    manifest over its pipe. In the worker's thread ``handover.from_shared`` maps the file and removes its name:
    the tensors are views of that mapping, never copied. The build process then drops its own views of the build,
    cuts the file's unused tail (``handover.trim_shared``) and prepares its next spare
-   (``integration.build_process._after_hand_over``; at its exit it waits for these threads); as
+   (``integration.build_child._after_hand_over``; at its exit it waits for these threads); as
    it starts, it removes the files that owners which died mid-hand-over left (``files.sweep_stale``).
    ``integration.loader.assemble`` wraps the tensors in vLLM's ``LoRAModel`` (``from_lora_tensors`` on
    ``"cpu"``; MoE blocks as packed layers). A mix's component is not wrapped: ``integration.loader.map_component``
