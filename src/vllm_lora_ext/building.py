@@ -180,7 +180,7 @@ def plan_ahead(job: BuildJob, router: KeyRouter) -> bool:
 def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: ArenaSupply | None,
                    transpose_on: torch.device | None = None, plan_only: bool = False) -> BuiltAdapter:
     """See [`build_adapter`]; with ``plan_only`` ([`plan_ahead`]), stop once planned (an adapter with no tensor)."""
-    resolved = resolve_source(job.path)
+    resolved = resolve_source(job.path, local_files_only=True if plan_only else None)  # (a plan ahead: never fetch)
     roots = confining_roots(resolved)  # a local source inside an allowed root: held to the roots on every build
     config_stamp = _stamp_of(resolved.config_path)  # before it is read: an edit meanwhile makes the build stale
     known = resolved.config_path is not None or resolved.is_pickle

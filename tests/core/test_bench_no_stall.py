@@ -29,9 +29,9 @@ def test_bs_phases_are_read_from_the_server_log_and_other_adapters_lines_are_not
     arrived, stamp = _clock()
 
     log = "\n".join([
-        f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_process] built adapter 'A' in 0.40 s, handed over in "
+        f"INFO {stamp(0.2)} [vllm_lora_ext.integration.build_child] built adapter 'A' in 0.40 s, handed over in "
         "0.02 s (1620 MiB; queued 0.00 s, spare used)",
-        f"INFO {stamp(0.62)} [vllm_lora_ext.integration.build_process] built adapter 'B2d' in 0.55 s, handed over "
+        f"INFO {stamp(0.62)} [vllm_lora_ext.integration.build_child] built adapter 'B2d' in 0.55 s, handed over "
         "in 0.03 s (1620 MiB; in the pipe 0.02 s, queued 0.01 s, spare used)",
         f"(EngineCore pid=1) INFO {stamp(0.66)} [vllm_lora_ext.integration.build_process] adapter 'B2d': the build "
         "process answered 0.64 s after the job was sent (its pickling included); mapped in 0.002 s",

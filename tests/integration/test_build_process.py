@@ -1,6 +1,6 @@
 """Builds in a separate build process: the same tensors as a build in the worker, typed errors, a dead process.
 
-The build process is the real one (``python -m vllm_lora_ext.integration.build_process``, vLLM's key
+The build process is the real one (``python -m vllm_lora_ext.integration.build_child``, vLLM's key
 parser inside it); the tensors come back through a real shared file.
 """
 
@@ -169,16 +169,24 @@ def test_a_build_process_closed_as_soon_as_it_is_ready_exits_cleanly(monkeypatch
 
 
 def test_while_no_build_process_has_started_the_build_runs_in_the_worker_and_one_starts(
-        worker_manager: Any, tmp_path: Path, jobs_sent: list[str]) -> None:
+        worker_manager: Any, tmp_path: Path, jobs_sent: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """... and, once started, plans the worker's build ahead (the loader's part of it)."""
+    import time
+
     from vllm_lora_ext.integration import loader
 
     jobs = jobs_sent
     build_process.shutdown()
     adapter = make_peft_adapter(tiny_llama(), tmp_path / "a", targets=["q_proj"], rank=4, alpha=8)
     reads = loader.LOCAL_READS["adapters"]
-    here = load_lora_model(worker_manager, _request(adapter), separate_process=True)  # does not wait 15 s
-    assert loader.LOCAL_READS["adapters"] == reads + 1 and here.loras and jobs == []
-    build_process._POOL.get()  # the one that began starting
+    with caplog.at_level("INFO", logger=build_process.__name__):
+        here = load_lora_model(worker_manager, _request(adapter), separate_process=True)  # does not wait 15 s
+        assert loader.LOCAL_READS["adapters"] == reads + 1 and here.loras and jobs == []
+        build_process._POOL.get()  # the one that began starting
+        deadline = time.monotonic() + 60
+        while "adapter 'a': the build process planned it ahead" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "adapter 'a': the build process planned it ahead" in caplog.text
     there = load_lora_model(worker_manager, _request(adapter), separate_process=True)
     assert jobs == ["a"]  # now in the build process
     for name, weights in here.loras.items():
@@ -326,6 +334,8 @@ def test_a_build_process_still_starting_plans_the_workers_builds_ahead_for_the_n
     with caplog.at_level("INFO", logger=build_process.__name__):
         for job in (jobs[0], _moe_job(small)):
             assert build_process.build_elsewhere(job, router, wait_for_start=False) is None  # built here instead
+            build_adapter(job, router)
+            build_process.plan_ahead(job, router)  # (what the loader does after a build here)
         build_process._POOL.get()
         deadline = time.monotonic() + 60
         while caplog.text.count("the build process planned it ahead") < 2 and time.monotonic() < deadline:
@@ -337,3 +347,16 @@ def test_a_build_process_still_starting_plans_the_workers_builds_ahead_for_the_n
     build_process.shutdown()
     built, _ = build_process.build_elsewhere(jobs[1], router)  # a new process: nothing planned ahead
     assert not built.plan_kept
+
+
+def test_a_job_that_cannot_be_sent_to_plan_ahead_is_dropped_and_the_process_lives_on(tmp_path: Path,
+                                                                                      started: None) -> None:
+    """A plan ahead is a speed-up only: a job that cannot be pickled (sent from the reader's thread once the process
+    is ready) is dropped, and neither the caller nor the process fails (r37's review: it ended the process)."""
+    import threading
+
+    folder = write_moe_adapter(tmp_path / "moe", [make_truth(E, H, I, R, s) for s in (0, 1)], ["2d", "2d"], rank=R)
+    child = build_process._POOL.get()
+    child.plan_ahead(_moe_job(folder), threading.Lock(), None)  # a mapper pickle refuses
+    built, _ = build_process.build_elsewhere(_moe_job(folder), VllmKeyRouter(None, None))
+    assert child.alive and build_process._POOL.get() is child and sorted(built.moe) == sorted(BLOCKS)

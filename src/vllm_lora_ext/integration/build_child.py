@@ -181,14 +181,15 @@ def main() -> None:
     _send(out, ("ready", os.getpid()))
     arenas.prepare()  # the first spare, while no build is asked for yet
     try:
-        with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool:
+        with ThreadPoolExecutor(_BUILD_THREADS, thread_name_prefix="build") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="plan-ahead") as ahead:
             while True:
                 try:
                     number, job, mapper, skip_prefixes, sent = pickle.load(inp)
                 except EOFError:
                     return  # the pool's exit finishes the builds in flight first
-                if number == AHEAD:  # (``job``: the jobs to plan ahead, in order)
-                    pool.submit(_plan_ahead, out, job)
+                if number == AHEAD:  # (``job``: the jobs to plan ahead, in order, after any sent before)
+                    ahead.submit(_plan_ahead, out, job)
                     continue
                 arrival = (time.perf_counter(), max(0.0, time.time() - sent))
                 pool.submit(_answer, out, number, job, mapper, skip_prefixes, arenas, arrival)

@@ -47,7 +47,7 @@ from vllm_lora_ext.transport.handover import SharedTensors, from_shared
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_dir_usable", "build_elsewhere", "prestart", "shutdown"]
+__all__ = ["build_dir_usable", "build_elsewhere", "plan_ahead", "prestart", "shutdown"]
 
 _START_TIMEOUT_S = 300.0
 _CHILD = "vllm_lora_ext.integration.build_child"  # the process's side, run as a module
@@ -191,8 +191,8 @@ class _Child:
                 return
             try:  # one message: planned one after another in this order, so the last one's plan is the one kept
                 self._write((AHEAD, ahead, None, None, time.time()))
-            except BuildProcessError as err:  # a speed-up only: the next build finds the process gone
-                logger.debug("no plan ahead: %s", err)
+            except Exception as err:  # a speed-up only (on the reader's thread: never let it end the process)
+                logger.debug("no plan ahead: %s: %s", type(err).__name__, err)
 
     def run(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> SharedTensors:
         return self.submit(job, mapper, skip_prefixes).result()
@@ -244,16 +244,18 @@ class _Pool:
         child.wait_ready()
         return child
 
-    def get_started(self, ahead: tuple[BuildJob, Any, Any] | None = None) -> _Child | None:
-        """The build process if it has finished starting, else ``None`` (one is then starting, and plans ``ahead``'s
-        job once it has)."""
+    def get_started(self) -> _Child | None:
+        """The build process if it has finished starting, else ``None`` (one is then starting)."""
         with self._lock:
             child = self._current()
-        if child.check_ready():
-            return child
-        if ahead is not None:
-            child.plan_ahead(*ahead)
-        return None
+        return child if child.check_ready() else None
+
+    def plan_ahead(self, job: BuildJob, mapper: Any, skip_prefixes: Any) -> None:
+        """Have the process that is starting plan ``job`` once started; nothing if none is starting."""
+        with self._lock:
+            child = self._child
+        if child is not None and child.alive and not child.check_ready():
+            child.plan_ahead(job, mapper, skip_prefixes)
 
     def prestart(self) -> None:
         with self._lock:
@@ -312,8 +314,7 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
 
     Calls from several threads build at the same time in the one process. The process takes about 15 s
     to start (it imports vLLM's key parser). With ``wait_for_start=False`` this returns ``None`` at once
-    while it starts, and the caller builds where it is; later builds find it started. The process plans such jobs
-    ahead once it has started (see the module's notes).
+    while it starts, and the caller builds where it is (then [`plan_ahead`]); later builds find it started.
 
     A build whose shared file could not be made or mapped (the folder was removed or is full) also returns
     ``None``, with one warning, and the caller builds where it is.
@@ -322,7 +323,7 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
         The build's own error ([`AdapterNotFoundError`], [`AdapterFormatError`], ...), or
         [`BuildProcessError`] if the process could not start or died (the next build starts a new one).
     """
-    child = _POOL.get() if wait_for_start else _POOL.get_started((job, router.mapper, router.skip_prefixes))
+    child = _POOL.get() if wait_for_start else _POOL.get_started()
     if child is None:
         return None
     t0 = time.perf_counter()
@@ -338,6 +339,13 @@ def build_elsewhere(job: BuildJob, router: Any, *, wait_for_start: bool = True) 
     logger.info("adapter %r: the build process answered %.2f s after the job was sent (its pickling included); "
                 "mapped in %.3f s", job.name, t1 - t0, time.perf_counter() - t1)
     return found
+
+
+def plan_ahead(job: BuildJob, router: Any) -> None:
+    """Have the build process that is still starting plan ``job`` ahead once started (``building.plan_ahead``): call
+    it after the worker built ``job`` itself, so that the files are there and the job is known to build. Nothing if
+    no process is starting."""
+    _POOL.plan_ahead(job, router.mapper, router.skip_prefixes)
 
 
 def _log_planned(name: str, seconds: float, kept: bool, refusal: str | None) -> None:

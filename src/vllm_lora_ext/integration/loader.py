@@ -384,6 +384,10 @@ def _load_adapter_model(manager: Any, lora_request: Any, *, separate_process: bo
                 logger.info("adapter %r: no build process has finished starting; building in this thread",
                             lora_request.lora_name)
         built = found[0] if found is not None else build_adapter(job, router, transpose_on=_gpu_of(manager))
+        if separate_process and found is None:  # a build process still starting plans it ahead, for the next
+            from vllm_lora_ext.integration.build_process import plan_ahead
+
+            plan_ahead(job, router)
     except AdapterNotFoundError as err:  # vLLM's not-found error, with our message: the server answers 404
         raise _not_found(LoRAAdapterNotFoundError, lora_request, err) from err
     t_built = time.perf_counter()

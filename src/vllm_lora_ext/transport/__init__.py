@@ -31,8 +31,8 @@ and that worker's build process; a new mix's path through the modules is in the 
    (``building.build_adapter``), reading into an anonymous ``arena.Arena`` on huge pages, which
    ``integration.loader.assemble`` pins where it lies (``integration._compat.pin_in_place``, then
    ``cuda.register_in_place``) before wrapping it as in step 4; there is no shared file. A process that was still
-   starting then plans the last such job ahead once started (``building.plan_ahead``): the next adapter of its
-   shape takes the kept header and plan.
+   starting then plans each such job ahead once started, in the order built (``building.plan_ahead``, up to 8):
+   the next adapter of that shape takes the kept header and plan.
 4. **/dev/shm shared file** (build process, then worker). ``handover.to_shared`` appends what is not in the
    arena yet (the dense factors) to its file, or, for an adapter without MoE blocks, writes them to a new one
    (``files.shared_dir``: ``VLLM_LORA_EXT_BUILD_DIR``, else ``/dev/shm`` where it has room, else the temp dir);
