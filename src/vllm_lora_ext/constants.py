@@ -63,7 +63,7 @@ ENV_BUILD_PROCESS = "VLLM_LORA_EXT_BUILD_PROCESS"  # 0: background builds run in
 ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shared file (default /dev/shm)
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
-ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM picks its own LoRA kernel configs (dense and fused MoE)
+ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM's own LoRA kernel configs (dense, fused MoE) and kernels
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
@@ -135,7 +135,7 @@ def plugin_disabled() -> bool:
 
 
 def kernel_configs_enabled() -> bool:
-    """Return whether vLLM's LoRA kernels (shrink/expand, fused MoE) may read the tuned configs the package ships."""
+    """Whether LoRA kernels may read the package's tuned configs, and small fused-MoE LoRA batches its pair kernels."""
     return _env_on(ENV_KERNEL_CONFIGS)
 
 

@@ -80,8 +80,9 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_MIX_THREADS: ("", "threads a mix's CPU concatenation uses (default: up to 4, at most the host's cores)"),
     ENV_BUILD_SPARE: ("", "smallest spare shared file (pages taken ahead) a build process keeps ready (default 2 "
                           "GiB; 0: none)"),
-    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand and fused-MoE LoRA kernel configs (default: the tuned "
-                               "tables shipped for this GPU, see \"Tuned LoRA kernels\")"),
+    ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand and fused-MoE LoRA kernel configs, and its own kernel "
+                               "for small fused-MoE LoRA batches (default: the tuned tables shipped for this GPU and "
+                               "the plugin's pair kernels, see \"Tuned LoRA kernels\")"),
     ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
                           " this, and profile a worker's adapter registration in the step when it takes longer"
                           " (default 0: off)"),
@@ -100,8 +101,8 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                                "or `20GB` (default: off); see \"Disk cache\""),
     ENV_MOE_WARMUP: ("=0", "skip compiling the LoRA Triton kernels at engine start (default: with LoRA on and MoE "
                            "LoRA layers, dummy LoRA batches over the decode and prefill sizes, their logits included, "
-                           "run before the engine reports ready, so no request compiles them in its step; patch 16 in "
-                           "`integration/PATCHES.md`)"),
+                           "run before the engine reports ready, so no request compiles them in its step; "
+                           "`Worker.compile_or_warm_up_model` in `integration/PATCHES.md`)"),
     ENV_MOE_WARMUP_TOKENS: ("", "comma-separated batch token counts that warm-up runs (default: 1 to `max_num_seqs` "
                                 "or 64, then 2^k and 3·2^(k-1), each plus 0, 1, 15, 16 and 17, up to "
                                 "`max_num_batched_tokens`)"),

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from factories import load_bench
-from kernel_tables import shipped_moe_gpus
+from kernel_tables import moe_lora_reference, shipped_moe_gpus
 import torch
 
 from vllm_lora_ext.kernel_configs import file_stem
@@ -37,17 +37,7 @@ def _shapes() -> list[Any]:
 
 def _reference(step: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's LoRA deltas computed densely in fp32 from the same factors, routing and token-to-slot map."""
-    tune = _tuner()
-    ids = step.topk_ids.long()
-    slot = step.mappings[label].long()[:, None].expand_as(ids)
-    y13 = []
-    for a, b in zip(step.w13_a, step.w13_b):
-        inner = torch.einsum("mh,mkrh->mkr", step.x.float(), a[slot, ids].float())
-        y13.append(torch.einsum("mkr,mkir->mki", inner, b[slot, ids].float()))
-    x2 = step.x2.float().view(step.shape.m, tune.TOP_K, tune.INTERMEDIATE)
-    inner = torch.einsum("mki,mkri->mkr", x2, step.w2_a[0][slot, ids].float())
-    y2 = torch.einsum("mkr,mkhr->mkh", inner, step.w2_b[0][slot, ids].float()) * step.topk_weights[..., None]
-    return torch.cat(y13, dim=-1), y2
+    return moe_lora_reference(step, _tuner(), label)
 
 
 def _assert_close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], what: str) -> None:

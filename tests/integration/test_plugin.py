@@ -158,6 +158,7 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     import vllm.entrypoints.serve.engine.serving  # noqa: F401
     import vllm.entrypoints.pooling.base.serving  # noqa: F401
     import vllm.lora.layers.fused_moe  # noqa: F401
+    import vllm.lora.punica_wrapper.punica_gpu  # noqa: F401
     import vllm.lora.ops.triton_ops.lora_expand_op  # noqa: F401
     import vllm.lora.ops.triton_ops.lora_shrink_op  # noqa: F401
     import vllm.lora.worker_manager  # noqa: F401

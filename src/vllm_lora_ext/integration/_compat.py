@@ -50,6 +50,7 @@ POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"  # InputProcessor.__init__ (0.26-0.33)
 TRITON_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"  # TritonWNA16Experts (0.26-0.33)
+PUNICA_GPU_MODULE = "vllm.lora.punica_wrapper.punica_gpu"  # PunicaWrapperGPU.add_lora_fused_moe (0.26-0.33)
 # Serving classes and request types that never generate (0.26-0.33): a mix named there is checked, never built.
 _NON_GENERATING = (("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization"),
                    ("vllm.entrypoints.scale_out.render.serving", "ServingRender"),

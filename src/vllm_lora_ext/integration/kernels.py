@@ -20,14 +20,25 @@ gets ``use_tuned_config`` set, and vLLM's ``load_lora_op_config`` answers the fo
 shipped tables: vLLM's own ``get_lora_op_configs`` then reads them with its nearest-key rule. Under the same
 conditions as above (a user's folder, ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, batch-invariant mode, no valid
 table), both leave vLLM's behaviour as it is.
+
+Fused-MoE LoRA of small batches: ``PunicaWrapperGPU.add_lora_fused_moe`` runs a batch whose pairs vLLM assigns
+one by one through the plugin's two kernels (`integration.moe_pairs`, [`make_add_lora_fused_moe`]) where
+[`_pairs_take`] says so: no sorted token ids, not fully sharded, no offset, a CUDA tensor of bf16 or fp16, the
+slots' rank at most `PAIRS_MAX_RANK`, more pairs x rank than vLLM's own small-batch kernel takes (1,024), and not
+batch-invariant mode. ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` leaves every batch to vLLM, as it does the configs. In a
+CUDA graph capture the path runs only where the slots' address tables exist already (made by the warm-up's
+batches, outside capture); else the batch is vLLM's.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from vllm_lora_ext.constants import kernel_configs_enabled, vllm_tuned_config_folder_set
 from vllm_lora_ext.errors import KernelConfigError
@@ -146,3 +157,68 @@ def make_load_lora_op_config(original: Callable[..., Any]) -> Callable[..., Any]
 
     load_lora_op_config.cache_clear = original.cache_clear  # type: ignore[attr-defined]
     return load_lora_op_config
+
+
+PAIRS_MAX_RANK = 64  # the largest slot rank the pair path takes (a partial tile of at most 64 x 256 a program)
+_VLLM_SMALL_BATCH = 1024  # vLLM runs pairs x rank up to this through its own small-batch kernel: left to it
+_PAIRS_LOGGED: list[bool] = []  # the pair path's first use in this process was logged
+
+
+def _pairs_fit(named: dict[str, Any]) -> bool:
+    """Whether an ``add_lora_fused_moe`` call's arguments suit the pair path: vLLM's pairs assigned one by one and
+    more of them than its small-batch kernel takes, not fully sharded, no offset, bf16 or fp16, rank at most
+    `PAIRS_MAX_RANK`, ``x`` contiguous along K and the output contiguous."""
+    x, lora_a = named["x"], named["lora_a_stacked"]
+    if named["sorted_token_ids"] is not None or named.get("fully_sharded") or named.get("offset", 0):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or lora_a[0].dtype != x.dtype:
+        return False
+    rank = lora_a[0].shape[2]
+    if rank > PAIRS_MAX_RANK or named["topk_weights"].numel() * rank <= _VLLM_SMALL_BATCH:
+        return False
+    return x.stride(1) == 1 and named["y"].is_contiguous()
+
+
+def _pairs_take(named: dict[str, Any]) -> bool:
+    """Whether the pair path serves this ``add_lora_fused_moe`` call: arguments that suit it ([`_pairs_fit`]) on a
+    CUDA device, not batch-invariant mode, and not a CUDA graph capture that would have to make the slots' address
+    tables (see the module docstring)."""
+    if not named["x"].is_cuda or not _pairs_fit(named) or lora_kernels_batch_invariant():
+        return False
+    from vllm_lora_ext.integration.moe_pairs import pointers_ready
+
+    return pointers_ready(named["lora_a_stacked"], named["lora_b_stacked"])
+
+
+def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch ``PunicaWrapperGPU.add_lora_fused_moe``: a batch the pair path takes ([`_pairs_take`]) runs
+    ``moe_pairs.moe_lora_pairs``; every other call, and every call with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, is
+    vLLM's."""
+    names = list(inspect.signature(original).parameters)[1:]  # after self
+    defaults = {n: p.default for n, p in inspect.signature(original).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    @functools.wraps(original)
+    def add_lora_fused_moe(self: Any, *args: Any, **kwargs: Any) -> Any:
+        named = {**defaults, **dict(zip(names, args)), **kwargs}
+        if not kernel_configs_enabled() or not _pairs_take(named):
+            return original(self, *args, **kwargs)
+        from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+
+        x = named["x"]
+        meta = self.token_mapping_meta.meta_args(x.size(0), self.lora_config.specialize_active_lora)
+        if meta[5].item():  # no token of the batch has a LoRA (vLLM's own early return)
+            return None
+        if not _PAIRS_LOGGED:
+            _PAIRS_LOGGED.append(True)
+            logger.info("fused-MoE LoRA: small batches through the plugin's pair kernels (VLLM_LORA_EXT_KERNEL_CONFIGS=0 "
+                        "for vLLM's)")
+        mapping = named.get("token_lora_mapping")
+        routing = PairRouting(named["topk_weights"], named["expert_ids"], meta[0] if mapping is None else mapping,
+                              named["adapter_enabled"])
+        moe_lora_pairs(named["y"], x, (named["lora_a_stacked"], named["lora_b_stacked"]), routing,
+                       mul_routed_weight=bool(named.get("mul_routed_weight")),
+                       add_inputs=bool(named.get("add_inputs", True)))
+        return None
+
+    return add_lora_fused_moe

@@ -1,0 +1,217 @@
+"""GPU probe (issue 39 item 1): the fused-MoE LoRA step of one decode batch, vLLM's one-shot kernel against a
+two-kernel pair path the plugin serves such batches with (``vllm_lora_ext.integration.moe_pairs``), on the
+Qwen3-30B-A3B shape.
+
+vLLM 0.26's one-shot kernel gives each (token, expert) pair of a small batch (its "naive block assignment", taken
+when a batch's pairs are few against ``num_experts x max_loras``: 32 tokens at 16 slots) a whole program: a 16-row
+tensor-core tile of which one row is the pair, the rank-r shrink over all of K, then the expand over all of N, in
+sequence. The candidate splits the shrink into one program per (pair, slice, block of K), each writing an fp32
+partial, and the expand into one program per (pair, slice, block of N), which sums the partials, rounds them to
+bf16 (as the one-shot rounds its shrink) and adds the delta, times the routed weight where vLLM applies it.
+
+For w13 (two slices, K = hidden, N = intermediate) and w2 (one slice, K = intermediate, N = hidden, routed weights
+applied), with one adapter for every token and with ``--slots`` distinct ones (one request without an adapter in
+each), both run the same inputs: each call captured ``--calls`` times in one CUDA graph, the graph replayed
+``--reps`` times, twice interleaved, the median microseconds per call reported for every ``--configs`` tried.
+Both outputs are compared with an fp32 reference (the shrink rounded to bf16, the output rounded once): the
+candidate's largest error must not exceed vLLM's by more than one bf16 step of the output. Then one MoE layer's
+whole LoRA step (w13, then w2) through vLLM's ``PunicaWrapperGPU`` in a CUDA graph, with the plugin registered,
+its pair path against vLLM's kernel (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``) for each ``--layer-shapes`` shape, 3
+times interleaved. Prints tables and writes JSON; needs vLLM (the bundle) and a GPU.
+
+    python bench/probe_moe_pairs.py --out results/probe_moe_pairs_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import env_info, print_table, write_json  # noqa: E402
+
+
+def make_inputs(args: argparse.Namespace, proj: str, slots_used: int, seed: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    m, top_k, e, r = args.tokens, args.top_k, args.experts, args.rank
+    if proj == "w13":
+        slices, k, n, mul = 2, args.hidden, args.inter, False
+        x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
+    else:
+        slices, k, n, mul = 1, args.inter, args.hidden, True
+        x = torch.randn(m * top_k, k, device=dev, dtype=dt, generator=g)
+    a = tuple(torch.randn(args.max_loras, e, r, k, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(slices))
+    b = tuple(torch.randn(args.max_loras, e, n, r, device=dev, dtype=dt, generator=g) * 0.02 for _ in range(slices))
+    scores = torch.rand(m, e, device=dev, generator=g)
+    topk_w, topk_ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
+    tmap = (torch.arange(m, device=dev) % slots_used).to(torch.int32)
+    tmap[-1] = -1  # one request without an adapter
+    enabled = torch.ones(args.max_loras + 1, dtype=torch.int32, device=dev)
+    out = torch.randn(m, top_k, slices * n, device=dev, dtype=dt, generator=g)
+    return dict(x=x, a=a, b=b, topk_w=topk_w.float(), eids=topk_ids.reshape(-1).to(torch.int32), tmap=tmap,
+                enabled=enabled, out=out, mul=mul, slices=slices, n=n)
+
+
+def reference(d: dict) -> torch.Tensor:
+    m, top_k = d["topk_w"].shape
+    pairs = m * top_k
+    p = torch.arange(pairs, device="cuda")
+    t = p // top_k
+    lora, e = d["tmap"][t].long(), d["eids"].long()
+    valid = (lora >= 0) & (e >= 0)
+    lc, ec = lora.clamp(min=0), e.clamp(min=0)
+    xin = d["x"][p if d["mul"] else t].float()
+    ref = d["out"].float().view(pairs, -1).clone()
+    n = d["n"]
+    for s in range(d["slices"]):
+        u = torch.einsum("prk,pk->pr", d["a"][s][lc, ec].float(), xin).bfloat16().float()
+        delta = torch.einsum("pnr,pr->pn", d["b"][s][lc, ec].float(), u)
+        if d["mul"]:
+            delta = delta * d["topk_w"].reshape(-1, 1)
+        ref[:, s * n:(s + 1) * n] += torch.where(valid[:, None], delta, 0.0)
+    return ref
+
+
+def call_vllm(d: dict, out: torch.Tensor) -> None:
+    from vllm.lora.ops.triton_ops.fused_moe_lora_op import _fused_moe_lora
+
+    rank = d["a"][0].shape[2]
+    zeros = torch.zeros(d["a"][0].shape[0] + 1, dtype=torch.int32, device="cuda")
+    _fused_moe_lora(out, d["x"], list(d["a"]), list(d["b"]), d["topk_w"], None, d["eids"], None, d["tmap"], rank,
+                    d["topk_w"].shape[1], zeros, torch.tensor([1], dtype=torch.int32), d["enabled"],
+                    16, 64, 32, 8, 4, 3, 1, 16, 64, 32, 8, 4, 3, 1, mul_routed_weight=d["mul"])
+
+
+CONFIGS = [(256, 128, 1), (128, 128, 1), (256, 128, 2)]  # the fastest of the 12 tried on an H200 (r38)
+
+
+def pairs_call(config: tuple[int, int, int]):
+    from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+
+    def call(d: dict, out: torch.Tensor) -> None:
+        moe_lora_pairs(out, d["x"], (d["a"], d["b"]), PairRouting(d["topk_w"], d["eids"], d["tmap"], d["enabled"]),
+                       mul_routed_weight=d["mul"], tiles=config)
+    return call
+
+
+def timed(fn, d: dict, calls: int, reps: int) -> float:
+    out = d["out"].clone()
+    for _ in range(3):
+        fn(d, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(d, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def layer_steps(shapes: str, reps: int) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+    """One MoE layer's LoRA step (w13 then w2) through vLLM's ``PunicaWrapperGPU``, as the MoE experts launch it
+    (the tuner's ``Step``, in a CUDA graph), with the plugin registered: its pair path against vLLM's kernel
+    (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``), ``reps`` times interleaved, for each ``slots,tokens,rank`` shape."""
+    import os
+    import tempfile
+
+    import tune_moe_lora_kernels as tune
+
+    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.kernel_configs import file_stem
+
+    plugin.register()
+    import vllm.lora.punica_wrapper.punica_gpu  # noqa: F401  (the patch applies as vLLM imports it)
+
+    rows, results = [], []
+    for text in shapes.split(";"):
+        shape = tune.Shape(*map(int, text.split(",")))
+        step = tune.Step(shape, Path(tempfile.mkdtemp()), file_stem(torch.cuda.get_device_name()))
+        times: dict[str, list[dict[str, float]]] = {"vllm": [], "pairs": []}
+        for _ in range(reps):
+            for mode in ("vllm", "pairs"):
+                if mode == "vllm":
+                    os.environ["VLLM_LORA_EXT_KERNEL_CONFIGS"] = "0"
+                else:
+                    os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
+                times[mode].append(step.time_us(None) or {})
+        os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
+        for label in step.mappings:
+            v = statistics.median(t[label] for t in times["vllm"])
+            p = statistics.median(t[label] for t in times["pairs"])
+            results.append(dict(shape=shape.key(), label=label, vllm_us=v, pairs_us=p, speedup=v / p,
+                                reps=times))
+            rows.append([text, label, round(v, 2), round(p, 2), round(v / p, 2)])
+    return rows, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-loras", type=int, default=16)
+    ap.add_argument("--slots", default="1,16", help="distinct adapters among the tokens, per case")
+    ap.add_argument("--configs", default=None, help="the pair path's block_k,block_n,warps;... to try")
+    ap.add_argument("--layer-shapes", default="16,32,16;16,32,32",
+                    help="slots,tokens,rank;... of the layer steps timed through PunicaWrapperGPU ('' skips)")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows, results = [], []
+    for slots in [int(s) for s in args.slots.split(",")]:
+        for proj in ("w13", "w2"):
+            d = make_inputs(args, proj, slots, seed=slots * 10 + (proj == "w2"))
+            ref = reference(d)
+            configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")] if args.configs else CONFIGS
+            impls = [("vllm", call_vllm)] + [(f"pairs{c}", pairs_call(c)) for c in configs]
+            errs, us = {}, {}
+            for name, fn in impls:
+                out = d["out"].clone()
+                fn(d, out)
+                torch.cuda.synchronize()
+                errs[name] = (out.float().view_as(ref) - ref).abs().max().item()
+            for _ in range(2):  # interleaved
+                for name, fn in impls:
+                    us.setdefault(name, []).append(timed(fn, d, args.calls, args.reps))
+            step = ref.abs().max().item() * 2 ** -8  # one bf16 step at the output's largest magnitude
+            v = statistics.median(us["vllm"])
+            for name, _ in impls[1:]:
+                p = statistics.median(us[name])
+                ok = errs[name] <= errs["vllm"] + step
+                results.append(dict(slots=slots, proj=proj, config=name, vllm_us=v, pairs_us=p, speedup=v / p,
+                                    vllm_err=errs["vllm"], pairs_err=errs[name], bf16_step=step, parity_ok=ok,
+                                    vllm_us_reps=us["vllm"], pairs_us_reps=us[name]))
+                rows.append([slots, proj, name[5:], round(v, 2), round(p, 2), round(v / p, 2),
+                             f"{errs['vllm']:.4g}", f"{errs[name]:.4g}", "yes" if ok else "NO"])
+    print_table(rows, ["adapters", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up", "vLLM max err",
+                       "pairs max err", "parity"])
+    layer_rows, layer_results = layer_steps(args.layer_shapes, 3) if args.layer_shapes else ([], [])
+    if layer_rows:
+        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "vLLM us", "plugin us", "speed-up"])
+    payload = {"env": env_info(), "args": vars(args), "results": results, "layer_steps": layer_results}
+    write_json("probe_moe_pairs", payload, args.out)
+    if not all(r["parity_ok"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The fused-MoE LoRA of a small batch, one (token, expert) pair at a time, in two Triton kernels: shrink, then
+expand (issue 39 item 1). Patch: ``PunicaWrapperGPU.add_lora_fused_moe`` ([`make_add_lora_fused_moe`]).
+
+vLLM 0.26-0.33 assigns the pairs of a small batch one by one ("naive block assignment": when ``tokens x top_k x
+8 <= experts x max_loras``, e.g. 32 decode tokens, top-8 of 128 experts, 16 slots) and gives each pair a whole
+program of its one-shot kernel: a 16-row tensor-core tile holding one row, the rank-r shrink over all of K, then
+the expand over all of N, in sequence. Here the shrink is one program per (pair, slice, block of K), each writing
+an fp32 partial, and the expand one per (pair, slice, block of N), which sums the partials, rounds them to the
+output's dtype (as the one-shot rounds its shrink), applies the routed weight where vLLM does and adds the
+rounded delta to the output. On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
+17-19 us, with the same largest error against an fp32 reference (``bench/probe_moe_pairs.py``).
+
+Which batches take it is `integration.kernels.make_add_lora_fused_moe`'s rule; this module is imported on their
+first call (it needs Triton), never by ``register()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PairRouting", "moe_lora_pairs", "pointers_ready"]
+
+
+@triton.jit
+def _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras):
+    """The pair's LoRA slot and expert; a slot of -1 where the pair has none (no adapter, a disabled slot, no
+    expert)."""
+    lora = tl.load(token_lora_ptr + pair // top_k).to(tl.int64)
+    expert = tl.load(expert_ptr + pair).to(tl.int64)
+    ok = (lora >= 0) & (lora < max_loras) & (expert >= 0)
+    if ok:
+        ok = tl.load(enabled_ptr + lora) != 0
+    return tl.where(ok, lora, -1), expert
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_ptr,
+                   K, top_k, max_loras, x_row_div,
+                   stride_xm, stride_al, stride_ae, stride_ar, stride_ps, stride_pk, stride_pp,
+                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (pair, slice, block of K): the block's share of the pair's rank-r shrink, in fp32."""
+    pair = tl.program_id(0)
+    s = tl.program_id(1)
+    kb = tl.program_id(2)
+    lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
+    if lora < 0:
+        return
+    a_base = tl.load(a_ptrs + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    a_base += lora * stride_al + expert * stride_ae
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    xk = tl.load(x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm + offs_k, mask=k_mask, other=0.0)
+    ak = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                 other=0.0)
+    part = tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    tl.store(part_ptr + s * stride_ps + kb * stride_pk + pair * stride_pp + offs_r, part, mask=r_mask)
+
+
+@triton.jit
+def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabled_ptr, expert_ptr,
+                   N, top_k, max_loras,
+                   stride_bl, stride_be, stride_bn, stride_br, stride_ps, stride_pk, stride_pp, stride_om,
+                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
+                   BLOCK_KS: tl.constexpr,
+                   MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr):
+    """One (pair, slice, block of N): the pair's shrink (its K blocks summed), times B, into the output."""
+    pair = tl.program_id(0)
+    s = tl.program_id(1)
+    nb = tl.program_id(2)
+    lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
+    if lora < 0:
+        return
+    b_base = tl.load(b_ptrs + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    b_base += lora * stride_bl + expert * stride_be
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    offs_kb = tl.arange(0, BLOCK_KS)
+    parts = tl.load(part_ptr + s * stride_ps + offs_kb[:, None] * stride_pk + pair * stride_pp + offs_r[None, :],
+                    mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :], other=0.0)
+    u = tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as vLLM's one-shot rounds it
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    d = tl.sum(b * u[None, :], axis=1)
+    if MUL_ROUTED_WEIGHT:
+        d = d * tl.load(weights_ptr + pair).to(tl.float32)
+    out = out_ptr + pair.to(tl.int64) * stride_om + s * N + offs_n
+    if ADD_INPUTS:
+        prev = tl.load(out, mask=n_mask, other=0.0).to(tl.float32)  # the delta rounded, then added (as vLLM)
+        d = d.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out, (prev + d).to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out, d.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+_PTRS: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _pointers(stacked: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """The slices' base addresses as one int64 tensor on their device, made once per set of slot tensors (they
+    live as long as the LoRA manager; CUDA graphs replay the same addresses)."""
+    key = tuple(t.data_ptr() for t in stacked)
+    found = _PTRS.get(key)
+    if found is None:
+        found = _PTRS[key] = torch.tensor(key, dtype=torch.int64, device=stacked[0].device)
+    return found
+
+
+class PairRouting(NamedTuple):
+    """Where a batch's (token, expert) pairs go: ``topk_weights`` ``(tokens, top_k)``; ``expert_ids``
+    ``(tokens x top_k,)``; ``token_lora_mapping`` ``(tokens,)``, a slot or -1; ``adapter_enabled``, per slot, 0
+    where the slot's adapter has no experts."""
+
+    topk_weights: torch.Tensor
+    expert_ids: torch.Tensor
+    token_lora_mapping: torch.Tensor
+    adapter_enabled: torch.Tensor
+
+
+def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
+                   factors: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], routing: PairRouting, *,
+                   mul_routed_weight: bool, add_inputs: bool = True,
+                   tiles: tuple[int, int, int] | None = None) -> None:
+    """Add each (token, expert) pair's LoRA delta to ``output``, as vLLM's ``_fused_moe_lora`` does for a batch
+    whose pairs it assigns one by one (``sorted_token_ids`` None).
+
+    ``output``: ``(tokens, top_k, slices x N)``, contiguous. ``x``: ``(tokens, K)`` for w13, or ``(tokens x top_k,
+    K)`` where ``mul_routed_weight`` (w2), as vLLM couples them. ``factors``: ``(lora_a, lora_b)``, per slice
+    ``(max_loras, experts, r, K)`` and ``(max_loras, experts, N, r)``. ``tiles``: ``(block_k, block_n, warps)``
+    instead of the defaults.
+    """
+    lora_a, lora_b = factors
+    topk_weights, expert_ids, token_lora_mapping, adapter_enabled = routing
+    block_k, block_n, warps = tiles or (0, 0, 0)
+    tokens, top_k = topk_weights.shape
+    pairs = tokens * top_k
+    slices = len(lora_a)
+    a0, b0 = lora_a[0], lora_b[0]
+    max_loras, _, rank, k = a0.shape
+    n = b0.shape[2]
+    if pairs == 0 or slices == 0:
+        return
+    assert output.is_contiguous() and output.shape[-1] == slices * n, "output must be (tokens, top_k, slices x N)"
+    assert x.stride(1) == 1 and a0.stride(3) == 1, "x and lora_a must be contiguous along K"
+    block_r = max(triton.next_power_of_2(rank), 16)
+    block_k = block_k or 256
+    warps = warps or max(1, block_r // 16)
+    splits = triton.cdiv(k, block_k)
+    part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(pairs, slices, splits)](
+        x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids,
+        k, top_k, max_loras, 1 if mul_routed_weight else top_k,
+        x.stride(0), a0.stride(0), a0.stride(1), a0.stride(2), part.stride(0), part.stride(1), part.stride(2),
+        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+    block_n = block_n or 128
+    _expand_kernel[(pairs, slices, triton.cdiv(n, block_n))](
+        part, _pointers(lora_b), output, topk_weights, token_lora_mapping, adapter_enabled, expert_ids,
+        n, top_k, max_loras,
+        b0.stride(0), b0.stride(1), b0.stride(2), b0.stride(3), part.stride(0), part.stride(1), part.stride(2),
+        output.stride(1),
+        RANK=rank, BLOCK_R=block_r, BLOCK_N=block_n, K_SPLITS=splits, BLOCK_KS=max(triton.next_power_of_2(splits), 2),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, num_warps=warps)
+
+
+
+def pointers_ready(*stacked: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> bool:
+    """Whether the address tables of ``stacked`` exist, or may be made now (not inside a CUDA graph capture, where
+    copying a host table to the GPU would be captured from memory that is gone on replay)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return True
+    return all(tuple(t.data_ptr() for t in s) in _PTRS for s in stacked)

@@ -1,0 +1,115 @@
+"""The plugin's fused-MoE LoRA pair path (``integration/moe_pairs.py``): its two Triton kernels, run here by Triton's
+own interpreter (``TRITON_INTERPRET=1``, in a fresh process: the flag is read at import), against a dense fp32
+reference, and the rule that decides which calls of ``PunicaWrapperGPU.add_lora_fused_moe`` it takes
+(``integration.kernels``). The GPU runs of the same kernels, through vLLM's wrapper and in CUDA graphs, are
+``tests/gpu/test_moe_pairs.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_KERNELS = r"""
+import json, sys, torch
+from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+
+def reference(out, x, a, b, w, eids, tmap, enabled, mul):
+    tokens, top_k = w.shape
+    n = b[0].shape[2]
+    o = out.float().clone().view(tokens * top_k, -1)
+    for p in range(tokens * top_k):
+        t, e = p // top_k, int(eids[p])
+        slot = int(tmap[t])
+        if slot < 0 or slot >= a[0].shape[0] or e < 0 or not int(enabled[slot]):
+            continue
+        xin = x[p if mul else t].float()
+        for s in range(len(a)):
+            u = (a[s][slot, e].float() @ xin).to(x.dtype).float()
+            d = b[s][slot, e].float() @ u
+            if mul:
+                d = d * w[t, p % top_k].float()
+            o[p, s * n:(s + 1) * n] += d.to(out.dtype).float()
+    return o.view_as(out)
+
+torch.manual_seed(0)
+report = []
+# (tokens, top_k, experts, rank, K, N, slices, slots, mul, add): two slices unrouted (w13), one routed (w2), a rank
+# below the 16-wide tile, K and N not multiples of the blocks, and an output written without adding
+for tokens, top_k, experts, rank, k, n, slices, slots, mul, add in [
+        (3, 2, 5, 4, 300, 24, 2, 3, False, True), (4, 3, 6, 16, 70, 130, 1, 2, True, True),
+        (2, 2, 3, 32, 40, 20, 1, 2, True, False)]:
+    dt = torch.bfloat16
+    x = torch.randn(tokens * (top_k if mul else 1), k, dtype=dt)
+    a = [torch.randn(slots, experts, rank, k, dtype=dt) * 0.1 for _ in range(slices)]
+    b = [torch.randn(slots, experts, n, rank, dtype=dt) * 0.1 for _ in range(slices)]
+    w = torch.rand(tokens, top_k)
+    eids = torch.randint(0, experts, (tokens * top_k,), dtype=torch.int32)
+    eids[1] = -1  # a pair with no expert
+    tmap = torch.tensor([(i % (slots + 1)) - 1 for i in range(tokens)], dtype=torch.int32)  # token 0: no adapter
+    enabled = torch.ones(slots + 1, dtype=torch.int32)
+    enabled[1] = 0  # a slot whose adapter has no experts
+    out = torch.randn(tokens, top_k, slices * n, dtype=dt)
+    want = reference(out, x, a, b, w, eids, tmap, enabled, mul) if add else \
+        reference(torch.zeros_like(out), x, a, b, w, eids, tmap, enabled, mul)
+    got = out.clone()
+    moe_lora_pairs(got, x, (a, b), PairRouting(w, eids, tmap, enabled), mul_routed_weight=mul, add_inputs=add)
+    skipped = [p for p in range(tokens * top_k) if int(tmap[p // top_k]) < 0 or int(eids[p]) < 0
+               or not int(enabled[int(tmap[p // top_k])])]
+    for p in skipped:  # a pair with no LoRA is left as it was, written or added to alike (vLLM's kernel too)
+        want.view(tokens * top_k, -1)[p] = out.view(tokens * top_k, -1)[p].float()
+    flat_got, flat_out = got.view(tokens * top_k, -1), out.view(tokens * top_k, -1)
+    report.append({"err": (got.float() - want).abs().max().item(), "scale": want.abs().max().item(),
+                   "skipped_untouched": all(torch.equal(flat_got[p], flat_out[p]) for p in skipped),
+                   "skipped": len(skipped), "moved": (got.float() - out.float()).abs().max().item()})
+print(json.dumps(report))
+"""
+
+
+def test_the_pair_kernels_give_the_dense_reference_in_tritons_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report) == 3
+    for case in report:
+        # one bf16 step of the output's magnitude: the kernels sum in another order than the reference
+        assert case["err"] <= case["scale"] * 2 ** -7, case
+        assert case["moved"] > 10 * case["err"], case  # the control: the deltas are far above the error
+    assert report[0]["skipped"] >= 3 and report[0]["skipped_untouched"] is True  # no adapter, no expert, disabled
+    assert report[1]["skipped_untouched"] is True and report[2]["skipped_untouched"] is True
+
+
+def _call(**over: object) -> dict[str, object]:
+    x = torch.zeros(32, 64, dtype=torch.bfloat16)
+    named: dict[str, object] = {
+        "y": torch.zeros(32, 8, 2 * 48, dtype=torch.bfloat16), "x": x,
+        "lora_a_stacked": (torch.zeros(16, 8, 16, 64, dtype=torch.bfloat16),) * 2,
+        "lora_b_stacked": (torch.zeros(16, 8, 48, 16, dtype=torch.bfloat16),) * 2,
+        "topk_weights": torch.zeros(32, 8), "sorted_token_ids": None, "fully_sharded": False, "offset": 0}
+    named.update(over)
+    return named
+
+
+def test_the_pair_path_fits_only_what_vllm_assigns_pair_by_pair_beyond_its_small_batch_kernel() -> None:
+    from vllm_lora_ext.integration import kernels
+
+    assert kernels._pairs_fit(_call())  # 256 pairs x r16
+    assert not kernels._pairs_fit(_call(sorted_token_ids=torch.zeros(1)))  # vLLM's sorted blocks
+    assert not kernels._pairs_fit(_call(fully_sharded=True))
+    assert not kernels._pairs_fit(_call(offset=64))
+    assert not kernels._pairs_fit(_call(topk_weights=torch.zeros(8, 8)))  # 64 pairs x r16: vLLM's small batch
+    big = (torch.zeros(16, 8, 128, 64, dtype=torch.bfloat16),) * 2
+    assert not kernels._pairs_fit(_call(lora_a_stacked=big))  # rank 128 > PAIRS_MAX_RANK
+    assert not kernels._pairs_fit(_call(x=torch.zeros(32, 64)))  # fp32
+    assert not kernels._pairs_fit(_call(x=torch.zeros(64, 32, dtype=torch.bfloat16).t()))  # not contiguous along K
+
+
+def test_the_pair_path_never_takes_a_cpu_batch() -> None:
+    from vllm_lora_ext.integration import kernels
+
+    assert kernels._pairs_fit(_call()) and not kernels._pairs_take(_call())
