@@ -34,7 +34,7 @@ def reference(out, x, a, b, w, eids, tmap, enabled, mul):
             if mul:
                 d = d * w[t, p % top_k].float()
             o[p, s * n:(s + 1) * n] += d.to(out.dtype).float()
-    return o.view_as(out)
+    return o.view_as(out).to(out.dtype).float()  # the output rounded once more, as the kernel stores it
 
 torch.manual_seed(0)
 report = []
@@ -51,6 +51,8 @@ for tokens, top_k, experts, rank, k, n, slices, slots, mul, add in [
     eids = torch.randint(0, experts, (tokens * top_k,), dtype=torch.int32)
     eids[1] = -1  # a pair with no expert
     tmap = torch.tensor([(i % (slots + 1)) - 1 for i in range(tokens)], dtype=torch.int32)  # token 0: no adapter
+    if tokens > 2:
+        tmap[-1] = slots  # a slot id past the last slot: no adapter either
     enabled = torch.ones(slots + 1, dtype=torch.int32)
     enabled[1] = 0  # a slot whose adapter has no experts
     out = torch.randn(tokens, top_k, slices * n, dtype=dt)
@@ -58,7 +60,7 @@ for tokens, top_k, experts, rank, k, n, slices, slots, mul, add in [
         reference(torch.zeros_like(out), x, a, b, w, eids, tmap, enabled, mul)
     got = out.clone()
     moe_lora_pairs(got, x, (a, b), PairRouting(w, eids, tmap, enabled), mul_routed_weight=mul, add_inputs=add)
-    skipped = [p for p in range(tokens * top_k) if int(tmap[p // top_k]) < 0 or int(eids[p]) < 0
+    skipped = [p for p in range(tokens * top_k) if not 0 <= int(tmap[p // top_k]) < slots or int(eids[p]) < 0
                or not int(enabled[int(tmap[p // top_k])])]
     for p in skipped:  # a pair with no LoRA is left as it was, written or added to alike (vLLM's kernel too)
         want.view(tokens * top_k, -1)[p] = out.view(tokens * top_k, -1)[p].float()
@@ -66,7 +68,24 @@ for tokens, top_k, experts, rank, k, n, slices, slots, mul, add in [
     report.append({"err": (got.float() - want).abs().max().item(), "scale": want.abs().max().item(),
                    "skipped_untouched": all(torch.equal(flat_got[p], flat_out[p]) for p in skipped),
                    "skipped": len(skipped), "moved": (got.float() - out.float()).abs().max().item()})
-print(json.dumps(report))
+# vLLM's two roundings, each case built so that skipping it changes the output (fp16, whose conversions Triton's
+# interpreter rounds to nearest even as the GPU does; one slot, one expert, rank 2): the shrink u = (1 + 2^-12, -1)
+# rounds to (1, -1), so B = (1, 1) gives 0, not 2^-12; then a delta of 2^-11 + 2^-23 rounds to 2^-11 before it is
+# added to 1.0, which rounds to 1.0 (a tie, to even), not to 1 + 2^-10.
+exact = []
+for x_row, a_rows, b_row, start in [([1.0, 2.0 ** -12], [[1.0, 1.0], [-1.0, 0.0]], [1.0, 1.0], 0.0),
+                                     ([1.0, 0.0], [[1.0, 0.0], [1.0, 0.0]], [2.0 ** -11, 2.0 ** -23], 1.0)]:
+    dt = torch.float16
+    x = torch.tensor([x_row], dtype=dt)
+    a = [torch.tensor(a_rows, dtype=dt).reshape(1, 1, 2, 2)]
+    b = [torch.tensor(b_row, dtype=dt).reshape(1, 1, 1, 2).expand(1, 1, 4, 2).contiguous()]
+    w, eids = torch.ones(1, 1), torch.zeros(1, dtype=torch.int32)
+    tmap, enabled = torch.zeros(1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    out = torch.full((1, 1, 4), start, dtype=dt)
+    got = out.clone()
+    moe_lora_pairs(got, x, (a, b), PairRouting(w, eids, tmap, enabled), mul_routed_weight=False)
+    exact.append([got.float().flatten().tolist(), reference(out, x, a, b, w, eids, tmap, enabled, False).flatten().tolist()])
+print(json.dumps({"cases": report, "exact": exact}))
 """
 
 
@@ -74,7 +93,8 @@ def test_the_pair_kernels_give_the_dense_reference_in_tritons_interpreter() -> N
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    report = result["cases"]
     assert len(report) == 3
     for case in report:
         # one bf16 step of the output's magnitude: the kernels sum in another order than the reference
@@ -82,6 +102,8 @@ def test_the_pair_kernels_give_the_dense_reference_in_tritons_interpreter() -> N
         assert case["moved"] > 10 * case["err"], case  # the control: the deltas are far above the error
     assert report[0]["skipped"] >= 3 and report[0]["skipped_untouched"] is True  # no adapter, no expert, disabled
     assert report[1]["skipped_untouched"] is True and report[2]["skipped_untouched"] is True
+    # vLLM's roundings, exactly: the shrink (0, not 2^-12) and the delta before the add (1.0, not 1 + 2^-10)
+    assert result["exact"] == [[[0.0] * 4, [0.0] * 4], [[1.0] * 4, [1.0] * 4]]
 
 
 def _call(**over: object) -> dict[str, object]:
@@ -107,6 +129,11 @@ def test_the_pair_path_fits_only_what_vllm_assigns_pair_by_pair_beyond_its_small
     assert not kernels._pairs_fit(_call(lora_a_stacked=big))  # rank 128 > PAIRS_MAX_RANK
     assert not kernels._pairs_fit(_call(x=torch.zeros(32, 64)))  # fp32
     assert not kernels._pairs_fit(_call(x=torch.zeros(64, 32, dtype=torch.bfloat16).t()))  # not contiguous along K
+    strided_a = (torch.zeros(16, 8, 64, 16, dtype=torch.bfloat16).transpose(2, 3),) * 2  # A not contiguous along K
+    assert not kernels._pairs_fit(_call(lora_a_stacked=strided_a))
+    assert not kernels._pairs_fit(_call(y=torch.zeros(32, 8, 2 * 48 + 8, dtype=torch.bfloat16)))  # wider than N
+    fp32_b = (torch.zeros(16, 8, 48, 16),) * 2
+    assert not kernels._pairs_fit(_call(lora_b_stacked=fp32_b))
 
 
 def test_the_pair_path_never_takes_a_cpu_batch() -> None:

@@ -38,8 +38,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from vllm_lora_ext.constants import kernel_configs_enabled, vllm_tuned_config_folder_set
 from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.integration._compat import (
@@ -167,16 +165,20 @@ _PAIRS_LOGGED: list[bool] = []  # the pair path's first use in this process was 
 def _pairs_fit(named: dict[str, Any]) -> bool:
     """Whether an ``add_lora_fused_moe`` call's arguments suit the pair path: vLLM's pairs assigned one by one and
     more of them than its small-batch kernel takes, not fully sharded, no offset, bf16 or fp16, rank at most
-    `PAIRS_MAX_RANK`, ``x`` contiguous along K and the output contiguous."""
-    x, lora_a = named["x"], named["lora_a_stacked"]
+    `PAIRS_MAX_RANK`, ``x`` and A contiguous along K, and the output contiguous, as wide as the slices' N."""
+    import torch  # (not at import: the CLI imports this package without torch where it can)
+
+    x, lora_a, lora_b, y = named["x"], named["lora_a_stacked"], named["lora_b_stacked"], named["y"]
     if named["sorted_token_ids"] is not None or named.get("fully_sharded") or named.get("offset", 0):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or lora_a[0].dtype != x.dtype:
+    if x.dtype not in (torch.bfloat16, torch.float16) or lora_a[0].dtype != x.dtype or lora_b[0].dtype != x.dtype:
         return False
     rank = lora_a[0].shape[2]
     if rank > PAIRS_MAX_RANK or named["topk_weights"].numel() * rank <= _VLLM_SMALL_BATCH:
         return False
-    return x.stride(1) == 1 and named["y"].is_contiguous()
+    if x.stride(1) != 1 or lora_a[0].stride(3) != 1 or not y.is_contiguous():
+        return False
+    return y.shape[-1] == len(lora_a) * lora_b[0].shape[2]
 
 
 def _pairs_take(named: dict[str, Any]) -> bool:

@@ -256,13 +256,14 @@ PATCHES: tuple[Patch, ...] = (
               "(`_compat.warm_logits_processor_lookup`; a failing lookup is left to the first request)",
           delete_when="vLLM loads logits-processor plugins at start-up on every model runner"),
     Patch(PUNICA_GPU_MODULE, "PunicaWrapperGPU.add_lora_fused_moe",
-          ("y", "x", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids", "expert_ids"),
+          ("y", "x", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids", "expert_ids",
+           "adapter_enabled", "mul_routed_weight", "fully_sharded", "offset", "token_lora_mapping", "add_inputs"),
           make_add_lora_fused_moe, process="worker", reads=("token_mapping_meta", "lora_config"),
           why="a small batch's fused-MoE LoRA (vLLM's pairs assigned one by one: 32 decode tokens at 16 slots) runs "
               "vLLM's one-shot kernel with a whole 16-row program per pair, shrink then expand in sequence: run "
               "those batches through two kernels that split the shrink over K and the expand over N "
-              "(`integration/moe_pairs.py`; on an H200, r16, 29-34 us a layer against 42-46 us). Every other batch, "
-              "and all with VLLM_LORA_EXT_KERNEL_CONFIGS=0, is vLLM's",
+              "(`integration/moe_pairs.py`; on an H200, r16, one layer's LoRA step 33-42 us against 49-55 us). "
+              "Every other batch, and all with VLLM_LORA_EXT_KERNEL_CONFIGS=0, is vLLM's",
           delete_when="vLLM's fused-MoE LoRA kernel splits a small batch's pairs over K and N"),
 )
 
