@@ -1,5 +1,6 @@
 """The README says what the code does: its CLI summary is the argparse parsers', its variable table constants.py's,
-its links land on headings, and its set-up section still holds the two one-line commands CI runs."""
+its links land on headings, the patches it names exist, and its set-up section still holds the two one-line
+commands CI runs."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def test_readme_links_to_its_own_sections_land_on_headings() -> None:
     anchors = {anchor(h) for h in re.findall(r"^#+ (.+)$", README, re.M)}
     links = set(re.findall(r"\]\(#([^)]+)\)", README))
     assert links and links <= anchors, links - anchors
+
+
+def test_readme_names_patches_by_their_targets_not_by_numbers_that_move() -> None:
+    """Inserting a patch renumbers those after it in ``integration/PATCHES.md`` (r38 found five README numbers off by
+    two), so the README names a patch by its target, and each target it names in backticks next to PATCHES.md is
+    one of ``plugin.PATCHES``."""
+    from vllm_lora_ext.integration import plugin
+
+    assert re.findall(r"\b[Pp]atch(?:es)? \d+", README) == []
+    targets = {p.target for p in plugin.PATCHES}
+    named = set(re.findall(r"`([A-Za-z_.]+)`(?: in both modules)?, `integration/PATCHES\.md`|"
+                           r"`([A-Za-z_.]+)` in `integration/PATCHES\.md`", README))
+    named = {a or b for a, b in named}
+    assert named and named <= targets, named - targets
 
 
 def test_readme_set_up_section_still_holds_the_two_one_line_commands_ci_runs() -> None:
