@@ -196,14 +196,16 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch ``PunicaWrapperGPU.add_lora_fused_moe``: a batch the pair path takes ([`_pairs_take`]) runs
     ``moe_pairs.moe_lora_pairs``; every other call, and every call with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, is
     vLLM's."""
-    names = list(inspect.signature(original).parameters)[1:]  # after self
-    defaults = {n: p.default for n, p in inspect.signature(original).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    params = inspect.signature(original).parameters
+    names = list(params)[1:]  # after self
+    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
 
     @functools.wraps(original)
     def add_lora_fused_moe(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kernel_configs_enabled():
+            return original(self, *args, **kwargs)
         named = {**defaults, **dict(zip(names, args)), **kwargs}
-        if not kernel_configs_enabled() or not _pairs_take(named):
+        if not _pairs_take(named):
             return original(self, *args, **kwargs)
         from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
 
@@ -213,8 +215,8 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
             return None
         if not _PAIRS_LOGGED:
             _PAIRS_LOGGED.append(True)
-            logger.info("fused-MoE LoRA: small batches through the plugin's pair kernels (VLLM_LORA_EXT_KERNEL_CONFIGS=0 "
-                        "for vLLM's)")
+            logger.info("fused-MoE LoRA: small batches through the plugin's pair kernels "
+                        "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's)")
         mapping = named.get("token_lora_mapping")
         routing = PairRouting(named["topk_weights"], named["expert_ids"], meta[0] if mapping is None else mapping,
                               named["adapter_enabled"])

@@ -1,5 +1,6 @@
 """The fused-MoE LoRA of a small batch, one (token, expert) pair at a time, in two Triton kernels: shrink, then
-expand (issue 39 item 1). Patch: ``PunicaWrapperGPU.add_lora_fused_moe`` ([`make_add_lora_fused_moe`]).
+expand (issue 39 item 1), for the patch of ``PunicaWrapperGPU.add_lora_fused_moe``
+(``integration.kernels.make_add_lora_fused_moe``).
 
 vLLM 0.26-0.33 assigns the pairs of a small batch one by one ("naive block assignment": when ``tokens x top_k x
 8 <= experts x max_loras``, e.g. 32 decode tokens, top-8 of 128 experts, 16 slots) and gives each pair a whole
@@ -104,10 +105,14 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
 _PTRS: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def _pointers(stacked: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+def _addresses(stacked: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in stacked)
+
+
+def _pointers(stacked: Sequence[torch.Tensor]) -> torch.Tensor:
     """The slices' base addresses as one int64 tensor on their device, made once per set of slot tensors (they
     live as long as the LoRA manager; CUDA graphs replay the same addresses)."""
-    key = tuple(t.data_ptr() for t in stacked)
+    key = _addresses(stacked)
     found = _PTRS.get(key)
     if found is None:
         found = _PTRS[key] = torch.tensor(key, dtype=torch.int64, device=stacked[0].device)
@@ -170,10 +175,9 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, num_warps=warps)
 
 
-
-def pointers_ready(*stacked: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> bool:
+def pointers_ready(*stacked: Sequence[torch.Tensor]) -> bool:
     """Whether the address tables of ``stacked`` exist, or may be made now (not inside a CUDA graph capture, where
     copying a host table to the GPU would be captured from memory that is gone on replay)."""
     if not torch.cuda.is_current_stream_capturing():
         return True
-    return all(tuple(t.data_ptr() for t in s) in _PTRS for s in stacked)
+    return all(_addresses(s) in _PTRS for s in stacked)
