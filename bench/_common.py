@@ -80,8 +80,8 @@ def print_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def graph_time_us(launch: Any, reps: int, *, what: object) -> float | None:
-    """Microseconds per ``launch()``: ``reps`` launches captured in one CUDA graph, the median of 5 replays (after one
+def graph_time_us(launch: Any, reps: int, *, what: object, replays: int = 5) -> float | None:
+    """Microseconds per ``launch()``: ``reps`` launches captured in one CUDA graph, the median of ``replays`` (after one
     launch outside the capture, which compiles and fills vLLM's pointer caches, and one untimed replay). None, with
     a line naming ``what``, where the launch or the capture fails (too much shared memory, a refused block shape)."""
     import torch
@@ -100,7 +100,7 @@ def graph_time_us(launch: Any, reps: int, *, what: object) -> float | None:
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(5):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import env_info, print_table, write_json  # noqa: E402
+from _common import env_info, graph_time_us, print_table, write_json  # noqa: E402
 
 
 def make_inputs(args: argparse.Namespace, proj: str, slots_used: int, seed: int) -> dict:
@@ -101,25 +101,13 @@ def pairs_call(config: tuple[int, int, int]):
 
 
 def timed(fn, d: dict, calls: int, reps: int) -> float:
+    """Microseconds per call of ``fn`` on ``d``: ``calls`` captured in one CUDA graph, the median of ``reps``
+    replays (``_common.graph_time_us``)."""
     out = d["out"].clone()
-    for _ in range(3):
-        fn(d, out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(d, out)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    us = graph_time_us(lambda: fn(d, out), calls, what=fn, replays=reps)
+    if us is None:
+        raise RuntimeError(f"{fn} did not launch or capture (its line above says why)")
+    return us
 
 
 def layer_steps(shapes: str, reps: int) -> tuple[list[list[Any]], list[dict[str, Any]]]:
@@ -202,8 +190,8 @@ def main() -> None:
                                     vllm_us_reps=us["vllm"], pairs_us_reps=us[name]))
                 rows.append([slots, proj, name[5:], round(v, 2), round(p, 2), round(v / p, 2),
                              f"{errs['vllm']:.4g}", f"{errs[name]:.4g}", "yes" if ok else "NO"])
-    print_table(rows, ["adapters", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up", "vLLM max err",
-                       "pairs max err", "parity"])
+    print_table(rows, ["adapters", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up",
+                       "vLLM max err", "pairs max err", "parity"])
     layer_rows, layer_results = layer_steps(args.layer_shapes, 3) if args.layer_shapes else ([], [])
     if layer_rows:
         print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "vLLM us", "plugin us", "speed-up"])
