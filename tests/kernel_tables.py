@@ -3,7 +3,9 @@ reference of a fused-MoE LoRA layer step (the GPU tests of the fused-MoE tables 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -25,9 +27,19 @@ def shipped_moe_gpus(folder: Path = FOLDER) -> list[str]:
     return sorted(s for s in stems if all((folder / n).is_file() for n in moe_config_file_names(s)))
 
 
-def moe_lora_reference(step: Any, tune: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LoRA deltas of ``step`` (``bench/tune_moe_lora_kernels.py``'s ``Step``, module ``tune``) computed densely in
-    fp32 from the same factors, routing and token-to-slot map ``label``."""
+@functools.lru_cache(maxsize=1)
+def moe_tuner() -> ModuleType:
+    """``bench/tune_moe_lora_kernels.py``, loaded once: its ``Shape`` and ``Step`` launch one MoE layer's LoRA step
+    through vLLM's ``PunicaWrapperGPU``."""
+    from factories import load_bench
+
+    return load_bench("tune_moe_lora_kernels", as_name="tune_moe_lora_kernels_under_test")
+
+
+def moe_lora_reference(step: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LoRA deltas of ``step`` (a [`moe_tuner`] ``Step``) computed densely in fp32 from the same factors,
+    routing and token-to-slot map ``label``."""
+    tune = moe_tuner()
     ids = step.topk_ids.long()
     slot = step.mappings[label].long()[:, None].expand_as(ids)
     y13 = []

@@ -5,15 +5,12 @@ none ships, tables written as the tuner writes them)."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from factories import load_bench
-from kernel_tables import moe_lora_reference, shipped_moe_gpus
+from kernel_tables import moe_lora_reference, moe_tuner, shipped_moe_gpus
 import torch
 
 from vllm_lora_ext.kernel_configs import file_stem
@@ -22,22 +19,11 @@ from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-
-@functools.lru_cache(maxsize=1)
-def _tuner() -> ModuleType:
-    return load_bench("tune_moe_lora_kernels", as_name="tune_moe_lora_kernels_under_test")
-
-
 def _shapes() -> list[Any]:
-    shape = _tuner().Shape
+    shape = moe_tuner().Shape
     # naive small-batch, naive one-shot, sorted one-shot at decode and prefill sizes, one slot to sixteen
     return [shape(1, 1, 16), shape(4, 8, 16), shape(4, 64, 32), shape(16, 64, 16), shape(1, 256, 32),
             shape(16, 512, 16)]
-
-
-def _reference(step: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's LoRA deltas computed densely in fp32 from the same factors, routing and token-to-slot map."""
-    return moe_lora_reference(step, _tuner(), label)
 
 
 def _assert_close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], what: str) -> None:
@@ -48,7 +34,7 @@ def _assert_close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
 @pytest.mark.parametrize("index", range(6))
 def test_every_block_m_the_tuner_tries_gives_stocks_outputs(index: int, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    tune = _tuner()
+    tune = moe_tuner()
     shape = _shapes()[index]
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))  # read only where use_tuned_config is on
     step = tune.Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
@@ -56,7 +42,7 @@ def test_every_block_m_the_tuner_tries_gives_stocks_outputs(index: int, tmp_path
     for label in step.mappings:
         ref = step.output(None, label)
         if shape.m <= 64:
-            _assert_close(ref, _reference(step, label), f"{shape} {label} stock against fp32")
+            _assert_close(ref, moe_lora_reference(step, label), f"{shape} {label} stock against fp32")
         for block_m in tune.BLOCK_M:
             got = step.output({op: dict(stock[op], block_m=block_m) for op in MOE_OPS}, label)
             _assert_close(got, ref, f"{shape} {label} block_m={block_m} against stock")
@@ -65,7 +51,7 @@ def test_every_block_m_the_tuner_tries_gives_stocks_outputs(index: int, tmp_path
 def _tables_as_the_tuner_writes(folder: Path, stem: str) -> Path:
     """Tables for this GPU written as the tuner writes them, with block_m away from stock's (128 up to 128 tokens,
     16 above), for a GPU no table ships for."""
-    tune = _tuner()
+    tune = moe_tuner()
     rows = []
     for shape in _shapes():
         stock = tune.stock_configs(shape)
@@ -81,7 +67,7 @@ def test_tables_read_through_the_plugin_give_stocks_outputs(tmp_path: Path, monk
 
     from vllm_lora_ext.integration import kernels, plugin
 
-    tune = _tuner()
+    tune = moe_tuner()
     stem = file_stem(torch.cuda.get_device_name())
     # the package's tables where they ship for this GPU, else tables written as the tuner writes them
     folder = None if stem in shipped_moe_gpus() else _tables_as_the_tuner_writes(tmp_path / "tables", stem)

@@ -5,27 +5,19 @@ and not for others, and a launch replayed from a CUDA graph gives the eager laun
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from factories import load_bench
-from kernel_tables import moe_lora_reference
+from kernel_tables import moe_lora_reference, moe_tuner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@functools.lru_cache(maxsize=1)
-def _tuner() -> ModuleType:
-    return load_bench("tune_moe_lora_kernels", as_name="tune_moe_lora_kernels_for_pairs")
-
-
 def _shapes() -> list[Any]:
-    shape = _tuner().Shape
+    shape = moe_tuner().Shape
     # (slots, tokens, rank): pair by pair at 32 decode tokens with 16 slots, ranks 16-64, 12 tokens with 8 slots
     return [shape(16, 32, 16), shape(16, 32, 32), shape(16, 16, 64), shape(8, 12, 16)]
 
@@ -50,10 +42,6 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _reference(step: Any, label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return moe_lora_reference(step, _tuner(), label)
-
-
 def _error(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> list[float]:
     return [float((g - w).abs().max()) for g, w in zip(got, want)]
 
@@ -64,7 +52,7 @@ def test_pair_path_gives_the_fp32_reference_as_closely_as_vllms_kernel(
     from vllm_lora_ext.kernel_configs import file_stem
 
     shape = _shapes()[index]
-    step = _tuner().Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
+    step = moe_tuner().Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
     for label in step.mappings:
         monkeypatch.setenv("VLLM_LORA_EXT_KERNEL_CONFIGS", "0")
         before = counted[0]
@@ -73,13 +61,13 @@ def test_pair_path_gives_the_fp32_reference_as_closely_as_vllms_kernel(
         monkeypatch.delenv("VLLM_LORA_EXT_KERNEL_CONFIGS")
         ours = step.output(None, label)
         assert counted[0] == before + 2  # w13 and w2 through the pair path
-        ref = _reference(step, label)
+        ref = moe_lora_reference(step, label)
         for name, o, s, r, bound in zip(("w13", "w2"), ours, stock, ref, _error(stock, ref)):
             step_bf16 = float(r.abs().max()) * 2 ** -7
             assert float((o - r).abs().max()) <= bound + step_bf16, f"{shape} {label} {name}"
             torch.testing.assert_close(o, s, rtol=2e-2, atol=step_bf16, msg=f"{shape} {label} {name} against vLLM")
     # the control: another label's reference is far off
-    other = _reference(step, "one" if label == "spread" else "spread")
+    other = moe_lora_reference(step, "one" if label == "spread" else "spread")
     assert max(_error(ours, other)) > 10 * max(_error(ours, ref))
 
 
@@ -87,9 +75,9 @@ def test_pair_path_is_not_taken_for_batches_vllm_sorts_or_its_small_batch_kernel
         tmp_path: Path, counted: list[int]) -> None:
     from vllm_lora_ext.kernel_configs import file_stem
 
-    shape = _tuner().Shape
+    shape = moe_tuner().Shape
     for s in (shape(4, 64, 16), shape(16, 512, 16), shape(4, 8, 16), shape(1, 1, 16)):
-        step = _tuner().Step(s, tmp_path, file_stem(torch.cuda.get_device_name()))
+        step = moe_tuner().Step(s, tmp_path, file_stem(torch.cuda.get_device_name()))
         before = counted[0]
         step.output(None, "spread")
         assert counted[0] == before, s
@@ -98,7 +86,7 @@ def test_pair_path_is_not_taken_for_batches_vllm_sorts_or_its_small_batch_kernel
 def test_a_captured_pair_path_replays_the_eager_outputs_bit_for_bit(tmp_path: Path, counted: list[int]) -> None:
     from vllm_lora_ext.kernel_configs import file_stem
 
-    step = _tuner().Step(_shapes()[0], tmp_path, file_stem(torch.cuda.get_device_name()))
+    step = moe_tuner().Step(_shapes()[0], tmp_path, file_stem(torch.cuda.get_device_name()))
     for label in step.mappings:
         eager = step.output(None, label)  # also makes the slots' address tables, outside the capture
         before = counted[0]
