@@ -17,7 +17,8 @@ Both outputs are compared with an fp32 reference (the shrink rounded to bf16, th
 candidate's largest error must not exceed vLLM's by more than one bf16 step of the output. Then one MoE layer's
 whole LoRA step (w13, then w2) through vLLM's ``PunicaWrapperGPU`` in a CUDA graph, with the plugin registered,
 its pair path against vLLM's kernel (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``) for each ``--layer-shapes`` shape, 3
-times interleaved. Prints tables and writes JSON; needs vLLM (the bundle) and a GPU.
+times interleaved; where a shape's rank is above ``--live-rank``, also with adapters of that rank in its slots
+and the pair path reading only their rows (the slots' live-rank table, ``integration.kernels.note_slot_rank``). Prints tables and writes JSON; needs vLLM (the bundle) and a GPU.
 
     python bench/probe_moe_pairs.py --out results/probe_moe_pairs_h200.json
 """
@@ -110,16 +111,27 @@ def timed(fn, d: dict, calls: int, reps: int) -> float:
     return us
 
 
-def layer_steps(shapes: str, reps: int) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+def _zero_past(step: Any, live: int) -> None:
+    """Leave ``step``'s factors with ``live`` rank rows in each slot and zeros past them, as vLLM's ``set_lora``
+    leaves a rank-``live`` adapter in larger slots."""
+    for a in (*step.w13_a, *step.w2_a):
+        a[:, :, live:, :].zero_()
+    for b in (*step.w13_b, *step.w2_b):
+        b[..., live:].zero_()
+
+
+def layer_steps(shapes: str, reps: int, live: int) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     """One MoE layer's LoRA step (w13 then w2) through vLLM's ``PunicaWrapperGPU``, as the MoE experts launch it
-    (the tuner's ``Step``, in a CUDA graph), with the plugin registered: its pair path against vLLM's kernel
-    (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``), ``reps`` times interleaved, for each ``slots,tokens,rank`` shape."""
+    (the tuner's ``Step``, in a CUDA graph), with the plugin registered: vLLM's kernel
+    (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``), the pair path reading every rank row of the slots ("pairs"), and, for a
+    shape whose rank is above ``live``, the slots holding rank-``live`` adapters (zeros past them) with the pair
+    path told so through the live-rank table ("live"), ``reps`` times interleaved, for each ``slots,tokens,rank``."""
     import os
     import tempfile
 
     import tune_moe_lora_kernels as tune
 
-    from vllm_lora_ext.integration import plugin
+    from vllm_lora_ext.integration import kernels, plugin
     from vllm_lora_ext.kernel_configs import file_stem
 
     plugin.register()
@@ -129,21 +141,28 @@ def layer_steps(shapes: str, reps: int) -> tuple[list[list[Any]], list[dict[str,
     for text in shapes.split(";"):
         shape = tune.Shape(*map(int, text.split(",")))
         step = tune.Step(shape, Path(tempfile.mkdtemp()), file_stem(torch.cuda.get_device_name()))
-        times: dict[str, list[dict[str, float]]] = {"vllm": [], "pairs": []}
+        modes = ["vllm", "pairs"]
+        if 0 < live < shape.rank:
+            _zero_past(step, live)
+            modes.append("live")
+        table = kernels.slot_rank_table(step.punica, shape.slots, "cuda")
+        times: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for _ in range(reps):
-            for mode in ("vllm", "pairs"):
+            for mode in modes:
                 if mode == "vllm":
                     os.environ["VLLM_LORA_EXT_KERNEL_CONFIGS"] = "0"
                 else:
                     os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
+                table.fill_(live if mode == "live" else kernels._ALL_ROWS)
                 times[mode].append(step.time_us(None) or {})
         os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
         for label in step.mappings:
-            v = statistics.median(t[label] for t in times["vllm"])
-            p = statistics.median(t[label] for t in times["pairs"])
-            results.append(dict(shape=shape.key(), label=label, vllm_us=v, pairs_us=p, speedup=v / p,
-                                reps=times))
-            rows.append([text, label, round(v, 2), round(p, 2), round(v / p, 2)])
+            us = {mode: statistics.median(t[label] for t in times[mode]) for mode in modes}
+            results.append(dict(shape=shape.key(), label=label, vllm_us=us["vllm"], pairs_us=us["pairs"],
+                                live_us=us.get("live"), live_rank=live if "live" in us else None,
+                                speedup=us["vllm"] / us["pairs"], reps=times))
+            rows.append([text, label, round(us["vllm"], 2), round(us["pairs"], 2),
+                         round(us["live"], 2) if "live" in us else "-", round(us["vllm"] / min(us.values()), 2)])
     return rows, results
 
 
@@ -160,6 +179,9 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="the pair path's block_k,block_n,warps;... to try")
     ap.add_argument("--layer-shapes", default="16,32,16;16,32,32",
                     help="slots,tokens,rank;... of the layer steps timed through PunicaWrapperGPU ('' skips)")
+    ap.add_argument("--live-rank", type=int, default=16,
+                    help="layer shapes of a larger rank are also timed with rank-N adapters in their slots, the pair "
+                         "path reading N rows of each (0: not)")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -192,9 +214,10 @@ def main() -> None:
                              f"{errs['vllm']:.4g}", f"{errs[name]:.4g}", "yes" if ok else "NO"])
     print_table(rows, ["adapters", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up",
                        "vLLM max err", "pairs max err", "parity"])
-    layer_rows, layer_results = layer_steps(args.layer_shapes, 3) if args.layer_shapes else ([], [])
+    layer_rows, layer_results = layer_steps(args.layer_shapes, 3, args.live_rank) if args.layer_shapes else ([], [])
     if layer_rows:
-        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "vLLM us", "plugin us", "speed-up"])
+        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "vLLM us", "plugin us",
+                                 f"plugin, rank-{args.live_rank} adapters us", "best speed-up"])
     payload = {"env": env_info(), "args": vars(args), "results": results, "layer_steps": layer_results}
     write_json("probe_moe_pairs", payload, args.out)
     if not all(r["parity_ok"] for r in results):

@@ -101,3 +101,34 @@ def test_a_captured_pair_path_replays_the_eager_outputs_bit_for_bit(tmp_path: Pa
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(step.y13.float(), eager[0]) and torch.equal(step.y2.float(), eager[1]), label
+
+
+def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for_bit(
+        tmp_path: Path, counted: list[int]) -> None:
+    """Rank-16 adapters in rank-32 slots (zeros past row 16, as vLLM's set_lora leaves them): the pair path told so
+    by the slots' live-rank table gives the outputs of the path that reads every row, bit for bit, and the fp32
+    reference; the control, a table saying 8, changes them (the table is read)."""
+    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.kernel_configs import file_stem
+
+    shape = moe_tuner().Shape(16, 32, 32)
+    step = moe_tuner().Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
+    for a in (*step.w13_a, *step.w2_a):
+        a[:, :, 16:, :].zero_()
+    for b in (*step.w13_b, *step.w2_b):
+        b[..., 16:].zero_()
+    table = kernels.slot_rank_table(step.punica, shape.slots, "cuda")
+    for label in step.mappings:
+        table.fill_(kernels._ALL_ROWS)
+        before = counted[0]
+        every_row = step.output(None, label)
+        table.fill_(16)
+        live = step.output(None, label)
+        assert counted[0] == before + 4
+        assert all(torch.equal(x, y) for x, y in zip(live, every_row)), label
+        ref = moe_lora_reference(step, label)
+        for o, r in zip(live, ref):
+            assert float((o - r).abs().max()) <= float(r.abs().max()) * 2 ** -6, label
+        table.fill_(8)
+        short = step.output(None, label)
+        assert max(_error(short, every_row)) > 0.1 * max(float(r.abs().max()) for r in ref), label

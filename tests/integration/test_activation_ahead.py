@@ -395,3 +395,46 @@ def test_a_plan_whose_sources_share_a_factors_memory_is_not_kept_for_an_adapter_
     assert planned.activate_adapter(4) is True and plain.activate_adapter(4) is True
     got, want = _slot_tensors(planned), _slot_tensors(plain)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_activation_notes_each_slots_live_rank_for_the_pair_kernels(patched: None) -> None:
+    """Through the plan and through vLLM's path alike, the slot an adapter is put in gets its rank in the punica
+    wrapper's live-rank table (``integration.kernels.note_slot_rank``); an adapter already active writes nothing,
+    and the next adapter in a freed slot overwrites its entry."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration.activation import plan_activation
+    from vllm_lora_ext.integration.patching import SLOT_RANKS_ATTR
+
+    mgr = _manager([7, None, 9, None])
+    mgr.punica_wrapper_mapping = {"language_model": PunicaWrapperCPU(64, SLOTS, device="cpu"),
+                                  "tower": PunicaWrapperCPU(64, SLOTS, device="cpu")}  # a multimodal model's two
+    staged = _staged(_model(3, rank=5))
+    assert plan_activation(mgr, staged) is not None
+    mgr._registered_adapters[3] = staged  # through the plan
+    mgr._registered_adapters[4] = _model(4, rank=3)  # through vLLM's path
+    assert mgr.activate_adapter(3) is True and mgr.activate_adapter(4) is True
+    tables = [w.__dict__[SLOT_RANKS_ATTR] for w in mgr.punica_wrapper_mapping.values()]
+    every = kernels._ALL_ROWS
+    for table in tables:  # slots 0 and 2 were filled before the table: every row read
+        assert table.tolist() == [every, 5, every, 3]
+    assert mgr.activate_adapter(3) is False and tables[0].tolist() == [every, 5, every, 3]
+    mgr.deactivate_adapter(3)
+    mgr._registered_adapters[6] = _model(6, rank=7)
+    assert mgr.activate_adapter(6) is True and mgr.lora_index_to_id[1] == 6
+    assert [t.tolist() for t in tables] == [[every, 7, every, 3]] * 2
+
+
+def test_the_live_rank_is_the_largest_factor_rank_and_unknown_for_a_factor_it_cannot_read() -> None:
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from vllm_lora_ext.integration import kernels
+
+    model = _model(3, rank=5)
+    model.loras["layers.0.self_attn.o_proj"] = LoRALayerWeights("layers.0.self_attn.o_proj", 6, 1,
+                                                                torch.zeros(6, H), torch.zeros(H, 6))
+    assert kernels._live_rank(model) == 6  # the largest module's, whatever the model's declared rank
+    flat = LoRAModel(5, 4, {"m": LoRALayerWeights("m", 4, 1, torch.zeros(4 * H), torch.zeros(H, 4))})
+    assert kernels._live_rank(flat) is None  # a 1-D factor: every row of the slot is read

@@ -8,7 +8,8 @@ program of its one-shot kernel: a 16-row tensor-core tile holding one row, the r
 the expand over all of N, in sequence. Here the shrink is one program per (pair, slice, block of K), each writing
 an fp32 partial, and the expand one per (pair, slice, block of N), which sums the partials, rounds them to the
 output's dtype (as the one-shot rounds its shrink), applies the routed weight where vLLM does and adds the
-rounded delta to the output. On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
+rounded delta to the output. Both read only the slot's live rank rows where a table of them is given (an r16
+adapter in r32 slots reads 16). On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
 17-19 us, with the same largest error against an fp32 reference (``bench/probe_moe_pairs.py``).
 
 Which batches take it is `integration.kernels.make_add_lora_fused_moe`'s rule; this module is imported on their
@@ -40,10 +41,20 @@ def _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_ptr,
+def _live_rows(ranks_ptr, lora, RANK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """The rank rows of slot ``lora`` and the mask of those to read: the slot's live rank, its entry of
+    ``ranks_ptr`` (at most ``RANK``), where ``HAS_RANKS``; the rows past it are zeros in the slot."""
+    offs_r = tl.arange(0, BLOCK_R)
+    if HAS_RANKS:
+        return offs_r, offs_r < tl.minimum(tl.load(ranks_ptr + lora), RANK)
+    return offs_r, offs_r < RANK
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_ptr, ranks_ptr,
                    K, top_k, max_loras, x_row_div,
                    stride_xm, stride_al, stride_ae, stride_ar, stride_ps, stride_pk, stride_pp,
-                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RANKS: tl.constexpr):
     """One (pair, slice, block of K): the block's share of the pair's rank-r shrink, in fp32."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
@@ -51,10 +62,9 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
     lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
     if lora < 0:
         return
+    offs_r, r_mask = _live_rows(ranks_ptr, lora, RANK, BLOCK_R, HAS_RANKS)
     a_base = tl.load(a_ptrs + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
     a_base += lora * stride_al + expert * stride_ae
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < RANK
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     xk = tl.load(x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm + offs_k, mask=k_mask, other=0.0)
@@ -65,12 +75,12 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
 
 
 @triton.jit
-def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabled_ptr, expert_ptr,
+def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabled_ptr, expert_ptr, ranks_ptr,
                    N, top_k, max_loras,
                    stride_bl, stride_be, stride_bn, stride_br, stride_ps, stride_pk, stride_pp, stride_om,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
                    BLOCK_KS: tl.constexpr,
-                   MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr):
+                   MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr):
     """One (pair, slice, block of N): the pair's shrink (its K blocks summed), times B, into the output."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
@@ -78,10 +88,9 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
     lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
     if lora < 0:
         return
+    offs_r, r_mask = _live_rows(ranks_ptr, lora, RANK, BLOCK_R, HAS_RANKS)
     b_base = tl.load(b_ptrs + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
     b_base += lora * stride_bl + expert * stride_be
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < RANK
     offs_kb = tl.arange(0, BLOCK_KS)
     parts = tl.load(part_ptr + s * stride_ps + offs_kb[:, None] * stride_pk + pair * stride_pp + offs_r[None, :],
                     mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :], other=0.0)
@@ -122,12 +131,15 @@ def _pointers(stacked: Sequence[torch.Tensor]) -> torch.Tensor:
 class PairRouting(NamedTuple):
     """Where a batch's (token, expert) pairs go: ``topk_weights`` ``(tokens, top_k)``; ``expert_ids``
     ``(tokens x top_k,)``; ``token_lora_mapping`` ``(tokens,)``, a slot or -1; ``adapter_enabled``, per slot, 0
-    where the slot's adapter has no experts."""
+    where the slot's adapter has no experts; ``slot_ranks``, int32 per slot, each slot's live rank, past which its
+    rows are zeros (`integration.kernels.note_slot_rank`), so an r16 adapter in r32 slots reads 16 of them (None:
+    every row is read)."""
 
     topk_weights: torch.Tensor
     expert_ids: torch.Tensor
     token_lora_mapping: torch.Tensor
     adapter_enabled: torch.Tensor
+    slot_ranks: torch.Tensor | None = None
 
 
 def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
@@ -143,7 +155,7 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
     instead of the defaults.
     """
     lora_a, lora_b = factors
-    topk_weights, expert_ids, token_lora_mapping, adapter_enabled = routing
+    topk_weights, expert_ids, token_lora_mapping, adapter_enabled, slot_ranks = routing
     block_k, block_n, warps = tiles or (0, 0, 0)
     tokens, top_k = topk_weights.shape
     pairs = tokens * top_k
@@ -160,19 +172,21 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
     warps = warps or max(1, block_r // 16)
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
+    ranks = token_lora_mapping if slot_ranks is None else slot_ranks  # (any int tensor where no table is read)
     _shrink_kernel[(pairs, slices, splits)](
-        x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids,
+        x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         k, top_k, max_loras, 1 if mul_routed_weight else top_k,
         x.stride(0), a0.stride(0), a0.stride(1), a0.stride(2), part.stride(0), part.stride(1), part.stride(2),
-        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
+        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, HAS_RANKS=slot_ranks is not None, num_warps=warps)
     block_n = block_n or 128
     _expand_kernel[(pairs, slices, triton.cdiv(n, block_n))](
-        part, _pointers(lora_b), output, topk_weights, token_lora_mapping, adapter_enabled, expert_ids,
+        part, _pointers(lora_b), output, topk_weights, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         n, top_k, max_loras,
         b0.stride(0), b0.stride(1), b0.stride(2), b0.stride(3), part.stride(0), part.stride(1), part.stride(2),
         output.stride(1),
         RANK=rank, BLOCK_R=block_r, BLOCK_N=block_n, K_SPLITS=splits, BLOCK_KS=max(triton.next_power_of_2(splits), 2),
-        MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, num_warps=warps)
+        MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, HAS_RANKS=slot_ranks is not None,
+        num_warps=warps)
 
 
 def pointers_ready(*stacked: Sequence[torch.Tensor]) -> bool:

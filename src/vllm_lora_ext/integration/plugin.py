@@ -53,6 +53,7 @@ from vllm_lora_ext.integration.patching import (
     DEPLOYMENT_ATTR,
     DISK_HOLDS_ATTR,
     IDENTITY_ATTR,
+    LIVE_RANK_ATTR,
     MERGED_ATTR,
     OFFLINE_LOADED_ATTR,
     PATCH_MARK,
@@ -62,6 +63,7 @@ from vllm_lora_ext.integration.patching import (
     PREBUILD_NAMES_ATTR,
     RESIDENT_NAMES_ATTR,
     ROUTED_ATTR,
+    SLOT_RANKS_ATTR,
     STAGED_ATTR,
     TRAITS_ATTR,
     Patch,
@@ -130,12 +132,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(MODEL_MANAGER_MODULE, "LoRAModelManager.activate_adapter", ("lora_id",),
           worker_patches.make_activate_adapter, process="worker",
           reads=("_active_adapters", "_registered_adapters", "lora_index_to_id", "modules",
-                 "_get_lora_layer_weights"),
+                 "_get_lora_layer_weights", "punica_wrapper_mapping"),
+          writes=(f"PunicaWrapperGPU.{SLOT_RANKS_ATTR}", f"LoRAModel.{LIVE_RANK_ATTR}"),
           why="activating a new adapter in the engine step calls set_lora or reset_lora of every LoRA module (about "
               "1,400 tensor writes from Python for 48 MoE layers): 0.033-0.041 s an H200 step paused while 32 "
               "requests decoded. For a model a background build staged and merged, the writes were recorded on "
               "its thread (integration.activation) and are done here in a few batched calls; anything else goes "
-              "through vLLM's path",
+              "through vLLM's path. Either way the slot's live rank (its adapter's largest) goes into the punica "
+              "wrapper's table, which the fused-MoE pair kernels read to skip the zero rows past it",
           delete_when="vLLM copies a new adapter into its slot in batched calls, or off the engine step",
           related="vLLM issue #31941 (loading adapters off the engine loop)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager._apply_adapters", ("lora_requests",),
@@ -259,10 +263,12 @@ PATCHES: tuple[Patch, ...] = (
           ("y", "x", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids", "expert_ids",
            "adapter_enabled", "mul_routed_weight", "fully_sharded", "offset", "token_lora_mapping", "add_inputs"),
           make_add_lora_fused_moe, process="worker", reads=("token_mapping_meta", "lora_config"),
+          writes=(f"PunicaWrapperGPU.{SLOT_RANKS_ATTR}",),
           why="a small batch's fused-MoE LoRA (vLLM's pairs assigned one by one: 32 decode tokens at 16 slots) runs "
               "vLLM's one-shot kernel with a whole 16-row program per pair, shrink then expand in sequence: run "
               "those batches through two kernels that split the shrink over K and the expand over N "
               "(`integration/moe_pairs.py`; on an H200, r16, one layer's LoRA step 33-42 us against 49-55 us). "
+              "They read only each slot's live rank (an r16 adapter in r32 slots reads 16 rows). "
               "Every other batch, and all with VLLM_LORA_EXT_KERNEL_CONFIGS=0, is vLLM's",
           delete_when="vLLM's fused-MoE LoRA kernel splits a small batch's pairs over K and N"),
 )
