@@ -46,8 +46,12 @@ writes them in one call and a later call with ``--workdir W`` reuses them. At 48
 16 adapters and 16 rank-32 mixes in host memory (about 80 GB), and the alternating blocks with fresh engines take
 longer than ten minutes: run it in the background (``nohup ... &``) and read the partial JSON.
 
+``--variants`` may add ``plugin_k0``, the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` (vLLM's kernels and
+configs: the effect of the plugin's own kernel choices, plugin against plugin; no parity pass of its own).
+
 Usage: python bench/bench_moe_decode.py [--layers 24] [--reps 5] [--tokens 128] [--cases base,one,distinct,mixes]
-       [--variants stock,plugin] [--block-reps 2] [--composites 4] [--workdir W [--prepare-only]] [--out FILE]
+       [--variants stock,plugin[,plugin_k0]] [--block-reps 2] [--composites 4] [--workdir W [--prepare-only]]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ from bench_moe_load import E, H, I, QWEN3_30B_A3B  # noqa: E402
 N_REQ, PROMPT_LEN, RANK, N_ADAPTERS, SLOTS = 32, 64, 16, 16, 16
 ATTN = {"q_proj": (H, 4096), "k_proj": (H, 512), "v_proj": (H, 512), "o_proj": (4096, H)}
 GOALS = {"one": ("base", 0.90), "distinct": ("base", 0.85), "mixes": ("distinct", 0.98)}
-ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}}
+# plugin_k0: the plugin with its kernel choices off (VLLM_LORA_EXT_KERNEL_CONFIGS=0: no shipped tables, no pair path)
+ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_k0": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"}}
 
 
 def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int, staging_gb: float) -> dict[str, Any]:
@@ -426,7 +431,7 @@ def main() -> None:
     import torch
 
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    staging = 8 * 2**30 / 1e9 if "plugin" in variants else 0.0  # VLLM_LORA_EXT_STAGE_GPU_BYTES' default
+    staging = 8 * 2**30 / 1e9 if any(v.startswith("plugin") for v in variants) else 0.0  # VLLM_LORA_EXT_STAGE_GPU_BYTES' default
     plan = {**memory_plan(args.layers, rank, total_gb, len(variants), staging), "max_lora_rank": rank,
             "card": torch.cuda.get_device_name(0)}
     print(f"memory plan: {plan}", flush=True)
