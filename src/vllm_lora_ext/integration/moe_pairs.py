@@ -8,8 +8,10 @@ program of its one-shot kernel: a 16-row tensor-core tile holding one row, the r
 the expand over all of N, in sequence. Here the shrink is one program per (pair, slice, block of K), each writing
 an fp32 partial, and the expand one per (pair, slice, block of N), which sums the partials, rounds them to the
 output's dtype (as the one-shot rounds its shrink), applies the routed weight where vLLM does and adds the
-rounded delta to the output. Both read only the slot's live rank rows where a table of them is given (an r16
-adapter in r32 slots reads 16). On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
+rounded delta to the output. Both go over the rank 16 rows at a time, one warp a program, and stop at the slot's
+live rank where a table of them is given: an r16 adapter in r32 slots (an engine at ``max_lora_rank`` 32 for
+two-adapter mixes) takes one pass, as in r16 slots. (Masking the rows past it in one 32-row tile saved 6-10%: the
+time follows the warps resident, which registers limit, not the bytes read.) On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
 17-19 us, with the same largest error against an fp32 reference (``bench/probe_moe_pairs.py``).
 
 Which batches take it is `integration.kernels.make_add_lora_fused_moe`'s rule; this module is imported on their
@@ -41,13 +43,12 @@ def _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras):
 
 
 @triton.jit
-def _live_rows(ranks_ptr, lora, RANK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):
-    """The rank rows of slot ``lora`` and the mask of those to read: the slot's live rank, its entry of
-    ``ranks_ptr`` (at most ``RANK``), where ``HAS_RANKS``; the rows past it are zeros in the slot."""
-    offs_r = tl.arange(0, BLOCK_R)
+def _live_rank(ranks_ptr, lora, RANK: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """How many rank rows of slot ``lora`` to read: its entry of ``ranks_ptr`` (at most ``RANK``) where
+    ``HAS_RANKS``, else ``RANK``. The rows past a slot's live rank are zeros."""
     if HAS_RANKS:
-        return offs_r, offs_r < tl.minimum(tl.load(ranks_ptr + lora), RANK)
-    return offs_r, offs_r < RANK
+        return tl.minimum(tl.load(ranks_ptr + lora), RANK)
+    return RANK
 
 
 @triton.jit
@@ -55,23 +56,28 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
                    K, top_k, max_loras, x_row_div,
                    stride_xm, stride_al, stride_ae, stride_ar, stride_ps, stride_pk, stride_pp,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RANKS: tl.constexpr):
-    """One (pair, slice, block of K): the block's share of the pair's rank-r shrink, in fp32."""
+    """One (pair, slice, block of K): the block's share of the pair's shrink, in fp32, ``BLOCK_R`` rank rows at a
+    time up to the slot's live rank."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
     kb = tl.program_id(2)
     lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
     if lora < 0:
         return
-    offs_r, r_mask = _live_rows(ranks_ptr, lora, RANK, BLOCK_R, HAS_RANKS)
+    live = _live_rank(ranks_ptr, lora, RANK, HAS_RANKS)
     a_base = tl.load(a_ptrs + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
     a_base += lora * stride_al + expert * stride_ae
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     xk = tl.load(x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm + offs_k, mask=k_mask, other=0.0)
-    ak = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                 other=0.0)
-    part = tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
-    tl.store(part_ptr + s * stride_ps + kb * stride_pk + pair * stride_pp + offs_r, part, mask=r_mask)
+    xk = xk.to(tl.float32)[None, :]
+    part_base = part_ptr + s * stride_ps + kb * stride_pk + pair * stride_pp
+    for r0 in range(0, live, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < live
+        ak = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
+                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        tl.store(part_base + offs_r, tl.sum(ak.to(tl.float32) * xk, axis=1), mask=r_mask)
 
 
 @triton.jit
@@ -81,25 +87,31 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
                    BLOCK_KS: tl.constexpr,
                    MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr):
-    """One (pair, slice, block of N): the pair's shrink (its K blocks summed), times B, into the output."""
+    """One (pair, slice, block of N): the pair's shrink (its K blocks summed), times B, into the output,
+    ``BLOCK_R`` rank rows at a time up to the slot's live rank."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
     nb = tl.program_id(2)
     lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
     if lora < 0:
         return
-    offs_r, r_mask = _live_rows(ranks_ptr, lora, RANK, BLOCK_R, HAS_RANKS)
+    live = _live_rank(ranks_ptr, lora, RANK, HAS_RANKS)
     b_base = tl.load(b_ptrs + s).to(tl.pointer_type(out_ptr.dtype.element_ty))
     b_base += lora * stride_bl + expert * stride_be
     offs_kb = tl.arange(0, BLOCK_KS)
-    parts = tl.load(part_ptr + s * stride_ps + offs_kb[:, None] * stride_pk + pair * stride_pp + offs_r[None, :],
-                    mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :], other=0.0)
-    u = tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as vLLM's one-shot rounds it
+    part_base = part_ptr + s * stride_ps + offs_kb[:, None] * stride_pk + pair * stride_pp
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-    d = tl.sum(b * u[None, :], axis=1)
+    d = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, live, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < live
+        parts = tl.load(part_base + offs_r[None, :], mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :],
+                        other=0.0)
+        u = tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as vLLM's one-shot does
+        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                    mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+        d += tl.sum(b * u[None, :], axis=1)
     if MUL_ROUTED_WEIGHT:
         d = d * tl.load(weights_ptr + pair).to(tl.float32)
     out = out_ptr + pair.to(tl.int64) * stride_om + s * N + offs_n
@@ -167,9 +179,9 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         return
     assert output.is_contiguous() and output.shape[-1] == slices * n, "output must be (tokens, top_k, slices x N)"
     assert x.stride(1) == 1 and a0.stride(3) == 1, "x and lora_a must be contiguous along K"
-    block_r = max(triton.next_power_of_2(rank), 16)
+    block_r = 16  # rank rows a pass: one pass for an r16 adapter whatever the slots' rank (the tensor-core minimum)
     block_k = block_k or 256
-    warps = warps or max(1, block_r // 16)
+    warps = warps or 1
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
     ranks = token_lora_mapping if slot_ranks is None else slot_ranks  # (any int tensor where no table is read)
