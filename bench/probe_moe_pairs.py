@@ -37,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import env_info, graph_time_us, print_table, write_json  # noqa: E402
 
 
-def make_inputs(args: argparse.Namespace, proj: str, slots_used: int, seed: int) -> dict:
+def make_inputs(args: argparse.Namespace, proj: str, slots_used: int, seed: int, live: int = 0) -> dict:
+    """One projection's inputs; with ``live`` > 0, every slot holds a rank-``live`` adapter (zeros past it) and the
+    pair path gets the slots' live-rank table."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
     m, top_k, e, r = args.tokens, args.top_k, args.experts, args.rank
@@ -55,8 +57,15 @@ def make_inputs(args: argparse.Namespace, proj: str, slots_used: int, seed: int)
     tmap[-1] = -1  # one request without an adapter
     enabled = torch.ones(args.max_loras + 1, dtype=torch.int32, device=dev)
     out = torch.randn(m, top_k, slices * n, device=dev, dtype=dt, generator=g)
+    ranks = None
+    if live:
+        for t in a:
+            t[:, :, live:].zero_()
+        for t in b:
+            t[..., live:].zero_()
+        ranks = torch.full((args.max_loras,), live, dtype=torch.int32, device=dev)
     return dict(x=x, a=a, b=b, topk_w=topk_w.float(), eids=topk_ids.reshape(-1).to(torch.int32), tmap=tmap,
-                enabled=enabled, out=out, mul=mul, slices=slices, n=n)
+                enabled=enabled, out=out, mul=mul, slices=slices, n=n, ranks=ranks)
 
 
 def reference(d: dict) -> torch.Tensor:
@@ -96,8 +105,8 @@ def pairs_call(config: tuple[int, int, int]):
     from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
 
     def call(d: dict, out: torch.Tensor) -> None:
-        moe_lora_pairs(out, d["x"], (d["a"], d["b"]), PairRouting(d["topk_w"], d["eids"], d["tmap"], d["enabled"]),
-                       mul_routed_weight=d["mul"], tiles=config)
+        routing = PairRouting(d["topk_w"], d["eids"], d["tmap"], d["enabled"], d["ranks"])
+        moe_lora_pairs(out, d["x"], (d["a"], d["b"]), routing, mul_routed_weight=d["mul"], tiles=config)
     return call
 
 
@@ -176,6 +185,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=16)
     ap.add_argument("--slots", default="1,16", help="distinct adapters among the tokens, per case")
+    ap.add_argument("--live", default="0", help="live ranks to try, each its own cases: the slots hold adapters of "
+                                               "that rank (zeros past it) and the pair path reads the table (0: none)")
     ap.add_argument("--configs", default=None, help="the pair path's block_k,block_n,warps;... to try")
     ap.add_argument("--layer-shapes", default="16,32,16;16,32,32",
                     help="slots,tokens,rank;... of the layer steps timed through PunicaWrapperGPU ('' skips)")
@@ -187,9 +198,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows, results = [], []
-    for slots in [int(s) for s in args.slots.split(",")]:
+    cases = [(slots, live) for live in map(int, args.live.split(",")) for slots in map(int, args.slots.split(","))]
+    for slots, live in cases:
         for proj in ("w13", "w2"):
-            d = make_inputs(args, proj, slots, seed=slots * 10 + (proj == "w2"))
+            d = make_inputs(args, proj, slots, seed=slots * 10 + (proj == "w2"), live=live)
             ref = reference(d)
             configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")] if args.configs else CONFIGS
             impls = [("vllm", call_vllm)] + [(f"pairs{c}", pairs_call(c)) for c in configs]
@@ -207,12 +219,13 @@ def main() -> None:
             for name, _ in impls[1:]:
                 p = statistics.median(us[name])
                 ok = errs[name] <= errs["vllm"] + step
-                results.append(dict(slots=slots, proj=proj, config=name, vllm_us=v, pairs_us=p, speedup=v / p,
+                results.append(dict(slots=slots, live=live, proj=proj, config=name, vllm_us=v, pairs_us=p,
+                                    speedup=v / p,
                                     vllm_err=errs["vllm"], pairs_err=errs[name], bf16_step=step, parity_ok=ok,
                                     vllm_us_reps=us["vllm"], pairs_us_reps=us[name]))
-                rows.append([slots, proj, name[5:], round(v, 2), round(p, 2), round(v / p, 2),
+                rows.append([slots, live or "-", proj, name[5:], round(v, 2), round(p, 2), round(v / p, 2),
                              f"{errs['vllm']:.4g}", f"{errs[name]:.4g}", "yes" if ok else "NO"])
-    print_table(rows, ["adapters", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up",
+    print_table(rows, ["adapters", "live rank", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up",
                        "vLLM max err", "pairs max err", "parity"])
     layer_rows, layer_results = layer_steps(args.layer_shapes, 3, args.live_rank) if args.layer_shapes else ([], [])
     if layer_rows:

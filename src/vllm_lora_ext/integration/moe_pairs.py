@@ -8,9 +8,10 @@ program of its one-shot kernel: a 16-row tensor-core tile holding one row, the r
 the expand over all of N, in sequence. Here the shrink is one program per (pair, slice, block of K), each writing
 an fp32 partial, and the expand one per (pair, slice, block of N), which sums the partials, rounds them to the
 output's dtype (as the one-shot rounds its shrink), applies the routed weight where vLLM does and adds the
-rounded delta to the output. Both go over the rank 16 rows at a time, one warp a program, and stop at the slot's
-live rank where a table of them is given: an r16 adapter in r32 slots (an engine at ``max_lora_rank`` 32 for
-two-adapter mixes) takes one pass, as in r16 slots. (Masking the rows past it in one 32-row tile saved 6-10%: the
+rounded delta to the output. Both go over the rank 16 rows at a time and stop at the slot's live rank where a
+table of them is given: the shrink has a program per 16 rows (those past the live rank return at once), the
+expand loops over them. An r16 adapter in r32 slots (an engine at ``max_lora_rank`` 32 for two-adapter mixes)
+then costs about what it costs in r16 slots. (Masking the rows past it in one 32-row tile saved 6-10%: the
 time follows the warps resident, which registers limit, not the bytes read.) On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
 17-19 us, with the same largest error against an fp32 reference (``bench/probe_moe_pairs.py``).
 
@@ -56,28 +57,29 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
                    K, top_k, max_loras, x_row_div,
                    stride_xm, stride_al, stride_ae, stride_ar, stride_ps, stride_pk, stride_pp,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RANKS: tl.constexpr):
-    """One (pair, slice, block of K): the block's share of the pair's shrink, in fp32, ``BLOCK_R`` rank rows at a
-    time up to the slot's live rank."""
+    """One (pair, slice and ``BLOCK_R`` rank rows, block of K): the block's share of those rows of the pair's
+    shrink, in fp32; nothing where the rows start at or past the slot's live rank."""
     pair = tl.program_id(0)
-    s = tl.program_id(1)
+    s = tl.program_id(1) // tl.cdiv(RANK, BLOCK_R)
+    r0 = (tl.program_id(1) % tl.cdiv(RANK, BLOCK_R)) * BLOCK_R
     kb = tl.program_id(2)
     lora, expert = _pair_lora(token_lora_ptr, enabled_ptr, expert_ptr, pair, top_k, max_loras)
     if lora < 0:
         return
     live = _live_rank(ranks_ptr, lora, RANK, HAS_RANKS)
+    if r0 >= live:
+        return
     a_base = tl.load(a_ptrs + s).to(tl.pointer_type(x_ptr.dtype.element_ty))
     a_base += lora * stride_al + expert * stride_ae
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < live
     xk = tl.load(x_ptr + (pair // x_row_div).to(tl.int64) * stride_xm + offs_k, mask=k_mask, other=0.0)
-    xk = xk.to(tl.float32)[None, :]
-    part_base = part_ptr + s * stride_ps + kb * stride_pk + pair * stride_pp
-    for r0 in range(0, live, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < live
-        ak = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :],
-                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        tl.store(part_base + offs_r, tl.sum(ak.to(tl.float32) * xk, axis=1), mask=r_mask)
+    ak = tl.load(a_base + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                 other=0.0)
+    part = tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    tl.store(part_ptr + s * stride_ps + kb * stride_pk + pair * stride_pp + offs_r, part, mask=r_mask)
 
 
 @triton.jit
@@ -185,7 +187,7 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
     ranks = token_lora_mapping if slot_ranks is None else slot_ranks  # (any int tensor where no table is read)
-    _shrink_kernel[(pairs, slices, splits)](
+    _shrink_kernel[(pairs, slices * triton.cdiv(rank, block_r), splits)](
         x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         k, top_k, max_loras, 1 if mul_routed_weight else top_k,
         x.stride(0), a0.stride(0), a0.stride(1), a0.stride(2), part.stride(0), part.stride(1), part.stride(2),
