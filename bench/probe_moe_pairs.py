@@ -98,10 +98,11 @@ def call_vllm(d: dict, out: torch.Tensor) -> None:
                     16, 64, 32, 8, 4, 3, 1, 16, 64, 32, 8, 4, 3, 1, mul_routed_weight=d["mul"])
 
 
-CONFIGS = [(256, 128, 1), (128, 128, 1), (256, 128, 2)]  # the fastest of the 14 tried on an H200 (r38)
+# (block_k, block_n, warps, expand rows a pass): r38's three fastest of 14 at r16, and r39's at r32 (H200)
+CONFIGS = [(256, 128, 1, 16), (128, 128, 1, 16), (256, 128, 2, 16), (256, 64, 1, 16), (256, 64, 2, 32)]
 
 
-def pairs_call(config: tuple[int, int, int]):
+def pairs_call(config: tuple[int, int, int, int]):
     from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
 
     def call(d: dict, out: torch.Tensor) -> None:
@@ -129,31 +130,35 @@ def _zero_past(step: Any, live: int) -> None:
         b[..., live:].zero_()
 
 
-def layer_steps(shapes: str, reps: int, live: int) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+def layer_steps(shapes: str, reps: int, live: int,
+                tiles: list[tuple[int, ...]]) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     """One MoE layer's LoRA step (w13 then w2) through vLLM's ``PunicaWrapperGPU``, as the MoE experts launch it
     (the tuner's ``Step``, in a CUDA graph), with the plugin registered: vLLM's kernel
     (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``), the pair path reading every rank row of the slots ("pairs"), and, for a
     shape whose rank is above ``live``, the slots holding rank-``live`` adapters (zeros past them) with the pair
-    path told so through the live-rank table ("live"), ``reps`` times interleaved, for each ``slots,tokens,rank``."""
+    path told so through the live-rank table ("live"), ``reps`` times interleaved, for each ``slots,tokens,rank``;
+    for a rank above 16, once with `moe_pairs.default_tiles` and once for each of ``tiles`` instead."""
     import os
     import tempfile
 
     import tune_moe_lora_kernels as tune
 
-    from vllm_lora_ext.integration import kernels, plugin
+    from vllm_lora_ext.integration import kernels, moe_pairs, plugin
     from vllm_lora_ext.kernel_configs import file_stem
 
     plugin.register()
     import vllm.lora.punica_wrapper.punica_gpu  # noqa: F401  (the patch applies as vLLM imports it)
 
+    shipped = moe_pairs.default_tiles
     rows, results = [], []
     for text in shapes.split(";"):
         shape = tune.Shape(*map(int, text.split(",")))
         step = tune.Step(shape, Path(tempfile.mkdtemp()), file_stem(torch.cuda.get_device_name()))
-        modes = ["vllm", "pairs"]
+        choices: list[tuple[int, ...] | None] = [None] + (list(tiles) if shape.rank > 16 else [])
+        modes = ["vllm"] + [f"{kind}{i}" for i in range(len(choices)) for kind in ("pairs", "live")
+                            if kind == "pairs" or 0 < live < shape.rank]
         if 0 < live < shape.rank:
             _zero_past(step, live)
-            modes.append("live")
         table = kernels.slot_rank_table(step.punica, shape.slots, "cuda")
         times: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for _ in range(reps):
@@ -162,16 +167,22 @@ def layer_steps(shapes: str, reps: int, live: int) -> tuple[list[list[Any]], lis
                     os.environ["VLLM_LORA_EXT_KERNEL_CONFIGS"] = "0"
                 else:
                     os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
-                table.fill_(live if mode == "live" else kernels._ALL_ROWS)
+                    chosen = choices[int(mode[-1])]
+                    moe_pairs.default_tiles = shipped if chosen is None else (lambda rank, c=chosen: c)
+                table.fill_(live if mode.startswith("live") else kernels._ALL_ROWS)
                 times[mode].append(step.time_us(None) or {})
+        moe_pairs.default_tiles = shipped
         os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
         for label in step.mappings:
             us = {mode: statistics.median(t[label] for t in times[mode]) for mode in modes}
-            results.append(dict(shape=shape.key(), label=label, vllm_us=us["vllm"], pairs_us=us["pairs"],
-                                live_us=us.get("live"), live_rank=live if "live" in us else None,
-                                speedup=us["vllm"] / us["pairs"], reps=times))
-            rows.append([text, label, round(us["vllm"], 2), round(us["pairs"], 2),
-                         round(us["live"], 2) if "live" in us else "-", round(us["vllm"] / min(us.values()), 2)])
+            for i, chosen in enumerate(choices):
+                p, lv = us[f"pairs{i}"], us.get(f"live{i}")
+                results.append(dict(shape=shape.key(), label=label, tiles=chosen or shipped(shape.rank),
+                                    vllm_us=us["vllm"], pairs_us=p, live_us=lv, live_rank=live if lv else None,
+                                    speedup=us["vllm"] / p, reps={m: times[m] for m in ("vllm", f"pairs{i}",
+                                                                                        f"live{i}") if m in times}))
+                rows.append([text, label, str(chosen or "default"), round(us["vllm"], 2), round(p, 2),
+                             round(lv, 2) if lv else "-", round(us["vllm"] / min(p, lv or p), 2)])
     return rows, results
 
 
@@ -187,7 +198,9 @@ def main() -> None:
     ap.add_argument("--slots", default="1,16", help="distinct adapters among the tokens, per case")
     ap.add_argument("--live", default="0", help="live ranks to try, each its own cases: the slots hold adapters of "
                                                "that rank (zeros past it) and the pair path reads the table (0: none)")
-    ap.add_argument("--configs", default=None, help="the pair path's block_k,block_n,warps;... to try")
+    ap.add_argument("--configs", default=None, help="the pair path's block_k,block_n,warps,expand_rows;... to try")
+    ap.add_argument("--layer-tiles", default="", help="block_k,block_n,warps,expand_rows;... tried in the layer "
+                                                       "steps of a rank above 16 besides moe_pairs.default_tiles")
     ap.add_argument("--layer-shapes", default="16,32,16;16,32,32",
                     help="slots,tokens,rank;... of the layer steps timed through PunicaWrapperGPU ('' skips)")
     ap.add_argument("--live-rank", type=int, default=16,
@@ -227,9 +240,11 @@ def main() -> None:
                              f"{errs['vllm']:.4g}", f"{errs[name]:.4g}", "yes" if ok else "NO"])
     print_table(rows, ["adapters", "live rank", "proj", "(block_k, block_n, warps)", "vLLM one-shot us", "pairs us", "speed-up",
                        "vLLM max err", "pairs max err", "parity"])
-    layer_rows, layer_results = layer_steps(args.layer_shapes, 3, args.live_rank) if args.layer_shapes else ([], [])
+    tiles = [tuple(map(int, c.split(","))) for c in args.layer_tiles.split(";") if c]
+    layer_rows, layer_results = (layer_steps(args.layer_shapes, 3, args.live_rank, tiles) if args.layer_shapes
+                                 else ([], []))
     if layer_rows:
-        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "vLLM us", "plugin us",
+        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "tiles", "vLLM us", "plugin us",
                                  f"plugin, rank-{args.live_rank} adapters us", "best speed-up"])
     payload = {"env": env_info(), "args": vars(args), "results": results, "layer_steps": layer_results}
     write_json("probe_moe_pairs", payload, args.out)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PairRouting", "moe_lora_pairs", "pointers_ready"]
+__all__ = ["PairRouting", "default_tiles", "moe_lora_pairs", "pointers_ready"]
 
 
 @triton.jit
@@ -156,21 +156,25 @@ class PairRouting(NamedTuple):
     slot_ranks: torch.Tensor | None = None
 
 
+def default_tiles(rank: int) -> tuple[int, int, int, int]:
+    """``(block_k, block_n, warps, expand_rows)`` for slots of rank ``rank``: the shrink's block of K, the expand's
+    block of N, the warps a program and the rank rows an expand pass takes (the shrink's are always 16)."""
+    return (256, 128, 1, 16) if rank <= 16 else (256, 64, 1, 16)
+
+
 def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
                    factors: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], routing: PairRouting, *,
                    mul_routed_weight: bool, add_inputs: bool = True,
-                   tiles: tuple[int, int, int] | None = None) -> None:
+                   tiles: tuple[int, int, int, int] | None = None) -> None:
     """Add each (token, expert) pair's LoRA delta to ``output``, as vLLM's ``_fused_moe_lora`` does for a batch
     whose pairs it assigns one by one (``sorted_token_ids`` None).
 
     ``output``: ``(tokens, top_k, slices x N)``, contiguous. ``x``: ``(tokens, K)`` for w13, or ``(tokens x top_k,
     K)`` where ``mul_routed_weight`` (w2), as vLLM couples them. ``factors``: ``(lora_a, lora_b)``, per slice
-    ``(max_loras, experts, r, K)`` and ``(max_loras, experts, N, r)``. ``tiles``: ``(block_k, block_n, warps)``
-    instead of the defaults.
+    ``(max_loras, experts, r, K)`` and ``(max_loras, experts, N, r)``. ``tiles``: instead of [`default_tiles`].
     """
     lora_a, lora_b = factors
     topk_weights, expert_ids, token_lora_mapping, adapter_enabled, slot_ranks = routing
-    block_k, block_n, warps = tiles or (0, 0, 0)
     tokens, top_k = topk_weights.shape
     pairs = tokens * top_k
     slices = len(lora_a)
@@ -181,24 +185,22 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         return
     assert output.is_contiguous() and output.shape[-1] == slices * n, "output must be (tokens, top_k, slices x N)"
     assert x.stride(1) == 1 and a0.stride(3) == 1, "x and lora_a must be contiguous along K"
-    block_r = 16  # rank rows a pass: one pass for an r16 adapter whatever the slots' rank (the tensor-core minimum)
-    block_k = block_k or 256
-    warps = warps or 1
+    block_k, block_n, warps, expand_rows = tiles or default_tiles(rank)
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
     ranks = token_lora_mapping if slot_ranks is None else slot_ranks  # (any int tensor where no table is read)
-    _shrink_kernel[(pairs, slices * triton.cdiv(rank, block_r), splits)](
+    _shrink_kernel[(pairs, slices * triton.cdiv(rank, 16), splits)](
         x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         k, top_k, max_loras, 1 if mul_routed_weight else top_k,
         x.stride(0), a0.stride(0), a0.stride(1), a0.stride(2), part.stride(0), part.stride(1), part.stride(2),
-        RANK=rank, BLOCK_R=block_r, BLOCK_K=block_k, HAS_RANKS=slot_ranks is not None, num_warps=warps)
-    block_n = block_n or 128
+        RANK=rank, BLOCK_R=16, BLOCK_K=block_k, HAS_RANKS=slot_ranks is not None, num_warps=warps)
     _expand_kernel[(pairs, slices, triton.cdiv(n, block_n))](
         part, _pointers(lora_b), output, topk_weights, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         n, top_k, max_loras,
         b0.stride(0), b0.stride(1), b0.stride(2), b0.stride(3), part.stride(0), part.stride(1), part.stride(2),
         output.stride(1),
-        RANK=rank, BLOCK_R=block_r, BLOCK_N=block_n, K_SPLITS=splits, BLOCK_KS=max(triton.next_power_of_2(splits), 2),
+        RANK=rank, BLOCK_R=expand_rows, BLOCK_N=block_n, K_SPLITS=splits,
+        BLOCK_KS=max(triton.next_power_of_2(splits), 2),
         MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, HAS_RANKS=slot_ranks is not None,
         num_warps=warps)
 
