@@ -85,25 +85,27 @@ for x_row, a_rows, b_row, start in [([1.0, 2.0 ** -12], [[1.0, 1.0], [-1.0, 0.0]
     got = out.clone()
     moe_lora_pairs(got, x, (a, b), PairRouting(w, eids, tmap, enabled), mul_routed_weight=False)
     exact.append([got.float().flatten().tolist(), reference(out, x, a, b, w, eids, tmap, enabled, False).flatten().tolist()])
-# the live-rank table: slots of rank 8 holding adapters of rank 5 and 3 (zeros past them, as vLLM's set_lora leaves
-# them) give with the table what they give without it; a table saying 2 (the control) changes the output
-live = {}
+# the live-rank table: slots of rank 32 holding adapters of rank 5 and 20 (zeros past them, as vLLM's set_lora
+# leaves them) give with the table what they give without it, in one expand pass of 32 rows (the default) and in
+# passes of 16; a table saying 2 (the control) changes the output
 dt = torch.bfloat16
 x = torch.randn(4, 40, dtype=dt)
-a = [torch.randn(3, 2, 8, 40, dtype=dt)]
-b = [torch.randn(3, 2, 24, 8, dtype=dt)]
-for slot, rank in ((0, 5), (1, 3)):
+a = [torch.randn(3, 2, 32, 40, dtype=dt) * 0.3]
+b = [torch.randn(3, 2, 24, 32, dtype=dt) * 0.3]
+for slot, rank in ((0, 5), (1, 20)):
     a[0][slot, :, rank:] = 0
     b[0][slot, ..., rank:] = 0
 routing = (torch.rand(4, 2), torch.randint(0, 2, (8,), dtype=torch.int32),
            torch.tensor([0, 1, 0, 1], dtype=torch.int32), torch.ones(4, dtype=torch.int32))
 outs = {}
-for name, table in (("none", None), ("live", [5, 3, 1 << 30]), ("short", [2, 2, 2])):
+for name, table, tiles in (("none", None, None), ("live", [5, 20, 1 << 30], None),
+                           ("live16", [5, 20, 1 << 30], (256, 64, 1, 16)), ("short", [2, 2, 2], None)):
     got = torch.zeros(4, 2, 24, dtype=dt)
     ranks = None if table is None else torch.tensor(table, dtype=torch.int32)
-    moe_lora_pairs(got, x, (a, b), PairRouting(*routing, ranks), mul_routed_weight=False)
+    moe_lora_pairs(got, x, (a, b), PairRouting(*routing, ranks), mul_routed_weight=False, tiles=tiles)
     outs[name] = got
 live = {"equal": torch.equal(outs["live"], outs["none"]), "moved": outs["none"].float().abs().max().item(),
+        "passes_of_16": (outs["live16"].float() - outs["none"].float()).abs().max().item(),
         "short_off": (outs["short"].float() - outs["none"].float()).abs().max().item()}
 print(json.dumps({"cases": report, "exact": exact, "live": live}))
 """
@@ -127,6 +129,7 @@ def test_the_pair_kernels_give_the_dense_reference_in_tritons_interpreter() -> N
     # the slots' live ranks: the rows past them are not read, and nothing changes, bit for bit; a short table does
     live = result["live"]
     assert live["equal"] is True and live["moved"] > 0.5, live
+    assert live["passes_of_16"] <= live["moved"] * 2 ** -7, live  # the same sums, added in two passes
     assert live["short_off"] > 0.1 * live["moved"], live
 
 

@@ -83,6 +83,21 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
 
 
 @triton.jit
+def _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, r0, live, stride_bn, stride_br, out_ty: tl.constexpr,
+                 BLOCK_R: tl.constexpr, K_SPLITS: tl.constexpr):
+    """Rank rows ``r0`` to ``r0 + BLOCK_R`` (those below ``live``) of a pair's expand over a block of N: the shrink
+    of those rows (its K blocks summed, then rounded to ``out_ty`` as vLLM's one-shot rounds it) times B, in
+    fp32."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < live
+    parts = tl.load(part_base + offs_r[None, :], mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :], other=0.0)
+    u = tl.sum(parts, axis=0).to(out_ty).to(tl.float32)
+    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    return tl.sum(b * u[None, :], axis=1)
+
+
+@triton.jit
 def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabled_ptr, expert_ptr, ranks_ptr,
                    N, top_k, max_loras,
                    stride_bl, stride_be, stride_bn, stride_br, stride_ps, stride_pk, stride_pp, stride_om,
@@ -104,16 +119,14 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
     part_base = part_ptr + s * stride_ps + offs_kb[:, None] * stride_pk + pair * stride_pp
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    d = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, live, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < live
-        parts = tl.load(part_base + offs_r[None, :], mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :],
-                        other=0.0)
-        u = tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as vLLM's one-shot does
-        b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                    mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-        d += tl.sum(b * u[None, :], axis=1)
+    if RANK <= BLOCK_R:  # one pass, its rows past the live rank masked
+        d = _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, 0, live, stride_bn, stride_br,
+                         out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
+    else:
+        d = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, live, BLOCK_R):
+            d += _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, r0, live, stride_bn, stride_br,
+                              out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
     if MUL_ROUTED_WEIGHT:
         d = d * tl.load(weights_ptr + pair).to(tl.float32)
     out = out_ptr + pair.to(tl.int64) * stride_om + s * N + offs_n
@@ -159,7 +172,7 @@ class PairRouting(NamedTuple):
 def default_tiles(rank: int) -> tuple[int, int, int, int]:
     """``(block_k, block_n, warps, expand_rows)`` for slots of rank ``rank``: the shrink's block of K, the expand's
     block of N, the warps a program and the rank rows an expand pass takes (the shrink's are always 16)."""
-    return (256, 128, 1, 16) if rank <= 16 else (256, 64, 1, 16)
+    return (256, 128, 1, 16) if rank <= 16 else (256, 64, 1, 32)
 
 
 def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
@@ -188,6 +201,8 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
     block_k, block_n, warps, expand_rows = tiles or default_tiles(rank)
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
+    if rank <= 16:  # one pass of 16 rows whatever the live rank: the table would only cost its read
+        slot_ranks = None
     ranks = token_lora_mapping if slot_ranks is None else slot_ranks  # (any int tensor where no table is read)
     _shrink_kernel[(pairs, slices * triton.cdiv(rank, 16), splits)](
         x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids, ranks,
