@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _shapes() -> list[Any]:
     shape = moe_tuner().Shape
-    # (slots, tokens, rank): pair by pair at 32 decode tokens with 16 slots, ranks 16-64, 12 tokens with 8 slots
-    return [shape(16, 32, 16), shape(16, 32, 32), shape(16, 16, 64), shape(8, 12, 16)]
+    # (slots, tokens, rank): pair by pair at 32 decode tokens with 16 slots, ranks 16 and 32, 16 tokens at rank 32,
+    # 12 tokens with 8 slots
+    return [shape(16, 32, 16), shape(16, 32, 32), shape(16, 16, 32), shape(8, 12, 16)]
 
 
 @pytest.fixture()
@@ -71,12 +72,12 @@ def test_pair_path_gives_the_fp32_reference_as_closely_as_vllms_kernel(
     assert max(_error(ours, other)) > 10 * max(_error(ours, ref))
 
 
-def test_pair_path_is_not_taken_for_batches_vllm_sorts_or_its_small_batch_kernel_takes(
+def test_pair_path_is_not_taken_for_batches_vllm_sorts_its_small_batch_kernel_takes_or_of_rank_64(
         tmp_path: Path, counted: list[int]) -> None:
     from vllm_lora_ext.kernel_configs import file_stem
 
     shape = moe_tuner().Shape
-    for s in (shape(4, 64, 16), shape(16, 512, 16), shape(4, 8, 16), shape(1, 1, 16)):
+    for s in (shape(4, 64, 16), shape(16, 512, 16), shape(4, 8, 16), shape(1, 1, 16), shape(16, 32, 64)):
         step = moe_tuner().Step(s, tmp_path, file_stem(torch.cuda.get_device_name()))
         before = counted[0]
         step.output(None, "spread")

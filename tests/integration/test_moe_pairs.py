@@ -152,8 +152,9 @@ def test_the_pair_path_fits_only_what_vllm_assigns_pair_by_pair_beyond_its_small
     assert not kernels._pairs_fit(_call(fully_sharded=True))
     assert not kernels._pairs_fit(_call(offset=64))
     assert not kernels._pairs_fit(_call(topk_weights=torch.zeros(8, 8)))  # 64 pairs x r16: vLLM's small batch
-    big = (torch.zeros(16, 8, 128, 64, dtype=torch.bfloat16),) * 2
-    assert not kernels._pairs_fit(_call(lora_a_stacked=big))  # rank 128 > PAIRS_MAX_RANK
+    assert kernels._pairs_fit(_call(lora_a_stacked=(torch.zeros(16, 8, 32, 64, dtype=torch.bfloat16),) * 2))
+    big = (torch.zeros(16, 8, 64, 64, dtype=torch.bfloat16),) * 2
+    assert not kernels._pairs_fit(_call(lora_a_stacked=big))  # rank 64 > PAIRS_MAX_RANK
     assert not kernels._pairs_fit(_call(x=torch.zeros(32, 64)))  # fp32
     assert not kernels._pairs_fit(_call(x=torch.zeros(64, 32, dtype=torch.bfloat16).t()))  # not contiguous along K
     strided_a = (torch.zeros(16, 8, 64, 16, dtype=torch.bfloat16).transpose(2, 3),) * 2  # A not contiguous along K

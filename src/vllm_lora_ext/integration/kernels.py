@@ -161,7 +161,7 @@ def make_load_lora_op_config(original: Callable[..., Any]) -> Callable[..., Any]
     return load_lora_op_config
 
 
-PAIRS_MAX_RANK = 64  # the largest slot rank the pair path takes (at most four passes of 16 rank rows a program)
+PAIRS_MAX_RANK = 32  # the largest slot rank the pair path takes: at 64, vLLM's kernel was faster (r39, H200)
 _VLLM_SMALL_BATCH = 1024  # vLLM runs pairs x rank up to this through its own small-batch kernel: left to it
 _PAIRS_LOGGED: list[bool] = []  # the pair path's first use in this process was logged
 
