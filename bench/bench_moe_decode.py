@@ -205,6 +205,7 @@ def engine_main(conn: Any, variant: str, spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    os.setsid()  # a group of its own with vLLM's engine-core process, so that a kill takes both (_kill_group)
     t0 = time.perf_counter()
     llm = start_engine(spec["model"], max_lora_rank=spec["max_lora_rank"], layers=spec["layers"], util=spec["util"])
     start_s = time.perf_counter() - t0
@@ -263,8 +264,7 @@ class Engines:
                 break
             if not p.is_alive():
                 break
-        p.kill()
-        p.join(10)
+        _kill_group(p)
         self.procs.pop(variant)
         raise SystemExit(f"{variant}: no answer to {what} (engine exit code {p.exitcode}); see its log above")
 
@@ -277,7 +277,19 @@ class Engines:
         conn.send(("stop", ""))
         p.join(timeout=90)
         if p.is_alive():
-            p.kill()
+            _kill_group(p)
+
+
+def _kill_group(p: Any) -> None:
+    """Kill an engine process and its group: vLLM's engine-core process too, which would otherwise outlive it,
+    holding the GPU and the bench's output pipe (r39: a failed start then hung the call until its time limit)."""
+    import signal
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        p.kill()
+    p.join(10)
 
 
 def run_block(eng: Engines, variants: list[str], cases: list[str], reps: int, secs: dict[str, Any],

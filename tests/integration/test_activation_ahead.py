@@ -426,6 +426,31 @@ def test_activation_notes_each_slots_live_rank_for_the_pair_kernels(patched: Non
     assert [t.tolist() for t in tables] == [[every, 7, every, 3]] * 2
 
 
+def test_a_table_the_forward_made_in_inference_mode_takes_activations_outside_it(patched: None) -> None:
+    """The pair path makes the table in the model's forward, under ``torch.inference_mode``, when no activation
+    made it first (vLLM's warm-up and capture); vLLM activates adapters outside inference mode, where an in-place
+    write to an inference tensor raises. r39's first engine on the GPU failed its start on that."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration.patching import SLOT_RANKS_ATTR
+
+    mgr = _manager([None] * SLOTS)
+    wrapper = PunicaWrapperCPU(64, SLOTS, device="cpu")
+    mgr.punica_wrapper_mapping = {"language_model": wrapper}
+    with torch.inference_mode():
+        made = kernels.slot_rank_table(wrapper, SLOTS, "cpu")  # as the forward makes it
+    assert made.is_inference() and wrapper.__dict__[SLOT_RANKS_ATTR] is made
+    mgr._registered_adapters[4] = _model(4, rank=3)
+    assert mgr.activate_adapter(4) is True  # outside inference mode, as vLLM's add_adapter activates
+    assert made.tolist()[0] == 3
+    with torch.inference_mode():  # and inside it
+        mgr.deactivate_adapter(4)
+        mgr._registered_adapters[5] = _model(5, rank=6)
+        assert mgr.activate_adapter(5) is True
+    assert made.tolist()[0] == 6
+
+
 def test_the_live_rank_is_the_largest_factor_rank_and_unknown_for_a_factor_it_cannot_read() -> None:
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.lora_weights import LoRALayerWeights

@@ -238,11 +238,16 @@ def note_slot_rank(manager: Any, lora_id: int) -> None:
     lora_model = manager._registered_adapters.get(lora_id)
     rank = (_live_rank(lora_model) if lora_model is not None else None) or _ALL_ROWS
     index = slots.index(lora_id)
+    import torch
+
     for wrapper in dict(getattr(manager, "punica_wrapper_mapping", None) or {}).values():
         device = getattr(wrapper, "device", None)
         table = slot_rank_table(wrapper, len(slots), device) if device is not None else None
         if table is not None:
-            table[index:index + 1].fill_(rank)
+            # a table made in the model's forward is an inference tensor, which only inference mode may write
+            # (vLLM activates adapters outside it); writing a normal one there is allowed too
+            with torch.inference_mode():
+                table[index:index + 1].fill_(rank)
 
 
 def _pairs_take(named: dict[str, Any]) -> bool:
