@@ -18,7 +18,7 @@ candidate's largest error must not exceed vLLM's by more than one bf16 step of t
 whole LoRA step (w13, then w2) through vLLM's ``PunicaWrapperGPU`` in a CUDA graph, with the plugin registered,
 its pair path against vLLM's kernel (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``) for each ``--layer-shapes`` shape, 3
 times interleaved; where a shape's rank is above ``--live-rank``, also with adapters of that rank in its slots
-and the pair path reading only their rows (the slots' live-rank table, ``integration.kernels.note_slot_rank``). Prints tables and writes JSON; needs vLLM (the bundle) and a GPU.
+and the pair path reading only their rows (the slots' live-rank table, ``integration.slot_ranks``). Prints tables and writes JSON; needs vLLM (the bundle) and a GPU.
 
     python bench/probe_moe_pairs.py --out results/probe_moe_pairs_h200.json
 """
@@ -143,7 +143,7 @@ def layer_steps(shapes: str, reps: int, live: int,
 
     import tune_moe_lora_kernels as tune
 
-    from vllm_lora_ext.integration import kernels, moe_pairs, plugin
+    from vllm_lora_ext.integration import moe_pairs, plugin, slot_ranks
     from vllm_lora_ext.kernel_configs import file_stem
 
     plugin.register()
@@ -159,7 +159,7 @@ def layer_steps(shapes: str, reps: int, live: int,
                             if kind == "pairs" or 0 < live < shape.rank]
         if 0 < live < shape.rank:
             _zero_past(step, live)
-        table = kernels.slot_rank_table(step.punica, shape.slots, "cuda")
+        table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
         times: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for _ in range(reps):
             for mode in modes:
@@ -167,9 +167,9 @@ def layer_steps(shapes: str, reps: int, live: int,
                     os.environ["VLLM_LORA_EXT_KERNEL_CONFIGS"] = "0"
                 else:
                     os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
-                    chosen = choices[int(mode[-1])]
+                    chosen = choices[int(mode.removeprefix("pairs").removeprefix("live"))]
                     moe_pairs.default_tiles = shipped if chosen is None else (lambda rank, c=chosen: c)
-                table.fill_(live if mode.startswith("live") else kernels._ALL_ROWS)
+                table.fill_(live if mode.startswith("live") else slot_ranks.ALL_ROWS)
                 times[mode].append(step.time_us(None) or {})
         moe_pairs.default_tiles = shipped
         os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)

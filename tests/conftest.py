@@ -24,6 +24,17 @@ def _has_gpu() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to test another tree's package: a venv whose editable install points at one checkout imports that
+    checkout's code in every other clone that uses it, and its tests would pass or fail for code not under test."""
+    spec = importlib.util.find_spec("vllm_lora_ext")
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    root = Path(config.rootpath).resolve()
+    if origin is not None and not origin.is_relative_to(root):
+        raise pytest.UsageError(f"these tests would import vllm_lora_ext from {origin.parent}, not from this tree "
+                                f"({root}): run them with PYTHONPATH=src, or install this tree (pip install -e .)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = _has_gpu()
     for item in items:

@@ -109,7 +109,7 @@ def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for
     """Rank-16 adapters in rank-32 slots (zeros past row 16, as vLLM's set_lora leaves them): the pair path told so
     by the slots' live-rank table gives the outputs of the path that reads every row, bit for bit, and the fp32
     reference; the control, a table saying 8, changes them (the table is read)."""
-    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration import slot_ranks
     from vllm_lora_ext.kernel_configs import file_stem
 
     shape = moe_tuner().Shape(16, 32, 32)
@@ -118,9 +118,9 @@ def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for
         a[:, :, 16:, :].zero_()
     for b in (*step.w13_b, *step.w2_b):
         b[..., 16:].zero_()
-    table = kernels.slot_rank_table(step.punica, shape.slots, "cuda")
+    table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
     for label in step.mappings:
-        table.fill_(kernels._ALL_ROWS)
+        table.fill_(slot_ranks.ALL_ROWS)
         before = counted[0]
         every_row = step.output(None, label)
         table.fill_(16)
@@ -133,3 +133,33 @@ def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for
         table.fill_(8)
         short = step.output(None, label)
         assert max(_error(short, every_row)) > 0.1 * max(float(r.abs().max()) for r in ref), label
+
+
+def test_a_captured_pair_path_reads_the_live_rank_table_as_it_is_at_each_replay(
+        tmp_path: Path, counted: list[int]) -> None:
+    """A CUDA graph captured with the table reads the entries written after the capture (as activations write
+    them between steps): rank-16 adapters in rank-32 slots replay the every-row outputs with 16 or `ALL_ROWS`, and
+    other outputs with 8 (the control)."""
+    from vllm_lora_ext.integration import slot_ranks
+    from vllm_lora_ext.kernel_configs import file_stem
+
+    shape = moe_tuner().Shape(16, 32, 32)
+    step = moe_tuner().Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
+    for a in (*step.w13_a, *step.w2_a):
+        a[:, :, 16:, :].zero_()
+    for b in (*step.w13_b, *step.w2_b):
+        b[..., 16:].zero_()
+    table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
+    table.fill_(slot_ranks.ALL_ROWS)
+    eager = step.output(None, "spread")  # also makes the slots' address tables, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.launch()
+    for entry, same in ((16, True), (8, False), (slot_ranks.ALL_ROWS, True)):
+        table.fill_(entry)
+        step.y13.zero_()
+        step.y2.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = (step.y13.float(), step.y2.float())
+        assert all(torch.equal(r, e) for r, e in zip(replayed, eager)) is same, entry

@@ -399,11 +399,11 @@ def test_a_plan_whose_sources_share_a_factors_memory_is_not_kept_for_an_adapter_
 
 def test_activation_notes_each_slots_live_rank_for_the_pair_kernels(patched: None) -> None:
     """Through the plan and through vLLM's path alike, the slot an adapter is put in gets its rank in the punica
-    wrapper's live-rank table (``integration.kernels.note_slot_rank``); an adapter already active writes nothing,
+    wrapper's live-rank table (``integration.slot_ranks``); an adapter already active writes nothing,
     and the next adapter in a freed slot overwrites its entry."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration import slot_ranks
     from vllm_lora_ext.integration.activation import plan_activation
     from vllm_lora_ext.integration.patching import SLOT_RANKS_ATTR
 
@@ -416,7 +416,7 @@ def test_activation_notes_each_slots_live_rank_for_the_pair_kernels(patched: Non
     mgr._registered_adapters[4] = _model(4, rank=3)  # through vLLM's path
     assert mgr.activate_adapter(3) is True and mgr.activate_adapter(4) is True
     tables = [w.__dict__[SLOT_RANKS_ATTR] for w in mgr.punica_wrapper_mapping.values()]
-    every = kernels._ALL_ROWS
+    every = slot_ranks.ALL_ROWS
     for table in tables:  # slots 0 and 2 were filled before the table: every row read
         assert table.tolist() == [every, 5, every, 3]
     assert mgr.activate_adapter(3) is False and tables[0].tolist() == [every, 5, every, 3]
@@ -426,20 +426,41 @@ def test_activation_notes_each_slots_live_rank_for_the_pair_kernels(patched: Non
     assert [t.tolist() for t in tables] == [[every, 7, every, 3]] * 2
 
 
+def test_an_activation_that_fails_leaves_its_slot_reading_every_row(patched: None) -> None:
+    """The slot vLLM is about to fill reads every row before its writes begin, so a failure half-way (a factor
+    larger than the slot) leaves no smaller rank of the slot's last adapter behind."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from vllm_lora_ext.integration import slot_ranks
+
+    mgr = _manager([7, None, 9, None])
+    wrapper = PunicaWrapperCPU(64, SLOTS, device="cpu")
+    mgr.punica_wrapper_mapping = {"language_model": wrapper, "tower": wrapper}  # one wrapper under two prefixes
+    mgr._registered_adapters[4] = _model(4, rank=3)
+    assert mgr.activate_adapter(4) is True and mgr.lora_index_to_id[1] == 4
+    table = wrapper.__dict__["_vllm_lora_ext_slot_ranks"]
+    assert table.tolist()[1] == 3
+    mgr.deactivate_adapter(4)
+    mgr._registered_adapters[5] = _model(5, rank=RANK + 1)  # larger than the slots: vLLM's set_lora raises
+    with pytest.raises(RuntimeError):
+        mgr.activate_adapter(5)
+    assert table.tolist()[1] == slot_ranks.ALL_ROWS
+
+
 def test_a_table_the_forward_made_in_inference_mode_takes_activations_outside_it(patched: None) -> None:
     """The pair path makes the table in the model's forward, under ``torch.inference_mode``, when no activation
     made it first (vLLM's warm-up and capture); vLLM activates adapters outside inference mode, where an in-place
     write to an inference tensor raises. r39's first engine on the GPU failed its start on that."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration import slot_ranks
     from vllm_lora_ext.integration.patching import SLOT_RANKS_ATTR
 
     mgr = _manager([None] * SLOTS)
     wrapper = PunicaWrapperCPU(64, SLOTS, device="cpu")
     mgr.punica_wrapper_mapping = {"language_model": wrapper}
     with torch.inference_mode():
-        made = kernels.slot_rank_table(wrapper, SLOTS, "cpu")  # as the forward makes it
+        made = slot_ranks.rank_table(wrapper, SLOTS, "cpu")  # as the forward makes it
     assert made.is_inference() and wrapper.__dict__[SLOT_RANKS_ATTR] is made
     mgr._registered_adapters[4] = _model(4, rank=3)
     assert mgr.activate_adapter(4) is True  # outside inference mode, as vLLM's add_adapter activates
@@ -455,11 +476,11 @@ def test_the_live_rank_is_the_largest_factor_rank_and_unknown_for_a_factor_it_ca
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.lora_weights import LoRALayerWeights
 
-    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.integration import slot_ranks
 
     model = _model(3, rank=5)
     model.loras["layers.0.self_attn.o_proj"] = LoRALayerWeights("layers.0.self_attn.o_proj", 6, 1,
                                                                 torch.zeros(6, H), torch.zeros(H, 6))
-    assert kernels._live_rank(model) == 6  # the largest module's, whatever the model's declared rank
+    assert slot_ranks.live_rank(model) == 6  # the largest module's, whatever the model's declared rank
     flat = LoRAModel(5, 4, {"m": LoRALayerWeights("m", 4, 1, torch.zeros(4 * H), torch.zeros(H, 4))})
-    assert kernels._live_rank(flat) is None  # a 1-D factor: every row of the slot is read
+    assert slot_ranks.live_rank(flat) is None  # a 1-D factor: every row of the slot is read

@@ -86,26 +86,36 @@ for x_row, a_rows, b_row, start in [([1.0, 2.0 ** -12], [[1.0, 1.0], [-1.0, 0.0]
     moe_lora_pairs(got, x, (a, b), PairRouting(w, eids, tmap, enabled), mul_routed_weight=False)
     exact.append([got.float().flatten().tolist(), reference(out, x, a, b, w, eids, tmap, enabled, False).flatten().tolist()])
 # the live-rank table: slots of rank 32 holding adapters of rank 5 and 20 (zeros past them, as vLLM's set_lora
-# leaves them) give with the table what they give without it, in one expand pass of 32 rows (the default) and in
-# passes of 16; a table saying 2 (the control) changes the output
+# leaves them) and one of rank 32 whose entry says "unknown" (2^30: clamped to 32) give with the table what they
+# give without it, in one expand pass of 32 rows (the default) and in passes of 16; with NaN instead of zeros past
+# the live ranks, the table's outputs are the same (the rows past it, and the partials the shrink did not write
+# for them, are never read); a table saying 2 (the control) changes the output
 dt = torch.bfloat16
-x = torch.randn(4, 40, dtype=dt)
+x = torch.randn(6, 40, dtype=dt)
 a = [torch.randn(3, 2, 32, 40, dtype=dt) * 0.3]
 b = [torch.randn(3, 2, 24, 32, dtype=dt) * 0.3]
+poisoned = ([a[0].clone()], [b[0].clone()])
 for slot, rank in ((0, 5), (1, 20)):
     a[0][slot, :, rank:] = 0
     b[0][slot, ..., rank:] = 0
-routing = (torch.rand(4, 2), torch.randint(0, 2, (8,), dtype=torch.int32),
-           torch.tensor([0, 1, 0, 1], dtype=torch.int32), torch.ones(4, dtype=torch.int32))
+    poisoned[0][0][slot, :, rank:] = float("nan")
+    poisoned[1][0][slot, ..., rank:] = float("nan")
+routing = (torch.rand(6, 2), torch.randint(0, 2, (12,), dtype=torch.int32),
+           torch.tensor([0, 1, 2, 1, 0, 2], dtype=torch.int32), torch.ones(4, dtype=torch.int32))
+table = torch.tensor([5, 20, 1 << 30], dtype=torch.int32)
 outs = {}
-for name, table, tiles in (("none", None, None), ("live", [5, 20, 1 << 30], None),
-                           ("live16", [5, 20, 1 << 30], (256, 64, 1, 16)), ("short", [2, 2, 2], None)):
-    got = torch.zeros(4, 2, 24, dtype=dt)
-    ranks = None if table is None else torch.tensor(table, dtype=torch.int32)
-    moe_lora_pairs(got, x, (a, b), PairRouting(*routing, ranks), mul_routed_weight=False, tiles=tiles)
+for name, factors, ranks, tiles in (("none", (a, b), None, None), ("live", (a, b), table, None),
+                                    ("live16", (a, b), table, (256, 64, 1, 16)),
+                                    ("poisoned", poisoned, table, None),
+                                    ("poisoned16", poisoned, table, (256, 64, 1, 16)),
+                                    ("short", (a, b), torch.tensor([2, 2, 2], dtype=torch.int32), None)):
+    got = torch.zeros(6, 2, 24, dtype=dt)
+    moe_lora_pairs(got, x, factors, PairRouting(*routing, ranks), mul_routed_weight=False, tiles=tiles)
     outs[name] = got
 live = {"equal": torch.equal(outs["live"], outs["none"]), "moved": outs["none"].float().abs().max().item(),
         "passes_of_16": (outs["live16"].float() - outs["none"].float()).abs().max().item(),
+        "poisoned_equal": (torch.equal(outs["poisoned"], outs["none"])
+                           and torch.equal(outs["poisoned16"], outs["live16"])),
         "short_off": (outs["short"].float() - outs["none"].float()).abs().max().item()}
 print(json.dumps({"cases": report, "exact": exact, "live": live}))
 """
@@ -130,6 +140,7 @@ def test_the_pair_kernels_give_the_dense_reference_in_tritons_interpreter() -> N
     live = result["live"]
     assert live["equal"] is True and live["moved"] > 0.5, live
     assert live["passes_of_16"] <= live["moved"] * 2 ** -7, live  # the same sums, added in two passes
+    assert live["poisoned_equal"] is True, live  # nothing past a live rank is read, in either expand
     assert live["short_off"] > 0.1 * live["moved"], live
 
 

@@ -28,7 +28,7 @@ slots' rank at most `PAIRS_MAX_RANK`, more pairs x rank than vLLM's own small-ba
 batch-invariant mode. ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` leaves every batch to vLLM, as it does the configs. In a
 CUDA graph capture the path runs only where the slots' address tables exist already (made by the warm-up's
 batches, outside capture); else the batch is vLLM's. The kernels read only each slot's live rank rows: every
-activation writes the adapter's largest rank into its punica wrappers' table ([`note_slot_rank`]), so an r16
+activation writes the adapter's largest rank into its punica wrappers' table (`integration.slot_ranks`), so an r16
 adapter in an engine whose ``max_lora_rank`` is 32 (for two-adapter mixes) reads 16 rows of each factor, not 32;
 the rows past it are zeros, so the outputs are the same bit for bit.
 """
@@ -49,7 +49,6 @@ from vllm_lora_ext.integration._compat import (
     moe_lora_layer_shape,
     with_tuned_moe_configs,
 )
-from vllm_lora_ext.integration.patching import LIVE_RANK_ATTR, SLOT_RANKS_ATTR
 from vllm_lora_ext.kernel_configs import file_stem, load_tables, lookup_config
 from vllm_lora_ext.kernel_configs.moe import MOE_OPS, load_moe_tables, moe_tables_fit
 
@@ -185,71 +184,6 @@ def _pairs_fit(named: dict[str, Any]) -> bool:
     return y.shape[-1] == len(lora_a) * lora_b[0].shape[2]
 
 
-_ALL_ROWS = 1 << 30  # a slot's entry in the live-rank table when its rank is not known: every row is read
-
-
-def _live_rank(lora_model: Any) -> int | None:
-    """The largest rank of ``lora_model``'s factors, the last dimension of each B (vLLM's ``(out, r)`` and the
-    fused-MoE ``(experts, N, r)``) and the second-to-last of each A (``(r, in)``, ``(experts, r, K)``), cached on the
-    model; None where a factor is not a tensor of two or more dimensions (then every row of its slot is read).
-    Both dimensions count, so a factor laid out otherwise can only make the number larger, never smaller."""
-    found = lora_model.__dict__.get(LIVE_RANK_ATTR)
-    if found is not None:
-        return found  # type: ignore[no-any-return]
-    best = 0
-    for weights in getattr(lora_model, "loras", {}).values():
-        for factor, dim in ((getattr(weights, "lora_a", None), -2), (getattr(weights, "lora_b", None), -1)):
-            for t in factor if isinstance(factor, (list, tuple)) else (factor,):
-                if t is None:
-                    continue
-                if getattr(t, "dim", lambda: 0)() < 2:
-                    return None
-                best = max(best, int(t.shape[dim]))
-    if best:
-        lora_model.__dict__[LIVE_RANK_ATTR] = best
-    return best or None
-
-
-def slot_rank_table(wrapper: Any, slots: int, device: Any) -> Any:
-    """``wrapper``'s table of each slot's live rank (int32, ``slots`` entries on ``device``), made at its first use
-    outside a CUDA graph capture with every entry `_ALL_ROWS`; None inside a capture that would have to make it,
-    or where the table made has another size. A table, once made, lives as long as ``wrapper``: a graph captured
-    with its address reads the entries activation writes ([`note_slot_rank`])."""
-    import torch
-
-    table = wrapper.__dict__.get(SLOT_RANKS_ATTR)
-    if table is None:
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        table = wrapper.__dict__[SLOT_RANKS_ATTR] = torch.full((slots,), _ALL_ROWS, dtype=torch.int32, device=device)
-    return table if table.numel() == slots else None
-
-
-def note_slot_rank(manager: Any, lora_id: int) -> None:
-    """After ``manager`` (a ``LoRAModelManager``) activated ``lora_id``: write its slot's live rank
-    ([`_live_rank`]) into the table of each of its punica wrappers (``punica_wrapper_mapping``: the language model's,
-    and a multimodal model's tower and connector ones, which share the slots), on the wrapper's device. vLLM's
-    ``set_lora`` zeroes a slot before it writes a smaller rank into it, so the rows past the live rank are zeros; the
-    pair kernels skip them (`moe_pairs.PairRouting`'s ``slot_ranks``). The write is a fill on the current stream,
-    ordered before the next step's kernels, as vLLM's own slot writes are."""
-    slots = list(getattr(manager, "lora_index_to_id", ()))
-    if lora_id not in slots:
-        return
-    lora_model = manager._registered_adapters.get(lora_id)
-    rank = (_live_rank(lora_model) if lora_model is not None else None) or _ALL_ROWS
-    index = slots.index(lora_id)
-    import torch
-
-    for wrapper in dict(getattr(manager, "punica_wrapper_mapping", None) or {}).values():
-        device = getattr(wrapper, "device", None)
-        table = slot_rank_table(wrapper, len(slots), device) if device is not None else None
-        if table is not None:
-            # a table made in the model's forward is an inference tensor, which only inference mode may write
-            # (vLLM activates adapters outside it); writing a normal one there is allowed too
-            with torch.inference_mode():
-                table[index:index + 1].fill_(rank)
-
-
 def _pairs_take(named: dict[str, Any]) -> bool:
     """Whether the pair path serves this ``add_lora_fused_moe`` call: arguments that suit it ([`_pairs_fit`]) on a
     CUDA device, not batch-invariant mode, and not a CUDA graph capture that would have to make the slots' address
@@ -287,9 +221,11 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
             logger.info("fused-MoE LoRA: small batches through the plugin's pair kernels "
                         "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's)")
         mapping = named.get("token_lora_mapping")
+        from vllm_lora_ext.integration.slot_ranks import rank_table
+
         lora_a = named["lora_a_stacked"]
         routing = PairRouting(named["topk_weights"], named["expert_ids"], meta[0] if mapping is None else mapping,
-                              named["adapter_enabled"], slot_rank_table(self, lora_a[0].shape[0], x.device))
+                              named["adapter_enabled"], rank_table(self, lora_a[0].shape[0], x.device))
         moe_lora_pairs(named["y"], x, (lora_a, named["lora_b_stacked"]), routing,
                        mul_routed_weight=bool(named.get("mul_routed_weight")),
                        add_inputs=bool(named.get("add_inputs", True)))

@@ -159,7 +159,7 @@ class PairRouting(NamedTuple):
     """Where a batch's (token, expert) pairs go: ``topk_weights`` ``(tokens, top_k)``; ``expert_ids``
     ``(tokens x top_k,)``; ``token_lora_mapping`` ``(tokens,)``, a slot or -1; ``adapter_enabled``, per slot, 0
     where the slot's adapter has no experts; ``slot_ranks``, int32 per slot, each slot's live rank, past which its
-    rows are zeros (`integration.kernels.note_slot_rank`), so an r16 adapter in r32 slots reads 16 of them (None:
+    rows are zeros (`integration.slot_ranks`), so an r16 adapter in r32 slots reads 16 of them (None:
     every row is read)."""
 
     topk_weights: torch.Tensor

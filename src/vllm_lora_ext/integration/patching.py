@@ -50,8 +50,8 @@ ROUTED_ATTR = "_vllm_lora_ext_lora_request"  # on a request object: the LoRARequ
 DEPLOYMENT_ATTR = "vllm_lora_ext_deployment"  # on OpenAIServingModels: the deployment config (server.py)
 DISK_HOLDS_ATTR = "vllm_lora_ext_disk_holds"  # on OpenAIServingModels: the disk-cache holds of its adapters
 PINNED_NAMES_ATTR = "vllm_lora_ext_pinned_names"  # on OpenAIServingModels: adapters registered at start-up
-SLOT_RANKS_ATTR = "_vllm_lora_ext_slot_ranks"  # on a PunicaWrapperGPU: each slot's live rank, on its GPU (kernels.py)
-LIVE_RANK_ATTR = "_vllm_lora_ext_live_rank"  # on a LoRAModel: the largest rank of its factors (kernels.py)
+SLOT_RANKS_ATTR = "_vllm_lora_ext_slot_ranks"  # on a PunicaWrapperGPU: each slot's live rank (slot_ranks.py)
+LIVE_RANK_ATTR = "_vllm_lora_ext_live_rank"  # on a LoRAModel: the largest rank of its factors (slot_ranks.py)
 
 Process = Literal["server", "engine", "worker"]
 PROCESSES: tuple[Process, ...] = ("server", "engine", "worker")

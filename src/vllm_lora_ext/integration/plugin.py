@@ -138,8 +138,9 @@ PATCHES: tuple[Patch, ...] = (
               "1,400 tensor writes from Python for 48 MoE layers): 0.033-0.041 s an H200 step paused while 32 "
               "requests decoded. For a model a background build staged and merged, the writes were recorded on "
               "its thread (integration.activation) and are done here in a few batched calls; anything else goes "
-              "through vLLM's path. Either way the slot's live rank (its adapter's largest) goes into the punica "
-              "wrapper's table, which the fused-MoE pair kernels read to skip the zero rows past it",
+              "through vLLM's path. Either way the slot's live rank (its adapter's largest; every row before "
+              "and should it fail) goes into the punica wrappers' table, which the fused-MoE pair kernels read "
+              "to skip the zero rows past it (integration.slot_ranks)",
           delete_when="vLLM copies a new adapter into its slot in batched calls, or off the engine step",
           related="vLLM issue #31941 (loading adapters off the engine loop)"),
     Patch(WORKER_MANAGER_MODULE, "LRUCacheWorkerLoRAManager._apply_adapters", ("lora_requests",),
@@ -267,8 +268,10 @@ PATCHES: tuple[Patch, ...] = (
           why="a small batch's fused-MoE LoRA (vLLM's pairs assigned one by one: 32 decode tokens at 16 slots) runs "
               "vLLM's one-shot kernel with a whole 16-row program per pair, shrink then expand in sequence: run "
               "those batches through two kernels that split the shrink over K and the expand over N "
-              "(`integration/moe_pairs.py`; on an H200, r16, one layer's LoRA step 33-42 us against 49-55 us). "
-              "They read only each slot's live rank (an r16 adapter in r32 slots reads 16 rows). "
+              "(`integration/moe_pairs.py`; on an H200, one layer's LoRA step 34-42 us against 53-56 us at r16, 55-69 "
+              "us against 88-94 us at r32). "
+              "They read only each slot's live rank (an r16 adapter in r32 slots reads 16 rows), and take slot "
+              "ranks up to 32. "
               "Every other batch, and all with VLLM_LORA_EXT_KERNEL_CONFIGS=0, is vLLM's",
           delete_when="vLLM's fused-MoE LoRA kernel splits a small batch's pairs over K and N"),
 )

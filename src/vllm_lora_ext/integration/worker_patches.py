@@ -173,16 +173,17 @@ def _index_parts(packed: dict[str, list[str]]) -> dict[str, str] | None:
 def make_activate_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``LoRAModelManager.activate_adapter``: a model whose slot writes were planned ahead gets them in a
     few batched calls (``integration.activation``); every other one vLLM's own activation. Either way its slot's
-    live rank is noted for the fused-MoE pair kernels (`kernels.note_slot_rank`)."""
+    live rank is noted for the fused-MoE pair kernels (`integration.slot_ranks`)."""
 
     def activate_adapter(self: Any, lora_id: int) -> Any:
+        from vllm_lora_ext.integration import slot_ranks
         from vllm_lora_ext.integration.activation import activate_planned
-        from vllm_lora_ext.integration.kernels import note_slot_rank
 
+        slot_ranks.before_activation(self, lora_id)  # the slot it will fill reads every row until step 3
         done = activate_planned(self, lora_id)
         result = original(self, lora_id) if done is None else done
         if result:  # put in a slot now (False: it was active already)
-            note_slot_rank(self, lora_id)  # the slot's live rank, for the fused-MoE pair kernels
+            slot_ranks.after_activation(self, lora_id)  # the slot's live rank, for the fused-MoE pair kernels
         return result
 
     return activate_adapter
