@@ -104,11 +104,9 @@ def test_a_captured_pair_path_replays_the_eager_outputs_bit_for_bit(tmp_path: Pa
         assert torch.equal(step.y13.float(), eager[0]) and torch.equal(step.y2.float(), eager[1]), label
 
 
-def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for_bit(
-        tmp_path: Path, counted: list[int]) -> None:
-    """Rank-16 adapters in rank-32 slots (zeros past row 16, as vLLM's set_lora leaves them): the pair path told so
-    by the slots' live-rank table gives the outputs of the path that reads every row, bit for bit, and the fp32
-    reference; the control, a table saying 8, changes them (the table is read)."""
+def _r16_adapters_in_r32_slots(tmp_path: Path) -> tuple[Any, torch.Tensor]:
+    """A rank-32 layer step whose slots hold rank-16 adapters (zeros past row 16, as vLLM's set_lora leaves them),
+    and its punica wrapper's live-rank table."""
     from vllm_lora_ext.integration import slot_ranks
     from vllm_lora_ext.kernel_configs import file_stem
 
@@ -118,7 +116,17 @@ def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for
         a[:, :, 16:, :].zero_()
     for b in (*step.w13_b, *step.w2_b):
         b[..., 16:].zero_()
-    table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
+    return step, slot_ranks.rank_table(step.punica, shape.slots, "cuda")
+
+
+def test_the_live_rank_table_reads_fewer_rows_and_gives_the_same_outputs_bit_for_bit(
+        tmp_path: Path, counted: list[int]) -> None:
+    """Rank-16 adapters in rank-32 slots (zeros past row 16, as vLLM's set_lora leaves them): the pair path told so
+    by the slots' live-rank table gives the outputs of the path that reads every row, bit for bit, and the fp32
+    reference; the control, a table saying 8, changes them (the table is read)."""
+    from vllm_lora_ext.integration import slot_ranks
+
+    step, table = _r16_adapters_in_r32_slots(tmp_path)
     for label in step.mappings:
         table.fill_(slot_ranks.ALL_ROWS)
         before = counted[0]
@@ -141,15 +149,8 @@ def test_a_captured_pair_path_reads_the_live_rank_table_as_it_is_at_each_replay(
     them between steps): rank-16 adapters in rank-32 slots replay the every-row outputs with 16 or `ALL_ROWS`, and
     other outputs with 8 (the control)."""
     from vllm_lora_ext.integration import slot_ranks
-    from vllm_lora_ext.kernel_configs import file_stem
 
-    shape = moe_tuner().Shape(16, 32, 32)
-    step = moe_tuner().Step(shape, tmp_path, file_stem(torch.cuda.get_device_name()))
-    for a in (*step.w13_a, *step.w2_a):
-        a[:, :, 16:, :].zero_()
-    for b in (*step.w13_b, *step.w2_b):
-        b[..., 16:].zero_()
-    table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
+    step, table = _r16_adapters_in_r32_slots(tmp_path)
     table.fill_(slot_ranks.ALL_ROWS)
     eager = step.output(None, "spread")  # also makes the slots' address tables, outside the capture
     graph = torch.cuda.CUDAGraph()
