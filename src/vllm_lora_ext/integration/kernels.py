@@ -211,6 +211,7 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _pairs_take(named):
             return original(self, *args, **kwargs)
         from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+        from vllm_lora_ext.integration.slot_ranks import rank_table
 
         x = named["x"]
         meta = self.token_mapping_meta.meta_args(x.size(0), self.lora_config.specialize_active_lora)
@@ -221,8 +222,6 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
             logger.info("fused-MoE LoRA: small batches through the plugin's pair kernels "
                         "(VLLM_LORA_EXT_KERNEL_CONFIGS=0 for vLLM's)")
         mapping = named.get("token_lora_mapping")
-        from vllm_lora_ext.integration.slot_ranks import rank_table
-
         lora_a = named["lora_a_stacked"]
         routing = PairRouting(named["topk_weights"], named["expert_ids"], meta[0] if mapping is None else mapping,
                               named["adapter_enabled"], rank_table(self, lora_a[0].shape[0], x.device))

@@ -8,12 +8,13 @@ program of its one-shot kernel: a 16-row tensor-core tile holding one row, the r
 the expand over all of N, in sequence. Here the shrink is one program per (pair, slice, block of K), each writing
 an fp32 partial, and the expand one per (pair, slice, block of N), which sums the partials, rounds them to the
 output's dtype (as the one-shot rounds its shrink), applies the routed weight where vLLM does and adds the
-rounded delta to the output. Both go over the rank 16 rows at a time and stop at the slot's live rank where a
-table of them is given: the shrink has a program per 16 rows (those past the live rank return at once), the
-expand loops over them. An r16 adapter in r32 slots (an engine at ``max_lora_rank`` 32 for two-adapter mixes)
-then costs about what it costs in r16 slots. (Masking the rows past it in one 32-row tile saved 6-10%: the
-time follows the warps resident, which registers limit, not the bytes read.) On an H200 at that decode shape, r16: w13 16-20 us against 25-29 us, w2 13 us against
-17-19 us, with the same largest error against an fp32 reference (``bench/probe_moe_pairs.py``).
+rounded delta to the output. Both stop at the slot's live rank where a table of them is given
+(`integration.slot_ranks`): the shrink has a program per 16 rank rows, and those past the live rank return at once;
+the expand takes the rows in one pass masked past the live rank where the slots' rank fits its pass
+([`default_tiles`]), else in passes up to the live rank (smaller passes are a tile the probe can try). An r16
+adapter in r32 slots, as in an engine at ``max_lora_rank`` 32 for two-adapter mixes, skips the zero rows. The
+layer-step timings against vLLM's kernel, on an H200, are in ``bench/results/probe_moe_pairs_h200_r39.json``
+(``bench/probe_moe_pairs.py``), with the same largest error against an fp32 reference.
 
 Which batches take it is `integration.kernels.make_add_lora_fused_moe`'s rule; this module is imported on their
 first call (it needs Triton), never by ``register()``.
