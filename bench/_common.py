@@ -141,6 +141,9 @@ class PhaseTimes(dict):  # type: ignore[type-arg]
         return wrapper
 
 
+SMALL_PROMPT = 16  # tokens: two such prompts make a step of 32 tokens, top-8 of 128 experts at 16 slots "naive"
+
+
 def _one_token(params: Any) -> Any:
     one = params.clone()
     one.max_tokens = 1
@@ -151,7 +154,9 @@ def answer_engine_command(conn: Any, llm: Any, cmd: str, lora_request: Any, prom
                           plp: Any) -> None:
     """One engine process's answer to the driver (``run``: seconds to decode ``prompts``; ``activate``: the same
     with one output token, which makes the requests' adapters active in their slots; ``logprobs``: each prompt's
-    logprobs), the protocol the decode benches' engines share."""
+    logprobs; ``small_logprobs``: the same for each prompt's first `SMALL_PROMPT` tokens, two prompts a step, batches
+    of at most 32 tokens, which vLLM 0.26-0.33 gives the fused-MoE LoRA "naive" assignment that a decode batch gets,
+    where the plugin's pair kernels run), the protocol the decode benches' engines share."""
     if cmd in ("run", "activate"):  # activate: one token each, which puts the requests' adapters in slots
         t = time.perf_counter()
         llm.generate(prompts, params if cmd == "run" else _one_token(params), lora_request=lora_request,
@@ -161,3 +166,12 @@ def answer_engine_command(conn: Any, llm: Any, cmd: str, lora_request: Any, prom
         outs = llm.generate(prompts, plp, lora_request=lora_request, use_tqdm=False)
         conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
                    for o in outs])
+    elif cmd == "small_logprobs":
+        rows = []
+        for i in range(0, len(prompts), 2):
+            short = [{**p, "prompt_token_ids": p["prompt_token_ids"][:SMALL_PROMPT]} for p in prompts[i:i + 2]]
+            loras = lora_request[i:i + 2] if isinstance(lora_request, list) else lora_request
+            outs = llm.generate(short, plp, lora_request=loras, use_tqdm=False)
+            rows += [[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
+                     for o in outs]
+        conn.send(rows)

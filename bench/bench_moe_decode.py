@@ -39,6 +39,9 @@ bf16 resolves. Reported: the plugin's effect against stock's, relative L2 error,
 whose mix stock serves as a composite); the control is stock's effect of another adapter (or mix) on the same
 prompts, which must be far off. Pass: error <= 0.25 with a control >= 0.75 (else
 "uninformative"). The base case's logprobs, plugin against stock, are reported as their largest difference.
+The long prompts' prefill is too large a batch for the plugin's fused-MoE pair kernels, so both engines run vLLM's
+kernels there; a second pass (``parity_pair_kernels``) takes each prompt's first 16 tokens, two prompts a step (32
+tokens, the batch a decode step makes), where the plugin runs its pair kernels and stock vLLM's one-shot kernel.
 
 Partial results are written to ``--out`` (default ``bench/results/moe_decode.json``) after every rep (engines
 together) or block (in turn). Writing the adapters takes minutes at 24-48 layers: ``--prepare-only --workdir W``
@@ -309,27 +312,30 @@ def run_block(eng: Engines, variants: list[str], cases: list[str], reps: int, se
             on_rep()
 
 
-def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], composites: int) -> dict[str, Any]:
-    """The plugin's effect of each case on the prompt logprobs (case minus base) against stock's, relative L2."""
+def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], composites: int,
+           pass_: str = "") -> dict[str, Any]:
+    """The plugin's effect of each case on the prompt logprobs (case minus base) against stock's, relative L2;
+    ``pass_="small:"``: on the short prompts taken two a step, whose fused-MoE LoRA runs the plugin's pair
+    kernels against vLLM's one-shot kernel (the long prompts' prefill runs vLLM's kernels in both engines)."""
     def effect(v: str, case: str, rows: list[int]) -> list[float]:
-        return [a - b for i in rows for a, b in zip(logprobs[v][case][i], logprobs[v]["base"][i])]
+        return [a - b for i in rows for a, b in zip(logprobs[v][pass_ + case][i], logprobs[v][pass_ + "base"][i])]
 
     def rel(x: list[float], ref: list[float]) -> float:
         num = sum((a - b) ** 2 for a, b in zip(x, ref)) ** 0.5
         return num / max(sum(b * b for b in ref) ** 0.5, 1e-30)
 
     out: dict[str, Any] = {}
-    if not {"stock", "plugin"} <= set(logprobs) or "base" not in cases:
+    if not {"stock", "plugin"} <= set(logprobs) or "base" not in cases or pass_ + "base" not in logprobs["stock"]:
         return out
-    base_diffs = [abs(a - b) for p, q in zip(logprobs["plugin"]["base"], logprobs["stock"]["base"])
+    base_diffs = [abs(a - b) for p, q in zip(logprobs["plugin"][pass_ + "base"], logprobs["stock"][pass_ + "base"])
                   for a, b in zip(p, q)]
     out["base"] = {"max_abs_diff_vs_stock": max(base_diffs, default=0.0)}  # no adapter: the plugin changes nothing
     for case in [c for c in cases if c != "base"]:
         rows = [i for i in range(N_REQ) if case != "mixes" or i % N_ADAPTERS < composites]
         ref = effect("stock", case, rows)
         err = rel(effect("plugin", case, rows), ref)
-        other = [a - b for i in rows for a, b in zip(logprobs["stock"][f"_other_{case}"][i],
-                                                     logprobs["stock"]["base"][i])]
+        other = [a - b for i in rows for a, b in zip(logprobs["stock"][f"{pass_}_other_{case}"][i],
+                                                     logprobs["stock"][pass_ + "base"][i])]
         control = rel(other, ref)
         verdict = "pass" if err <= 0.25 and control >= 0.75 else ("uninformative" if control < 0.75 else "FAIL")
         out[case] = {"rel_l2_error_vs_stock": err, "control_rel_l2": control, "verdict": verdict,
@@ -339,7 +345,8 @@ def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], 
 
 def collect_logprobs(eng: Engines, variant: str, cases: list[str]) -> dict[str, Any]:
     names = list(cases) + ([f"_other_{c}" for c in cases if c != "base"] if variant == "stock" else [])
-    return {c: eng.ask(variant, "logprobs", c) for c in names}
+    got = {c: eng.ask(variant, "logprobs", c) for c in names}
+    return {**got, **{f"small:{c}": eng.ask(variant, "small_logprobs", c) for c in names}}
 
 
 def summarize(secs: dict[str, dict[str, list[float]]], tokens: int) -> tuple[dict[str, Any], list[list[Any]]]:
@@ -373,7 +380,9 @@ def _payload(args: argparse.Namespace, plan: dict[str, Any], eng: Engines, secs:
             "schedule": "together, interleaved rep by rep" if plan["together"] else
             f"one engine at a time, alternating blocks of {args.block_reps} reps, a fresh engine per block",
             "engine_start_s": eng.starts, "seconds": secs, "summary": summary, "table": rows,
-            "parity": parity(logprobs, cases, args.composites) if not partial else {}, "composites": args.composites}
+            "parity": parity(logprobs, cases, args.composites) if not partial else {},
+            "parity_pair_kernels": parity(logprobs, cases, args.composites, "small:") if not partial else {},
+            "composites": args.composites}
 
 
 def run(args: argparse.Namespace, spec: dict[str, Any], plan: dict[str, Any], variants: list[str],
@@ -455,12 +464,13 @@ def main() -> None:
     payload = run(args, spec, plan, variants, cases)
     print_table(payload["table"], ["variant", "case (32 requests)", "seconds (median)", "tok/s", "x base (same engine)",
                                    "x stock", "goal"])
-    for case, p in payload["parity"].items():
-        if case == "base":
-            print(f"parity base (no adapter): plugin vs stock, max |diff| {p['max_abs_diff_vs_stock']:.3g}")
-            continue
-        print(f"parity {case}: plugin's effect vs stock's, relative L2 {p['rel_l2_error_vs_stock']:.3f} "
-              f"(control {p['control_rel_l2']:.3f}): {p['verdict']}")
+    for what, key in (("", "parity"), (" (short prompts: the pair kernels)", "parity_pair_kernels")):
+        for case, p in payload[key].items():
+            if case == "base":
+                print(f"parity{what} base (no adapter): plugin vs stock, max |diff| {p['max_abs_diff_vs_stock']:.3g}")
+                continue
+            print(f"parity{what} {case}: plugin's effect vs stock's, relative L2 {p['rel_l2_error_vs_stock']:.3f} "
+                  f"(control {p['control_rel_l2']:.3f}): {p['verdict']}")
     print(f"env: {env_info().get('gpu')}, vLLM {env_info().get('vllm')}")
     write_json("moe_decode", payload, args.out)
 
