@@ -1,0 +1,82 @@
+"""The plugin's fused-MoE pair kernels inside a real engine, against HF + PEFT (issue 39 item 1).
+
+`tests/gpu/test_moe_pairs.py` checks the kernels through vLLM's punica wrapper; no other test reaches them from
+an engine: `test_moe_e2e.py`'s batches are too large for them, and `bench_moe_decode.py`'s dummy weights leave an
+adapter's effect on a logprob at about 5e-7. Here a tiny Qwen3-MoE has 128 experts, so one 24-token sequence is a
+batch that vLLM assigns pair by pair (24 tokens x top-2 x 8 <= 128 experts x 4 slots) and that the pair path
+takes (48 pairs x rank-32 slots > the 1024 vLLM's small-batch kernel keeps). The adapters touch the experts only,
+so every logprob they move is the fused-MoE LoRA's: a rank-16 adapter in rank-32 slots (the live-rank table: its
+rows past 16 are not read) and a rank-32 one. Teacher-forced logprobs must match PEFT in fp32 as closely as
+vLLM's own kernel does (``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, the same engine), and the base model's must not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiny import HFReference, build_peft_adapter, build_qwen3_moe, prompts, vllm_token_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+PROMPT, CONTINUATION = 12, 12  # 24 tokens: a batch of pairs assigned one by one, which the pair path takes
+MEAN_TOL = 0.1  # test_moe_e2e.py's: vLLM (bf16) against fp32 PEFT, mean |delta logprob| over every position
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_pair_kernels_in_an_engine_match_peft(gpu_workdir: Path, record: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from vllm_lora_ext.constants import ENV_KERNEL_CONFIGS
+    from vllm_lora_ext.integration import moe_pairs
+
+    calls: list[int] = []
+    real = moe_pairs.moe_lora_pairs
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    # the engine core in this process, so that the pair path's calls are counted here
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(moe_pairs, "moe_lora_pairs", counted)
+    model = build_qwen3_moe(gpu_workdir / "moe128", num_experts=128)
+    # alpha 16 x r: an effect of about 1.5 on the mean logprob (measured with PEFT in fp32), far above the tolerance
+    adapters = {r: build_peft_adapter(model, gpu_workdir / f"experts-r{r}", seed=10 + r, rank=r, alpha=16 * r,
+                                      targets=None, target_parameters=EXPERTS) for r in (16, 32)}
+    llm = LLM(model=str(model), enable_lora=True, max_lora_rank=32, max_loras=4, max_cpu_loras=4, enforce_eager=True,
+              gpu_memory_utilization=0.2, max_model_len=256, dtype="bfloat16", seed=0)
+    ps = prompts(4, PROMPT)
+    results: dict[str, Any] = {}
+    for rank, folder in adapters.items():
+        ref = HFReference(model, folder)
+        conts = [ref.greedy(p, CONTINUATION) for p in ps]
+        ref_lp = [ref.token_logprobs(p, c) for p, c in zip(ps, conts)]
+        req = LoRARequest(f"experts-r{rank}", rank, str(folder))
+        calls.clear()
+        pairs = [vllm_token_logprobs(llm, p, c, req) for p, c in zip(ps, conts)]
+        taken = len(calls)
+        monkeypatch.setenv(ENV_KERNEL_CONFIGS, "0")  # read on every call: vLLM's kernel, same engine and slots
+        calls.clear()
+        stock = [vllm_token_logprobs(llm, p, c, req) for p, c in zip(ps, conts)]
+        monkeypatch.delenv(ENV_KERNEL_CONFIGS)
+        assert not calls
+        control = [vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)]
+        results[f"r{rank}"] = {"pair_calls": taken, "pair_kernels_vs_peft": _gap(pairs, ref_lp),
+                               "vllm_kernel_vs_peft": _gap(stock, ref_lp), "pair_vs_vllm_kernel": _gap(pairs, stock),
+                               "control_no_adapter_vs_peft": _gap(control, ref_lp)}
+    record("moe_pairs_engine", results)
+    for rank, res in results.items():
+        assert res["pair_calls"] > 0, (rank, res)  # the pair path served these batches (w13 and w2, each layer)
+        assert res["pair_kernels_vs_peft"]["mean"] < MEAN_TOL, (rank, res)
+        # as close to PEFT as vLLM's own kernel, within bf16 noise
+        assert res["pair_kernels_vs_peft"]["mean"] <= res["vllm_kernel_vs_peft"]["mean"] + 0.02, (rank, res)
+        assert res["control_no_adapter_vs_peft"]["mean"] > 5 * MEAN_TOL, (rank, res)  # the tolerance sees the LoRA
+
+
+def _gap(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
+    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}
