@@ -126,7 +126,8 @@ def test_a_worker_start_indexes_the_parts_and_the_first_merge_reuses_the_index()
     and the first read's pools are started then too (issue 39 item 3: the first run pays no more than the second)."""
     from types import SimpleNamespace
 
-    from vllm_lora_ext.integration.patching import PART_OWNERS_ATTR
+    from vllm_lora_ext.integration.loader import model_traits
+    from vllm_lora_ext.integration.patching import PART_OWNERS_ATTR, TRAITS_ATTR
     from vllm_lora_ext.integration.warmup import import_load_path
     from vllm_lora_ext.integration.worker_patches import _parts_only
 
@@ -145,9 +146,13 @@ def test_a_worker_start_indexes_the_parts_and_the_first_merge_reuses_the_index()
     assert len(index[1]) == LAYERS * (3 * EXPERTS + 3)
     assert _parts_only(manager, _adapter()) is not manager
     assert manager.__dict__[PART_OWNERS_ATTR] is index  # reused, not made again
+    traits = manager.__dict__[TRAITS_ATTR]  # the model's traits, worked out while it starts
+    model_traits(runner.lora_manager)
+    assert manager.__dict__[TRAITS_ATTR] is traits  # the first load takes them, not made again
     no_lora = _manager()
     assert import_load_path(SimpleNamespace(lora_config=None, lora_manager=SimpleNamespace(
         _adapter_manager=no_lora))) == 0.0 and PART_OWNERS_ATTR not in no_lora.__dict__
+    assert TRAITS_ATTR not in no_lora.__dict__
 
 
 def test_the_installed_patch_narrows_and_gives_vllms_model() -> None:
