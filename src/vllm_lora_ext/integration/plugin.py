@@ -215,7 +215,8 @@ PATCHES: tuple[Patch, ...] = (
               "(evicted, or registered unbuilt at start) off the engine loop first, its failure a 4xx",
           delete_when="as BaseServing._check_model"),
     Patch(GPU_WORKER_MODULE, "Worker.compile_or_warm_up_model", (), make_compile_or_warm_up_model, process="worker",
-          reads=("model_runner", "model_runner._dummy_run"),
+          reads=("model_runner", "model_runner._dummy_run", "model_runner.lora_manager"),
+          writes=(f"LoRAModelManager.{PART_OWNERS_ATTR}", f"LoRAModelManager.{TRAITS_ATTR}"),
           why="vLLM's warm-up runs with no active LoRA, so the fused-MoE LoRA Triton kernels compile only where CUDA "
               "graph capture runs them; an eager engine (and any uncaptured batch) compiles them inside the first "
               "step with an MoE adapter, seconds that pause every request in flight. Before "
