@@ -153,14 +153,20 @@ def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], 
                 else:
                     pattern = re.escape(prefix) + ("\\.gate_up_proj" if info.nesting else "\\.down_proj")
                 rank_pattern[pattern], alpha_pattern[pattern] = r, unit(r)
+    dense_names = {m.rsplit(".", 1)[-1] for m in src.dense}  # the modules PEFT must still find by name
     if to == "3d" and src.moe:
         blocks = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in src.moe})
         cfg["target_parameters"] = [f"{b}.{n}" for b in blocks for n in ("gate_up_proj", "down_proj")]
+        if isinstance(cfg.get("target_modules"), list):  # expert projections named as modules: PEFT would look
+            experts = {n for s in src.specs.values() for n in (s.gate, s.up, s.down)}  # for them in the experts
+            cfg["target_modules"] = sorted(set(cfg["target_modules"]) - (experts - dense_names))
     elif to == "2d":
         cfg.pop("target_parameters", None)
-        tm = set(cfg.get("target_modules") or []) if isinstance(cfg.get("target_modules"), list) else set()
+        # a list keeps its names; a pattern gives way to the names of the modules the adapter has (a pattern
+        # that PEFT matches against module names would not name the per-expert ones, nor keep its own meaning)
+        tm = set(cfg["target_modules"]) if isinstance(cfg.get("target_modules"), list) else set(dense_names)
         if rename:
-            tm -= {"w1", "w2", "w3"}
+            tm -= {"w1", "w2", "w3"} - dense_names
         cfg["target_modules"] = sorted(tm | {n for s in specs.values() for n in (s.gate, s.up, s.down)})
     if rank_pattern:
         cfg["rank_pattern"], cfg["alpha_pattern"] = rank_pattern, alpha_pattern

@@ -1,0 +1,80 @@
+"""`vllm-lora convert` writes configs that real PEFT loads onto a real transformers MoE model, with the delta it
+had: the expert projections leave ``target_modules`` when they become ``target_parameters`` (--to 3d), and a
+``target_modules`` pattern does not lose the attention modules it named (--to 2d)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from factories import make_peft_adapter
+from vllm_lora_ext.cli import main
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _model() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                      tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def _deltas(folder: Path) -> dict[str, torch.Tensor]:
+    """Every parameter's change when PEFT loads ``folder`` onto the model and merges it."""
+    import peft
+
+    base = _model()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = peft.PeftModel.from_pretrained(_model(), str(folder)).merge_and_unload()
+    return {k: v - before[k] for k, v in merged.state_dict().items() if not torch.equal(v, before[k])}
+
+
+def _assert_same_deltas(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture()
+def peft_moe(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A PEFT adapter on q_proj and the fused experts, and the --base-config arguments for its model."""
+    model = _model()
+    model.config.save_pretrained(str(tmp_path / "base"))
+    make_peft_adapter(model, tmp_path / "peft", targets=["q_proj"], rank=4, alpha=8, seed=3,
+                      target_parameters=EXPERTS)
+    return tmp_path / "peft", ["--base-config", str(tmp_path / "base" / "config.json")]
+
+
+def test_convert_to_3d_leaves_no_expert_projection_in_target_modules(tmp_path: Path,
+                                                                     peft_moe: tuple[Path, list[str]]) -> None:
+    src, base = peft_moe
+    want = _deltas(src)
+    assert any("experts" in k for k in want) and any("q_proj" in k for k in want)
+    assert main(["convert", str(src), "--to", "2d", "-o", str(tmp_path / "as2d"), *base]) == 0
+    assert main(["convert", str(tmp_path / "as2d"), "--to", "3d", "-o", str(tmp_path / "back"), *base]) == 0
+    cfg = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["q_proj"] and cfg["target_parameters"]
+    _assert_same_deltas(_deltas(tmp_path / "back"), want)  # PEFT refused it while gate/up/down_proj stayed
+
+
+def test_convert_to_2d_keeps_the_modules_a_target_modules_pattern_named(tmp_path: Path,
+                                                                        peft_moe: tuple[Path, list[str]]) -> None:
+    src, base = peft_moe
+    want = _deltas(src)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg["target_modules"] = r".*\.q_proj"  # a pattern, as PEFT also takes
+    (src / "adapter_config.json").write_text(json.dumps(cfg))
+    _assert_same_deltas(_deltas(src), want)
+    assert main(["convert", str(src), "--to", "2d", "-o", str(tmp_path / "as2d"), *base]) == 0
+    written = json.loads((tmp_path / "as2d" / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["down_proj", "gate_proj", "q_proj", "up_proj"]
+    _assert_same_deltas(_deltas(tmp_path / "as2d"), want)  # q_proj's delta was dropped silently before
