@@ -216,8 +216,8 @@ def infer_moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mappi
             if info.proj in ("w1", "w2", "w3"):
                 names = ("w1", "w3", "w2")
         if experts and max(experts) >= MAX_EXPERTS:
-            raise ExpertLayoutError(f"MoE block {prefix!r} names expert {max(experts)}; at most {MAX_EXPERTS} experts "
-                                    f"are supported. The adapter is corrupt or not an MoE LoRA.", key=prefix)
+            raise ExpertCountError(f"MoE block {prefix!r} names expert {max(experts)}; at most {MAX_EXPERTS} experts "
+                                   f"are supported. The adapter is corrupt or not an MoE LoRA.", key=prefix)
         mark = (recorded or {}).get(prefix)
         if mark is not None and not experts:
             names = mark[3]

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES
 from vllm_lora_ext.errors import AdapterFormatError, MixError
 from vllm_lora_ext.formats import PEFT_PREFIX, classify_key, group_moe_keys
 from vllm_lora_ext.formats.moe import ExpertFactors, ExpertsLoRA, MoESpec
@@ -27,7 +28,7 @@ from vllm_lora_ext.offline_ops import MOE_SIZES_KEY, LoadedAdapter, load_adapter
 from vllm_lora_ext.outputs import write_atomically
 from vllm_lora_ext.reader import read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import check_finite
+from vllm_lora_ext.validation import check_finite, check_rank_budget
 
 __all__ = ["convert_adapter", "mix_adapter_files", "check_mixable", "MIX_PROVENANCE_NAME"]
 
@@ -253,6 +254,8 @@ def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir
                 ranks[f"{re.escape(prefix)}\\.\\d+\\.{proj}"] = int(a.shape[1])  # a regex: every expert
         tensors.update(_moe_tensors(prefix, mixed, spec, "2d"))
     r = max(ranks.values())
+    check_rank_budget(r, VLLM_MAX_LORA_RANK_CHOICES[-1], adapter="mix", mix=True,  # no vLLM could serve it
+                      what=f"The mix has rank {r}", detail=" at most in vLLM. Nothing was written")
     cfg = {"peft_type": "LORA", "r": r, "lora_alpha": float(r), "use_rslora": False, "bias": "none",
            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),  # informational
            "rank_pattern": {m: k for m, k in ranks.items()}, "alpha_pattern": {m: float(k) for m, k in ranks.items()},

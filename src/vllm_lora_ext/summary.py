@@ -15,11 +15,13 @@ from typing import Any
 
 from vllm_lora_ext._util import open_confined
 from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
+from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.headers import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import check_dense_factors, check_factor_dtypes, check_has_factors, not_lora_reason
+from vllm_lora_ext.validation import (check_dense_factors, check_factor_dtypes, check_has_factors, check_ranks,
+                                      not_lora_reason)
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
            "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
@@ -127,7 +129,10 @@ def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "ada
     return [lambda: check_has_factors((classify_key(k).kind for k in header.shapes), adapter=name),
             lambda: check_factor_dtypes(header.dtypes, adapter=name),
             lambda: check_dense_factors(header.shapes, dense, adapter=name),
-            lambda: check_declared_ranks(header.shapes, config, adapter=name)]
+            lambda: check_declared_ranks(header.shapes, config, adapter=name),
+            # (the rank the server's --max-lora-rank must fit is checked at load; none fits past vLLM's largest)
+            lambda: check_ranks(header.shapes, [config.r, *config.rank_pattern.values()],
+                                VLLM_MAX_LORA_RANK_CHOICES[-1], adapter=name)]
 
 
 def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:

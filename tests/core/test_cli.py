@@ -393,3 +393,18 @@ def test_mix_splits_only_the_model_syntax() -> None:
     assert _split_items(["style=0.7+domain"], names) == ["style=0.7", "domain"]
     for whole in ("style+other", "hf:org/repo@v1+build", "a=1e+0"):
         assert _split_items([whole], names) == [whole]
+
+
+def test_mix_past_the_largest_rank_vllm_serves_is_refused_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Five rank-128 adapters mix to rank 640, which no ``--max-lora-rank`` of vLLM takes (512 at most): refused
+    with the fix, not written with exit 0."""
+    from factories import dense_tensors, llama_shapes, lora_config, write_adapter
+
+    write_adapter(tmp_path / "big", dense_tensors(llama_shapes(), rank=128, seed=1), lora_config(128, 128))
+    args = ["mix", *[f"{tmp_path / 'big'}=0.2"] * 5, "-o", str(tmp_path / "mix")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "The mix has rank 640 but max_lora_rank is 512" in err and "Mix fewer adapters" in err
+    assert not (tmp_path / "mix").exists()
+    assert main(["mix", *[f"{tmp_path / 'big'}=0.25"] * 4, "-o", str(tmp_path / "mix")]) == 0  # 512 fits

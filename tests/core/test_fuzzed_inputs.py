@@ -146,3 +146,21 @@ def test_a_tilde_of_no_user_in_a_cli_path_is_read_as_written_as_a_shell_does(
     assert main(["inspect", str(folder), "--base-config", "~nosuchuser-x9/c.json"]) == 1
     err = capsys.readouterr().err
     assert "unexpected" not in err and "'~nosuchuser-x9/c.json' does not exist" in err
+
+
+def test_inspect_strict_refuses_a_rank_no_vllm_serves_and_a_corrupt_expert_index(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the loader refuses in every server, ``inspect --strict`` refuses too (exit 1, said as a problem): a rank
+    above 512, vLLM's largest ``--max-lora-rank``, and an expert index past the 65,536 experts supported (which
+    only an ambiguity note named before, with exit 0)."""
+    wide = _adapter(tmp_path / "r600", {f"{P}.lora_A.weight": _entry([600, 1], 0, 2400),
+                                        f"{P}.lora_B.weight": _entry([1, 600], 2400, 4800)}, b"\0" * 4800,
+                    config={"peft_type": "LORA", "r": 600, "lora_alpha": 600})
+    assert main(["inspect", str(wide)]) == 0
+    assert main(["inspect", str(wide), "--strict"]) == 1
+    assert "has rank 600" in capsys.readouterr().out
+    e = "base_model.model.model.layers.0.mlp.experts.99999999"
+    corrupt = _adapter(tmp_path / "index", {f"{e}.gate_proj.lora_A.weight": _entry([1, 8], 0, 32),
+                                            f"{e}.gate_proj.lora_B.weight": _entry([6, 1], 32, 56)}, b"\0" * 56)
+    assert main(["inspect", str(corrupt), "--strict"]) == 1
+    assert "names expert 99999999; at most 65536" in capsys.readouterr().out

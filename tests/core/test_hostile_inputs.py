@@ -27,6 +27,7 @@ from vllm_lora_ext.errors import (
     AdapterFormatError,
     AdapterSourceError,
     DeploymentConfigError,
+    ExpertCountError,
     ExpertLayoutError,
     MixError,
     UnsafeFormatError,
@@ -362,7 +363,7 @@ def test_moe_specs_without_usable_sizes_are_refused(base: dict[str, Any] | None,
 
 def test_a_huge_expert_index_is_refused_before_it_sizes_any_work() -> None:
     shapes = {f"{P}.99999999.gate_proj.lora_A.weight": (2, 8), f"{P}.99999999.gate_proj.lora_B.weight": (6, 2)}
-    _expect(lambda: moe_specs(shapes), ExpertLayoutError, "names expert 99999999; at most 65536")
+    _expect(lambda: moe_specs(shapes), ExpertCountError, "names expert 99999999; at most 65536")
 
 
 def test_ep_plan_splits_unevenly_as_vllm_places_experts_and_refuses_more_ranks_than_experts() -> None:
