@@ -203,6 +203,27 @@ def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> Ad
         return None
 
 
+def _patterned_name(config: AdapterConfig, module: str,
+                    fused: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
+    """The name whose rank and alpha the config gives fused 3D pair ``module``: the fused parameter's
+    (``<experts>.gate_up_proj`` or ``.down_proj``, as PEFT's ``target_parameters`` patterns name it) where a
+    pattern names it, else ``module``. Which parameter it is, the block's other fused pair tells: gate_up's B has
+    2·I rows where down's A has I columns (`formats.moe_plan.declared_3d_ranks` takes either name)."""
+    prefix = module.removesuffix(".base_layer")
+    other = next((m for m in (prefix, f"{prefix}.base_layer") if m != module and m in fused), None)
+    if other is None:
+        return module
+    (a, b), (other_a, other_b) = fused[module], fused[other]
+    role = None
+    if len(b) == 2 and len(other_a) == 2 and b[0] == 2 * other_a[1]:
+        role = f"{prefix}.gate_up_proj"
+    elif len(a) == 2 and len(other_b) == 2 and other_b[0] == 2 * a[1]:
+        role = f"{prefix}.down_proj"
+    if role is None or (config.rank_for(role), config.alpha_for(role)) == (config.r, config.lora_alpha):
+        return module
+    return role
+
+
 def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
                       extra_rules: Iterable[Rule] = ()) -> AdapterSummary:
     """Summarize an adapter from its config and safetensors header, reading no tensor data.
@@ -218,7 +239,10 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
     header = read_header(resolved.weights_path)
     problems = collect_problems([refused, *run_rules([*adapter_rules(header, config, name=name), *extra_rules])])
     modules: list[ModuleSummary] = []
-    for module, pair in group_modules(header.tensors).items():
+    grouped = group_modules(header.tensors)
+    fused = {m: (header.tensors[p["A"]].shape, header.tensors[p["B"]].shape) for m, p in grouped.items()
+             if "A" in p and "B" in p and classify_key(p["A"]).kind == "moe_3d"}
+    for module, pair in grouped.items():
         if "A" not in pair or "B" not in pair:
             if classify_key(pair.get("A") or pair["B"]).kind != "dense":  # dense pairs: a rule says so
                 problems.append(f"{module}: has lora_{'A' if 'A' in pair else 'B'} but no "
@@ -226,13 +250,15 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
             continue
         a, b = header.tensors[pair["A"]], header.tensors[pair["B"]]
         kind = classify_key(pair["A"]).kind
-        # 3D fused tensors are (r·E, in) / (out, r·E): their rank is not readable without the model.
-        rank = (a.shape[0] if a.shape else 0) if kind != "moe_3d" else config.rank_for(module)
+        # 3D fused tensors are (r·E, in) / (out, r·E): their rank is not readable without the model, but the
+        # config's, which PEFT's patterns may give by the fused parameter's name
+        named = _patterned_name(config, module, fused) if kind == "moe_3d" else module
+        rank = (a.shape[0] if a.shape else 0) if kind != "moe_3d" else config.rank_for(named)
         if not rank:  # validation's problems name it (a LoRA with no rank, a 0-d factor); no scaling to show
             continue
         modules.append(ModuleSummary(
-            module=module, kind=kind, rank=rank, alpha=config.alpha_for(module),
-            scaling=config.scaling_for(module), shape_a=a.shape, shape_b=b.shape,
+            module=module, kind=kind, rank=rank, alpha=config.alpha_for(named),
+            scaling=config.scaling_for(named), shape_a=a.shape, shape_b=b.shape,
             dtype=a.dtype if a.dtype == b.dtype else f"{a.dtype}/{b.dtype}", nbytes=a.nbytes + b.nbytes,
         ))
     others = [k for k in header.tensors if classify_key(k).kind == "other"]

@@ -408,3 +408,12 @@ def test_mix_past_the_largest_rank_vllm_serves_is_refused_and_writes_nothing(
     assert "The mix has rank 640 but max_lora_rank is 512" in err and "Mix fewer adapters" in err
     assert not (tmp_path / "mix").exists()
     assert main(["mix", *[f"{tmp_path / 'big'}=0.25"] * 4, "-o", str(tmp_path / "mix")]) == 0  # 512 fits
+
+
+def test_mix_refuses_an_item_with_nothing_after_its_equals_sign(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``a=$W`` with ``W`` unset reaches the CLI as ``a=``: refused, not mixed at the default weight."""
+    make_dense_adapter(tmp_path / "a", rank=4, alpha=8)
+    assert main(["mix", f"{tmp_path / 'a'}=", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "m")]) == 1
+    assert "has nothing after '='. Give a weight" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

@@ -1,6 +1,7 @@
 """`vllm-lora convert` writes configs that real PEFT loads onto a real transformers MoE model, with the delta it
 had: the expert projections leave ``target_modules`` when they become ``target_parameters`` (--to 3d), and a
-``target_modules`` pattern does not lose the attention modules it named (--to 2d)."""
+``target_modules`` pattern does not lose the attention modules it named (--to 2d). `vllm-lora inspect` reads a
+real PEFT adapter's rank pattern for a fused expert parameter as PEFT does."""
 
 from __future__ import annotations
 
@@ -78,3 +79,18 @@ def test_convert_to_2d_keeps_the_modules_a_target_modules_pattern_named(tmp_path
     written = json.loads((tmp_path / "as2d" / "adapter_config.json").read_text())
     assert written["target_modules"] == ["down_proj", "gate_proj", "q_proj", "up_proj"]
     _assert_same_deltas(_deltas(tmp_path / "as2d"), want)  # q_proj's delta was dropped silently before
+
+
+def test_inspect_gives_a_fused_parameter_the_rank_and_scaling_its_pattern_names(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """PEFT's rank_pattern names a fused expert parameter (``gate_up_proj``); inspect showed that pair with the
+    config's r and alpha/r, although PEFT (and mix) scale it by alpha / its own rank."""
+    model = _model()
+    make_peft_adapter(model, tmp_path / "peft", targets=[], rank=4, alpha=16, seed=5, target_parameters=EXPERTS,
+                      rank_pattern={"gate_up_proj": 8})
+    assert main(["inspect", str(tmp_path / "peft"), "--json"]) == 0
+    rows = {m["module"]: m for m in json.loads(capsys.readouterr().out)["modules"]}
+    by_in = {m["shape_a"][1]: m for m in rows.values()}  # A's columns: H = 32 for gate_up, I = 16 for down
+    assert by_in[32]["shape_a"][0] == 8 * 4 and by_in[16]["shape_a"][0] == 4 * 4  # PEFT's own ranks, r x E rows
+    assert len(rows) == 4 and (by_in[32]["rank"], by_in[32]["scaling"]) == (8, 2.0)
+    assert (by_in[16]["rank"], by_in[16]["scaling"]) == (4, 4.0)

@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         name, eq, weight = item.rpartition("=")
         if not eq:
             name, weight = item, ""
+        elif not weight.strip():  # "a=" (an unset $W): not the default weight, silently
+            raise MixError(f"{item!r} has nothing after '='. Give a weight ({name}=0.5), or no '=' for "
+                           f"{'its configured' if dep is not None else 'the default'} weight.")
         resolved, default = _resolve_item(name, dep, where)
         items.append((name, resolved, parse_weight(weight, name=name) if weight else check_weight(default, name=name)))
     with claim_output(args.output, inputs=[r.weights_path for _, r, _ in items], force=args.force) as out:  # too
