@@ -27,6 +27,7 @@ This module keeps per-process state (the holds this process made and its owner l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -124,11 +125,36 @@ class _Root:
             self.owner = owner
 
     def write(self) -> None:
-        if self.owner is None and not self.holds:
-            return  # never held anything: no holds file (its folder may not exist yet)
+        if not self.holds:  # nothing held (or never anything): no files left behind for an evictor to sweep
+            self.drop_files()
+            return
         self.take_owner()  # again if the folder went: other processes must see these holds
         write_in_place(self.root / "holds" / f"{self.name}.json",
                        json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
+
+
+    def drop_files(self) -> None:
+        """Remove this process's holds file and owner lock (call under the state lock)."""
+        if self.owner is None:
+            return
+        with contextlib.suppress(OSError):
+            (self.root / "holds" / f"{self.name}.json").unlink(missing_ok=True)
+            Path(self.owner.lock_file).unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            self.owner.release(force=True)
+        self.owner = None
+
+
+def _drop_all_at_exit() -> None:
+    """At interpreter exit: this process's holds end with it, and its files go (a crash leaves them to the next
+    evictor, which finds their owner lock free)."""
+    with _STATE_LOCK:
+        roots = list(_STATE["roots"].values()) if _STATE["pid"] == os.getpid() else []
+    for state in roots:
+        with contextlib.suppress(Exception):
+            with locked(state.root):
+                state.holds.clear()
+                state.drop_files()
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -147,6 +173,8 @@ _STATE: dict[str, Any] = {"pid": None, "roots": {}}
 def _root_state(root: Path) -> _Root:
     with _STATE_LOCK:
         if _STATE["pid"] != os.getpid():  # first use, or a forked child: never share the parent's holds file
+            if _STATE["pid"] is None:
+                atexit.register(_drop_all_at_exit)
             _STATE.update(pid=os.getpid(), roots={})
         roots: dict[str, _Root] = _STATE["roots"]
         key = os.path.abspath(root)

@@ -495,3 +495,19 @@ def test_holds_survive_an_operator_removing_the_cache_locks_folder(tmp_path: Pat
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_process_leaves_no_holds_files_once_it_holds_nothing_or_exits(tmp_path: Path) -> None:
+    """Every CLI run on an ``hf:`` source left a holds file and its owner lock behind (void, but swept only by the
+    next eviction): a released last hold removes them, and so does the process's exit with holds still taken."""
+    code = ("import sys\nfrom vllm_lora_ext import diskholds\n"
+            "h = diskholds.hold('acme/first', 'a' * 40, why='cli', cache_dir=sys.argv[1])\n"
+            "print(sorted(p.suffix for p in (diskholds.state_root(sys.argv[1]) / 'holds').iterdir()), flush=True)\n"
+            "h.release()\n"
+            "print(sorted(p.name for p in (diskholds.state_root(sys.argv[1]) / 'holds').iterdir()), flush=True)\n"
+            "diskholds.hold('acme/second', 'a' * 40, why='cli', cache_dir=sys.argv[1])\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert done.stdout.splitlines() == ["['.json', '.lock']", "[]"], done.stderr
+    assert list((state_root(tmp_path) / "holds").iterdir()) == []  # the exit took the second hold's files
