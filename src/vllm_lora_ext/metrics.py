@@ -206,28 +206,27 @@ def _this_process() -> None:
         _HEALTH.update(pid=pid, write_failures=0)  # "degraded" is kept: a full disk is full for the child too
 
 
-def _degrade(reason: str) -> None:
+def _degrade(reason: str, fix: str = "Free space there, or set {env} to a folder with room") -> None:
     """Keep this process's metrics in memory from now on; warn once (under the lock, or before any thread)."""
     _this_process()
     if _HEALTH["degraded"] is not None:
         return
     _HEALTH["degraded"] = reason
     logger.warning("vllm_lora_ext metrics: %s; this process keeps its metrics in memory from now on (only the "
-                   "API server's own appear on /metrics). Free space there, or set %s to a folder with room.",
-                   reason, PROMETHEUS_DIR_ENV)
+                   "API server's own appear on /metrics). %s.", reason, fix.format(env=PROMETHEUS_DIR_ENV))
     for prefix, f in list(_FILES.items()):
         if isinstance(f, BackedFile):
             f.close(zero_gauges=prefix == "gauge_sum")  # counters stay in the file; memory adds to them
     _FILES.clear()
 
 
-def _rescue(reason: str) -> None:
+def _rescue(reason: str, fix: str = "Make the folder again, or set {env} to an existing one") -> None:
     """Keep in memory what this process's files that left the folder held, then `_degrade`."""
     for prefix, f in list(_FILES.items()):
         if isinstance(f, BackedFile) and os.fstat(f.fd).st_nlink == 0:
             values = _MEMORY.setdefault(prefix, {})
             values.update({key: f.read_value(key)[0] for key in f.keys})
-    _degrade(reason)
+    _degrade(reason, fix)
 
 
 # prometheus_client's first size of a file (it doubles it as keys are added)
@@ -325,8 +324,9 @@ def _file(prefix: str) -> Any:
             f = _FILES[prefix] = MemoryFile(_MEMORY.setdefault(prefix, {}))
             return f
         path = metrics_dir()
-        if path is None and metrics_dir_setting():  # the folder was removed while this process ran
-            _rescue(f"the metrics folder {metrics_dir_setting()} was removed")
+        if path is None and metrics_dir_setting():  # the folder was removed while this process ran, or never made
+            _rescue(f"the metrics folder {metrics_dir_setting()} does not exist (removed, or never made)",
+                    "Make it, or set {env} to an existing folder")
             return _file(prefix)
         if path is None:
             return None

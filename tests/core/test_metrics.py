@@ -183,3 +183,16 @@ print(json.dumps({"health": metrics.health(), "lines": text.splitlines()}))
     assert "vllm_lora_ext_mixes_registered_total 3.0" in result["lines"]
     assert 'vllm_lora_ext_errors_total{type="X",where="server"} 1.0' in result["lines"]
     assert "was removed" in (result["health"]["degraded"] or "") and "was removed" in out.stderr
+
+
+def test_a_metrics_folder_that_never_existed_is_named_as_missing_with_its_fix(tmp_path: Path) -> None:
+    """The warning said the folder "was removed" and to free space there, for a folder that was never made."""
+    make_dense_adapter(tmp_path / "a", rank=4, alpha=8)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+           ENV_METRICS_DIR: str(tmp_path / "never")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "inspect", str(tmp_path / "a")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "does not exist (removed, or never made)" in out.stderr and "Make it, or set" in out.stderr
+    assert "Free space" not in out.stderr
