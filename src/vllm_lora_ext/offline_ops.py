@@ -275,6 +275,10 @@ def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]]
         if r and len(rows) == 1 and next(iter(rows)) % r == 0 and next(iter(rows)):  # 0 rows settle no E
             e = next(iter(rows)) // r
             inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
+        elif config is not None and len(rows) > 1 and 0 not in rows:  # ranks by parameter (PEFT's gate_up: 2r)
+            e = _one_expert_count(prefix, fused, config)
+            if e is not None:
+                inferred.append(f"E={e} (each fused parameter's rows / its rank)")
     if e is None and experts:
         e = max(experts) + 1
         inferred.append(f"E={e} (highest expert index + 1)")
@@ -295,6 +299,21 @@ def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]]
             f"{'' if config is not None else ' and no adapter config'}). Pass the base model's config.json, "
             f"its folder or hf:org/model (--base-config).", key=prefix)
     return e, h, i, ("inferred: " + "; ".join(inferred) if inferred else "from the 2D keys")
+
+
+def _one_expert_count(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]],
+                      config: AdapterConfig) -> int | None:
+    """The one E that every fused factor's rows give with one of the ranks the config may give it (by its module
+    or its parameter's name: `formats.moe_plan.declared_3d_ranks`), e.g. gate_up at rank 2r and down at r over
+    the same E; ``None`` where none or several fit."""
+    options: set[int] | None = None
+    for module, ab in fused.items():
+        if "A" not in ab or len(ab["A"]) != 2:
+            continue
+        rows = ab["A"][0]
+        fits = {rows // r for r in declared_3d_ranks(config, module, prefix) if r > 0 and rows % r == 0}
+        options = fits if options is None else options & fits
+    return next(iter(options)) if options is not None and len(options) == 1 else None
 
 
 def recorded_moe_sizes(metadata: Mapping[str, str]) -> dict[str, tuple[int, int, int, tuple[str, str, str]]]:

@@ -94,3 +94,23 @@ def test_inspect_gives_a_fused_parameter_the_rank_and_scaling_its_pattern_names(
     assert by_in[32]["shape_a"][0] == 8 * 4 and by_in[16]["shape_a"][0] == 4 * 4  # PEFT's own ranks, r x E rows
     assert len(rows) == 4 and (by_in[32]["rank"], by_in[32]["scaling"]) == (8, 2.0)
     assert (by_in[16]["rank"], by_in[16]["scaling"]) == (4, 4.0)
+
+
+def test_gate_up_at_its_own_rank_settles_the_expert_count_without_a_base_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """PEFT may give the fused gate_up a rank of its own (``rank_pattern``), so the block's two fused factors have
+    different row counts (8 x E and 4 x E): one E fits both. inspect, convert and mix asked for --base-config."""
+    model = _model()
+    model.config.save_pretrained(str(tmp_path / "base"))
+    make_peft_adapter(model, tmp_path / "peft", targets=[], rank=4, alpha=16, seed=6, target_parameters=EXPERTS,
+                      rank_pattern={"gate_up_proj": 8})
+    assert main(["inspect", str(tmp_path / "peft"), "--strict"]) == 0
+    assert "E=4 (each fused parameter's rows / its rank)" in capsys.readouterr().out
+    base = ["--base-config", str(tmp_path / "base" / "config.json")]
+    assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "alone")]) == 0
+    assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "given"), *base]) == 0
+    from safetensors.torch import load_file
+
+    alone = load_file(str(tmp_path / "alone" / "adapter_model.safetensors"))
+    given = load_file(str(tmp_path / "given" / "adapter_model.safetensors"))
+    assert sorted(alone) == sorted(given) and all(torch.equal(alone[k], given[k]) for k in given)
