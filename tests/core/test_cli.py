@@ -417,3 +417,22 @@ def test_mix_refuses_an_item_with_nothing_after_its_equals_sign(tmp_path: Path,
     assert main(["mix", f"{tmp_path / 'a'}=", f"{tmp_path / 'a'}=0.5", "-o", str(tmp_path / "m")]) == 1
     assert "has nothing after '='. Give a weight" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_cli_version_a_commands_unknown_flag_and_the_values_note(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` answers; a misspelt flag of a command shows that command's usage, not the top level's;
+    ``inspect --values`` says it read every factor when none holds NaN or infinity (it printed nothing); an
+    adapter given five times is named once."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("vllm-lora ")
+    make_dense_adapter(tmp_path / "a", rank=4, alpha=8)
+    with pytest.raises(SystemExit) as done:
+        main(["inspect", str(tmp_path / "a"), "--jsn"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "usage: vllm-lora inspect" in err and "unrecognized arguments: --jsn" in err
+    assert main(["inspect", str(tmp_path / "a"), "--values"]) == 0
+    assert "every factor was read; none holds NaN or infinity" in capsys.readouterr().err
+    assert main(["mix", *[f"{tmp_path / 'a'}=0.2"] * 5, "-o", str(tmp_path / "m")]) == 0
+    assert capsys.readouterr().err.count("is given twice") == 1

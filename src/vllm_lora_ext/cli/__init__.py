@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-lora", description="Inspect, fetch, convert and mix LoRA adapters for vLLM.")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     p.add_argument("-q", "--quiet", action="store_true", help="log errors only (results still print)")
+    from vllm_lora_ext import __version__
+
+    p.add_argument("--version", action="version", version=f"vllm-lora {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     inspect.add_parser(sub)
     fetch.add_parser(sub)
@@ -50,6 +53,7 @@ def _flags_after(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     for command in sub.choices.values():
         command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         command.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.set_defaults(_parser=command)  # the innermost command's parser names a flag it does not take
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _flags_after(action)
@@ -110,7 +114,9 @@ def _quiet_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # with the command's own usage, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     with _logging(args.verbose, args.quiet, bars=not (args.quiet or getattr(args, "json", False))):
         try:
             check_settings()  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused

@@ -135,8 +135,15 @@ def run(args: argparse.Namespace) -> int:
     from vllm_lora_ext.summary import finite_rule, summarize_adapter
 
     require_safetensors(resolved, name=args.source)
-    summary = summarize_adapter(resolved, name=args.source,
-                                extra_rules=[finite_rule(resolved, name=args.source)] if args.values else [])
+    finite: list[bool] = []  # --values: set once every factor was read and none held NaN or infinity
+
+    def values_rule() -> None:
+        finite_rule(resolved, name=args.source)()
+        finite.append(True)
+
+    summary = summarize_adapter(resolved, name=args.source, extra_rules=[values_rule] if args.values else [])
+    if finite:  # (a NaN or infinity is a problem line below)
+        print("note: --values: every factor was read; none holds NaN or infinity", file=sys.stderr)
     base = load_base_config(args.base_config) if args.base_config else None
     if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
         from vllm_lora_ext.constants import drop_unapplied

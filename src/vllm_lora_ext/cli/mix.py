@@ -151,11 +151,13 @@ def _say_doubtful(items: list[tuple[str, ResolvedAdapter, float]]) -> None:
     from vllm_lora_ext.summary import load_config
 
     seen: dict[str, str] = {}
+    said: set[tuple[str, str]] = set()  # (adapter, name): each repeat said once, however often it is given
     for name, resolved, weight in items:
         if weight == 0:
             print(f"note: {name} has weight 0: it adds its rank to the mix and nothing to its output", file=sys.stderr)
         key = os.path.realpath(resolved.weights_path)
-        if key in seen:
+        if key in seen and (key, name) not in said:
+            said.add((key, name))
             same = "is given twice" if seen[key] == name else f"is the same adapter as {seen[key]}"
             print(f"note: {name} {same}: its rank counts twice; give it once, with the sum of the weights",
                   file=sys.stderr)
