@@ -436,3 +436,21 @@ def test_cli_version_a_commands_unknown_flag_and_the_values_note(tmp_path: Path,
     assert "every factor was read; none holds NaN or infinity" in capsys.readouterr().err
     assert main(["mix", *[f"{tmp_path / 'a'}=0.2"] * 5, "-o", str(tmp_path / "m")]) == 0
     assert capsys.readouterr().err.count("is given twice") == 1
+
+
+def test_mix_with_an_mla_base_config_names_the_kv_b_proj_part_vllm_would_not_apply(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """inspect --base-config names a kv_b_proj LoRA on an MLA model as a problem; mix with the same base config
+    wrote it without a word."""
+    from factories import dense_tensors, lora_config, write_adapter
+
+    attn = "model.layers.0.self_attn"
+    write_adapter(tmp_path / "mla", dense_tensors({f"{attn}.kv_b_proj": (16, 64), f"{attn}.q_proj": (32, 64)}, rank=4),
+                  lora_config(4, 8, ("kv_b_proj", "q_proj")))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v2", "kv_lora_rank": 16}))
+    assert main(["mix", f"{tmp_path / 'mla'}=0.5", "-o", str(tmp_path / "m"),
+                 "--base-config", str(tmp_path / "config.json")]) == 0
+    err = capsys.readouterr().err
+    assert "note: on this base model, vLLM would accept but not apply" in err and "kv_b_proj" in err
+    assert main(["mix", f"{tmp_path / 'mla'}=0.5", "-o", str(tmp_path / "m2")]) == 0  # no base: nothing to say
+    assert "kv_b_proj" not in capsys.readouterr().err

@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "quiet", False):  # (-q: errors only; the notes are advice)
             _say_doubtful(items)
         base = load_base_config(args.base_config) if args.base_config else None
+        if base is not None and not getattr(args, "quiet", False):
+            _say_unapplied(pairs, base)
         mix_adapter_files(pairs, out, base_config=base, names=names)
     used = f"; names from {where}" if dep is not None else ""
     print(f"wrote {out.path} (rank-concatenated mix of {plural(len(pairs), 'adapter')}{used})")
@@ -167,6 +169,19 @@ def _say_doubtful(items: list[tuple[str, ResolvedAdapter, float]]) -> None:
         named = ", ".join(f"{n}: {b}" for n, b in bases.items() if b)
         print(f"note: the inputs were trained on different base models ({named}); their shapes fit, but a mix is "
               f"meant for one base model", file=sys.stderr)
+
+
+def _say_unapplied(pairs: list[tuple[ResolvedAdapter, float]], base: Any) -> None:
+    """Say on stderr which modules of the mix vLLM would accept and not apply on ``base`` (``inspect
+    --base-config`` lists them as problems; a server with this plugin refuses them at load)."""
+    from vllm_lora_ext.constants import drop_unapplied
+    from vllm_lora_ext.formats import group_modules
+    from vllm_lora_ext.headers import read_header
+    from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
+
+    modules = dict.fromkeys(m for r, _ in pairs for m in group_modules(read_header(r.weights_path).tensors))
+    for line in unapplied_problems(list(modules), traits_from_config(base), dropped=drop_unapplied()):
+        print(line if line.startswith("note: ") else f"note: on this base model, {line}", file=sys.stderr)
 
 
 def _say_widened(pairs: list[tuple[ResolvedAdapter, float]], names: list[str], out: Path) -> None:
