@@ -150,11 +150,20 @@ def _drop_all_at_exit() -> None:
     evictor, which finds their owner lock free)."""
     with _STATE_LOCK:
         roots = list(_STATE["roots"].values()) if _STATE["pid"] == os.getpid() else []
-    for state in roots:
-        with contextlib.suppress(Exception):
-            with locked(state.root):
+    for state in roots:  # without waiting: where another process holds the state lock, the files stay, void
+        if state.owner is None or not state.tlock.acquire(blocking=False):
+            continue
+        try:
+            state.state_lock.acquire(timeout=0)
+            try:
                 state.holds.clear()
                 state.drop_files()
+            finally:
+                state.state_lock.release()
+        except Exception:  # (filelock.Timeout: another process is in the state lock)
+            pass
+        finally:
+            state.tlock.release()
 
 
 def write_in_place(path: Path, text: str) -> None:

@@ -269,16 +269,12 @@ def _infer_sizes(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, ...]]]
     pairs = [(ab["A"][1], ab["B"][0]) for ab in fused.values()
              if set(ab) == {"A", "B"} and len(ab["A"]) == 2 and len(ab["B"]) == 2]
     inferred: list[str] = []
-    if fused and e is None:
+    if fused and e is None and config is not None:
         rows = {ab["A"][0] for ab in fused.values() if "A" in ab and len(ab["A"]) == 2}
-        r = config.rank_for(prefix) if config is not None else None
-        if r and len(rows) == 1 and next(iter(rows)) % r == 0 and next(iter(rows)):  # 0 rows settle no E
-            e = next(iter(rows)) // r
-            inferred.append(f"E={e} (rows {next(iter(rows))} / r {r})")
-        elif config is not None and len(rows) > 1 and 0 not in rows:  # ranks by parameter (PEFT's gate_up: 2r)
+        if rows and 0 not in rows:  # 0 rows settle no E; nor do ranks that several E fit (then: --base-config)
             e = _one_expert_count(prefix, fused, config)
             if e is not None:
-                inferred.append(f"E={e} (each fused parameter's rows / its rank)")
+                inferred.append(f"E={e} (rows {'/'.join(map(str, sorted(rows)))} / the config's rank)")
     if e is None and experts:
         e = max(experts) + 1
         inferred.append(f"E={e} (highest expert index + 1)")
@@ -305,13 +301,15 @@ def _one_expert_count(prefix: str, fused: Mapping[str, Mapping[str, tuple[int, .
                       config: AdapterConfig) -> int | None:
     """The one E that every fused factor's rows give with one of the ranks the config may give it (by its module
     or its parameter's name: `formats.moe_plan.declared_3d_ranks`), e.g. gate_up at rank 2r and down at r over
-    the same E; ``None`` where none or several fit."""
+    the same E; ``None`` where none fits, or several (r 4 with both parameters at 8 by a pattern, 32 rows each:
+    E 8 or 4), which only the base model's config settles."""
     options: set[int] | None = None
     for module, ab in fused.items():
         if "A" not in ab or len(ab["A"]) != 2:
             continue
         rows = ab["A"][0]
-        fits = {rows // r for r in declared_3d_ranks(config, module, prefix) if r > 0 and rows % r == 0}
+        ranks = declared_3d_ranks(config, module, prefix) | {config.rank_for(prefix)}
+        fits = {rows // r for r in ranks if r > 0 and rows % r == 0}
         options = fits if options is None else options & fits
     return next(iter(options)) if options is not None and len(options) == 1 else None
 

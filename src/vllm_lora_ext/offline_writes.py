@@ -138,8 +138,8 @@ def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], 
     for module, (a, b) in src.dense.items():
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
-    rank_pattern = dict(cfg.get("rank_pattern") or {})
-    alpha_pattern = dict(cfg.get("alpha_pattern") or {})
+    rank_pattern: dict[str, Any] = {}  # the folded blocks' exact patterns: first, so that PEFT (and this package)
+    alpha_pattern: dict[str, Any] = {}  # match them before any inherited one that also names their modules
     unit = (lambda r: float(r) ** 0.5) if src.config.use_rslora else (lambda r: float(r))
     for prefix, ex in src.moe.items():
         spec = specs[prefix]
@@ -154,26 +154,35 @@ def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], 
                 else:
                     pattern = re.escape(prefix) + ("\\.gate_up_proj" if info.nesting else "\\.down_proj")
                 rank_pattern[pattern], alpha_pattern[pattern] = r, unit(r)
-    dense_names = {m.rsplit(".", 1)[-1] for m in src.dense}  # the modules PEFT must still find by name
-    if to == "3d" and src.moe:
-        blocks = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in src.moe})
-        cfg["target_parameters"] = [f"{b}.{n}" for b in blocks for n in ("gate_up_proj", "down_proj")]
-        if isinstance(cfg.get("target_modules"), list):  # expert projections named as modules: PEFT would look
-            experts = {n for s in src.specs.values() for n in (s.gate, s.up, s.down)}  # for them in the experts
-            cfg["target_modules"] = sorted(set(cfg["target_modules"]) - (experts - dense_names))
-    elif to == "2d":
-        cfg.pop("target_parameters", None)
-        # a list keeps its names; a pattern gives way to the names of the modules the adapter has (a pattern
-        # that PEFT matches against module names would not name the per-expert ones, nor keep its own meaning)
-        tm = set(cfg["target_modules"]) if isinstance(cfg.get("target_modules"), list) else set(dense_names)
-        if rename:
-            tm -= {"w1", "w2", "w3"} - dense_names
-        cfg["target_modules"] = sorted(tm | {n for s in specs.values() for n in (s.gate, s.up, s.down)})
+    for mine, inherited in ((rank_pattern, cfg.get("rank_pattern")), (alpha_pattern, cfg.get("alpha_pattern"))):
+        mine.update({k: v for k, v in dict(inherited or {}).items() if k not in mine})
+    _convert_targets(cfg, src, specs, to, rename)
     if rank_pattern:
         cfg["rank_pattern"], cfg["alpha_pattern"] = rank_pattern, alpha_pattern
     cfg["peft_version"] = "0.21.0"  # tensors are written in the standard (PEFT >= 0.19.1) orientation
     cfg.pop("moe_3d_orientation", None)
     return _write(out_dir, tensors, cfg, metadata=_record(specs))
+
+
+def _convert_targets(cfg: dict[str, Any], src: LoadedAdapter, specs: Mapping[str, MoESpec], to: str,
+                     rename: bool) -> None:
+    """``target_modules`` (and ``target_parameters``) of a converted adapter's config, in place: for ``--to 3d``
+    the fused parameters, and no expert projection left as a module name (PEFT would look for it in the fused
+    experts); for ``--to 2d`` the per-expert projections' names. A pattern (or ``"all-linear"``, which PEFT
+    resolves against the experts too) gives way to the names of the dense modules the adapter has."""
+    dense_names = {m.rsplit(".", 1)[-1] for m in src.dense}  # the modules PEFT must still find by name
+    listed = cfg.get("target_modules")
+    tm = set(listed) if isinstance(listed, list) else set(dense_names)
+    if to == "3d" and src.moe:
+        blocks = sorted({p.split(".layers.")[-1].split(".", 1)[-1] for p in src.moe})
+        cfg["target_parameters"] = [f"{b}.{n}" for b in blocks for n in ("gate_up_proj", "down_proj")]
+        experts = {n for s in src.specs.values() for n in (s.gate, s.up, s.down)}
+        cfg["target_modules"] = sorted(tm - (experts - dense_names))
+    elif to == "2d":
+        cfg.pop("target_parameters", None)
+        if rename:
+            tm -= {"w1", "w2", "w3"} - dense_names
+        cfg["target_modules"] = sorted(tm | {n for s in specs.values() for n in (s.gate, s.up, s.down)})
 
 
 def check_mixable(loaded: Sequence[LoadedAdapter], names: Sequence[str]) -> None:

@@ -79,7 +79,7 @@ def test_inspect_moe_3d_infers_sizes_without_a_base_config_and_reports_layout_an
     assert main(["inspect", str(tmp_path / "a"), "--json"]) == 0
     inferred = json.loads(capsys.readouterr().out)["moe_blocks"]["model.layers.0.mlp.experts"]
     assert (inferred["experts"], inferred["hidden"], inferred["intermediate"]) == (E, H, I)
-    assert inferred["sizes"].startswith("inferred: E=8 (rows 32 / r 4); H=32, I=12")
+    assert inferred["sizes"].startswith("inferred: E=8 (rows 32 / the config's rank); H=32, I=12")
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert main(["inspect", str(tmp_path / "a"), "--base-config", str(tmp_path / "config.json"), "--ep-size", "4",
                  "--json"]) == 0

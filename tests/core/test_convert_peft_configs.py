@@ -105,7 +105,7 @@ def test_gate_up_at_its_own_rank_settles_the_expert_count_without_a_base_config(
     make_peft_adapter(model, tmp_path / "peft", targets=[], rank=4, alpha=16, seed=6, target_parameters=EXPERTS,
                       rank_pattern={"gate_up_proj": 8})
     assert main(["inspect", str(tmp_path / "peft"), "--strict"]) == 0
-    assert "E=4 (each fused parameter's rows / its rank)" in capsys.readouterr().out
+    assert "E=4 (rows 16/32 / the config's rank)" in capsys.readouterr().out
     base = ["--base-config", str(tmp_path / "base" / "config.json")]
     assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "alone")]) == 0
     assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "given"), *base]) == 0
@@ -114,3 +114,38 @@ def test_gate_up_at_its_own_rank_settles_the_expert_count_without_a_base_config(
     alone = load_file(str(tmp_path / "alone" / "adapter_model.safetensors"))
     given = load_file(str(tmp_path / "given" / "adapter_model.safetensors"))
     assert sorted(alone) == sorted(given) and all(torch.equal(alone[k], given[k]) for k in given)
+
+
+@pytest.mark.parametrize("made", ["patterns", "projections"])
+def test_a_round_trip_keeps_the_delta_when_the_config_already_has_patterns(tmp_path: Path, made: str) -> None:
+    """The folded blocks' exact patterns came after the config's own, which PEFT (first match) took instead: the
+    delta was scaled twice. ``patterns``: the adapter's own rank and alpha patterns for down_proj;
+    ``projections``: PEFT itself turns gate/up/down_proj into the fused parameters, with a gate_up pattern."""
+    model = _model()
+    model.config.save_pretrained(str(tmp_path / "base"))
+    base = ["--base-config", str(tmp_path / "base" / "config.json")]
+    if made == "patterns":
+        make_peft_adapter(model, tmp_path / "peft", targets=["q_proj"], rank=4, alpha=8, seed=7,
+                          target_parameters=EXPERTS, rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 8})
+    else:
+        make_peft_adapter(model, tmp_path / "peft", targets=["q_proj", "gate_proj", "up_proj", "down_proj"], rank=4,
+                          alpha=8, seed=8)
+    want = _deltas(tmp_path / "peft")
+    assert any("experts" in k for k in want)
+    assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "as2d"), *base]) == 0
+    assert main(["convert", str(tmp_path / "as2d"), "--to", "3d", "-o", str(tmp_path / "back"), *base]) == 0
+    _assert_same_deltas(_deltas(tmp_path / "back"), want)
+
+
+def test_fused_ranks_that_several_expert_counts_fit_ask_for_the_base_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """r 4 with both fused parameters at 8 by a pattern: 32 rows each read as 8 experts at r 4 or 4 at r 8. The
+    single-rank rule took 8 experts and convert wrote twice the experts, at the wrong rank."""
+    model = _model()
+    model.config.save_pretrained(str(tmp_path / "base"))
+    make_peft_adapter(model, tmp_path / "peft", targets=[], rank=4, alpha=16, seed=9, target_parameters=EXPERTS,
+                      rank_pattern={"gate_up_proj": 8, "down_proj": 8})
+    assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "alone")]) == 1
+    assert "does not settle E" in capsys.readouterr().err and not (tmp_path / "alone").exists()
+    assert main(["convert", str(tmp_path / "peft"), "--to", "2d", "-o", str(tmp_path / "given"), "--base-config",
+                 str(tmp_path / "base" / "config.json")]) == 0

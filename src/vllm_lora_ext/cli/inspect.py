@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         finite.append(True)
 
     summary = summarize_adapter(resolved, name=args.source, extra_rules=[values_rule] if args.values else [])
-    if finite:  # (a NaN or infinity is a problem line below)
+    if finite and not getattr(args, "quiet", False):  # (a NaN or infinity is a problem line below; -q: no notes)
         print("note: --values: every factor was read; none holds NaN or infinity", file=sys.stderr)
     base = load_base_config(args.base_config) if args.base_config else None
     if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
