@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from serving import post_json, vllm_serve
-from tiny import VOCAB, HFReference, _save, build_peft_adapter, prompts, vllm_token_logprobs
+from tiny import VOCAB, HFReference, _save, build_peft_adapter, logprob_gap, prompts, vllm_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -87,11 +87,6 @@ def _req(name: str, lora_id: int, path: Path | str) -> Any:
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
 
 
-def _gap(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
-    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
-    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}
-
-
 def _assert_refusal(message: str) -> None:
     assert "MLA folds kv_b_proj into its attention weights" in message, message[:2000]
     assert "kv_b_proj.lora_A.weight" in message and "target_modules" in message and f"{ENV}=kv_b_proj" in message
@@ -116,12 +111,13 @@ def test_kv_b_proj_is_refused_and_the_rest_matches_hf_peft(mla: dict[str, Path],
     ref = HFReference(mla["model"], mla["no_kv_b"])
     conts = [ref.greedy(p, N_TOKENS) for p in ps]
     ref_lp = [ref.token_logprobs(p, c) for p, c in zip(ps, conts)]
-    gap = _gap([vllm_token_logprobs(llm, p, c, _req("no-kv-b", 2, mla["no_kv_b"])) for p, c in zip(ps, conts)], ref_lp)
-    control = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)], ref_lp)
+    no_kv_b = _req("no-kv-b", 2, mla["no_kv_b"])
+    gap = logprob_gap([vllm_token_logprobs(llm, p, c, no_kv_b) for p, c in zip(ps, conts)], ref_lp)
+    control = logprob_gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)], ref_lp)
     base_ref = HFReference(mla["model"])
     base_conts = [base_ref.greedy(p, N_TOKENS) for p in ps]
-    noise = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, base_conts)],
-                 [base_ref.token_logprobs(p, c) for p, c in zip(ps, base_conts)])
+    noise = logprob_gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, base_conts)],
+                        [base_ref.token_logprobs(p, c) for p, c in zip(ps, base_conts)])
     record("mla_deepseek_v2", {"refused_message": str(e.value)[:600], "mix_refused": True,
                                "gap_without_kv_b_proj": gap, "control_no_adapter": control, "base_model_gap": noise})
     del llm

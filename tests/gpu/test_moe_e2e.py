@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny import HFReference, build_gpt_oss, build_mixtral, build_peft_adapter, build_qwen3_moe, prompts, vllm_token_logprobs
+from tiny import (HFReference, build_gpt_oss, build_mixtral, build_peft_adapter, build_qwen3_moe, logprob_gap, prompts,
+                  vllm_token_logprobs)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from factories import write_adapter  # noqa: E402
@@ -105,12 +106,12 @@ def test_moe_expert_adapter_in_every_layout(arch: str, block: str, names: tuple[
     for i, form in enumerate(ALL):
         lp = [vllm_token_logprobs(llm, p, c, _req(f"{arch}-{form}", i + 1, forms[form])) for p, c in zip(ps, conts)]
         per_form[form] = lp
-        results[form] = _gap(lp, ref_lp)
-    control = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)], ref_lp)
+        results[form] = logprob_gap(lp, ref_lp)
+    control = logprob_gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)], ref_lp)
     # noise floor: vLLM vs HF on the base model alone, on the base model's own greedy continuations
     base_conts = [base_ref.greedy(p, N_TOKENS) for p in ps]
-    base_gap = _gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, base_conts)],
-                    [base_ref.token_logprobs(p, c) for p, c in zip(ps, base_conts)])
+    base_gap = logprob_gap([vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, base_conts)],
+                           [base_ref.token_logprobs(p, c) for p, c in zip(ps, base_conts)])
     identical = all(per_form[f] == per_form["3d"] for f in ALL)
     record(f"moe_{arch}", {"logprob_gap_per_layout": results, "layouts_identical": identical,
                            "control_adapter_not_applied": control, "base_model_gap": base_gap})
@@ -118,8 +119,3 @@ def test_moe_expert_adapter_in_every_layout(arch: str, block: str, names: tuple[
     for form, gap in results.items():
         assert gap["mean"] < MEAN_TOL, (form, gap, base_gap)
     assert control["mean"] > 10 * MEAN_TOL  # measured 2.4-2.6: the tolerance does catch a missing adapter
-
-
-def _gap(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
-    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
-    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tiny import HFReference, build_peft_adapter, build_qwen3_moe, prompts, vllm_token_logprobs
+from tiny import HFReference, build_peft_adapter, build_qwen3_moe, logprob_gap, prompts, vllm_token_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -100,10 +100,10 @@ def test_pair_kernels_in_an_engine_match_peft(gpu_workdir: Path, record: Any) ->
                 llm.collective_rpc(kernel_configs, args=(None,))
             control = [vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)]
             results[f"r{rank}"] = {"pair_calls": taken, "pair_calls_vllm_kernel": untaken,
-                                   "pair_kernels_vs_peft": _gap(pairs, ref_lp),
-                                   "vllm_kernel_vs_peft": _gap(stock, ref_lp),
-                                   "pair_vs_vllm_kernel": _gap(pairs, stock),
-                                   "control_no_adapter_vs_peft": _gap(control, ref_lp)}
+                                   "pair_kernels_vs_peft": logprob_gap(pairs, ref_lp),
+                                   "vllm_kernel_vs_peft": logprob_gap(stock, ref_lp),
+                                   "pair_vs_vllm_kernel": logprob_gap(pairs, stock),
+                                   "control_no_adapter_vs_peft": logprob_gap(control, ref_lp)}
     finally:
         del llm
         gc.collect()
@@ -117,8 +117,3 @@ def test_pair_kernels_in_an_engine_match_peft(gpu_workdir: Path, record: Any) ->
         assert res["pair_vs_vllm_kernel"]["mean"] < MEAN_TOL / 2, (rank, res)
         assert res["pair_kernels_vs_peft"]["mean"] <= res["vllm_kernel_vs_peft"]["mean"] + 0.02, (rank, res)
         assert res["control_no_adapter_vs_peft"]["mean"] > 5 * MEAN_TOL, (rank, res)  # the tolerance sees the LoRA
-
-
-def _gap(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
-    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
-    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}

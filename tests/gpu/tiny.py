@@ -182,6 +182,12 @@ def vllm_token_logprobs(llm: Any, prompt: Sequence[int], continuation: Sequence[
     return [float(plp[len(prompt) + i][t].logprob) for i, t in enumerate(continuation)]
 
 
+def logprob_gap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Mean and largest |delta| between two sets of per-position logprobs, and how many positions."""
+    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "positions": len(diffs)}
+
+
 def vllm_greedy(llm: Any, prompts: Sequence[Sequence[int]], n: int, lora_request: Any = None) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
