@@ -163,15 +163,16 @@ def answer_engine_command(conn: Any, llm: Any, cmd: str, lora_request: Any, prom
                      use_tqdm=False)
         conn.send(time.perf_counter() - t)
     elif cmd == "logprobs":
-        outs = llm.generate(prompts, plp, lora_request=lora_request, use_tqdm=False)
-        conn.send([[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
-                   for o in outs])
+        conn.send(_prompt_logprobs(llm.generate(prompts, plp, lora_request=lora_request, use_tqdm=False)))
     elif cmd == "small_logprobs":
         rows = []
         for i in range(0, len(prompts), 2):
             short = [{**p, "prompt_token_ids": p["prompt_token_ids"][:SMALL_PROMPT]} for p in prompts[i:i + 2]]
             loras = lora_request[i:i + 2] if isinstance(lora_request, list) else lora_request
-            outs = llm.generate(short, plp, lora_request=loras, use_tqdm=False)
-            rows += [[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]]
-                     for o in outs]
+            rows += _prompt_logprobs(llm.generate(short, plp, lora_request=loras, use_tqdm=False))
         conn.send(rows)
+
+
+def _prompt_logprobs(outs: Any) -> list[list[float]]:
+    """Each output's logprob of each prompt token after the first (``prompt_logprobs=0``: the token's own)."""
+    return [[next(iter(pos.values())).logprob if pos else 0.0 for pos in o.prompt_logprobs[1:]] for o in outs]

@@ -132,7 +132,6 @@ class _Root:
         write_in_place(self.root / "holds" / f"{self.name}.json",
                        json.dumps({"pid": os.getpid(), "holds": list(self.holds.values())}))
 
-
     def drop_files(self) -> None:
         """Remove this process's holds file and owner lock (call under the state lock)."""
         if self.owner is None:
@@ -150,20 +149,12 @@ def _drop_all_at_exit() -> None:
     evictor, which finds their owner lock free)."""
     with _STATE_LOCK:
         roots = list(_STATE["roots"].values()) if _STATE["pid"] == os.getpid() else []
-    for state in roots:  # without waiting: where another process holds the state lock, the files stay, void
-        if state.owner is None or not state.tlock.acquire(blocking=False):
+    for state in roots:  # without waiting: where another thread or process holds the state lock, the files stay
+        if state.owner is None:
             continue
-        try:
-            state.state_lock.acquire(timeout=0)
-            try:
-                state.holds.clear()
-                state.drop_files()
-            finally:
-                state.state_lock.release()
-        except Exception:  # (filelock.Timeout: another process is in the state lock)
-            pass
-        finally:
-            state.tlock.release()
+        with contextlib.suppress(Exception), locked(state.root, wait=False):
+            state.holds.clear()
+            state.drop_files()
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -194,12 +185,15 @@ def _root_state(root: Path) -> _Root:
 
 
 @contextlib.contextmanager
-def locked(root: Path) -> Iterator[None]:
-    """Hold the cache's state lock (re-entrant within a thread; other threads and processes wait)."""
+def locked(root: Path, *, wait: bool = True) -> Iterator[None]:
+    """Hold the cache's state lock (re-entrant within a thread; other threads and processes wait, or with
+    ``wait=False`` it raises at once where one holds it: ``TimeoutError``, or filelock's ``Timeout``)."""
     state = _root_state(root)
-    with state.tlock:
+    if not state.tlock.acquire(blocking=wait):
+        raise TimeoutError(f"another thread holds the disk cache state of {root}")
+    try:
         if state.depth == 0:
-            state.state_lock.acquire(timeout=_LOCK_TIMEOUT_S)
+            state.state_lock.acquire(timeout=_LOCK_TIMEOUT_S if wait else 0)
         state.depth += 1
         try:
             yield
@@ -207,6 +201,8 @@ def locked(root: Path) -> Iterator[None]:
             state.depth -= 1
             if state.depth == 0:
                 state.state_lock.release()
+    finally:
+        state.tlock.release()
 
 
 class DiskHold:
