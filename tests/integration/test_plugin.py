@@ -134,6 +134,35 @@ def test_unsupported_vllm_stops_register_in_a_fresh_process() -> None:
     assert out.returncode != 0 and "UnsupportedVLLMError" in out.stderr and "0.25.0" in out.stderr
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bad_setting_that_ends_the_program_is_printed_without_vllms_frames(debug: bool) -> None:
+    """``vllm serve`` loads plugins while it builds its argument parser, so a bad setting's message came last under
+    15 lines of vLLM's frames. Uncaught, it is now its message alone and exit status 1 (the traceback with
+    ``VLLM_LORA_EXT_LOG_LEVEL=DEBUG``); caught, it is the exception as raised; another uncaught error keeps its
+    traceback."""
+    level = "'DEBUG'" if debug else "'INFO'"
+    code = ("import os\n"
+            f"os.environ.update(VLLM_LORA_EXT_MAX_MIXES='abc', VLLM_LORA_EXT_LOG_LEVEL={level})\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "try:\n"
+            "    load_general_plugins()\n"
+            "except Exception as err:\n"
+            "    print('CAUGHT', type(err).__name__)\n"
+            "import vllm.plugins as p; p.plugins_loaded = False\n"
+            "load_general_plugins()")
+    out = _python(code, timeout=300)
+    said = "VLLM_LORA_EXT_MAX_MIXES='abc' is not a number; unset it or give a number >= 1."
+    assert out.returncode == 1 and "CAUGHT SettingsError" in out.stdout and said in out.stderr
+    if debug:
+        assert "Traceback (most recent call last)" in out.stderr
+    else:
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert f"vllm_lora_ext: SettingsError: Bad settings: {said}" in out.stderr
+        assert "VLLM_LORA_EXT_LOG_LEVEL=DEBUG" in out.stderr
+    other = _python("from vllm_lora_ext.integration import plugin\nplugin.register()\nraise KeyError('x')")
+    assert other.returncode == 1 and "Traceback" in other.stderr and "KeyError: 'x'" in other.stderr
+
+
 def test_core_imports_without_vllm() -> None:
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import vllm_lora_ext, vllm_lora_ext.cli, vllm_lora_ext.sources, vllm_lora_ext.summary\n"

@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any
 
 from vllm_lora_ext import __version__, metrics
 from vllm_lora_ext._logging import attach_handler_once
-from vllm_lora_ext.constants import SETTING_PREFIX, check_settings, plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.constants import SETTING_PREFIX, check_settings, log_level, plugin_disabled, stall_trace_seconds
+from vllm_lora_ext.errors import SettingsError, UnsupportedVLLMError
 from vllm_lora_ext.integration import engine_patches, server_patches, worker_patches
 from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
@@ -301,8 +303,12 @@ def register() -> None:
                     __version__, os.getpid())
         _REGISTERED = True
         return
-    vllm_version = check_vllm_version()
-    check_settings()  # every VLLM_LORA_EXT_* setting, strictly, with one error naming the bad ones
+    try:
+        vllm_version = check_vllm_version()
+        check_settings()  # every VLLM_LORA_EXT_* setting, strictly, with one error naming the bad ones
+    except (SettingsError, UnsupportedVLLMError) as refusal:
+        _shown_without_traceback(refusal)
+        raise
     for name in ENV_CHECK_LOGGERS:  # vLLM's word for each of them is "unknown"; checked above instead
         logging.getLogger(name).addFilter(_not_ours)  # (once: a logger keeps one of each filter)
     metrics.setup()
@@ -315,6 +321,25 @@ def register() -> None:
         when_imported(patch.module, functools.partial(apply_patch, patch=patch))
     _REGISTERED = True
     logger.info("vllm_lora_ext %s active in process %d (vLLM %s)", __version__, os.getpid(), vllm_version)
+
+
+def _shown_without_traceback(refusal: BaseException) -> None:
+    """Have ``refusal`` (a bad setting or an unsupported vLLM, raised from ``register()``), if it ends the program
+    uncaught, printed as its message alone: ``vllm serve`` loads plugins as it builds its argument parser, so the
+    message would end 15 lines of vLLM's frames. Any other uncaught exception goes to the hook there was; with
+    ``VLLM_LORA_EXT_LOG_LEVEL=DEBUG`` this one does too. A caller that catches it sees the exception as raised."""
+    if log_level() == "DEBUG":
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if value is not refusal:
+            previous(kind, value, tb)
+            return
+        sys.stderr.write(f"vllm_lora_ext: {type(value).__name__}: {value}\n(Its traceback: rerun with "
+                         f"VLLM_LORA_EXT_LOG_LEVEL=DEBUG.)\n")
+
+    sys.excepthook = hook
 
 
 def _not_ours(record: logging.LogRecord) -> bool:
