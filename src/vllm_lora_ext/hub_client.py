@@ -48,17 +48,20 @@ def hub_unreachable() -> str | None:
     """Return why the Hub endpoint certainly cannot be reached (one TCP connection), or ``None``.
 
     ``None`` also where the answer is not certain: a proxy is set, or the connection does not answer within
-    1.5 s (huggingface_hub then decides, with its own timeouts and retries).
+    1.5 s (huggingface_hub then decides, with its own timeouts and retries). An endpoint that is no http(s) address
+    with a host is named as such, proxy or not (huggingface_hub's own error only says that a URL lacks
+    "http://").
     """
-    if proxy_configured():
-        return None
     url = urlsplit(hub_endpoint())
-    host = url.hostname
-    if not host:
-        return None
     try:
         port = url.port or (443 if url.scheme == "https" else 80)
-    except ValueError:
+        host = url.hostname
+    except ValueError:  # a port that is not a number, or out of range
+        host = None
+    if url.scheme not in ("http", "https") or not host:
+        return ("HF_ENDPOINT is no http:// or https:// address with a host; set it to one, such as "
+                "https://huggingface.co, or unset it")
+    if proxy_configured():
         return None
     found: list[str | None] = []
 
@@ -173,8 +176,16 @@ class HubClient:
 
     def fetch(self, filename: str, revision: str | None) -> Path | None:
         """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
-        from huggingface_hub import try_to_load_from_cache
-        from huggingface_hub import errors as hf_errors
+        try:  # huggingface_hub's HTTP module parses HF_ENDPOINT as it is imported, and a port that is not one stops it
+            from huggingface_hub import try_to_load_from_cache
+            from huggingface_hub import errors as hf_errors
+        except ValueError as err:
+            raise AdapterNotFoundError(
+                f"huggingface_hub cannot start with HF_ENDPOINT {hub_endpoint()!r} ({err}), so {self.label} "
+                f"{self.src.raw!r} cannot be read, not even from the cache. Set HF_ENDPOINT to a Hub or mirror address "
+                f"such as https://huggingface.co, or unset it.", source=self.src.raw, revision=revision,
+                public_message="The server's Hub address (HF_ENDPOINT) is malformed; tell the server's operator.",
+            ) from err
 
         cache_dir = None if self.cache_dir is None else Path(self.cache_dir)
         try:  # one cache lookup: it answers a pinned sha outright, and tells a cache hit from a download

@@ -197,6 +197,35 @@ def test_the_hub_probe_is_certain_only_without_a_proxy(closed_hub: str, monkeypa
     assert hub_unreachable() is None
 
 
+@pytest.mark.parametrize("endpoint", ["not-a-url", "ftp://hub.example", "http://"])
+def test_an_endpoint_that_is_no_http_address_is_named_as_the_problem(
+        endpoint: str, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """huggingface_hub's own words were "Request URL is missing an 'http://' or 'https://' protocol", then "Retry"."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:3128")  # named whatever a proxy might reach
+    _fails_within_2_s(["inspect", "hf:acme/lora"])
+    line = _error_line(capsys.readouterr().err)
+    assert ("(HF_ENDPOINT is no http:// or https:// address with a host; set it to one, such as "
+            "https://huggingface.co, or unset it)") in line and "Retry" not in line
+
+
+def test_an_endpoint_whose_port_stops_huggingface_hub_is_named_offline_too(tmp_path: Path) -> None:
+    """huggingface_hub parses HF_ENDPOINT's port as its HTTP module is imported: 'unexpected ValueError' before."""
+    for offline in ("0", "1"):
+        env = {**os.environ, "PYTHONPATH": SRC, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": offline,
+               "HF_ENDPOINT": "http://hub.example:80a"}
+        out = subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", "inspect", "hf:acme/lora"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and _error_line(out.stderr) == (
+            "error: huggingface_hub cannot start with HF_ENDPOINT 'http://hub.example:80a' (Port could not be cast to "
+            "integer value as '80a'), so adapter source 'hf:acme/lora' cannot be read, not even from the cache. Set "
+            "HF_ENDPOINT to a Hub or mirror address such as https://huggingface.co, or unset it.")
+
+
 def test_an_unreachable_hub_and_the_cache_folder_are_named_to_the_operator_not_to_the_client(
         closed_hub: str, isolated_hf_cache: Path) -> None:
     from vllm_lora_ext.errors import AdapterNotFoundError
