@@ -432,6 +432,10 @@ def test_cli_version_a_commands_unknown_flag_and_the_values_note(tmp_path: Path,
         main(["inspect", str(tmp_path / "a"), "--jsn"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "usage: vllm-lora inspect" in err and "unrecognized arguments: --jsn" in err
+    with pytest.raises(SystemExit) as done:  # before the command's name: the top level's (it showed inspect's)
+        main(["--jsn", "inspect", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "usage: vllm-lora [-h]" in err and "vllm-lora: error: unrecognized arguments" in err
     assert main(["inspect", str(tmp_path / "a"), "--values"]) == 0
     assert "every factor was read; none holds NaN or infinity" in capsys.readouterr().err
     assert main(["mix", *[f"{tmp_path / 'a'}=0.2"] * 5, "-o", str(tmp_path / "m")]) == 0

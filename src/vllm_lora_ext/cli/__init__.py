@@ -114,9 +114,11 @@ def _quiet_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
-    if extra:  # with the command's own usage, not the top level's
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # with the usage of the command it follows: the top level's before the command's name
+        before = args.command in argv and extra[0] in argv and argv.index(extra[0]) < argv.index(args.command)
+        (parser if before else getattr(args, "_parser", parser)).error(f"unrecognized arguments: {' '.join(extra)}")
     with _logging(args.verbose, args.quiet, bars=not (args.quiet or getattr(args, "json", False))):
         try:
             check_settings()  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused
