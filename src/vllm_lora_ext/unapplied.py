@@ -25,12 +25,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED
+from vllm_lora_ext.constants import ENV_DROP_UNAPPLIED, drop_unapplied
 from vllm_lora_ext.errors import AdapterCompatibilityError
 
 __all__ = ["ALIASED_MODEL_TYPES", "MLA_MODEL_TYPES", "MOE_KERNELS_DROPPING_LORA", "RULES", "TRAIT_ALIASED", "TRAIT_MLA",
            "TRAIT_MOE_KERNEL", "TRAIT_MOE_KERNEL_WRONG", "UnappliedRule",
-           "find_unapplied", "int_weight_only", "kernel_traits", "padding_traits", "screen_unapplied", "traits_from_config", "unapplied_problems"]
+           "find_unapplied", "int_weight_only", "kernel_traits", "padding_traits", "screen_unapplied", "traits_from_config", "unapplied_on_base",
+           "unapplied_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -326,3 +327,10 @@ def unapplied_problems(modules: Iterable[str], traits: Mapping[str, str], *,
             lines.append(f"{what} {rule.fix}; or serve with {ENV_DROP_UNAPPLIED}={rule.group} to drop these weights "
                          f"with a warning.")
     return lines
+
+
+def unapplied_on_base(modules: Iterable[str], config: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The offline tools' reading of [`unapplied_problems`] for a base model's ``config.json``: its notes (rules
+    ``VLLM_LORA_EXT_DROP_UNAPPLIED`` drops at load) and its problems (rules a load refuses), each in order."""
+    lines = unapplied_problems(modules, traits_from_config(config), dropped=drop_unapplied())
+    return [ln for ln in lines if ln.startswith("note: ")], [ln for ln in lines if not ln.startswith("note: ")]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.cli._args import add_base_config, add_source, plural, positive_int, resolve_offline
-from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
+from vllm_lora_ext.unapplied import unapplied_on_base
 
 if TYPE_CHECKING:
     from vllm_lora_ext.summary import AdapterSummary
@@ -146,14 +146,10 @@ def run(args: argparse.Namespace) -> int:
         print("note: --values: every factor was read; none holds NaN or infinity", file=sys.stderr)
     base = load_base_config(args.base_config) if args.base_config else None
     if base is not None:  # modules vLLM would accept and not apply as trained on this base (unapplied.RULES)
-        from vllm_lora_ext.constants import drop_unapplied
-
-        for line in unapplied_problems([m.module for m in summary.modules], traits_from_config(base),
-                                       dropped=drop_unapplied()):
-            if line.startswith("note: "):  # dropped at load by the setting: said, not a problem
-                print(line, file=sys.stderr)
-            else:
-                summary.problems.append(line)
+        notes, problems = unapplied_on_base([m.module for m in summary.modules], base)
+        for line in notes:  # dropped at load by the setting: said, not a problem
+            print(line, file=sys.stderr)
+        summary.problems.extend(problems)
     moe = _moe_report(resolved, base, args.ep_size, name=args.source) if summary.layout.startswith("moe") else {}
     if args.ep_size and not summary.layout.startswith("moe"):
         print(f"note: --ep-size has no effect: the adapter has no expert weights (layout {summary.layout}); "

@@ -174,14 +174,14 @@ def _say_doubtful(items: list[tuple[str, ResolvedAdapter, float]]) -> None:
 def _say_unapplied(pairs: list[tuple[ResolvedAdapter, float]], base: Any) -> None:
     """Say on stderr which modules of the mix vLLM would accept and not apply on ``base`` (``inspect
     --base-config`` lists them as problems; a server with this plugin refuses them at load)."""
-    from vllm_lora_ext.constants import drop_unapplied
     from vllm_lora_ext.formats import group_modules
     from vllm_lora_ext.headers import read_header
-    from vllm_lora_ext.unapplied import traits_from_config, unapplied_problems
+    from vllm_lora_ext.unapplied import unapplied_on_base
 
     modules = dict.fromkeys(m for r, _ in pairs for m in group_modules(read_header(r.weights_path).tensors))
-    for line in unapplied_problems(list(modules), traits_from_config(base), dropped=drop_unapplied()):
-        print(line if line.startswith("note: ") else f"note: on this base model, {line}", file=sys.stderr)
+    notes, problems = unapplied_on_base(list(modules), base)
+    for line in [*notes, *(f"note: on this base model, {p}" for p in problems)]:
+        print(line, file=sys.stderr)
 
 
 def _say_widened(pairs: list[tuple[ResolvedAdapter, float]], names: list[str], out: Path) -> None:
