@@ -302,6 +302,11 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter",
             raise
         raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} could not be read ({clip(str(err))}). Fix or "
                                  f"replace it.", adapter=name, key=None) from None  # (e.g. gone since found)
+    if isinstance(raw, dict) and "r" in raw and "lora_alpha" not in raw:  # (no r: config_from_dict names that)
+        raise AdapterFormatError(
+            f"Adapter {name!r}: config {str(p)!r} has no 'lora_alpha', so its scaling is unknown: PEFT reads a missing "
+            f"one as 8 (scaling 8/r), other tools as r (scaling 1). Add \"lora_alpha\": <alpha> as it was trained.",
+            adapter=name, key="lora_alpha")
     return config_from_dict(raw, name=name)
 
 

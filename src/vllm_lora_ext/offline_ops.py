@@ -355,12 +355,15 @@ def moe_specs(shapes: Mapping[str, tuple[int, ...]], *, base_config: Mapping[str
 
 @dataclass
 class LoadedAdapter:
-    """An adapter read into memory: dense modules ``{module: (A, B)}`` (unscaled) and normalized MoE blocks."""
+    """An adapter read into memory: dense modules ``{module: (A, B)}`` (unscaled) and normalized MoE blocks;
+    ``embeddings`` names the dense modules stored as PEFT stores an embedding's factors (``lora_embedding_A``/``_B``,
+    which PEFT reads for an embedding in place of ``lora_A.weight``/``lora_B.weight``)."""
 
     config: AdapterConfig
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]]
     moe: dict[str, ExpertsLoRA]
     specs: dict[str, MoESpec]
+    embeddings: frozenset[str] = frozenset()
 
 
 def require_safetensors(resolved: ResolvedAdapter, *, name: str = "adapter") -> None:
@@ -406,11 +409,13 @@ def load_adapter_files(resolved: ResolvedAdapter, *, base_config: Mapping[str, A
     tensors = reader.read_many(dense_keys)
     check_finite(tensors, adapter=name)
     # paired by module, not by spelling: PEFT's prefix may sit on one factor's key and not on the other's
-    dense = {m: (tensors[pair["A"]], tensors[pair["B"]]) for m, pair in group_modules(dense_keys).items()}
+    pairs = group_modules(dense_keys)
+    dense = {m: (tensors[pair["A"]], tensors[pair["B"]]) for m, pair in pairs.items()}
+    embeddings = frozenset(m for m, pair in pairs.items() if pair["A"].endswith(".lora_embedding_A"))
     options = ReadOptions(scaled=scaled, check_finite_as=name)
     moe = {p: read_experts(plan_experts(g, specs[p], config=config, adapter=name), reader, config=config,
                            options=options) for p, g in groups.items()}
-    return LoadedAdapter(config, dense, moe, specs)
+    return LoadedAdapter(config, dense, moe, specs, embeddings)
 
 
 def ep_read_plan(shapes: Mapping[str, tuple[int, ...]], header_bytes: int, sizes: Mapping[str, int],

@@ -48,6 +48,14 @@ def _write(out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
     return write_atomically(out_dir, write)
 
 
+def _dense_keys(module: str, embedding: bool) -> tuple[str, str]:
+    """A dense module's two keys as PEFT writes them: an embedding's as ``lora_embedding_A``/``_B``, the names PEFT
+    reads for an embedding layer (it skips ``lora_A.weight`` there, with only a warning of missing keys)."""
+    if embedding:
+        return f"{PEFT_PREFIX}{module}.lora_embedding_A", f"{PEFT_PREFIX}{module}.lora_embedding_B"
+    return f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
+
+
 def _moe_tensors(prefix: str, ex: ExpertsLoRA, spec: MoESpec, to: Literal["2d", "3d"]) -> dict[str, torch.Tensor]:
     p = PEFT_PREFIX + prefix
     out: dict[str, torch.Tensor] = {}
@@ -136,8 +144,8 @@ def convert_adapter(resolved: ResolvedAdapter, out_dir: str | os.PathLike[str], 
     cfg = dict(src.config.raw)
     tensors: dict[str, torch.Tensor] = {}
     for module, (a, b) in src.dense.items():
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
+        key_a, key_b = _dense_keys(module, module in src.embeddings)
+        tensors[key_a], tensors[key_b] = a, b
     rank_pattern: dict[str, Any] = {}  # the folded blocks' exact patterns: first, so that PEFT (and this package)
     alpha_pattern: dict[str, Any] = {}  # match them before any inherited one that also names their modules
     unit = (lambda r: float(r) ** 0.5) if src.config.use_rslora else (lambda r: float(r))
@@ -250,7 +258,8 @@ def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir
     ranks: dict[str, int] = {}
     for m in dict.fromkeys(m for la, _ in loaded for m in la.dense):
         a, b = done[m]
-        tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"], tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] = a, b
+        key_a, key_b = _dense_keys(m, any(m in la.embeddings for la, _ in loaded))
+        tensors[key_a], tensors[key_b] = a, b
         ranks[m] = int(a.shape[0])
     for prefix in dict.fromkeys(p for la, _ in loaded for p in la.moe):
         first = next(la for la, _ in loaded if prefix in la.moe)

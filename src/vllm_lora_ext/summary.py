@@ -198,6 +198,8 @@ def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> Ad
     try:
         raw = read_json_capped(resolved.config_path, MAX_CONFIG_BYTES, f"Adapter {name!r}: config",
                                fix="Fix or replace it.")
+        if isinstance(raw, dict) and "lora_alpha" not in raw:  # no scaling to show (config.read_config)
+            return None
         return config_from_dict({**raw, **{k: v for k, v in _REFUSED_FIELDS.items() if k in raw}}, name=name)
     except (OSError, ValueError, RecursionError):
         return None
