@@ -42,8 +42,43 @@ _AT_FDCWD = -100
 
 def _absolute(out: str | os.PathLike[str]) -> Path:
     """The output folder as an absolute path, ``~`` expanded as a shell does (``~name`` of no user stays), ``.`` and
-    ``..`` taken away as written (``x/..`` is the folder that holds ``x``, never a folder inside ``x``)."""
-    return Path(os.path.normpath(Path(os.path.expanduser(out)).absolute()))
+    ``..`` taken away as written (``x/..`` is the folder that holds ``x``, never a folder inside ``x``); a symbolic
+    link to a folder is the folder it names (which the write replaces, and beside which it locks).
+
+    Raises:
+        [`OutputPathError`]: ``out`` is empty (an unset variable in ``-o "$OUT"``: not the current folder).
+    """
+    if not os.fspath(out):
+        raise OutputPathError("The output folder is empty (''), e.g. an unset variable in -o \"$OUT\". Name the "
+                              "folder to write the adapter into.")
+    path = Path(os.path.normpath(Path(os.path.expanduser(out)).absolute()))
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _holds_cwd(path: Path) -> bool:
+    """Whether ``path`` is this process's working folder or holds it."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:  # the working folder is gone already
+        return False
+    real = os.path.realpath(path)
+    return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
+
+
+def _other_file_system(path: Path) -> Path | None:
+    """``path`` itself if it is a mount point, else the first folder under it on another file system, or ``None``."""
+    if os.path.ismount(path):
+        return path
+    device = path.stat().st_dev
+    for folder, subfolders, _ in os.walk(path):
+        for name in subfolders:
+            sub = Path(folder) / name
+            try:
+                if sub.lstat().st_dev != device and not sub.is_symlink():
+                    return sub
+            except OSError:
+                continue
+    return None
 
 
 def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> Path:
@@ -64,6 +99,17 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
     if path.is_dir() and any(path.iterdir()) and not force:
         raise OutputPathError(f"Output folder {str(path)!r} is not empty. Choose a new or empty folder, or pass --force "
                               f"to replace the adapter files in it.")
+    if path.is_dir():  # a write swaps a new folder in for this one, with the other files it holds linked in
+        if _holds_cwd(path):
+            raise OutputPathError(f"Output folder {str(path)!r} is the current folder or holds it: the write replaces "
+                                  f"that folder, which would leave this shell in a deleted one. Name a folder inside "
+                                  f"it (e.g. -o ./adapter), or run from another folder.")
+        mount = _other_file_system(path)
+        if mount is not None:
+            where = "is a mount point" if mount == path else f"holds another file system at {str(mount)!r}"
+            raise OutputPathError(f"Output folder {str(path)!r} {where}, which a write cannot carry over: it replaces "
+                                  f"the folder with a new one. Name a new folder inside it (e.g. "
+                                  f"{str(path / 'adapter')!r}), or another folder.")
     return path
 
 
@@ -190,12 +236,30 @@ def _keep_others(old: Path, tmp: Path) -> None:
             link(str(entry), str(tmp / entry.name))
 
 
+def _own_like(src: Path, dst: Path) -> None:
+    """Give ``dst`` the owner and group of ``src`` where this process may (root); elsewhere they are its own."""
+    st = src.lstat()
+    try:
+        os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    except OSError:
+        pass
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
-    """Put the finished folder ``tmp`` at ``out``; what ``out`` held ends up at ``tmp`` (removed by the caller)."""
+    """Put the finished folder ``tmp`` at ``out``; what ``out`` held ends up at ``tmp`` (removed by the caller). An
+    existing ``out``'s mode, times, extended attributes (ACLs), owner and group go to the new folder, and to each
+    folder it holds: a 0700 folder stays one around the files it kept private."""
     if not out.exists():
         os.rename(tmp, out)
         return
     _keep_others(out, tmp)
+    shutil.copystat(out, tmp)
+    _own_like(out, tmp)
+    for folder, subfolders, _ in os.walk(out):
+        for name in subfolders:
+            old = Path(folder) / name
+            if not old.is_symlink():
+                _own_like(old, tmp / old.relative_to(out))
     if _exchange(tmp, out):
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

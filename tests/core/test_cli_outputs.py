@@ -151,3 +151,64 @@ def test_written_files_and_folder_follow_the_umask_so_a_server_of_another_user_c
     assert (out.stat().st_mode & 0o777) == 0o755
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {"adapter_model.safetensors": 0o644,
                                                                           "adapter_config.json": 0o644}
+
+
+def test_an_empty_output_or_one_that_holds_the_working_folder_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``-o "$OUT"`` with ``OUT`` unset wrote into the current folder, and a write into the current folder (or one
+    that holds it) swapped it out, leaving the shell in a deleted folder."""
+    make_dense_adapter(tmp_path / "a")
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    assert main(["mix", f"{tmp_path / 'a'}=1", "-o", "", "--force"]) == 1
+    assert "The output folder is empty ('')" in capsys.readouterr().err
+    for out in (".", "..", str(work)):
+        assert main(["mix", f"{tmp_path / 'a'}=1", "-o", out, "--force"]) == 1
+        assert "is the current folder or holds it" in capsys.readouterr().err
+    assert os.path.samefile(os.getcwd(), work) and sorted(os.listdir(work)) == ["notes.txt"]
+    assert main(["mix", f"{tmp_path / 'a'}=1", "-o", "./adapter"]) == 0  # a folder inside it
+    assert (work / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_force_keeps_the_folders_mode_so_files_it_kept_private_stay_private(tmp_path: Path) -> None:
+    """The swapped-in folder took the umask's mode: a 0700 folder became 0755 around the files it kept private."""
+    make_dense_adapter(tmp_path / "a")
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("private")
+    os.chmod(out / "sub", 0o700)
+    os.chmod(out, 0o700)
+    assert main(["mix", f"{tmp_path / 'a'}=1", "-o", str(out), "--force"]) == 0
+    assert (out.stat().st_mode & 0o777) == 0o700 and ((out / "sub").stat().st_mode & 0o777) == 0o700
+    assert (out / "notes.txt").read_text() == "private" and (out / "adapter_model.safetensors").is_file()
+
+
+def test_an_output_folder_holding_a_mount_is_refused_and_the_mount_untouched(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--force copied a mounted file system into the new folder, then removed every file on it with the old one."""
+    make_dense_adapter(tmp_path / "a")
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out / "data")],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        (out / "data" / "important.txt").write_text("keep")
+        for target in (out, out / "data"):
+            assert main(["mix", f"{tmp_path / 'a'}=1", "-o", str(target), "--force"]) == 1
+            err = capsys.readouterr().err
+            assert ("holds another file system at" if target == out else "is a mount point") in err, err
+        assert (out / "data" / "important.txt").read_text() == "keep" and _beside(out) == []
+    finally:
+        subprocess.run(["umount", str(out / "data")], check=False)
+
+
+def test_a_link_to_a_folder_is_locked_beside_the_folder_it_names(tmp_path: Path) -> None:
+    """The lock went beside the link and the write beside the folder: ``-o link`` and ``-o folder`` took two locks."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with claim_output(tmp_path / "link") as claim:
+        assert claim.path == tmp_path / "real" and claim.lock_path == tmp_path / ".real.lock"
