@@ -202,8 +202,11 @@ def test_an_output_folder_holding_a_mount_is_refused_and_the_mount_untouched(
             err = capsys.readouterr().err
             assert ("holds another file system at" if target == out else "is a mount point") in err, err
         assert (out / "data" / "important.txt").read_text() == "keep" and _beside(out) == []
-    finally:
-        subprocess.run(["umount", str(out / "data")], check=False)
+    finally:  # wherever a write may have moved it (before the fix: into the old folder, renamed aside)
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            point = line.split()[1]
+            if point.startswith(str(tmp_path)):
+                subprocess.run(["umount", point], check=False)
 
 
 def test_a_link_to_a_folder_is_locked_beside_the_folder_it_names(tmp_path: Path) -> None:
