@@ -210,7 +210,7 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
         >>> plan_adapter(shapes, config_from_dict({"r": 4}), spec, router=PeftKeyRouter()).module_of
         {'base_model.model.m.q_proj.lora_A.weight': 'm.q_proj', 'base_model.model.m.q_proj.lora_B.weight': 'm.q_proj'}
     """
-    check_has_factors((classify_key(k).kind for k in shapes), adapter=name)
+    check_has_factors(shapes, adapter=name)
     if dtypes is not None:
         check_factor_dtypes(dtypes, adapter=name)
     check_ranks(shapes, [config.r, *config.rank_pattern.values()], model.max_rank, adapter=name)

@@ -126,7 +126,7 @@ def check_declared_ranks(shapes: Mapping[str, tuple[int, ...]], config: AdapterC
 def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "adapter") -> list[Rule]:
     """The header rules of the loader, as calls that raise (see the module docstring); no tensor data is read."""
     dense = [k for k in header.shapes if classify_key(k).kind == "dense"]
-    return [lambda: check_has_factors((classify_key(k).kind for k in header.shapes), adapter=name),
+    return [lambda: check_has_factors(header.shapes, adapter=name),
             lambda: check_factor_dtypes(header.dtypes, adapter=name),
             lambda: check_dense_factors(header.shapes, dense, adapter=name),
             lambda: check_declared_ranks(header.shapes, config, adapter=name),

@@ -9,6 +9,7 @@ Pure core: shapes and dtypes come from the safetensors header; module dims from 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -62,8 +63,26 @@ def check_factor_dtypes(dtypes: Mapping[str, str], *, adapter: str = "adapter") 
         _raise(adapter, bad, "Re-save the adapter in bfloat16, float16 or float32.", key=bad[0].split(" ")[0])
 
 
+# A factor saved with PEFT's adapter name in its key (``model.state_dict()`` of a PeftModel, not save_pretrained):
+# ``...q_proj.lora_A.default.weight``, ``...embed_tokens.lora_embedding_A.default``.
+_NAMED_FACTOR = re.compile(r"\.lora_([AB])\.([^.]+)\.weight$|\.lora_embedding_([AB])\.([^.]+)$")
+
+
+def _named_factor_reason(key: str) -> str | None:
+    found = _NAMED_FACTOR.search(key)
+    if found is None:
+        return None
+    name = found.group(2) or found.group(4)
+    return (f"it carries PEFT's adapter name {name!r} after its lora_{found.group(1) or found.group(3)}, as a "
+            f"PeftModel's state_dict() names it: save the adapter with PeftModel.save_pretrained(folder), or drop "
+            f"'.{name}' from every key")
+
+
 def not_lora_reason(key: str) -> str:
     """Why a tensor that is no LoRA factor cannot be served, and the fix (for a message about ``key``)."""
+    named = _named_factor_reason(key)
+    if named is not None:
+        return named
     if ".modules_to_save." in key or ".original_module." in key:
         return ("it is a fully trained copy of a module (PEFT modules_to_save), which LoRA serving cannot apply; "
                 "retrain without modules_to_save, or merge the adapter into the base model and serve that")
@@ -72,17 +91,22 @@ def not_lora_reason(key: str) -> str:
     return "only lora_A/lora_B factors are served; remove it from the weight file"
 
 
-def check_has_factors(kinds: Iterable[str], *, adapter: str = "adapter") -> None:
-    """Refuse an adapter with no LoRA factor at all (``kinds``: each tensor's key kind): served, it changes nothing.
+def check_has_factors(keys: Iterable[str], *, adapter: str = "adapter") -> None:
+    """Refuse an adapter with no LoRA factor at all (``keys``: its tensors' keys): served, it changes nothing.
 
     Raises:
-        [`AdapterFormatError`]: naming how many tensors the file holds and what to check.
+        [`AdapterFormatError`]: naming how many tensors the file holds and what to check; where the first key is a
+            factor under PEFT's adapter name, that name and the fix.
     """
-    count = 0
-    for kind in kinds:  # stops at the first factor: the keys of a 2D MoE adapter are classified later, in bulk
-        if kind != "other":
+    count, first = 0, ""
+    for key in keys:  # stops at the first factor: the keys of a 2D MoE adapter are classified later, in bulk
+        if classify_key(key).kind != "other":
             return
-        count += 1
+        count, first = count + 1, first or key
+    named = _named_factor_reason(first)
+    if named is not None:
+        raise AdapterFormatError(f"Adapter {adapter!r} holds no LoRA factor under the names vLLM and PEFT load (its "
+                                 f"first key {first!r}): {named}.", adapter=adapter, key=first)
     raise AdapterFormatError(
         f"Adapter {adapter!r} holds no LoRA weights (its weight file has {count} tensors, none a lora_A/"
         f"lora_B factor), so serving or mixing it would change nothing. Save the trained adapter with PEFT's "

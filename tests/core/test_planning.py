@@ -119,14 +119,30 @@ def test_keys_a_router_refuses_are_refused_all_alike_when_it_routes_experts_alik
 def test_the_no_factor_check_stops_at_the_first_factor_and_still_counts_a_file_without_one() -> None:
     """The plan classifies a 2D MoE adapter's ~10^4 keys in one pass later; this check must not classify them all
     one by one first (a cold build process paid 0.05 s of a 48-layer build for it)."""
-    def kinds() -> Iterator[str]:
-        yield "other"
-        yield "moe_2d"
+    def keys() -> Iterator[str]:
+        yield "model.norm.weight"
+        yield "base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_A.weight"
         raise AssertionError("read past the first factor")
 
-    check_has_factors(kinds())
+    check_has_factors(keys())
     with pytest.raises(AdapterFormatError, match="has 3 tensors, none a lora_A"):
-        check_has_factors(iter(["other"] * 3), adapter="x")
+        check_has_factors(iter(["model.norm.weight", "lm_head.weight", "x"]), adapter="x")
+
+
+def test_factors_under_peft_s_adapter_name_are_named_with_the_fix() -> None:
+    """A PeftModel's state_dict() names its factors ``lora_A.default.weight``: it was told it held "no lora_A/lora_B
+    factor" and, for each key, to remove it from the file."""
+    from vllm_lora_ext.validation import not_lora_reason
+
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    with pytest.raises(AdapterFormatError) as err:
+        check_has_factors([key, key.replace("lora_A", "lora_B")], adapter="x")
+    assert str(err.value) == (
+        f"Adapter 'x' holds no LoRA factor under the names vLLM and PEFT load (its first key {key!r}): it carries "
+        f"PEFT's adapter name 'default' after its lora_A, as a PeftModel's state_dict() names it: save the adapter "
+        f"with PeftModel.save_pretrained(folder), or drop '.default' from every key.")
+    assert "drop '.sql' from every key" in not_lora_reason("m.embed_tokens.lora_embedding_B.sql")
+    assert not_lora_reason("m.q_proj.weight") == "only lora_A/lora_B factors are served; remove it from the weight file"
 
 
 def test_a_module_packed_as_itself_is_no_conflict_but_a_packed_module_beside_its_parts_is() -> None:
