@@ -391,9 +391,11 @@ def gpu_engine(args: argparse.Namespace) -> None:
     adds = [(f"{form}-{rep}", form, Path(args._adapters) / form, rep < 2 and profiling)
             for rep in range(args.runs) for form in args.forms.split(",")]
     # then the same adapter under other header bytes, one each (after the runs above: the plugin keeps one header)
-    adds += [(f"2d_new-{k}", "2d_new", Path(args._adapters) / f"2d-new-{k}", False) for k in range(args._new)]
+    first = args.forms.split(",")[0]
+    adds += [(f"{first}_new-{k}", f"{first}_new", Path(args._adapters) / f"{first}-new-{k}", False)
+             for k in range(args._new)]
     for i, (name, key, folder, profiled) in enumerate(adds, start=1):
-        req = LoRARequest(lora_name=name, lora_int_id=i, lora_path=str(folder), is_3d_lora_weight=key == "3d")
+        req = LoRARequest(lora_name=name, lora_int_id=i, lora_path=str(folder), is_3d_lora_weight=key.startswith("3d"))
         timed, profiles = _timed_first_token(llm, req, profiled)
         out.setdefault(key, []).append(timed)
         if profiles:
@@ -455,7 +457,7 @@ def first_run_summary(results: dict, modes: list[str], form: str) -> None:
     for mode in modes:
         runs = [r["total"] for r in results[mode][form]]
         later = median(runs[1:])
-        fresh = [r["total"] for r in results[mode].get("2d_new", [])]
+        fresh = [r["total"] for r in results[mode].get(f"{form}_new", [])]
         new = median(fresh) if fresh else None
         ratio = runs[0] / later
         results[mode]["_first_run"] = {"start_s": results[mode]["_start_s"], "first_s": runs[0], "runs_2on_s": later,
@@ -476,10 +478,11 @@ def gpu_bench(args: argparse.Namespace) -> dict:
     for form in ("2d", "3d"):
         if not (adapters / form / "adapter_model.safetensors").exists():
             make_adapter(adapters / form, args.layers, form)
-    new = args.runs - 1 if args.first_run else 0  # as many new-header adapters as runs 2+
+    new = args.runs - 1 if args.first_run else 0  # as many new-header adapters (of the first form) as runs 2+
+    first = args.forms.split(",")[0]
     for k in range(new):
-        if not (adapters / f"2d-new-{k}" / "adapter_model.safetensors").exists():
-            copy_new_header(adapters / "2d", adapters / f"2d-new-{k}", str(k))
+        if not (adapters / f"{first}-new-{k}" / "adapter_model.safetensors").exists():
+            copy_new_header(adapters / first, adapters / f"{first}-new-{k}", str(k))
     results, logs = {}, {}
     modes = args.modes.split(",")
     if modes[0] != "stock":

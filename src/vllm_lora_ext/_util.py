@@ -299,3 +299,17 @@ def replace_generated(text: str, part: str, body: str, *, what: str) -> str:
     if not pattern.search(text):
         raise ValueError(f"{what} has no '<!-- generated: {part} ... -->' ... '<!-- end: {part} -->' section")
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
+
+
+def endpoint_unreadable(url: str) -> str | None:
+    """Why ``url`` (``HF_ENDPOINT``) is no address at all, as huggingface_hub parses it when imported (a port that
+    is not one, a broken IPv6 host), said as a bad setting; ``None`` for an empty or readable one."""
+    from urllib.parse import urlsplit
+
+    try:
+        urlsplit(url).port  # noqa: B018 (parsed when read)
+    except ValueError as err:
+        return (f"HF_ENDPOINT={url[:80]!r} is no address huggingface_hub can read ({err}), and it stops "
+                f"huggingface_hub, the cache included; set it to a Hub or mirror address such as "
+                f"https://huggingface.co, or unset it.")
+    return None

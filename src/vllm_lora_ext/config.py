@@ -30,7 +30,7 @@ from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 _MAX_RANK = 1 << 16
 _BOOL_FIELDS = ("use_rslora", "use_dora", "lora_bias", "fan_in_fan_out", "inference_mode")
 
-__all__ = ["AdapterConfig", "read_config", "infer_config"]
+__all__ = ["AdapterConfig", "alpha_missing", "read_config", "infer_config"]
 
 
 @dataclass(frozen=True)
@@ -302,12 +302,19 @@ def read_config(path: str | os.PathLike[str], *, name: str = "adapter",
             raise
         raise AdapterFormatError(f"Adapter {name!r}: config {str(p)!r} could not be read ({clip(str(err))}). Fix or "
                                  f"replace it.", adapter=name, key=None) from None  # (e.g. gone since found)
-    if isinstance(raw, dict) and "r" in raw and "lora_alpha" not in raw:  # (no r: config_from_dict names that)
+    config = config_from_dict(raw, name=name)  # its types, features and rank first: a LoHa names no alpha either
+    if alpha_missing(raw):
         raise AdapterFormatError(
             f"Adapter {name!r}: config {str(p)!r} has no 'lora_alpha', so its scaling is unknown: PEFT reads a missing "
             f"one as 8 (scaling 8/r), other tools as r (scaling 1). Add \"lora_alpha\": <alpha> as it was trained.",
             adapter=name, key="lora_alpha")
-    return config_from_dict(raw, name=name)
+    return config
+
+
+def alpha_missing(raw: Any) -> bool:
+    """Whether a config file's mapping names no ``lora_alpha``: refused from a file ([`read_config`]), where tools
+    disagree on what it means; [`config_from_dict`] takes ``r`` for it, for a config built in code."""
+    return isinstance(raw, Mapping) and "lora_alpha" not in raw
 
 
 def infer_config(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, str] | None, *,

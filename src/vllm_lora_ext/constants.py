@@ -13,7 +13,7 @@ import os
 import re
 from typing import Literal
 
-from vllm_lora_ext._util import clip, not_a_regular_file
+from vllm_lora_ext._util import clip, endpoint_unreadable, not_a_regular_file
 from vllm_lora_ext.errors import SettingsError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ SUPPORTED_VLLM_MIN = "0.26.0"
 SUPPORTED_VLLM_MAX_EXCLUSIVE = "0.34.0"
 # max_lora_rank values vLLM accepts.
 VLLM_MAX_LORA_RANK_CHOICES = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
 
 
 def max_lora_rank_for(rank: int) -> int | None:
@@ -395,9 +394,9 @@ def check_settings() -> None:
 
     Called once at start-up (the plugin's ``register()``), so a typo stops the server at once rather than
     failing a background build or a request later; so does a name a letter or two off a setting's (any other
-    ``VLLM_LORA_EXT_*`` name that is no setting is logged as a warning).
-    ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a folder that cannot be used makes builds run in the
-    worker, with a warning that names it.
+    ``VLLM_LORA_EXT_*`` name that is no setting is logged as a warning), and an ``HF_ENDPOINT`` that stops
+    huggingface_hub. ``VLLM_LORA_EXT_BUILD_DIR`` is not refused here: a folder that cannot be used makes builds run
+    in the worker, with a warning that names it.
 
     Raises:
         [`SettingsError`]: settings malformed or unknown; the message names each, its value and the fix.
@@ -432,6 +431,7 @@ def check_settings() -> None:
     if unknown:
         problems.append(f"{ENV_DROP_UNAPPLIED}={os.environ.get(ENV_DROP_UNAPPLIED, '')[:80]!r} names "
                         f"{sorted(unknown)}; give a comma-separated list of {sorted(_DROP_GROUPS)}, or unset it.")
+    problems.extend(filter(None, [endpoint_unreadable(os.environ.get("HF_ENDPOINT", ""))]))
     config = deployment_config_path()
     if config is not None:
         problem = not_a_regular_file(config)

@@ -48,20 +48,17 @@ def hub_unreachable() -> str | None:
     """Return why the Hub endpoint certainly cannot be reached (one TCP connection), or ``None``.
 
     ``None`` also where the answer is not certain: a proxy is set, or the connection does not answer within
-    1.5 s (huggingface_hub then decides, with its own timeouts and retries). An endpoint that is no http(s) address
-    with a host is named as such, proxy or not (huggingface_hub's own error only says that a URL lacks
-    "http://").
+    1.5 s (huggingface_hub then decides, with its own timeouts and retries).
     """
+    if proxy_configured():
+        return None
     url = urlsplit(hub_endpoint())
+    host = url.hostname
+    if not host:
+        return None
     try:
         port = url.port or (443 if url.scheme == "https" else 80)
-        host = url.hostname
-    except ValueError:  # a port that is not a number, or out of range
-        host = None
-    if url.scheme not in ("http", "https") or not host:
-        return ("HF_ENDPOINT is no http:// or https:// address with a host; set it to one, such as "
-                "https://huggingface.co, or unset it")
-    if proxy_configured():
+    except ValueError:
         return None
     found: list[str | None] = []
 
@@ -199,6 +196,7 @@ class HubClient:
             if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
                 return None
         if not self.local_only and not isinstance(cached, str):  # a download: not ~25 s of retries for nothing
+            self._check_endpoint(filename, revision)
             reason = hub_unreachable()
             if reason is not None:
                 raise self._no_hub(filename, revision, reason)
@@ -240,6 +238,20 @@ class HubClient:
             if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
                 raise self._failed(filename, err, repr(err)) from err
             raise
+
+    def _check_endpoint(self, filename: str, revision: str | None) -> None:
+        """Refuse a download from an ``HF_ENDPOINT`` that is no http(s) address with a host (huggingface_hub's own
+        words: a URL "missing an 'http://' or 'https://' protocol", then a retry). One that huggingface_hub cannot
+        even parse is a bad setting (`constants.check_settings`)."""
+        url = urlsplit(hub_endpoint())
+        if url.scheme in ("http", "https") and url.hostname:
+            return
+        raise AdapterNotFoundError(
+            f"HF_ENDPOINT {hub_endpoint()!r} is no http:// or https:// address with a host, so {filename!r} of "
+            f"{self.label} {self.src.raw!r}, which is not in the local cache ({str(cache_path(self.cache_dir))!r}), "
+            f"cannot be downloaded. Set HF_ENDPOINT to a Hub or mirror address such as https://huggingface.co, or "
+            f"unset it.", source=self.src.raw, revision=revision,
+            public_message="The server's Hub address (HF_ENDPOINT) is malformed; tell the server's operator.")
 
     def _failed(self, filename: str, err: BaseException, detail: str) -> AdapterDownloadError:
         """A failed transfer: ``detail`` (the library's words, which may name the Hub's address) for the operator;

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -46,13 +47,23 @@ def _absolute(out: str | os.PathLike[str]) -> Path:
     link to a folder is the folder it names (which the write replaces, and beside which it locks).
 
     Raises:
-        [`OutputPathError`]: ``out`` is empty (an unset variable in ``-o "$OUT"``: not the current folder).
+        [`OutputPathError`]: ``out`` is empty (an unset variable in ``-o "$OUT"``: not the current folder), or a
+            link whose target's folder does not exist (a write would make it, e.g. under an unmounted disk).
     """
     if not os.fspath(out):
         raise OutputPathError("The output folder is empty (''), e.g. an unset variable in -o \"$OUT\". Name the "
                               "folder to write the adapter into.")
     path = Path(os.path.normpath(Path(os.path.expanduser(out)).absolute()))
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        if not path.is_symlink():
+            return path
+        target = Path(os.path.realpath(path))
+    except OSError:  # a folder on the way that cannot be searched: the lock's open names it
+        return path
+    if not target.parent.is_dir():
+        raise OutputPathError(f"Output {str(path)!r} is a link to {str(target)!r}, whose folder does not exist. Make "
+                              f"it first (a disk meant to be mounted there?), or name another output folder.")
+    return target
 
 
 def _holds_cwd(path: Path) -> bool:
@@ -65,8 +76,26 @@ def _holds_cwd(path: Path) -> bool:
     return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
 
 
-def _other_file_system(path: Path) -> Path | None:
-    """``path`` itself if it is a mount point, else the first folder under it on another file system, or ``None``."""
+def _mount_points() -> list[str] | None:
+    """Every mount point of this process's mount namespace (``/proc/self/mountinfo``, bind mounts of one file system
+    too), or ``None`` where it cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    octal = re.compile(r"\\([0-7]{3})")  # a space, tab, newline or backslash in a path is written \ooo
+    return [octal.sub(lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in lines if len(line.split()) > 4]
+
+
+def _mount_in(path: Path) -> Path | None:
+    """``path`` itself if something is mounted there, else the first mount point under it, or ``None``. Without
+    ``/proc``, mount points are told by the device numbers that change at them (a bind mount of the same file
+    system is then not seen)."""
+    real = os.path.realpath(path)
+    points = _mount_points()
+    if points is not None:
+        under = sorted(p for p in points if p == real or p.startswith(real.rstrip(os.sep) + os.sep))
+        return Path(under[0]) if under else None
     if os.path.ismount(path):
         return path
     device = path.stat().st_dev
@@ -79,6 +108,26 @@ def _other_file_system(path: Path) -> Path | None:
             except OSError:
                 continue
     return None
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to swap a new folder in for ``path`` where the old one cannot go: it is or holds this process's working
+    folder, or a mount point (which a write can neither carry over nor remove without emptying it).
+
+    Raises:
+        [`OutputPathError`]: naming the folder, why, and what to write to instead.
+    """
+    if _holds_cwd(path):
+        raise OutputPathError(f"Output folder {str(path)!r} is the current folder or holds it: the write replaces "
+                              f"that folder, which would leave this shell in a deleted one. Name a folder inside "
+                              f"it (e.g. -o ./adapter), or run from another folder.")
+    mount = _mount_in(path)
+    if mount is not None:
+        where = ("is a mount point" if os.path.realpath(mount) == os.path.realpath(path)
+                 else f"holds a mount point at {str(mount)!r}")
+        raise OutputPathError(f"Output folder {str(path)!r} {where}, which a write cannot carry over: it replaces "
+                              f"the folder with a new one. Name a new folder inside it (e.g. "
+                              f"{str(path / 'adapter')!r}), or another folder.")
 
 
 def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = (), force: bool = False) -> Path:
@@ -100,16 +149,7 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
         raise OutputPathError(f"Output folder {str(path)!r} is not empty. Choose a new or empty folder, or pass --force "
                               f"to replace the adapter files in it.")
     if path.is_dir():  # a write swaps a new folder in for this one, with the other files it holds linked in
-        if _holds_cwd(path):
-            raise OutputPathError(f"Output folder {str(path)!r} is the current folder or holds it: the write replaces "
-                                  f"that folder, which would leave this shell in a deleted one. Name a folder inside "
-                                  f"it (e.g. -o ./adapter), or run from another folder.")
-        mount = _other_file_system(path)
-        if mount is not None:
-            where = "is a mount point" if mount == path else f"holds another file system at {str(mount)!r}"
-            raise OutputPathError(f"Output folder {str(path)!r} {where}, which a write cannot carry over: it replaces "
-                                  f"the folder with a new one. Name a new folder inside it (e.g. "
-                                  f"{str(path / 'adapter')!r}), or another folder.")
+        _check_replaceable(path)
     return path
 
 
@@ -247,13 +287,14 @@ def _own_like(src: Path, dst: Path) -> None:
 
 def _swap_in(tmp: Path, out: Path) -> None:
     """Put the finished folder ``tmp`` at ``out``; what ``out`` held ends up at ``tmp`` (removed by the caller). An
-    existing ``out``'s mode, times, extended attributes (ACLs), owner and group go to the new folder, and to each
+    existing ``out``'s mode, extended attributes (ACLs), owner and group go to the new folder, and to each
     folder it holds: a 0700 folder stays one around the files it kept private."""
     if not out.exists():
         os.rename(tmp, out)
         return
     _keep_others(out, tmp)
-    shutil.copystat(out, tmp)
+    shutil.copystat(out, tmp)  # its mode, flags and extended attributes; its times are the write's own:
+    os.utime(tmp)
     _own_like(out, tmp)
     for folder, subfolders, _ in os.walk(out):
         for name in subfolders:
@@ -289,8 +330,8 @@ def write_atomically(out: str | os.PathLike[str], write: Callable[[Path], None])
 
 
 def _write_under(target: Path, write: Callable[[Path], None]) -> Path:
-    if target.is_symlink():  # swap the folder it points to, not the link
-        target = Path(os.path.realpath(target))
+    if target.is_dir():  # (checked again: a library call claims no more than this; the folder may have changed)
+        _check_replaceable(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         try:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm_lora_ext._util import open_confined
-from vllm_lora_ext.config import AdapterConfig, config_from_dict, infer_config, read_config
+from vllm_lora_ext.config import AdapterConfig, alpha_missing, config_from_dict, infer_config, read_config
 from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES
 from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
@@ -198,7 +198,7 @@ def _config_without_refused_features(resolved: ResolvedAdapter, name: str) -> Ad
     try:
         raw = read_json_capped(resolved.config_path, MAX_CONFIG_BYTES, f"Adapter {name!r}: config",
                                fix="Fix or replace it.")
-        if isinstance(raw, dict) and "lora_alpha" not in raw:  # no scaling to show (config.read_config)
+        if alpha_missing(raw):  # no scaling to show
             return None
         return config_from_dict({**raw, **{k: v for k, v in _REFUSED_FIELDS.items() if k in raw}}, name=name)
     except (OSError, ValueError, RecursionError):

@@ -68,14 +68,15 @@ def check_factor_dtypes(dtypes: Mapping[str, str], *, adapter: str = "adapter") 
 _NAMED_FACTOR = re.compile(r"\.lora_([AB])\.([^.]+)\.weight$|\.lora_embedding_([AB])\.([^.]+)$")
 
 
-def _named_factor_reason(key: str) -> str | None:
+def _named_factor_reason(key: str, subject: str = "it carries") -> str | None:
+    """``subject`` PEFT's adapter name, and the fix, where ``key`` is a factor saved under it; else ``None``."""
     found = _NAMED_FACTOR.search(key)
     if found is None:
         return None
     name = found.group(2) or found.group(4)
-    return (f"it carries PEFT's adapter name {name!r} after its lora_{found.group(1) or found.group(3)}, as a "
-            f"PeftModel's state_dict() names it: save the adapter with PeftModel.save_pretrained(folder), or drop "
-            f"'.{name}' from every key")
+    return (f"{subject} PEFT's adapter name {name!r} after lora_{found.group(1) or found.group(3)}, as a PeftModel's "
+            f"state_dict() names them: save the adapter with PeftModel.save_pretrained(folder), or drop '.{name}' from "
+            f"every key")
 
 
 def not_lora_reason(key: str) -> str:
@@ -98,15 +99,19 @@ def check_has_factors(keys: Iterable[str], *, adapter: str = "adapter") -> None:
         [`AdapterFormatError`]: naming how many tensors the file holds and what to check; where the first key is a
             factor under PEFT's adapter name, that name and the fix.
     """
-    count, first = 0, ""
+    count, named, first = 0, 0, ""
     for key in keys:  # stops at the first factor: the keys of a 2D MoE adapter are classified later, in bulk
         if classify_key(key).kind != "other":
             return
-        count, first = count + 1, first or key
-    named = _named_factor_reason(first)
-    if named is not None:
-        raise AdapterFormatError(f"Adapter {adapter!r} holds no LoRA factor under the names vLLM and PEFT load (its "
-                                 f"first key {first!r}): {named}.", adapter=adapter, key=first)
+        count += 1
+        if _NAMED_FACTOR.search(key):
+            named, first = named + 1, first or key
+    if named:  # a PeftModel's state_dict(): the factors under its adapter name, perhaps the whole model beside them
+        others = (f" The other {count - named} tensors are no LoRA factors (the base model's weights?): "
+                  f"save_pretrained leaves them out." if named < count else "")
+        raise AdapterFormatError(f"Adapter {adapter!r} holds no LoRA factor under the names vLLM and PEFT load: "
+                                 f"{named} of its {count} tensors are factors whose keys (first: {first!r}) "
+                                 f"{_named_factor_reason(first, 'carry')}.{others}", adapter=adapter, key=first)
     raise AdapterFormatError(
         f"Adapter {adapter!r} holds no LoRA weights (its weight file has {count} tensors, none a lora_A/"
         f"lora_B factor), so serving or mixing it would change nothing. Save the trained adapter with PEFT's "

@@ -16,6 +16,7 @@ import pytest
 
 from factories import make_dense_adapter
 from vllm_lora_ext.cli import main
+from vllm_lora_ext.errors import OutputPathError
 from vllm_lora_ext.outputs import claim_output, write_atomically
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -191,8 +192,11 @@ def test_an_output_folder_holding_a_mount_is_refused_and_the_mount_untouched(
     make_dense_adapter(tmp_path / "a")
     out = tmp_path / "out"
     (out / "data").mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out / "data")],
-                             capture_output=True, text=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out / "data")],
+                                 capture_output=True, text=True)
+    except OSError as err:  # no mount command
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -200,7 +204,7 @@ def test_an_output_folder_holding_a_mount_is_refused_and_the_mount_untouched(
         for target in (out, out / "data"):
             assert main(["mix", f"{tmp_path / 'a'}=1", "-o", str(target), "--force"]) == 1
             err = capsys.readouterr().err
-            assert ("holds another file system at" if target == out else "is a mount point") in err, err
+            assert ("holds a mount point at" if target == out else "is a mount point") in err, err
         assert (out / "data" / "important.txt").read_text() == "keep" and _beside(out) == []
     finally:  # wherever a write may have moved it (before the fix: into the old folder, renamed aside)
         for line in Path("/proc/self/mounts").read_text().splitlines():
@@ -215,3 +219,49 @@ def test_a_link_to_a_folder_is_locked_beside_the_folder_it_names(tmp_path: Path)
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with claim_output(tmp_path / "link") as claim:
         assert claim.path == tmp_path / "real" and claim.lock_path == tmp_path / ".real.lock"
+
+
+def test_a_bind_mount_of_the_same_file_system_is_refused_and_its_files_kept(tmp_path: Path) -> None:
+    """Device numbers do not change at a bind mount of one file system: --force copied it, then emptied its source."""
+    make_dense_adapter(tmp_path / "a")
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "important.txt").write_text("keep")
+    out = tmp_path / "out"
+    (out / "data").mkdir(parents=True)
+    try:
+        bound = subprocess.run(["mount", "--bind", str(tmp_path / "precious"), str(out / "data")],
+                               capture_output=True, text=True)
+    except OSError as err:
+        pytest.skip(f"cannot bind-mount here: {err}")
+    if bound.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {bound.stderr.strip()}")
+    try:
+        with pytest.raises(OutputPathError, match="holds a mount point at"):
+            write_atomically(out, lambda folder: (folder / "adapter_config.json").write_text("{}"))  # a library call
+        assert main(["mix", f"{tmp_path / 'a'}=1", "-o", str(out), "--force"]) == 1
+        assert os.listdir(tmp_path / "precious") == ["important.txt"]
+    finally:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            if line.split()[1].startswith(str(tmp_path)):
+                subprocess.run(["umount", line.split()[1]], check=False)
+
+
+def test_force_keeps_the_folders_owner_and_group_and_its_subfolders(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder another owner needs root")
+    make_dense_adapter(tmp_path / "a")
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    for folder in (out, out / "sub"):
+        os.chown(folder, 65534, 65534)
+    assert main(["mix", f"{tmp_path / 'a'}=1", "-o", str(out), "--force"]) == 0
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in (out, out / "sub")} == {(65534, 65534)}
+    assert out.stat().st_mtime > (tmp_path / "a").stat().st_mtime - 60  # the write's own time, not the old folder's
+
+
+def test_a_dangling_link_whose_target_folder_is_missing_is_refused(tmp_path: Path) -> None:
+    """A write made the missing folders of the link's target (an unmounted disk: the root file system instead)."""
+    (tmp_path / "link").symlink_to(tmp_path / "gone" / "deep" / "out")
+    with pytest.raises(OutputPathError, match="whose folder does not exist"):
+        claim_output(tmp_path / "link")
+    assert not (tmp_path / "gone").exists()

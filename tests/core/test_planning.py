@@ -138,9 +138,13 @@ def test_factors_under_peft_s_adapter_name_are_named_with_the_fix() -> None:
     with pytest.raises(AdapterFormatError) as err:
         check_has_factors([key, key.replace("lora_A", "lora_B")], adapter="x")
     assert str(err.value) == (
-        f"Adapter 'x' holds no LoRA factor under the names vLLM and PEFT load (its first key {key!r}): it carries "
-        f"PEFT's adapter name 'default' after its lora_A, as a PeftModel's state_dict() names it: save the adapter "
-        f"with PeftModel.save_pretrained(folder), or drop '.default' from every key.")
+        f"Adapter 'x' holds no LoRA factor under the names vLLM and PEFT load: 2 of its 2 tensors are factors whose "
+        f"keys (first: {key!r}) carry PEFT's adapter name 'default' after lora_A, as a PeftModel's state_dict() "
+        f"names them: save the adapter with PeftModel.save_pretrained(folder), or drop '.default' from every key.")
+    with pytest.raises(AdapterFormatError) as err:  # the whole model's state_dict(): sorted, a base weight first
+        check_has_factors(["base_model.model.lm_head.weight", key, "base_model.model.model.norm.weight"])
+    assert f"1 of its 3 tensors are factors whose keys (first: {key!r})" in str(err.value)
+    assert "The other 2 tensors are no LoRA factors (the base model's weights?)" in str(err.value)
     assert "drop '.sql' from every key" in not_lora_reason("m.embed_tokens.lora_embedding_B.sql")
     assert not_lora_reason("m.q_proj.weight") == "only lora_A/lora_B factors are served; remove it from the weight file"
 

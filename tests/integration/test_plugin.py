@@ -159,8 +159,11 @@ def test_a_bad_setting_that_ends_the_program_is_printed_without_vllms_frames(deb
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
         assert f"vllm_lora_ext: SettingsError: Bad settings: {said}" in out.stderr
         assert "VLLM_LORA_EXT_LOG_LEVEL=DEBUG" in out.stderr
-    other = _python("from vllm_lora_ext.integration import plugin\nplugin.register()\nraise KeyError('x')")
+    other = _python("import os\nos.environ['VLLM_LORA_EXT_MAX_MIXES'] = 'abc'\n"  # the hook installed, then
+                    "from vllm_lora_ext.integration import plugin\n"  # another error ends the program
+                    "try:\n    plugin.register()\nexcept Exception:\n    pass\nraise KeyError('x')")
     assert other.returncode == 1 and "Traceback" in other.stderr and "KeyError: 'x'" in other.stderr
+    assert "vllm_lora_ext: SettingsError" not in other.stderr
 
 
 def test_core_imports_without_vllm() -> None:

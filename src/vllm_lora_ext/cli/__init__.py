@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from vllm_lora_ext.cli._args import one_line, plural, positive_int
 from vllm_lora_ext.constants import check_settings
-from vllm_lora_ext.errors import VllmLoraExtError
+from vllm_lora_ext.errors import SettingsError, VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
 
@@ -119,9 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # with the usage of the command it follows: the top level's before the command's name
         before = args.command in argv and extra[0] in argv and argv.index(extra[0]) < argv.index(args.command)
         (parser if before else getattr(args, "_parser", parser)).error(f"unrecognized arguments: {' '.join(extra)}")
+    try:  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused, before huggingface_hub
+        check_settings()  # is imported (a malformed HF_ENDPOINT stops its import)
+    except SettingsError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
     with _logging(args.verbose, args.quiet, bars=not (args.quiet or getattr(args, "json", False))):
         try:
-            check_settings()  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused
             with strict_warnings():
                 code = int(args.func(args))
             sys.stdout.flush()
