@@ -201,11 +201,7 @@ class HubClient:
             if reason is not None:
                 raise self._no_hub(filename, revision, reason)
         try:
-            path = Path(diskcache.download_file(  # hf_hub_download within the disk cache bound
-                self.src.repo_id or "", filename, revision=revision, cache_dir=cache_dir,
-                token=self.token, local_files_only=self.local_only,
-                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}"),
-            ))
+            path = self._download(filename, revision, cache_dir)
             if not isinstance(cached, str) or Path(cached) != path:
                 self.downloaded = True
             return path
@@ -237,6 +233,24 @@ class HubClient:
                     f"Hub answers).", source=self.src.raw, public_message=f"The server's Hub {said}. Retry later.") from err
             if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
                 raise self._failed(filename, err, repr(err)) from err
+            raise
+
+    def _download(self, filename: str, revision: str | None, cache_dir: Path | None) -> Path:
+        """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`). huggingface_hub moves a
+        branch's or tag's ref to the commit the Hub names before it transfers the file: where the transfer then
+        fails, the ref is put back, so that the commit of it already cached still serves offline."""
+        repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
+        pinned = self.local_only or (revision is not None and COMMIT_SHA.match(revision) is not None)
+        ref = None if pinned else repo / "refs" / (revision or "main")
+        before = _ref_commit(ref)
+        try:
+            return Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
+                                                cache_dir=cache_dir, token=self.token,
+                                                local_files_only=self.local_only,
+                                                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
+        except BaseException:
+            if ref is not None:
+                _put_ref_back(ref, before, repo, filename)
             raise
 
     def _check_endpoint(self, filename: str, revision: str | None) -> None:
@@ -280,3 +294,31 @@ class HubClient:
         shown = (f for f in files if isinstance(f, str) and len(f) <= 255 and f.isprintable() and not f.startswith("/")
                  and ".." not in f.split("/") and f.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)))  # names to quote
         return sorted(shown, key=lambda f: (not f.endswith(SAFETENSORS_SUFFIX), not f.startswith(under), f))
+
+
+def _ref_commit(ref: Path | None) -> str | None:
+    """The commit a ref file names (its first 64 bytes), or ``None`` where there is none."""
+    try:
+        with open(ref, "rb") as f:  # type: ignore[arg-type]
+            return f.read(64).decode("ascii", "replace").strip()
+    except (OSError, TypeError):
+        return None
+
+
+def _put_ref_back(ref: Path, before: str | None, repo: Path, filename: str) -> None:
+    """After a failed download, point ``ref`` at the commit it named before (or remove it if it named none), unless
+    another process has since completed ``filename`` at the commit it names now. Only inside ``repo``'s folder."""
+    now = _ref_commit(ref)
+    if now == before or (now and (repo / "snapshots" / now / filename).is_file()):
+        return
+    try:
+        if not os.path.realpath(ref).startswith(os.path.realpath(repo) + os.sep):
+            return  # a link out of the cache: not written through
+        if before is None:
+            ref.unlink(missing_ok=True)
+            return
+        tmp = ref.with_name(f".{ref.name}.put-back-{os.getpid()}")
+        tmp.write_text(before)
+        os.replace(tmp, ref)
+    except OSError:  # best effort: the download's own error is what the caller sees
+        return

@@ -242,3 +242,21 @@ def test_a_slow_download_logs_bytes_rate_and_percent(repos, monkeypatch, caplog)
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm_lora_ext.progress"
              and r.getMessage().startswith("downloading acme/multi:files/a.safetensors: ")]
     assert lines and "(100%)" in lines[-1] and "MiB/s" in lines[-1]
+
+
+def test_a_failed_download_puts_the_branch_back_so_its_cached_commit_still_serves_offline(
+        repos, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """huggingface_hub moves refs/main to the commit the Hub names before the transfer: a download cut every time
+    left main at a commit with nothing cached, and the branch, cached a minute before, failed offline."""
+    hub = repos["hub"]
+    r = resolve_source("hf:acme/single")
+    ref = Path(r.weights_path).parents[2] / "refs" / "main"
+    assert ref.read_text() == repos["second"]
+    w3, _ = adapter_files(3)
+    hub.repos["acme/single"].commit({"adapter_model.safetensors": w3})  # main moves on
+    hub.drop_once["adapter_model.safetensors"] = [100] * 20  # and its new weights never arrive
+    with pytest.raises(AdapterDownloadError):
+        resolve_source("hf:acme/single")
+    assert ref.read_text() == repos["second"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _bytes(resolve_source("hf:acme/single").weights_path) == repos["w2"]
