@@ -242,6 +242,8 @@ class HubClient:
         repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
         pinned = self.local_only or (revision is not None and COMMIT_SHA.match(revision) is not None)
         ref = None if pinned else repo / "refs" / (revision or "main")
+        if not self.local_only:
+            hubguard.writes_inside(repo, source=self.src.raw)
         before = _ref_commit(ref)
         try:
             return Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,

@@ -214,6 +214,31 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
                          value=path[:200], public_message=public)
 
 
+def writes_inside(repo: Path, *, source: str) -> None:
+    """Refuse a download into ``repo`` (the repo's cache folder) where huggingface_hub would write through a link out
+    of the cache that holds it: the repo's folder, its ``blobs``, ``refs`` or ``snapshots`` (or one of those
+    snapshots), or the cache's ``.locks`` and the repo's own there. `contained` checks the file only after it is
+    written; a link planted in a shared cache would have had the Hub's bytes written where it points.
+
+    Raises:
+        [`HubAnswerError`]: naming the link and where it leads; nothing was downloaded.
+    """
+    cache = os.path.realpath(repo.parent)
+    snapshots = repo / "snapshots"
+    places = [repo, repo / "blobs", repo / "refs", snapshots, repo.parent / ".locks", repo.parent / ".locks" / repo.name]
+    if snapshots.is_dir() and not snapshots.is_symlink():
+        places += sorted(snapshots.iterdir())
+    for place in places:
+        real = os.path.realpath(place)
+        if os.path.lexists(place) and os.path.commonpath([real, cache]) != cache:
+            said = (f"The Hugging Face cache's {str(place)!r} links outside the cache (to {real!r}), so a download of "
+                    f"{source!r} would write there; nothing was downloaded. Remove that link (the cache was changed "
+                    f"by hand), or use another HF_HUB_CACHE.")
+            raise HubAnswerError(said, source=source, header="cache folder", value=str(place)[:200],
+                                 public_message=f"The server's Hugging Face cache holds a link out of it, so {source!r} "
+                                                f"was not downloaded. Tell the server's operator.")
+
+
 # What huggingface_hub's requests in an `expecting` block must agree with: (source, filename, what `head` was told,
 # the commit the download must land in, whether that commit was pinned). Per thread (and task): other traffic on
 # the shared client is untouched.

@@ -324,3 +324,23 @@ def test_held_a_weak_etag_and_a_redirect_to_the_same_file_of_an_honest_hub_load(
     """W/"<sha>" on the second answer reads as the same ETag; a 302 relative hop before the 200 is followed."""
     hub.script[WEIGHTS] = _second(lambda c, h, b: (c, set_header(h, "ETag", 'W/' + header(h, "ETag")), b))
     assert Path(resolve_source(repo).weights_path).read_bytes() == weights()
+
+
+@pytest.mark.parametrize("planted", ["blobs", "snapshots", "refs", "repo", "locks", "a snapshot"])
+def test_a_link_planted_in_the_cache_out_of_it_is_refused_before_the_download_writes_through_it(
+        hub: Any, repo: str, isolated_hf_cache: Path, tmp_path: Path, planted: str) -> None:
+    """`contained` checked the file after huggingface_hub had written it: a ``blobs`` link planted in a shared cache
+    had the Hub's bytes (named by its ETag) written where the link pointed, and left there."""
+    from vllm_lora_ext.errors import HubAnswerError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = isolated_hf_cache / "models--acme--a"
+    link = {"blobs": folder / "blobs", "snapshots": folder / "snapshots", "refs": folder / "refs", "repo": folder,
+            "locks": isolated_hf_cache / ".locks", "a snapshot": folder / "snapshots" / ("0" * 40)}[planted]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(HubAnswerError, match="links outside the cache") as err:
+        resolve_source(repo)
+    assert str(outside) not in err.value.client_message()
+    assert list(outside.iterdir()) == []
