@@ -32,7 +32,9 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
         data = json.loads(path.read_text())
         entries = {str(k): dict(v) for k, v in data["revisions"].items()}
         for v in entries.values():
-            str(v["repo_id"]), str(v["commit"]), list(v["files"]), float(v["last_use"])
+            str(v["repo_id"]), str(v["commit"]), list(v["files"])
+            if not 0 <= float(v["last_use"]) <= time.time() + 86400:  # NaN, infinity, far future: never evicted
+                raise ValueError(f"last_use {v['last_use']!r} is no time this revision was used")
         return entries
     except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
         aside = path.with_name(f"{LEDGER}.unreadable")

@@ -40,6 +40,9 @@ class HubRepo(Protocol):
 
 
 
+# errors of this host's cache folder: no retry of the download helps
+_LOCAL_FAULTS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EFBIG, errno.ENOSPC, errno.EDQUOT,
+                           errno.EACCES, errno.EROFS, errno.EISDIR})
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
 
@@ -275,6 +278,9 @@ class HubClient:
         status = getattr(getattr(err, "response", None), "status_code", None)
         what, tail = f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed", "Retry; a partial file is " \
             "not kept in the cache."
+        if isinstance(err, OSError) and err.errno in _LOCAL_FAULTS:  # this host's cache, not the transfer
+            tail = ("Retrying will not help: the Hugging Face cache cannot take the file there (HF_HOME or HF_HUB_CACHE "
+                    "chooses it). Nothing was kept.")
         kind = type(err).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
         return AdapterDownloadError(f"{what}: {detail}. {tail}", source=self.src.raw,
                                     public_message=f"{what} ({kind}). {tail}")

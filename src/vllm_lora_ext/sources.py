@@ -195,10 +195,12 @@ def _check_relative_path(source: str, path: str, part: str) -> None:
         raise _fail(source, part, f"'..' in path {path!r}", "Paths may not leave the repo; name the file from the repo root.")
     if any(c in ("", ".") for c in components):
         raise _fail(source, part, f"empty or '.' component in path {path!r}", "Remove the doubled or trailing '/'.")
+    if len(components) > _DEPTH_MAX:  # huggingface_hub makes each folder in the cache, one call deeper for each
+        raise _fail(source, part, f"path of {len(components)} parts", f"A path may have at most {_DEPTH_MAX} parts.")
     _check_component_lengths(source, path, part)
 
 
-_NAME_MAX, _PATH_MAX = 255, 4095  # bytes in one path component and in a whole path (Linux NAME_MAX, PATH_MAX)
+_NAME_MAX, _PATH_MAX, _DEPTH_MAX = 255, 4095, 64  # bytes in a path's part and in the path (Linux), parts in a repo
 
 
 def _check_component_lengths(source: str, path: str, part: str) -> None:

@@ -344,3 +344,15 @@ def test_a_link_planted_in_the_cache_out_of_it_is_refused_before_the_download_wr
         resolve_source(repo)
     assert str(outside) not in err.value.client_message()
     assert list(outside.iterdir()) == []
+
+
+def test_a_cache_that_cannot_take_the_file_says_that_retrying_will_not_help(
+        hub: Any, repo: str, isolated_hf_cache: Path) -> None:
+    """The repo's cache folder is a file (ENOTDIR): the message ended "Retry", which cannot help."""
+    from vllm_lora_ext.errors import AdapterDownloadError
+
+    (isolated_hf_cache / "models--acme--a").write_text("not a folder")
+    with pytest.raises(AdapterDownloadError) as err:
+        resolve_source(repo)
+    assert "Retrying will not help: the Hugging Face cache cannot take the file there" in str(err.value)
+    assert "Retry;" not in str(err.value)

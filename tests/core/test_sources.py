@@ -63,6 +63,7 @@ def test_parse_source_marks_sha_revisions_as_pinned() -> None:
         ("hf://acme/sql", "unknown scheme"),
         (" hf:acme/sql", "whitespace"),
         ("", "Empty adapter source"),
+        ("hf:acme/sql:" + "a/" * 2000 + "x.safetensors", "path of 2001 parts"),  # a bare RecursionError in the cache
     ],
 )
 def test_parse_source_rejects_malformed_sources_with_the_fix(source: str, fragment: str) -> None:
