@@ -372,7 +372,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
                            "the Hub's", source, filename, facts.failed, revision or "main")  # a pin may be stale
             return path
     named = pinned or facts.commit  # the download must land in this commit's snapshot
-    cap = hubguard.transfer_cap(facts, limit, source=source, filename=filename)
+    cap = hubguard.transfer_cap(facts, limit, source=source, filename=filename, disk=cache)
     use = _RESOLVING.get()
     if use is not None:
         use.take_hold()

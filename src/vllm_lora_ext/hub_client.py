@@ -279,8 +279,8 @@ class HubClient:
         what, tail = f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed", "Retry; a partial file is " \
             "not kept in the cache."
         if isinstance(err, OSError) and err.errno in _LOCAL_FAULTS:  # this host's cache, not the transfer
-            tail = ("Retrying will not help: the Hugging Face cache cannot take the file there (HF_HOME or HF_HUB_CACHE "
-                    "chooses it). Nothing was kept.")
+            tail = ("Retrying will not help: the Hugging Face cache cannot take the file there (HF_HOME or "
+                    "HF_HUB_CACHE chooses it). Nothing was kept.")
         kind = type(err).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
         return AdapterDownloadError(f"{what}: {detail}. {tail}", source=self.src.raw,
                                     public_message=f"{what} ({kind}). {tail}")

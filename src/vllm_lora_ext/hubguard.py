@@ -29,6 +29,7 @@ import inspect
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -120,11 +121,13 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
     return HubFacts(size=size, commit=commit, etag=etag, xet=getattr(meta, "xet_file_data", None) is not None)
 
 
-def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: str) -> int | None:
+def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: str,
+                 disk: Path | None = None) -> int | None:
     """The bytes a download of ``filename`` may write (`capped`): the size the Hub announced, else the disk cache
-    bound ``limit``, and for a JSON file (a config, which is read whole) at most ``MAX_CONFIG_BYTES``; ``None`` for
-    a file in Xet storage that hf_xet transfers (it swallows the cap's error; with hf_xet missing or turned off,
-    huggingface_hub downloads it over HTTP, counted). A config announced larger is refused undownloaded.
+    bound ``limit``, else the free space of ``disk`` (the cache's folder) less 1 GiB, so that a Hub announcing no
+    size never fills the disk; for a JSON file (a config, which is read whole) at most ``MAX_CONFIG_BYTES``;
+    ``None`` for a file in Xet storage that hf_xet transfers (it swallows the cap's error; with hf_xet missing or
+    turned off, huggingface_hub downloads it over HTTP, counted). A config announced larger is refused undownloaded.
 
     Raises:
         [`AdapterFormatError`]: a JSON file the Hub announces larger than ``MAX_CONFIG_BYTES``.
@@ -135,8 +138,19 @@ def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: s
                                  f"may be ({most} bytes); nothing was downloaded. Use a config of at most 1 MiB.")
     if facts.xet and _xet_transfers():
         return None
-    cap = facts.size if facts.size is not None else limit
+    cap = facts.size if facts.size is not None else limit if limit is not None else _free_room(disk)
     return cap if most is None else most if cap is None else min(cap, most)
+
+
+def _free_room(disk: Path | None) -> int | None:
+    """The free bytes of the disk that holds ``disk`` (its nearest existing folder) less 1 GiB, or ``None``."""
+    folder = disk
+    while folder is not None and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return None if folder is None else max(shutil.disk_usage(folder).free - (1 << 30), 0)
+    except OSError:
+        return None
 
 
 def _xet_transfers() -> bool:
@@ -166,9 +180,9 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str,
                 raise HubAnswerError(
                     f"The Hub at {hub_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
                     f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES, "
-                    f"or a config's {MAX_CONFIG_BYTES} bytes); the transfer was stopped and its partial file is not "
-                    f"kept. Point HF_ENDPOINT at a Hub or mirror that answers as huggingface.co does.", source=source,
-                    header="Content-Length", value=str(cap),
+                    f"the cache disk's free space less 1 GiB, or a config's {MAX_CONFIG_BYTES} bytes); the transfer "
+                    f"was stopped and its partial file is not kept. Point HF_ENDPOINT at a Hub or mirror that answers "
+                    f"as huggingface.co does.", source=source, header="Content-Length", value=str(cap),
                     public_message=f"The Hub sent more than {cap} bytes of {filename!r} for {source!r}, more than it "
                                    f"announced or than the server allows; the transfer was stopped. {_CLIENT_FIX}")
             if on_bytes is not None:
@@ -225,7 +239,8 @@ def writes_inside(repo: Path, *, source: str) -> None:
     """
     cache = os.path.realpath(repo.parent)
     snapshots = repo / "snapshots"
-    places = [repo, repo / "blobs", repo / "refs", snapshots, repo.parent / ".locks", repo.parent / ".locks" / repo.name]
+    locks = repo.parent / ".locks"
+    places = [repo, repo / "blobs", repo / "refs", snapshots, locks, locks / repo.name]
     if snapshots.is_dir() and not snapshots.is_symlink():
         places += sorted(snapshots.iterdir())
     for place in places:
@@ -234,9 +249,10 @@ def writes_inside(repo: Path, *, source: str) -> None:
             said = (f"The Hugging Face cache's {str(place)!r} links outside the cache (to {real!r}), so a download of "
                     f"{source!r} would write there; nothing was downloaded. Remove that link (the cache was changed "
                     f"by hand), or use another HF_HUB_CACHE.")
+            public = f"The server's Hugging Face cache holds a link out of it, so {source!r} was not downloaded. " \
+                     f"Tell the server's operator."
             raise HubAnswerError(said, source=source, header="cache folder", value=str(place)[:200],
-                                 public_message=f"The server's Hugging Face cache holds a link out of it, so {source!r} "
-                                                f"was not downloaded. Tell the server's operator.")
+                                 public_message=public)
 
 
 # What huggingface_hub's requests in an `expecting` block must agree with: (source, filename, what `head` was told,

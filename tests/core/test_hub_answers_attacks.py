@@ -356,3 +356,16 @@ def test_a_cache_that_cannot_take_the_file_says_that_retrying_will_not_help(
         resolve_source(repo)
     assert "Retrying will not help: the Hugging Face cache cannot take the file there" in str(err.value)
     assert "Retry;" not in str(err.value)
+
+
+def test_a_download_announcing_no_size_with_no_disk_bound_stops_short_of_filling_the_disk(tmp_path: Path) -> None:
+    """With VLLM_LORA_EXT_DISK_CACHE_BYTES unset (the default), a Hub that announced no size had no cap: an endless
+    chunked body filled the disk (9.2 GB in 45 s)."""
+    import shutil
+
+    from vllm_lora_ext.hubguard import HubFacts, transfer_cap
+
+    cap = transfer_cap(HubFacts(), None, source="hf:acme/a", filename=WEIGHTS, disk=tmp_path / "hub" / "not-yet")
+    assert cap is not None and abs(cap - (shutil.disk_usage(tmp_path).free - (1 << 30))) < (64 << 20)
+    assert transfer_cap(HubFacts(size=5), None, source="hf:acme/a", filename=WEIGHTS, disk=tmp_path) == 5
+    assert transfer_cap(HubFacts(), 7, source="hf:acme/a", filename=WEIGHTS, disk=tmp_path) == 7
