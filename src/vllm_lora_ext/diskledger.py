@@ -31,10 +31,11 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
         data = json.loads(path.read_text())
         entries = {str(k): dict(v) for k, v in data["revisions"].items()}
+        now = time.time()
         for v in entries.values():
             str(v["repo_id"]), str(v["commit"]), list(v["files"])
-            if not 0 <= float(v["last_use"]) <= time.time() + 86400:  # NaN, infinity, far future: never evicted
-                raise ValueError(f"last_use {v['last_use']!r} is no time this revision was used")
+            used = float(v["last_use"])  # NaN or negative: evicted first; in the future (a clock ahead): used now
+            v["last_use"] = 0.0 if not used >= 0 else min(used, now)  # (a number `cache ls` and JSON can show)
         return entries
     except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
         aside = path.with_name(f"{LEDGER}.unreadable")

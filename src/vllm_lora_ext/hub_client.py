@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,7 @@ from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
+from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
@@ -41,8 +43,8 @@ class HubRepo(Protocol):
 
 
 # errors of this host's cache folder: no retry of the download helps
-_LOCAL_FAULTS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EFBIG, errno.ENOSPC, errno.EDQUOT,
-                           errno.EACCES, errno.EROFS, errno.EISDIR})
+_LOCAL_FAULTS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EFBIG, errno.EACCES, errno.EROFS,
+                           errno.EISDIR})
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
 
@@ -246,10 +248,10 @@ class HubClient:
         pinned = self.local_only or (revision is not None and COMMIT_SHA.match(revision) is not None)
         ref = None if pinned else repo / "refs" / (revision or "main")
         if not self.local_only:
-            hubguard.writes_inside(repo, source=self.src.raw)
+            hubguard.writes_inside(repo, source=self.src.raw, ref=ref)
         before = _ref_commit(ref)
         try:
-            return Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
+            path = Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
                                                 cache_dir=cache_dir, token=self.token,
                                                 local_files_only=self.local_only,
                                                 tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
@@ -257,6 +259,10 @@ class HubClient:
             if ref is not None:
                 _put_ref_back(ref, before, repo, filename)
             raise
+        got = commit_of(path)
+        if ref is not None and got is not None and _ref_commit(ref) != got:  # another's failure put it back meanwhile
+            _write_ref(ref, got, repo)
+        return path
 
     def _check_endpoint(self, filename: str, revision: str | None) -> None:
         """Refuse a download from an ``HF_ENDPOINT`` that is no http(s) address with a host (huggingface_hub's own
@@ -278,7 +284,10 @@ class HubClient:
         status = getattr(getattr(err, "response", None), "status_code", None)
         what, tail = f"Downloading {filename!r} of {self.label} {self.src.raw!r} failed", "Retry; a partial file is " \
             "not kept in the cache."
-        if isinstance(err, OSError) and err.errno in _LOCAL_FAULTS:  # this host's cache, not the transfer
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            tail = ("Free space on the cache's disk (or raise its quota), or choose another HF_HUB_CACHE. Nothing was "
+                    "kept.")
+        elif isinstance(err, OSError) and err.errno in _LOCAL_FAULTS:  # this host's cache, not the transfer
             tail = ("Retrying will not help: the Hugging Face cache cannot take the file there (HF_HOME or "
                     "HF_HUB_CACHE chooses it). Nothing was kept.")
         kind = type(err).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
@@ -315,18 +324,31 @@ def _ref_commit(ref: Path | None) -> str | None:
 
 def _put_ref_back(ref: Path, before: str | None, repo: Path, filename: str) -> None:
     """After a failed download, point ``ref`` at the commit it named before (or remove it if it named none), unless
-    another process has since completed ``filename`` at the commit it names now. Only inside ``repo``'s folder."""
+    another process has since completed ``filename`` at the commit it names now."""
     now = _ref_commit(ref)
     if now == before or (now and (repo / "snapshots" / now / filename).is_file()):
         return
+    _write_ref(ref, before, repo)
+
+
+def _write_ref(ref: Path, commit: str | None, repo: Path) -> None:
+    """Point ``ref`` at ``commit`` (remove it for ``None``) by a fresh file renamed over it, never through a link, and
+    only inside ``repo``'s folder; best effort (the caller's own outcome is what it reports)."""
     try:
-        if not os.path.realpath(ref).startswith(os.path.realpath(repo) + os.sep):
+        if not os.path.realpath(ref.parent).startswith(os.path.realpath(repo) + os.sep):
             return  # a link out of the cache: not written through
-        if before is None:
+        if commit is None:
             ref.unlink(missing_ok=True)
             return
-        tmp = ref.with_name(f".{ref.name}.put-back-{os.getpid()}")
-        tmp.write_text(before)
-        os.replace(tmp, ref)
-    except OSError:  # best effort: the download's own error is what the caller sees
+        fd, tmp = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}.")  # O_EXCL: never an existing link
+        try:
+            os.write(fd, commit.encode("ascii"))
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, ref)
+        except OSError:
+            os.unlink(tmp)
+            raise
+    except OSError:
         return

@@ -124,7 +124,7 @@ def head(repo_id: str, filename: str, *, revision: str | None, token: str | bool
 def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: str,
                  disk: Path | None = None) -> int | None:
     """The bytes a download of ``filename`` may write (`capped`): the size the Hub announced, else the disk cache
-    bound ``limit``, else the free space of ``disk`` (the cache's folder) less 1 GiB, so that a Hub announcing no
+    bound ``limit``, else the free space of ``disk`` (the cache's folder) less a margin, so that a Hub announcing no
     size never fills the disk; for a JSON file (a config, which is read whole) at most ``MAX_CONFIG_BYTES``;
     ``None`` for a file in Xet storage that hf_xet transfers (it swallows the cap's error; with hf_xet missing or
     turned off, huggingface_hub downloads it over HTTP, counted). A config announced larger is refused undownloaded.
@@ -143,14 +143,16 @@ def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: s
 
 
 def _free_room(disk: Path | None) -> int | None:
-    """The free bytes of the disk that holds ``disk`` (its nearest existing folder) less 1 GiB, or ``None``."""
+    """The free bytes of the disk that holds ``disk`` (its nearest existing folder) less a margin (1 GiB, or 5% of a
+    disk smaller than 20 GiB), or ``None``."""
     folder = disk
     while folder is not None and not folder.exists() and folder != folder.parent:
         folder = folder.parent
     try:
-        return None if folder is None else max(shutil.disk_usage(folder).free - (1 << 30), 0)
+        usage = None if folder is None else shutil.disk_usage(folder)
     except OSError:
         return None
+    return None if usage is None else max(usage.free - min(1 << 30, usage.total // 20), 0)
 
 
 def _xet_transfers() -> bool:
@@ -180,7 +182,7 @@ def capped(tqdm_class: Any, cap: int, *, source: str, filename: str,
                 raise HubAnswerError(
                     f"The Hub at {hub_endpoint()!r} sent more than {cap} bytes of {filename!r} for {source!r}, more than "
                     f"it announced (or, announcing no size, than the disk cache bound VLLM_LORA_EXT_DISK_CACHE_BYTES, "
-                    f"the cache disk's free space less 1 GiB, or a config's {MAX_CONFIG_BYTES} bytes); the transfer "
+                    f"the cache disk's free space less a margin, or a config's {MAX_CONFIG_BYTES} bytes); the transfer "
                     f"was stopped and its partial file is not kept. Point HF_ENDPOINT at a Hub or mirror that answers "
                     f"as huggingface.co does.", source=source, header="Content-Length", value=str(cap),
                     public_message=f"The Hub sent more than {cap} bytes of {filename!r} for {source!r}, more than it "
@@ -228,11 +230,12 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
                          value=path[:200], public_message=public)
 
 
-def writes_inside(repo: Path, *, source: str) -> None:
+def writes_inside(repo: Path, *, source: str, ref: Path | None = None) -> None:
     """Refuse a download into ``repo`` (the repo's cache folder) where huggingface_hub would write through a link out
-    of the cache that holds it: the repo's folder, its ``blobs``, ``refs`` or ``snapshots`` (or one of those
-    snapshots), or the cache's ``.locks`` and the repo's own there. `contained` checks the file only after it is
-    written; a link planted in a shared cache would have had the Hub's bytes written where it points.
+    of the cache that holds it: the repo's folder, its ``blobs``, ``refs``, ``.no_exist`` or ``snapshots`` (or
+    one of those snapshots), the branch's ``ref`` file, or the cache's ``.locks`` and the repo's own there.
+    `contained` checks the file only after it is written; a link planted in a shared cache would have had the Hub's
+    bytes written where it points. A link planted after this check is not seen.
 
     Raises:
         [`HubAnswerError`]: naming the link and where it leads; nothing was downloaded.
@@ -240,7 +243,8 @@ def writes_inside(repo: Path, *, source: str) -> None:
     cache = os.path.realpath(repo.parent)
     snapshots = repo / "snapshots"
     locks = repo.parent / ".locks"
-    places = [repo, repo / "blobs", repo / "refs", snapshots, locks, locks / repo.name]
+    places = [repo, repo / "blobs", repo / "refs", snapshots, repo / ".no_exist", locks, locks / repo.name,
+              *([ref] if ref is not None else [])]  # (the branch's ref: older huggingface_hub writes through it)
     if snapshots.is_dir() and not snapshots.is_symlink():
         places += sorted(snapshots.iterdir())
     for place in places:

@@ -15,14 +15,20 @@ def _entry(last_use: object) -> dict[str, object]:
     return {"repo_id": "acme/a", "commit": "a" * 40, "files": ["adapter_model.safetensors"], "last_use": last_use}
 
 
-@pytest.mark.parametrize("last_use", ["NaN", "Infinity", "1e300", "-1"])
-def test_a_ledger_whose_last_use_is_no_time_is_moved_aside(tmp_path: Path, last_use: str) -> None:
+@pytest.mark.parametrize(("last_use", "read"), [("NaN", 0.0), ("-1", 0.0), ("Infinity", "now"), ("1e300", "now")])
+def test_a_last_use_that_is_no_time_is_read_as_the_oldest_or_as_now(tmp_path: Path, last_use: str,
+                                                                     read: object) -> None:
     """``float()`` took NaN, infinity and 1e300: `cache ls` then failed with a bare ValueError or OverflowError, its
-    --json printed NaN, and a far-future time kept the revision from ever being evicted."""
-    text = json.dumps({"version": 1, "revisions": {"acme/a@x": _entry("LAST")}}).replace('"LAST"', last_use)
-    (tmp_path / LEDGER).write_text(text)  # as json.dumps writes a float that is not finite (NaN, Infinity)
-    assert read_ledger(tmp_path) == {}
-    assert (tmp_path / f"{LEDGER}.unreadable").exists() and not (tmp_path / LEDGER).exists()
+    --json printed NaN, and a far-future time kept the revision from ever being evicted. The other entries, and the
+    ledger, stay (a host whose clock runs ahead writes honest times of the future)."""
+    good = _entry(time.time() - 5)
+    text = json.dumps({"version": 1, "revisions": {"acme/a@x": _entry("LAST"), "acme/b@y": good}})
+    (tmp_path / LEDGER).write_text(text.replace('"LAST"', last_use))  # as json.dumps writes NaN and Infinity
+    before = time.time()
+    entries = read_ledger(tmp_path)
+    used = entries["acme/a@x"]["last_use"]
+    assert used == 0.0 if read == 0.0 else before <= used <= time.time()
+    assert entries["acme/b@y"] == good and not (tmp_path / f"{LEDGER}.unreadable").exists()
 
 
 def test_a_ledger_of_times_in_use_is_read_as_written(tmp_path: Path) -> None:

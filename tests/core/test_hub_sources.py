@@ -260,3 +260,29 @@ def test_a_failed_download_puts_the_branch_back_so_its_cached_commit_still_serve
     assert ref.read_text() == repos["second"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _bytes(resolve_source("hf:acme/single").weights_path) == repos["w2"]
+
+
+def test_a_download_that_succeeds_after_another_put_the_branch_back_points_it_at_its_commit(
+        repos, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Two fetches of a moved branch, one failing: its put-back could land after the other's ref write, leaving the
+    branch at the old commit while the new one was complete on disk. The last success now writes the ref."""
+    from vllm_lora_ext import diskcache
+
+    r = resolve_source("hf:acme/single")
+    ref = Path(r.weights_path).parents[2] / "refs" / "main"
+    w3, _ = adapter_files(3)
+    third = repos["hub"].repos["acme/single"].commit({"adapter_model.safetensors": w3})
+    real = diskcache.download_file
+
+    calls = []
+
+    def then_put_back(*args, **kwargs):  # type: ignore[no-untyped-def]
+        path = real(*args, **kwargs)
+        if not calls:  # the branch's download (the config's after it is pinned to the commit)
+            ref.write_text(repos["second"])  # another process's put-back, after this download's own ref write
+        calls.append(args)
+        return path
+
+    monkeypatch.setattr(diskcache, "download_file", then_put_back)
+    assert _bytes(resolve_source("hf:acme/single").weights_path) == w3
+    assert ref.read_text() == third
