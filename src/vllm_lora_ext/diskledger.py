@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
 from vllm_lora_ext.diskholds import write_in_place
+from vllm_lora_ext.hubguard import COMMIT_SHA
 
 __all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "record", "repo_folder", "write_ledger"]
 
@@ -71,8 +72,11 @@ def commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:
 
 
 def commit_of(path: Path) -> str | None:
+    """The commit of a file in a repo's snapshot (``models--org--name/snapshots/<sha>/...``), or ``None``: a
+    ``snapshots`` folder elsewhere on the path (in the cache's own path, or the repo's) is not taken for it."""
     parts = path.parts
-    return next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "snapshots"), None)
+    return next((parts[i + 1] for i in range(1, len(parts) - 1) if parts[i] == "snapshots"
+                 and parts[i - 1].startswith("models--") and COMMIT_SHA.match(parts[i + 1])), None)
 
 
 def record(root: Path, repo_id: str, commit: str, filename: str) -> None:

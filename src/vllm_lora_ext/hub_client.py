@@ -23,6 +23,7 @@ from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
+from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
@@ -258,8 +259,7 @@ class HubClient:
             if ref is not None:
                 _put_ref_back(ref, before, repo, filename)
             raise
-        parts = Path(os.path.relpath(path, repo / "snapshots")).parts  # (not commit_of: the cache's own path may
-        got = parts[0] if parts and COMMIT_SHA.match(parts[0]) else None  # hold a folder named snapshots)
+        got = commit_of(path)
         if ref is not None and got is not None and _ref_commit(ref) != got:  # another's failure put it back meanwhile
             _write_ref(ref, got, repo)
         return path

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 
+from vllm_lora_ext._util import root_of
 from vllm_lora_ext.errors import OutputPathError
 
 __all__ = ["OutputClaim", "check_output_dir", "claim_output", "write_atomically"]
@@ -72,8 +73,7 @@ def _holds_cwd(path: Path) -> bool:
         cwd = os.path.realpath(os.getcwd())
     except OSError:  # the working folder is gone already
         return False
-    real = os.path.realpath(path)
-    return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
+    return root_of(cwd, [os.path.realpath(path)]) is not None
 
 
 def _mount_points() -> list[str] | None:
@@ -94,7 +94,7 @@ def _mount_in(path: Path) -> Path | None:
     real = os.path.realpath(path)
     points = _mount_points()
     if points is not None:
-        under = sorted(p for p in points if p == real or p.startswith(real.rstrip(os.sep) + os.sep))
+        under = sorted(p for p in points if root_of(p, [real]) is not None)
         return Path(under[0]) if under else None
     if os.path.ismount(path):
         return path

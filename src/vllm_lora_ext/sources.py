@@ -41,6 +41,7 @@ from vllm_lora_ext.constants import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, 
 from vllm_lora_ext.constants import allow_pickle as _env_allow_pickle, allowed_roots
 from vllm_lora_ext import diskcache, metrics
 from vllm_lora_ext._util import path_kind
+from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.headers import may_hold_lora
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
 from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA
@@ -355,14 +356,6 @@ def _resolve_local(src: AdapterSource, pickle_ok: bool) -> ResolvedAdapter:
     return ResolvedAdapter(src, weights, None, "inferred")
 
 
-def _commit_of(path: Path) -> str | None:
-    parts = path.parts
-    for i, part in enumerate(parts[:-1]):
-        if part == "snapshots" and _COMMIT_SHA.match(parts[i + 1]):
-            return parts[i + 1]
-    return None
-
-
 def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> ResolvedAdapter:
     if src.names_file:
         assert src.path_in_repo is not None
@@ -390,7 +383,7 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> Reso
             f"Adapter source {src.raw!r}: {what} not found in repo {src.repo_id!r} at revision "
             f"{src.revision or 'main'!r}. {fix}", source=src.raw, revision=src.revision,
         )
-    commit = _commit_of(weights) or src.revision
+    commit = commit_of(weights) or src.revision
     folder = weight_name.rsplit("/", 1)[0] + "/" if "/" in weight_name else ""
     basename = weight_name.rsplit("/", 1)[-1]
     pinned = src.with_revision(commit) if commit else src

@@ -96,8 +96,8 @@ def check_has_factors(keys: Iterable[str], *, adapter: str = "adapter") -> None:
     """Refuse an adapter with no LoRA factor at all (``keys``: its tensors' keys): served, it changes nothing.
 
     Raises:
-        [`AdapterFormatError`]: naming how many tensors the file holds and what to check; where the first key is a
-            factor under PEFT's adapter name, that name and the fix.
+        [`AdapterFormatError`]: naming how many tensors the file holds and what to check; where some are factors
+            under PEFT's adapter name, how many, the first of them, that name and the fix.
     """
     count, named, first = 0, 0, ""
     for key in keys:  # stops at the first factor: the keys of a 2D MoE adapter are classified later, in bulk
