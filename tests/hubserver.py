@@ -58,7 +58,7 @@ class HubServer:
         self.seen: dict[str, int] = {}  # requests per file name
         # attack harness: script[filename](nth, command, status, headers, body) -> (status, headers, body) rewrites
         # a file's answer (headers: list of (name, value)); routes[path](command, headers) -> (status, headers, body)
-        # answers any other path (a CDN, a renamed repo)
+        # answers any other path (a CDN, a renamed repo), its body bytes or an iterable of bytes sent as it yields
         self.script: dict[str, object] = {}
         self.routes: dict[str, object] = {}
         self.lock = threading.Lock()
@@ -196,9 +196,18 @@ class HubServer:
                 self.send_response(status)
                 for k, v in hdrs:
                     self.send_header(k, v)
+                if not isinstance(body, bytes):  # streamed, maybe with no length: its end is the connection's
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
-                if not head and body:
-                    self.wfile.write(body)
+                if head or not body:
+                    return
+                for chunk in [body] if isinstance(body, bytes) else body:  # a route may stream (an iterable of bytes)
+                    try:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                    except OSError:  # the client stopped reading
+                        return
 
             def _find_commit(self, repo_id: str, revision: str) -> tuple[Repo, str] | None:
                 """The repo and the commit ``revision`` names there, or None once the 401 or 404 is sent."""

@@ -86,8 +86,8 @@ PATTERN_MATCH_TIMEOUT_S = 0.05  # one pattern key against one module name (confi
 MAX_PATTERN_KEYS, PATTERN_LOOKUP_CPU_S = 4096, 0.5  # both patterns' keys; CPU s their regexes get per module
 MAX_EXPERTS = 1 << 16  # an expert index beyond this is refused before it sizes any work
 MAX_STATE_FILE_BYTES = 16 << 20  # the disk tier's ledger or a holds file larger than this is not ours: not read
-# The longest 'model' field a request may send, and the longest adapter part of a Ray multiplexed id.
-MAX_MODEL_FIELD_CHARS = 4096
+MAX_LISTING_BYTES = 4 << 20  # a Hub repo's file listing (for a not-found message only): a larger answer lists nothing
+MAX_MODEL_FIELD_CHARS = 4096  # the longest 'model' field a request may send, and adapter part of a Ray multiplexed id
 MAX_MESSAGE_CHARS = 2000  # an error message passed on whole (a CLI error line, a build failure) is cut here
 # GPU memory a worker leaves free for the engine's own allocations when it stages or transposes on the GPU.
 GPU_HEADROOM_BYTES = 512 << 20

@@ -15,13 +15,16 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
+
+import msgspec
 
 from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
-from vllm_lora_ext.constants import PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
+from vllm_lora_ext.constants import MAX_LISTING_BYTES, PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
 from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
@@ -301,16 +304,47 @@ class HubClient:
         if self.local_only:
             return []
         try:
-            from huggingface_hub import HfApi, constants
-
-            info = HfApi().model_info(self.src.repo_id or "", revision=revision, token=self.token,
-                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)  # a Hub that never answers: bounded
-            files = [s.rfilename for s in info.siblings or []]
+            files = _listed(self.src.repo_id or "", revision, self.token)
         except Exception:  # only an error message depends on it
             return []
-        shown = (f for f in files if isinstance(f, str) and len(f) <= 255 and f.isprintable() and not f.startswith("/")
+        shown = (f for f in files if len(f) <= 255 and f.isprintable() and not f.startswith("/")
                  and ".." not in f.split("/") and f.endswith((SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)))  # names to quote
         return sorted(shown, key=lambda f: (not f.endswith(SAFETENSORS_SUFFIX), not f.startswith(under), f))
+
+
+class _Sibling(msgspec.Struct):
+    rfilename: str = ""
+
+
+class _Listing(msgspec.Struct):
+    siblings: list[_Sibling] | None = None
+
+
+def _listed(repo_id: str, revision: str | None, token: str | bool | None) -> list[str]:
+    """The file names of the Hub's listing of ``repo_id`` at ``revision`` (what ``HfApi.model_info`` asks for),
+    read as it arrives: an answer over ``MAX_LISTING_BYTES``, or still arriving after ``HF_HUB_ETAG_TIMEOUT``
+    seconds, lists nothing (a Hub or mirror that sends gigabytes or drips must not hold a server's memory or a
+    request; ``model_info`` reads the whole body, with only a per-read timeout)."""
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.utils import build_hf_headers
+
+    url = f"{hub_endpoint()}/api/models/{repo_id}" + (f"/revision/{quote(revision, safe='')}" if revision else "")
+    timeout = constants.HF_HUB_ETAG_TIMEOUT
+    deadline, body = time.monotonic() + timeout, bytearray()
+    session, headers = get_session(), build_hf_headers(token=token)
+    if callable(getattr(session, "stream", None)):  # httpx (huggingface_hub >= 1.0); requests' is a flag
+        answer = session.stream("GET", url, headers=headers, timeout=timeout)
+    else:  # requests (huggingface_hub 0.x)
+        answer = session.get(url, headers=headers, timeout=timeout, stream=True)
+    with answer as response:
+        if response.status_code != 200:
+            return []
+        chunks = response.iter_bytes() if hasattr(response, "iter_bytes") else response.iter_content(1 << 16)
+        for chunk in chunks:
+            body += chunk
+            if len(body) > MAX_LISTING_BYTES or time.monotonic() > deadline:
+                return []
+    return [s.rfilename for s in msgspec.json.decode(bytes(body), type=_Listing).siblings or []]
 
 
 def _ref_commit(ref: Path | None) -> str | None:

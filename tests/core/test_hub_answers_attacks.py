@@ -374,3 +374,69 @@ def test_a_download_announcing_no_size_with_no_disk_bound_stops_short_of_filling
     assert cap is not None and abs(cap - (usage.free - min(1 << 30, usage.total // 20))) < (64 << 20)
     assert transfer_cap(HubFacts(size=5), None, source="hf:acme/a", filename=WEIGHTS, disk=tmp_path) == 5
     assert transfer_cap(HubFacts(), 7, source="hf:acme/a", filename=WEIGHTS, disk=tmp_path) == 7
+
+
+# --- The repo listing behind a not-found message: read capped in bytes and time ------------------------------
+def _listing_route(chunks: Any, sent: list[int]) -> Any:
+    def route(method: str, hdrs: dict) -> tuple:
+        def body() -> Any:
+            for chunk in chunks:
+                sent.append(len(chunk))
+                yield chunk
+        return 200, [("Content-Type", "application/json")], body()  # no Content-Length: read until closed
+    return route
+
+
+def test_a_listing_of_gigabytes_is_cut_at_the_cap_and_the_message_lists_nothing(hub: Any, repo: str) -> None:
+    """A missing file's message asks the Hub for the repo's listing. A Hub that answers it with endless bytes must
+    not grow the process's memory with them (``HfApi.model_info`` read the whole body): the read stops at
+    ``MAX_LISTING_BYTES`` and the message names no file."""
+    from vllm_lora_ext.constants import MAX_LISTING_BYTES
+    from vllm_lora_ext.errors import AdapterNotFoundError
+
+    sent: list[int] = []
+    endless = (b'{"siblings": [' + b'{"rfilename": "x.safetensors"},' * 30000 for _ in range(10_000))  # ~9 GB
+    hub.routes["/api/models/acme/a*"] = _listing_route(endless, sent)
+    with pytest.raises(AdapterNotFoundError) as info:
+        resolve_source(f"{repo}:missing.safetensors")
+    assert "holds no .safetensors file" in str(info.value), str(info.value)
+    assert sum(sent) < MAX_LISTING_BYTES + (64 << 20), sum(sent)  # what sat in the sockets' buffers, not 9 GB
+
+
+def test_a_listing_that_drips_is_given_up_after_the_metadata_timeout(
+        hub: Any, repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte a second never trips a per-read timeout; the listing is given up at HF_HUB_ETAG_TIMEOUT in all."""
+    import time
+
+    import huggingface_hub.constants as hc
+
+    from vllm_lora_ext.errors import AdapterNotFoundError
+
+    monkeypatch.setattr(hc, "HF_HUB_ETAG_TIMEOUT", 1)
+    stop = threading.Event()
+
+    def drip() -> Any:
+        yield b'{"siblings": ['
+        while not stop.wait(0.2):
+            yield b" "
+
+    hub.routes["/api/models/acme/a*"] = _listing_route(drip(), [])
+    began = time.monotonic()
+    try:
+        with pytest.raises(AdapterNotFoundError, match="holds no .safetensors file"):
+            resolve_source(f"{repo}:missing.safetensors")
+    finally:
+        stop.set()
+    assert time.monotonic() - began < 10
+
+
+def test_an_honest_listing_still_names_the_repos_files(hub: Any, repo: str) -> None:
+    """The capped read gives the same names ``model_info`` did, for a listing with other fields around them."""
+    from vllm_lora_ext.errors import AdapterNotFoundError
+
+    listing = json.dumps({"id": "acme/a", "cardData": {"nested": [[{"x": 1}]]}, "siblings": [
+        {"rfilename": WEIGHTS, "size": 3}, {"rfilename": "sub/other.safetensors"}, {"rfilename": "a.bin"}]}).encode()
+    hub.routes["/api/models/acme/a*"] = _listing_route([listing[:7], listing[7:]], [])
+    with pytest.raises(AdapterNotFoundError) as info:
+        resolve_source(f"{repo}:sub/missing.safetensors")
+    assert "['sub/other.safetensors', 'adapter_model.safetensors'" in str(info.value), str(info.value)
