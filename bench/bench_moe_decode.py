@@ -50,10 +50,14 @@ writes them in one call and a later call with ``--workdir W`` reuses them. At 48
 longer than ten minutes: run it in the background (``nohup ... &``) and read the partial JSON.
 
 ``--variants`` may add ``plugin_k0``, the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` (vLLM's kernels and
-configs: the effect of the plugin's own kernel choices, plugin against plugin; no parity pass of its own).
+configs: the effect of the plugin's own kernel choices, plugin against plugin; no parity pass of its own), and
+``stock_ds`` / ``plugin_ds``, either with vLLM's ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (each layer's LoRA on a second
+CUDA stream beside the base GEMM; off by default in vLLM 0.26-0.33 and with the plugin), and ``plugin_nods``, the
+plugin with it set to 0.
 
 Usage: python bench/bench_moe_decode.py [--layers 24] [--reps 5] [--tokens 128] [--cases base,one,distinct,mixes]
-       [--variants stock,plugin[,plugin_k0]] [--block-reps 2] [--composites 4] [--workdir W [--prepare-only]]
+       [--variants stock,plugin[,plugin_k0,stock_ds,plugin_ds,plugin_nods]] [--block-reps 2] [--composites 4]
+       [--workdir W [--prepare-only]]
        [--out FILE]
 """
 
@@ -76,8 +80,14 @@ from bench_moe_load import E, H, I, QWEN3_30B_A3B  # noqa: E402
 N_REQ, PROMPT_LEN, RANK, N_ADAPTERS, SLOTS = 32, 64, 16, 16, 16
 ATTN = {"q_proj": (H, 4096), "k_proj": (H, 512), "v_proj": (H, 512), "o_proj": (4096, H)}
 GOALS = {"one": ("base", 0.90), "distinct": ("base", 0.85), "mixes": ("distinct", 0.98)}
-# plugin_k0: the plugin with its kernel choices off (VLLM_LORA_EXT_KERNEL_CONFIGS=0: no shipped tables, no pair path)
-ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_k0": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"}}
+# plugin_k0: the plugin with its kernel choices off (VLLM_LORA_EXT_KERNEL_CONFIGS=0: no shipped tables, no pair path);
+# *_ds: vLLM's own dual-stream LoRA (VLLM_LORA_ENABLE_DUAL_STREAM=1, vLLM 0.26+: each layer's LoRA on a second CUDA
+# stream beside its base GEMM, fused-MoE and dense alike, and PDL in the dense shrink/expand kernels; off by default
+# in vLLM and with the plugin); plugin_nods: the plugin with it set to 0 (its default, whatever the environment)
+_DS = {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}
+ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_k0": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"},
+          "stock_ds": {"VLLM_PLUGINS": "none", **_DS}, "plugin_ds": _DS,
+          "plugin_nods": {"VLLM_LORA_ENABLE_DUAL_STREAM": "0"}}
 
 
 def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int, staging_gb: float) -> dict[str, Any]:
@@ -166,7 +176,7 @@ def _requests(llm: Any, variant: str, adapters: list[str], composites: list[str]
     reqs = [LoRARequest(f"a{i:02d}", i + 1, p) for i, p in enumerate(adapters)]
     out: dict[str, Any] = {"base": [None] * N_REQ, "one": [reqs[0]] * N_REQ,
                            "distinct": [reqs[i % N_ADAPTERS] for i in range(N_REQ)]}
-    if "mixes" in cases and variant == "stock":
+    if "mixes" in cases and variant.startswith("stock"):
         comp = [LoRARequest(f"mix{i:02d}", 100 + i, p) for i, p in enumerate(composites)]
         out["mixes"] = [comp[(i % N_ADAPTERS) % len(comp)] for i in range(N_REQ)]
     elif "mixes" in cases:
@@ -313,7 +323,7 @@ def run_block(eng: Engines, variants: list[str], cases: list[str], reps: int, se
 
 
 def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], composites: int,
-           pass_: str = "") -> dict[str, Any]:
+           pass_: str = "", variant: str = "plugin") -> dict[str, Any]:
     """The plugin's effect of each case on the prompt logprobs (case minus base) against stock's, relative L2;
     ``pass_="small:"``: on the short prompts taken two a step, whose fused-MoE LoRA runs the plugin's pair
     kernels against vLLM's one-shot kernel (the long prompts' prefill runs vLLM's kernels in both engines)."""
@@ -325,15 +335,15 @@ def parity(logprobs: dict[str, dict[str, list[list[float]]]], cases: list[str], 
         return num / max(sum(b * b for b in ref) ** 0.5, 1e-30)
 
     out: dict[str, Any] = {}
-    if not {"stock", "plugin"} <= set(logprobs) or "base" not in cases or pass_ + "base" not in logprobs["stock"]:
+    if not {"stock", variant} <= set(logprobs) or "base" not in cases or pass_ + "base" not in logprobs["stock"]:
         return out
-    base_diffs = [abs(a - b) for p, q in zip(logprobs["plugin"][pass_ + "base"], logprobs["stock"][pass_ + "base"])
+    base_diffs = [abs(a - b) for p, q in zip(logprobs[variant][pass_ + "base"], logprobs["stock"][pass_ + "base"])
                   for a, b in zip(p, q)]
     out["base"] = {"max_abs_diff_vs_stock": max(base_diffs, default=0.0)}  # no adapter: the plugin changes nothing
     for case in [c for c in cases if c != "base"]:
         rows = [i for i in range(N_REQ) if case != "mixes" or i % N_ADAPTERS < composites]
         ref = effect("stock", case, rows)
-        err = rel(effect("plugin", case, rows), ref)
+        err = rel(effect(variant, case, rows), ref)
         other = [a - b for i in rows for a, b in zip(logprobs["stock"][f"{pass_}_other_{case}"][i],
                                                      logprobs["stock"][pass_ + "base"][i])]
         control = rel(other, ref)
@@ -382,6 +392,9 @@ def _payload(args: argparse.Namespace, plan: dict[str, Any], eng: Engines, secs:
             "engine_start_s": eng.starts, "seconds": secs, "summary": summary, "table": rows,
             "parity": parity(logprobs, cases, args.composites) if not partial else {},
             "parity_pair_kernels": parity(logprobs, cases, args.composites, "small:") if not partial else {},
+            **({f"parity_{v}": {"long": parity(logprobs, cases, args.composites, "", v),  # (against stock)
+                                "pair_kernels": parity(logprobs, cases, args.composites, "small:", v)}
+                for v in logprobs if v not in ("stock", "plugin", "plugin_k0")} if not partial else {}),
             "composites": args.composites}
 
 
