@@ -157,14 +157,19 @@ def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | Non
         [`MixError`]: ``adapters`` is not a list of strings, ``adapter_weights`` not a list, or a weight breaks
             the one weight rule (the message quotes the weight as given and names its adapter, or ``#i``).
 
+    An empty list is no list (``None``): a client library that sends unset list fields as ``[]`` names no mix in the
+    body, and the request is routed by its ``model`` (README, Weighted mixes, rule 1).
+
     Example:
         >>> check_mix_fields(["a", "b"], [0.5, -0.0])
         (['a', 'b'], [0.5, 0.0])
+        >>> check_mix_fields([], [])
+        (None, None)
     """
     if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
         raise MixError(f"'adapters' must be a list of adapter names, got {short_repr(adapters)}.")
-    names = cast("list[str] | None", adapters)
-    if weights is None:
+    names = cast("list[str] | None", adapters) or None
+    if weights is None or weights == []:
         return names, None
     if not isinstance(weights, list):
         raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")

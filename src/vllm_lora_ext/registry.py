@@ -169,6 +169,11 @@ class MixRegistry:
                 self._drop(entry)
             return entry
 
+    def using(self, name: str) -> list[MixEntry]:
+        """Return the live entries whose mix has a component named ``name``."""
+        with self._lock:
+            return [e for e in self._by_key.values() if any(c.name == name for c in e.spec.components)]
+
     def lease(self, entry: MixEntry) -> MixLease:
         """Hold ``entry`` (it is not evicted) until the returned lease is released."""
         with self._lock:

@@ -370,3 +370,52 @@ def test_an_offline_load_failure_raises_the_workers_error_without_its_record(tmp
     with pytest.raises(AdapterFormatError) as info:
         preload_offline(Engine(), LoRARequest("a", 7, str(adapter)))
     assert str(info.value) == "Adapter 'a' has rank 32 but max_lora_rank is 16." and RECORD_MARK not in str(info.value)
+
+
+# ------------------------------------------------------- unloads: the server's mixes, and mixes of an unloaded adapter
+async def _unload(api: Api, name: str) -> Any:
+    from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
+
+    return await api.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
+
+
+def test_a_client_cannot_unload_a_mix_other_clients_name(api: Api, tmp_path: Path) -> None:
+    """A mix's name is in every response's ``model``; a client that unloads it must not break it for every other
+    client (with labels cut short, its name cannot be rebuilt: they got a 404 blaming eviction). Found in r42."""
+    names = ["customer-support-tone-v3", "legal-domain-2026-q4", "german-formal-register", "safety-v2"]
+
+    async def scenario() -> None:
+        for i, n in enumerate(names):
+            assert isinstance(await api.load(n, str(make_dense_adapter(tmp_path / n, seed=10 + i))), str)
+        error, lora = await api.ask("+".join(f"{n}=0.3" for n in names))
+        assert error is None
+        for name in (lora.lora_name, "mix-never-made"):
+            answer = await _unload(api, name)
+            assert getattr(answer, "error", None) is not None and answer.error.code == 400, answer
+            assert "a client may not unload it" in answer.error.message and "Unload that adapter" in answer.error.message
+        error, again = await api.ask(lora.lora_name)  # another client, naming the mix as the server told it
+        assert error is None and again.lora_int_id == lora.lora_int_id
+
+    asyncio.run(scenario())
+
+
+def test_unloading_an_adapter_retires_the_mixes_made_with_it(api: Api, tmp_path: Path) -> None:
+    """An adapter withdrawn by an unload is withdrawn from its mixes too: the mix's name answers 404 and the engine
+    is asked to drop it; a mix of other adapters stays. Found in r42."""
+    x = make_dense_adapter(tmp_path / "x", seed=5)
+
+    async def scenario() -> None:
+        assert isinstance(await api.load("mine", str(x)), str)
+        error, mixed = await api.ask("mine=0.5+style=0.5")
+        assert error is None
+        error, other = await api.ask("style=0.5+domain=0.5")
+        assert error is None
+        assert isinstance(await _unload(api, "mine"), str)
+        for name in ("mine", mixed.lora_name):
+            error, _ = await api.ask(name)
+            assert error is not None and error.error.code == 404, (name, error)
+        assert mixed.lora_int_id in api.engine.removed and mixed.lora_name not in api.models.lora_requests
+        error, kept = await api.ask(other.lora_name)
+        assert error is None and kept.lora_int_id == other.lora_int_id
+
+    asyncio.run(scenario())

@@ -20,17 +20,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
+from vllm_lora_ext import metrics
 from vllm_lora_ext._util import short_repr
-from vllm_lora_ext.constants import MIX_PREFIX, mix_wait_seconds
+from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, mix_wait_seconds
 from vllm_lora_ext.errors import MixCapacityError, MixError
 from vllm_lora_ext.integration._compat import is_base_model
 from vllm_lora_ext.mixing import MixSpec
 from vllm_lora_ext.naming import reserved_part
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KeyLock", "keep_for_request", "leased", "on_lease_released", "refuse_mix", "register_when_free", "release",
            "request_scope"]
@@ -163,7 +167,7 @@ def refuse_mix(serving: Any, request: Any) -> None:
         [`MixError`]: the request has ``adapters``/``adapter_weights``, or its ``model`` is a mix
             (``a=0.7+b=0.3`` or a registered mix's name); vLLM answers 400 with the message.
     """
-    fields = [f for f in ("adapters", "adapter_weights") if getattr(request, f, None) is not None]
+    fields = [f for f in ("adapters", "adapter_weights") if getattr(request, f, None) not in (None, [])]  # ([]: none)
     model = getattr(request, "model", None)
     lora = serving.models.lora_requests.get(model) if isinstance(model, str) else None
     if lora is not None:
@@ -175,3 +179,45 @@ def refuse_mix(serving: Any, request: Any) -> None:
         raise MixError(f"This route does not serve adapter mixes, and the request names one ({what}). Mixes are "
                        f"served on the generation routes ({GENERATION_ROUTES}); here name the base model or a "
                        f"loaded adapter.")
+
+
+async def unload_mix(models: Any, entry: MixEntry) -> None:
+    """Unregister ``entry``'s mix (its name, if it still names it) and ask the engine to drop it."""
+    req = models.lora_requests.get(entry.lora_name)
+    if req is not None and req.lora_int_id == entry.lora_int_id:
+        del models.lora_requests[entry.lora_name]
+    try:
+        await models.engine_client.remove_lora(entry.lora_int_id)
+    except Exception:  # the worker LRU evicts it anyway; never fail a request over a cleanup
+        logger.warning("vllm_lora_ext: remove_lora(%d) for evicted mix %r failed", entry.lora_int_id, entry.lora_name,
+                       exc_info=True)
+    metrics.MIXES_EVICTED.inc()
+    logger.info("evicted mix %r (id %d)", entry.lora_name, entry.lora_int_id)
+
+
+async def retire_mixes_of(models: Any, registry: MixRegistry | None, name: str) -> None:
+    """After adapter ``name`` was unloaded: forget every mix made with it, so that no new request is served its
+    weights through a mix (by the mix's name: 404; by the mix's adapters: ``name`` is unknown). A mix no request
+    holds is unloaded now; one that requests hold keeps serving them (their routed ``LoRARequest``) and is left to
+    the engine's LRU."""
+    for entry in registry.using(name) if registry is not None else []:
+        registry.remove(entry.spec)
+        if entry.in_use():
+            req = models.lora_requests.get(entry.lora_name)
+            if req is not None and req.lora_int_id == entry.lora_int_id:
+                del models.lora_requests[entry.lora_name]
+        else:
+            await unload_mix(models, entry)
+        logger.info("mix %r retired: its adapter %r was unloaded", entry.lora_name, name)
+
+
+def refuse_mix_unload(models: Any, name: object) -> MixError | None:
+    """The error for a client's unload of a mix the server made (its name, or a name the ``mix-`` prefix reserves),
+    else ``None``: mixes are shared by every client that asks for them and retired with their adapters."""
+    lora = models.lora_requests.get(name) if isinstance(name, str) else None
+    made = lora is not None and str(lora.lora_path).startswith(MIX_PREFIX)
+    if not made and not (isinstance(name, str) and name.startswith(MIX_NAME_PREFIX)):
+        return None
+    return MixError(f"{short_repr(name)} is a mix the server makes from its adapters for every client that asks for "
+                    f"it, so a client may not unload it: it is unloaded when unused, or with an adapter it is made "
+                    f"of. Unload that adapter instead, or stop asking for the mix.")

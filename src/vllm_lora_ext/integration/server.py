@@ -59,6 +59,7 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     on_lease_released,
     register_when_free,
     release,
+    unload_mix,
 )
 from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, DISK_HOLDS_ATTR, PINNED_NAMES_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
@@ -274,6 +275,11 @@ def registry(engine_client: Any = None) -> MixRegistry:
     return _REGISTRY
 
 
+def live_registry() -> MixRegistry | None:
+    """This process's mix registry if a mix was asked for yet, else ``None``."""
+    return _REGISTRY
+
+
 def reset_registry() -> None:
     """Forget the process's registry (tests)."""
     global _REGISTRY, _RECENT
@@ -288,19 +294,6 @@ def claim_lease(lora_request: Any) -> MixLease | None:
     if lora_request is None or _REGISTRY is None:
         return None
     return _REGISTRY.claim(int(lora_request.lora_int_id))
-
-
-async def _unload(models: Any, entry: MixEntry) -> None:
-    req = models.lora_requests.get(entry.lora_name)
-    if req is not None and req.lora_int_id == entry.lora_int_id:
-        del models.lora_requests[entry.lora_name]
-    try:
-        await models.engine_client.remove_lora(entry.lora_int_id)
-    except Exception:  # the worker LRU evicts it anyway; never fail a request over a cleanup
-        logger.warning("vllm_lora_ext: remove_lora(%d) for evicted mix %r failed", entry.lora_int_id, entry.lora_name,
-                       exc_info=True)
-    metrics.MIXES_EVICTED.inc()
-    logger.info("evicted mix %r (id %d)", entry.lora_name, entry.lora_int_id)
 
 
 def routed_lora(request: Any) -> Any:
@@ -339,7 +332,7 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
         lease = reg.lease(entry)  # before any await: nothing may evict it while it loads
         try:
             for old in evicted:
-                await _unload(models, old)
+                await unload_mix(models, old)
             req = await _load_mix(models, reg, spec, entry)
         except BaseException:  # refused, failed or cancelled: the slot is free again at once
             release(lease)

@@ -73,16 +73,24 @@ def _drop_idle_lock(serving: Any, name: Any) -> None:
 
 
 def make_unload_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``unload_lora_adapter``: refuse the operator's names; drop the name's lock once it is free."""
+    """Return ``unload_lora_adapter``: refuse the operator's names and the server's mixes; once an adapter is
+    unloaded, retire the mixes made with it; drop the name's lock once it is free."""
 
     async def unload_lora_adapter(self: Any, request: Any) -> Any:
-        from vllm_lora_ext.integration.server import refuse_operator_name
+        from vllm_lora_ext.integration import server
+        from vllm_lora_ext.integration.leases import refuse_mix_unload, retire_mixes_of
 
-        refused = refuse_operator_name(self, request.lora_name, "unload")
+        refused = server.refuse_operator_name(self, request.lora_name, "unload")
         if refused is not None:
             return refused
+        mix = refuse_mix_unload(self, request.lora_name)
+        if mix is not None:
+            return server.http_error(mix)
         try:
-            return await original(self, request)
+            answer = await original(self, request)
+            if isinstance(answer, str):  # (vLLM's success; a refusal is its ErrorResponse)
+                await retire_mixes_of(self, server.live_registry(), request.lora_name)
+            return answer
         finally:
             _drop_idle_lock(self, request.lora_name)
 
