@@ -36,8 +36,9 @@ import contextvars
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,7 +46,8 @@ from vllm_lora_ext import hubguard, metrics
 from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes, state_root
-from vllm_lora_ext.diskledger import LEDGER, commit_of, commits_having, read_ledger, record, repo_folder, write_ledger
+from vllm_lora_ext.diskledger import (LEDGER, commit_of, commits_having, read_ledger, record, repo_folder,
+                                     snapshot_blobs, write_ledger)
 from vllm_lora_ext.errors import DiskCacheFullError
 
 __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
@@ -137,30 +139,28 @@ def _scan(cache: Path, root: Path) -> _State:
                 raise
     by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
               for rev in repo.revisions}
-    commit_repos: dict[str, int] = {}
-    for repo in info.repos:
-        for rev in repo.revisions:
-            commit_repos[rev.commit_hash] = commit_repos.get(rev.commit_hash, 0) + 1
+    commit_repos = Counter(rev.commit_hash for repo in info.repos for rev in repo.revisions)
     holds = live_holds(root)
     revisions: dict[str, CachedRevision] = {}
     blobs: dict[str, dict[str, int]] = {}
-    gone = [key for key, entry in entries.items() if (entry["repo_id"], entry["commit"]) not in by_key]
+    unscanned = {k: snapshot_blobs(cache, e) for k, e in entries.items() if (e["repo_id"], e["commit"]) not in by_key}
+    gone = [key for key, found in unscanned.items() if found is None]
     for key in gone:  # deleted outside the plugin (hf cache delete, rm): nothing left to count
         del entries[key]
     for key, entry in entries.items():
-        _, rev = by_key[(entry["repo_id"], entry["commit"])]
-        listed = set(entry["files"])
-        on_disk = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
-        blobs[key] = {str(f.blob_path): f.size_on_disk for name, f in on_disk.items() if name in listed}
-        cached = CachedRevision(entry["repo_id"], entry["commit"], sum(blobs[key].values()),
-                                float(entry["last_use"]), tuple(sorted(listed & set(on_disk))),
-                                evictable=set(on_disk) <= listed and commit_repos[entry["commit"]] == 1)
-        revisions[key] = cached
+        listed, found = set(entry["files"]), unscanned.get(key)
+        if found is not None:  # in a repo the scan skipped as corrupt (its warnings): counted, kept, not evicted
+            blobs[key], names, evictable = dict(found.values()), set(found), False
+        else:
+            _, rev = by_key[(entry["repo_id"], entry["commit"])]
+            on_disk = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
+            blobs[key] = {str(f.blob_path): f.size_on_disk for name, f in on_disk.items() if name in listed}
+            names, evictable = set(on_disk), set(on_disk) <= listed and commit_repos[entry["commit"]] == 1
+        revisions[key] = CachedRevision(entry["repo_id"], entry["commit"], sum(blobs[key].values()),
+                                        float(entry["last_use"]), tuple(sorted(listed & names)), evictable=evictable)
     state = _State(info, revisions, blobs, holds)
     for key, rev in revisions.items():
-        whys = tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)}))
-        revisions[key] = CachedRevision(rev.repo_id, rev.commit, rev.nbytes, rev.last_use, rev.files, whys,
-                                        rev.evictable)
+        revisions[key] = replace(rev, held_by=tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)})))
     if gone:
         write_ledger(root, entries)
     return state

@@ -5,6 +5,7 @@ writers under [`diskholds.locked`]; [`diskcache`] holds the rules that use it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,20 +49,47 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
 
 def write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
     """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
-    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `read_ledger` moves aside)."""
-    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)
+    rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `read_ledger` moves aside).
+    In place only where the text is no longer than the file: overwriting its own blocks needs no new ones, so a
+    full disk cannot stop the write part-way and tear the ledger; a longer text goes by rename, whose failure
+    leaves the old ledger whole."""
+    text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)  # (ASCII: characters are bytes)
     path = root / LEDGER
-    if in_place:
+    if in_place and len(text) <= _size(path):
         write_in_place(path, text)
         return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # (a write cut short by a full disk; gone after a rename)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def repo_folder(cache: Path, repo_id: str) -> Path:
     """A repo's folder in the Hugging Face cache (``models--org--name``)."""
     return cache / ("models--" + repo_id.replace("/", "--"))
+
+
+def snapshot_blobs(cache: Path, entry: dict[str, Any]) -> dict[str, tuple[str, int]] | None:
+    """A listed revision that huggingface_hub's cache scan left out (a repo it calls corrupt, e.g. a ref naming a
+    commit it never downloaded, which a 404 on a moved branch leaves): its listed files still in its snapshot, each
+    with its blob's real path and size; ``None`` once the snapshot folder is gone (deleted outside the plugin)."""
+    snap = repo_folder(cache, str(entry["repo_id"])) / "snapshots" / str(entry["commit"])
+    if not snap.is_dir():
+        return None
+    found = {}
+    for name in entry["files"]:
+        with contextlib.suppress(OSError):  # a file gone: not counted
+            found[str(name)] = (os.path.realpath(snap / name), os.stat(snap / name).st_size)
+    return found
 
 
 def commits_having(cache: Path, repo_id: str, filename: str) -> set[str]:

@@ -23,29 +23,47 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    failed, held = 0, []
+    try:
+        for source in args.sources:
+            failed += _fetch_one(args, source, held)
+    finally:
+        for h in held:
+            h.release()
+    return 1 if failed else 0
+
+
+def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
+    """Fetch and report ``source``; return 1 if it failed. A fetched ``hf:`` revision stays held until the command
+    ends, so that a later source's download cannot evict it under a disk bound (that download is refused instead,
+    and the command exits 1): every revision reported fetched is in the cache when the command ends."""
     import sys
     import traceback
 
     from vllm_lora_ext.cli._args import one_line
+    from vllm_lora_ext.diskholds import hold
 
-    failed = 0
-    for source in args.sources:
-        try:
-            r = fetch_source(source, cache_dir=args.cache_dir)
-        except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
-            failed += 1
-            if getattr(args, "verbose", 0) > 1:
-                traceback.print_exc()
-            if args.json:
-                print(json.dumps({"source": source, "error": one_line(err)}))
-            print(f"error: {one_line(err)}", file=sys.stderr)
-            continue
-        record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
-                  "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
-                  "config_rule": r.config_rule}
+    try:
+        r = fetch_source(source, cache_dir=args.cache_dir)
+        if r.source.kind == "hf" and r.source.repo_id and r.commit:
+            try:
+                held.append(hold(r.source.repo_id, r.commit, why="fetched by vllm-lora fetch",
+                                 cache_dir=args.cache_dir))
+            except OSError:  # a cache this command cannot write: nothing here evicts from it either
+                pass
+    except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
+        if getattr(args, "verbose", 0) > 1:
+            traceback.print_exc()
         if args.json:
-            print(json.dumps(record))
-        else:
-            print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
-                  f"[{record['config_rule']}]")
-    return 1 if failed else 0
+            print(json.dumps({"source": source, "error": one_line(err)}))
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
+              "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
+              "config_rule": r.config_rule}
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
+              f"[{record['config_rule']}]")
+    return 0
