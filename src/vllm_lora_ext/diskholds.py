@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
 from vllm_lora_ext.hubguard import COMMIT_SHA
 
 __all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked",
-           "reserved_bytes", "state_root", "write_in_place"]
+           "read_state_file", "reserved_bytes", "state_root", "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,23 @@ def _drop_all_at_exit() -> None:
         with contextlib.suppress(Exception), locked(state.root, wait=False):
             state.holds.clear()
             state.drop_files()
+
+
+def read_state_file(path: Path) -> str:
+    """The text of a ledger or holds file: a regular file of at most ``MAX_STATE_FILE_BYTES``, opened without
+    waiting (a FIFO put in its place would hang every process that reads it under the cache's lock).
+
+    Raises:
+        OSError: it cannot be opened or read. ValueError: it is no regular file, or larger than the cap.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > MAX_STATE_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
+        return f.read(MAX_STATE_FILE_BYTES + 1).decode()
 
 
 def write_in_place(path: Path, text: str) -> None:
@@ -392,9 +410,7 @@ def _read_holds(path: Path) -> list[Hold]:
     try:
         if not path.exists():
             return []  # the owner took its lock and has not written a hold yet
-        if path.stat().st_size > MAX_STATE_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
-        data = json.loads(path.read_text())
+        data = json.loads(read_state_file(path))
         pid = int(data["pid"])
         return [Hold(str(h["repo_id"]), None if h["revision"] is None else str(h["revision"]), str(h["why"]), pid,
                      None if h.get("reserve_key") is None else str(h["reserve_key"]), int(h.get("reserved", 0)),

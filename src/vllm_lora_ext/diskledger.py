@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
-from vllm_lora_ext.diskholds import write_in_place
+from vllm_lora_ext.diskholds import read_state_file, write_in_place
 from vllm_lora_ext.hubguard import COMMIT_SHA
 
 __all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "record", "repo_folder", "write_ledger"]
@@ -29,9 +28,7 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     try:
-        if path.stat().st_size > MAX_STATE_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_FILE_BYTES} bytes")
-        data = json.loads(path.read_text())
+        data = json.loads(read_state_file(path))
         entries = {str(k): dict(v) for k, v in data["revisions"].items()}
         now = time.time()
         for v in entries.values():

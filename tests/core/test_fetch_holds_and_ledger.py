@@ -131,3 +131,36 @@ def test_after_the_ref_heals_the_revision_is_evicted_again(hub: Any, isolated_hf
     snap = isolated_hf_cache / "models--acme--r" / "snapshots" / old
     assert not snap.exists(), f"prune --max-bytes 0 left {snap.name[:12]} on disk (exit {done.returncode}): " \
         f"{done.stdout.strip()}"
+
+
+@pytest.mark.parametrize("which", ["ledger", "holds"])
+def test_a_fifo_in_place_of_the_ledger_or_a_holds_file_is_refused_not_waited_on(
+        which: str, hub: Any, isolated_hf_cache: Path) -> None:
+    """The state files were size-checked (MAX_STATE_FILE_BYTES) against a hostile or corrupt cache, but read
+    with `read_text()` whatever they were (before r42): a FIFO (or a device) at `ledger.json` or at a live process's
+    `holds/<name>.json` blocks the reader forever, under the cache-wide state lock, so `cache ls`, `cache prune` and
+    every server download on that cache hang (not an error naming the file). The README refuses a FIFO for
+    VLLM_LORA_EXT_CONFIG at once; these files should be opened non-blocking / checked to be regular files."""
+    from filelock import FileLock
+
+    hub.repo("acme/q").commit({"adapter_model.safetensors": weights(0), "adapter_config.json": CONFIG})
+    resolve_source("hf:acme/q")
+    root = state_root()
+    owner = None
+    if which == "ledger":
+        (root / "ledger.json").unlink()
+        os.mkfifo(root / "ledger.json")
+    else:
+        (root / "holds").mkdir(exist_ok=True)
+        owner = FileLock(str(root / "holds" / "999-abc.lock"), thread_local=False)
+        owner.acquire()  # a live owner (this process)
+        os.mkfifo(root / "holds" / "999-abc.json")
+    try:
+        try:
+            done = cli("cache", "ls", timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`vllm-lora cache ls` hung on a FIFO {which} file")
+        assert done.returncode in (0, 1), done.stderr
+    finally:
+        if owner is not None:
+            owner.release()

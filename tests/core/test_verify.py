@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from factories import dense_tensors, llama_shapes, lora_config, make_peft_adapter, write_adapter
+from factories import dense_tensors, llama_shapes, lora_config, make_dense_adapter, make_peft_adapter, write_adapter
 from moe_factories import block_tensors, make_truth
 from vllm_lora_ext.errors import AdapterCompatibilityError, VerifyError
-from vllm_lora_ext.verification import (BASE, FULL, Thresholds, ablation_name, adapter_groups, apply_overrides,
-                                        check_layers_cover, group_of, judge, keep_layers, layer_of, layers_needed,
+from vllm_lora_ext.verification import (BASE, FULL, GapStats, Thresholds, VerifyReport, ablation_name, adapter_groups,
+                                        apply_overrides, check_layers_cover, group_of, judge, keep_layers, layer_of, layers_needed,
                                         measure_gap, truncate_config, without_group)
 
 transformers = pytest.importorskip("transformers")
@@ -386,3 +386,28 @@ def test_a_failed_side_is_reported_by_its_root_cause_not_by_the_engine_wrapper_e
                                "`gpu_memory_utilization` when initializing the engine.")
     assert root_cause("RuntimeError: Engine core initialization failed. See root cause above.\n") is None
     assert root_cause("all fine\n") is None
+
+
+def _pass_report() -> VerifyReport:
+    g = GapStats(0.001, 0.01, 100)
+    return VerifyReport(g, g, GapStats(1.0, 3.0, 100), 0.02, (), True, "vLLM applies the adapter as HF + PEFT does")
+
+
+def test_a_json_path_that_cannot_be_written_is_a_usage_error_before_the_gpu_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json PATH` was opened only after both sides ran (minutes of GPU time on a real model) and after the
+    `verdict: PASS` line is printed; a PATH whose folder does not exist (a typo, an unset $OUT) then ends the command
+    with `error: ... No such file or directory` and exit 1, the code of a FAIL verdict, and the numbers are lost.
+    (Before r42; found by an attacker helper.) It is checked with the other usage errors, before any side runs."""
+    from vllm_lora_ext.cli import main, verify
+
+    ran: list[str] = []
+    make_dense_adapter(tmp_path / "adapter")
+    monkeypatch.setattr(verify, "gpu_problem", lambda: None)
+    monkeypatch.setattr(verify, "prepare_job", lambda args, work: ({}, ["attention"]))
+    monkeypatch.setattr(verify, "_compare", lambda *a: (ran.append("gpu"), _pass_report())[1])
+    code = main(["verify", str(tmp_path / "model"), str(tmp_path / "adapter"),
+                 "--json", str(tmp_path / "no-such-folder" / "verify.json")])
+    out, err = capsys.readouterr()
+    assert not ran and code == 2, f"exit {code} after the GPU run ({ran}); stdout ends {out.splitlines()[-1]!r}; " \
+                                  f"stderr: {err.strip()[-200:]}"

@@ -419,3 +419,20 @@ def test_unloading_an_adapter_retires_the_mixes_made_with_it(api: Api, tmp_path:
         assert error is None and kept.lora_int_id == other.lora_int_id
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["worker OOM", "build process killed"])
+def test_a_server_fault_on_the_load_route_is_a_500_not_a_400(api: Api, tmp_path: Path, kind: str) -> None:
+    """A worker's CUDA out-of-memory or a killed build process is the server's fault: a 500 (before r42, a 400)."""
+    from vllm_lora_ext.errors import BuildProcessError, RemoteError, with_record
+
+    fault = (RemoteError("CUDA out of memory. Tried to allocate 2.00 GiB", type_name="torch.OutOfMemoryError")
+             if kind == "worker OOM" else BuildProcessError("the build process exited (signal 9) during a build"))
+
+    async def add_lora(req: Any) -> bool:
+        raise Exception("Call to add_lora method failed: " + str(with_record(fault)))
+
+    api.engine.add_lora = add_lora  # type: ignore[method-assign]
+    answer = asyncio.run(api.load("mine", str(make_dense_adapter(tmp_path / "x", seed=5))))
+    assert not isinstance(answer, str) and answer.error.code == 500, answer
+    assert "mine" not in api.models.lora_requests

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from vllm_lora_ext._util import clip
 from vllm_lora_ext.constants import MAX_MESSAGE_CHARS
-from vllm_lora_ext.errors import (AdapterFormatError, AdapterNotFoundError, VllmLoraExtError, error_from_text,
-                                  is_rebuilt)
+from vllm_lora_ext.errors import (RECORD_MARK, AdapterFormatError, AdapterNotFoundError, BuildProcessError,
+                                  RemoteError, VllmLoraExtError, error_from_text, is_rebuilt)
 
-__all__ = ["build_failure", "worker_error", "worker_reason"]
+__all__ = ["build_failure", "server_fault", "worker_error", "worker_reason"]
 
 # vLLM's own not-found text (LoRAAdapterNotFoundError). A worker where the plugin is not active answers a probe
 # through vLLM's own loader, whose error crosses as this text alone, without the plugin's record.
@@ -20,13 +20,17 @@ _VLLM_NOT_FOUND = "No adapter found"
 
 def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtError:
     """Type a failed background build for the client: [`AdapterNotFoundError`] if the worker found no adapter
-    (404), else [`AdapterFormatError`] (400); the message names the adapter and carries the worker's reason.
+    (404), the server's fault as an internal error ([`server_fault`]: 500), else [`AdapterFormatError`] (400); the
+    message names the adapter and carries the worker's reason.
 
     The worker's error is read from its record (`errors.with_record`), which crosses inside the text vLLM hands
     back for a failed engine call; an error without one is typed by itself (in process) or, from a worker
     without the plugin, by vLLM's own not-found text.
     """
     found, plain = worker_error(err)
+    fault = server_fault(found, name, source)
+    if fault is not None:
+        return fault
     text, public = worker_reason(found)
     message, public = f"Adapter {name!r} could not be loaded: {text}", f"Adapter {name!r} could not be loaded: {public}"
     if isinstance(found, AdapterNotFoundError) or (plain and _VLLM_NOT_FOUND in text):
@@ -34,6 +38,26 @@ def build_failure(err: BaseException, *, name: str, source: str) -> VllmLoraExtE
     failed = AdapterFormatError(message, adapter=name)
     failed.public_message = public
     return failed
+
+
+_ENGINE_GONE = ("EngineDeadError", "EngineGenerateError")  # vLLM's engine client: the engine itself failed
+
+
+def server_fault(found: BaseException, *client_texts: str) -> RemoteError | None:
+    """The error to answer a failed build with when the server is at fault, not the adapter: an internal error
+    (HTTP 500, which clients and load balancers may retry, where a 400 says the request was wrong). That is the
+    worker's unexpected error (a [`RemoteError`]: CUDA out of memory, say), its build process lost
+    ([`BuildProcessError`]), or vLLM's engine gone; else ``None``. Never where a client's text (the adapter's name
+    or source, which vLLM's error text may quote) holds an error record: a forged record chooses among the 4xx
+    answers of its own load only."""
+    if any(RECORD_MARK.strip() in text for text in client_texts):
+        return None
+    if isinstance(found, RemoteError):
+        return found
+    if isinstance(found, BuildProcessError) or (not isinstance(found, VllmLoraExtError)
+                                                and type(found).__name__ in _ENGINE_GONE):
+        return RemoteError(str(found) or type(found).__name__, type_name=type(found).__name__)
+    return None
 
 
 def worker_error(err: BaseException) -> tuple[BaseException, bool]:

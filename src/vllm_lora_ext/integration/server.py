@@ -51,7 +51,7 @@ from vllm_lora_ext.errors import (
     error_from_text,
 )
 from vllm_lora_ext.integration._compat import error_response, is_base_model, lora_config_of, never_generates
-from vllm_lora_ext.integration.build_errors import build_failure, worker_error, worker_reason
+from vllm_lora_ext.integration.build_errors import build_failure, server_fault, worker_error, worker_reason
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
     _KEY_LOCKS,
     KeyLock,
@@ -358,6 +358,9 @@ async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntr
     except Exception as err:  # the worker's message names the problem (rank, keys, ...)
         reg.remove(spec)
         metrics.MIXES_ACTIVE.set(len(reg))
+        fault = server_fault(worker_error(err)[0], name, spec.lora_path)  # the engine or a worker failed: a 500
+        if fault is not None:
+            raise fault from err
         text, public = worker_reason(worker_error(err)[0])
         failed = MixError(f"Mix {name!r} could not be loaded: {text}")
         failed.public_message = f"Mix {name!r} could not be loaded: {public}"
