@@ -436,3 +436,24 @@ def test_a_server_fault_on_the_load_route_is_a_500_not_a_400(api: Api, tmp_path:
     answer = asyncio.run(api.load("mine", str(make_dense_adapter(tmp_path / "x", seed=5))))
     assert not isinstance(answer, str) and answer.error.code == 500, answer
     assert "mine" not in api.models.lora_requests
+
+
+@pytest.mark.parametrize("name", ["base-model", "", "style-again"], ids=["base model name", "empty name", "loaded"])
+def test_a_load_vllm_refuses_downloads_and_builds_nothing(api: Api, tmp_path: Path, name: str) -> None:
+    """vLLM's own refusals (a base model's name on vLLM 0.33, no name, a name loaded already without
+    ``load_inplace``) answer before any download or build (before r42 each refused load cost a build on every
+    worker, kept in the prebuild table for nothing). Found by an attacker helper in r42."""
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    import vllm
+    from packaging.version import Version
+
+    if name == "base-model" and Version(vllm.__version__) < Version("0.27"):
+        pytest.skip("vLLM 0.26 does not refuse a base model's name on this route")
+    x = make_dense_adapter(tmp_path / "x", seed=5)
+    if name == "style-again":
+        assert isinstance(asyncio.run(api.load(name, str(x))), str)
+    before = len(api.engine.probes)
+    answer = asyncio.run(api.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=str(x))))
+    assert not isinstance(answer, str) and answer.error.code == 400, answer
+    assert len(api.engine.probes) == before, "the refused load was built on the workers first"

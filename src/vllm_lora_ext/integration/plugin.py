@@ -160,13 +160,14 @@ PATCHES: tuple[Patch, ...] = (
               "preloading raises at the call, pins the source and refuses a reused id",
           delete_when="vLLM validates/preloads LoRA in LLM.generate (InputProcessor) before queueing"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.load_lora_adapter", ("request", "base_model_name"),
-          server_patches.make_load_lora_adapter, process="server",
+          server_patches.make_load_lora_adapter, process="server", reads=("_check_load_lora_adapter_request",),
           writes=(f"OpenAIServingModels.{DISK_HOLDS_ATTR}", f"OpenAIServingModels.{PINNED_NAMES_ATTR}",
                   "LoadLoRAAdapterRequest.lora_path"),
           why="resolve (download) a source in a thread and pin it before the engine sees it; refuse names the mix "
               "grammar reserves (+, =, mix-), the operator's names, client mix: paths and paths outside "
-              "VLLM_LORA_EXT_ALLOWED_ROOTS; build a new or replaced (load_inplace) adapter in the background before "
-              "vLLM registers it; hold the hub revisions of registered adapters in the disk cache",
+              "VLLM_LORA_EXT_ALLOWED_ROOTS; run vLLM's own request checks before any download or build; build a new or "
+              "replaced (load_inplace) adapter in the background before vLLM registers it; hold the hub revisions of "
+              "registered adapters in the disk cache",
           delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), server_patches.make_init_static_loras,
           process="server", writes=(f"OpenAIServingModels.{DEPLOYMENT_ATTR}",),

@@ -35,6 +35,8 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                                                       recently_used, refuse_operator_name, sync_disk_holds)
 
         refused = refuse_operator_name(self, request.lora_name, "load over")
+        if refused is None:  # vLLM's own cheap refusals (no name or path, a base model's name, loaded already
+            refused = await self._check_load_lora_adapter_request(request)  # without load_inplace): no download
         if refused is not None:
             return refused
         await sync_disk_holds(self)  # unloaded adapters' revisions may go before this load downloads
