@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import logging
+import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
@@ -133,12 +135,17 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 class KeyLock:
-    """One lock per mix key while requests for it are being routed; it goes with its last user, cancelled or not."""
+    """One lock per mix key while requests for it are being routed; it goes with its last user, cancelled or not.
+
+    A failed load of the mix is shared with the users that were waiting while it ran (`failure`): one build per
+    mix however many requests wait for it, as for an adapter, failure included. Users arriving after it try again.
+    """
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.since = time.monotonic()
 
-    async def __aenter__(self) -> None:
+    async def __aenter__(self) -> KeyLock:
         lock, n = _KEY_LOCKS.get(self.key, (None, 0))
         lock = lock or asyncio.Lock()
         _KEY_LOCKS[self.key] = (lock, n + 1)
@@ -147,17 +154,30 @@ class KeyLock:
         except BaseException:  # cancelled while waiting: this user leaves without the lock
             self._leave()
             raise
+        return self
 
     async def __aexit__(self, *exc: Any) -> None:
         _KEY_LOCKS[self.key][0].release()
         self._leave()
 
+    def failure(self) -> Exception | None:
+        """A copy of the error of a load of this mix that failed while this user waited, or ``None``."""
+        failed = _KEY_FAILURES.get(self.key)
+        return copy.copy(failed[1]) if failed is not None and failed[0] >= self.since else None
+
+    def failed(self, err: Exception) -> None:
+        _KEY_FAILURES[self.key] = (time.monotonic(), err)
+
     def _leave(self) -> None:
         lock, n = _KEY_LOCKS[self.key]
         if n <= 1:
             del _KEY_LOCKS[self.key]
+            _KEY_FAILURES.pop(self.key, None)  # (kept only for the users waiting on the lock)
         else:
             _KEY_LOCKS[self.key] = (lock, n - 1)
+
+
+_KEY_FAILURES: dict[str, tuple[float, Exception]] = {}  # mix key -> when its last load failed, and the error
 
 
 def refuse_mix(serving: Any, request: Any) -> None:

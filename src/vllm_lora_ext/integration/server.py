@@ -53,6 +53,7 @@ from vllm_lora_ext.errors import (
 from vllm_lora_ext.integration._compat import error_response, is_base_model, lora_config_of, never_generates
 from vllm_lora_ext.integration.build_errors import build_failure, server_fault, worker_error, worker_reason
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
+    _KEY_FAILURES,
     _KEY_LOCKS,
     KeyLock,
     keep_for_request,
@@ -286,6 +287,7 @@ def reset_registry() -> None:
     _REGISTRY = None
     _RECENT = None
     _KEY_LOCKS.clear()
+    _KEY_FAILURES.clear()
     _BUILDS.clear()
 
 
@@ -323,7 +325,10 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
         [`MixError`]: the engine refused the composite (the message names the cause).
     """
     reg = registry(models.engine_client)
-    async with KeyLock(spec.key):
+    async with KeyLock(spec.key) as key_lock:
+        shared = key_lock.failure()
+        if shared is not None:  # its load failed while this request waited: the same answer, no second build
+            raise shared
         entry = reg.get(spec)
         evicted: list[MixEntry] = []
         if entry is None:
@@ -334,8 +339,10 @@ async def register_mix(models: Any, spec: MixSpec) -> Any:
             for old in evicted:
                 await unload_mix(models, old)
             req = await _load_mix(models, reg, spec, entry)
-        except BaseException:  # refused, failed or cancelled: the slot is free again at once
+        except BaseException as err:  # refused, failed or cancelled: the slot is free again at once
             release(lease)
+            if isinstance(err, Exception):
+                key_lock.failed(err)
             raise
         keep_for_request(lease)
     return req
