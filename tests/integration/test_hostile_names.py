@@ -457,3 +457,31 @@ def test_a_load_vllm_refuses_downloads_and_builds_nothing(api: Api, tmp_path: Pa
     answer = asyncio.run(api.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=str(x))))
     assert not isinstance(answer, str) and answer.error.code == 400, answer
     assert len(api.engine.probes) == before, "the refused load was built on the workers first"
+
+
+def test_an_inplace_reload_of_a_component_retires_the_mixes_made_with_it(api: Api, tmp_path: Path) -> None:
+    """A ``load_inplace`` of an adapter whose files a deploy replaced: the mixes made with it were built from its
+    old weights, and are made anew when next asked for (before r42 they kept serving the old weights under the same
+    name and id). Found by an attacker helper in r42."""
+    import os
+
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    x = make_dense_adapter(tmp_path / "x", seed=5)
+
+    async def scenario() -> None:
+        assert isinstance(await api.load("mine", str(x)), str)
+        error, before = await api.ask("mine=0.5+style=0.5")
+        assert error is None
+        fresh = make_dense_adapter(tmp_path / "x-new", seed=6)  # a deploy replaces the files
+        for f in os.listdir(fresh):
+            os.replace(fresh / f, Path(x) / f)
+        answer = await api.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name="mine", lora_path=str(x),
+                                                                           load_inplace=True))
+        assert isinstance(answer, str), answer
+        added = len(api.engine.added)
+        error, after = await api.ask("mine=0.5+style=0.5")
+        assert error is None
+        assert len(api.engine.added) > added, f"mix {after.lora_name!r} is served as built before the reload"
+
+    asyncio.run(scenario())

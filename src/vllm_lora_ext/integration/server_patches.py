@@ -31,8 +31,9 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         from vllm.lora.request import LoRARequest
 
         from vllm_lora_ext.integration.build_errors import typed_load_answer
-        from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, pre_resolve,
-                                                      recently_used, refuse_operator_name, sync_disk_holds)
+        from vllm_lora_ext.integration.leases import retire_mixes_of
+        from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, live_registry,
+                                                      pre_resolve, recently_used, refuse_operator_name, sync_disk_holds)
 
         refused = refuse_operator_name(self, request.lora_name, "load over")
         if refused is None:  # vLLM's own cheap refusals (no name or path, a base model's name, loaded already
@@ -59,6 +60,8 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                             clip(str(name)), time.perf_counter() - built)
             recently_used(self.engine_client).touch(path)
             await sync_disk_holds(self)  # its revision is in use while it stays registered
+            if replace:  # the mixes made with it were built from its old weights: made anew when next asked for
+                await retire_mixes_of(self, live_registry(), name)
         typed = typed_load_answer(result, name=name, source=path or "") if not isinstance(result, str) else None
         return http_error(typed) if typed is not None else result  # the engine's build failed: 4xx, client text
 
