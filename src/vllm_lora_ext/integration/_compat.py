@@ -46,6 +46,7 @@ LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"  # get_lora_op_configs r
 FUSED_MOE_LORA_MODULE = "vllm.lora.layers.fused_moe"  # FusedMoEWithLoRA._build_lora_context (0.26-0.33)
 GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completions, chat and responses (0.26-0.33)
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
+BATCH_CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.batch_serving"  # /v1/chat/completions/batch (0.26-0.33)
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"  # InputProcessor.__init__ (0.26-0.33)

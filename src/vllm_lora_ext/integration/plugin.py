@@ -28,6 +28,7 @@ from vllm_lora_ext.integration._compat import (
     ASYNC_LLM_MODULE,
     ENV_CHECK_LOGGERS,
     BASE_SERVING_MODULE,
+    BATCH_CHAT_MODULE,
     BEAM_SEARCH_MODULE,
     FUSED_MOE_LORA_MODULE,
     GENERATE_SERVING_MODULE,
@@ -204,6 +205,12 @@ PATCHES: tuple[Patch, ...] = (
               "lease scope (`integration/leases.py`), and the mix its routing holds is released when the handler "
               "returns, so a request that fails before generating (a too-long prompt, a render error) frees its "
               "slot at once",
+          delete_when="as BaseServing._check_model"),
+    Patch(BATCH_CHAT_MODULE, "OpenAIServingChatBatch.create_batch_chat_completion", ("request", "raw_request"),
+          server_patches.make_batch_request_scope, process="server",
+          why="/v1/chat/completions/batch is not run inside the wrapper above: without a lease scope the mix its "
+              "routing registers is released at once, and its per-conversation copies of the request look the mix "
+              "up by name, so another client's new mix could evict it and the batch was answered 404",
           delete_when="as BaseServing._check_model"),
     Patch(BEAM_SEARCH_MODULE, "BeamSearchOnlineMixin.beam_search", ("prompt", "request_id", "params", "lora_request"),
           engine_patches.make_generate, process="server",

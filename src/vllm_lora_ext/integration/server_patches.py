@@ -157,6 +157,19 @@ def make_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
     return _with_kv_transfer_rejection_cleanup
 
 
+def make_batch_request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``create_batch_chat_completion``: run the batch request in a lease scope, as `make_request_scope`
+    does for the other generation handlers."""
+
+    async def create_batch_chat_completion(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.integration.leases import request_scope
+
+        with request_scope():  # the mix its routing holds stays registered until the batch's answer is made
+            return await original(self, request, *args, **kwargs)
+
+    return create_batch_chat_completion
+
+
 def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
     """Return ``PoolingBaseServing._check_model``: refuse a mix on a pooling route (400); build a named adapter
     that may not be in the workers' cache first, off the engine loop (`server.build_if_evicted`)."""
