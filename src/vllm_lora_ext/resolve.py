@@ -66,9 +66,11 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> str:
     src = parse_source(path)
     if src.kind != "local" or src.local_path is None:
         return path
-    if not src.local_path.exists() and _looks_like_repo_id(path):  # vLLM's own rule: then a hub repo, and written
-        return HF_PREFIX + path  # so: a folder of that name made before it is read is never read in its place
     real = os.path.realpath(src.local_path)
+    if _looks_like_repo_id(path) and (root_of(real, roots) is None or not src.local_path.exists()):
+        # vLLM's own rule (no such folder: a hub repo), and outside every root whether it exists or not (the answer
+        # must not tell a client what exists there); written so, a folder of that name made later is never read
+        return HF_PREFIX + path
     if root_of(real, roots) is not None:
         return real
     raise AdapterAccessError(

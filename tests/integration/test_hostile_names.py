@@ -485,3 +485,18 @@ def test_an_inplace_reload_of_a_component_retires_the_mixes_made_with_it(api: Ap
         assert len(api.engine.added) > added, f"mix {after.lora_name!r} is served as built before the reload"
 
     asyncio.run(scenario())
+
+
+def test_a_relative_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(
+        api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With VLLM_LORA_EXT_ALLOWED_ROOTS set, an ``org/repo``-shaped path outside every root is read as a Hub id
+    whether a file is there or not (before r42: 403 for one that exists, the Hub's 404 for one that does not, which
+    told a client what exists on the server). Found by an attacker helper in r42."""
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    monkeypatch.setenv("VLLM_LORA_EXT_ALLOWED_ROOTS", str(roots))
+    monkeypatch.chdir("/")  # the server's working folder
+    a = asyncio.run(api.load("probe-a", "etc/passwd"))
+    b = asyncio.run(api.load("probe-b", "etc/no-such-file-here"))
+    assert not isinstance(a, str) and not isinstance(b, str)
+    assert a.error.code == b.error.code, (a.error.message[:100], b.error.message[:100])
