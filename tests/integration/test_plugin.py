@@ -186,6 +186,7 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     plugin.register()
     import vllm.entrypoints.generate.base.serving  # noqa: F401
     import vllm.entrypoints.generate.beam_search.online  # noqa: F401
+    import vllm.entrypoints.openai.chat_completion.batch_serving  # noqa: F401
     import vllm.entrypoints.openai.models.serving  # noqa: F401
     import vllm.entrypoints.serve.engine.serving  # noqa: F401
     import vllm.entrypoints.pooling.base.serving  # noqa: F401
