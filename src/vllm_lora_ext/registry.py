@@ -169,6 +169,14 @@ class MixRegistry:
                 self._drop(entry)
             return entry
 
+    def discard(self, entry: MixEntry) -> bool:
+        """Forget ``entry`` if it is still the live entry of its mix (not one made anew since); whether it was."""
+        with self._lock:
+            if self._by_key.get(entry.key) is not entry:
+                return False
+            self._drop(entry)
+            return True
+
     def using(self, name: str) -> list[MixEntry]:
         """Return the live entries whose mix has a component named ``name``."""
         with self._lock:

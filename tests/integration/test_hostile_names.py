@@ -372,55 +372,6 @@ def test_an_offline_load_failure_raises_the_workers_error_without_its_record(tmp
     assert str(info.value) == "Adapter 'a' has rank 32 but max_lora_rank is 16." and RECORD_MARK not in str(info.value)
 
 
-# ------------------------------------------------------- unloads: the server's mixes, and mixes of an unloaded adapter
-async def _unload(api: Api, name: str) -> Any:
-    from vllm.entrypoints.serve.lora.protocol import UnloadLoRAAdapterRequest
-
-    return await api.models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=name))
-
-
-def test_a_client_cannot_unload_a_mix_other_clients_name(api: Api, tmp_path: Path) -> None:
-    """A mix's name is in every response's ``model``; a client that unloads it must not break it for every other
-    client (with labels cut short, its name cannot be rebuilt: they got a 404 blaming eviction). Found in r42."""
-    names = ["customer-support-tone-v3", "legal-domain-2026-q4", "german-formal-register", "safety-v2"]
-
-    async def scenario() -> None:
-        for i, n in enumerate(names):
-            assert isinstance(await api.load(n, str(make_dense_adapter(tmp_path / n, seed=10 + i))), str)
-        error, lora = await api.ask("+".join(f"{n}=0.3" for n in names))
-        assert error is None
-        for name in (lora.lora_name, "mix-never-made"):
-            answer = await _unload(api, name)
-            assert getattr(answer, "error", None) is not None and answer.error.code == 400, answer
-            assert "a client may not unload it" in answer.error.message and "Unload that adapter" in answer.error.message
-        error, again = await api.ask(lora.lora_name)  # another client, naming the mix as the server told it
-        assert error is None and again.lora_int_id == lora.lora_int_id
-
-    asyncio.run(scenario())
-
-
-def test_unloading_an_adapter_retires_the_mixes_made_with_it(api: Api, tmp_path: Path) -> None:
-    """An adapter withdrawn by an unload is withdrawn from its mixes too: the mix's name answers 404 and the engine
-    is asked to drop it; a mix of other adapters stays. Found in r42."""
-    x = make_dense_adapter(tmp_path / "x", seed=5)
-
-    async def scenario() -> None:
-        assert isinstance(await api.load("mine", str(x)), str)
-        error, mixed = await api.ask("mine=0.5+style=0.5")
-        assert error is None
-        error, other = await api.ask("style=0.5+domain=0.5")
-        assert error is None
-        assert isinstance(await _unload(api, "mine"), str)
-        for name in ("mine", mixed.lora_name):
-            error, _ = await api.ask(name)
-            assert error is not None and error.error.code == 404, (name, error)
-        assert mixed.lora_int_id in api.engine.removed and mixed.lora_name not in api.models.lora_requests
-        error, kept = await api.ask(other.lora_name)
-        assert error is None and kept.lora_int_id == other.lora_int_id
-
-    asyncio.run(scenario())
-
-
 @pytest.mark.parametrize("kind", ["worker OOM", "build process killed"])
 def test_a_server_fault_on_the_load_route_is_a_500_not_a_400(api: Api, tmp_path: Path, kind: str) -> None:
     """A worker's CUDA out-of-memory or a killed build process is the server's fault: a 500 (before r42, a 400)."""
@@ -457,34 +408,6 @@ def test_a_load_vllm_refuses_downloads_and_builds_nothing(api: Api, tmp_path: Pa
     answer = asyncio.run(api.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name=name, lora_path=str(x))))
     assert not isinstance(answer, str) and answer.error.code == 400, answer
     assert len(api.engine.probes) == before, "the refused load was built on the workers first"
-
-
-def test_an_inplace_reload_of_a_component_retires_the_mixes_made_with_it(api: Api, tmp_path: Path) -> None:
-    """A ``load_inplace`` of an adapter whose files a deploy replaced: the mixes made with it were built from its
-    old weights, and are made anew when next asked for (before r42 they kept serving the old weights under the same
-    name and id). Found by an attacker helper in r42."""
-    import os
-
-    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
-
-    x = make_dense_adapter(tmp_path / "x", seed=5)
-
-    async def scenario() -> None:
-        assert isinstance(await api.load("mine", str(x)), str)
-        error, before = await api.ask("mine=0.5+style=0.5")
-        assert error is None
-        fresh = make_dense_adapter(tmp_path / "x-new", seed=6)  # a deploy replaces the files
-        for f in os.listdir(fresh):
-            os.replace(fresh / f, Path(x) / f)
-        answer = await api.models.load_lora_adapter(LoadLoRAAdapterRequest(lora_name="mine", lora_path=str(x),
-                                                                           load_inplace=True))
-        assert isinstance(answer, str), answer
-        added = len(api.engine.added)
-        error, after = await api.ask("mine=0.5+style=0.5")
-        assert error is None
-        assert len(api.engine.added) > added, f"mix {after.lora_name!r} is served as built before the reload"
-
-    asyncio.run(scenario())
 
 
 def test_a_relative_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(

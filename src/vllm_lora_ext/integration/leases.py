@@ -28,9 +28,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 from vllm_lora_ext import metrics
-from vllm_lora_ext._util import short_repr
+from vllm_lora_ext._util import clip, short_repr
 from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, mix_wait_seconds
-from vllm_lora_ext.errors import MixCapacityError, MixError
+from vllm_lora_ext.errors import AdapterNotFoundError, MixCapacityError, MixError
 from vllm_lora_ext.integration._compat import is_base_model
 from vllm_lora_ext.mixing import MixSpec
 from vllm_lora_ext.naming import reserved_part
@@ -216,19 +216,39 @@ async def unload_mix(models: Any, entry: MixEntry) -> None:
 
 
 async def retire_mixes_of(models: Any, registry: MixRegistry | None, name: str) -> None:
-    """After adapter ``name`` was unloaded: forget every mix made with it, so that no new request is served its
-    weights through a mix (by the mix's name: 404; by the mix's adapters: ``name`` is unknown). A mix no request
-    holds is unloaded now; one that requests hold keeps serving them (their routed ``LoRARequest``) and is left to
-    the engine's LRU."""
+    """After adapter ``name`` was unloaded or reloaded in place: forget every mix made with it, so that no new
+    request is served its old weights through a mix (by the mix's name: 404; by its adapters: made anew, or
+    ``name`` is unknown). Every such mix is forgotten before any await; one no request holds is then unloaded, one
+    that requests hold keeps serving them (their routed ``LoRARequest``) and is left to the engine's LRU. A mix
+    that was loading meanwhile is not published (`withdrawn_while_loading`)."""
+    unheld = []
     for entry in registry.using(name) if registry is not None else []:
-        registry.remove(entry.spec)
-        if entry.in_use():
-            req = models.lora_requests.get(entry.lora_name)
-            if req is not None and req.lora_int_id == entry.lora_int_id:
-                del models.lora_requests[entry.lora_name]
-        else:
-            await unload_mix(models, entry)
-        logger.info("mix %r retired: its adapter %r was unloaded", entry.lora_name, name)
+        if not registry.discard(entry):
+            continue
+        req = models.lora_requests.get(entry.lora_name)
+        if req is not None and req.lora_int_id == entry.lora_int_id:
+            del models.lora_requests[entry.lora_name]
+        if not entry.in_use():
+            unheld.append(entry)
+        logger.info("mix %r retired: its adapter %r was unloaded or reloaded", entry.lora_name, name)
+    for entry in unheld:
+        await unload_mix(models, entry)
+
+
+async def withdrawn_while_loading(models: Any, registry: MixRegistry, entry: MixEntry,
+                                  sources: dict[str, str]) -> AdapterNotFoundError | None:
+    """After a mix's load, before its name is published: if it was retired meanwhile, or an adapter of it is no
+    longer registered with the source it was made from (unloaded or replaced while it waited or loaded), unload it
+    again and return the error to answer (404); else ``None``."""
+    gone = [c.name for c in entry.spec.components if sources.get(c.name) != c.source]
+    if not gone and registry.by_id(entry.lora_int_id) is entry:
+        return None
+    registry.discard(entry)
+    await unload_mix(models, entry)
+    what = f"its adapter(s) {', '.join(map(short_repr, gone))}" if gone else "an adapter of it"
+    return AdapterNotFoundError(f"Mix {short_repr(entry.lora_name)} was not registered: {what} was unloaded or "
+                                f"reloaded while it loaded. Ask again with the adapters loaded now.",
+                                source=clip(entry.lora_name))
 
 
 def refuse_mix_unload(models: Any, name: object) -> MixError | None:

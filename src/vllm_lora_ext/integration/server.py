@@ -61,6 +61,7 @@ from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lea
     register_when_free,
     release,
     unload_mix,
+    withdrawn_while_loading,
 )
 from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, DISK_HOLDS_ATTR, PINNED_NAMES_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
@@ -372,6 +373,9 @@ async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntr
         failed = MixError(f"Mix {name!r} could not be loaded: {text}")
         failed.public_message = f"Mix {name!r} could not be loaded: {public}"
         raise failed from err
+    withdrawn = await withdrawn_while_loading(models, reg, entry, _known_adapters(models)[0])
+    if withdrawn is not None:  # an adapter of it was unloaded meanwhile: never published with its weights
+        raise withdrawn
     models.lora_requests[name] = req
     recently_used(models.engine_client).touch(req.lora_path)
     metrics.MIXES_REGISTERED.inc()
