@@ -47,13 +47,15 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
 def write_ledger(root: Path, entries: dict[str, dict[str, Any]], *, in_place: bool = False) -> None:
     """Write the ledger: by rename (downloads, evictions), or in place for a recency update (the hot path: a
     rename over the file costs ~25x more on ext4; a crash mid-write leaves a ledger `read_ledger` moves aside).
-    In place only where the text is no longer than the file: overwriting its own blocks needs no new ones, so a
-    full disk cannot stop the write part-way and tear the ledger; a longer text goes by rename, whose failure
-    leaves the old ledger whole."""
+    In place only where the text is no longer than the file, padded with spaces to its length (JSON allows them):
+    the write covers its own blocks and nothing is truncated, so on ext4 or xfs a full disk cannot stop it part-way
+    and tear the ledger (on a copy-on-write file system it still may: `read_ledger` then sets it aside). A longer
+    text goes by rename, whose failure leaves the old ledger whole."""
     text = json.dumps({"version": 1, "revisions": entries}, sort_keys=True)  # (ASCII: characters are bytes)
     path = root / LEDGER
-    if in_place and len(text) <= _size(path):
-        write_in_place(path, text)
+    size = _size(path)
+    if in_place and len(text) <= size:
+        write_in_place(path, text.ljust(size))
         return
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
@@ -79,13 +81,16 @@ def snapshot_blobs(cache: Path, entry: dict[str, Any]) -> dict[str, tuple[str, i
     """A listed revision that huggingface_hub's cache scan left out (a repo it calls corrupt, e.g. a ref naming a
     commit it never downloaded, which a 404 on a moved branch leaves): its listed files still in its snapshot, each
     with its blob's real path and size; ``None`` once the snapshot folder is gone (deleted outside the plugin)."""
-    snap = repo_folder(cache, str(entry["repo_id"])) / "snapshots" / str(entry["commit"])
-    if not snap.is_dir():
-        return None
-    found = {}
-    for name in entry["files"]:
+    repo = repo_folder(cache, str(entry["repo_id"]))
+    snap = repo / "snapshots" / str(entry["commit"])
+    if not COMMIT_SHA.match(str(entry["commit"])) or not snap.is_dir():
+        return None  # (a commit that is no sha names no snapshot: an edited ledger's)
+    blobs, found = os.path.realpath(repo / "blobs") + os.sep, {}
+    for name in map(str, entry["files"]):
         with contextlib.suppress(OSError):  # a file gone: not counted
-            found[str(name)] = (os.path.realpath(snap / name), os.stat(snap / name).st_size)
+            real = os.path.realpath(snap / name)
+            if real.startswith(blobs) and not os.path.isabs(name) and ".." not in name.split("/"):
+                found[name] = (real, os.stat(real).st_size)  # only the repo's own blobs count
     return found
 
 

@@ -322,8 +322,9 @@ class _Listing(msgspec.Struct):
 
 def _listed(repo_id: str, revision: str | None, token: str | bool | None) -> list[str]:
     """The file names of the Hub's listing of ``repo_id`` at ``revision`` (what ``HfApi.model_info`` asks for),
-    read as it arrives: an answer over ``MAX_LISTING_BYTES``, or still arriving after ``HF_HUB_ETAG_TIMEOUT``
-    seconds, lists nothing (a Hub or mirror that sends gigabytes or drips must not hold a server's memory or a
+    read as it arrives and uncompressed (``Accept-Encoding: identity``): an answer over ``MAX_LISTING_BYTES``, or
+    still arriving after ``HF_HUB_ETAG_TIMEOUT`` seconds (checked as each chunk arrives, so at most about twice
+    that in all), lists nothing (a Hub or mirror that sends gigabytes or drips must not hold a server's memory or a
     request; ``model_info`` reads the whole body, with only a per-read timeout)."""
     from huggingface_hub import constants, get_session
     from huggingface_hub.utils import build_hf_headers
@@ -331,7 +332,7 @@ def _listed(repo_id: str, revision: str | None, token: str | bool | None) -> lis
     url = f"{hub_endpoint()}/api/models/{repo_id}" + (f"/revision/{quote(revision, safe='')}" if revision else "")
     timeout = constants.HF_HUB_ETAG_TIMEOUT
     deadline, body = time.monotonic() + timeout, bytearray()
-    session, headers = get_session(), build_hf_headers(token=token)
+    session, headers = get_session(), {**build_hf_headers(token=token), "Accept-Encoding": "identity"}
     if callable(getattr(session, "stream", None)):  # httpx (huggingface_hub >= 1.0); requests' is a flag
         answer = session.stream("GET", url, headers=headers, timeout=timeout)
     else:  # requests (huggingface_hub 0.x)

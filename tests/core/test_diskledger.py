@@ -35,3 +35,22 @@ def test_a_ledger_of_times_in_use_is_read_as_written(tmp_path: Path) -> None:
     entries = {"acme/a@x": _entry(time.time() - 5)}
     (tmp_path / LEDGER).write_text(json.dumps({"version": 1, "revisions": entries}))
     assert read_ledger(tmp_path) == entries
+
+
+def test_snapshot_blobs_counts_only_the_repos_own_blobs_of_a_sha_commit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A ledger a user edited cannot make the disk tier count (and so keep for good) files outside the repo: a
+    commit that is no sha names no snapshot, and a file name that leads out of the repo's blobs is not counted."""
+    from vllm_lora_ext.diskledger import snapshot_blobs
+
+    repo = tmp_path / "models--acme--a"
+    sha = "a" * 40
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    (repo / "blobs" / "b1").write_bytes(b"x" * 10)
+    (repo / "snapshots" / sha / "w.safetensors").symlink_to(repo / "blobs" / "b1")
+    (tmp_path / "outside").write_bytes(b"y" * 1000)
+    (repo / "snapshots" / sha / "out.safetensors").symlink_to(tmp_path / "outside")
+    files = ["w.safetensors", "out.safetensors", "../../../outside", str(tmp_path / "outside")]
+    assert snapshot_blobs(tmp_path, {"repo_id": "acme/a", "commit": "../..", "files": files}) is None
+    got = snapshot_blobs(tmp_path, {"repo_id": "acme/a", "commit": sha, "files": files})
+    assert got == {"w.safetensors": (str((repo / "blobs" / "b1").resolve()), 10)}

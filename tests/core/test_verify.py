@@ -411,3 +411,17 @@ def test_a_json_path_that_cannot_be_written_is_a_usage_error_before_the_gpu_run(
     out, err = capsys.readouterr()
     assert not ran and code == 2, f"exit {code} after the GPU run ({ran}); stdout ends {out.splitlines()[-1]!r}; " \
                                   f"stderr: {err.strip()[-200:]}"
+
+
+def test_a_json_path_that_is_a_folder_is_a_usage_error_before_the_gpu_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_lora_ext.cli import main, verify
+
+    ran: list[str] = []
+    make_dense_adapter(tmp_path / "adapter")
+    monkeypatch.setattr(verify, "gpu_problem", lambda: None)
+    monkeypatch.setattr(verify, "prepare_job", lambda args, work: ({}, ["attention"]))
+    monkeypatch.setattr(verify, "_compare", lambda *a: (ran.append("gpu"), _pass_report())[1])
+    (tmp_path / "out").mkdir()
+    code = main(["verify", str(tmp_path / "model"), str(tmp_path / "adapter"), "--json", str(tmp_path / "out")])
+    assert not ran and code == 2 and "it is a folder" in capsys.readouterr().err

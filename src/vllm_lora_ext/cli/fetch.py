@@ -51,6 +51,8 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
                                  cache_dir=args.cache_dir))
             except OSError:  # a cache this command cannot write: nothing here evicts from it either
                 pass
+            if not all(p is None or p.exists() for p in (r.weights_path, r.config_path)):  # evicted before the hold
+                r = fetch_source(source, cache_dir=args.cache_dir)  # (held now: fetched again, it stays)
     except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
         if getattr(args, "verbose", 0) > 1:
             traceback.print_exc()

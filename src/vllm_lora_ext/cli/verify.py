@@ -276,10 +276,11 @@ def run(args: argparse.Namespace) -> int:
             resolve_offline(args.served)
         if args.tokens > 512:
             raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
-        json_folder = Path(os.path.expanduser(args.json)).absolute().parent if args.json else None
-        if json_folder is not None and not (json_folder.is_dir() and os.access(json_folder, os.W_OK)):
-            raise VerifyError(f"--json {args.json}: its folder {str(json_folder)!r} does not exist or cannot be "
-                              f"written. Create it or name another path, before the GPU run is spent.")
+        json_path = Path(os.path.expanduser(args.json)).absolute() if args.json else None
+        if json_path is not None and (json_path.is_dir() or not (json_path.parent.is_dir()
+                                                                 and os.access(json_path.parent, os.W_OK))):
+            raise VerifyError(f"--json {args.json}: it is a folder, or its folder does not exist or cannot be "
+                              f"written. Name a file in a folder that exists, before the GPU run is spent.")
         problem = gpu_problem()
     except VllmLoraExtError as err:
         problem = one_line(err)
