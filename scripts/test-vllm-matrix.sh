@@ -41,7 +41,7 @@ for v in "${versions[@]}"; do
     summary="install failed"
     rc=1
   else
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider >>"$log" 2>&1
+    "$venv/bin/python" -X faulthandler -m pytest -q -p no:cacheprovider >>"$log" 2>&1  # (a crash prints its threads)
     rc=$?
     summary=$(grep -aE "^[=]* ?[0-9]+ (passed|failed)" "$log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ in [0-9.]*s.*//')
   fi
