@@ -67,11 +67,12 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> str:
     if src.kind != "local" or src.local_path is None:
         return path
     real = os.path.realpath(src.local_path)
-    if _looks_like_repo_id(path) and (root_of(real, roots) is None or not src.local_path.exists()):
+    inside = root_of(real, roots) is not None
+    if _looks_like_repo_id(path) and (not inside or not src.local_path.exists()):
         # vLLM's own rule (no such folder: a hub repo), and outside every root whether it exists or not (the answer
         # must not tell a client what exists there); written so, a folder of that name made later is never read
         return HF_PREFIX + path
-    if root_of(real, roots) is not None:
+    if inside:
         return real
     raise AdapterAccessError(
         f"Adapter path {short_repr(path)} is outside the folders this server may read "

@@ -201,11 +201,16 @@ def refuse_mix(serving: Any, request: Any) -> None:
                        f"loaded adapter.")
 
 
-async def unload_mix(models: Any, entry: MixEntry) -> None:
-    """Unregister ``entry``'s mix (its name, if it still names it) and ask the engine to drop it."""
+def _unregister(models: Any, entry: MixEntry) -> None:
+    """Drop ``entry``'s name from the server's adapters, if it still names that mix."""
     req = models.lora_requests.get(entry.lora_name)
     if req is not None and req.lora_int_id == entry.lora_int_id:
         del models.lora_requests[entry.lora_name]
+
+
+async def unload_mix(models: Any, entry: MixEntry) -> None:
+    """Unregister ``entry``'s mix (its name, if it still names it) and ask the engine to drop it."""
+    _unregister(models, entry)
     try:
         await models.engine_client.remove_lora(entry.lora_int_id)
     except Exception:  # the worker LRU evicts it anyway; never fail a request over a cleanup
@@ -225,9 +230,7 @@ async def retire_mixes_of(models: Any, registry: MixRegistry | None, name: str) 
     for entry in registry.using(name) if registry is not None else []:
         if not registry.discard(entry):
             continue
-        req = models.lora_requests.get(entry.lora_name)
-        if req is not None and req.lora_int_id == entry.lora_int_id:
-            del models.lora_requests[entry.lora_name]
+        _unregister(models, entry)
         if not entry.in_use():
             unheld.append(entry)
         logger.info("mix %r retired: its adapter %r was unloaded or reloaded", entry.lora_name, name)

@@ -366,10 +366,10 @@ async def _load_mix(models: Any, reg: MixRegistry, spec: MixSpec, entry: MixEntr
     except Exception as err:  # the worker's message names the problem (rank, keys, ...)
         reg.remove(spec)
         metrics.MIXES_ACTIVE.set(len(reg))
-        fault = server_fault(worker_error(err)[0], name, spec.lora_path)  # the engine or a worker failed: a 500
+        fault = server_fault(found := worker_error(err)[0], name, spec.lora_path)  # the engine or a worker: 500
         if fault is not None:
             raise fault from err
-        text, public = worker_reason(worker_error(err)[0])
+        text, public = worker_reason(found)
         failed = MixError(f"Mix {name!r} could not be loaded: {text}")
         failed.public_message = f"Mix {name!r} could not be loaded: {public}"
         raise failed from err
