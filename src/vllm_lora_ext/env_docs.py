@@ -105,5 +105,6 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                            "`Worker.compile_or_warm_up_model` in `integration/PATCHES.md`)"),
     ENV_MOE_WARMUP_TOKENS: ("", "comma-separated batch token counts that warm-up runs (default: 1 to `max_num_seqs` "
                                 "or 64, then 2^k and 3·2^(k-1), each plus 0, 1, 15, 16 and 17, up to "
-                                "`max_num_batched_tokens`)"),
+                                "`max_num_batched_tokens`, and a count for each kernel variant of the model's shape "
+                                "those miss; naming counts runs those alone)"),
 }

@@ -4,6 +4,7 @@ is the outer boundary here; tests/gpu/test_moe_warmup.py runs the real one)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,91 @@ def test_the_sweep_reaches_every_fused_moe_lora_kernel_key_a_batch_can_need(
     old = set(range(1, min(max_num_seqs, 64) + 1)) | {max_num_seqs, max_tokens}
     old |= {n for k in range(2, 15) for n in (2**k, 2**k + 1, 3 * 2 ** (k - 1)) if n <= max_tokens}
     assert set(needed) - set().union(*(keys(n) for n in old))
+
+
+def _h200_block_m() -> Any:
+    import json
+
+    import vllm
+
+    path = (Path(vllm.__file__).parent / "model_executor/layers/fused_moe/configs"
+            / "E=128,N=768,device_name=NVIDIA_H200.json")
+    table = {int(m): c["BLOCK_SIZE_M"] for m, c in json.loads(path.read_text()).items()}
+    return lambda n: table[min(table, key=lambda m: abs(m - n))]  # vLLM's nearest-key lookup
+
+
+def _qwen3_30b_shape(max_loras: int, rank: int, pairs_max_rank: int = 0) -> Any:
+    from vllm_lora_ext.integration.warmup_sweep import MoEOpShape, MoESweepShape
+
+    ops = (MoEOpShape(2048, 768, 2, 128, False), MoEOpShape(768, 2048, 1, 128, True))
+    return MoESweepShape(ops, 8, 128, 128, False, False, max_loras, rank, 132, pairs_max_rank=pairs_max_rank)
+
+
+@pytest.mark.parametrize("max_loras, rank", [(3, 64), (16, 32), (1, 16)])
+def test_the_plugins_replay_splits_token_counts_into_the_same_kernel_keys_as_the_transcription_here(
+        max_loras: int, rank: int) -> None:
+    from vllm_lora_ext.integration.warmup_sweep import variant_keys
+
+    block_m = _h200_block_m()
+    pairs: set[tuple[frozenset[Any], frozenset[Any]]] = set()
+    for n in range(1, 4097):
+        here = frozenset(_one_shot_keys(n, max_loras=max_loras, rank=rank, block_m=block_m))
+        pairs.add((here, frozenset(variant_keys(n, _qwen3_30b_shape(max_loras, rank), lambda op, m: block_m(m),
+                                                [max_loras + 1]))))
+    # the same partition of 1..4096: each key set here goes with one key set of the plugin's, and back
+    assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == len(pairs) > 20
+
+
+def test_on_a_small_expert_count_the_shape_aware_counts_reach_the_variants_the_fixed_sweep_misses() -> None:
+    """tests/gpu/test_moe_warmup.py's tiny Qwen3-MoE (8 experts, top-2): on an H200 its random batches of 36, 60,
+    84, 140 and 148 tokens compiled variants after the fixed sweep's warm-up (r43); the shape-aware counts reach
+    every key of 1..256 tokens."""
+    from vllm_lora_ext.integration.warmup_sweep import MoEOpShape, MoESweepShape, token_counts_for_keys, variant_keys
+
+    ops = (MoEOpShape(256, 96, 2, 8, False), MoEOpShape(96, 256, 1, 8, True))
+    tiny = MoESweepShape(ops, 2, 8, 8, False, False, 2, 16, 132, pairs_max_rank=32)
+
+    def block_m(op: int, n: int) -> int:  # the block sizes those launches had
+        return 16 if n <= 32 else 32 if n <= 96 else 64
+
+    def keys(counts: Any) -> set[Any]:
+        return set().union(*(variant_keys(n, tiny, block_m, [3]) for n in counts))
+
+    fixed = warmup_token_counts(16, 256)
+    missed = [n for n in (36, 60, 84, 140, 148) if keys([n]) - keys(fixed)]
+    assert missed == [36, 60, 84, 140, 148]
+    extra = token_counts_for_keys(tiny, 256, block_m, [3], covered=fixed)
+    assert keys(range(1, 257)) == keys(fixed + extra) and len(extra) < 10
+
+
+def test_the_warm_up_adds_the_shape_aware_counts_to_the_sweep_or_runs_the_sweep_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_lora_ext.integration import warmup
+    from vllm_lora_ext.integration.warmup_sweep import MoEOpShape, MoESweepShape
+
+    monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", raising=False)
+    ops = (MoEOpShape(256, 96, 2, 8, False), MoEOpShape(96, 256, 1, 8, True))
+    tiny = MoESweepShape(ops, 2, 8, 8, False, False, 2, 16, 132)
+    monkeypatch.setattr(warmup, "_sweep_shape", lambda runner: (tiny, lambda op, n: 16 if n <= 32 else 32))
+    runner = _Runner(_moe_lora_model(), max_loras=2, max_num_tokens=64, max_num_reqs=16)
+    warm_up_moe_lora(runner)
+    ran = [n for n, _, _ in runner.runs]
+    assert 36 in ran and 36 not in warmup_token_counts(16, 64) and set(warmup_token_counts(16, 64)) < set(ran)
+    assert ran == sorted(ran)
+    # a layer that cannot be read (here: vLLM's class, never initialised) leaves the fixed sweep, with a warning
+    monkeypatch.undo()
+    monkeypatch.delenv("VLLM_LORA_EXT_MOE_WARMUP_TOKENS", raising=False)
+    runner = _Runner(_moe_lora_model(), max_loras=2, max_num_tokens=64, max_num_reqs=16)
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    warmup.logger.addHandler(handler)
+    try:
+        warm_up_moe_lora(runner)
+    finally:
+        warmup.logger.removeHandler(handler)
+    assert [n for n, _, _ in runner.runs] == warmup_token_counts(16, 64)
+    assert any("kernel variants not worked out" in m and "fixed sweep runs alone" in m for m in seen), seen
 
 
 def test_the_warm_up_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

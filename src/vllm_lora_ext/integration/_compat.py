@@ -404,6 +404,37 @@ def runner_dummy_runs_with_loras(runner: Any) -> bool:
     return all(p in params for p in wanted) and hasattr(runner, "maybe_remove_all_loras")
 
 
+def moe_lora_block_m(context: Any, layer: Any, dtype: Any) -> Any:
+    """A function ``(op_index, n_tokens) -> BLOCK_SIZE_M`` of a fused-MoE LoRA layer's shrink launches (0: w13, 1:
+    w2), looked up as ``PunicaWrapperGPU.add_lora_w13``/``add_lora_w2`` do (0.26-0.33): the tuned tables where
+    the layer's context says ``use_tuned_config``, else the base MoE config's, through
+    ``try_get_optimal_moe_lora_config`` of the expert weights (on the ``MoERunner``'s ``routed_experts`` layer).
+    ``layer``: the ``FusedMoEWithLoRA``; ``dtype``: the model's (the activations')."""
+    from vllm.lora.layers.utils import try_get_optimal_moe_lora_config
+    from vllm.lora.ops.triton_ops.utils import _normalize_lora_config_keys, get_lora_op_configs
+    from vllm.model_executor.layers.fused_moe.config import _get_config_dtype_str
+
+    a13, b13, a2 = context.w13_lora_a_stacked[0], context.w13_lora_b_stacked[0], context.w2_lora_a_stacked[0]
+    rank, config_dtype = int(a13.shape[-2]), _get_config_dtype_str(dtype=dtype)
+    experts = getattr(layer.base_layer, "routed_experts", layer.base_layer)
+    w1, w2 = tuple(experts.w13_weight.shape), tuple(experts.w2_weight.shape)
+    tuned = ((int(a13.shape[-1]), int(context.w13_num_slices), int(b13.shape[-2])),  # hidden, slices, N (w13)
+             (int(context.w2_lora_b_stacked[0].shape[-2]), 1, int(a2.shape[-1])))  # hidden, 1, intermediate (w2)
+
+    def block_m(op: int, n_tokens: int) -> int:
+        op_type = f"fused_moe_lora_{'w13' if op == 0 else 'w2'}_shrink"
+        if context.use_tuned_config:
+            hidden, slices, inter = tuned[op]
+            config = get_lora_op_configs(op_type=op_type, max_loras=int(context.max_loras), batch=n_tokens,
+                                         hidden_size=hidden, rank=rank, num_slices=slices, moe_intermediate_size=inter)
+        else:
+            config = try_get_optimal_moe_lora_config(op_type, w1_shape=w1, w2_shape=w2, rank=rank,
+                                                     top_k=int(context.top_k), dtype=config_dtype, M=n_tokens)
+        return int(_normalize_lora_config_keys(config).get("BLOCK_SIZE_M") or 64)
+
+    return block_m
+
+
 _UPSTREAM_RESIDENCY: list[bool] = []
 
 

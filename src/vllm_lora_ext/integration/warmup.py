@@ -23,8 +23,11 @@ vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for
 - 2^k and 3·2^(k-1) above that, each plus 0, 1, 15, 16 and 17, then ``max_num_seqs`` and ``max_num_batched_tokens``:
   larger decode and prefill batches, one in and around each divisibility window of each block size (a replay of
   vLLM 0.26's launch arithmetic for the Qwen3-30B-A3B shape finds every kernel key of every N up to 16,384 in
-  these, for 1-16 slots and ranks 16-64; ``tests/integration/test_moe_warmup.py`` keeps that replay); a count
-  that still compiles a variant of its own can be named in ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS``;
+  these, for 1-16 slots and ranks 16-64; ``tests/integration/test_moe_warmup.py`` keeps that replay);
+- one count for each kernel variant of this model's shape that those miss ([`shape_token_counts`],
+  `integration.warmup_sweep`): the windows move with the expert count and top-k (for 8 experts and top-2, batches of
+  36, 60, 84, 140 and 148 tokens compiled in the step on an H200 after the fixed sweep, r43). Counts named in
+  ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` replace all of these;
 - with ``max_loras`` dummy adapters (at most one per token), or, with ``specialize_active_lora``, with 1, 2 and
   ``max_loras`` (the kernels then key on the count, rounded up to the captured counts).
 
@@ -43,6 +46,7 @@ instead. It runs only with LoRA enabled and a model with fused-MoE LoRA layers; 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -50,7 +54,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_lora_ext.constants import moe_warmup_enabled, moe_warmup_tokens
-from vllm_lora_ext.integration._compat import runner_dummy_runs_with_loras
+from vllm_lora_ext.integration._compat import moe_lora_block_m, runner_dummy_runs_with_loras
+from vllm_lora_ext.integration.warmup_sweep import MoEOpShape, MoESweepShape, token_counts_for_keys
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +125,14 @@ def warm_up_moe_lora(runner: Any) -> int:
     from vllm.config import CUDAGraphMode
 
     max_tokens = int(runner.max_num_tokens)
-    tokens = moe_warmup_tokens() or warmup_token_counts(int(runner.max_num_reqs), max_tokens)
+    named = moe_warmup_tokens()
+    tokens = named or warmup_token_counts(int(runner.max_num_reqs), max_tokens)
     tokens = [n for n in tokens if 1 <= n <= max_tokens]
-    loras = warmup_lora_counts(int(lora_config.max_loras), bool(getattr(lora_config, "specialize_active_lora", False)))
+    specialize = bool(getattr(lora_config, "specialize_active_lora", False))
+    loras = warmup_lora_counts(int(lora_config.max_loras), specialize)
+    if not named:  # and one batch for each kernel variant of this model's shape the sweep above does not reach
+        grids = loras if specialize else [int(lora_config.max_loras) + 1]
+        tokens = sorted(set(tokens) | set(shape_token_counts(runner, tokens, grids, max_tokens)))
     before = sum(lora_kernel_variants().values())
     logits = _LogitsWarmUp(runner)
     t0 = time.perf_counter()
@@ -141,6 +151,47 @@ def warm_up_moe_lora(runner: Any) -> int:
                 "%d kernel variants compiled, %.1f s (VLLM_LORA_EXT_MOE_WARMUP=0 skips this)", runs, len(tokens),
                 len(loras), logits.state, compiled, time.perf_counter() - t0)
     return runs
+
+
+def shape_token_counts(runner: Any, covered: Sequence[int], grid_loras: Sequence[int], max_tokens: int) -> list[int]:
+    """The token counts, up to ``max_tokens``, of the fused-MoE LoRA kernel variants of this model's shape that the
+    counts in ``covered`` do not reach (`integration.warmup_sweep`); none where the first MoE LoRA layer cannot
+    be read (logged: the fixed sweep still runs)."""
+    try:
+        shape, block_m = _sweep_shape(runner)
+        found = token_counts_for_keys(shape, max_tokens, functools.lru_cache(maxsize=None)(block_m), grid_loras,
+                                      covered=covered)
+    except Exception as exc:  # a warm-up never stops the engine from starting
+        logger.warning("fused-MoE LoRA warm-up: this model's kernel variants not worked out (%s: %s); the fixed "
+                       "sweep runs alone", type(exc).__name__, str(exc)[:200])
+        return []
+    if found:
+        logger.info("fused-MoE LoRA warm-up: %d more token counts for kernel variants of this model's shape: %s",
+                    len(found), found)
+    return found
+
+
+def _sweep_shape(runner: Any) -> tuple[MoESweepShape, Callable[[int, int], int]]:
+    """The first fused-MoE LoRA layer of ``runner``'s model as the kernels see it, and its block-size lookup."""
+    import torch
+
+    from vllm_lora_ext.constants import kernel_configs_enabled
+    from vllm_lora_ext.integration.kernels import PAIRS_MAX_RANK
+
+    layer = next(m for m in runner.get_model().modules()
+                 if any(cls.__name__ in MOE_LORA_LAYER_CLASSES for cls in type(m).__mro__))
+    context = layer._build_lora_context()  # as set_mapping builds it (the plugin's tuned-table choice included)
+    a13, b13 = context.w13_lora_a_stacked[0], context.w13_lora_b_stacked[0]
+    a2, b2 = context.w2_lora_a_stacked[0], context.w2_lora_b_stacked[0]
+    ops = (MoEOpShape(int(a13.shape[3]), int(b13.shape[2]), int(context.w13_num_slices), int(a13.shape[1]), False),
+           MoEOpShape(int(a2.shape[3]), int(b2.shape[2]), 1, int(a2.shape[1]), True))
+    ep = bool(getattr(layer, "use_ep", False))
+    shape = MoESweepShape(ops, top_k=int(context.top_k), local_experts=int(context.local_num_experts),
+                          kernel_experts=int(layer.global_num_experts if ep else context.local_num_experts),
+                          expert_map=ep, fully_sharded=bool(context.fully_sharded), max_loras=int(a13.shape[0]),
+                          rank=int(a13.shape[2]), sms=torch.cuda.get_device_properties(a13.device).multi_processor_count,
+                          pairs_max_rank=PAIRS_MAX_RANK if kernel_configs_enabled() else 0)
+    return shape, moe_lora_block_m(context, layer, runner.model_config.dtype)
 
 
 class _LogitsWarmUp:
