@@ -5,7 +5,8 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
 - **What counts.** The ledger ``<HF cache>/.locks/vllm_lora_ext/ledger.json`` lists each revision the plugin
   downloaded (repo, commit, the files it placed, its last use). A revision the plugin only read from the
   cache (the user's own download, another model) is never listed, so never counted and never evicted.
-  The bytes of a set of revisions are the bytes of the distinct blobs their files point at.
+  The bytes of a set of revisions are the bytes of the distinct blobs their files point at. The partial files
+  that no download is writing (a killed one's) count too: they are nobody's to evict, and never deleted.
 - **Before a download** the Hub's checked metadata ([`hubguard`]) gives the size; if the listed revisions plus
   the new file could not fit the bound even with every unheld revision evicted, it is refused. Otherwise the least
   recently used revisions nothing holds are evicted, whole (``scan_cache_dir().delete_revisions``), as the bytes
@@ -16,7 +17,11 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   ``--lora-modules``, a registered adapter or live mix, a resolve downloading it, a build reading it); a
   revision whose snapshot also holds files the plugin did not place; a commit that another cached repo also has.
 - **Refusal.** If evicting every revision that may go still leaves no room, nothing is evicted and the
-  download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use.
+  download is refused with [`DiskCacheFullError`], naming the bound and the bytes in use; or, for an adapter
+  larger than the whole bound (the file plus its revision's files already listed), its size and the bound.
+- **A failed resolve** puts back the branch's ref its downloads moved, so the revision cached before still serves
+  offline; one the bound refused also evicts the revisions its downloads listed first (unless shared or another
+  hold keeps them): nothing half fetched stays listed. Other failures keep whole files for a retry ([`resolving`]).
 - **Sharing.** One state lock in the cache orders every ledger change, eviction and hold of every process, and is
   held only while the ledger and the holds are read or written, never while a file transfers. With the bound
   on, a download reserves the room it makes in a hold under that lock, and its announced size: until the file
@@ -27,6 +32,8 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
 
 With the bound off, downloads are still listed (best effort: a failure is logged), so ``vllm-lora cache ls``
 shows them and a bound set later knows what the plugin may evict.
+
+This module holds the download path; [`diskstate`] the scan of what is listed, the eviction plan and the eviction.
 """
 
 from __future__ import annotations
@@ -36,18 +43,19 @@ import contextvars
 import logging
 import os
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from vllm_lora_ext import hubguard, metrics
 from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
-from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, hold, live_holds, locked, reserved_bytes, state_root
-from vllm_lora_ext.diskledger import (LEDGER, commit_of, commits_having, read_ledger, record, repo_folder,
-                                     snapshot_blobs, write_ledger)
+from vllm_lora_ext.diskholds import DiskHold, cache_path, hold, locked, reserved_bytes, state_root
+from vllm_lora_ext.diskledger import (commit_of, commits_having, read_ledger, read_ref, record, repo_folder,
+                                     write_ledger, write_ref)
+from vllm_lora_ext.diskstate import (CachedRevision, DiskState, PruneReport, evict_revisions, list_cache,
+                                    plan_eviction, prune_cache, scan_state)
 from vllm_lora_ext.errors import DiskCacheFullError
 
 __all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
@@ -59,170 +67,36 @@ logger = logging.getLogger(__name__)
 _RESOLVING: contextvars.ContextVar[_Use | None] = contextvars.ContextVar("vllm_lora_ext_resolving", default=None)
 
 
-@dataclass(frozen=True)
-class CachedRevision:
-    """A revision the plugin downloaded, as ``vllm-lora cache ls`` shows it.
-
-    Attributes:
-        repo_id: ``org/repo``.
-        commit: the commit sha.
-        nbytes: the bytes of the blobs its listed files point at.
-        last_use: when a resolve last used it (seconds since the epoch).
-        files: the files the plugin placed in its snapshot.
-        held_by: what holds it now (``"pid 123: adapter 'sql' (registered)"``); empty: it may be evicted.
-        evictable: ``False`` when its snapshot also holds files the plugin did not place, or its commit is
-            shared with another cached repo.
-    """
-
-    repo_id: str
-    commit: str
-    nbytes: int
-    last_use: float
-    files: tuple[str, ...]
-    held_by: tuple[str, ...] = ()
-    evictable: bool = True
-
-    def __post_init__(self) -> None:
-        if self.nbytes < 0:
-            raise ValueError(f"revision {self.repo_id}@{self.commit} has negative size {self.nbytes}")
-
-    @property
-    def key(self) -> str:
-        return f"{self.repo_id}@{self.commit}"
-
-
-@dataclass(frozen=True)
-class PruneReport:
-    """What a prune did: the revisions evicted, the listed bytes before and after, and the target."""
-
-    evicted: tuple[CachedRevision, ...]
-    bytes_before: int
-    bytes_after: int
-    max_bytes: int
-
-
-# ----------------------------------------------------------------------------------------- sizes and eviction
-
-
-@dataclass
-class _State:
-    """The listed revisions as found on disk now (built under `locked`)."""
-
-    info: Any  # huggingface_hub's HFCacheInfo
-    revisions: dict[str, CachedRevision]
-    blobs: dict[str, dict[str, int]]  # key -> {blob path: size}
-    holds: list[Hold]
-
-    def total(self, keys: Sequence[str] | None = None) -> int:
-        sizes: dict[str, int] = {}
-        for key in self.revisions if keys is None else keys:
-            sizes.update(self.blobs[key])
-        return sum(sizes.values())
-
-    def held(self, rev: CachedRevision, skip: DiskHold | None = None) -> list[Hold]:
-        return [h for h in self.holds if h.covers(rev.repo_id, rev.commit)
-                and not (skip is not None and h.pid == os.getpid() and h.repo_id == skip.repo_id
-                         and h.revision == skip.revision and h.why == skip.why)]
-
-
-def _scan(cache: Path, root: Path) -> _State:
-    """Match the ledger against huggingface_hub's scan of the cache; drop entries no longer on disk."""
-    from huggingface_hub import scan_cache_dir
-
-    entries = read_ledger(root)
-    for attempt in range(3):  # a file gone mid-scan: another download's ref or partial file, renamed meanwhile
-        try:
-            info = scan_cache_dir(cache)
-            break
-        except FileNotFoundError:
-            if attempt == 2:
-                raise
-    by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
-              for rev in repo.revisions}
-    commit_repos = Counter(rev.commit_hash for repo in info.repos for rev in repo.revisions)
-    holds = live_holds(root)
-    revisions: dict[str, CachedRevision] = {}
-    blobs: dict[str, dict[str, int]] = {}
-    unscanned = {k: snapshot_blobs(cache, e) for k, e in entries.items() if (e["repo_id"], e["commit"]) not in by_key}
-    gone = [key for key, found in unscanned.items() if found is None]
-    for key in gone:  # deleted outside the plugin (hf cache delete, rm): nothing left to count
-        del entries[key]
-    for key, entry in entries.items():
-        listed, found = set(entry["files"]), unscanned.get(key)
-        if found is not None:  # in a repo the scan skipped as corrupt (its warnings): counted, kept, not evicted
-            blobs[key], names, evictable = dict(found.values()), set(found), False
-        else:
-            _, rev = by_key[(entry["repo_id"], entry["commit"])]
-            on_disk = {f.file_path.relative_to(rev.snapshot_path).as_posix(): f for f in rev.files}
-            blobs[key] = {str(f.blob_path): f.size_on_disk for name, f in on_disk.items() if name in listed}
-            names, evictable = set(on_disk), set(on_disk) <= listed and commit_repos[entry["commit"]] == 1
-        revisions[key] = CachedRevision(entry["repo_id"], entry["commit"], sum(blobs[key].values()),
-                                        float(entry["last_use"]), tuple(sorted(listed & names)), evictable=evictable)
-    state = _State(info, revisions, blobs, holds)
-    for key, rev in revisions.items():
-        revisions[key] = replace(rev, held_by=tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)})))
-    if gone:
-        write_ledger(root, entries)
-    return state
-
-
-def _plan(state: _State, need: int, limit: int, *, protect: Sequence[str] = ()) -> list[str] | None:
-    """The least recently used revisions to evict so that the listed bytes plus ``need`` fit ``limit``.
-
-    ``None`` when even evicting every revision that may go leaves no room (then nothing may be evicted).
-    A blob shared by several listed revisions leaves the count with the last of them.
-    """
-    refs: dict[str, int] = {}
-    for key in state.revisions:
-        for blob in state.blobs[key]:
-            refs[blob] = refs.get(blob, 0) + 1
-    total = state.total()
-    if total + need <= limit:
-        return []
-    candidates = sorted((r for r in state.revisions.values()
-                         if r.evictable and r.key not in protect and not state.held(r)),
-                        key=lambda r: (r.last_use, r.key))
-    chosen: list[str] = []
-    for rev in candidates:
-        chosen.append(rev.key)
-        for blob, size in state.blobs[rev.key].items():
-            refs[blob] -= 1
-            total -= size if refs[blob] == 0 else 0
-        if total + need <= limit:
-            return chosen
-    return None
-
-
-def _evict(cache: Path, root: Path, state: _State, keys: Sequence[str]) -> None:
-    """Delete ``keys`` through huggingface_hub's cache API and drop them from the ledger. Call under `locked`."""
-    if not keys:
-        return
-    commits = [state.revisions[k].commit for k in keys]
-    state.info.delete_revisions(*commits).execute()
-    entries = read_ledger(root)
-    for key in keys:
-        entries.pop(key, None)
-        rev = state.revisions.pop(key)
-        logger.info("disk cache: evicted %s (%s, last used %s)", key, fmt_bytes(rev.nbytes),
-                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use)))
-    write_ledger(root, entries)
-    metrics.DISK_CACHE_EVICTIONS.inc(len(keys))
-
-
-def _refusal(source: str, need: int, limit: int, state: _State, *, pending: int = 0,
+def _refusal(source: str, need: int, limit: int, state: DiskState, *, key: str | None = None, pending: int = 0,
              stopped_at: int | None = None) -> DiskCacheFullError:
-    """The refusal of a download (``stopped_at``: stopped after that many bytes, once held revisions left no room for
-    the rest; revisions evicted for the bytes before may be gone)."""
+    """The refusal of a download of ``need`` bytes into revision ``key``, whose files already listed are the adapter's
+    too (``stopped_at``: stopped after that many bytes, once held revisions left no room for the rest; revisions
+    evicted for the bytes before may be gone). An adapter larger than the whole bound is told so: no unload helps."""
+    own = need + (state.revisions[key].nbytes if key in state.revisions else 0)
     in_use = state.total([k for k, r in state.revisions.items() if r.held_by or not r.evictable]) + pending
+    in_use += state.partial
+    if own > limit:
+        text = _too_large(source, own, limit)
+        return DiskCacheFullError(text, source=source, limit=limit, in_use=in_use, needed=own)
     flight = f" (of which {fmt_bytes(pending)} by other downloads in progress: retry once they finish)" if pending else ""
+    stale = (f", or taken by the partial files of interrupted downloads ({fmt_bytes(state.partial)}: the "
+             f"'*.incomplete' files in the repos' 'blobs' folders, which no download is writing and may be deleted)"
+             if state.partial else "")
     done = ("nothing was evicted" if stopped_at is None else f"the transfer was stopped after {fmt_bytes(stopped_at)} "
             f"(revisions held since it began left no room for the rest) and its partial file is not kept")
     return DiskCacheFullError(
         f"Adapter source {source!r} needs {fmt_bytes(need)} in the Hugging Face cache, but the disk cache bound "
-        f"{ENV_DISK_CACHE_BYTES} is {fmt_bytes(limit)} and {fmt_bytes(in_use)} of it is held by revisions in use (pinned, "
-        f"registered, or being read){flight} or shared with files the plugin did not download; {done}. "
-        f"Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
+        f"{ENV_DISK_CACHE_BYTES} is {fmt_bytes(limit)} and {fmt_bytes(in_use)} of it is held by revisions in use "
+        f"(pinned, registered, or being read){flight} or shared with files the plugin did not download{stale}; "
+        f"{done}. Unload adapters that are no longer needed, or raise {ENV_DISK_CACHE_BYTES}.",
         source=source, limit=limit, in_use=in_use, needed=need)
+
+
+def _too_large(source: str, size: int, limit: int) -> str:
+    return (f"Adapter source {source!r} needs {fmt_bytes(size)} in the Hugging Face cache, more than the whole disk "
+            f"cache bound {ENV_DISK_CACHE_BYTES} ({fmt_bytes(limit)}): it cannot fit even with every other revision "
+            f"evicted. Raise {ENV_DISK_CACHE_BYTES} above {fmt_bytes(size)}, or download the adapter yourself (e.g. "
+            f"with 'hf download') and give its local folder as the source.")
 
 
 _STEP = 256 << 20  # a counted download's room is made this far ahead of the bytes that arrived (`_Room.grow`)
@@ -249,12 +123,13 @@ class _Room:
         want = max(min(self.need, received + _STEP), received)
         root = self.hold.root
         with locked(root):
-            state = _scan(self.cache, root)
+            state = scan_state(self.cache, root)
             pending = reserved_bytes(state.holds, {self.file_key: want})
-            keys = _plan(state, pending, self.limit, protect=self.protect)
+            keys = plan_eviction(state, pending, self.limit, protect=self.protect)
             if keys is None:
-                raise _refusal(self.source, self.need, self.limit, state, pending=pending - want, stopped_at=received)
-            _evict(self.cache, root, state, keys)
+                raise _refusal(self.source, self.need, self.limit, state, key=next(iter(self.protect), None),
+                               pending=pending - want, stopped_at=received)
+            evict_revisions(self.cache, root, state, keys)
             metrics.DISK_CACHE_BYTES.set(state.total())
             self.hold.reserve(want)
             self.reserved = want
@@ -272,12 +147,12 @@ def _reserve(cache_dir: str | os.PathLike[str] | None, repo_id: str, filename: s
     first = need if upfront else min(need, _STEP)
     protect = (f"{repo_id}@{commit}",) if commit else ()
     with locked(root):
-        state = _scan(cache, root)
+        state = scan_state(cache, root)
         pending = reserved_bytes(state.holds, {file_key: need}, announced=True)
-        if _plan(state, pending, limit, protect=protect) is None:
-            raise _refusal(source, need, limit, state, pending=pending - need)
-        keys = _plan(state, reserved_bytes(state.holds, {file_key: first}), limit, protect=protect) or []
-        _evict(cache, root, state, keys)
+        if plan_eviction(state, pending, limit, protect=protect) is None:
+            raise _refusal(source, need, limit, state, key=next(iter(protect), None), pending=pending - need)
+        keys = plan_eviction(state, reserved_bytes(state.holds, {file_key: first}), limit, protect=protect) or []
+        evict_revisions(cache, root, state, keys)
         metrics.DISK_CACHE_BYTES.set(state.total())
         made = hold(repo_id, commit or revision, why=f"download of {source}:{filename}", cache_dir=cache_dir,
                     reserve=(file_key, first, need))
@@ -286,21 +161,21 @@ def _reserve(cache_dir: str | os.PathLike[str] | None, repo_id: str, filename: s
 
 def _after_download(cache: Path, root: Path, source: str, key: str, limit: int) -> None:
     """Keep the bound once the file is on disk (the Hub may not have told its size)."""
-    state = _scan(cache, root)
+    state = scan_state(cache, root)
     pending = reserved_bytes(state.holds)  # other downloads in progress
-    keys = _plan(state, pending, limit, protect=(key,))
+    keys = plan_eviction(state, pending, limit, protect=(key,))
     if keys is None:
         new = state.revisions.get(key)
         use = _RESOLVING.get()
         skip = use.hold if use is not None else None
         if new is not None and new.evictable and not state.held(new, skip):
             need = new.nbytes
-            _evict(cache, root, state, [key])
+            evict_revisions(cache, root, state, [key])
         else:
             need = new.nbytes if new is not None else 0
         metrics.DISK_CACHE_BYTES.set(state.total())
         raise _refusal(source, need, limit, state, pending=pending)
-    _evict(cache, root, state, keys)
+    evict_revisions(cache, root, state, keys)
     metrics.DISK_CACHE_BYTES.set(state.total())
 
 
@@ -318,7 +193,8 @@ def _list_unbounded(root: Path, repo_id: str, commit: str | None, before: set[st
         return
     try:
         with locked(root):
-            record(root, repo_id, commit, filename)
+            if record(root, repo_id, commit, filename):
+                _listed_first(f"{repo_id}@{commit}")
     except Exception as err:
         logger.debug("could not list %s@%s:%s in the disk cache ledger: %s", repo_id, commit, filename, err)
 
@@ -394,7 +270,8 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
             if room is not None:
                 room.hold.release()
             if commit is not None and commit not in before:
-                record(root, repo_id, commit, filename)
+                if record(root, repo_id, commit, filename):
+                    _listed_first(f"{repo_id}@{commit}")
                 _after_download(cache, root, source, f"{repo_id}@{commit}", limit)
     finally:
         if room is not None:
@@ -406,17 +283,33 @@ _T = TypeVar("_T")
 
 
 class _Use:
-    """One resolve: its hold (taken at its first download), and the commit it used (set through `done`)."""
+    """One resolve: its hold (taken at its first download), the commit it used (set through `done`), the revisions
+    its downloads listed first, and the commit its branch's ref named before (what a failure puts back)."""
 
     def __init__(self, repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> None:
         self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
         self.commit: str | None = None
         self.hold: DiskHold | None = None
+        self.listed: list[str] = []
+        pinned = revision is not None and hubguard.COMMIT_SHA.match(revision)
+        self.ref = None if pinned else repo_folder(cache_path(cache_dir), repo_id) / "refs" / (revision or "main")
+        self.ref_before = read_ref(self.ref)
 
     def done(self, resolved: _T) -> _T:
         """Record the resolve's result (its ``commit``) and return it."""
         self.commit = getattr(resolved, "commit", None)
         return resolved
+
+    def put_ref_back(self, repo: Path) -> None:
+        """Point the branch's ref, if it now names a revision this failed resolve listed first (or no cached commit),
+        back at the cached commit it named before (or remove it)."""
+        def cached(commit: str | None) -> bool:
+            return commit is not None and (repo / "snapshots" / commit).is_dir()
+
+        now = read_ref(self.ref)
+        half = now is not None and f"{self.repo_id}@{now}" in self.listed
+        if self.ref is not None and now != self.ref_before and (half or not cached(now)):
+            write_ref(self.ref, self.ref_before if cached(self.ref_before) else None, repo)
 
     def take_hold(self) -> None:
         if self.hold is None:
@@ -429,7 +322,8 @@ class _Use:
 
 @contextlib.contextmanager
 def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[_Use]:
-    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now.
+    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now; on
+    failure, put the ref back, and after a refusal by the bound evict what it listed first (`_undo`).
 
     The hold keeps the files already downloaded from eviction while the next ones download (weights, then
     config). A resolve that downloads nothing writes no hold: the caller that reads the files holds them
@@ -439,12 +333,44 @@ def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLik
     token = _RESOLVING.set(use)
     try:
         yield use
+    except BaseException as exc:
+        if use.listed:
+            _undo(use, evict=isinstance(exc, DiskCacheFullError))
+        raise
     finally:
         _RESOLVING.reset(token)
         if use.hold is not None:
             use.hold.release()
     if use.commit is not None:
         _touch(state_root(cache_dir), f"{repo_id}@{use.commit}")
+
+
+def _listed_first(key: str) -> None:
+    """Note that a download of the resolve running in this context listed revision ``key`` first."""
+    use = _RESOLVING.get()
+    if use is not None:
+        use.listed.append(key)
+
+
+def _undo(use: _Use, *, evict: bool) -> None:
+    """After a failed resolve, point the ref its downloads moved back at the commit it named before, so the revision
+    cached before still serves offline; where ``evict`` (the bound refused it: a retry cannot succeed as it is), also
+    evict the revisions its downloads listed first (weights without their config), unless they are shared or another
+    hold keeps them. Other failures keep the files already downloaded, whole and checked, for a retry to reuse. Best
+    effort: the resolve's own error is what its caller sees."""
+    cache, root = cache_path(use.cache_dir), state_root(use.cache_dir)
+    try:
+        with locked(root):
+            state = scan_state(cache, root)
+            mine = 0 if use.hold is None else 1  # (this resolve's hold covers them; any other keeps them)
+            keys = [k for k in dict.fromkeys(use.listed) if evict and k in state.revisions
+                    and state.revisions[k].evictable and len(state.held(state.revisions[k])) <= mine]
+            evict_revisions(cache, root, state, keys)
+            metrics.DISK_CACHE_BYTES.set(state.total())
+            use.put_ref_back(repo_folder(cache, use.repo_id))
+    except Exception as err:
+        logger.warning("could not undo what a failed resolve of hf:%s left half downloaded (%s): %s", use.repo_id,
+                       ", ".join(use.listed), err)
 
 
 def _touch(root: Path, key: str) -> None:
@@ -456,44 +382,3 @@ def _touch(root: Path, key: str) -> None:
                 write_ledger(root, entries, in_place=True)
     except Exception as err:  # recency is advice: a failure costs eviction order, never a request
         logger.debug("could not mark %s used in the disk cache ledger: %s", key, err)
-
-
-def list_cache(*, cache_dir: str | os.PathLike[str] | None = None) -> list[CachedRevision]:
-    """Return the revisions the plugin downloaded into the cache, most recently used first.
-
-    Example:
-        >>> import tempfile
-        >>> list_cache(cache_dir=tempfile.mkdtemp())
-        []
-    """
-    cache, root = cache_path(cache_dir), state_root(cache_dir)
-    if not (root / LEDGER).exists():
-        return []
-    with locked(root):
-        state = _scan(cache, root)
-    return sorted(state.revisions.values(), key=lambda r: (-r.last_use, r.key))
-
-
-def prune_cache(max_bytes: int, *, cache_dir: str | os.PathLike[str] | None = None) -> PruneReport:
-    """Evict the least recently used revisions the plugin downloaded until they fit ``max_bytes``.
-
-    Revisions in use (held by any live process) or shared with files the plugin did not download stay; if
-    they alone pass ``max_bytes``, every other revision goes and ``bytes_after`` says what is left.
-    """
-    if max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    cache, root = cache_path(cache_dir), state_root(cache_dir)
-    if not (root / LEDGER).exists():
-        return PruneReport((), 0, 0, max_bytes)
-    with locked(root):
-        state = _scan(cache, root)
-        before = state.total()
-        keys = _plan(state, 0, max_bytes)
-        if keys is None:
-            keys = [r.key for r in sorted(state.revisions.values(), key=lambda r: (r.last_use, r.key))
-                    if r.evictable and not state.held(r)]
-        evicted = tuple(state.revisions[k] for k in keys)
-        _evict(cache, root, state, keys)
-        after = state.total()
-    metrics.DISK_CACHE_BYTES.set(after)
-    return PruneReport(evicted, before, after, max_bytes)

@@ -1,6 +1,7 @@
 """The disk tier's ledger: which revisions of the Hugging Face cache the plugin downloaded, and when each was last
-used (``<HF cache>/.locks/vllm_lora_ext/ledger.json``), with the cache-layout helpers that read it. Call the
-writers under [`diskholds.locked`]; [`diskcache`] holds the rules that use it.
+used (``<HF cache>/.locks/vllm_lora_ext/ledger.json``), with the cache-layout helpers that read it (a repo's folder,
+a file's commit, a branch's ref). Call the writers under [`diskholds.locked`]; [`diskcache`] holds the rules that use
+it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ from typing import Any
 from vllm_lora_ext.diskholds import read_state_file, write_in_place
 from vllm_lora_ext.hubguard import COMMIT_SHA
 
-__all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "record", "repo_folder", "write_ledger"]
+__all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "read_ref", "record", "repo_folder", "write_ledger",
+           "write_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +112,47 @@ def commit_of(path: Path) -> str | None:
                  and parts[i - 1].startswith("models--") and COMMIT_SHA.match(parts[i + 1])), None)
 
 
-def record(root: Path, repo_id: str, commit: str, filename: str) -> None:
-    """List ``filename`` of ``repo_id@commit`` as placed by the plugin, used now. Call under `locked`."""
+def record(root: Path, repo_id: str, commit: str, filename: str) -> bool:
+    """List ``filename`` of ``repo_id@commit`` as placed by the plugin, used now; whether the revision was not listed
+    before. Call under `locked`."""
     entries = read_ledger(root)
     key = f"{repo_id}@{commit}"
+    new = key not in entries
     entry = entries.setdefault(key, {"repo_id": repo_id, "commit": commit, "files": [], "downloaded": time.time()})
     if filename not in entry["files"]:
         entry["files"] = sorted([*entry["files"], filename])
     entry["last_use"] = time.time()
     write_ledger(root, entries)
+    return new
+
+
+def read_ref(ref: Path | None) -> str | None:
+    """The commit a ref file names (its first 64 bytes), or ``None`` where there is none."""
+    try:
+        with open(ref, "rb") as f:  # type: ignore[arg-type]
+            return f.read(64).decode("ascii", "replace").strip()
+    except (OSError, TypeError):
+        return None
+
+
+def write_ref(ref: Path, commit: str | None, repo: Path) -> None:
+    """Point ``ref`` at ``commit`` (remove it for ``None``) by a fresh file renamed over it, never through a link, and
+    only inside ``repo``'s folder; best effort (the caller's own outcome is what it reports)."""
+    try:
+        if not os.path.realpath(ref.parent).startswith(os.path.realpath(repo) + os.sep):
+            return  # a link out of the cache: not written through
+        if commit is None:
+            ref.unlink(missing_ok=True)
+            return
+        fd, tmp = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}.")  # O_EXCL: never an existing link
+        try:
+            os.write(fd, commit.encode("ascii"))
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, ref)
+        except OSError:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        return

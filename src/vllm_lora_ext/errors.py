@@ -222,6 +222,7 @@ class DiskCacheFullError(VllmLoraExtError, RuntimeError):
     """A download would pass the disk cache bound (``VLLM_LORA_EXT_DISK_CACHE_BYTES``) and every revision that could
     make room is in use. Nothing was evicted for it, unless the message says its transfer was stopped part-way
     (revisions held since it began left no room for the rest); retry once adapters are unloaded, or raise the bound.
+    An adapter larger than the whole bound is told so (``needed`` is its size): raise the bound, or use a local path.
 
     Not an ``OSError``: the download path maps those to a retryable download failure, and this one is not.
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from vllm_lora_ext import diskcache, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import MAX_LISTING_BYTES, PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
-from vllm_lora_ext.diskledger import commit_of
+from vllm_lora_ext.diskledger import commit_of, read_ref, write_ref
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
@@ -252,7 +251,7 @@ class HubClient:
         ref = None if pinned else repo / "refs" / (revision or "main")
         if not self.local_only:
             hubguard.writes_inside(repo, source=self.src.raw, ref=ref)
-        before = _ref_commit(ref)
+        before = read_ref(ref)
         try:
             path = Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
                                                 cache_dir=cache_dir, token=self.token,
@@ -263,8 +262,8 @@ class HubClient:
                 _put_ref_back(ref, before, repo, filename)
             raise
         got = commit_of(path)
-        if ref is not None and got is not None and _ref_commit(ref) != got:  # another's failure put it back meanwhile
-            _write_ref(ref, got, repo)
+        if ref is not None and got is not None and read_ref(ref) != got:  # another's failure put it back meanwhile
+            write_ref(ref, got, repo)
         return path
 
     def _check_endpoint(self, filename: str, revision: str | None) -> None:
@@ -348,42 +347,10 @@ def _listed(repo_id: str, revision: str | None, token: str | bool | None) -> lis
     return [s.rfilename for s in msgspec.json.decode(bytes(body), type=_Listing).siblings or []]
 
 
-def _ref_commit(ref: Path | None) -> str | None:
-    """The commit a ref file names (its first 64 bytes), or ``None`` where there is none."""
-    try:
-        with open(ref, "rb") as f:  # type: ignore[arg-type]
-            return f.read(64).decode("ascii", "replace").strip()
-    except (OSError, TypeError):
-        return None
-
-
 def _put_ref_back(ref: Path, before: str | None, repo: Path, filename: str) -> None:
     """After a failed download, point ``ref`` at the commit it named before (or remove it if it named none), unless
     another process has since completed ``filename`` at the commit it names now."""
-    now = _ref_commit(ref)
+    now = read_ref(ref)
     if now == before or (now and (repo / "snapshots" / now / filename).is_file()):
         return
-    _write_ref(ref, before, repo)
-
-
-def _write_ref(ref: Path, commit: str | None, repo: Path) -> None:
-    """Point ``ref`` at ``commit`` (remove it for ``None``) by a fresh file renamed over it, never through a link, and
-    only inside ``repo``'s folder; best effort (the caller's own outcome is what it reports)."""
-    try:
-        if not os.path.realpath(ref.parent).startswith(os.path.realpath(repo) + os.sep):
-            return  # a link out of the cache: not written through
-        if commit is None:
-            ref.unlink(missing_ok=True)
-            return
-        fd, tmp = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}.")  # O_EXCL: never an existing link
-        try:
-            os.write(fd, commit.encode("ascii"))
-        finally:
-            os.close(fd)
-        try:
-            os.replace(tmp, ref)
-        except OSError:
-            os.unlink(tmp)
-            raise
-    except OSError:
-        return
+    write_ref(ref, before, repo)

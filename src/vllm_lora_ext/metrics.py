@@ -491,6 +491,7 @@ class LatestGauge(_Metric):
 
 
 DISK_CACHE_BYTES = LatestGauge("vllm_lora_ext_disk_cache_bytes",
-                               "Bytes of the adapter revisions the plugin downloaded into the Hugging Face cache.")
+                               "Bytes of the adapter revisions the plugin downloaded into the Hugging Face cache, "
+                               "and of the partial files interrupted downloads left there.")
 DISK_CACHE_EVICTIONS = Counter("vllm_lora_ext_disk_cache_evictions",
                                "Adapter revisions evicted from the Hugging Face cache to keep its bound.")

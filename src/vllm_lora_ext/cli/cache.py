@@ -84,7 +84,7 @@ def run_prune(args: argparse.Namespace) -> int:
                                                 f"{report.bytes_after} bytes (target {report.max_bytes})")
     if report.bytes_after > report.max_bytes:
         print(f"error: {report.bytes_after} bytes stay in use (held by a live process, or shared with files the "
-              f"plugin did not download), above --max-bytes {report.max_bytes}; see 'vllm-lora cache ls'.",
-              file=sys.stderr)
+              f"plugin did not download, or partial files of interrupted downloads: '*.incomplete' in the repos' "
+              f"'blobs' folders), above --max-bytes {report.max_bytes}; see 'vllm-lora cache ls'.", file=sys.stderr)
         return 1
     return 0
