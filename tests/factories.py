@@ -58,6 +58,14 @@ def llama_shapes(num_layers: int = 2, hidden: int = 16, kv: int = 8, inter: int 
     return out
 
 
+def hub_adapter_files(seed: int = 0) -> dict[str, bytes]:
+    """The files of a tiny dense adapter as a Hub repo holds them (for ``HubServer.repo(...).commit``)."""
+    from safetensors.torch import save
+
+    return {"adapter_model.safetensors": save(dense_tensors(llama_shapes(), rank=4, seed=seed)),
+            "adapter_config.json": json.dumps(lora_config(r=4)).encode()}
+
+
 def make_dense_adapter(folder: Path, *, rank: int = 4, alpha: float = 8, seed: int = 0,
                        targets: Sequence[str] = ("q_proj", "v_proj"), **cfg: Any) -> Path:
     tensors = dense_tensors(llama_shapes(targets=targets), rank=rank, seed=seed)

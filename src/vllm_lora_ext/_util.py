@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vllm_lora_ext.errors import AdapterAccessError, AdapterFormatError
+from vllm_lora_ext.errors import AdapterAccessError, AdapterFormatError, SettingsError
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = 80
@@ -313,3 +313,38 @@ def endpoint_unreadable(url: str) -> str | None:
                 f"huggingface_hub, the cache included; set it to a Hub or mirror address such as "
                 f"https://huggingface.co, or unset it.")
     return None
+
+
+_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_FORMS = "a number of bytes (2147483648), or a number with a unit: 2GiB, 512MiB (powers of 1024) or 2GB, 500MB " \
+             "(powers of 1000)"
+
+
+def parse_size(raw: str, *, name: str) -> int:
+    """Return the bytes a size setting means: plain bytes, or ``2GiB``/``512MiB``/``2GB``/``500MB``/``1.5TiB``.
+
+    Raises:
+        [`SettingsError`]: the value is none of these forms (the message names ``name`` and the forms).
+
+    Example:
+        >>> parse_size("2GiB", name="X"), parse_size("2GB", name="X"), parse_size("1024", name="X")
+        (2147483648, 2000000000, 1024)
+    """
+    text = raw.strip()
+    m = _SIZE.match(text)
+    if m is None:
+        try:  # plain numbers as before (e.g. 1e9), whole and finite
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if value == value and value not in (float("inf"),) and value >= 0 and value == int(value):
+            return int(value)
+        raise SettingsError(f"{name}={raw[:80]!r} is not a size. Give {SIZE_FORMS}.")
+    if m.group(2) is None and "." in m.group(1):
+        raise SettingsError(f"{name}={raw[:80]!r} is not a whole number of bytes. Give {SIZE_FORMS}.")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+    if value != value or value == float("inf"):  # more digits than a float holds
+        raise SettingsError(f"{name}={raw[:80]!r} is too large a size. Give {SIZE_FORMS}.")
+    return int(value)

@@ -10,10 +10,9 @@ import difflib
 import functools
 import logging
 import os
-import re
 from typing import Literal
 
-from vllm_lora_ext._util import clip, endpoint_unreadable, not_a_regular_file
+from vllm_lora_ext._util import clip, endpoint_unreadable, not_a_regular_file, parse_size
 from vllm_lora_ext.errors import SettingsError
 
 logger = logging.getLogger(__name__)
@@ -181,41 +180,6 @@ def _env_number(name: str, default: float, *, minimum: float) -> float:
     return value
 
 
-_SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-SIZE_FORMS = "a number of bytes (2147483648), or a number with a unit: 2GiB, 512MiB (powers of 1024) or 2GB, 500MB " \
-             "(powers of 1000)"
-
-
-def parse_size(raw: str, *, name: str) -> int:
-    """Return the bytes a size setting means: plain bytes, or ``2GiB``/``512MiB``/``2GB``/``500MB``/``1.5TiB``.
-
-    Raises:
-        [`SettingsError`]: the value is none of these forms (the message names ``name`` and the forms).
-
-    Example:
-        >>> parse_size("2GiB", name="X"), parse_size("2GB", name="X"), parse_size("1024", name="X")
-        (2147483648, 2000000000, 1024)
-    """
-    text = raw.strip()
-    m = _SIZE.match(text)
-    if m is None:
-        try:  # plain numbers as before (e.g. 1e9), whole and finite
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if value == value and value not in (float("inf"),) and value >= 0 and value == int(value):
-            return int(value)
-        raise SettingsError(f"{name}={raw[:80]!r} is not a size. Give {SIZE_FORMS}.")
-    if m.group(2) is None and "." in m.group(1):
-        raise SettingsError(f"{name}={raw[:80]!r} is not a whole number of bytes. Give {SIZE_FORMS}.")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
-    if value != value or value == float("inf"):  # more digits than a float holds
-        raise SettingsError(f"{name}={raw[:80]!r} is too large a size. Give {SIZE_FORMS}.")
-    return int(value)
-
-
 def _env_size(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     return parse_size(raw, name=name) if raw else default
@@ -344,6 +308,21 @@ def drop_unapplied() -> frozenset[str]:
 
 # ----------------------------------------------------------------------------------------------------- disk tier
 ENV_DISK_CACHE_BYTES = "VLLM_LORA_EXT_DISK_CACHE_BYTES"
+# The deadline of an adapter's fetch from the Hub (hubdeadline.py): this many bytes a second after a grace time.
+ENV_DOWNLOAD_MIN_RATE = "VLLM_LORA_EXT_DOWNLOAD_MIN_RATE"
+ENV_DOWNLOAD_GRACE = "VLLM_LORA_EXT_DOWNLOAD_GRACE_S"
+
+
+def download_min_rate() -> float:
+    """Return the bytes per second an adapter's fetch from the Hub must average after its grace time
+    (``VLLM_LORA_EXT_DOWNLOAD_MIN_RATE``, default 1048576, 1 MiB/s; 0: no deadline)."""
+    return _env_number(ENV_DOWNLOAD_MIN_RATE, float(1 << 20), minimum=0)
+
+
+def download_grace_seconds() -> float:
+    """Return the seconds an adapter's fetch from the Hub may take beyond its bytes at the minimum rate
+    (``VLLM_LORA_EXT_DOWNLOAD_GRACE_S``, default 60)."""
+    return _env_number(ENV_DOWNLOAD_GRACE, 60.0, minimum=0)
 
 
 def disk_cache_bytes() -> int | None:
@@ -405,6 +384,7 @@ def check_settings() -> None:
     for accessor in (functools.partial(max_mixes, 0), mix_wait_seconds, max_client_sources, prebuild_builds,
                      prebuild_bytes, prebuild_wait_seconds, host_arena_min_bytes, host_spare_bytes, stage_gpu_bytes,
                      stall_trace_seconds, build_spare_bytes, mix_threads, disk_cache_bytes, moe_warmup_tokens,
+                     download_min_rate, download_grace_seconds,
                      functools.partial(_env_number, ENV_COMPONENT_CACHE, 8, minimum=0)):
         try:
             accessor()

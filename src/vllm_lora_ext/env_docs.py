@@ -20,6 +20,8 @@ from vllm_lora_ext.constants import (  # noqa: F401 (the names the table documen
     ENV_CONFIG,
     ENV_DISABLE,
     ENV_DISK_CACHE_BYTES,
+    ENV_DOWNLOAD_GRACE,
+    ENV_DOWNLOAD_MIN_RATE,
     ENV_DROP_UNAPPLIED,
     ENV_HOST_ARENAS,
     ENV_HOST_ARENA_MIN,
@@ -99,6 +101,11 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                              "adapter (default: refuse; see \"Modules vLLM would accept and not apply as trained\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
                                "or `20GB` (default: off); see \"Disk cache\""),
+    ENV_DOWNLOAD_MIN_RATE: ("", "bytes per second an adapter's download from the Hub must average after its grace "
+                                "time, or it is stopped with `HubTooSlowError` (default 1048576, 1 MiB/s; 0: no "
+                                "deadline); a Hub that trickles bytes would otherwise hold the request for ever"),
+    ENV_DOWNLOAD_GRACE: ("", f"seconds an adapter's download may take beyond its bytes at "
+                             f"`{ENV_DOWNLOAD_MIN_RATE}` (default 60)"),
     ENV_MOE_WARMUP: ("=0", "skip compiling the LoRA Triton kernels at engine start (default: with LoRA on and MoE "
                            "LoRA layers, dummy LoRA batches over the decode and prefill sizes, their logits included, "
                            "run before the engine reports ready, so no request compiles them in its step; "

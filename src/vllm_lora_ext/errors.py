@@ -21,10 +21,10 @@ from typing import Any
 __all__ = [
     "AdapterCompatibilityError", "AdapterAccessError", "AdapterDownloadError", "AdapterFormatError",
     "AdapterNotFoundError", "AdapterSourceError", "DeploymentConfigError", "DiskCacheFullError", "ExpertLayoutError",
-    "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError", "RemoteError",
-    "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError", "UnsupportedVLLMError",
-    "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record", "offline_pickle_error",
-    "rebuild_error", "with_record", "has_record",
+    "HubTooSlowError", "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError",
+    "RemoteError", "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError",
+    "UnsupportedVLLMError", "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record",
+    "offline_pickle_error", "rebuild_error", "with_record", "has_record",
 ]
 
 
@@ -99,6 +99,25 @@ class AdapterDownloadError(VllmLoraExtError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class HubTooSlowError(AdapterDownloadError, TimeoutError):
+    """An adapter fetch from the Hub fell behind its deadline (``VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes per second
+    after ``VLLM_LORA_EXT_DOWNLOAD_GRACE_S`` seconds): a Hub or mirror that trickles or keeps stalling. The transfer
+    was stopped and its partial file is not kept; ``received`` bytes had arrived after ``seconds``.
+
+    Example message: ``Downloading 'adapter_model.safetensors' of 'hf:acme/sql' was stopped after 61 s, having
+    received 12 B (12 bytes) in all: slower than the 1.0 MiB/s after 60 s that a fetch must average; its partial
+    file is not kept. The Hub at 'https://mirror.example' (HF_ENDPOINT) sends too slowly. Retry, point HF_ENDPOINT at
+    a faster Hub or mirror, or lower VLLM_LORA_EXT_DOWNLOAD_MIN_RATE (0: no deadline) or raise
+    VLLM_LORA_EXT_DOWNLOAD_GRACE_S.``
+    """
+
+    def __init__(self, message: str, *, source: str, received: int, seconds: float,
+                 public_message: str | None = None) -> None:
+        super().__init__(message, source=source, public_message=public_message)
+        self.received = received
+        self.seconds = seconds
 
 
 class AdapterFormatError(VllmLoraExtError, ValueError):

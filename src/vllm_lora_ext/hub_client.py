@@ -10,6 +10,7 @@ setting, leaves the decision to huggingface_hub.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -21,7 +22,7 @@ from urllib.parse import quote, urlsplit
 
 import msgspec
 
-from vllm_lora_ext import diskcache, hubguard
+from vllm_lora_ext import diskcache, hubdeadline, hubguard
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import MAX_LISTING_BYTES, PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path
@@ -150,6 +151,7 @@ class HubClient:
         self.label = label  # what the source is, in messages: "adapter source" or "base model"
         self.fetching = fetching  # the caller is 'vllm-lora fetch' (its advice is not to run it)
         self.downloaded = False  # whether any fetch had to download (a cache miss)
+        self.clock: hubdeadline.DownloadClock | None = None  # the fetch's deadline, from its first download on
 
     def _no_hub(self, filename: str, revision: str | None, reason: str | None) -> AdapterNotFoundError:
         """The error for a file that is not cached while the Hub may not be asked (``reason=None``) or does not answer."""
@@ -208,10 +210,12 @@ class HubClient:
             if reason is not None:
                 raise self._no_hub(filename, revision, reason)
         try:
-            path = self._download(filename, revision, cache_dir)
+            path = self._download(filename, revision, cache_dir, cached)
             if not isinstance(cached, str) or Path(cached) != path:
                 self.downloaded = True
             return path
+        except AdapterDownloadError:  # the plugin's own (HubTooSlowError): said already, not wrapped again
+            raise
         except hf_errors.GatedRepoError as err:
             raise AdapterNotFoundError(
                 f"Repo {self.src.repo_id!r} of {self.label} {self.src.raw!r} is gated and this token has no access. "
@@ -242,10 +246,12 @@ class HubClient:
                 raise self._failed(filename, err, repr(err)) from err
             raise
 
-    def _download(self, filename: str, revision: str | None, cache_dir: Path | None) -> Path:
-        """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`). huggingface_hub moves a
-        branch's or tag's ref to the commit the Hub names before it transfers the file: where the transfer then
-        fails, the ref is put back, so that the commit of it already cached still serves offline."""
+    def _download(self, filename: str, revision: str | None, cache_dir: Path | None, cached: object) -> Path:
+        """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`) and the fetch's deadline
+        (`hubdeadline`); a file not ``cached`` before is checked against its sha256 ETag (`hubguard.check_content`).
+        huggingface_hub moves a branch's or tag's ref to the commit the Hub names before it transfers the file:
+        where the transfer then fails, the ref is put back, so that the commit of it already cached still serves
+        offline."""
         repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
         pinned = self.local_only or (revision is not None and COMMIT_SHA.match(revision) is not None)
         ref = None if pinned else repo / "refs" / (revision or "main")
@@ -253,10 +259,13 @@ class HubClient:
             hubguard.writes_inside(repo, source=self.src.raw, ref=ref)
         before = read_ref(ref)
         try:
-            path = Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
-                                                cache_dir=cache_dir, token=self.token,
-                                                local_files_only=self.local_only,
-                                                tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
+            with self._timed(filename):
+                path = Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
+                                                    cache_dir=cache_dir, token=self.token,
+                                                    local_files_only=self.local_only,
+                                                    tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
+            if not self.local_only and (not isinstance(cached, str) or Path(cached) != path):
+                hubguard.check_content(path, source=self.src.raw, filename=filename)
         except BaseException:
             if ref is not None:
                 _put_ref_back(ref, before, repo, filename)
@@ -265,6 +274,14 @@ class HubClient:
         if ref is not None and got is not None and read_ref(ref) != got:  # another's failure put it back meanwhile
             write_ref(ref, got, repo)
         return path
+
+    def _timed(self, filename: str) -> contextlib.AbstractContextManager[None]:
+        """Hold a download of ``filename`` to the deadline of this fetch, started by its first download."""
+        if self.local_only:
+            return contextlib.nullcontext()
+        hubguard.watch_clients()
+        self.clock = self.clock or hubdeadline.DownloadClock(self.src.raw)
+        return hubdeadline.timed(self.clock, filename)
 
     def _check_endpoint(self, filename: str, revision: str | None) -> None:
         """Refuse a download from an ``HF_ENDPOINT`` that is no http(s) address with a host (huggingface_hub's own

@@ -16,7 +16,9 @@ So before a download (the one place is [`diskcache.download_file`]):
    sha, checked as each answer arrives (an event hook on huggingface_hub's HTTP client), before huggingface_hub
    names or writes anything by it (a blob, a snapshot link, a ``.no_exist`` marker, ``refs/<revision>``);
 4. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder (of the commit asked
-   for, or named by the Hub just before) or resolves outside the cache: nothing is read from it.
+   for, or named by the Hub just before) or resolves outside the cache: nothing is read from it;
+5. `check_content` refuses a downloaded file whose blob is named by a sha256 (an LFS file's ETag, the Hub's
+   ``X-Linked-Etag``) that its bytes do not have, and removes it: huggingface_hub checks only the size.
 
 Each refusal is a [`HubAnswerError`] naming the header and its value, and for the operator the endpoint; a
 client is told the server's Hub answered wrongly, not where it is.
@@ -25,6 +27,7 @@ client is told the server's Hub answered wrongly, not where it is.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 import os
@@ -37,15 +40,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from vllm_lora_ext import hubdeadline
 from vllm_lora_ext.constants import MAX_CONFIG_BYTES
 from vllm_lora_ext.errors import AdapterFormatError, HubAnswerError
 
-__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_etag", "check_listing", "contained", "expecting",
-           "head", "hub_endpoint", "transfer_cap"]
+__all__ = ["COMMIT_SHA", "HubFacts", "capped", "check_commit", "check_content", "check_etag", "check_listing",
+           "contained", "expecting", "head", "hub_endpoint", "transfer_cap", "watch_clients"]
 
 logger = logging.getLogger(__name__)
 
 COMMIT_SHA = re.compile(r"[0-9a-f]{40}\Z")  # a commit (with .match): a pinned revision, a snapshot folder
+LFS_SHA256 = re.compile(r"[0-9a-f]{64}\Z")  # an LFS file's ETag: the sha256 of its bytes
 ETAG_BAD = re.compile(r"[/\\\x00]|^\.|\.\.")  # a separator, NUL, a leading dot or "..": not one plain file name
 
 
@@ -130,14 +135,23 @@ def transfer_cap(facts: HubFacts, limit: int | None, *, source: str, filename: s
     turned off, huggingface_hub downloads it over HTTP, counted). A config announced larger is refused undownloaded.
 
     Raises:
-        [`AdapterFormatError`]: a JSON file the Hub announces larger than ``MAX_CONFIG_BYTES``.
+        [`AdapterFormatError`]: a JSON file the Hub announces larger than ``MAX_CONFIG_BYTES``, or a file larger than
+            huggingface_hub downloads over HTTP (its ``ValueError`` otherwise).
     """
+    from huggingface_hub import constants
+
     most = MAX_CONFIG_BYTES if filename.endswith(".json") else None
     if most is not None and facts.size is not None and facts.size > most:
         raise AdapterFormatError(f"{filename!r} of {source!r} is {facts.size} bytes on the Hub, larger than a config "
                                  f"may be ({most} bytes); nothing was downloaded. Use a config of at most 1 MiB.")
     if facts.xet and _xet_transfers():
         return None
+    http_most = getattr(constants, "MAX_HTTP_DOWNLOAD_SIZE", None)
+    if http_most is not None and facts.size is not None and facts.size > http_most:
+        raise AdapterFormatError(f"{filename!r} of {source!r} is {facts.size} bytes on the Hub, more than "
+                                 f"huggingface_hub downloads over plain HTTP ({http_most} bytes); nothing was "
+                                 f"downloaded. For a file in Xet storage, install hf_xet and leave HF_HUB_DISABLE_XET "
+                                 f"unset.")
     cap = facts.size if facts.size is not None else limit if limit is not None else _free_room(disk)
     return cap if most is None else most if cap is None else min(cap, most)
 
@@ -230,6 +244,31 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
                          value=path[:200], public_message=public)
 
 
+def check_content(path: str | os.PathLike[str], *, source: str, filename: str) -> None:
+    """Refuse the downloaded file ``path`` (a snapshot's link to its blob) if its blob is named by a sha256, as an LFS
+    file's is (by its ETag), and its bytes have another: remove the link and the blob, so that the cache serves
+    no wrong bytes, and raise [`HubAnswerError`] naming the file, the source and both digests. A blob named
+    otherwise (a git file's ETag is its git hash) or a copy instead of a link is not checked."""
+    if not os.path.islink(path):
+        return
+    blob = os.path.join(os.path.dirname(path), os.readlink(path))  # (one link: a shared Xet blob is named otherwise)
+    etag = os.path.basename(blob)
+    if not LFS_SHA256.match(etag):
+        return
+    with open(path, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
+    if got == etag:
+        return
+    for place in (path, blob):
+        with contextlib.suppress(OSError):
+            os.unlink(place)
+    said = (f"sent bytes of {filename!r} for {source!r} whose sha256 is {got}, not the {etag} its ETag names; the file "
+            f"was removed from the cache and nothing was read from it.")
+    raise HubAnswerError(f"The Hub at {hub_endpoint()!r} {said} Retry; if it recurs, point HF_ENDPOINT at a Hub or "
+                         f"mirror that serves the files huggingface.co does.", source=source, header="ETag", value=etag,
+                         public_message=f"The Hub {said} Retry; if it recurs, tell the server's operator.")
+
+
 def writes_inside(repo: Path, *, source: str, ref: Path | None = None) -> None:
     """Refuse a download into ``repo`` (the repo's cache folder) where huggingface_hub would write through a link out
     of the cache that holds it: the repo's folder, its ``blobs``, ``refs``, ``.no_exist`` or ``snapshots`` (or
@@ -273,7 +312,7 @@ def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str
     commit other than a sha or than ``commit`` (``pinned``: the caller's, which no retry changes), or, on its
     metadata request, another ETag, size or storage than ``facts`` (see the module's step 3). Needs
     huggingface_hub's httpx client (1.0 and later); with an older one only steps 1, 2 and 4 hold."""
-    _watch_clients()
+    watch_clients()
     token = _EXPECTED.set((source, filename, facts, commit, pinned))
     try:
         yield
@@ -281,10 +320,10 @@ def expecting(facts: HubFacts, commit: str | None, *, source: str, filename: str
         _EXPECTED.reset(token)
 
 
-def _watch_clients() -> None:
-    """Put `_check_answer` on huggingface_hub's shared client and on every client its factory makes from now on:
-    it makes a new one after a connection error in a retried request, after a fork, or after
-    ``set_client_factory`` (whose factory is wrapped at the next `expecting`)."""
+def watch_clients() -> None:
+    """Put `_check_answer` (and with it `hubdeadline.on_answer`) on huggingface_hub's shared client and on every
+    client its factory makes from now on: it makes a new one after a connection error in a retried request, after a
+    fork, or after ``set_client_factory`` (whose factory is wrapped at the next `expecting`)."""
     from huggingface_hub import get_session
 
     try:
@@ -368,7 +407,8 @@ def _followed(response: Any) -> bool:
 
 
 def _check_answer(response: Any) -> None:
-    """The event hook of `expecting`: runs on each answer before huggingface_hub reads it."""
+    """The event hook of `expecting` and `hubdeadline.timed`: runs on each answer before huggingface_hub reads it."""
+    hubdeadline.on_answer(response)
     expected = _EXPECTED.get()
     if expected is None:
         return

@@ -1,0 +1,123 @@
+"""The time one adapter fetch may spend downloading from the Hub: a deadline that grows with the bytes received.
+
+huggingface_hub's timeouts (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``) bound each read, not a transfer:
+a Hub or mirror (``HF_ENDPOINT``) that sends a byte every few seconds, or that stalls past a read's timeout and
+answers each resume with the same 10 MiB again (huggingface_hub resumes for ever while 10 MiB come each time),
+would keep the fetch, and the request and worker waiting on it, busy for ever. Within [`timed`] (one adapter
+fetch: its weights, then its config), the fetch must have received, ``t`` seconds after its first download began,
+at least ``(t - VLLM_LORA_EXT_DOWNLOAD_GRACE_S) * VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes (defaults 60 s and 1 MiB/s;
+a rate of 0 turns the deadline off). So a file of ``n`` bytes has ``grace + n / rate`` seconds in all, and a
+Hub that trickles is given up at about ``grace``. A byte counts once: received again (a resume answered from the
+start, or from an offset past the bytes got) it is no progress.
+
+It is checked on each answer huggingface_hub's HTTP client receives within the block (hubguard's event hook) and
+on each chunk of its body as it arrives, so a fetch overruns its deadline by at most one read's timeout. Not
+checked: an answer whose headers themselves trickle in (bounded by the HTTP parser's 100 KiB header limit, read
+by read), and a file in Xet storage, which hf_xet transfers outside the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_lora_ext._util import fmt_bytes
+from vllm_lora_ext.constants import ENV_DOWNLOAD_GRACE, ENV_DOWNLOAD_MIN_RATE, download_grace_seconds, download_min_rate
+from vllm_lora_ext.errors import HubTooSlowError
+
+__all__ = ["DownloadClock", "on_answer", "timed"]
+
+
+@dataclass
+class DownloadClock:
+    """One adapter fetch's deadline: started at its first download, shared by its files (see the module)."""
+
+    source: str
+    rate: float = field(default_factory=download_min_rate)
+    grace: float = field(default_factory=download_grace_seconds)
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0  # the bytes of the fetch's earlier files
+    reached: int = 0  # how far into the file being downloaded now its bytes have arrived
+    filename: str = ""  # that file (for the message)
+
+    @property
+    def received(self) -> int:
+        return self.done + self.reached
+
+    def check(self, offset: int = 0) -> None:
+        """Note that the file's bytes have arrived up to ``offset``, then raise [`HubTooSlowError`] if the fetch is
+        past its deadline."""
+        self.reached = max(self.reached, offset)
+        spent = time.monotonic() - self.started
+        if self.rate <= 0 or spent <= self.grace + self.received / self.rate:
+            return
+        from huggingface_hub import constants
+
+        got = f"{fmt_bytes(self.received)} ({self.received} bytes)"
+        said = (f"Downloading {self.filename!r} of {self.source!r} was stopped after {spent:.0f} s, "
+                f"having received {got} in all: slower than the {fmt_bytes(self.rate)}/s after "
+                f"{self.grace:g} s that a fetch must average; its partial file is not kept.")
+        raise HubTooSlowError(
+            f"{said} The Hub at {str(constants.ENDPOINT)!r} (HF_ENDPOINT) sends too slowly. Retry, point HF_ENDPOINT "
+            f"at a faster Hub or mirror, or lower {ENV_DOWNLOAD_MIN_RATE} (0: no deadline) or raise "
+            f"{ENV_DOWNLOAD_GRACE}.",
+            source=self.source, received=self.received, seconds=spent,
+            public_message=f"{said} The server's Hub sends too slowly; retry later, or tell the server's operator.")
+
+
+_CLOCK: ContextVar[DownloadClock | None] = ContextVar("vllm_lora_ext_download_clock", default=None)
+
+
+@contextlib.contextmanager
+def timed(clock: DownloadClock, filename: str) -> Iterator[None]:
+    """Within the block, hold huggingface_hub's answers in this thread (or task) to ``clock``, downloading
+    ``filename``; the caller must have put `on_answer` on huggingface_hub's client (`hubguard.watch_clients`)."""
+    clock.done, clock.reached, clock.filename = clock.received, 0, filename
+    token = _CLOCK.set(clock)
+    try:
+        clock.check()
+        yield
+    finally:
+        _CLOCK.reset(token)
+
+
+def on_answer(response: Any) -> None:
+    """The event hook: check the deadline as an answer arrives, and on each chunk of its body as it is read."""
+    clock = _CLOCK.get()
+    if clock is None:
+        return
+    clock.check()
+    library = sys.modules.get(type(response).__module__.split(".")[0])
+    base = getattr(library, "SyncByteStream", None)
+    if base is not None and isinstance(response.stream, base):  # (an async client's answer is left alone)
+        start = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", "")) if response.status_code == 206 \
+            else None  # a resume, from no further than the bytes got (a Content-Range further on is no progress)
+        response.stream = _timed_stream(base, response.stream, clock, min(int(start.group(1)), clock.reached)
+                                        if start else 0)
+
+
+def _timed_stream(base: type, stream: Any, clock: DownloadClock, offset: int) -> Any:
+    """``stream`` (the body from ``offset`` on), whose chunks are counted against ``clock`` as they arrive (before
+    any buffering)."""
+
+    class _Timed(base):  # type: ignore[misc,valid-type]
+        def __iter__(self) -> Iterator[bytes]:
+            at = offset
+            for chunk in stream:
+                at += len(chunk)
+                clock.check(at)
+                yield chunk
+
+        def close(self) -> None:
+            stream.close()
+
+        def __getattr__(self, name: str) -> Any:  # e.g. the ``elapsed`` httpx reads after the body
+            return getattr(stream, name)
+
+    return _Timed()
