@@ -50,7 +50,8 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> str:
     `confining_roots`), a bare ``org/repo`` that is no local folder as ``hf:org/repo`` (a folder made there later
     is never read in its place), any other source as given.
 
-    Hub sources pass (they are read from the Hub cache). Checked before any file is opened.
+    Hub sources pass (they are read from the Hub cache). Checked before any file is opened, and before a ``~`` is
+    looked up: a path starting with one is refused whoever it names.
 
     Raises:
         [`AdapterAccessError`]: the path is outside ``roots``.
@@ -63,6 +64,12 @@ def check_allowed_root(path: str, roots: Sequence[str]) -> str:
         ...
         vllm_lora_ext.errors.AdapterAccessError: Adapter path '/etc/passwd' is outside the folders this server may read (VLLM_LORA_EXT_ALLOWED_ROOTS=/srv/loras). Put the adapter under one of them, or load it from the Hub (hf:org/repo).
     """
+    if path.startswith("~"):  # before any lookup: whether '~name' expands would tell a client which users exist
+        raise AdapterAccessError(
+            f"Adapter path {short_repr(path)} starts with '~': a client's path is not expanded to a home folder. "
+            f"Give the whole path inside one of the folders this server may read "
+            f"(VLLM_LORA_EXT_ALLOWED_ROOTS={os.pathsep.join(roots)}), or load it from the Hub (hf:org/repo).",
+            source=path, part="path")
     src = parse_source(path)
     if src.kind != "local" or src.local_path is None:
         return path

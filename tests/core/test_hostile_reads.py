@@ -487,3 +487,18 @@ def test_a_folder_without_an_adapter_names_its_lora_files_and_reads_nothing_outs
     with pytest.raises(AdapterNotFoundError) as err:
         resolve_source(str(multi))
     assert "It holds ['chat.safetensors', 'linked.safetensors']" in str(err.value)
+
+
+@pytest.mark.parametrize("path", ["~root/x", "~no-such-user-r43/x", "~/x", "~"])
+def test_with_allowed_roots_a_tilde_path_gets_one_answer_whoever_it_names(
+        roots: tuple[Path, Path], path: str) -> None:
+    """`~name/x` was expanded before the roots were checked: a user that exists gave "outside the folders this server
+    may read" (403) and one that does not gave "no home folder" (400), so a client could list the server's users."""
+    from vllm_lora_ext.errors import AdapterAccessError
+    from vllm_lora_ext.resolve import check_allowed_root
+
+    inside, _ = roots
+    with pytest.raises(AdapterAccessError) as e:
+        check_allowed_root(path, [str(inside), str(Path.home())])
+    assert str(e.value).startswith(f"Adapter path {path!r} starts with '~': a client's path is not expanded")
+    assert "Give the whole path inside one of" in str(e.value) and str(Path.home()) in str(e.value)
