@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_lora_ext._util import short_repr
 from vllm_lora_ext.constants import MAX_ABS_MIX_WEIGHT, MAX_MIX_COMPONENTS, MIX_NAME_PREFIX, MIX_PREFIX
 from vllm_lora_ext.errors import MixError
-from vllm_lora_ext.validation import check_rank_budget, largest_magnitude
+from vllm_lora_ext.validation import check_module_ranks, largest_magnitude
 
 if TYPE_CHECKING:  # torch is imported where a mix is built: a command line checks weights and names without it
     import torch
@@ -460,21 +460,17 @@ class MixPlan:
                    for parts, dim, _ in (self.jobs[key] for key in self.modules[module]))
 
     def check_rank_budget(self, max_rank: int) -> None:
-        """Refuse the mix if a module's summed rank exceeds ``max_rank`` ([`check_rank_budget`]).
+        """Refuse the mix if a module's summed rank exceeds ``max_rank`` ([`check_module_ranks`]).
 
         Raises:
             [`AdapterCompatibilityError`]: names the first such module and its components' ranks, with
                 ``rank`` (the largest summed rank) and ``max_rank``.
         """
-        over = [(m, r) for m in self.modules if (r := self.rank(m)) > max_rank]
-        if not over:
-            return
-        need = max(r for _, r in over)
-        module, rank = over[0]
-        parts = ", ".join(f"{n} r={r}" for n, r in self.ranks[module])
-        check_rank_budget(need, max_rank, adapter=self.name, mix=True,
-                          what=f"Mix {self.name!r} needs rank {need} (the sum of its adapters' ranks)",
-                          detail=f": {module} needs {rank} ({parts})")
+        parts: dict[str, dict[Any, list[int]]] = {}
+        for module, keys in self.modules.items():
+            for i, (n, _) in enumerate(self.ranks[module]):
+                parts.setdefault(n, {})[module] = [int(self.jobs[k][0][i][0].shape[self.jobs[k][1]]) for k in keys]
+        check_module_ranks(self.name, list(parts.items()), max_rank)
 
     def stays_finite(self, dtype: torch.dtype | None) -> bool:
         """Whether no ``w_i·s_i·A_i`` can round to infinity in the result dtype (``None``: each job's [`widest_dtype`]).

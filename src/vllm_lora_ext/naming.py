@@ -65,7 +65,8 @@ def server_only_prefix(path: object) -> str | None:
 
 
 def check_adapter_name(name: object) -> None:
-    """Refuse an adapter name that the mix grammar reserves: one holding ``+`` or ``=``, or starting with ``mix-``.
+    """Refuse an adapter name that the mix grammar reserves: one holding ``+`` or ``=``, starting with ``mix-``, or
+    starting or ending with whitespace (Unicode spaces included: the grammar trims them).
 
     The one name rule of every route that registers an adapter. A non-string passes (the route's own
     type checks answer it).
@@ -81,6 +82,12 @@ def check_adapter_name(name: object) -> None:
         ...
         vllm_lora_ext.errors.AdapterSourceError: Adapter name 'style=0.7+domain=0.3' contains '+' and '=', which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name without '+' or '=' or the prefix 'mix-', e.g. 'style-0.7_domain-0.3'.
     """
+    if isinstance(name, str) and name != name.strip():  # the mix syntax in 'model' trims each name (spaces around
+        # '=' and '+' are allowed): ' style' there would name 'style', another adapter, so it may not be registered
+        raise AdapterSourceError(
+            f"Adapter name {short_repr(name)} starts or ends with whitespace, which a mix written in 'model' trims "
+            f"('{name.strip()}=0.5+...' would name another adapter). Choose a name without it, e.g. "
+            f"{short_repr(name.strip() or 'adapter')}.", source=clip(name), part="name")
     part = reserved_part(name) if isinstance(name, str) else None
     if part is None:
         return

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_lora_ext.constants import VLLM_MAX_LORA_RANK_CHOICES, max_lora_rank_for
 from vllm_lora_ext.errors import AdapterCompatibilityError, AdapterFormatError
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_rank_budget", "check_finite", "check_fits_dtype", "first_nonfinite", "largest_magnitude",
+           "check_rank_budget", "check_module_ranks", "check_finite", "check_fits_dtype", "first_nonfinite", "largest_magnitude",
            "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
@@ -235,6 +235,35 @@ def check_rank_budget(rank: int, max_rank: int, *, adapter: str, what: str, deta
         fix = "Mix fewer adapters" if mix else f"Use an adapter of rank <= {VLLM_MAX_LORA_RANK_CHOICES[-1]}"
     raise AdapterCompatibilityError(f"{what} but max_lora_rank is {max_rank}{detail}. {fix}.", adapter=adapter,
                                     rank=rank, max_rank=max_rank)
+
+
+def check_module_ranks(name: str, parts: Sequence[tuple[str, Mapping[Any, Sequence[int]]]], max_rank: int) -> None:
+    """Refuse the mix ``name`` if, in some module, its components' ranks (slice by slice) sum past ``max_rank``
+    ([`check_rank_budget`]). ``parts``: each component's name and its ranks, ``{module: (rank of each slice)}`` (one
+    slice for a dense module). The message names the first such module and each component's rank there.
+
+    Example:
+        >>> check_module_ranks("m", [("a", {"q": (8,)}), ("b", {"q": (8,), "v": (8,)}), ("c", {"v": (4,)})], 16)
+        >>> check_module_ranks("m", [("a", {"q": (8,)}), ("b", {"q": (16,)})], 16)
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterCompatibilityError: Mix 'm' needs rank 24 (the sum of its adapters' ranks) but max_lora_rank is 16: q needs 24 (a r=8, b r=16). Start vLLM with --max-lora-rank 32 or mix fewer adapters.
+    """
+    sums: dict[Any, list[int]] = {}
+    for _, ranks in parts:
+        for module, slices in ranks.items():
+            acc = sums.setdefault(module, [0] * len(slices))
+            for j, r in enumerate(slices[:len(acc)]):
+                acc[j] += int(r)
+    over = [(m, max(s)) for m, s in sums.items() if s and max(s) > max_rank]
+    if not over:
+        return
+    need = max(r for _, r in over)
+    module, rank = over[0]
+    each = ", ".join(f"{n} r={max(ranks[module])}" for n, ranks in parts if ranks.get(module))
+    check_rank_budget(need, max_rank, adapter=name, mix=True,
+                      what=f"Mix {name!r} needs rank {need} (the sum of its adapters' ranks)",
+                      detail=f": {module} needs {rank} ({each})")
 
 
 def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:

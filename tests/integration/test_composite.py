@@ -142,6 +142,31 @@ def test_mix_over_max_lora_rank_names_the_ranks_and_the_setting(worker_manager: 
         _load(worker_manager, spec)
 
 
+def test_a_mix_over_the_rank_budget_is_refused_reading_nothing_once_its_adapters_were_built(
+        worker_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 registered rank-4 adapters in one mix at max_lora_rank 16: each request (new weights: a new mix, whose
+    refusal is not shared) read all 16 whole adapters again before the budget refused it (r43 attacker). The
+    first request still reads them; later ones are refused from the ranks known, reading none."""
+    from vllm_lora_ext.integration import composite
+
+    paths = [make_peft_adapter(tiny_llama(), tmp_path / f"a{i}", targets=["q_proj"], rank=4, alpha=8, seed=i)
+             for i in range(16)]
+    read: list[str] = []
+    real = composite._component
+    monkeypatch.setattr(composite, "_component", lambda m, c, load: read.append(c.name) or real(m, c, load))
+    composite.clear_component_cache()
+    for weight in (0.5, 0.25, 0.125):
+        spec = MixSpec(tuple(MixComponent(f"a{i}", str(p), weight) for i, p in enumerate(paths)))
+        with pytest.raises(AdapterCompatibilityError, match=r"needs rank 64 .* max_lora_rank is 16: model.layers.0.self_attn.q_proj needs 64 \(a0 r=4"):
+            _load(worker_manager, spec)
+    assert sorted(read) == sorted(f"a{i}" for i in range(16))  # the first request only
+    read.clear()
+    (paths[0] / "adapter_model.safetensors").write_bytes((paths[1] / "adapter_model.safetensors").read_bytes())
+    spec = MixSpec((MixComponent("a0", str(paths[0]), 1.0), MixComponent("a2", str(paths[2]), 1.0)))
+    _load(worker_manager, spec)  # rank 8 fits: a file changed since is read again, the other is cached
+    composite.clear_component_cache()
+
+
 @pytest.mark.usefixtures("build_dir")
 def test_a_mix_whose_components_build_side_by_side_in_the_build_process_equals_one_built_in_the_worker(
         worker_manager: Any, adapters: dict[str, Path], tmp_path: Path, jobs_sent: list[str]) -> None:

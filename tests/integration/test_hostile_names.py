@@ -129,6 +129,11 @@ SQUATS: list[tuple[str, list[str]]] = [
     ("mix-style", ["starts with 'mix-'", "e.g. 'style'"]),
     ("mix-", ["starts with 'mix-'"]),
     ("mix-mix-x", ["starts with 'mix-'", "e.g. 'x'"]),
+    # the mix syntax in 'model' trims each name: "style\u00a0=0.5+domain=0.5" was served the operator's 'style' (r43)
+    (" style", ["starts or ends with whitespace", "e.g. 'style'"]),
+    ("style\u00a0", ["starts or ends with whitespace", "e.g. 'style'"]),
+    ("style\u3000", ["starts or ends with whitespace"]),
+    ("\u2003style", ["starts or ends with whitespace"]),
 ]
 
 

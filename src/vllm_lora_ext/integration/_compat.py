@@ -39,6 +39,7 @@ LLM_ENGINE_MODULE = "vllm.v1.engine.llm_engine"
 SERVING_MODELS_MODULE = "vllm.entrypoints.openai.models.serving"
 BASE_SERVING_MODULE = "vllm.entrypoints.serve.engine.serving"
 ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"  # RequestOutputCollector (0.26-0.33)
 # The bf16 multi-LoRA kernels' launchers; each imports utils.get_lora_op_configs into its own namespace.
 LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
 LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"

@@ -34,7 +34,7 @@ from vllm_lora_ext.mixing import (MixComponent, MixFactor, MixPlan, MixSpec, com
 from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import prepare_spare
 from vllm_lora_ext.transport.cuda import cuda_context, kept_host_arena, register_in_place
-from vllm_lora_ext.validation import check_finite
+from vllm_lora_ext.validation import check_finite, check_module_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,42 @@ def _component(manager: Any, c: MixComponent, load: LoadComponent) -> MappedAdap
     return model
 
 
+# Each built component's ranks, {module: (rank of each slice)}, by (manager, source), with the files' stamps they
+# were read from: after one build of an adapter, a mix whose known components alone pass the rank budget is refused
+# before any component is read again (a client's new weights are a new mix, so its refusal is not shared).
+_RANKS: OrderedDict[tuple[int, str], tuple[Any, dict[str, tuple[int, ...]]]] = OrderedDict()
+_RANKS_KEPT = 4096
+
+
+def _ranks_of(component: MappedAdapter) -> dict[str, tuple[int, ...]]:
+    """A component's rank in each module, slice by slice (``A`` is ``(r, in)``, or ``(E, r, in)`` per MoE slice)."""
+    dense = component.built.dense
+    ranks = {name: (int(dense[keys.key_a].shape[0]),) for name, keys in component.modules.items()}
+    ranks.update({prefix: tuple(int(a.shape[1]) for a in lora_a)
+                  for prefix, (lora_a, _, _) in component.built.moe.items()})
+    return ranks
+
+
+def _remember_ranks(manager: Any, source: str, component: MappedAdapter) -> None:
+    with _LOCK:
+        _RANKS[(id(manager), source)] = (component.built.files, _ranks_of(component))
+        _RANKS.move_to_end((id(manager), source))
+        while len(_RANKS) > _RANKS_KEPT:
+            _RANKS.popitem(last=False)
+
+
+def _refuse_known_over_budget(manager: Any, spec: MixSpec) -> None:
+    """Refuse the mix if the components whose ranks are known (files unchanged) already pass ``max_lora_rank``."""
+    with _LOCK:
+        known = [(c.name, _RANKS.get((id(manager), c.source))) for c in spec.components]
+    parts = [(name, got[1]) for name, got in known if got is not None and files_unchanged(got[0])]
+    if parts:
+        check_module_ranks(spec.lora_name, parts, int(manager.lora_config.max_lora_rank))
+
+
 def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedAdapter]:
-    """Each component, in the mix's order; those not cached are built at the same time.
+    """Each component, in the mix's order; those not cached are built at the same time, unless the ranks of the
+    components built before already pass the rank budget (refused then, reading nothing).
 
     A component load is mostly reading and copying (which release the GIL) or waiting for the build process,
     which runs them side by side.
@@ -97,10 +131,15 @@ def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedA
             built[c.source] = hit
         else:
             missing[c.source] = c
+    if missing:
+        _refuse_known_over_budget(manager, spec)
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing), thread_name_prefix="vllm-lora-ext-component") as pool:
             built.update(zip(missing, pool.map(lambda c: _component(manager, c, load), missing.values())))
-    return [built[c.source] if c.source in built else _component(manager, c, load) for c in spec.components]
+    models = [built[c.source] if c.source in built else _component(manager, c, load) for c in spec.components]
+    for c, model in zip(spec.components, models):
+        _remember_ranks(manager, c.source, model)
+    return models
 
 
 def mix_factors(component: MappedAdapter) -> dict[str, MixFactor | list[MixFactor]]:
@@ -278,6 +317,7 @@ def _rank(w: Any) -> int:
 
 
 def clear_component_cache() -> None:
-    """Forget every cached component (tests; memory pressure)."""
+    """Forget every cached component (tests; memory pressure). The known ranks stay: a few integers each, checked
+    against their files' stamps before use."""
     with _LOCK:
         _CACHE.clear()

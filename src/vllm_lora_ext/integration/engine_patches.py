@@ -109,3 +109,17 @@ def add_lora_typed(engine: Any, lora_request: Any) -> Any:
         if crossed is None:
             raise
         raise crossed from err
+
+
+def make_collector_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``RequestOutputCollector.__init__`` (`leases.make_collector_init`; made when vLLM imports it)."""
+    from vllm_lora_ext.integration.leases import make_collector_init as make
+
+    return make(original)
+
+
+def make_collector_put(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``RequestOutputCollector.put`` (`leases.make_collector_put`): the finished output releases the lease."""
+    from vllm_lora_ext.integration.leases import make_collector_put as make
+
+    return make(original)

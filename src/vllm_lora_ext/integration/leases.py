@@ -5,8 +5,9 @@ handlers in ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``) is hand
 `request_scope`. The hold its routing takes on its mix (`keep_for_request`) ends when its handler
 returns, whatever the outcome: an answer, a too-long prompt, a render error, a disconnect. Each
 generation takes its own lease when vLLM asks the engine to generate (`AsyncLLM.generate`, and once
-for a whole online beam search, whose steps each generate) and releases it when its output ends
-(`leased`); a stream that is dropped before it starts releases it when it is collected.
+for a whole online beam search, whose steps each generate) and releases it when the engine puts its finished output
+(`make_collector_put`: a client that stops reading a stream holds no slot once the engine is done) or its output
+ends (`leased`); a stream that is dropped before it starts releases it when it is collected.
 
 Routes that never generate (tokenize, detokenize, render) check a mix but never build or hold one;
 pooling routes (embeddings, score, classify, ...) refuse mixes with a 400 (`refuse_mix`). Routing
@@ -89,12 +90,54 @@ def leased(outputs: AsyncIterator[Any], lease: MixLease | None) -> AsyncIterator
     return stream
 
 
+# The lease of the generation whose first step is running in this context: vLLM's RequestOutputCollector, which
+# AsyncLLM.generate makes in that step, takes it (`make_collector_init`) and releases it when the engine puts the
+# request's finished output (`make_collector_put`), whether or not the client has read it yet.
+_STEP_LEASE: contextvars.ContextVar[MixLease | None] = contextvars.ContextVar("vllm_lora_ext_step_lease",
+                                                                             default=None)
+COLLECTOR_LEASE_ATTR = "_vllm_lora_ext_lease"
+
+
 async def _leased(outputs: AsyncIterator[Any], lease: MixLease) -> AsyncGenerator[Any, None]:
     try:
-        async for out in outputs:
+        it = outputs.__aiter__()
+        token = _STEP_LEASE.set(lease)
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        finally:
+            with contextlib.suppress(ValueError):  # (a generator closed from another context)
+                _STEP_LEASE.reset(token)
+        yield first
+        async for out in it:
             yield out
     finally:
         release(lease)
+
+
+def make_collector_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``RequestOutputCollector.__init__``: vLLM's, then it takes the lease of the generation being started
+    in this context (`_leased`), if any."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        setattr(self, COLLECTOR_LEASE_ATTR, _STEP_LEASE.get())
+
+    return __init__
+
+
+def make_collector_put(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``RequestOutputCollector.put``: vLLM's, then, for the request's finished output (or its error), the
+    release of its lease: the engine is done with the mix even if the client has not read the output yet."""
+
+    def put(self: Any, output: Any) -> None:
+        original(self, output)
+        lease = getattr(self, COLLECTOR_LEASE_ATTR, None)
+        if lease is not None and (isinstance(output, Exception) or getattr(output, "finished", False) is True):
+            release(lease)
+
+    return put
 
 
 async def register_when_free(reg: MixRegistry, spec: MixSpec, *, taken: Callable[[int], bool]

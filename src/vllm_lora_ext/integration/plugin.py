@@ -39,6 +39,7 @@ from vllm_lora_ext.integration._compat import (
     LORA_OP_UTILS_MODULE,
     LORA_SHRINK_OP_MODULE,
     MODEL_MANAGER_MODULE,
+    OUTPUT_PROCESSOR_MODULE,
     POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
     TRITON_MOE_MODULE,
@@ -206,6 +207,17 @@ PATCHES: tuple[Patch, ...] = (
               "returns, so a request that fails before generating (a too-long prompt, a render error) frees its "
               "slot at once",
           delete_when="as BaseServing._check_model"),
+    Patch(OUTPUT_PROCESSOR_MODULE, "RequestOutputCollector.__init__", ("output_kind", "request_id"),
+          engine_patches.make_collector_init, process="engine",
+          why="the collector AsyncLLM.generate makes for a request takes that generation's mix lease, so that the "
+              "engine's finished output can release it (below)",
+          delete_when="as AsyncLLM.generate"),
+    Patch(OUTPUT_PROCESSOR_MODULE, "RequestOutputCollector.put", ("output",), engine_patches.make_collector_put,
+          process="engine",
+          why="a lease released only when the client drained its stream let a client that stops reading (a full "
+              "TCP window) hold every mix slot after the engine had finished, at no engine cost, and every other "
+              "client's new mix waited and got a 503; the finished output (or error) releases it",
+          delete_when="as AsyncLLM.generate"),
     Patch(BATCH_CHAT_MODULE, "OpenAIServingChatBatch.create_batch_chat_completion", ("request", "raw_request"),
           server_patches.make_batch_request_scope, process="server",
           why="/v1/chat/completions/batch is not run inside the wrapper above: without a lease scope the mix its "
