@@ -72,7 +72,8 @@ class DeploymentConfig:
 def _check_name(name: str, *, where: str) -> None:
     """Raise unless ``name`` is a valid adapter name: the mix grammar's rule first, then the config's stricter form."""
     try:
-        check_adapter_name(name)
+        if not isinstance(name, str) or name == name.strip():  # (spaces: the config's own rule below says more)
+            check_adapter_name(name)
     except AdapterSourceError as err:
         raise DeploymentConfigError(f"{where}: {err}") from None
     if not isinstance(name, str) or not _NAME.fullmatch(name):

@@ -466,6 +466,8 @@ class MixPlan:
             [`AdapterCompatibilityError`]: names the first such module and its components' ranks, with
                 ``rank`` (the largest summed rank) and ``max_rank``.
         """
+        if all(self.rank(m) <= max_rank for m in self.modules):
+            return
         parts: dict[str, dict[Any, list[int]]] = {}
         for module, keys in self.modules.items():
             for i, (n, _) in enumerate(self.ranks[module]):
