@@ -290,7 +290,7 @@ class _Use:
         self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
         self.commit: str | None = None
         self.hold: DiskHold | None = None
-        self.listed: list[str] = []
+        self.listed: dict[str, float] = {}  # the revisions its downloads listed first, and when
         pinned = revision is not None and hubguard.COMMIT_SHA.match(revision)
         self.ref = None if pinned else repo_folder(cache_path(cache_dir), repo_id) / "refs" / (revision or "main")
         self.ref_before = read_ref(self.ref)
@@ -300,14 +300,14 @@ class _Use:
         self.commit = getattr(resolved, "commit", None)
         return resolved
 
-    def put_ref_back(self, repo: Path) -> None:
-        """Point the branch's ref, if it now names a revision this failed resolve listed first (or no cached commit),
-        back at the cached commit it named before (or remove it)."""
+    def put_ref_back(self, repo: Path, untouched: set[str]) -> None:
+        """Point the branch's ref, if it now names a revision this failed resolve listed first that no one has used
+        since (``untouched``), or no cached commit, back at the cached commit it named before (or remove it)."""
         def cached(commit: str | None) -> bool:
             return commit is not None and (repo / "snapshots" / commit).is_dir()
 
         now = read_ref(self.ref)
-        half = now is not None and f"{self.repo_id}@{now}" in self.listed
+        half = now is not None and f"{self.repo_id}@{now}" in untouched
         if self.ref is not None and now != self.ref_before and (half or not cached(now)):
             write_ref(self.ref, self.ref_before if cached(self.ref_before) else None, repo)
 
@@ -349,25 +349,30 @@ def _listed_first(key: str) -> None:
     """Note that a download of the resolve running in this context listed revision ``key`` first."""
     use = _RESOLVING.get()
     if use is not None:
-        use.listed.append(key)
+        use.listed.setdefault(key, time.time())
 
 
 def _undo(use: _Use, *, evict: bool) -> None:
     """After a failed resolve, point the ref its downloads moved back at the commit it named before, so the revision
     cached before still serves offline; where ``evict`` (the bound refused it: a retry cannot succeed as it is), also
-    evict the revisions its downloads listed first (weights without their config), unless they are shared or another
-    hold keeps them. Other failures keep the files already downloaded, whole and checked, for a retry to reuse. Best
-    effort: the resolve's own error is what its caller sees."""
+    evict the revisions its downloads listed first (weights without their config). Only revisions no one has used
+    since they were listed (their ledger ``last_use`` unchanged: another resolve that reused them, or completed
+    them, marked them) and that no other hold keeps; a build's own hold on the repo keeps them too, so a refusal
+    inside a worker build leaves them listed, for the bound's LRU. Other failures keep the files already
+    downloaded, whole and checked, for a retry to reuse. Best effort: the resolve's own error is what its caller
+    sees."""
     cache, root = cache_path(use.cache_dir), state_root(use.cache_dir)
     try:
         with locked(root):
             state = scan_state(cache, root)
+            untouched = {k for k, at in use.listed.items() if k in state.revisions
+                         and state.revisions[k].last_use <= at}
             mine = 0 if use.hold is None else 1  # (this resolve's hold covers them; any other keeps them)
-            keys = [k for k in dict.fromkeys(use.listed) if evict and k in state.revisions
-                    and state.revisions[k].evictable and len(state.held(state.revisions[k])) <= mine]
+            keys = [k for k in untouched if evict and state.revisions[k].evictable
+                    and len(state.held(state.revisions[k])) <= mine]
             evict_revisions(cache, root, state, keys)
             metrics.DISK_CACHE_BYTES.set(state.total())
-            use.put_ref_back(repo_folder(cache, use.repo_id))
+            use.put_ref_back(repo_folder(cache, use.repo_id), untouched)
     except Exception as err:
         logger.warning("could not undo what a failed resolve of hf:%s left half downloaded (%s): %s", use.repo_id,
                        ", ".join(use.listed), err)

@@ -154,7 +154,7 @@ def stale_partial_bytes(cache: Path) -> int:
                 probe = FileLock(str(lock), thread_local=False)
                 probe.acquire(timeout=0)
                 probe.release()
-        except (Timeout, OSError):  # being written now, or gone meanwhile
+        except (Timeout, OSError, NotImplementedError):  # being written now, or gone meanwhile, or no flock here
             continue
         total += size
     return total

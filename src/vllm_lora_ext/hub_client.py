@@ -151,7 +151,7 @@ class HubClient:
         self.label = label  # what the source is, in messages: "adapter source" or "base model"
         self.fetching = fetching  # the caller is 'vllm-lora fetch' (its advice is not to run it)
         self.downloaded = False  # whether any fetch had to download (a cache miss)
-        self.clock: hubdeadline.DownloadClock | None = None  # the fetch's deadline, from its first download on
+        self.clock: hubdeadline.DownloadClock | None = None  # each downloaded file's deadline (hubdeadline)
 
     def _no_hub(self, filename: str, revision: str | None, reason: str | None) -> AdapterNotFoundError:
         """The error for a file that is not cached while the Hub may not be asked (``reason=None``) or does not answer."""
@@ -276,7 +276,7 @@ class HubClient:
         return path
 
     def _timed(self, filename: str) -> contextlib.AbstractContextManager[None]:
-        """Hold a download of ``filename`` to the deadline of this fetch, started by its first download."""
+        """Hold a download of ``filename`` to its deadline, whose window opens at the Hub's first answer for it."""
         if self.local_only:
             return contextlib.nullcontext()
         hubguard.watch_clients()

@@ -3,12 +3,14 @@
 huggingface_hub's timeouts (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``) bound each read, not a transfer:
 a Hub or mirror (``HF_ENDPOINT``) that sends a byte every few seconds, or that stalls past a read's timeout and
 answers each resume with the same 10 MiB again (huggingface_hub resumes for ever while 10 MiB come each time),
-would keep the fetch, and the request and worker waiting on it, busy for ever. Within [`timed`] (one adapter
-fetch: its weights, then its config), the fetch must have received, ``t`` seconds after its first download began,
-at least ``(t - VLLM_LORA_EXT_DOWNLOAD_GRACE_S) * VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes (defaults 60 s and 1 MiB/s;
-a rate of 0 turns the deadline off). So a file of ``n`` bytes has ``grace + n / rate`` seconds in all, and a
-Hub that trickles is given up at about ``grace``. A byte counts once: received again (a resume answered from the
-start, or from an offset past the bytes got) it is no progress.
+would keep the fetch, and the request and worker waiting on it, busy for ever. Within [`timed`] (one file of an
+adapter fetch), the file must have received, ``t`` seconds after the Hub's first answer for it, at least
+``(t - VLLM_LORA_EXT_DOWNLOAD_GRACE_S) * VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes (defaults 60 s and 1 MiB/s; a
+rate of 0 turns the deadline off). So a file of ``n`` bytes has ``grace + n / rate`` seconds, and a Hub that
+trickles is given up at about ``grace``. A byte counts once: received again (a resume answered from the start, or
+from an offset past the bytes got) it is no progress. The window opens at the first answer, so time spent waiting
+for another download of the same file (huggingface_hub's lock) never counts against this one, and each file has a
+window of its own (a file another download completed, or one hf_xet moved, took no HTTP bytes here).
 
 It is checked on each answer huggingface_hub's HTTP client receives within the block (hubguard's event hook) and
 on each chunk of its body as it arrives, so a fetch overruns its deadline by at most one read's timeout. Not
@@ -36,33 +38,34 @@ __all__ = ["DownloadClock", "on_answer", "timed"]
 
 @dataclass
 class DownloadClock:
-    """One adapter fetch's deadline: started at its first download, shared by its files (see the module)."""
+    """One file's deadline within an adapter fetch: its window opens at the Hub's first answer (see the module)."""
 
     source: str
     rate: float = field(default_factory=download_min_rate)
     grace: float = field(default_factory=download_grace_seconds)
-    started: float = field(default_factory=time.monotonic)
-    done: int = 0  # the bytes of the fetch's earlier files
-    reached: int = 0  # how far into the file being downloaded now its bytes have arrived
+    started: float | None = None  # the first answer for the file being downloaded now
+    reached: int = 0  # how far into that file its bytes have arrived
     filename: str = ""  # that file (for the message)
 
     @property
     def received(self) -> int:
-        return self.done + self.reached
+        return self.reached
 
     def check(self, offset: int = 0) -> None:
-        """Note that the file's bytes have arrived up to ``offset``, then raise [`HubTooSlowError`] if the fetch is
+        """Note that the file's bytes have arrived up to ``offset``, then raise [`HubTooSlowError`] if the file is
         past its deadline."""
+        now = time.monotonic()
+        self.started = now if self.started is None else self.started
         self.reached = max(self.reached, offset)
-        spent = time.monotonic() - self.started
+        spent = now - self.started
         if self.rate <= 0 or spent <= self.grace + self.received / self.rate:
             return
         from huggingface_hub import constants
 
         got = f"{fmt_bytes(self.received)} ({self.received} bytes)"
         said = (f"Downloading {self.filename!r} of {self.source!r} was stopped after {spent:.0f} s, "
-                f"having received {got} in all: slower than the {fmt_bytes(self.rate)}/s after "
-                f"{self.grace:g} s that a fetch must average; its partial file is not kept.")
+                f"having received {got} of it: slower than the {fmt_bytes(self.rate)}/s after "
+                f"{self.grace:g} s that a file must average; its partial file is not kept.")
         raise HubTooSlowError(
             f"{said} The Hub at {str(constants.ENDPOINT)!r} (HF_ENDPOINT) sends too slowly. Retry, point HF_ENDPOINT "
             f"at a faster Hub or mirror, or lower {ENV_DOWNLOAD_MIN_RATE} (0: no deadline) or raise "
@@ -78,10 +81,9 @@ _CLOCK: ContextVar[DownloadClock | None] = ContextVar("vllm_lora_ext_download_cl
 def timed(clock: DownloadClock, filename: str) -> Iterator[None]:
     """Within the block, hold huggingface_hub's answers in this thread (or task) to ``clock``, downloading
     ``filename``; the caller must have put `on_answer` on huggingface_hub's client (`hubguard.watch_clients`)."""
-    clock.done, clock.reached, clock.filename = clock.received, 0, filename
+    clock.started, clock.reached, clock.filename = None, 0, filename
     token = _CLOCK.set(clock)
     try:
-        clock.check()
         yield
     finally:
         _CLOCK.reset(token)

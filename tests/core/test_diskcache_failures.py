@@ -133,3 +133,34 @@ def test_the_partial_file_of_a_killed_download_counts_toward_the_bound(
     with pytest.raises(DiskCacheFullError, match=r"partial files of interrupted downloads .*'\*\.incomplete'") as e:
         resolve_source("hf:acme/a0")
     assert e.value.in_use == partial
+
+
+def test_a_refused_resolve_never_evicts_a_revision_another_resolve_used_since(
+        hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listed the weights first; B (another request) resolved the same revision whole and returned; then A was
+    refused by the bound (here injected: other downloads' pending bytes are one real cause), and A's undo evicted
+    the revision B had just returned (r43 reviewer). A revision used since it was listed is kept."""
+    import threading
+
+    from vllm_lora_ext import diskcache
+
+    hub.repo("acme/x").commit({"adapter_model.safetensors": weights(1), "adapter_config.json": CONFIG})
+    real = diskcache.download_file
+    other: dict[str, Any] = {}
+
+    def download(repo_id: str, filename: str, **kwargs: Any) -> Any:
+        if filename == "adapter_config.json" and not other:
+            other["started"] = True
+            thread = threading.Thread(target=lambda: other.setdefault("b", resolve_source("hf:acme/x")))
+            thread.start()  # B, in a context of its own, resolves the revision whole meanwhile
+            thread.join()
+            raise DiskCacheFullError("refused", source="hf:acme/x", limit=1, in_use=0, needed=1)
+        return real(repo_id, filename, **kwargs)
+
+    monkeypatch.setattr(diskcache, "download_file", download)
+    monkeypatch.setenv(ENV_DISK_CACHE_BYTES, str(1 << 30))
+    with pytest.raises(DiskCacheFullError):
+        resolve_source("hf:acme/x")
+    b = other["b"]
+    assert b.weights_path.read_bytes() == weights(1) and b.config_path is not None and b.config_path.exists()
+    assert [r.commit for r in list_cache()] == [b.commit]

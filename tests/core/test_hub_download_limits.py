@@ -257,3 +257,41 @@ def test_a_resume_answered_with_a_content_range_far_ahead_is_no_progress(
     from vllm_lora_ext.errors import HubTooSlowError
 
     assert isinstance(err, HubTooSlowError) and err.received == 100, repr(err)
+
+
+def test_waiting_for_another_download_of_the_same_file_does_not_count_against_the_deadline(
+        hub: Any, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another download of the same blob held huggingface_hub's lock for 3 s with a 1 s grace: the wait returned no
+    HTTP bytes, so the fetch's clock (started at its first download) cut the config's download that followed, at
+    "0 B", blaming the Hub (r43 reviewer). Each file's window now opens at the Hub's first answer for it."""
+    import json
+
+    from filelock import FileLock
+    from safetensors.torch import save
+
+    from factories import dense_tensors, llama_shapes, lora_config
+    weights = save(dense_tensors(llama_shapes(), rank=4, seed=1))
+    config = json.dumps(lora_config(r=4)).encode()
+    hub.repo("acme/x").commit({"adapter_model.safetensors": weights, "adapter_config.json": config})
+    monkeypatch.setenv("VLLM_LORA_EXT_DOWNLOAD_GRACE_S", "1")
+    monkeypatch.setenv("VLLM_LORA_EXT_DOWNLOAD_MIN_RATE", str(1 << 20))
+    etag = hashlib.sha256(weights).hexdigest()
+    path = isolated_hf_cache / ".locks" / "models--acme--x" / f"{etag}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), thread_local=False)
+    lock.acquire()
+
+    def the_other_download() -> None:  # honest, and slower than this fetch's grace
+        time.sleep(3)
+        blobs = isolated_hf_cache / "models--acme--x" / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        (blobs / etag).write_bytes(weights)
+        lock.release()
+
+    other = threading.Thread(target=the_other_download)
+    other.start()
+    try:
+        resolved = resolve_source("hf:acme/x")
+    finally:
+        other.join()
+    assert resolved.weights_path.read_bytes() == weights

@@ -29,7 +29,10 @@ vLLM's own warm-up (the KV cache exists, nothing is captured or locked yet), for
   36, 60, 84, 140 and 148 tokens compiled in the step on an H200 after the fixed sweep, r43). Counts named in
   ``VLLM_LORA_EXT_MOE_WARMUP_TOKENS`` replace all of these;
 - with ``max_loras`` dummy adapters (at most one per token), or, with ``specialize_active_lora``, with 1, 2 and
-  ``max_loras`` (the kernels then key on the count, rounded up to the captured counts).
+  ``max_loras`` (the kernels then key on the count, rounded up to the captured counts). Known limit: vLLM rounds
+  to its captured counts (powers of two and ``max_loras + 1``), so a batch of 3-4 adapters, or of every slot plus
+  base-model tokens, can still compile a variant of its own in its step; the replay does not model those counts.
+  With data parallelism the fixed sweep runs alone (the kernels see tokens gathered over the ranks).
 
 Each dummy batch also computes its logits while its dummy LoRAs are active, when the model's logits processor is
 wrapped for LoRA (``LogitsProcessorWithLoRA``: every LoRA model's is). vLLM computes logits in no warm-up pass with
@@ -157,6 +160,10 @@ def shape_token_counts(runner: Any, covered: Sequence[int], grid_loras: Sequence
     """The token counts, up to ``max_tokens``, of the fused-MoE LoRA kernel variants of this model's shape that the
     counts in ``covered`` do not reach (`integration.warmup_sweep`); none where the first MoE LoRA layer cannot
     be read (logged: the fixed sweep still runs)."""
+    data_parallel = getattr(getattr(runner, "parallel_config", None), "data_parallel_size", 1)
+    if isinstance(data_parallel, int) and data_parallel > 1:  # the kernels then see tokens gathered over ranks
+        logger.info("fused-MoE LoRA warm-up: the fixed sweep alone with data parallelism (%d ranks)", data_parallel)
+        return []
     try:
         shape, block_m = _sweep_shape(runner)
         found = token_counts_for_keys(shape, max_tokens, functools.lru_cache(maxsize=None)(block_m), grid_loras,
@@ -183,8 +190,9 @@ def _sweep_shape(runner: Any) -> tuple[MoESweepShape, Callable[[int, int], int]]
     context = layer._build_lora_context()  # as set_mapping builds it (the plugin's tuned-table choice included)
     a13, b13 = context.w13_lora_a_stacked[0], context.w13_lora_b_stacked[0]
     a2, b2 = context.w2_lora_a_stacked[0], context.w2_lora_b_stacked[0]
-    ops = (MoEOpShape(int(a13.shape[3]), int(b13.shape[2]), int(context.w13_num_slices), int(a13.shape[1]), False),
-           MoEOpShape(int(a2.shape[3]), int(b2.shape[2]), 1, int(a2.shape[1]), True))
+    experts = int(context.local_num_experts)  # a shared A (one expert) is expanded to these before the kernel
+    ops = (MoEOpShape(int(a13.shape[3]), int(b13.shape[2]), int(context.w13_num_slices), experts, False),
+           MoEOpShape(int(a2.shape[3]), int(b2.shape[2]), 1, experts, True))
     ep = bool(getattr(layer, "use_ep", False))
     shape = MoESweepShape(ops, top_k=int(context.top_k), local_experts=int(context.local_num_experts),
                           kernel_experts=int(layer.global_num_experts if ep else context.local_num_experts),

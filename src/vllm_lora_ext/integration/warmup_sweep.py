@@ -31,14 +31,15 @@ SPARSITY_FACTOR = 8  # punica_gpu.add_lora_w13: pairs assigned one by one when N
 SMALL_BATCH_MAX = 1024  # _fused_moe_lora: the small-batch kernel takes pairs x rank up to this, rank up to 64
 SMALL_BATCH_MAX_RANK = 64
 ONE_SHOT_BLOCK_N = 128
+ONE_SHOT_MAX_RANK = 128  # above it vLLM 0.26 asserts and 0.33 takes its older two-kernel path: not replayed
 PAIRS_SHRINK_BLOCK_K = 256  # moe_pairs.default_tiles' shrink block of K (both rank tiers)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEOpShape:
     """One of a layer's two fused-MoE LoRA launches: ``k`` the shrink's input width (A's last axis), ``n`` the
-    expand's width per slice (B's axis 2), ``slices`` how many slices, ``a_experts`` A's expert axis (1 when
-    shared), ``mul_routed_weight`` (w2)."""
+    expand's width per slice (B's axis 2), ``slices`` how many slices, ``a_experts`` A's expert axis as the kernel
+    sees it (a shared A is expanded to the local experts first), ``mul_routed_weight`` (w2)."""
 
     k: int
     n: int
@@ -118,7 +119,7 @@ def variant_keys(n_tokens: int, shape: MoESweepShape, block_m: Callable[[int, in
     reads it. ``grid_loras``: the ``num_active_loras`` values the kernels may see (``max_loras + 1``, or the
     counts ``specialize_active_lora`` rounds to).
     """
-    if shape.fully_sharded or n_tokens < 1:
+    if shape.fully_sharded or shape.rank > ONE_SHOT_MAX_RANK or n_tokens < 1:
         return set()
     pairs = n_tokens * shape.top_k
     naive = not shape.expert_map and pairs * SPARSITY_FACTOR <= shape.local_experts * shape.max_loras
