@@ -39,7 +39,7 @@ from vllm_lora_ext.sources import parse_source, resolve_source
 from vllm_lora_ext.summary import load_config
 from vllm_lora_ext.transport import pools
 from vllm_lora_ext.transport.arena import ALIGN, Arena, ArenaSupply, aligned
-from vllm_lora_ext.validation import check_finite, check_fits_dtype, check_rank_budget
+from vllm_lora_ext.validation import check_finite, check_fits_dtype, check_rank_budget, dense_multipliers
 
 __all__ = ["BuildJob", "BuiltAdapter", "MappedAdapter", "ModuleKeys", "build_adapter", "pack_block", "plan_ahead"]
 
@@ -221,7 +221,7 @@ def _build_adapter(job: BuildJob, router: KeyRouter, *, shared: bool, arenas: Ar
             else:
                 dense = source.read_many(plan.dense_keys, copy=True)
             check_finite(dense, adapter=job.name)
-            check_fits_dtype(_dense_multipliers(dense, config), job.dtype, adapter=job.name)
+            check_fits_dtype(dense_multipliers(dense, config), job.dtype, adapter=job.name)
             fused = frozenset(p for p in plan.moe if job.wrappers.get(p, "2d") == "3d")
             options = ReadOptions(dtype=job.dtype, check_finite_as=job.name if job.scan_moe else None, alloc=alloc,
                                   transpose_on=transpose_on, defer_turn=job.defer_turn, fused_gate_up=fused,
@@ -335,17 +335,6 @@ def _stamps(resolved: Any, source: Any, config_stamp: tuple[int, int, int, int] 
     if resolved.config_path is not None:
         out.append((str(resolved.config_path), config_stamp or _NEVER))
     return tuple(out)
-
-
-def _dense_multipliers(dense: Mapping[str, torch.Tensor], config: AdapterConfig) -> Any:
-    """Each dense factor with what serving multiplies it by: a B by its module's scaling (vLLM folds it into B in
-    the LoRA dtype), an A by 1."""
-    for key, t in dense.items():
-        info = classify_key(key)
-        if info.which == "B" and t.dim() == 2 and t.shape[1]:
-            yield key, t, config.scaling_for(info.module, int(t.shape[1]))
-        else:
-            yield key, t, 1.0
 
 
 def _dense_bytes(keys: list[str], nbytes: Mapping[str, int]) -> int:

@@ -100,12 +100,13 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
                              "not apply as trained on this model: drop them with a warning instead of refusing the "
                              "adapter (default: refuse; see \"Modules vLLM would accept and not apply as trained\")"),
     ENV_DISK_CACHE_BYTES: ("", "bound on the adapter revisions the plugin downloaded into the HF cache, e.g. `20GiB` "
-                               "or `20GB` (default: off); see \"Disk cache\""),
-    ENV_DOWNLOAD_MIN_RATE: ("", "bytes per second each file of an adapter's download from the Hub must average after its grace "
-                                "time, or it is stopped with `HubTooSlowError` (default 1048576, 1 MiB/s; 0: no "
-                                "deadline); a Hub that trickles bytes would otherwise hold the request for ever"),
-    ENV_DOWNLOAD_GRACE: ("", f"seconds each file of an adapter's download may take, from the Hub's first answer, beyond its bytes at "
-                             f"`{ENV_DOWNLOAD_MIN_RATE}` (default 60)"),
+                               "or `20GB` (default, or `0`: no bound); see \"Disk cache\""),
+    ENV_DOWNLOAD_MIN_RATE: ("", "bytes per second each file of an adapter's download from the Hub must average "
+                                "after its grace time, or it is stopped with `HubTooSlowError` (default 1048576, "
+                                "1 MiB/s; 0: no deadline); a Hub that trickles bytes would otherwise hold the request "
+                                "for ever"),
+    ENV_DOWNLOAD_GRACE: ("", f"seconds each file of an adapter's download may take, from the Hub's first answer, "
+                             f"beyond its bytes at `{ENV_DOWNLOAD_MIN_RATE}` (default 60)"),
     ENV_MOE_WARMUP: ("=0", "skip compiling the LoRA Triton kernels at engine start (default: with LoRA on and MoE "
                            "LoRA layers, dummy LoRA batches over the decode and prefill sizes, their logits included, "
                            "run before the engine reports ready, so no request compiles them in its step; "

@@ -137,11 +137,13 @@ def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "ada
 
 def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:
     """A rule that reads every LoRA factor (256 MiB at a time) and refuses NaN or infinity, as the loader
-    does while it reads (there after scaling; here as stored)."""
+    does while it reads, and a dense B whose scaling takes it past its dtype's range (``lora_alpha: 1e300``), as
+    the loader refuses it (there in the LoRA dtype; here in the factor's own)."""
     def rule() -> None:
         from vllm_lora_ext.reader import SafetensorsReader
-        from vllm_lora_ext.validation import check_finite
+        from vllm_lora_ext.validation import check_finite, check_fits_dtype, dense_multipliers
 
+        config = load_config(resolved, name=name)
         reader = SafetensorsReader(resolved.weights_path)
         keys = [k for k in reader.header.shapes if classify_key(k).kind != "other"]
         batch: list[str] = []
@@ -151,7 +153,9 @@ def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:
                 batch.append(key)
                 size += reader.header.nbytes[key]
             if batch and (key is None or size >= 256 << 20):
-                check_finite(reader.read_many(batch), adapter=name)
+                tensors = reader.read_many(batch)
+                check_finite(tensors, adapter=name)
+                check_fits_dtype(dense_multipliers(tensors, config), None, adapter=name)
                 batch, size = [], 0
 
     return rule

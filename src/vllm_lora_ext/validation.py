@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +21,11 @@ from vllm_lora_ext.formats import classify_key
 if TYPE_CHECKING:
     import torch
 
+    from vllm_lora_ext.config import AdapterConfig
+
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
-           "check_rank_budget", "check_module_ranks", "check_finite", "check_fits_dtype", "first_nonfinite", "largest_magnitude",
+           "check_rank_budget", "check_module_ranks", "check_finite", "check_fits_dtype", "dense_multipliers",
+           "first_nonfinite", "largest_magnitude",
            "nonfinite_error"]
 
 # The safetensors dtypes a LoRA factor may have (vLLM computes in the model's float dtype).
@@ -361,6 +364,17 @@ def check_finite(tensors: Mapping[str, torch.Tensor], *, adapter: str = "adapter
     bad = first_nonfinite(tensors)
     if bad is not None:
         raise nonfinite_error(bad, adapter=adapter)
+
+
+def dense_multipliers(dense: Mapping[str, torch.Tensor], config: AdapterConfig) -> Iterator[tuple[str, Any, float]]:
+    """Each dense factor with what serving multiplies it by: a B by its module's scaling (vLLM folds it into B in
+    the LoRA dtype), an A by 1 (for [`check_fits_dtype`])."""
+    for key, t in dense.items():
+        info = classify_key(key)
+        if info.which == "B" and t.dim() == 2 and t.shape[1]:
+            yield key, t, config.scaling_for(info.module, int(t.shape[1]))
+        else:
+            yield key, t, 1.0
 
 
 def check_fits_dtype(factors: Iterable[tuple[str, torch.Tensor, float]], dtype: torch.dtype | None, *,

@@ -259,6 +259,22 @@ def test_inspect_values_of_a_shape_torch_cannot_count_is_a_clear_error(
     assert "unexpected" not in out.out + out.err
 
 
+def test_inspect_values_strict_names_a_scaling_that_takes_b_past_its_dtype_as_the_loader_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lora_alpha: 1e300` (finite factors, a scaling of 1.25e299): `inspect --values --strict` said every factor was
+    read and none holds NaN or infinity, exit 0, while the loader and `mix` refuse it (r43 newcomer)."""
+    monkeypatch.chdir(tmp_path)
+    folder = _q_adapter(tmp_path / "huge", 64, 64)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e300}))
+    assert main(["inspect", "huge", "--values", "--strict"]) == 1
+    out = capsys.readouterr()
+    assert f"tensor '{QB}' reaches" in out.out and "would be served as infinity" in out.out, out.out
+    assert "none holds NaN or infinity" not in out.err
+    _q_adapter(tmp_path / "fine", 64, 64)
+    assert main(["inspect", "fine", "--values", "--strict"]) == 0
+
+
 def test_an_output_written_with_dot_dot_is_the_folder_above_not_a_folder_inside_itself(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

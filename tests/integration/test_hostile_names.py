@@ -428,3 +428,16 @@ def test_a_relative_path_outside_the_roots_gets_one_answer_whether_it_exists_or_
     b = asyncio.run(api.load("probe-b", "etc/no-such-file-here"))
     assert not isinstance(a, str) and not isinstance(b, str)
     assert a.error.code == b.error.code, (a.error.message[:100], b.error.message[:100])
+
+
+def test_lora_request_given_one_name_as_a_string_asks_for_that_adapter_not_its_letters(tmp_path: Path) -> None:
+    """`lora_request("style", deployment=...)` iterated the string: "Unknown adapter(s) ['s', 't', 'y', 'l', 'e']",
+    and a path gave "Adapter(s) ['/'] appear more than once" (r43 newcomer)."""
+    from vllm_lora_ext.integration import offline
+
+    a = str(make_dense_adapter(tmp_path / "a", seed=1))
+    (tmp_path / "deploy.yaml").write_text(f"adapters:\n  style:\n    source: {a}\n")
+    req = offline.lora_request("style", deployment=str(tmp_path / "deploy.yaml"))
+    assert req.lora_name == "style" and req.lora_path == offline.lora_request(["style"], deployment=str(
+        tmp_path / "deploy.yaml")).lora_path
+    assert offline.lora_request(a).lora_name == a  # one source, at weight 1: that adapter itself

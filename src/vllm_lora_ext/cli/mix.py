@@ -192,5 +192,6 @@ def _say_widened(pairs: list[tuple[ResolvedAdapter, float]], names: list[str], o
     if len({d for ds in held.values() for d in ds}) > 1:
         written = sorted(set(read_header(out / ADAPTER_WEIGHTS_NAME).dtypes.values()))
         inputs = "; ".join(f"{n}: {'/'.join(ds)}" for n, ds in held.items())
-        print(f"note: the inputs' dtypes differ ({inputs}); the mix is written in {'/'.join(written)}, which holds "
-              f"each without rounding", file=sys.stderr)
+        print(f"note: the inputs' dtypes differ ({inputs}); the mix is written in {'/'.join(written)}: each module "
+              f"in the widest dtype of the inputs that have it, its weights and scalings folded into A there",
+              file=sys.stderr)

@@ -36,10 +36,12 @@ def _deployment(deployment: DeploymentConfig | str | os.PathLike[str] | None) ->
     return read_deployment_config(path) if path else None
 
 
-def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
+def lora_request(adapters: Mapping[str, float] | Sequence[str] | str | None = None, *,
                  weights: Sequence[float] | None = None, deployment: DeploymentConfig | str | None = None,
                  llm: Any = None) -> Any:
     """Return the ``LoRARequest`` for a mix (or one adapter, or the deployment default), or ``None`` for the base model.
+
+    ``adapters``: ``{name: weight}``; names (or sources) with ``weights=`` or the deployment's weights; or one name.
 
     Raises:
         [`MixError`]: unknown names, length mismatch, non-finite weights.
@@ -54,6 +56,8 @@ def lora_request(adapters: Mapping[str, float] | Sequence[str] | None = None, *,
         if weights is not None:
             raise ValueError("Give weights either in the mapping or as weights=, not both.")
         names, weights = list(adapters), [check_weight(w, name=str(n)) for n, w in adapters.items()]
+    elif isinstance(adapters, str):  # one adapter by name (or source), not its letters
+        names = [adapters]
     else:
         names = list(adapters) if adapters is not None else None
     if dep is not None:
