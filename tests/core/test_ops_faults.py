@@ -118,6 +118,18 @@ def test_a_plugin_variable_far_from_any_setting_is_a_warning_not_a_stop(monkeypa
             in caplog.text)
 
 
+def test_the_cli_says_an_unknown_plugin_variable_on_a_warning_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI printed the bare message, with no ``warning:`` as its other lines have (r43 newcomer); ``-q`` hides it."""
+    from vllm_lora_ext.cli import main
+
+    monkeypatch.setenv("VLLM_LORA_EXT_PIN_SHARED", "0")
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path)]) == 0
+    assert "warning: VLLM_LORA_EXT_PIN_SHARED is not a setting of vllm_lora_ext" in capsys.readouterr().err
+    assert main(["-q", "cache", "ls", "--cache-dir", str(tmp_path)]) == 0
+    assert "PIN_SHARED" not in capsys.readouterr().err
+
+
 def test_the_log_level_error_lists_warning_among_the_levels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_LORA_EXT_LOG_LEVEL", "verbose")
     with pytest.raises(SettingsError, match="give one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):

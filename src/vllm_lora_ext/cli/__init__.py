@@ -111,6 +111,27 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _settings_checked(quiet: bool) -> bool:
+    """Check the settings (the CLI reads them too: the disk bound, the config) before huggingface_hub is imported (a
+    malformed HF_ENDPOINT stops its import): a bad one is an ``error:`` line (``False``), an unknown one a
+    ``warning:`` line."""
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("warning: %(message)s"))
+    said.setLevel(logging.ERROR if quiet else logging.WARNING)
+    settings_log = logging.getLogger(check_settings.__module__)
+    propagate, settings_log.propagate = settings_log.propagate, False
+    settings_log.addHandler(said)
+    try:
+        check_settings()
+    except SettingsError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return False
+    finally:
+        settings_log.removeHandler(said)
+        settings_log.propagate = propagate
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
@@ -119,10 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # with the usage of the command it follows: the top level's before the command's name
         before = args.command in argv and extra[0] in argv and argv.index(extra[0]) < argv.index(args.command)
         (parser if before else getattr(args, "_parser", parser)).error(f"unrecognized arguments: {' '.join(extra)}")
-    try:  # the CLI reads settings too (the disk bound, the config): a misspelt one is refused, before huggingface_hub
-        check_settings()  # is imported (a malformed HF_ENDPOINT stops its import)
-    except SettingsError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
+    if not _settings_checked(args.quiet):
         return 1
     with _logging(args.verbose, args.quiet, bars=not (args.quiet or getattr(args, "json", False))):
         try:

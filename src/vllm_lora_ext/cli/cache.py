@@ -43,11 +43,16 @@ def _record(rev: CachedRevision) -> dict[str, Any]:
             "files": list(rev.files), "held_by": list(rev.held_by), "evictable": rev.evictable}
 
 
-def _line(rev: CachedRevision) -> str:
+def _line(rev: CachedRevision, width: int = 0) -> str:
+    """One revision's line, its name padded to ``width`` (the longest listed) so the columns line up."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rev.last_use))
     kept = "nothing, but never evicted: its snapshot holds files the plugin did not download, or another repo shares it"
     held = "; ".join(rev.held_by) if rev.held_by else ("-" if rev.evictable else kept)
-    return f"{rev.repo_id}@{rev.commit[:12]}  {rev.nbytes:>12d} B  last use {when}  held by: {held}"
+    return f"{_name(rev):<{width}}  {rev.nbytes:>12d} B  last use {when}  held by: {held}"
+
+
+def _name(rev: CachedRevision) -> str:
+    return f"{rev.repo_id}@{rev.commit[:12]}"
 
 
 def _warn_missing(cache_dir: str | None) -> str:
@@ -66,8 +71,9 @@ def _warn_missing(cache_dir: str | None) -> str:
 def run_ls(args: argparse.Namespace) -> int:
     folder = _warn_missing(args.cache_dir)
     revisions = list_cache(cache_dir=args.cache_dir)
+    width = max((len(_name(r)) for r in revisions), default=0)
     for rev in revisions:
-        print(json.dumps(_record(rev)) if args.json else _line(rev))
+        print(json.dumps(_record(rev)) if args.json else _line(rev, width))
     if not args.json:
         print(f"{len(revisions)} revisions, {sum(r.nbytes for r in revisions)} bytes listed in {folder!r} "
               f"(only the revisions the plugin downloaded)")
