@@ -141,7 +141,7 @@ def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:
     the loader refuses it (there in the LoRA dtype; here in the factor's own)."""
     def rule() -> None:
         from vllm_lora_ext.reader import SafetensorsReader
-        from vllm_lora_ext.validation import check_finite, check_fits_dtype, dense_multipliers
+        from vllm_lora_ext.validation import LORA_FACTOR_DTYPES, check_finite, check_fits_dtype, dense_multipliers
 
         config = load_config(resolved, name=name)
         reader = SafetensorsReader(resolved.weights_path)
@@ -155,7 +155,8 @@ def finite_rule(resolved: ResolvedAdapter, *, name: str = "adapter") -> Rule:
             if batch and (key is None or size >= 256 << 20):
                 tensors = reader.read_many(batch)
                 check_finite(tensors, adapter=name)
-                check_fits_dtype(dense_multipliers(tensors, config), None, adapter=name)
+                served = {k: t for k, t in tensors.items() if reader.header.dtypes[k] in LORA_FACTOR_DTYPES}
+                check_fits_dtype(dense_multipliers(served, config), None, adapter=name)  # (others: the dtype rule)
                 batch, size = [], 0
 
     return rule
