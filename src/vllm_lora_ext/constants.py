@@ -308,19 +308,20 @@ def drop_unapplied() -> frozenset[str]:
 
 # ----------------------------------------------------------------------------------------------------- disk tier
 ENV_DISK_CACHE_BYTES = "VLLM_LORA_EXT_DISK_CACHE_BYTES"
-# The deadline of an adapter's fetch from the Hub (hubdeadline.py): this many bytes a second after a grace time.
+# The deadline of each file of an adapter's fetch from the Hub (hubdeadline.py): this many bytes a second after a
+# grace time from the Hub's first answer for it.
 ENV_DOWNLOAD_MIN_RATE = "VLLM_LORA_EXT_DOWNLOAD_MIN_RATE"
 ENV_DOWNLOAD_GRACE = "VLLM_LORA_EXT_DOWNLOAD_GRACE_S"
 
 
 def download_min_rate() -> float:
-    """Return the bytes per second an adapter's fetch from the Hub must average after its grace time
+    """Return the bytes per second each file of an adapter's fetch from the Hub must average after its grace time
     (``VLLM_LORA_EXT_DOWNLOAD_MIN_RATE``, default 1048576, 1 MiB/s; 0: no deadline)."""
     return _env_number(ENV_DOWNLOAD_MIN_RATE, float(1 << 20), minimum=0)
 
 
 def download_grace_seconds() -> float:
-    """Return the seconds an adapter's fetch from the Hub may take beyond its bytes at the minimum rate
+    """Return the seconds each file of an adapter's fetch from the Hub may take beyond its bytes at the minimum rate
     (``VLLM_LORA_EXT_DOWNLOAD_GRACE_S``, default 60)."""
     return _env_number(ENV_DOWNLOAD_GRACE, 60.0, minimum=0)
 

@@ -102,12 +102,13 @@ class AdapterDownloadError(VllmLoraExtError, OSError):
 
 
 class HubTooSlowError(AdapterDownloadError, TimeoutError):
-    """An adapter fetch from the Hub fell behind its deadline (``VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes per second
-    after ``VLLM_LORA_EXT_DOWNLOAD_GRACE_S`` seconds): a Hub or mirror that trickles or keeps stalling. The transfer
-    was stopped and its partial file is not kept; ``received`` bytes had arrived after ``seconds``.
+    """A file of an adapter fetch from the Hub fell behind its deadline (``VLLM_LORA_EXT_DOWNLOAD_MIN_RATE`` bytes per
+    second after ``VLLM_LORA_EXT_DOWNLOAD_GRACE_S`` seconds from the Hub's first answer for it): a Hub or mirror that
+    trickles or keeps stalling. The transfer was stopped and its partial file is not kept; ``received`` bytes of the
+    file had arrived after ``seconds``.
 
     Example message: ``Downloading 'adapter_model.safetensors' of 'hf:acme/sql' was stopped after 61 s, having
-    received 12 B (12 bytes) in all: slower than the 1.0 MiB/s after 60 s that a fetch must average; its partial
+    received 12 B (12 bytes) of it: slower than the 1.0 MiB/s after 60 s that a file must average; its partial
     file is not kept. The Hub at 'https://mirror.example' (HF_ENDPOINT) sends too slowly. Retry, point HF_ENDPOINT at
     a faster Hub or mirror, or lower VLLM_LORA_EXT_DOWNLOAD_MIN_RATE (0: no deadline) or raise
     VLLM_LORA_EXT_DOWNLOAD_GRACE_S.``

@@ -151,7 +151,6 @@ class HubClient:
         self.label = label  # what the source is, in messages: "adapter source" or "base model"
         self.fetching = fetching  # the caller is 'vllm-lora fetch' (its advice is not to run it)
         self.downloaded = False  # whether any fetch had to download (a cache miss)
-        self.clock: hubdeadline.DownloadClock | None = None  # each downloaded file's deadline (hubdeadline)
 
     def _no_hub(self, filename: str, revision: str | None, reason: str | None) -> AdapterNotFoundError:
         """The error for a file that is not cached while the Hub may not be asked (``reason=None``) or does not answer."""
@@ -247,7 +246,7 @@ class HubClient:
             raise
 
     def _download(self, filename: str, revision: str | None, cache_dir: Path | None, cached: object) -> Path:
-        """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`) and the fetch's deadline
+        """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`) and the file's deadline
         (`hubdeadline`); a file not ``cached`` before is checked against its sha256 ETag (`hubguard.check_content`).
         huggingface_hub moves a branch's or tag's ref to the commit the Hub names before it transfers the file:
         where the transfer then fails, the ref is put back, so that the commit of it already cached still serves
@@ -280,8 +279,7 @@ class HubClient:
         if self.local_only:
             return contextlib.nullcontext()
         hubguard.watch_clients()
-        self.clock = self.clock or hubdeadline.DownloadClock(self.src.raw)
-        return hubdeadline.timed(self.clock, filename)
+        return hubdeadline.timed(hubdeadline.DownloadClock(self.src.raw, filename))
 
     def _check_endpoint(self, filename: str, revision: str | None) -> None:
         """Refuse a download from an ``HF_ENDPOINT`` that is no http(s) address with a host (huggingface_hub's own

@@ -1,4 +1,4 @@
-"""The time one adapter fetch may spend downloading from the Hub: a deadline that grows with the bytes received.
+"""The time each file of an adapter fetch may spend downloading from the Hub: a deadline that grows with its bytes.
 
 huggingface_hub's timeouts (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``) bound each read, not a transfer:
 a Hub or mirror (``HF_ENDPOINT``) that sends a byte every few seconds, or that stalls past a read's timeout and
@@ -41,15 +41,11 @@ class DownloadClock:
     """One file's deadline within an adapter fetch: its window opens at the Hub's first answer (see the module)."""
 
     source: str
+    filename: str
     rate: float = field(default_factory=download_min_rate)
     grace: float = field(default_factory=download_grace_seconds)
-    started: float | None = None  # the first answer for the file being downloaded now
-    reached: int = 0  # how far into that file its bytes have arrived
-    filename: str = ""  # that file (for the message)
-
-    @property
-    def received(self) -> int:
-        return self.reached
+    started: float | None = None  # the Hub's first answer for the file
+    reached: int = 0  # how far into the file its bytes have arrived
 
     def check(self, offset: int = 0) -> None:
         """Note that the file's bytes have arrived up to ``offset``, then raise [`HubTooSlowError`] if the file is
@@ -58,11 +54,11 @@ class DownloadClock:
         self.started = now if self.started is None else self.started
         self.reached = max(self.reached, offset)
         spent = now - self.started
-        if self.rate <= 0 or spent <= self.grace + self.received / self.rate:
+        if self.rate <= 0 or spent <= self.grace + self.reached / self.rate:
             return
         from huggingface_hub import constants
 
-        got = f"{fmt_bytes(self.received)} ({self.received} bytes)"
+        got = f"{fmt_bytes(self.reached)} ({self.reached} bytes)"
         said = (f"Downloading {self.filename!r} of {self.source!r} was stopped after {spent:.0f} s, "
                 f"having received {got} of it: slower than the {fmt_bytes(self.rate)}/s after "
                 f"{self.grace:g} s that a file must average; its partial file is not kept.")
@@ -70,7 +66,7 @@ class DownloadClock:
             f"{said} The Hub at {str(constants.ENDPOINT)!r} (HF_ENDPOINT) sends too slowly. Retry, point HF_ENDPOINT "
             f"at a faster Hub or mirror, or lower {ENV_DOWNLOAD_MIN_RATE} (0: no deadline) or raise "
             f"{ENV_DOWNLOAD_GRACE}.",
-            source=self.source, received=self.received, seconds=spent,
+            source=self.source, received=self.reached, seconds=spent,
             public_message=f"{said} The server's Hub sends too slowly; retry later, or tell the server's operator.")
 
 
@@ -78,10 +74,9 @@ _CLOCK: ContextVar[DownloadClock | None] = ContextVar("vllm_lora_ext_download_cl
 
 
 @contextlib.contextmanager
-def timed(clock: DownloadClock, filename: str) -> Iterator[None]:
-    """Within the block, hold huggingface_hub's answers in this thread (or task) to ``clock``, downloading
-    ``filename``; the caller must have put `on_answer` on huggingface_hub's client (`hubguard.watch_clients`)."""
-    clock.started, clock.reached, clock.filename = None, 0, filename
+def timed(clock: DownloadClock) -> Iterator[None]:
+    """Within the block, hold huggingface_hub's answers in this thread (or task) to ``clock`` (one file's); the caller
+    must have put `on_answer` on huggingface_hub's client (`hubguard.watch_clients`)."""
     token = _CLOCK.set(clock)
     try:
         yield

@@ -136,10 +136,11 @@ def components(manager: Any, spec: MixSpec, load: LoadComponent) -> list[MappedA
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing), thread_name_prefix="vllm-lora-ext-component") as pool:
             built.update(zip(missing, pool.map(lambda c: _component(manager, c, load), missing.values())))
-    models = [built[c.source] if c.source in built else _component(manager, c, load) for c in spec.components]
-    for c, model in zip(spec.components, models):
-        _remember_ranks(manager, c.source, model)
-    return models
+    else:
+        built.update((source, _component(manager, c, load)) for source, c in missing.items())
+    for source in missing:  # (a cached one's were remembered when it was built)
+        _remember_ranks(manager, source, built[source])
+    return [built[c.source] for c in spec.components]
 
 
 def mix_factors(component: MappedAdapter) -> dict[str, MixFactor | list[MixFactor]]:
