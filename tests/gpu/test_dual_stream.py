@@ -5,7 +5,11 @@ of vLLM's dual-stream paths run (fused-MoE and dense). Teacher-forced prompt log
 sequences decoded together (graph replays) must match HF + PEFT in fp32 as ``test_moe_pairs_engine.py``'s do, and
 the base model's must not. The worker must have made the second stream. The switch is set in the test's process
 before the engine starts: vLLM's engine process inherits it (its dense LoRA layers read it at import).
-``bench_moe_decode.py``'s ``*_ds`` variants time it (r42: README's decode rows)."""
+``bench_moe_decode.py``'s ``*_ds`` variants time it (r42: README's decode rows).
+
+The plugin sets the switch where the user left it unset (`integration.dual_stream`): the second
+parametrization leaves it unset in the test's process, so the engine process's ``register()`` must turn it on.
+The control (no adapter) runs the plugin's one-stream path for batches without an adapter."""
 
 from __future__ import annotations
 
@@ -22,12 +26,18 @@ MEAN_TOL = 0.1  # test_moe_e2e.py's: vLLM (bf16) against fp32 PEFT, mean |delta 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def _dual_stream_state(worker: Any = None) -> tuple[str | None, bool]:
+def _dual_stream_state(worker: Any = None) -> tuple[str | None, bool, list[bool]]:
+    """vLLM's switch in the worker, whether vLLM made its second stream, and for each fused-MoE LoRA layer whether
+    its experts' context holds a second stream."""
     import os
 
     from vllm.lora.layers import utils
+    from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
 
-    return os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM"), getattr(utils, "_lora_aux_cuda_stream", None) is not None
+    moe = [m._moe_kernel.fused_experts._lora_context.aux_stream is not None
+           for m in worker.model_runner.get_model().modules() if isinstance(m, FusedMoEWithLoRA)]
+    return (os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM"), getattr(utils, "_lora_aux_cuda_stream", None) is not None,
+            moe)
 
 
 def _decoded(llm: Any, ps: list[list[int]], n: int, req: Any) -> tuple[list[list[int]], list[list[float]]]:
@@ -43,17 +53,23 @@ def _decoded(llm: Any, ps: list[list[int]], n: int, req: Any) -> tuple[list[list
     return toks, lps
 
 
+@pytest.mark.parametrize("switch", ["1", None], ids=["set_by_the_user", "set_by_the_plugin"])
 def test_dual_stream_lora_in_a_compiled_engine_with_graphs_matches_peft(gpu_workdir: Path, record: Any,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       switch: str | None) -> None:
     import gc
 
-    monkeypatch.setenv("VLLM_LORA_ENABLE_DUAL_STREAM", "1")
+    monkeypatch.delenv("VLLM_LORA_EXT_DUAL_STREAM", raising=False)
+    if switch:
+        monkeypatch.setenv("VLLM_LORA_ENABLE_DUAL_STREAM", switch)
+    else:
+        monkeypatch.delenv("VLLM_LORA_ENABLE_DUAL_STREAM", raising=False)
 
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    model = build_qwen3_moe(gpu_workdir / "moe128-ds", num_experts=128)  # 2 layers
-    folder = build_peft_adapter(model, gpu_workdir / "experts-attn", seed=7, rank=16, alpha=128,
+    model = build_qwen3_moe(gpu_workdir / f"moe128-ds{bool(switch)}", num_experts=128)  # 2 layers
+    folder = build_peft_adapter(model, gpu_workdir / f"experts-attn{bool(switch)}", seed=7, rank=16, alpha=128,
                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS)
     llm = LLM(model=str(model), enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=2,
               gpu_memory_utilization=0.2, max_model_len=256, dtype="bfloat16", seed=0,
@@ -68,6 +84,9 @@ def test_dual_stream_lora_in_a_compiled_engine_with_graphs_matches_peft(gpu_work
         conts = [ref.greedy(p, 12) for p in ps]
         ref_forced = [ref.token_logprobs(p, c) for p, c in zip(ps, conts)]
         del ref
+        base_ref = HFReference(model)
+        ref_base = [base_ref.token_logprobs(p, c) for p, c in zip(ps, conts)]
+        del base_ref
         forced = [vllm_token_logprobs(llm, p, c, req) for p, c in zip(ps, conts)]
         control = [vllm_token_logprobs(llm, p, c, None) for p, c in zip(ps, conts)]
     finally:
@@ -75,9 +94,12 @@ def test_dual_stream_lora_in_a_compiled_engine_with_graphs_matches_peft(gpu_work
         gc.collect()
     results = {"worker_switch_and_stream": states, "decoded_vs_peft": logprob_gap(decoded, ref_decoded),
                "teacher_forced_vs_peft": logprob_gap(forced, ref_forced),
-               "control_no_adapter_vs_peft": logprob_gap(control, ref_forced)}
-    record("dual_stream_engine", results)
-    assert all(s == ("1", True) for s in states), states  # on, and the worker made its second stream
+               "control_no_adapter_vs_peft": logprob_gap(control, ref_forced),
+               "no_adapter_vs_hf_base": logprob_gap(control, ref_base)}
+    record(f"dual_stream_engine_{'user' if switch else 'plugin'}", results)
+    # on in the worker, which made vLLM's second stream, and every fused-MoE layer's context holds it
+    assert all(tuple(s[:2]) == ("1", True) and s[2] and all(s[2]) for s in states), states
     assert results["decoded_vs_peft"]["mean"] < MEAN_TOL, results
     assert results["teacher_forced_vs_peft"]["mean"] < MEAN_TOL, results
     assert results["control_no_adapter_vs_peft"]["mean"] > 5 * MEAN_TOL, results  # the tolerance sees the LoRA
+    assert results["no_adapter_vs_hf_base"]["mean"] < MEAN_TOL, results  # the one-stream path of such a batch

@@ -45,13 +45,14 @@ LORA_SHRINK_OP_MODULE = "vllm.lora.ops.triton_ops.lora_shrink_op"
 LORA_EXPAND_OP_MODULE = "vllm.lora.ops.triton_ops.lora_expand_op"
 LORA_OP_UTILS_MODULE = "vllm.lora.ops.triton_ops.utils"  # get_lora_op_configs reads load_lora_op_config from here
 FUSED_MOE_LORA_MODULE = "vllm.lora.layers.fused_moe"  # FusedMoEWithLoRA._build_lora_context (0.26-0.33)
+BASE_LINEAR_LORA_MODULE = "vllm.lora.layers.base_linear"  # BaseLinearLayerWithLoRA._apply_async_impl (0.26-0.33)
 GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completions, chat and responses (0.26-0.33)
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
 BATCH_CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.batch_serving"  # /v1/chat/completions/batch (0.26-0.33)
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"  # InputProcessor.__init__ (0.26-0.33)
-TRITON_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"  # TritonWNA16Experts (0.26-0.33)
+TRITON_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"  # TritonExperts (0.26-0.33)
 PUNICA_GPU_MODULE = "vllm.lora.punica_wrapper.punica_gpu"  # PunicaWrapperGPU.add_lora_fused_moe (0.26-0.33)
 # Serving classes and request types that never generate (0.26-0.33): a mix named there is checked, never built.
 _NON_GENERATING = (("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization"),
