@@ -52,9 +52,9 @@ longer than ten minutes: run it in the background (``nohup ... &``) and read the
 ``--variants`` may add ``plugin_k0``, the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` (vLLM's kernels and
 configs: the effect of the plugin's own kernel choices, plugin against plugin; no parity pass of its own), and
 ``stock_ds`` / ``plugin_ds``, either with vLLM's ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (each layer's LoRA on a second
-CUDA stream beside the base GEMM, dense layers included; off by default in vLLM 0.26-0.33, on by default with the
-plugin since r44, `integration.dual_stream`), and ``plugin_nods``, the plugin with it set to 0 (the plugin's
-default before r44).
+CUDA stream beside the base GEMM, dense layers included; off by default in vLLM 0.26-0.33 and with the plugin, which
+runs batches without an adapter on one stream under it, `integration.dual_stream`), and ``plugin_nods``, the plugin
+with it set to 0.
 
 Usage: python bench/bench_moe_decode.py [--layers 24] [--reps 5] [--tokens 128] [--cases base,one,distinct,mixes]
        [--variants stock,plugin[,plugin_k0,stock_ds,plugin_ds,plugin_nods]] [--block-reps 2] [--composites 4]
@@ -84,7 +84,7 @@ GOALS = {"one": ("base", 0.90), "distinct": ("base", 0.85), "mixes": ("distinct"
 # plugin_k0: the plugin with its kernel choices off (VLLM_LORA_EXT_KERNEL_CONFIGS=0: no shipped tables, no pair path);
 # *_ds: vLLM's own dual-stream LoRA (VLLM_LORA_ENABLE_DUAL_STREAM=1, vLLM 0.26+: each layer's LoRA on a second CUDA
 # stream beside its base GEMM, fused-MoE and dense alike, and PDL in the dense shrink/expand kernels; off by default
-# in vLLM, set by the plugin where unset since r44); plugin_nods: the plugin with it set to 0
+# in vLLM and with the plugin); plugin_nods: the plugin with it set to 0
 _DS_SWITCH = "VLLM_LORA_ENABLE_DUAL_STREAM"
 _DS = {_DS_SWITCH: "1"}
 ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_k0": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"},

@@ -62,7 +62,6 @@ ENV_BUILD_DIR = "VLLM_LORA_EXT_BUILD_DIR"  # where a build process puts its shar
 ENV_STAGE_BYTES = "VLLM_LORA_EXT_STAGE_GPU_BYTES"
 ENV_BUILD_SPARE = "VLLM_LORA_EXT_BUILD_SPARE_BYTES"  # a build process's ready shared file (0: none)
 ENV_KERNEL_CONFIGS = "VLLM_LORA_EXT_KERNEL_CONFIGS"  # 0: vLLM's own LoRA kernel configs (dense, fused MoE) and kernels
-ENV_DUAL_STREAM = "VLLM_LORA_EXT_DUAL_STREAM"  # 0: leave vLLM's VLLM_LORA_ENABLE_DUAL_STREAM unset (off)
 ENV_HOST_ARENAS = "VLLM_LORA_EXT_HOST_ARENAS"  # 0: built tensors in ordinary torch memory (no huge pages, no pinning)
 ENV_HOST_ARENA_MIN = "VLLM_LORA_EXT_HOST_ARENA_MIN_BYTES"  # smaller builds use ordinary memory
 ENV_HOST_SPARE = "VLLM_LORA_EXT_HOST_SPARE_BYTES"  # the largest released host arena kept for the next (0: none)
@@ -136,12 +135,6 @@ def plugin_disabled() -> bool:
 def kernel_configs_enabled() -> bool:
     """Whether LoRA kernels may read the package's tuned configs, and small fused-MoE LoRA batches its pair kernels."""
     return _env_on(ENV_KERNEL_CONFIGS)
-
-
-def dual_stream() -> bool:
-    """Whether the plugin turns on vLLM's dual-stream LoRA where the user left it unset (`integration.dual_stream`;
-    ``VLLM_LORA_EXT_DUAL_STREAM``, default on; 0 turns it off)."""
-    return _env_on(ENV_DUAL_STREAM)
 
 
 def mix_on_gpu() -> bool:
@@ -369,7 +362,7 @@ def moe_warmup_tokens() -> list[int] | None:
 
 
 _FLAGS = (ENV_ALLOW_UNSUPPORTED_VLLM, ENV_ALLOW_PICKLE, ENV_DISABLE, ENV_ALLOW_UNMATCHED, ENV_PREBUILD,
-          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_DUAL_STREAM, ENV_HOST_ARENAS, ENV_MIX_ON_GPU,
+          ENV_BUILD_PROCESS, ENV_KERNEL_CONFIGS, ENV_HOST_ARENAS, ENV_MIX_ON_GPU,
           ENV_TRANSPOSE_ON_GPU, ENV_MOE_WARMUP, ENV_BUILD_AT_START)
 ENV_COMPONENT_CACHE = "VLLM_LORA_EXT_COMPONENT_CACHE"  # read by component_cache_size (below); checked here
 _WHOLE = (ENV_MAX_MIXES, ENV_MAX_CLIENT_SOURCES, ENV_PREBUILD_BUILDS, ENV_MIX_THREADS, ENV_COMPONENT_CACHE)
@@ -439,7 +432,6 @@ def check_settings() -> None:
 
 # -------------------------------------------------------------------- settings of other programs, read here too
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's (and vLLM's) multiprocess metrics folder
-VLLM_DUAL_STREAM_ENV = "VLLM_LORA_ENABLE_DUAL_STREAM"  # vLLM's, set by the plugin where unset (integration.dual_stream)
 VLLM_TUNED_CONFIG_FOLDER_ENV = "VLLM_TUNED_CONFIG_FOLDER"  # vLLM's own LoRA kernel configs: then ours stay out
 
 
@@ -474,14 +466,6 @@ def export_metrics_dir(path: str | None, *, only_if: str | None = None) -> None:
         os.environ[ENV_METRICS_DIR] = path
     elif only_if is None or os.environ.get(ENV_METRICS_DIR) == only_if:
         os.environ.pop(ENV_METRICS_DIR, None)
-
-
-def vllm_dual_stream_set() -> bool:
-    return VLLM_DUAL_STREAM_ENV in os.environ  # the user's word on vLLM's dual-stream LoRA, either way
-
-
-def export_vllm_dual_stream() -> None:
-    os.environ[VLLM_DUAL_STREAM_ENV] = "1"  # for this process's vLLM and the processes it starts
 
 
 def vllm_tuned_config_folder_set() -> bool:

@@ -27,7 +27,6 @@ from vllm_lora_ext.constants import (  # noqa: F401 (the names the table documen
     ENV_HOST_ARENA_MIN,
     ENV_HOST_SPARE,
     ENV_KERNEL_CONFIGS,
-    ENV_DUAL_STREAM,
     ENV_LOG_LEVEL,
     ENV_MAX_CLIENT_SOURCES,
     ENV_MAX_MIXES,
@@ -86,9 +85,6 @@ ENV_DOCS: dict[str, tuple[str, str]] = {
     ENV_KERNEL_CONFIGS: ("=0", "vLLM's own LoRA shrink/expand and fused-MoE LoRA kernel configs, and its own kernel "
                                "for small fused-MoE LoRA batches (default: the tuned tables shipped for this GPU and "
                                "the plugin's pair kernels, see \"Tuned LoRA kernels\")"),
-    ENV_DUAL_STREAM: ("=0", "leave vLLM's dual-stream LoRA off (default: the plugin sets VLLM_LORA_ENABLE_DUAL_STREAM=1 "
-                            "where it is unset: each LoRA layer's kernels on a second CUDA stream beside its base "
-                            "GEMM, a batch without an adapter on one stream, see \"Dual-stream LoRA\")"),
     ENV_STALL_TRACE: ("", "a diagnostic: log a process's main-thread stack when one call stays on top longer than"
                           " this, and profile a worker's adapter registration in the step when it takes longer"
                           " (default 0: off)"),

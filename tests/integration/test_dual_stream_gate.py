@@ -1,9 +1,9 @@
-"""vLLM's dual-stream LoRA turned on where the user left it unset, and one stream for a batch without an adapter
-(`integration.dual_stream`), on vLLM's own classes: its ``TritonExperts.apply`` and
-``BaseLinearLayerWithLoRA._apply_async_impl`` as patched by the registered plugin, its ``MoELoRAContext`` and its
+"""Under vLLM's dual-stream LoRA, one stream for a batch without an adapter (`integration.dual_stream`), on vLLM's
+own classes: its ``TritonExperts.apply``, ``BaseLinearLayerWithLoRA._apply_async_impl`` and
+``Worker.determine_available_memory`` as patched by the registered plugin, its ``MoELoRAContext`` and its
 ``LoRAKernelMeta`` fed a batch's mapping. This machine has no CUDA, so the kernels themselves run in
-``tests/gpu/test_dual_stream.py`` (HF + PEFT in fp32, both switch settings); here the path a forward takes is what
-is checked, with the second stream a stand-in object that ``apply`` only passes on."""
+``tests/gpu/test_dual_stream.py`` (HF + PEFT in fp32); here the path a forward takes is what is checked, with the
+second stream a stand-in object that ``apply`` only passes on."""
 
 from __future__ import annotations
 
@@ -122,42 +122,29 @@ def test_a_dense_layers_batch_without_an_adapter_takes_its_one_stream_path() -> 
     assert calls[0][1:] == ("x", "b") and calls[-1][1:] == ("x", None)
 
 
-@pytest.mark.parametrize(("env", "imported", "cuda", "switch"), [
-    ({}, False, True, "1"),  # the default on a GPU: turned on
-    ({"VLLM_LORA_ENABLE_DUAL_STREAM": "0"}, False, True, "0"),  # the user's word wins
-    ({"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}, False, True, "1"),
-    ({"VLLM_LORA_EXT_DUAL_STREAM": "0"}, False, True, None),  # the plugin's switch off: vLLM's default
-    ({}, True, True, None),  # dense LoRA layers imported already: a layer made now would lack the op
-    ({}, False, False, None),  # no CUDA: vLLM's LoRAConfig would refuse the switch
-])
-def test_vllms_switch_is_turned_on_only_where_unset_and_safe(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
-                                                            imported: bool, cuda: bool, switch: str | None) -> None:
-    from vllm_lora_ext.integration._compat import BASE_LINEAR_LORA_MODULE
-    from vllm_lora_ext.integration.dual_stream import turn_on_vllm_dual_stream
+def test_the_memory_profile_run_keeps_vllms_two_stream_path() -> None:
+    """vLLM's profile run has no adapter: on one stream it would leave the second stream's delta buffers out of the
+    peak the KV cache is sized from."""
+    from types import SimpleNamespace
 
-    import os
-
-    for name in ("VLLM_LORA_EXT_DUAL_STREAM", "VLLM_LORA_ENABLE_DUAL_STREAM"):
-        monkeypatch.setenv(name, "")  # so that monkeypatch puts back what was there after the code under test sets it
-        monkeypatch.delenv(name)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    modules = {BASE_LINEAR_LORA_MODULE: object()} if imported else {}
-    set_here = turn_on_vllm_dual_stream(modules, BASE_LINEAR_LORA_MODULE, lambda: cuda)
-    assert os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM") == switch
-    assert set_here == (not env and not imported and cuda)
-
-
-def test_this_machines_platform_is_not_cuda_so_register_leaves_the_switch_unset() -> None:
-    """The plugin registered on this CPU machine (every test above): vLLM's LoRAConfig would refuse the switch."""
-    import os
-
-    from vllm.config.lora import LoRAConfig
+    from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_lora_ext.integration import plugin
-    from vllm_lora_ext.integration.dual_stream import cuda_alike_platform
+    from vllm_lora_ext.integration.dual_stream import make_apply_async_impl, make_determine_available_memory
+    from vllm_lora_ext.integration.patching import PATCH_MARK
 
     plugin.register()
-    assert not cuda_alike_platform()
-    assert "VLLM_LORA_ENABLE_DUAL_STREAM" not in os.environ
-    LoRAConfig(max_lora_rank=16, max_loras=2)  # accepted
+    assert getattr(Worker.determine_available_memory, PATCH_MARK, False)
+    layer = SimpleNamespace(punica_wrapper=SimpleNamespace(token_mapping_meta=_meta([-1, -1])),
+                            _apply_sync=lambda x, bias=None: "sync")
+    impl = make_apply_async_impl(lambda self, x, bias=None: "async")
+    seen: list[str] = []
+
+    def profile(self: Any) -> int:
+        seen.append(impl(layer, "x"))
+        raise MemoryError("profile failed")
+
+    with pytest.raises(MemoryError):
+        make_determine_available_memory(profile)(object())
+    assert seen == ["async"]
+    assert impl(layer, "x") == "sync"  # after the profile, failed or not: one stream again

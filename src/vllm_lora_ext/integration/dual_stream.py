@@ -1,69 +1,58 @@
-"""vLLM's dual-stream LoRA, on by default, and one stream for a batch without an adapter (issue 39 item 1).
+"""Under vLLM's dual-stream LoRA, a batch without an adapter on one stream (issue 39 item 1).
 
 vLLM 0.26-0.33 can run each LoRA layer's kernels on a second CUDA stream beside its base GEMM
-(``VLLM_LORA_ENABLE_DUAL_STREAM=1``, off by default there): a dense layer's shrink and expand, with programmatic
-dependent launch, and a fused-MoE layer's w13 and w2 LoRA, each into a zeroed delta buffer that is added after the
-join. It also zeroes, forks, joins and adds in batches where no token has an adapter, which launch no LoRA kernel:
-3-8% slower no-adapter batches in r42. On the 30B-A3B shape with 32 requests decoding (one H200,
-``bench_moe_decode.py``), with those batches on one stream as below, it shortened one adapter's decode step by
-1.3-1.5% in r44's two runs (r42: 6%) and cost the no-adapter batches nothing measurable; a second stream for the
-fused-MoE layers alone gained nothing (r44's trial, not shipped).
+(``VLLM_LORA_ENABLE_DUAL_STREAM=1``, off by default there, and the plugin leaves it to the user): a dense layer's
+shrink and expand, with programmatic dependent launch, and a fused-MoE layer's w13 and w2 LoRA, each into a zeroed
+delta buffer that is added after the join. It also zeroes, forks, joins and adds in batches where no token has an
+adapter, which launch no LoRA kernel: 3-8% slower no-adapter batches in r42 (one H200, ``bench_moe_decode.py``).
 
-Here:
-- [`turn_on_vllm_dual_stream`] (from ``register()``) sets ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` where the user left it
-  unset, unless ``VLLM_LORA_EXT_DUAL_STREAM=0`` or the platform is not CUDA-alike (vLLM's ``LoRAConfig`` refuses the
-  switch there). A process that has already imported vLLM's dense LoRA layers is left as it is: they register the
-  dual-stream op at import, and a layer made with the switch on needs it. Engine processes start after the API
-  server or ``LLM`` process has set it, and inherit it. With ``fully_sharded_loras`` vLLM logs that the two do not
-  go together and turns the switch off in the process that builds the config; its fully sharded layers never fork.
-- [`make_apply_async_impl`] (dense) and [`make_experts_apply`] (fused MoE) run a batch where no token has an adapter
-  on one stream, by vLLM's host-side flag for it (``no_lora_flag_cpu``, set from the batch's mapping before the
-  forward), the flag its own dense LoRA kernels return on without launching. Under CUDA graphs the flag is read at
-  capture: vLLM captures batches with and without adapters as different graphs (``BatchDescriptor.has_lora``), and a
-  graph captured without them already lacks the dense LoRA kernels, so this adds no new assumption. Such a batch's
-  output is the one-stream path's, which is vLLM's path with the switch off.
+[`make_apply_async_impl`] (dense) and [`make_experts_apply`] (fused MoE) run such a batch on one stream, by vLLM's
+host-side flag for it (``no_lora_flag_cpu``, set from the batch's mapping before the forward), the flag its own LoRA
+kernels return on without launching; its output is the one-stream path's, vLLM's with the switch off. Under CUDA
+graphs the flag is read at capture. With ``cudagraph_specialize_lora`` (vLLM's default) batches with and without
+adapters are different graphs (``BatchDescriptor.has_lora``), and a graph captured without them already lacks vLLM's
+own LoRA kernels; without it, vLLM captures only graphs with adapters, and batches without one run eagerly. So this
+adds no new assumption. [`make_determine_available_memory`] keeps vLLM's memory profile run (which has no adapter)
+on the two-stream path, so that the delta buffers of batches with adapters still count in the peak the KV cache is
+sized from.
 
-``tests/gpu/test_dual_stream.py`` compares an engine under it (torch.compile, CUDA graphs) with HF + PEFT.
+In r44 (same bench, with this) the switch cost the no-adapter batches nothing measurable and shortened one
+adapter's step by 1.3-1.5% in the medians of two runs, inside the spread of their reps (about ±3%); a second stream
+for the fused-MoE layers alone gained nothing. Dense models and prefill were not measured, so the switch stays the
+user's.
+``tests/gpu/test_dual_stream.py`` compares an engine under it (torch.compile, CUDA graphs) with HF (+ PEFT).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from vllm_lora_ext.constants import VLLM_DUAL_STREAM_ENV, dual_stream, export_vllm_dual_stream, vllm_dual_stream_set
+__all__ = ["make_apply_async_impl", "make_determine_available_memory", "make_experts_apply"]
 
-__all__ = ["cuda_alike_platform", "make_apply_async_impl", "make_experts_apply", "turn_on_vllm_dual_stream"]
-
-logger = logging.getLogger(__name__)
+_PROFILING: list[bool] = []  # non-empty while vLLM's worker profiles its memory (its profile run has no adapter)
 
 
-def cuda_alike_platform() -> bool:
-    """Whether vLLM's platform in this process is CUDA or ROCm (resolved without touching a device)."""
-    from vllm.platforms import current_platform
+def make_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Patch ``Worker.determine_available_memory``: its profile run takes vLLM's two-stream path (above)."""
 
-    return bool(current_platform.is_cuda_alike())
+    @functools.wraps(original)
+    def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _PROFILING.append(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PROFILING.pop()
 
-
-def turn_on_vllm_dual_stream(modules: Mapping[str, Any], base_linear_module: str,
-                             cuda_alike: Callable[[], bool] = cuda_alike_platform) -> bool:
-    """Set vLLM's switch where the module docstring says (``modules``: this process's imported modules); return
-    whether it was set here."""
-    if not dual_stream() or vllm_dual_stream_set() or not cuda_alike():
-        return False
-    if base_linear_module in modules:
-        logger.info("vLLM's dense LoRA layers were imported before the plugin registered: %s left unset here",
-                    VLLM_DUAL_STREAM_ENV)
-        return False
-    export_vllm_dual_stream()
-    return True
+    return determine_available_memory
 
 
 def _no_adapter_in_batch(punica_wrapper: Any) -> bool:
     """Whether vLLM's mapping of the batch being run has no token with an adapter (its ``no_lora_flag_cpu``);
-    ``False`` where the flag is not there."""
+    ``False`` where the flag is not there, and while the worker profiles its memory."""
+    if _PROFILING:
+        return False
     meta = getattr(punica_wrapper, "token_mapping_meta", None)
     flag = getattr(meta, "no_lora_flag_cpu", None)
     return bool(flag is not None and flag[0])
@@ -83,8 +72,9 @@ def make_apply_async_impl(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def make_experts_apply(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Patch ``TritonExperts.apply``: a batch without an adapter runs with its layer's context on one stream (the
-    rest of the context, which vLLM's modular kernel sets for the forward, is the layer's own object)."""
+    """Patch ``TritonExperts.apply`` (run inside vLLM's ``moe_forward`` op): a batch without an adapter runs with its
+    layer's context on one stream (the rest of the context, which vLLM's modular kernel sets for the forward, is the
+    layer's own object)."""
 
     @functools.wraps(original)
     def apply(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -48,7 +48,11 @@ from vllm_lora_ext.integration._compat import (
     WORKER_MANAGER_MODULE,
     check_vllm_version,
 )
-from vllm_lora_ext.integration.dual_stream import make_apply_async_impl, make_experts_apply, turn_on_vllm_dual_stream
+from vllm_lora_ext.integration.dual_stream import (
+    make_apply_async_impl,
+    make_determine_available_memory,
+    make_experts_apply,
+)
 from vllm_lora_ext.integration.kernels import (
     make_add_lora_fused_moe,
     make_build_lora_context,
@@ -274,17 +278,23 @@ PATCHES: tuple[Patch, ...] = (
           delete_when="as FusedMoEWithLoRA._build_lora_context"),
     Patch(BASE_LINEAR_LORA_MODULE, "BaseLinearLayerWithLoRA._apply_async_impl", ("x", "bias"),
           make_apply_async_impl, process="worker", reads=("punica_wrapper", "_apply_sync"),
-          why="with vLLM's dual-stream LoRA (VLLM_LORA_ENABLE_DUAL_STREAM=1, which the plugin sets where it is "
-              "unset: an adapter's MoE decode step 1.3-1.5% shorter in r44) a dense LoRA layer zeroes a delta buffer, forks, joins "
-              "and adds in every batch, also one where no token has an adapter and no LoRA kernel launches (3-8% "
-              "slower no-adapter batches in r42): such a batch takes the layer's one-stream path, by vLLM's "
-              "host-side flag its own LoRA kernels skip on (`integration/dual_stream.py`)",
+          why="with vLLM's dual-stream LoRA (VLLM_LORA_ENABLE_DUAL_STREAM=1, the user's switch) a dense LoRA layer "
+              "zeroes a delta buffer, forks, joins and adds in every batch, also one where no token has an adapter "
+              "and no LoRA kernel launches (3-8% slower no-adapter batches in r42): such a batch takes the layer's "
+              "one-stream path, by vLLM's host-side flag its own LoRA kernels skip on (`integration/dual_stream.py`)",
           delete_when="vLLM's dual-stream LoRA skips its second stream in batches without an adapter"),
     Patch(TRITON_MOE_MODULE, "TritonExperts.apply",
           ("output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation"),
           make_experts_apply, process="worker", reads=("_lora_context",), writes=("MoELoRAContext.aux_stream",),
           why="the same for a fused-MoE layer under vLLM's dual-stream LoRA: a batch without an adapter runs its "
               "context on one stream (two zeroed buffers, forks and adds fewer a layer)",
+          delete_when="as BaseLinearLayerWithLoRA._apply_async_impl"),
+    Patch(GPU_WORKER_MODULE, "Worker.determine_available_memory", (), make_determine_available_memory,
+          process="worker",
+          why="the two rows above would put vLLM's memory profile run (no adapter) on one stream, leaving the delta "
+              "buffers a batch with adapters allocates on the second stream (up to max_num_batched_tokens x a "
+              "layer's outputs, and two fused-MoE intermediate caches) out of the peak the KV cache is sized from: "
+              "the profile run keeps vLLM's two-stream path",
           delete_when="as BaseLinearLayerWithLoRA._apply_async_impl"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.unload_lora_adapter", ("request",),
           server_patches.make_unload_lora_adapter, process="server",
@@ -347,9 +357,6 @@ def register() -> None:
         raise
     for name in ENV_CHECK_LOGGERS:  # vLLM's word for each of them is "unknown"; checked above instead
         logging.getLogger(name).addFilter(_not_ours)  # (once: a logger keeps one of each filter)
-    if turn_on_vllm_dual_stream(sys.modules, BASE_LINEAR_LORA_MODULE):
-        logger.info("vLLM's dual-stream LoRA turned on (VLLM_LORA_ENABLE_DUAL_STREAM=1; "
-                    "VLLM_LORA_EXT_DUAL_STREAM=0 leaves it off)")
     metrics.setup()
     stall_threshold = stall_trace_seconds()
     if stall_threshold:
