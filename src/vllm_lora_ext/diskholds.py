@@ -7,7 +7,8 @@ before it knows its commit).
 
 Layout, under ``<HF cache>/.locks/vllm_lora_ext/`` (huggingface_hub's cache scan skips ``.locks``)::
 
-    state.lock                one lock (``filelock``) for the ledger and every holds file; held briefly
+    state.lock                one lock (``filelock``) for the ledger and every holds file; held briefly (a reader
+                              that writes nothing, ``vllm-lora cache ls``, takes it shared: [`reading`])
     holds/<pid>-<hex>.json    one process's holds, rewritten whole (write, then rename) under ``state.lock``
     holds/<pid>-<hex>.lock    held by that process for as long as it lives
 
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import secrets
 import stat
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,7 @@ from vllm_lora_ext.constants import MAX_STATE_FILE_BYTES
 from vllm_lora_ext.hubguard import COMMIT_SHA
 
 __all__ = ["DiskHold", "HeldSources", "Hold", "cache_path", "hold", "holding", "live_holds", "locked",
-           "read_state_file", "reserved_bytes", "state_root", "write_in_place"]
+           "read_state_file", "reading", "reserved_bytes", "state_root", "write_in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +226,42 @@ def locked(root: Path, *, wait: bool = True) -> Iterator[None]:
         state.tlock.release()
 
 
+@contextlib.contextmanager
+def reading(root: Path) -> Iterator[None]:
+    """Hold the cache's state still for a reader that writes nothing (``vllm-lora cache ls``): a shared lock on the
+    existing ``state.lock``, opened read-only, so writers wait and a read-only cache can be read; no file or folder
+    is made (without a ``state.lock`` no writer has run yet: nothing is locked). Within a thread that holds
+    [`locked`] already, nothing more is taken."""
+    with _STATE_LOCK:
+        state = _STATE["roots"].get(os.path.abspath(root)) if _STATE["pid"] == os.getpid() else None
+    with state.tlock if state is not None else contextlib.nullcontext():  # (another thread's `locked` waits)
+        if state is not None and state.depth:
+            yield
+            return
+        try:
+            fd = os.open(root / "state.lock", os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            yield
+            return
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while not _try_flock(fd, fcntl.LOCK_SH):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process holds the disk cache state of {root}")
+                time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # (drops the lock)
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class DiskHold:
     """A hold this process made; [`release`](DiskHold.release) ends it (idempotent). Usable as a context manager."""
 
@@ -377,8 +416,9 @@ def reserved_bytes(holds: Sequence[Hold], also: Mapping[str, int] | None = None,
     return sum(files.values())
 
 
-def live_holds(root: Path) -> list[Hold]:
-    """Return every live process's holds on this cache, removing dead processes' files. Call under [`locked`].
+def live_holds(root: Path, *, read_only: bool = False) -> list[Hold]:
+    """Return every live process's holds on this cache, removing dead processes' files (``read_only``: leaving
+    them, for a reader under [`reading`]). Call under [`locked`].
 
     A live process whose holds file cannot be read holds every revision (an evictor then evicts nothing).
     """
@@ -391,6 +431,9 @@ def live_holds(root: Path) -> list[Hold]:
     for lock_path in sorted(folder.glob("*.lock")):
         name = lock_path.name[: -len(".lock")]
         data_path = folder / f"{name}.json"
+        if read_only:
+            out.extend(_read_holds(data_path) if _owner_lives(lock_path) else [])
+            continue
         probe = FileLock(str(lock_path), thread_local=False)
         try:
             probe.acquire(timeout=0)
@@ -404,6 +447,20 @@ def live_holds(root: Path) -> list[Hold]:
         finally:
             probe.release()
     return out
+
+
+def _owner_lives(lock_path: Path) -> bool:
+    """Whether a process holds its owner lock ``lock_path`` (probed through a read-only descriptor)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:  # gone meanwhile: its owner ended
+        return False
+    except OSError:  # not ours to open: its holds are listed, as a live process's would be
+        return True
+    try:
+        return not _try_flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)
 
 
 def _read_holds(path: Path) -> list[Hold]:

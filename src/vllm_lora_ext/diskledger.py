@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 LEDGER = "ledger.json"
 
 
-def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
+def read_ledger(root: Path, *, read_only: bool = False) -> dict[str, dict[str, Any]]:
+    """The ledger's entries; an unreadable ledger lists nothing and is moved aside (``read_only``: left as it is)."""
     path = root / LEDGER
     if not path.exists():
         return {}
@@ -40,6 +41,9 @@ def read_ledger(root: Path) -> dict[str, dict[str, Any]]:
             v["last_use"] = 0.0 if not used >= 0 else min(used, now)  # (a number `cache ls` and JSON can show)
         return entries
     except Exception as err:  # never guess what is ours: an unreadable ledger lists nothing, so nothing is evicted
+        if read_only:
+            logger.warning("the disk cache ledger %s could not be read (%s); nothing is listed", path, err)
+            return {}
         aside = path.with_name(f"{LEDGER}.unreadable")
         os.replace(path, aside)
         logger.warning("the disk cache ledger %s could not be read (%s); it was moved to %s and the plugin now "

@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm_lora_ext import metrics
 from vllm_lora_ext._util import fmt_bytes
-from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, live_holds, locked, state_root
+from vllm_lora_ext.diskholds import DiskHold, Hold, cache_path, live_holds, locked, reading, state_root
 from vllm_lora_ext.diskledger import LEDGER, read_ledger, snapshot_blobs, write_ledger
 
 __all__ = ["CachedRevision", "PruneReport", "list_cache", "prune_cache"]
@@ -97,11 +97,12 @@ class DiskState:
                          and h.revision == skip.revision and h.why == skip.why)]
 
 
-def scan_state(cache: Path, root: Path) -> DiskState:
-    """Match the ledger against huggingface_hub's scan of the cache; drop entries no longer on disk."""
+def scan_state(cache: Path, root: Path, *, read_only: bool = False) -> DiskState:
+    """Match the ledger against huggingface_hub's scan of the cache; drop entries no longer on disk (``read_only``:
+    from the result only, for a listing, which writes nothing: call it under [`reading`] then)."""
     from huggingface_hub import scan_cache_dir
 
-    entries = read_ledger(root)
+    entries = read_ledger(root, read_only=read_only)
     for attempt in range(3):  # a file gone mid-scan: another download's ref or partial file, renamed meanwhile
         try:
             info = scan_cache_dir(cache)
@@ -112,7 +113,7 @@ def scan_state(cache: Path, root: Path) -> DiskState:
     by_key = {(repo.repo_id, rev.commit_hash): (repo, rev) for repo in info.repos if repo.repo_type == "model"
               for rev in repo.revisions}
     commit_repos = Counter(rev.commit_hash for repo in info.repos for rev in repo.revisions)
-    holds = live_holds(root)
+    holds = live_holds(root, read_only=read_only)
     revisions: dict[str, CachedRevision] = {}
     blobs: dict[str, dict[str, int]] = {}
     unscanned = {k: snapshot_blobs(cache, e) for k, e in entries.items() if (e["repo_id"], e["commit"]) not in by_key}
@@ -130,10 +131,11 @@ def scan_state(cache: Path, root: Path) -> DiskState:
             names, evictable = set(on_disk), set(on_disk) <= listed and commit_repos[entry["commit"]] == 1
         revisions[key] = CachedRevision(entry["repo_id"], entry["commit"], sum(blobs[key].values()),
                                         float(entry["last_use"]), tuple(sorted(listed & names)), evictable=evictable)
-    state = DiskState(info, revisions, blobs, holds, stale_partial_bytes(cache))
+    state = DiskState(info, revisions, blobs, holds, 0 if read_only else stale_partial_bytes(cache))  # (its probe
+    # opens huggingface_hub's lock files for writing; a listing shows no partial bytes)
     for key, rev in revisions.items():
         revisions[key] = replace(rev, held_by=tuple(sorted({f"pid {h.pid}: {h.why}" for h in state.held(rev)})))
-    if gone:
+    if gone and not read_only:
         write_ledger(root, entries)
     return state
 
@@ -204,7 +206,8 @@ def evict_revisions(cache: Path, root: Path, state: DiskState, keys: Sequence[st
 
 
 def list_cache(*, cache_dir: str | os.PathLike[str] | None = None) -> list[CachedRevision]:
-    """Return the revisions the plugin downloaded into the cache, most recently used first.
+    """Return the revisions the plugin downloaded into the cache, most recently used first. Writes nothing (a
+    read-only cache can be listed).
 
     Example:
         >>> import tempfile
@@ -214,8 +217,8 @@ def list_cache(*, cache_dir: str | os.PathLike[str] | None = None) -> list[Cache
     cache, root = cache_path(cache_dir), state_root(cache_dir)
     if not (root / LEDGER).exists():
         return []
-    with locked(root):
-        state = scan_state(cache, root)
+    with reading(root):
+        state = scan_state(cache, root, read_only=True)
     return sorted(state.revisions.values(), key=lambda r: (-r.last_use, r.key))
 
 

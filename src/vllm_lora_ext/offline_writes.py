@@ -28,7 +28,7 @@ from vllm_lora_ext.offline_ops import MOE_SIZES_KEY, LoadedAdapter, load_adapter
 from vllm_lora_ext.outputs import write_atomically
 from vllm_lora_ext.reader import read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import check_finite, check_rank_budget
+from vllm_lora_ext.validation import check_rank_budget, first_nonfinite
 
 __all__ = ["convert_adapter", "mix_adapter_files", "check_mixable", "MIX_PROVENANCE_NAME"]
 
@@ -235,6 +235,22 @@ def _mix_factors(la: LoadedAdapter) -> dict[Any, MixFactor]:
     return out
 
 
+def _check_mix_finite(tensors: Mapping[str, torch.Tensor], inputs: Sequence[tuple[str, float]],
+                      out_dir: str | os.PathLike[str]) -> None:
+    """Refuse a mix whose factors overflow their dtype (|w| <= 100 of finite factors can still pass a 16-bit
+    dtype's range), naming the inputs and weights as given and the output folder, not an internal name."""
+    key = first_nonfinite(tensors)
+    if key is None:
+        return
+    dtype = str(tensors[key].dtype).removeprefix("torch.")
+    given = " ".join(f"{n}={w:g}" for n, w in inputs)
+    out = os.fspath(out_dir)
+    raise AdapterFormatError(f"The mix {given} into {out!r} overflows {dtype}: tensor {key!r} holds infinite or NaN "
+                             f"values once each input's weight and scaling are folded into its A. Nothing was "
+                             f"written. Lower the weights, so that every w·s·A stays within {dtype}'s range "
+                             f"(±{torch.finfo(tensors[key].dtype).max:.6g}).", adapter=out, key=key)
+
+
 def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir: str | os.PathLike[str], *,
                       base_config: Mapping[str, Any] | None = None, num_experts: int | None = None,
                       names: Sequence[str] | None = None) -> Path:
@@ -278,6 +294,6 @@ def mix_adapter_files(adapters: Sequence[tuple[ResolvedAdapter, float]], out_dir
            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in ranks}),  # informational
            "rank_pattern": {m: k for m, k in ranks.items()}, "alpha_pattern": {m: float(k) for m, k in ranks.items()},
            "peft_version": "0.21.0"}
-    check_finite(tensors, adapter="mix")  # |w| <= 100 of finite factors can still overflow a 16-bit dtype
+    _check_mix_finite(tensors, [(n, w) for n, (_, w) in zip(labels, adapters)], out_dir)
     provenance = json.dumps({"adapters": [[ra.source.canonical(), w] for ra, w in adapters]}, indent=2)
     return _write(out_dir, tensors, cfg, {MIX_PROVENANCE_NAME: provenance})

@@ -134,11 +134,15 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
     """Return the output folder after checking that writing there destroys nothing.
 
     Raises:
-        [`OutputPathError`]: ``out`` is a file; or, without ``force``, it is a non-empty folder or holds an input.
+        [`OutputPathError`]: ``out`` is a file; a folder no write may replace (the working folder or one holding
+            it, a mount point or one holding one: [`_check_replaceable`], with or without ``force``); or, without
+            ``force``, a non-empty folder or one that holds an input.
     """
     path = _absolute(out)
     if path.exists() and not path.is_dir():
         raise OutputPathError(f"Output {str(path)!r} is a file; name a folder to write the adapter into.")
+    if path.is_dir():  # a write swaps a new folder in for this one: refused first, so no refusal below offers a
+        _check_replaceable(path)  # --force that this one would refuse (-o . in a non-empty folder)
     real = os.path.realpath(path)
     for src in inputs:
         folder = os.path.realpath(src if src.is_dir() else src.parent)
@@ -148,9 +152,26 @@ def check_output_dir(out: str | os.PathLike[str], *, inputs: Iterable[Path] = ()
     if path.is_dir() and any(path.iterdir()) and not force:
         raise OutputPathError(f"Output folder {str(path)!r} is not empty. Choose a new or empty folder, or pass --force "
                               f"to replace the adapter files in it.")
-    if path.is_dir():  # a write swaps a new folder in for this one, with the other files it holds linked in
-        _check_replaceable(path)
     return path
+
+
+def _unwritable(folder: Path, err: OSError) -> str:
+    """Why no new file or folder could be made in ``folder`` (``err``: the failed ``open`` or ``mkdir``), as the
+    reason a user can act on: a file in the way, a read-only or virtual file system, a permission, a full disk."""
+    try:
+        fs = os.statvfs(folder)
+        read_only, virtual = bool(fs.f_flag & os.ST_RDONLY), fs.f_blocks == 0 and folder.is_dir()
+    except OSError:
+        read_only = virtual = False
+    if err.errno in (errno.ENOTDIR, errno.EEXIST) or (folder.exists() and not folder.is_dir()):
+        return "it is a file, not a folder"
+    if err.errno == errno.EROFS or read_only:
+        return "it is on a read-only file system (remount it read-write, or write elsewhere)"
+    if virtual:  # /proc answers ENOENT, /sys EACCES (to root too): neither is a missing folder or a permission
+        return "it is on a virtual file system with no disk behind it (as /proc and /sys are), which takes no new files"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied: this user may not make files there"
+    return _NO_ROOM.get(err.errno or 0) or (err.strerror or str(err))
 
 
 class OutputClaim(os.PathLike[str]):
@@ -179,7 +200,9 @@ class OutputClaim(os.PathLike[str]):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as err:
-            raise OutputPathError(f"Cannot write into {str(self.path.parent)!r} ({err.strerror or err}), so not "
+            failed = Path(err.filename) if err.filename else self.lock_path  # the entry that could not be made,
+            folder = failed if err.errno == errno.EEXIST else failed.parent  # or (EEXIST) a file in a folder's place
+            raise OutputPathError(f"Cannot write into {str(folder)!r}: {_unwritable(folder, err)}, so not "
                                   f"{str(self.path)!r} either. Choose an output folder you can write to.") from err
 
     def acquire(self) -> OutputClaim:

@@ -1,7 +1,8 @@
 """``vllm-lora cache ls`` and ``vllm-lora cache prune --max-bytes N``: the adapters the plugin downloaded.
 
 ``ls`` lists each revision the plugin downloaded into the Hugging Face cache: its size, last use and what
-holds it now (a live server's registered adapter, pin or build). ``prune`` evicts the least recently used
+holds it now (a live server's registered adapter, pin or build); it writes nothing, so a read-only cache can be
+listed. ``prune`` evicts the least recently used
 revisions that nothing holds until the rest fit ``--max-bytes``, as a server does under
 ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` (exit code 1 if the revisions in use alone pass it).
 """

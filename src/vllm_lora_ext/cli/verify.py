@@ -266,14 +266,24 @@ def _compare(args: argparse.Namespace, work: Path, job: dict[str, Any], groups: 
     return dataclasses.replace(report, extra=extra)
 
 
+def _resolve_adapters(args: argparse.Namespace, *, remote: bool) -> None:
+    """Resolve ``ADAPTER`` and ``--served``: without ``remote`` the local ones (cheap, so a mistyped path answers at
+    once) and the syntax of the ``hf:`` ones; with it the ``hf:`` ones, a download, run only once the GPU check
+    passed (a user with no GPU, or offline, learns that first, not after a download or a silent Hub's timeout)."""
+    from vllm_lora_ext.cli._args import resolve_offline
+    from vllm_lora_ext.sources import parse_source
+
+    for source in (args.adapter, args.served):
+        if source and (parse_source(source).kind == "hf") == remote:
+            resolve_offline(source)
+
+
 def run(args: argparse.Namespace) -> int:
-    from vllm_lora_ext.cli._args import one_line, resolve_offline
+    from vllm_lora_ext.cli._args import one_line
     from vllm_lora_ext.errors import VllmLoraExtError
 
     try:  # usage errors exit 2, as a FAIL verdict exits 1
-        resolve_offline(args.adapter)  # a mistyped adapter answers here, not on the GPU machine
-        if args.served:
-            resolve_offline(args.served)
+        _resolve_adapters(args, remote=False)  # a mistyped adapter answers here, not on the GPU machine
         if args.tokens > 512:
             raise VerifyError(f"--tokens {args.tokens}: give at most 512 tokens to generate after each prompt.")
         json_path = Path(os.path.expanduser(args.json)).absolute() if args.json else None
@@ -282,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
             raise VerifyError(f"--json {args.json}: it is a folder, or its folder does not exist or cannot be "
                               f"written. Name a file in a folder that exists, before the GPU run is spent.")
         problem = gpu_problem()
+        if problem is None:
+            _resolve_adapters(args, remote=True)
     except VllmLoraExtError as err:
         problem = one_line(err)
     if problem:
