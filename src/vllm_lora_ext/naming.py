@@ -19,6 +19,7 @@ it makes ``mix-<label>-<digest prefix>`` ([`MixSpec.lora_name`]). So the whole g
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import cast
@@ -28,7 +29,8 @@ from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, PREBUILD_PREFIX
 from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixError
 from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
 
-__all__ = ["RESERVED_NAME_CHARS", "SERVER_ONLY_PREFIXES", "check_adapter_name", "check_mix_fields",
+__all__ = ["MIX_BODY_FIELDS", "RESERVED_NAME_CHARS", "SERVER_ONLY_PREFIXES", "check_adapter_name", "check_mix_fields",
+           "mix_body_fields",
            "mix_name_expression", "mix_in_model", "reserved_part", "server_only_prefix"]
 
 # The characters of the mix grammar: an adapter name holding one would be read as a mix.
@@ -182,3 +184,25 @@ def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | Non
         raise MixError(f"'adapter_weights' must be a list of numbers, got {short_repr(weights)}.")
     shown = names if names is not None and len(names) == len(weights) else [f"#{i}" for i in range(len(weights))]
     return names, [check_weight(w, name=n) for n, w in zip(shown, weights)]
+
+
+MIX_BODY_FIELDS = ("adapters", "adapter_weights")  # a request's mix, in its body (rule 1 of README's "Weighted mixes")
+
+
+def mix_body_fields(body: bytes) -> list[str]:
+    """The mix body fields a raw JSON request body sets at its top level (not null, not an empty list), for a route
+    whose request type drops them before the plugin sees them.
+
+    Example:
+        >>> mix_body_fields(b'{"model": "m", "adapters": ["a", "b"], "adapter_weights": null}')
+        ['adapters']
+        >>> mix_body_fields(b'{"model": "a=0.7+b=0.3", "adapters": []}'), mix_body_fields(b'[1]')
+        ([], [])
+    """
+    if not any(f'"{field}"'.encode() in body for field in MIX_BODY_FIELDS):  # (no parse for almost every body)
+        return []
+    try:
+        data = json.loads(body)
+    except ValueError:  # vLLM answers a body that is no JSON itself
+        return []
+    return [f for f in MIX_BODY_FIELDS if isinstance(data, dict) and data.get(f) not in (None, [])]

@@ -184,8 +184,11 @@ def test_the_patch_table_in_patches_md_matches_the_patches_applied() -> None:
     from vllm_lora_ext.integration.patching import applied
 
     plugin.register()
+    import vllm.entrypoints.anthropic.serving  # noqa: F401
     import vllm.entrypoints.generate.base.serving  # noqa: F401
     import vllm.entrypoints.generate.beam_search.online  # noqa: F401
+    import vllm.entrypoints.scale_out.token_in_token_out.serving  # noqa: F401
+    import vllm.lora.layers.base_linear  # noqa: F401
     import vllm.entrypoints.openai.chat_completion.batch_serving  # noqa: F401
     import vllm.entrypoints.openai.models.serving  # noqa: F401
     import vllm.entrypoints.serve.engine.serving  # noqa: F401

@@ -19,12 +19,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from vllm_lora_ext.constants import (
-    ENV_ALLOW_UNSUPPORTED_VLLM,
-    SUPPORTED_VLLM_MAX_EXCLUSIVE,
-    SUPPORTED_VLLM_MIN,
-    allow_unsupported_vllm,
-)
+from vllm_lora_ext.constants import ENV_ALLOW_UNSUPPORTED_VLLM, SUPPORTED_VLLM_MAX_EXCLUSIVE, SUPPORTED_VLLM_MIN
+from vllm_lora_ext.constants import allow_unsupported_vllm
 from vllm_lora_ext.errors import UnsupportedVLLMError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +46,8 @@ GENERATE_SERVING_MODULE = "vllm.entrypoints.generate.base.serving"  # completion
 BEAM_SEARCH_MODULE = "vllm.entrypoints.generate.beam_search.online"
 BATCH_CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.batch_serving"  # /v1/chat/completions/batch (0.26-0.33)
 POOLING_SERVING_MODULE = "vllm.entrypoints.pooling.base.serving"
+ANTHROPIC_SERVING_MODULE = "vllm.entrypoints.anthropic.serving"  # AnthropicServingMessages (0.26-0.33)
+TOKENS_SERVING_MODULE = "vllm.entrypoints.scale_out.token_in_token_out.serving"  # ServingTokens (0.26-0.33)
 GPU_WORKER_MODULE = "vllm.v1.worker.gpu_worker"  # Worker.compile_or_warm_up_model (0.26-0.33)
 INPUT_PROCESSOR_MODULE = "vllm.v1.engine.input_processor"  # InputProcessor.__init__ (0.26-0.33)
 TRITON_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.triton_moe"  # TritonExperts (0.26-0.33)

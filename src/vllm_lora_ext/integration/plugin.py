@@ -25,6 +25,7 @@ from vllm_lora_ext.constants import SETTING_PREFIX, check_settings, log_level, p
 from vllm_lora_ext.errors import SettingsError, UnsupportedVLLMError
 from vllm_lora_ext.integration import engine_patches, server_patches, worker_patches
 from vllm_lora_ext.integration._compat import (
+    ANTHROPIC_SERVING_MODULE,
     ASYNC_LLM_MODULE,
     ENV_CHECK_LOGGERS,
     BASE_LINEAR_LORA_MODULE,
@@ -43,6 +44,7 @@ from vllm_lora_ext.integration._compat import (
     OUTPUT_PROCESSOR_MODULE,
     POOLING_SERVING_MODULE,
     SERVING_MODELS_MODULE,
+    TOKENS_SERVING_MODULE,
     TRITON_MOE_MODULE,
     PUNICA_GPU_MODULE,
     WORKER_MANAGER_MODULE,
@@ -235,6 +237,14 @@ PATCHES: tuple[Patch, ...] = (
           why="online beam search calls generate once per step; one lease from the call until its output ends keeps "
               "its mix from being evicted between steps",
           delete_when="as AsyncLLM.generate"),
+    *(Patch(module, target, ("request", "raw_request"), server_patches.make_dropped_mix_fields_guard,
+            process="server",
+            why="vLLM's request types for /v1/messages and /inference/v1/generate drop the body fields adapters and "
+                "adapter_weights before any handler sees them, so such a request ran without its mix and without an "
+                "error: refuse it (400), naming the fields and the 'model' mix syntax these routes do read",
+            delete_when="these routes' request types keep or refuse unknown fields")
+      for module, target in ((ANTHROPIC_SERVING_MODULE, "AnthropicServingMessages.create_messages"),
+                             (TOKENS_SERVING_MODULE, "ServingTokens.serve_tokens"))),
     Patch(POOLING_SERVING_MODULE, "PoolingBaseServing._check_model", ("request",),
           server_patches.make_pooling_check_model, process="server", reads=("_is_model_supported",),
           why="pooling routes (embeddings, score, classify) override _check_model and never route adapter fields, so "

@@ -186,3 +186,26 @@ def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]
         return await original(self, request)
 
     return _check_model
+
+
+def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``create_messages`` (``/v1/messages``) or ``serve_tokens`` (``/inference/v1/generate``): their request
+    types drop the body fields ``adapters`` and ``adapter_weights`` before any handler sees them, so a request
+    sending them would run without its mix and without an error. Refuse it (400), naming the fields and the
+    ``model`` syntax these routes do read; the raw body is the one vLLM already read (Starlette keeps it)."""
+
+    async def handler(self: Any, request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        from vllm_lora_ext.errors import MixError
+        from vllm_lora_ext.integration.server import http_error
+        from vllm_lora_ext.naming import mix_body_fields
+
+        fields = mix_body_fields(await raw_request.body()) if raw_request is not None else []
+        if fields:
+            path = getattr(getattr(raw_request, "url", None), "path", "this route")
+            return http_error(MixError(
+                f"{path} does not read the body field(s) {', '.join(fields)}: vLLM's request type for it drops them, "
+                f"so the mix would not be served. Write the mix in 'model' instead (\"model\": \"a=0.7+b=0.3\"), "
+                f"or send the request to /v1/chat/completions or /v1/completions, which read the fields."))
+        return await original(self, request, raw_request, *args, **kwargs)
+
+    return handler
