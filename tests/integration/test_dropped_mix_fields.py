@@ -64,3 +64,30 @@ def test_a_mix_in_the_body_is_refused_where_vllm_drops_it(client: Any, path: str
 def test_requests_without_a_body_mix_reach_vllms_handler(client: Any, path: str, body: dict, fields: dict) -> None:
     r = client.post(path, json={**body, **fields})
     assert r.status_code == 500 and "does not read the body field" not in r.text, r.text  # vLLM's handler ran
+
+
+def test_a_body_that_cannot_be_read_again_leaves_the_route_to_vllm() -> None:
+    """A request whose body stream was consumed without being kept (Starlette then refuses to read it again): the
+    guard passes it on rather than failing the route."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from vllm_lora_ext.integration.server_patches import make_dropped_mix_fields_guard
+
+    async def run() -> Any:
+        chunks = [{"type": "http.request", "body": b'{"adapters": ["a"]}', "more_body": False}]
+        raw = Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": []},
+                      receive=lambda: asyncio.sleep(0, chunks.pop(0)))
+        async for _ in raw.stream():  # consumed, not kept
+            pass
+        calls: list[Any] = []
+
+        async def original(self: Any, request: Any, raw_request: Any = None) -> str:
+            calls.append(raw_request)
+            return "vllm's answer"
+
+        answer = await make_dropped_mix_fields_guard(original)(object(), object(), raw)
+        return answer, calls == [raw]
+
+    assert asyncio.run(run()) == ("vllm's answer", True)

@@ -199,7 +199,7 @@ def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[...,
         from vllm_lora_ext.integration.server import http_error
         from vllm_lora_ext.naming import mix_body_fields
 
-        fields = mix_body_fields(await raw_request.body()) if raw_request is not None else []
+        fields = mix_body_fields(await _raw_body(raw_request))
         if fields:
             path = getattr(getattr(raw_request, "url", None), "path", "this route")
             return http_error(MixError(
@@ -209,3 +209,15 @@ def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[...,
         return await original(self, request, raw_request, *args, **kwargs)
 
     return handler
+
+
+async def _raw_body(raw_request: Any) -> bytes:
+    """The request's body as vLLM read it (Starlette keeps it); empty where there is no request or it cannot be read
+    again (the route then runs as vLLM has it, never failing over the guard)."""
+    if raw_request is None:
+        return b""
+    try:
+        return bytes(await raw_request.body())
+    except Exception:  # e.g. a stream consumed without being kept
+        logger.debug("vllm_lora_ext: the raw body of %s could not be read again", getattr(raw_request, "url", "?"))
+        return b""
