@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -239,13 +240,19 @@ def reading(root: Path) -> Iterator[None]:
             yield
             return
         try:
-            fd = os.open(root / "state.lock", os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+            fd = os.open(root / "state.lock", _PROBE_FLAGS)
+        except OSError:  # (a symlink there too: writers' filelock opens it O_NOFOLLOW, so it locks nothing)
             yield
             return
         try:
             deadline = time.monotonic() + _LOCK_TIMEOUT_S
-            while not _try_flock(fd, fcntl.LOCK_SH):
+            while True:
+                try:
+                    if _try_flock(fd, fcntl.LOCK_SH):
+                        break
+                except OSError as err:  # no flock on this file system (ENOSYS, ...): filelock's soft lock guards
+                    logger.debug("vllm_lora_ext: %s cannot be locked shared (%s); read as it is", root, err)
+                    break  # the writers there; the listing reads without a lock, as where no state.lock exists
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"another process holds the disk cache state of {root}")
                 time.sleep(0.01)
@@ -254,11 +261,21 @@ def reading(root: Path) -> Iterator[None]:
             os.close(fd)  # (drops the lock)
 
 
+# A lock file opened to probe it: never waiting (a FIFO), never through a symlink (filelock opens lock files
+# O_NOFOLLOW, so a link planted there is no lock, and opening what it names may have side effects: a device).
+_PROBE_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+# What flock answers for a lock another holds: EAGAIN, and EACCES on some file systems (as filelock counts them).
+_CONTENTION = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES})
+
+
 def _try_flock(fd: int, kind: int) -> bool:
+    """Whether a non-blocking ``flock`` of ``kind`` was taken (False: another holds it; other failures raise)."""
     try:
         fcntl.flock(fd, kind | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
+    except OSError as err:
+        if err.errno in _CONTENTION:
+            return False
+        raise
     return True
 
 
@@ -452,13 +469,15 @@ def live_holds(root: Path, *, read_only: bool = False) -> list[Hold]:
 def _owner_lives(lock_path: Path) -> bool:
     """Whether a process holds its owner lock ``lock_path`` (probed through a read-only descriptor)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(lock_path, _PROBE_FLAGS)
     except FileNotFoundError:  # gone meanwhile: its owner ended
         return False
     except OSError:  # not ours to open: its holds are listed, as a live process's would be
         return True
     try:
         return not _try_flock(fd, fcntl.LOCK_SH)
+    except OSError:  # no flock here (filelock's soft lock: a marker file, there while its owner holds it): live
+        return True
     finally:
         os.close(fd)
 

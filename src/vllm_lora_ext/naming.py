@@ -189,20 +189,22 @@ def check_mix_fields(adapters: object, weights: object) -> tuple[list[str] | Non
 MIX_BODY_FIELDS = ("adapters", "adapter_weights")  # a request's mix, in its body (rule 1 of README's "Weighted mixes")
 
 
-def mix_body_fields(body: bytes) -> list[str]:
-    """The mix body fields a raw JSON request body sets at its top level (not null, not an empty list), for a route
-    whose request type drops them before the plugin sees them.
+def mix_body_fields(body: object) -> list[str]:
+    """The mix body fields a JSON request body sets at its top level (not null, not an empty list), for a route
+    whose request type drops them before the plugin sees them. ``body`` is the body as parsed (the route's own
+    parse, so escaped keys and UTF-16/32 bodies read as vLLM read them), or its raw bytes (parsed here).
 
     Example:
         >>> mix_body_fields(b'{"model": "m", "adapters": ["a", "b"], "adapter_weights": null}')
         ['adapters']
         >>> mix_body_fields(b'{"model": "a=0.7+b=0.3", "adapters": []}'), mix_body_fields(b'[1]')
         ([], [])
+        >>> mix_body_fields(b'{"\\u0061dapters": ["a"]}'), mix_body_fields({"adapter_weights": [1]})
+        (['adapters'], ['adapter_weights'])
     """
-    if not any(f'"{field}"'.encode() in body for field in MIX_BODY_FIELDS):  # (no parse for almost every body)
-        return []
-    try:
-        data = json.loads(body)
-    except ValueError:  # vLLM answers a body that is no JSON itself
-        return []
-    return [f for f in MIX_BODY_FIELDS if isinstance(data, dict) and data.get(f) not in (None, [])]
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = json.loads(body)
+        except ValueError:  # vLLM answers a body that is no JSON itself
+            return []
+    return [f for f in MIX_BODY_FIELDS if isinstance(body, dict) and body.get(f) not in (None, [])]

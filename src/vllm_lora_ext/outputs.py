@@ -160,13 +160,16 @@ def _unwritable(folder: Path, err: OSError) -> str:
     reason a user can act on: a file in the way, a read-only or virtual file system, a permission, a full disk."""
     try:
         fs = os.statvfs(folder)
-        read_only, virtual = bool(fs.f_flag & os.ST_RDONLY), fs.f_blocks == 0 and folder.is_dir()
+        # (no blocks and no inodes: /proc, /sys; a tmpfs of size=0 is unbounded, with inodes that can run out)
+        read_only, virtual = bool(fs.f_flag & os.ST_RDONLY), fs.f_blocks == 0 == fs.f_files and folder.is_dir()
     except OSError:
         read_only = virtual = False
     if err.errno in (errno.ENOTDIR, errno.EEXIST) or (folder.exists() and not folder.is_dir()):
         return "it is a file, not a folder"
     if err.errno == errno.EROFS or read_only:
         return "it is on a read-only file system (remount it read-write, or write elsewhere)"
+    if err.errno in _NO_ROOM:
+        return _NO_ROOM[err.errno]
     if virtual:  # /proc answers ENOENT, /sys EACCES (to root too): neither is a missing folder or a permission
         return "it is on a virtual file system with no disk behind it (as /proc and /sys are), which takes no new files"
     if err.errno in (errno.EACCES, errno.EPERM):

@@ -8,6 +8,7 @@ reaches vLLM's handler, which fails on the bare object (a 500 or an exception, n
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -91,3 +92,103 @@ def test_a_body_that_cannot_be_read_again_leaves_the_route_to_vllm() -> None:
         return answer, calls == [raw]
 
     assert asyncio.run(run()) == ("vllm's answer", True)
+
+
+# Hostile bodies (an attacker helper, r44)
+ROUTES = [("/v1/messages", MESSAGES), ("/inference/v1/generate", TOKENS)]
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_escaped_key_is_refused(client: Any, path: str, body: dict) -> None:
+    raw = json.dumps(body)[:-1] + ', "\\u0061dapters": ["style", "domain"], "adapter\\u005fweights": [0.7, 0.3]}'
+    assert json.loads(raw)["adapters"] == ["style", "domain"]  # what vLLM's parser (and pydantic) sees
+    r = client.post(path, content=raw.encode(), headers=JSON)
+    assert r.status_code == 400 and "does not read the body field(s) adapters, adapter_weights" in r.text, r.text
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_utf16_body_is_refused(client: Any, path: str, body: dict) -> None:
+    raw = json.dumps({**body, "adapters": ["style"]}).encode("utf-16")  # json.loads(bytes) detects UTF-16
+    r = client.post(path, content=raw, headers=JSON)
+    assert r.status_code == 400 and "does not read the body field(s) adapters" in r.text, r.text
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_chunked_body_is_refused(client: Any, path: str, body: dict) -> None:
+    raw = json.dumps({**body, "adapters": ["style"]}).encode()
+    r = client.post(path, content=iter([raw[:7], raw[7:20], raw[20:]]), headers=JSON)
+    assert r.status_code == 400 and "adapters" in r.text, r.text
+
+
+@pytest.mark.parametrize(("dups", "refused"), [('"adapters": ["a"], "adapters": null', False),
+                                               ('"adapters": null, "adapters": ["a"]', True)])
+def test_duplicate_keys_follow_the_parser(client: Any, dups: str, refused: bool) -> None:
+    raw = json.dumps(MESSAGES)[:-1] + ", " + dups + "}"
+    r = client.post("/v1/messages", content=raw.encode(), headers=JSON)
+    assert (r.status_code == 400) is refused, r.text
+
+
+def test_anthropic_error_shape(client: Any) -> None:
+    r = client.post("/v1/messages", json={**MESSAGES, "stream": True, "adapters": ["a"]})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_the_guard_never_parses_the_body_again(client: Any, path: str, body: dict, monkeypatch: Any) -> None:
+    """A body that names "adapters" anywhere (a tool schema, metadata) is parsed once, by vLLM's route."""
+    import starlette.requests
+
+    import vllm_lora_ext.naming as naming
+
+    calls: list[int] = []
+
+    class CountingJson:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(json, name)
+
+        @staticmethod
+        def loads(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return json.loads(*args, **kwargs)
+
+    monkeypatch.setattr(starlette.requests, "json", CountingJson())
+    monkeypatch.setattr(naming, "json", CountingJson())
+    r = client.post(path, json={**body, "metadata": {"adapters": ["x"]}, "adapters": ["a"]})
+    assert r.status_code == 400 and calls == [1], (calls, r.text)
+
+
+def test_cohere_v2_chat_refuses_a_body_mix() -> None:
+    """vLLM 0.33's /cohere/v2/chat (VLLM_ENABLE_COHERE_API=1, cohere SDK): CohereChatV2Request drops unknown fields
+    and the handler builds a ChatCompletionRequest from the fields it knows, so adapters/adapter_weights never reach
+    the plugin's routing: the request ran on the base model (or the deployment default), without an error."""
+    cohere_router = pytest.importorskip("vllm.entrypoints.cohere.api_router")
+    if not getattr(cohere_router, "_SDK_AVAILABLE", False):
+        pytest.skip("no cohere SDK")
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.cohere.serving import CohereServingChatV2
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    seen: list[Any] = []
+
+    async def create_chat_completion(chat_req: Any, raw_request: Any = None) -> Any:
+        seen.append(chat_req)  # where the plugin's routing (BaseServing._check_model) would read the fields
+        return ErrorResponse(error={"message": "reached", "type": "x", "code": 500})
+
+    serving = CohereServingChatV2.__new__(CohereServingChatV2)
+    serving.create_chat_completion = create_chat_completion
+    app = FastAPI()
+    app.include_router(cohere_router.router)
+    app.state.cohere_serving_chat_v2 = serving
+    app.state.server_load_metrics, app.state.enable_server_load_tracking = 0, False
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.post("/cohere/v2/chat", json={"model": "base", "messages": [{"role": "user", "content": "hi"}],
+                                            "adapters": ["style", "domain"], "adapter_weights": [0.7, 0.3]})
+    assert not seen or getattr(seen[0], "adapters", None) is not None, "the mix fields were dropped silently"
+    assert r.status_code == 400 and "adapters, adapter_weights" in r.text, r.text

@@ -56,7 +56,10 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
                 r = fetch_source(source, cache_dir=args.cache_dir)  # (held now: fetched again, it stays)
     except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
         if isinstance(err, DiskCacheFullError) and held:
-            err = _refused_beside_own(err, held, args.cache_dir) or err
+            try:
+                err = _refused_beside_own(err, held, args.cache_dir) or err
+            except Exception:  # the listing failed (a writer past the lock's timeout, ...): the refusal as it is,
+                pass  # and the sources after it are still fetched
         if getattr(args, "verbose", 0) > 1:
             traceback.print_exc()
         if args.json:
@@ -86,9 +89,11 @@ def _refused_beside_own(err: DiskCacheFullError, held: list[Any], cache_dir: str
     if err.needed > err.limit:  # larger than the whole bound: its own message says so
         return None
     mine = {(h.repo_id, h.revision) for h in held}
-    own = [r for r in list_cache(cache_dir=cache_dir) if (r.repo_id, r.commit) in mine]
-    if not own or sum(r.nbytes for r in own) < err.in_use:
-        return None
+    listed = list_cache(cache_dir=cache_dir)
+    own = [r for r in listed if (r.repo_id, r.commit) in mine]
+    others = [r for r in listed if (r.repo_id, r.commit) not in mine and (r.held_by or not r.evictable)]
+    if not own or others or sum(r.nbytes for r in own) < err.in_use:  # (revisions of one repo share blobs: the sum
+        return None  # counts a shared one twice, in_use once; so anything else in use is looked for by name)
     names = ", ".join(f"hf:{r.repo_id}@{r.commit[:12]}" for r in own[:3]) + (", ..." if len(own) > 3 else "")
     return DiskCacheFullError(
         f"Adapter source {err.source!r} needs {fmt_bytes(err.needed)} in the Hugging Face cache, but the disk cache "

@@ -39,7 +39,8 @@ from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KeyLock", "keep_for_request", "leased", "on_lease_released", "refuse_mix", "register_when_free", "release",
+__all__ = ["KeyLock", "keep_for_request", "leased", "on_lease_released", "refuse_mix", "refuse_render_of_mix",
+           "register_when_free", "release",
            "request_scope"]
 
 # The leases the request being handled took while it was routed (None outside a generation handler).
@@ -295,6 +296,21 @@ async def withdrawn_while_loading(models: Any, registry: MixRegistry, entry: Mix
     return AdapterNotFoundError(f"Mix {short_repr(entry.lora_name)} was not registered: {what} was unloaded or "
                                 f"reloaded while it loaded. Ask again with the adapters loaded now.",
                                 source=clip(entry.lora_name))
+
+
+def refuse_render_of_mix(serving: Any, spec: Any) -> None:
+    """Refuse a mix on vLLM's render routes (``/v1/chat/completions/render``, ``/v1/completions/render``): what they
+    answer is the request ``/inference/v1/generate`` then runs, and it names only ``model``, which on a route that
+    does not generate is the base model; the mix would be lost between the two without an error.
+
+    Raises:
+        [`MixError`]: ``serving`` is vLLM's ``ServingRender`` (vLLM answers 400 with the message).
+    """
+    if any(kind.__name__ == "ServingRender" for kind in type(serving).__mro__):
+        raise MixError(f"This route renders a request for /inference/v1/generate, which cannot carry the mix "
+                       f"{short_repr('+'.join(f'{c.name}={c.weight:g}' for c in spec.components))}: it would "
+                       f"name the base model. Render with the base model (or a loaded adapter), then send the mix "
+                       f"as 'model' (\"a=0.7+b=0.3\") in the request to /inference/v1/generate.")
 
 
 def refuse_mix_unload(models: Any, name: object) -> MixError | None:

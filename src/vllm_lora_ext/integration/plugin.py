@@ -32,6 +32,7 @@ from vllm_lora_ext.integration._compat import (
     BASE_SERVING_MODULE,
     BATCH_CHAT_MODULE,
     BEAM_SEARCH_MODULE,
+    COHERE_SERVING_MODULE,
     FUSED_MOE_LORA_MODULE,
     GENERATE_SERVING_MODULE,
     GPU_WORKER_MODULE,
@@ -239,12 +240,14 @@ PATCHES: tuple[Patch, ...] = (
           delete_when="as AsyncLLM.generate"),
     *(Patch(module, target, ("request", "raw_request"), server_patches.make_dropped_mix_fields_guard,
             process="server",
-            why="vLLM's request types for /v1/messages and /inference/v1/generate drop the body fields adapters and "
-                "adapter_weights before any handler sees them, so such a request ran without its mix and without an "
-                "error: refuse it (400), naming the fields and the 'model' mix syntax these routes do read",
+            why="vLLM's request types for /v1/messages, /inference/v1/generate and (0.33) /cohere/v2/chat drop the "
+                "body fields adapters and adapter_weights before any handler sees them, so such a request ran without "
+                "its mix and without an error: refuse it (400), naming the fields and the 'model' mix syntax these "
+                "routes do read",
             delete_when="these routes' request types keep or refuse unknown fields")
       for module, target in ((ANTHROPIC_SERVING_MODULE, "AnthropicServingMessages.create_messages"),
-                             (TOKENS_SERVING_MODULE, "ServingTokens.serve_tokens"))),
+                             (TOKENS_SERVING_MODULE, "ServingTokens.serve_tokens"),
+                             (COHERE_SERVING_MODULE, "CohereServingChatV2.create_chat_v2"))),
     Patch(POOLING_SERVING_MODULE, "PoolingBaseServing._check_model", ("request",),
           server_patches.make_pooling_check_model, process="server", reads=("_is_model_supported",),
           why="pooling routes (embeddings, score, classify) override _check_model and never route adapter fields, so "

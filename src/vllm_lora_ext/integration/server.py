@@ -53,15 +53,8 @@ from vllm_lora_ext.errors import (
 from vllm_lora_ext.integration._compat import error_response, is_base_model, lora_config_of, never_generates
 from vllm_lora_ext.integration.build_errors import build_failure, server_fault, worker_error, worker_reason
 from vllm_lora_ext.integration.leases import (  # noqa: F401 (_KEY_LOCKS, on_lease_released: read through here too)
-    _KEY_FAILURES,
-    _KEY_LOCKS,
-    KeyLock,
-    keep_for_request,
-    on_lease_released,
-    register_when_free,
-    release,
-    unload_mix,
-    withdrawn_while_loading,
+    _KEY_FAILURES, _KEY_LOCKS, KeyLock, keep_for_request, on_lease_released, refuse_render_of_mix, register_when_free,
+    release, unload_mix, withdrawn_while_loading,
 )
 from vllm_lora_ext.integration.patching import DEPLOYMENT_ATTR, DISK_HOLDS_ATTR, PINNED_NAMES_ATTR, ROUTED_ATTR
 from vllm_lora_ext.mixing import MixSpec, resolve_mix
@@ -411,8 +404,8 @@ async def route_adapters(serving: Any, request: Any) -> Any:
     (``a=0.7+b=0.3``); else, for a request naming the base model (or none), the deployment default.
     A single adapter at weight 1 is that adapter; anything else is a composite registered through
     the mix registry and shared by every request naming the same canonical mix. On a route that never
-    generates (tokenize, detokenize, render) a mix is checked but not built: the request goes to the
-    base model, whose tokenizer a mix shares, and the deployment default does not apply.
+    generates (tokenize, detokenize) a mix is checked but not built: the request goes to the base model,
+    whose tokenizer a mix shares, and the deployment default does not apply; render refuses a mix (400).
 
     Returns ``None`` (request ready) or an ``ErrorResponse`` naming what is wrong.
     """
@@ -453,6 +446,7 @@ async def _route(serving: Any, request: Any) -> Any:
             await build_if_evicted(models, request.model)
         return None
     if not generates:
+        refuse_render_of_mix(serving, spec)
         request.model = _base_model_name(models)
         return None
     lora = await register_mix(models, spec)

@@ -199,7 +199,7 @@ def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[...,
         from vllm_lora_ext.integration.server import http_error
         from vllm_lora_ext.naming import mix_body_fields
 
-        fields = mix_body_fields(await _raw_body(raw_request))
+        fields = mix_body_fields(await _parsed_body(raw_request))
         if fields:
             path = getattr(getattr(raw_request, "url", None), "path", "this route")
             return http_error(MixError(
@@ -211,13 +211,15 @@ def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[...,
     return handler
 
 
-async def _raw_body(raw_request: Any) -> bytes:
-    """The request's body as vLLM read it (Starlette keeps it); empty where there is no request or it cannot be read
-    again (the route then runs as vLLM has it, never failing over the guard)."""
+async def _parsed_body(raw_request: Any) -> object:
+    """The request's body as vLLM's route parsed it (FastAPI parses a JSON body with Starlette's ``Request.json``,
+    which keeps the result: no second parse, and the same reading pydantic validated, escaped keys and UTF-16/32
+    included); None where there is no request or it cannot be read again (the route then runs as vLLM has it,
+    never failing over the guard)."""
     if raw_request is None:
-        return b""
+        return None
     try:
-        return bytes(await raw_request.body())
+        return await raw_request.json()
     except Exception:  # e.g. a stream consumed without being kept
-        logger.debug("vllm_lora_ext: the raw body of %s could not be read again", getattr(raw_request, "url", "?"))
-        return b""
+        logger.debug("vllm_lora_ext: the body of %s could not be read again", getattr(raw_request, "url", "?"))
+        return None
