@@ -192,3 +192,71 @@ def test_cohere_v2_chat_refuses_a_body_mix() -> None:
                                             "adapters": ["style", "domain"], "adapter_weights": [0.7, 0.3]})
     assert not seen or getattr(seen[0], "adapters", None) is not None, "the mix fields were dropped silently"
     assert r.status_code == 400 and "adapters, adapter_weights" in r.text, r.text
+
+
+# /v2/embed: its request type drops the fields too; the other pooling routes keep and refuse them
+
+def _embed_request(body: dict) -> Any:
+    """A real Starlette request carrying ``body``, parsed once as vLLM's route parses it."""
+    import json as _json
+
+    from starlette.requests import Request
+
+    chunks = [{"type": "http.request", "body": _json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        return chunks.pop(0)
+
+    raw = Request({"type": "http", "method": "POST", "path": "/v2/embed", "headers": []}, receive=receive)
+    return raw
+
+
+@pytest.mark.parametrize("fields", [{"adapters": ["style", "domain"]}, {"adapter_weights": [1.0]}])
+def test_v2_embed_refuses_a_body_mix_as_the_other_pooling_routes_do(tmp_path: Any, fields: dict) -> None:
+    import asyncio
+
+    from lease_harness import harness
+    from vllm.entrypoints.pooling.embed.protocol import CohereEmbedRequest
+    from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
+
+    from vllm_lora_ext.errors import MixError
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    serving = ServingEmbedding.__new__(ServingEmbedding)
+    serving.models = harness(tmp_path).models
+    body = {"model": "base-model", "texts": ["hi"], **fields}
+
+    async def run() -> None:
+        raw = _embed_request(body)
+        await raw.json()  # vLLM's route parsed it
+        await serving._init_ctx(None, CohereEmbedRequest(**body), raw)
+
+    with pytest.raises(MixError, match="does not serve adapter mixes") as caught:
+        asyncio.run(run())
+    assert ", ".join(f for f in ("adapters", "adapter_weights") if f in fields) in str(caught.value)
+
+
+def test_v2_embed_without_a_body_mix_reaches_vllms_init(tmp_path: Any) -> None:
+    import asyncio
+
+    from lease_harness import harness
+    from vllm.entrypoints.pooling.embed.protocol import CohereEmbedRequest
+    from vllm.entrypoints.pooling.embed.serving import ServingEmbedding
+
+    from vllm_lora_ext.errors import MixError
+    from vllm_lora_ext.integration import plugin
+
+    plugin.register()
+    serving = ServingEmbedding.__new__(ServingEmbedding)
+    serving.models = harness(tmp_path).models
+    body = {"model": "base-model", "texts": ["hi"], "adapters": []}
+
+    async def run() -> None:
+        raw = _embed_request(body)
+        await raw.json()
+        await serving._init_ctx(None, CohereEmbedRequest(**body), raw)
+
+    with pytest.raises(Exception) as caught:  # vLLM's own _init_ctx, on a bare object
+        asyncio.run(run())
+    assert not isinstance(caught.value, MixError), caught.value

@@ -248,6 +248,12 @@ PATCHES: tuple[Patch, ...] = (
       for module, target in ((ANTHROPIC_SERVING_MODULE, "AnthropicServingMessages.create_messages"),
                              (TOKENS_SERVING_MODULE, "ServingTokens.serve_tokens"),
                              (COHERE_SERVING_MODULE, "CohereServingChatV2.create_chat_v2"))),
+    Patch(POOLING_SERVING_MODULE, "PoolingServing._init_ctx", ("io_processor", "request", "raw_request"),
+          server_patches.make_pooling_init_ctx, process="server",
+          why="/v2/embed's request type drops the body fields adapters and adapter_weights, which the other pooling "
+              "routes keep and the row below refuses, so such a request was embedded without an error: refuse them "
+              "(400) from the body vLLM's route parsed",
+          delete_when="/v2/embed's request type keeps or refuses unknown fields"),
     Patch(POOLING_SERVING_MODULE, "PoolingBaseServing._check_model", ("request",),
           server_patches.make_pooling_check_model, process="server", reads=("_is_model_supported",),
           why="pooling routes (embeddings, score, classify) override _check_model and never route adapter fields, so "

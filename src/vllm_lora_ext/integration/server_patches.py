@@ -211,6 +211,27 @@ def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[...,
     return handler
 
 
+def make_pooling_init_ctx(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``PoolingServing._init_ctx``: ``/v2/embed``'s request type drops the mix body fields, which the other
+    pooling routes keep and refuse (`make_pooling_check_model`), so such a request was embedded without an error:
+    refuse the fields read from the body vLLM's route parsed, with the same 400."""
+
+    async def _init_ctx(self: Any, io_processor: Any, request: Any, raw_request: Any = None, *args: Any,
+                        **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        from vllm_lora_ext.integration.leases import refuse_mix
+        from vllm_lora_ext.naming import mix_body_fields
+
+        body = await _parsed_body(raw_request)
+        fields = mix_body_fields(body)
+        if fields and isinstance(body, dict):
+            refuse_mix(self, SimpleNamespace(model=getattr(request, "model", None), **{f: body[f] for f in fields}))
+        return await original(self, io_processor, request, raw_request, *args, **kwargs)
+
+    return _init_ctx
+
+
 async def _parsed_body(raw_request: Any) -> object:
     """The request's body as vLLM's route parsed it (FastAPI parses a JSON body with Starlette's ``Request.json``,
     which keeps the result: no second parse, and the same reading pydantic validated, escaped keys and UTF-16/32
