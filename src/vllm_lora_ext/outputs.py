@@ -168,13 +168,14 @@ def _unwritable(folder: Path, err: OSError) -> str:
         return "it is a file, not a folder"
     if err.errno == errno.EROFS or read_only:
         return "it is on a read-only file system (remount it read-write, or write elsewhere)"
-    if err.errno in _NO_ROOM:
-        return _NO_ROOM[err.errno]
+    room = _no_room(err)
+    if room:
+        return room
     if virtual:  # /proc answers ENOENT, /sys EACCES (to root too): neither is a missing folder or a permission
         return "it is on a virtual file system with no disk behind it (as /proc and /sys are), which takes no new files"
     if err.errno in (errno.EACCES, errno.EPERM):
         return "permission denied: this user may not make files there"
-    return _NO_ROOM.get(err.errno or 0) or (err.strerror or str(err))
+    return err.strerror or str(err)
 
 
 class OutputClaim(os.PathLike[str]):

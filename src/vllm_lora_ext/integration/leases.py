@@ -34,7 +34,7 @@ from vllm_lora_ext.constants import MIX_NAME_PREFIX, MIX_PREFIX, mix_wait_second
 from vllm_lora_ext.errors import AdapterNotFoundError, MixCapacityError, MixError
 from vllm_lora_ext.integration._compat import is_base_model
 from vllm_lora_ext.mixing import MixSpec
-from vllm_lora_ext.naming import reserved_part
+from vllm_lora_ext.naming import MIX_BODY_FIELDS, mix_body_fields, reserved_part
 from vllm_lora_ext.registry import MixEntry, MixLease, MixRegistry
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def refuse_mix(serving: Any, request: Any) -> None:
         [`MixError`]: the request has ``adapters``/``adapter_weights``, or its ``model`` is a mix
             (``a=0.7+b=0.3`` or a registered mix's name); vLLM answers 400 with the message.
     """
-    fields = [f for f in ("adapters", "adapter_weights") if getattr(request, f, None) not in (None, [])]  # ([]: none)
+    fields = mix_body_fields({f: getattr(request, f, None) for f in MIX_BODY_FIELDS})
     model = getattr(request, "model", None)
     lora = serving.models.lora_requests.get(model) if isinstance(model, str) else None
     if lora is not None:

@@ -189,10 +189,11 @@ def make_pooling_check_model(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def make_dropped_mix_fields_guard(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``create_messages`` (``/v1/messages``) or ``serve_tokens`` (``/inference/v1/generate``): their request
-    types drop the body fields ``adapters`` and ``adapter_weights`` before any handler sees them, so a request
-    sending them would run without its mix and without an error. Refuse it (400), naming the fields and the
-    ``model`` syntax these routes do read; the raw body is the one vLLM already read (Starlette keeps it)."""
+    """Return ``create_messages`` (``/v1/messages``), ``serve_tokens`` (``/inference/v1/generate``) or
+    ``create_chat_v2`` (``/cohere/v2/chat``): their request types drop the body fields ``adapters`` and
+    ``adapter_weights`` before any handler sees them, so a request sending them would run without its mix and
+    without an error. Refuse it (400), naming the fields and the ``model`` syntax these routes do read, from the
+    body as vLLM's route parsed it (`_parsed_body`)."""
 
     async def handler(self: Any, request: Any, raw_request: Any = None, *args: Any, **kwargs: Any) -> Any:
         from vllm_lora_ext.errors import MixError
