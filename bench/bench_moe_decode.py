@@ -51,13 +51,14 @@ longer than ten minutes: run it in the background (``nohup ... &``) and read the
 
 ``--variants`` may add ``plugin_k0``, the plugin with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0`` (vLLM's kernels and
 configs: the effect of the plugin's own kernel choices, plugin against plugin; no parity pass of its own), and
-``stock_ds`` / ``plugin_ds``, either with vLLM's ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (each layer's LoRA on a second
+``plugin_nopdl`` (the pair kernels without programmatic dependent launch), ``stock_ds`` / ``plugin_ds``, either
+with vLLM's ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (each layer's LoRA on a second
 CUDA stream beside the base GEMM, dense layers included; off by default in vLLM 0.26-0.33 and with the plugin, which
 runs batches without an adapter on one stream under it, `integration.dual_stream`), and ``plugin_nods``, the plugin
 with it set to 0.
 
 Usage: python bench/bench_moe_decode.py [--layers 24] [--reps 5] [--tokens 128] [--cases base,one,distinct,mixes]
-       [--variants stock,plugin[,plugin_k0,stock_ds,plugin_ds,plugin_nods]] [--block-reps 2] [--composites 4]
+       [--variants stock,plugin[,plugin_k0,plugin_nopdl,stock_ds,plugin_ds,plugin_nods]] [--block-reps 2] [--composites 4]
        [--workdir W [--prepare-only]]
        [--out FILE]
 """
@@ -87,9 +88,12 @@ GOALS = {"one": ("base", 0.90), "distinct": ("base", 0.85), "mixes": ("distinct"
 # in vLLM and with the plugin); plugin_nods: the plugin with it set to 0
 _DS_SWITCH = "VLLM_LORA_ENABLE_DUAL_STREAM"
 _DS = {_DS_SWITCH: "1"}
+# plugin_nopdl: the plugin's pair kernels without programmatic dependent launch (vLLM's VLLM_LORA_DISABLE_PDL=1,
+# which also turns it off in vLLM's own fused-MoE LoRA kernels, which decode batches here do not run)
+_PDL_OFF = "VLLM_LORA_DISABLE_PDL"
 ENV_OF = {"stock": {"VLLM_PLUGINS": "none"}, "plugin": {}, "plugin_k0": {"VLLM_LORA_EXT_KERNEL_CONFIGS": "0"},
           "stock_ds": {"VLLM_PLUGINS": "none", **_DS}, "plugin_ds": _DS,
-          "plugin_nods": {_DS_SWITCH: "0"}}
+          "plugin_nods": {_DS_SWITCH: "0"}, "plugin_nopdl": {_PDL_OFF: "1"}}
 
 
 def memory_plan(layers: int, rank: int, total_gb: float, n_engines: int, staging_gb: float) -> dict[str, Any]:
@@ -249,6 +253,7 @@ class Engines:
     def start(self, variant: str, timeout: float = 540) -> None:
         base_env = dict(os.environ)
         os.environ.pop(_DS_SWITCH, None)  # each variant's own (a plugin registered in this process sets it)
+        os.environ.pop(_PDL_OFF, None)
         os.environ.update(ENV_OF[variant])
         try:
             parent, child = mp.get_context("spawn").Pipe()

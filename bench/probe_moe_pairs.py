@@ -102,12 +102,13 @@ def call_vllm(d: dict, out: torch.Tensor) -> None:
 CONFIGS = [(256, 128, 1, 16), (128, 128, 1, 16), (256, 128, 2, 16), (256, 64, 1, 16), (256, 64, 2, 32)]
 
 
-def pairs_call(config: tuple[int, int, int, int]):
-    from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+def pairs_call(config: tuple[int, int, int, int], pdl: bool = False):
+    from vllm_lora_ext.integration.moe_pairs import Launch, PairRouting, moe_lora_pairs
 
     def call(d: dict, out: torch.Tensor) -> None:
         routing = PairRouting(d["topk_w"], d["eids"], d["tmap"], d["enabled"], d["ranks"])
-        moe_lora_pairs(out, d["x"], (d["a"], d["b"]), routing, mul_routed_weight=d["mul"], tiles=config)
+        moe_lora_pairs(out, d["x"], (d["a"], d["b"]), routing, mul_routed_weight=d["mul"],
+                       launch=Launch(config, pdl))
     return call
 
 
@@ -148,6 +149,7 @@ def layer_steps(shapes: str, reps: int, live: int,
 
     plugin.register()
     import vllm.lora.punica_wrapper.punica_gpu  # noqa: F401  (the patch applies as vLLM imports it)
+    from vllm.lora.ops.triton_ops.utils import supports_pdl
 
     shipped = moe_pairs.default_tiles
     rows, results = [], []
@@ -155,33 +157,41 @@ def layer_steps(shapes: str, reps: int, live: int,
         shape = tune.Shape(*map(int, text.split(",")))
         step = tune.Step(shape, Path(tempfile.mkdtemp()), file_stem(torch.cuda.get_device_name()))
         choices: list[tuple[int, ...] | None] = [None] + (list(tiles) if shape.rank > 16 else [])
-        modes = ["vllm"] + [f"{kind}{i}" for i in range(len(choices)) for kind in ("pairs", "live")
-                            if kind == "pairs" or 0 < live < shape.rank]
+        modes = ["vllm", "nopdl0"] + [f"{kind}{i}" for i in range(len(choices)) for kind in ("pairs", "live")
+                                      if kind == "pairs" or 0 < live < shape.rank]
         if 0 < live < shape.rank:
             _zero_past(step, live)
         table = slot_ranks.rank_table(step.punica, shape.slots, "cuda")
         times: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for _ in range(reps):
             for mode in modes:
+                os.environ.pop("VLLM_LORA_DISABLE_PDL", None)
+                supports_pdl.cache_clear()  # vLLM caches its answer per process
                 if mode == "vllm":
                     os.environ["VLLM_LORA_EXT_KERNEL_CONFIGS"] = "0"
                 else:
                     os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
-                    chosen = choices[int(mode.removeprefix("pairs").removeprefix("live"))]
+                    if mode.startswith("nopdl"):  # the pair path without programmatic dependent launch
+                        os.environ["VLLM_LORA_DISABLE_PDL"] = "1"
+                        supports_pdl.cache_clear()
+                    chosen = choices[int(mode.removeprefix("pairs").removeprefix("live").removeprefix("nopdl"))]
                     moe_pairs.default_tiles = shipped if chosen is None else (lambda rank, c=chosen: c)
                 table.fill_(live if mode.startswith("live") else slot_ranks.ALL_ROWS)
                 times[mode].append(step.time_us(None) or {})
         moe_pairs.default_tiles = shipped
         os.environ.pop("VLLM_LORA_EXT_KERNEL_CONFIGS", None)
+        os.environ.pop("VLLM_LORA_DISABLE_PDL", None)
         for label in step.mappings:
             us = {mode: statistics.median(t[label] for t in times[mode]) for mode in modes}
             for i, chosen in enumerate(choices):
                 p, lv = us[f"pairs{i}"], us.get(f"live{i}")
                 results.append(dict(shape=shape.key(), label=label, tiles=chosen or shipped(shape.rank),
                                     vllm_us=us["vllm"], pairs_us=p, live_us=lv, live_rank=live if lv else None,
+                                    pairs_no_pdl_us=us["nopdl0"] if i == 0 else None,
                                     speedup=us["vllm"] / p, reps={m: times[m] for m in ("vllm", f"pairs{i}",
                                                                                         f"live{i}") if m in times}))
-                rows.append([text, label, str(chosen or "default"), round(us["vllm"], 2), round(p, 2),
+                rows.append([text, label, str(chosen or "default"), round(us["vllm"], 2),
+                             round(us["nopdl0"], 2) if i == 0 else "-", round(p, 2),
                              round(lv, 2) if lv else "-", round(us["vllm"] / min(p, lv or p), 2)])
     return rows, results
 
@@ -217,7 +227,8 @@ def main() -> None:
             d = make_inputs(args, proj, slots, seed=slots * 10 + (proj == "w2"), live=live)
             ref = reference(d)
             configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")] if args.configs else CONFIGS
-            impls = [("vllm", call_vllm)] + [(f"pairs{c}", pairs_call(c)) for c in configs]
+            impls = ([("vllm", call_vllm)] + [(f"pairs{c}", pairs_call(c)) for c in configs]
+                     + [(f"pairs{configs[0]}+pdl", pairs_call(configs[0], True))])
             errs, us = {}, {}
             for name, fn in impls:
                 out = d["out"].clone()
@@ -244,7 +255,8 @@ def main() -> None:
     layer_rows, layer_results = (layer_steps(args.layer_shapes, 3, args.live_rank, tiles) if args.layer_shapes
                                  else ([], []))
     if layer_rows:
-        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "tiles", "vLLM us", "plugin us",
+        print_table(layer_rows, ["layer step (slots,tokens,rank)", "adapters", "tiles", "vLLM us",
+                                 "plugin without PDL us", "plugin us",
                                  f"plugin, rank-{args.live_rank} adapters us", "best speed-up"])
     payload = {"env": env_info(), "args": vars(args), "results": results, "layer_steps": layer_results}
     write_json("probe_moe_pairs", payload, args.out)

@@ -164,3 +164,39 @@ def test_a_captured_pair_path_reads_the_live_rank_table_as_it_is_at_each_replay(
         torch.cuda.synchronize()
         replayed = (step.y13.float(), step.y2.float())
         assert all(torch.equal(r, e) for r, e in zip(replayed, eager)) is same, entry
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_programmatic_dependent_launch_changes_no_bit_eager_or_replayed(
+        index: int, tmp_path: Path, counted: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On SM90 and later the pair kernels launch with PDL (the expand reads its B beside the shrink and waits for it
+    before reading the partials). With it and without it (vLLM's ``VLLM_LORA_DISABLE_PDL``), eager and replayed 20
+    times from one CUDA graph, every output is the same bit for bit: a missing wait would show as a replay that
+    read partials before the shrink wrote them. r16 takes the expand's one pass, r32 its passes."""
+    from vllm.lora.ops.triton_ops.utils import supports_pdl
+
+    from vllm_lora_ext.integration import kernels
+    from vllm_lora_ext.kernel_configs import file_stem
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs SM90 or later")
+    step = moe_tuner().Step(_shapes()[index], tmp_path, file_stem(torch.cuda.get_device_name()))
+    for label in step.mappings:
+        monkeypatch.setenv("VLLM_LORA_DISABLE_PDL", "1")
+        supports_pdl.cache_clear()  # vLLM caches its answer per process
+        assert not kernels._pdl()
+        plain = step.output(None, label)
+        monkeypatch.delenv("VLLM_LORA_DISABLE_PDL")
+        supports_pdl.cache_clear()
+        assert kernels._pdl()
+        eager = step.output(None, label)
+        assert all(torch.equal(a, b) for a, b in zip(plain, eager)), label
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step.launch()
+        for rep in range(20):
+            step.y13.zero_()
+            step.y2.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(step.y13.float(), eager[0]) and torch.equal(step.y2.float(), eager[1]), (label, rep)

@@ -16,7 +16,7 @@ import torch
 
 _KERNELS = r"""
 import json, sys, torch
-from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+from vllm_lora_ext.integration.moe_pairs import Launch, PairRouting, moe_lora_pairs
 
 def reference(out, x, a, b, w, eids, tmap, enabled, mul):
     tokens, top_k = w.shape
@@ -110,7 +110,7 @@ for name, factors, ranks, tiles in (("none", (a, b), None, None), ("live", (a, b
                                     ("poisoned16", poisoned, table, (256, 64, 1, 16)),
                                     ("short", (a, b), torch.tensor([2, 2, 2], dtype=torch.int32), None)):
     got = torch.zeros(6, 2, 24, dtype=dt)
-    moe_lora_pairs(got, x, factors, PairRouting(*routing, ranks), mul_routed_weight=False, tiles=tiles)
+    moe_lora_pairs(got, x, factors, PairRouting(*routing, ranks), mul_routed_weight=False, launch=Launch(tiles))
     outs[name] = got
 live = {"equal": torch.equal(outs["live"], outs["none"]), "moved": outs["none"].float().abs().max().item(),
         "passes_of_16": (outs["live16"].float() - outs["none"].float()).abs().max().item(),

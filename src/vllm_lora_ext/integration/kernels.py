@@ -30,12 +30,15 @@ CUDA graph capture the path runs only where the slots' address tables exist alre
 batches, outside capture); else the batch is vLLM's. The kernels read only each slot's live rank rows: every
 activation writes the adapter's largest rank into its punica wrappers' table (`integration.slot_ranks`), so an r16
 adapter in an engine whose ``max_lora_rank`` is 32 (for two-adapter mixes) reads 16 rows of each factor, not 32;
-the rows past it are zeros, so the outputs are the same bit for bit.
+the rows past it are zeros, so the outputs are the same bit for bit. Where vLLM's ``supports_pdl`` allows it for its
+own LoRA kernels, the two launch with programmatic dependent launch: the expand's programs start beside the
+shrink and read their B before they wait for its partials (the same outputs, bit for bit).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -44,6 +47,7 @@ from typing import Any
 from vllm_lora_ext.constants import kernel_configs_enabled, vllm_tuned_config_folder_set
 from vllm_lora_ext.errors import KernelConfigError
 from vllm_lora_ext.integration._compat import (
+    LORA_OP_UTILS_MODULE,
     cuda_device_name,
     lora_kernels_batch_invariant,
     moe_lora_layer_shape,
@@ -195,6 +199,12 @@ def _pairs_take(named: dict[str, Any]) -> bool:
     return pointers_ready(named["lora_a_stacked"], named["lora_b_stacked"])
 
 
+def _pdl() -> bool:
+    """Whether the pair kernels launch with programmatic dependent launch: where vLLM's own ``supports_pdl`` lets its
+    fused-MoE LoRA kernels (SM90 and later, not ``VLLM_LORA_DISABLE_PDL``)."""
+    return bool(importlib.import_module(LORA_OP_UTILS_MODULE).supports_pdl())
+
+
 def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
     """Patch ``PunicaWrapperGPU.add_lora_fused_moe``: a batch the pair path takes ([`_pairs_take`]) runs
     ``moe_pairs.moe_lora_pairs``; every other call, and every call with ``VLLM_LORA_EXT_KERNEL_CONFIGS=0``, is
@@ -210,7 +220,7 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
         named = {**defaults, **dict(zip(names, args)), **kwargs}
         if not _pairs_take(named):
             return original(self, *args, **kwargs)
-        from vllm_lora_ext.integration.moe_pairs import PairRouting, moe_lora_pairs
+        from vllm_lora_ext.integration.moe_pairs import Launch, PairRouting, moe_lora_pairs
         from vllm_lora_ext.integration.slot_ranks import rank_table
 
         x = named["x"]
@@ -227,7 +237,7 @@ def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
                               named["adapter_enabled"], rank_table(self, lora_a[0].shape[0], x.device))
         moe_lora_pairs(named["y"], x, (lora_a, named["lora_b_stacked"]), routing,
                        mul_routed_weight=bool(named.get("mul_routed_weight")),
-                       add_inputs=bool(named.get("add_inputs", True)))
+                       add_inputs=bool(named.get("add_inputs", True)), launch=Launch(pdl=_pdl()))
         return None
 
     return add_lora_fused_moe

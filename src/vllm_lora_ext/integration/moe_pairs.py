@@ -12,9 +12,12 @@ rounded delta to the output. Both stop at the slot's live rank where a table of 
 (`integration.slot_ranks`): the shrink has a program per 16 rank rows, and those past the live rank return at once;
 the expand takes the rows in one pass masked past the live rank where the slots' rank fits its pass
 ([`default_tiles`]), else in passes up to the live rank (smaller passes are a tile the probe can try). An r16
-adapter in r32 slots, as in an engine at ``max_lora_rank`` 32 for two-adapter mixes, skips the zero rows. The
-layer-step timings against vLLM's kernel, on an H200, are in ``bench/results/probe_moe_pairs_h200_r39.json``
-(``bench/probe_moe_pairs.py``), with the same largest error against an fp32 reference.
+adapter in r32 slots, as in an engine at ``max_lora_rank`` 32 for two-adapter mixes, skips the zero rows. On SM90
+and later both launch with programmatic dependent launch ([`Launch`]): the expand's programs start beside the
+shrink and read their B before they wait for its partials, which took one layer's step at rank 16 from 30.0 to 24.5
+µs with one adapter and from 39.1 to 32.0 µs with 16 (an H200, ``bench/results/probe_moe_pairs_h200_r45b.json``;
+against vLLM's kernel, with the same largest error against an fp32 reference: ``probe_moe_pairs_h200_r39.json``,
+``bench/probe_moe_pairs.py``).
 
 Which batches take it is `integration.kernels.make_add_lora_fused_moe`'s rule; this module is imported on their
 first call (it needs Triton), never by ``register()``.
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PairRouting", "default_tiles", "moe_lora_pairs", "pointers_ready"]
+__all__ = ["Launch", "PairRouting", "default_tiles", "moe_lora_pairs", "pointers_ready"]
 
 
 @triton.jit
@@ -57,9 +60,14 @@ def _live_rank(ranks_ptr, lora, RANK: tl.constexpr, HAS_RANKS: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_ptr, ranks_ptr,
                    K, top_k, max_loras, x_row_div,
                    stride_xm, stride_al, stride_ae, stride_ar, stride_ps, stride_pk, stride_pp,
-                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RANKS: tl.constexpr):
+                   RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RANKS: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """One (pair, slice and ``BLOCK_R`` rank rows, block of K): the block's share of those rows of the pair's
-    shrink, in fp32; nothing where the rows start at or past the slot's live rank."""
+    shrink, in fp32; nothing where the rows start at or past the slot's live rank. Under ``USE_PDL`` it first waits
+    for the kernels before it, then lets the expand start (see [`moe_lora_pairs`])."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     s = tl.program_id(1) // tl.cdiv(RANK, BLOCK_R)
     r0 = (tl.program_id(1) % tl.cdiv(RANK, BLOCK_R)) * BLOCK_R
@@ -84,17 +92,23 @@ def _shrink_kernel(x_ptr, a_ptrs, part_ptr, token_lora_ptr, enabled_ptr, expert_
 
 
 @triton.jit
-def _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, r0, live, stride_bn, stride_br, out_ty: tl.constexpr,
-                 BLOCK_R: tl.constexpr, K_SPLITS: tl.constexpr):
-    """Rank rows ``r0`` to ``r0 + BLOCK_R`` (those below ``live``) of a pair's expand over a block of N: the shrink
-    of those rows (its K blocks summed, then rounded to ``out_ty`` as vLLM's one-shot rounds it) times B, in
-    fp32."""
+def _b_rows(b_base, offs_n, n_mask, r0, live, stride_bn, stride_br, BLOCK_R: tl.constexpr):
+    """Rank rows ``r0`` to ``r0 + BLOCK_R`` (those below ``live``) of B over a block of N, in fp32."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < live
-    parts = tl.load(part_base + offs_r[None, :], mask=(offs_kb < K_SPLITS)[:, None] & r_mask[None, :], other=0.0)
+    return tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                   mask=n_mask[:, None] & (offs_r < live)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _expand_rows(part_base, b, offs_kb, r0, live, out_ty: tl.constexpr, BLOCK_R: tl.constexpr,
+                 K_SPLITS: tl.constexpr):
+    """Rank rows ``r0`` to ``r0 + BLOCK_R`` (those below ``live``) of a pair's expand over a block of N: the shrink
+    of those rows (its K blocks summed, then rounded to ``out_ty`` as vLLM's one-shot rounds it) times ``b``
+    (`_b_rows`), in fp32."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    parts = tl.load(part_base + offs_r[None, :], mask=(offs_kb < K_SPLITS)[:, None] & (offs_r < live)[None, :],
+                    other=0.0)
     u = tl.sum(parts, axis=0).to(out_ty).to(tl.float32)
-    b = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
     return tl.sum(b * u[None, :], axis=1)
 
 
@@ -104,9 +118,11 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
                    stride_bl, stride_be, stride_bn, stride_br, stride_ps, stride_pk, stride_pp, stride_om,
                    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
                    BLOCK_KS: tl.constexpr,
-                   MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr):
+                   MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, HAS_RANKS: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """One (pair, slice, block of N): the pair's shrink (its K blocks summed), times B, into the output,
-    ``BLOCK_R`` rank rows at a time up to the slot's live rank."""
+    ``BLOCK_R`` rank rows at a time up to the slot's live rank. Under ``USE_PDL`` a one-pass program reads its B
+    before it waits for the shrink."""
     pair = tl.program_id(0)
     s = tl.program_id(1)
     nb = tl.program_id(2)
@@ -121,13 +137,17 @@ def _expand_kernel(part_ptr, b_ptrs, out_ptr, weights_ptr, token_lora_ptr, enabl
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     if RANK <= BLOCK_R:  # one pass, its rows past the live rank masked
-        d = _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, 0, live, stride_bn, stride_br,
-                         out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
+        b = _b_rows(b_base, offs_n, n_mask, 0, live, stride_bn, stride_br, BLOCK_R)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        d = _expand_rows(part_base, b, offs_kb, 0, live, out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
     else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         d = tl.zeros([BLOCK_N], dtype=tl.float32)
         for r0 in range(0, live, BLOCK_R):
-            d += _expand_rows(part_base, b_base, offs_kb, offs_n, n_mask, r0, live, stride_bn, stride_br,
-                              out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
+            b = _b_rows(b_base, offs_n, n_mask, r0, live, stride_bn, stride_br, BLOCK_R)
+            d += _expand_rows(part_base, b, offs_kb, r0, live, out_ptr.dtype.element_ty, BLOCK_R, K_SPLITS)
     if MUL_ROUTED_WEIGHT:
         d = d * tl.load(weights_ptr + pair).to(tl.float32)
     out = out_ptr + pair.to(tl.int64) * stride_om + s * N + offs_n
@@ -170,6 +190,16 @@ class PairRouting(NamedTuple):
     slot_ranks: torch.Tensor | None = None
 
 
+class Launch(NamedTuple):
+    """How [`moe_lora_pairs`] launches: ``tiles`` instead of [`default_tiles`]; ``pdl``: both kernels with
+    programmatic dependent launch (SM90 and later; the caller decides, as vLLM's ``supports_pdl`` does for its own
+    LoRA kernels). The shrink waits for the kernels before it, then lets the expand's programs start, which read
+    their B beside the shrink and wait for it before they read its partials."""
+
+    tiles: tuple[int, int, int, int] | None = None
+    pdl: bool = False
+
+
 def default_tiles(rank: int) -> tuple[int, int, int, int]:
     """``(block_k, block_n, warps, expand_rows)`` for slots of rank ``rank``: the shrink's block of K, the expand's
     block of N, the warps a program and the rank rows an expand pass takes (the shrink's are always 16)."""
@@ -178,14 +208,13 @@ def default_tiles(rank: int) -> tuple[int, int, int, int]:
 
 def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
                    factors: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]], routing: PairRouting, *,
-                   mul_routed_weight: bool, add_inputs: bool = True,
-                   tiles: tuple[int, int, int, int] | None = None) -> None:
+                   mul_routed_weight: bool, add_inputs: bool = True, launch: Launch = Launch()) -> None:
     """Add each (token, expert) pair's LoRA delta to ``output``, as vLLM's ``_fused_moe_lora`` does for a batch
     whose pairs it assigns one by one (``sorted_token_ids`` None).
 
     ``output``: ``(tokens, top_k, slices x N)``, contiguous. ``x``: ``(tokens, K)`` for w13, or ``(tokens x top_k,
     K)`` where ``mul_routed_weight`` (w2), as vLLM couples them. ``factors``: ``(lora_a, lora_b)``, per slice
-    ``(max_loras, experts, r, K)`` and ``(max_loras, experts, N, r)``. ``tiles``: instead of [`default_tiles`].
+    ``(max_loras, experts, r, K)`` and ``(max_loras, experts, N, r)``. ``launch``: see [`Launch`].
     """
     lora_a, lora_b = factors
     topk_weights, expert_ids, token_lora_mapping, adapter_enabled, slot_ranks = routing
@@ -199,7 +228,8 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         return
     assert output.is_contiguous() and output.shape[-1] == slices * n, "output must be (tokens, top_k, slices x N)"
     assert x.stride(1) == 1 and a0.stride(3) == 1, "x and lora_a must be contiguous along K"
-    block_k, block_n, warps, expand_rows = tiles or default_tiles(rank)
+    block_k, block_n, warps, expand_rows = launch.tiles or default_tiles(rank)
+    pdl = launch.pdl
     splits = triton.cdiv(k, block_k)
     part = torch.empty((slices, splits, pairs, rank), dtype=torch.float32, device=x.device)
     if rank <= 16:  # one pass of 16 rows whatever the live rank: the table would only cost its read
@@ -209,7 +239,8 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         x, _pointers(lora_a), part, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         k, top_k, max_loras, 1 if mul_routed_weight else top_k,
         x.stride(0), a0.stride(0), a0.stride(1), a0.stride(2), part.stride(0), part.stride(1), part.stride(2),
-        RANK=rank, BLOCK_R=16, BLOCK_K=block_k, HAS_RANKS=slot_ranks is not None, num_warps=warps)
+        RANK=rank, BLOCK_R=16, BLOCK_K=block_k, HAS_RANKS=slot_ranks is not None, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     _expand_kernel[(pairs, slices, triton.cdiv(n, block_n))](
         part, _pointers(lora_b), output, topk_weights, token_lora_mapping, adapter_enabled, expert_ids, ranks,
         n, top_k, max_loras,
@@ -218,7 +249,7 @@ def moe_lora_pairs(output: torch.Tensor, x: torch.Tensor,
         RANK=rank, BLOCK_R=expand_rows, BLOCK_N=block_n, K_SPLITS=splits,
         BLOCK_KS=max(triton.next_power_of_2(splits), 2),
         MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, HAS_RANKS=slot_ranks is not None,
-        num_warps=warps)
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
 
 
 def pointers_ready(*stacked: Sequence[torch.Tensor]) -> bool:
