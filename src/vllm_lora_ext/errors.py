@@ -20,7 +20,8 @@ from typing import Any
 
 __all__ = [
     "AdapterCompatibilityError", "AdapterAccessError", "AdapterDownloadError", "AdapterFormatError",
-    "AdapterNotFoundError", "AdapterSourceError", "DeploymentConfigError", "DiskCacheFullError", "ExpertLayoutError",
+    "AdapterNotFoundError", "AdapterSourceError", "DeploymentConfigError", "DiskCacheAccessError", "DiskCacheFullError",
+    "ExpertLayoutError",
     "HubTooSlowError", "KernelConfigError", "MixCapacityError", "MixError", "MixIdCollisionError", "OutputPathError",
     "RemoteError", "SettingsError", "BuildProcessError", "UnmatchedKeysError", "UnsafeFormatError",
     "UnsupportedVLLMError", "VerifyError", "VllmLoraExtError", "error_from_text", "is_rebuilt", "error_record",
@@ -257,6 +258,21 @@ class DiskCacheFullError(VllmLoraExtError, RuntimeError):
         self.limit = limit
         self.in_use = in_use
         self.needed = needed
+
+
+class DiskCacheAccessError(VllmLoraExtError, OSError):
+    """``vllm-lora cache prune`` cannot change the Hugging Face cache (it is on a read-only file system, or this user
+    may not write it), or ``cache ls`` may not read it. ``folder`` is the cache folder.
+
+    Example message: ``Cannot prune the Hugging Face cache '/mnt/hf/hub': it is on a read-only file system (at
+    '/mnt/hf/hub/.locks/vllm_lora_ext/state.lock'); nothing was evicted. Remount it read-write, or prune it where it
+    is writable; for another cache pass --cache-dir DIR (or set HF_HUB_CACHE or HF_HOME). 'vllm-lora cache ls'
+    lists it without writing.``
+    """
+
+    def __init__(self, message: str, *, folder: str) -> None:
+        super().__init__(message)
+        self.folder = folder
 
 
 class HubAnswerError(VllmLoraExtError, RuntimeError):

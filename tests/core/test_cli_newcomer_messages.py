@@ -30,12 +30,13 @@ def kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+        prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     import vllm_lora_ext
 
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(vllm_lora_ext.__file__).parents[1])}
-    return subprocess.run([sys.executable, "-m", "vllm_lora_ext.cli", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([*(prefix or []), sys.executable, "-m", "vllm_lora_ext.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
 
 
 def tree(folder: Path) -> dict[str, tuple[int, int]]:
@@ -147,3 +148,77 @@ def test_cache_ls_writes_nothing_and_lists_a_read_only_cache(hub: Any, tmp_path:
             pytest.skip(f"cannot remount a tmpfs read-only here: {remount.stderr.strip()[:200]}")
         done = cli("cache", "ls", "--cache-dir", str(disk))
         assert done.returncode == 0 and "acme/l@" in done.stdout, done.stderr
+
+
+def test_mix_refused_beside_only_its_own_inputs_says_to_raise_the_bound_not_to_unload(
+        hub: Any, isolated_hf_cache: Path, tmp_path: Path) -> None:
+    """`vllm-lora mix hf:A hf:B` under a bound that holds A but not A and B: the only holder of A is the mix itself
+    (it keeps each input until it ends), yet B's refusal said "Unload adapters that are no longer needed"; fetch
+    said the truth (r44), mix did not."""
+    for i in range(2):
+        hub.repo(f"acme/m{i}").commit({"adapter_model.safetensors": weights(i), "adapter_config.json": CONFIG})
+    rev = len(weights(0)) + len(CONFIG)
+    out = str(tmp_path / "out")
+    done = cli("mix", "hf:acme/m0", "hf:acme/m1", "-o", out, env={ENV_DISK_CACHE_BYTES: str(rev * 3 // 2)})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "Unload" not in done.stderr, done.stderr
+    assert f"{kib(rev)} of it is taken by the 1 source this command read before (hf:acme/m0@" in done.stderr
+    assert f"Raise {ENV_DISK_CACHE_BYTES} to fit the sources together: more than {kib(rev + len(weights(1)))}" \
+        in done.stderr and "or mix fewer adapters." in done.stderr, done.stderr
+    done = cli("mix", "hf:acme/m0", "hf:acme/m1", "-o", out, env={ENV_DISK_CACHE_BYTES: str(2 * rev + 1024)})
+    assert done.returncode == 0, done.stderr  # the bound it names works
+
+
+def test_inspect_refused_for_its_base_config_beside_its_adapter_names_the_bound_that_fits(
+        hub: Any, isolated_hf_cache: Path) -> None:
+    """`vllm-lora inspect hf:A --base-config hf:org/model` under a bound that holds A but not A and the model's
+    config.json: what fills the bound is the adapter inspect itself holds, yet the refusal said "Unload adapters"."""
+    hub.repo("acme/i").commit({"adapter_model.safetensors": weights(0), "adapter_config.json": CONFIG})
+    rev = len(weights(0)) + len(CONFIG)
+    base = json.dumps({"model_type": "llama", "hidden_size": 64, "padding": "x" * rev}).encode()
+    hub.repo("acme/model").commit({"config.json": base})
+    done = cli("inspect", "hf:acme/i", "--base-config", "hf:acme/model", env={ENV_DISK_CACHE_BYTES: str(rev * 3 // 2)})
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "Unload" not in done.stderr, done.stderr
+    assert "Source 'hf:acme/model' needs" in done.stderr, done.stderr
+    assert f"{kib(rev)} of it is taken by the 1 source this command read before (hf:acme/i@" in done.stderr
+    assert f"more than {kib(rev + len(base))}" in done.stderr, done.stderr
+    assert "or give --base-config the model's config.json as a local file." in done.stderr, done.stderr
+    done = cli("inspect", "hf:acme/i", "--base-config", "hf:acme/model",
+               env={ENV_DISK_CACHE_BYTES: str(rev + len(base) + 1024)})
+    assert done.returncode == 0, done.stderr  # the bound it names works
+
+
+@pytest.mark.parametrize("why", ["read-only", "permission"])
+def test_cache_prune_of_a_cache_it_cannot_write_names_the_folder_the_reason_and_the_fix(
+        hub: Any, tmp_path: Path, why: str) -> None:
+    """`vllm-lora cache prune` on a read-only cache printed "error: [Errno 30] Read-only file system: '.../state.lock'"
+    (and "[Errno 13] Permission denied" on one this user may not write): no cache folder, no reason, no fix."""
+    hub.repo("acme/p").commit({"adapter_model.safetensors": weights(0), "adapter_config.json": CONFIG})
+    cache = tmp_path / "cache"
+    resolve_source("hf:acme/p", cache_dir=cache)
+    if why == "permission":  # root without its capabilities, on a cache another user owns: EACCES as for any user
+        if subprocess.run(["setpriv", "--version"], capture_output=True).returncode != 0 or os.geteuid() != 0:
+            pytest.skip("needs root and setpriv to drop root's permission override")
+        subprocess.run(["chown", "-R", "65534:65534", str(cache)], check=True, timeout=60)
+        done = cli("cache", "prune", "--max-bytes", "0", "--cache-dir", str(cache),
+                   prefix=["setpriv", "--inh-caps=-all", "--bounding-set=-all"])
+        assert done.returncode == 1 and "Traceback" not in done.stderr and "Errno" not in done.stderr, done.stderr
+        assert f"Cannot prune the Hugging Face cache {str(cache)!r}: permission denied" in done.stderr, done.stderr
+        assert "nothing was evicted" in done.stderr, done.stderr
+        assert "Run 'vllm-lora cache prune' as the user that owns the cache" in done.stderr, done.stderr
+        assert (cache / "models--acme--p").is_dir()
+        cache.chmod(0o700)  # nor may it read it: `cache ls` said "[Errno 13] Permission denied: '.../ledger.json'"
+        done = cli("cache", "ls", "--cache-dir", str(cache), prefix=["setpriv", "--inh-caps=-all", "--bounding-set=-all"])
+        assert done.returncode == 1 and "Traceback" not in done.stderr and "Errno" not in done.stderr, done.stderr
+        assert f"Cannot list the Hugging Face cache {str(cache)!r}: permission denied: this user may not read it" \
+            in done.stderr and "or give this user read access to it" in done.stderr, done.stderr
+        return
+    with tiny_tmpfs("4m") as disk:
+        subprocess.run(["cp", "-a", f"{cache}/.", str(disk)], check=True, timeout=60)
+        remount = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True, timeout=30)
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {remount.stderr.strip()[:200]}")
+        done = cli("cache", "prune", "--max-bytes", "0", env={"HF_HUB_CACHE": str(disk)})
+        assert done.returncode == 1 and "Traceback" not in done.stderr and "Errno" not in done.stderr, done.stderr
+        assert f"Cannot prune the Hugging Face cache {str(disk)!r}: it is on a read-only file system" in done.stderr
+        assert "nothing was evicted. Remount it read-write" in done.stderr and "--cache-dir DIR" in done.stderr

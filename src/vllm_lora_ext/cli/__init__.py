@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from vllm_lora_ext.cli._args import one_line, plural, positive_int
 from vllm_lora_ext.constants import check_settings
-from vllm_lora_ext.errors import SettingsError, VllmLoraExtError
+from vllm_lora_ext.errors import DiskCacheFullError, SettingsError, VllmLoraExtError
 
 __all__ = ["main", "positive_int", "strict_warnings", "plural"]
 
@@ -132,6 +132,18 @@ def _settings_checked(quiet: bool) -> bool:
     return True
 
 
+def _said_for_command(err: BaseException, args: argparse.Namespace) -> BaseException:
+    """A disk bound's refusal that only the sources this command read before fill (it holds them until it ends: a
+    mix's inputs, an adapter beside its ``--base-config``), with the advice that fits the command, as fetch says it."""
+    if not isinstance(err, DiskCacheFullError):
+        return err
+    from vllm_lora_ext.cli._args import held_sources, said_beside_own
+
+    base = err.source == getattr(args, "base_config", None)  # (a base model's config.json, under the same bound)
+    fewer = "give --base-config the model's config.json as a local file" if base else getattr(args, "fewer", None)
+    return said_beside_own(err, held_sources(), done="read", fewer=fewer)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = _parser()
@@ -157,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (VllmLoraExtError, OSError) as err:
             if args.verbose > 1:
                 traceback.print_exc()
-            print(f"error: {one_line(err)}", file=sys.stderr)
+            print(f"error: {one_line(_said_for_command(err, args))}", file=sys.stderr)
             return 1
         except Warning as err:
             if args.verbose > 1:

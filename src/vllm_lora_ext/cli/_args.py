@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 from vllm_lora_ext.constants import MAX_EXPERTS
 
 if TYPE_CHECKING:
+    from vllm_lora_ext.errors import DiskCacheFullError
     from vllm_lora_ext.sources import ResolvedAdapter
 
-__all__ = ["add_base_config", "add_output", "add_source", "one_line", "positive_int", "plural", "resolve_offline"]
+__all__ = ["add_base_config", "add_output", "add_source", "one_line", "positive_int", "plural", "resolve_offline",
+           "held_sources", "said_beside_own"]
 
 
 def one_line(err: BaseException) -> str:
@@ -62,6 +64,49 @@ def _hold(repo_id: str | None, revision: str | None) -> Any:
         return None
     _HELD.append(made)
     return made
+
+
+def held_sources() -> list[Any]:
+    """The disk-tier holds this command took on its sources so far (each kept until the process ends)."""
+    return list(_HELD)
+
+
+def said_beside_own(err: DiskCacheFullError, held: list[Any], *, done: str, fewer: str | None,
+                    cache_dir: str | None = None) -> DiskCacheFullError:
+    """The disk bound's refusal said for this command, where what fills the bound is only the revisions ``held``
+    (the sources it ``done`` before, kept until it ends; the refusal's own advice, to unload adapters, does not
+    apply): the sizes, the bound the sources need together, and ``fewer`` (the command's other way out). ``err`` as
+    it is where anything else is in use too, the source is larger than the whole bound, or the listing fails."""
+    try:
+        return _beside_own(err, held, done, fewer, cache_dir) or err
+    except Exception:  # the listing failed (a writer past the lock's timeout, ...): the refusal as it is
+        return err
+
+
+def _beside_own(err: DiskCacheFullError, held: list[Any], done: str, fewer: str | None,
+                cache_dir: str | None) -> DiskCacheFullError | None:
+    from vllm_lora_ext._util import fmt_bytes
+    from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
+    from vllm_lora_ext.diskcache import list_cache
+    from vllm_lora_ext.errors import DiskCacheFullError
+
+    if not held or err.needed > err.limit:  # larger than the whole bound: its own message says so
+        return None
+    mine = {(h.repo_id, h.revision) for h in held}
+    listed = list_cache(cache_dir=cache_dir)
+    own = [r for r in listed if (r.repo_id, r.commit) in mine]
+    others = [r for r in listed if (r.repo_id, r.commit) not in mine and (r.held_by or not r.evictable)]
+    if not own or others or sum(r.nbytes for r in own) < err.in_use:  # (revisions of one repo share blobs: the sum
+        return None  # counts a shared one twice, in_use once; so anything else in use is looked for by name)
+    names = ", ".join(f"hf:{r.repo_id}@{r.commit[:12]}" for r in own[:3]) + (", ..." if len(own) > 3 else "")
+    return DiskCacheFullError(
+        f"Source {err.source!r} needs {fmt_bytes(err.needed)} in the Hugging Face cache, but the disk cache bound "
+        f"{ENV_DISK_CACHE_BYTES} is {fmt_bytes(err.limit)} and {fmt_bytes(err.in_use)} of it is taken by the "
+        f"{plural(len(own), 'source')} this command {done} before ({names}), which it keeps cached until it ends so "
+        f"that none is evicted before it is done with them; nothing else is in use. Raise {ENV_DISK_CACHE_BYTES} to "
+        f"fit the sources together: more than {fmt_bytes(err.in_use + err.needed)} (theirs and this file's), plus "
+        f"room for this source's other files and for any source after it" + (f"; or {fewer}." if fewer else "."),
+        source=err.source, limit=err.limit, in_use=err.in_use, needed=err.needed)
 
 
 def add_source(parser: argparse.ArgumentParser) -> None:

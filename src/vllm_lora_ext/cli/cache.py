@@ -10,13 +10,18 @@ revisions that nothing holds until the rest fit ``--max-bytes``, as a server doe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from vllm_lora_ext.constants import parse_size
 from vllm_lora_ext.diskcache import CachedRevision, list_cache, prune_cache
+from vllm_lora_ext.errors import DiskCacheAccessError
 
 
 def _size(text: str) -> int:
@@ -69,9 +74,37 @@ def _warn_missing(cache_dir: str | None) -> str:
     return str(folder)
 
 
+@contextlib.contextmanager
+def _cache_access(folder: str, *, prune: bool) -> Iterator[None]:
+    """Say a listing or prune the cache refused (a read-only file system, a permission) with the folder and what to
+    do instead; any other failure passes as it is."""
+    from vllm_lora_ext.diskholds import state_root
+
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        verb, may, access = ("prune", "change", "write") if prune else ("list", "read", "read")
+        if err.errno == errno.EROFS:  # (only a prune writes)
+            why, fix = "it is on a read-only file system", "Remount it read-write, or prune it where it is writable"
+        else:
+            why = f"permission denied: this user may not {may} it"
+            fix = (f"Run 'vllm-lora cache {'prune' if prune else 'ls'}' as the user that owns the cache, or give this "
+                   f"user {access} access to it")
+        at = f" (at {err.filename!r})" if err.filename else ""
+        at_lock = prune and err.filename is not None and Path(err.filename) == state_root(folder) / "state.lock"
+        done = "; nothing was evicted" if at_lock else ""  # (refused at its lock, before anything)
+        ls = " 'vllm-lora cache ls' lists it without writing." if err.errno == errno.EROFS else ""
+        raise DiskCacheAccessError(
+            f"Cannot {verb} the Hugging Face cache {folder!r}: {why}{at}{done}. {fix}; for another cache pass "
+            f"--cache-dir DIR (or set HF_HUB_CACHE or HF_HOME).{ls}", folder=folder) from err
+
+
 def run_ls(args: argparse.Namespace) -> int:
     folder = _warn_missing(args.cache_dir)
-    revisions = list_cache(cache_dir=args.cache_dir)
+    with _cache_access(folder, prune=False):
+        revisions = list_cache(cache_dir=args.cache_dir)
     width = max((len(_name(r)) for r in revisions), default=0)
     for rev in revisions:
         print(json.dumps(_record(rev)) if args.json else _line(rev, width))
@@ -82,8 +115,9 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    _warn_missing(args.cache_dir)
-    report = prune_cache(args.max_bytes, cache_dir=args.cache_dir)
+    folder = _warn_missing(args.cache_dir)
+    with _cache_access(folder, prune=True):
+        report = prune_cache(args.max_bytes, cache_dir=args.cache_dir)
     for rev in report.evicted:
         print(json.dumps({"evicted": _record(rev)}) if args.json else f"evicted {_line(rev)}")
     summary = {"bytes_before": report.bytes_before, "bytes_after": report.bytes_after, "max_bytes": report.max_bytes}

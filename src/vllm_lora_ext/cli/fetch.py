@@ -41,7 +41,7 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
     import sys
     import traceback
 
-    from vllm_lora_ext.cli._args import one_line
+    from vllm_lora_ext.cli._args import one_line, said_beside_own
     from vllm_lora_ext.diskholds import hold
 
     try:
@@ -55,11 +55,8 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
             if not all(p is None or p.exists() for p in (r.weights_path, r.config_path)):  # evicted before the hold
                 r = fetch_source(source, cache_dir=args.cache_dir)  # (held now: fetched again, it stays)
     except Exception as err:  # the other sources are still fetched (or checked offline); Ctrl-C still stops
-        if isinstance(err, DiskCacheFullError) and held:
-            try:
-                err = _refused_beside_own(err, held, args.cache_dir) or err
-            except Exception:  # the listing failed (a writer past the lock's timeout, ...): the refusal as it is,
-                pass  # and the sources after it are still fetched
+        if isinstance(err, DiskCacheFullError):  # never raises: the sources after it are still fetched
+            err = said_beside_own(err, held, done="fetched", fewer="fetch fewer sources", cache_dir=args.cache_dir)
         if getattr(args, "verbose", 0) > 1:
             traceback.print_exc()
         if args.json:
@@ -75,31 +72,3 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
         print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
               f"[{record['config_rule']}]")
     return 0
-
-
-def _refused_beside_own(err: DiskCacheFullError, held: list[Any], cache_dir: str | None) -> DiskCacheFullError | None:
-    """The disk bound's refusal said for this command, where what fills the bound is only the revisions it fetched
-    before and holds until it ends (the refusal's own advice, to unload adapters, does not apply): the sizes, and
-    the bound the sources need together. ``None`` where anything else is in use too."""
-    from vllm_lora_ext._util import fmt_bytes
-    from vllm_lora_ext.cli._args import plural
-    from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES
-    from vllm_lora_ext.diskcache import list_cache
-
-    if err.needed > err.limit:  # larger than the whole bound: its own message says so
-        return None
-    mine = {(h.repo_id, h.revision) for h in held}
-    listed = list_cache(cache_dir=cache_dir)
-    own = [r for r in listed if (r.repo_id, r.commit) in mine]
-    others = [r for r in listed if (r.repo_id, r.commit) not in mine and (r.held_by or not r.evictable)]
-    if not own or others or sum(r.nbytes for r in own) < err.in_use:  # (revisions of one repo share blobs: the sum
-        return None  # counts a shared one twice, in_use once; so anything else in use is looked for by name)
-    names = ", ".join(f"hf:{r.repo_id}@{r.commit[:12]}" for r in own[:3]) + (", ..." if len(own) > 3 else "")
-    return DiskCacheFullError(
-        f"Adapter source {err.source!r} needs {fmt_bytes(err.needed)} in the Hugging Face cache, but the disk cache "
-        f"bound {ENV_DISK_CACHE_BYTES} is {fmt_bytes(err.limit)} and {fmt_bytes(err.in_use)} of it is taken by the "
-        f"{plural(len(own), 'source')} this command fetched before ({names}), which it keeps cached until it ends so "
-        f"that every source it reports is there together; nothing else is in use. Raise {ENV_DISK_CACHE_BYTES} to fit "
-        f"the sources together: more than {fmt_bytes(err.in_use + err.needed)} (theirs and this file's), plus room "
-        f"for this source's config and for any source after it; or fetch fewer sources.",
-        source=err.source, limit=err.limit, in_use=err.in_use, needed=err.needed)

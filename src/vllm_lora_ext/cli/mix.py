@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
     add_output(p, folder="output folder", over="over a source")
     p.add_argument("--config", default=None, metavar="FILE", help=f"deployment config naming the adapters (default: {ENV_CONFIG})")
     add_base_config(p, needed_for="MoE sizes of 3D inputs whose own shapes allow more than one reading")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, fewer="mix fewer adapters")  # (said where its own sources fill the disk bound)
 
 
 def _deployment(option: str | None) -> tuple[DeploymentConfig | None, str]:
