@@ -101,9 +101,13 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     HUB.seen.clear()
     HUB.script.clear()
     HUB.routes.clear()
+    HUB.slow_headers.clear()
     yield HUB
     HUB.repos.clear()
     HUB.lies.clear()
+    for _, _, stop in HUB.slow_headers.values():
+        stop.set()
+    HUB.slow_headers.clear()
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 
 Routes (what huggingface_hub's ``hf_hub_download`` uses):
 
-- ``HEAD|GET /{org}/{repo}/resolve/{revision}/{path}`` -> 200 with ``X-Repo-Commit``, ``ETag``,
-  ``Content-Length`` (GET: the bytes, ``Range`` honoured); 404 with ``X-Error-Code`` ``RepoNotFound``,
+- ``HEAD|GET /{org}/{repo}/resolve/{revision}/{path}`` -> 200 with ``X-Repo-Commit``, ``ETag`` (as the Hub's: the
+  sha256 of the bytes for a file stored in LFS, by its suffix; for any other, its git blob id, the sha1 of
+  ``b"blob <size>\0"`` and the bytes), ``Content-Length`` (GET: the bytes, ``Range`` honoured); 404 with ``X-Error-Code`` ``RepoNotFound``,
   ``RevisionNotFound`` or ``EntryNotFound`` (the last with ``X-Repo-Commit``, as the Hub does).
 - ``GET /api/models/{org}/{repo}/revision/{revision}`` -> ``{"id", "sha", "siblings"}``
   (``GET /api/models/{org}/{repo}``: the same for ``main``).
@@ -12,7 +13,9 @@ Every request is logged in ``requests``; ``drop_once[path] = [n1, n2, ...]`` mak
 that file send ``n1``, ``n2``, ... bytes and then cut the connection (interrupted downloads);
 ``busy[path] = n`` answers the next ``n`` requests for that file with 503 (a Hub that asks for a retry);
 ``gates["org/repo/path"] = event`` sends the headers of every GET of that repo's file, then its bytes only once
-``event`` is set (a slow download); ``lies[path] = {"etag": ..., "commit": ..., "size": n, "body": bytes}`` makes
+``event`` is set (a slow download); ``slow_headers[path] = (method, every, stop)`` answers that method for the file
+with its status line, then its headers a byte every ``every`` seconds, never ending them, until ``stop`` is set (a
+Hub that trickles its headers); ``lies[path] = {"etag": ..., "commit": ..., "size": n, "body": bytes}`` makes
 the file's answers (its 404 too) carry that ETag or X-Repo-Commit, announce ``size`` bytes (-1: no size) and send ``body`` (a
 hostile Hub or mirror).
 """
@@ -25,6 +28,18 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
+
+
+# Suffixes the Hub's default .gitattributes stores in LFS (the others are plain git files).
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".npy", ".npz",
+                ".pkl", ".pickle", ".zip", ".gz", ".tar")
+
+
+def hub_etag(path: str, data: bytes) -> str:
+    """The ETag the Hub answers for ``path`` holding ``data``: the sha256 for an LFS file, else the git blob id."""
+    if path.endswith(LFS_SUFFIXES):
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 @dataclass
@@ -54,6 +69,7 @@ class HubServer:
         self.drop_once: dict[str, list[int]] = {}
         self.busy: dict[str, int] = {}
         self.gates: dict[str, threading.Event] = {}
+        self.slow_headers: dict[str, tuple[str, float, threading.Event]] = {}
         self.lies: dict[str, dict[str, object]] = {}  # per file; "from": k lies from its k-th request on (1-based)
         self.seen: dict[str, int] = {}  # requests per file name
         # attack harness: script[filename](nth, command, status, headers, body) -> (status, headers, body) rewrites
@@ -142,7 +158,7 @@ class HubServer:
                 commit = str(lie.get("commit", commit))
                 if data is None:
                     return self._error(404, "EntryNotFound", commit)
-                etag = str(lie.get("etag", hashlib.sha256(data).hexdigest()))
+                etag = str(lie.get("etag", hub_etag(filename, data)))
                 if "body" in lie and not head:
                     data = bytes(lie["body"])  # type: ignore[arg-type]
                 elif "size" in lie and head and int(lie["size"]) >= 0:  # type: ignore[call-overload]
@@ -170,6 +186,9 @@ class HubServer:
                     status, hdrs, payload = script(nth, self.command, status, hdrs, payload)  # type: ignore[operator]
                     data = payload
                     start, end = 0, len(payload)
+                slow = server.slow_headers.get(filename)
+                if slow is not None and slow[0] == self.command:
+                    return self._trickle_headers(status, hdrs, slow[1], slow[2])
                 self.send_response(status)
                 for k, v in hdrs:
                     self.send_header(k, v)
@@ -191,6 +210,20 @@ class HubServer:
                     self.connection.shutdown(2)
                     return
                 self.wfile.write(payload)
+
+            def _trickle_headers(self, status: int, hdrs: list[tuple[str, str]], every: float,
+                                 stop: threading.Event) -> None:
+                """The status line and ``hdrs`` at once, then a header a byte every ``every`` seconds, never ended."""
+                self.close_connection = True
+                lines = [f"HTTP/1.1 {status} OK\r\n", *(f"{k}: {v}\r\n" for k, v in hdrs), "X-Padding: "]
+                try:
+                    self.wfile.write("".join(lines).encode())
+                    self.wfile.flush()
+                    while not stop.wait(every):
+                        self.wfile.write(b"a")
+                        self.wfile.flush()
+                except OSError:  # the client gave up
+                    return
 
             def _send(self, status: int, hdrs: list[tuple[str, str]], body: bytes, head: bool) -> None:
                 self.send_response(status)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vllm_lora_ext import hubguard, metrics
+from vllm_lora_ext import hubguard, hubrefs, metrics
 from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import DiskHold, cache_path, hold, locked, reserved_bytes, state_root
@@ -249,9 +249,7 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
             return path
     named = pinned or facts.commit  # the download must land in this commit's snapshot
     cap = hubguard.transfer_cap(facts, limit, source=source, filename=filename, disk=cache)
-    use = _RESOLVING.get()
-    if use is not None:
-        use.take_hold()
+    _starting(named, by_branch=pinned is None)
     root = state_root(cache_dir)
     if limit is None:
         before = commits_having(cache, repo_id, filename)
@@ -279,18 +277,31 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
     return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
 
 
+def _starting(named: str | None, *, by_branch: bool) -> None:
+    """Before a download of commit ``named``: take the running resolve's hold and, for a download by a branch or tag
+    (whose ref huggingface_hub points at ``named``), note that it moves the ref there."""
+    use = _RESOLVING.get()
+    if use is not None:
+        use.take_hold()
+        if by_branch and named is not None:
+            use.moved.add(named)
+
+
 _T = TypeVar("_T")
 
 
 class _Use:
     """One resolve: its hold (taken at its first download), the commit it used (set through `done`), the revisions
-    its downloads listed first, and the commit its branch's ref named before (what a failure puts back)."""
+    its downloads listed first, the commits its downloads by branch named (where huggingface_hub pointed the
+    branch's ref), and the commit that ref named before (what a failure puts back)."""
 
     def __init__(self, repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None) -> None:
         self.repo_id, self.revision, self.cache_dir = repo_id, revision, cache_dir
         self.commit: str | None = None
         self.hold: DiskHold | None = None
         self.listed: dict[str, float] = {}  # the revisions its downloads listed first, and when
+        self.moved: set[str] = set()  # the commits its downloads by branch moved the ref to
+        self.started = time.time()
         pinned = revision is not None and hubguard.COMMIT_SHA.match(revision)
         self.ref = None if pinned else repo_folder(cache_path(cache_dir), repo_id) / "refs" / (revision or "main")
         self.ref_before = read_ref(self.ref)
@@ -300,16 +311,22 @@ class _Use:
         self.commit = getattr(resolved, "commit", None)
         return resolved
 
-    def put_ref_back(self, repo: Path, untouched: set[str]) -> None:
-        """Point the branch's ref, if it now names a revision this failed resolve listed first that no one has used
-        since (``untouched``), or no cached commit, back at the cached commit it named before (or remove it)."""
-        def cached(commit: str | None) -> bool:
-            return commit is not None and (repo / "snapshots" / commit).is_dir()
-
-        now = read_ref(self.ref)
-        half = now is not None and f"{self.repo_id}@{now}" in untouched
-        if self.ref is not None and now != self.ref_before and (half or not cached(now)):
-            write_ref(self.ref, self.ref_before if cached(self.ref_before) else None, repo)
+    def put_ref_back(self, repo: Path, state: DiskState) -> None:
+        """After the resolve, whose downloads moved the branch's ref, failed: point the ref back at the commit it
+        named before (or remove it, if that has no file cached), if it now names a commit with no file cached, or
+        a half revision this resolve moved it to that no one has used since this resolve began (listed in the
+        ledger, its ``last_use`` unchanged: this resolve's own weights without their config, or those an earlier
+        failed resolve left for a retry). A revision another resolve used or completed since, or one this resolve
+        did not move the ref to, is left named (a compare-and-swap on what the ref names, as [`hubrefs`]
+        explains). Call under the state lock, which orders every ref write of the plugin."""
+        now, before = read_ref(self.ref), self.ref_before
+        if self.ref is None or not self.moved or now is None or now == before or not hubguard.COMMIT_SHA.match(now) \
+                or (before is not None and not hubguard.COMMIT_SHA.match(before)):
+            return  # (a ref read torn, by an older huggingface_hub's write in place: left as it is)
+        rev = state.revisions.get(f"{self.repo_id}@{now}")
+        half = now in self.moved and rev is not None and rev.last_use <= self.listed.get(rev.key, self.started)
+        if half or not hubrefs.has_files(repo, now):
+            write_ref(self.ref, before if hubrefs.has_files(repo, before) else None, repo)
 
     def take_hold(self) -> None:
         if self.hold is None:
@@ -322,8 +339,9 @@ class _Use:
 
 @contextlib.contextmanager
 def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None) -> Iterator[_Use]:
-    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now; on
-    failure, put the ref back, and after a refusal by the bound evict what it listed first (`_undo`).
+    """Run a resolve of ``repo_id@revision``: hold it from its first download on; on success, mark it used now and
+    point the branch's ref at its commit again if a failure put it back meanwhile; on failure, put the ref back,
+    and after a refusal by the bound evict what it listed first (`_undo`).
 
     The hold keeps the files already downloaded from eviction while the next ones download (weights, then
     config). A resolve that downloads nothing writes no hold: the caller that reads the files holds them
@@ -334,7 +352,7 @@ def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLik
     try:
         yield use
     except BaseException as exc:
-        if use.listed:
+        if use.listed or use.moved:
             _undo(use, evict=isinstance(exc, DiskCacheFullError))
         raise
     finally:
@@ -342,7 +360,7 @@ def resolving(repo_id: str, revision: str | None, *, cache_dir: str | os.PathLik
         if use.hold is not None:
             use.hold.release()
     if use.commit is not None:
-        _touch(state_root(cache_dir), f"{repo_id}@{use.commit}")
+        _touch(state_root(cache_dir), f"{repo_id}@{use.commit}", use)
 
 
 def _listed_first(key: str) -> None:
@@ -354,13 +372,13 @@ def _listed_first(key: str) -> None:
 
 def _undo(use: _Use, *, evict: bool) -> None:
     """After a failed resolve, point the ref its downloads moved back at the commit it named before, so the revision
-    cached before still serves offline; where ``evict`` (the bound refused it: a retry cannot succeed as it is), also
-    evict the revisions its downloads listed first (weights without their config). Only revisions no one has used
-    since they were listed (their ledger ``last_use`` unchanged: another resolve that reused them, or completed
-    them, marked them) and that no other hold keeps; a build's own hold on the repo keeps them too, so a refusal
-    inside a worker build leaves them listed, for the bound's LRU. Other failures keep the files already
-    downloaded, whole and checked, for a retry to reuse. Best effort: the resolve's own error is what its caller
-    sees."""
+    cached before still serves offline (`_Use.put_ref_back`); where ``evict`` (the bound refused it: a retry cannot
+    succeed as it is), also evict the revisions its downloads listed first (weights without their config). Only
+    revisions no one has used since they were listed (their ledger ``last_use`` unchanged: another resolve that
+    reused them, or completed them, marked them) and that no other hold keeps; a build's own hold on the repo keeps
+    them too, so a refusal inside a worker build leaves them listed, for the bound's LRU. Other failures keep the
+    files already downloaded, whole and checked, for a retry to reuse. Best effort: the resolve's own error is what
+    its caller sees."""
     cache, root = cache_path(use.cache_dir), state_root(use.cache_dir)
     try:
         with locked(root):
@@ -372,15 +390,19 @@ def _undo(use: _Use, *, evict: bool) -> None:
                     and len(state.held(state.revisions[k])) <= mine]
             evict_revisions(cache, root, state, keys)
             metrics.DISK_CACHE_BYTES.set(state.total())
-            use.put_ref_back(repo_folder(cache, use.repo_id), untouched)
+            use.put_ref_back(repo_folder(cache, use.repo_id), state)
     except Exception as err:
         logger.warning("could not undo what a failed resolve of hf:%s left half downloaded (%s): %s", use.repo_id,
                        ", ".join(use.listed), err)
 
 
-def _touch(root: Path, key: str) -> None:
+def _touch(root: Path, key: str, use: _Use) -> None:
+    """Mark revision ``key`` used now, and point the branch's ref at it if this resolve's downloads moved the ref
+    there and a failure put it back since ([`hubrefs`]), in one turn of the state lock."""
     try:
         with locked(root):
+            if use.ref is not None and use.commit in use.moved:
+                hubrefs.settle_ref(use.ref, use.commit, repo_folder(cache_path(use.cache_dir), use.repo_id), root)
             entries = read_ledger(root)
             if key in entries:
                 entries[key]["last_use"] = time.time()

@@ -277,8 +277,9 @@ class DiskCacheAccessError(VllmLoraExtError, OSError):
 
 class HubAnswerError(VllmLoraExtError, RuntimeError):
     """The Hub (``HF_ENDPOINT``) answered something huggingface_hub would write by unsafely: an ETag that is not a
-    plain file name, a commit that is not a sha, more bytes than it announced, or a cached path outside the repo's
-    cache folder. Nothing was downloaded or read by it. Not an ``OSError``: retrying the same Hub does not help.
+    plain file name, a commit that is not a sha, more bytes than it announced, bytes other than the digest its ETag
+    names (a sha256 or git blob id; the file is removed from the cache), or a cached path outside the repo's cache
+    folder. Nothing was downloaded or read by it. Not an ``OSError``: retrying the same Hub does not help.
 
     Example message: ``The Hub at 'https://mirror.example' answered ETag '../../x' for 'hf:acme/sql', which is not a
     plain file name (a blob in the cache is named by it); nothing was downloaded. Point HF_ENDPOINT at a Hub or

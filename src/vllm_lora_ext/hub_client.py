@@ -22,11 +22,11 @@ from urllib.parse import quote, urlsplit
 
 import msgspec
 
-from vllm_lora_ext import diskcache, hubdeadline, hubguard
+from vllm_lora_ext import diskcache, hubdeadline, hubguard, hubrefs
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import MAX_LISTING_BYTES, PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
-from vllm_lora_ext.diskholds import cache_path
-from vllm_lora_ext.diskledger import commit_of, read_ref, write_ref
+from vllm_lora_ext.diskholds import cache_path, state_root
+from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
@@ -247,17 +247,16 @@ class HubClient:
 
     def _download(self, filename: str, revision: str | None, cache_dir: Path | None, cached: object) -> Path:
         """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`) and the file's deadline
-        (`hubdeadline`); a file not ``cached`` before is checked against its sha256 ETag (`hubguard.check_content`).
+        (`hubdeadline`); a file not ``cached`` before is checked against its ETag (`hubguard.check_content`).
         huggingface_hub moves a branch's or tag's ref to the commit the Hub names before it transfers the file:
         where the transfer then fails, the ref is put back, so that the commit of it already cached still serves
-        offline."""
+        offline, and after a success it names the commit got ([`hubrefs`]: safe beside other downloads)."""
         repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
         pinned = self.local_only or (revision is not None and COMMIT_SHA.match(revision) is not None)
         ref = None if pinned else repo / "refs" / (revision or "main")
         if not self.local_only:
             hubguard.writes_inside(repo, source=self.src.raw, ref=ref)
-        before = read_ref(ref)
-        try:
+        with hubrefs.moving(ref, repo, state_root(cache_dir)) as move:  # an error puts the ref back
             with self._timed(filename):
                 path = Path(diskcache.download_file(self.src.repo_id or "", filename, revision=revision,
                                                     cache_dir=cache_dir, token=self.token,
@@ -265,13 +264,7 @@ class HubClient:
                                                     tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
             if not self.local_only and (not isinstance(cached, str) or Path(cached) != path):
                 hubguard.check_content(path, source=self.src.raw, filename=filename)
-        except BaseException:
-            if ref is not None:
-                _put_ref_back(ref, before, repo, filename)
-            raise
-        got = commit_of(path)
-        if ref is not None and got is not None and read_ref(ref) != got:  # another's failure put it back meanwhile
-            write_ref(ref, got, repo)
+        move.settle(commit_of(path))  # another's failure may have put it back meanwhile
         return path
 
     def _timed(self, filename: str) -> contextlib.AbstractContextManager[None]:
@@ -360,12 +353,3 @@ def _listed(repo_id: str, revision: str | None, token: str | bool | None) -> lis
             if len(body) > MAX_LISTING_BYTES or time.monotonic() > deadline:
                 return []
     return [s.rfilename for s in msgspec.json.decode(bytes(body), type=_Listing).siblings or []]
-
-
-def _put_ref_back(ref: Path, before: str | None, repo: Path, filename: str) -> None:
-    """After a failed download, point ``ref`` at the commit it named before (or remove it if it named none), unless
-    another process has since completed ``filename`` at the commit it names now."""
-    now = read_ref(ref)
-    if now == before or (now and (repo / "snapshots" / now / filename).is_file()):
-        return
-    write_ref(ref, before, repo)

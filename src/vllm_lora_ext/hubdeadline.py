@@ -12,17 +12,24 @@ from an offset past the bytes got) it is no progress. The window opens at the fi
 for another download of the same file (huggingface_hub's lock) never counts against this one, and each file has a
 window of its own (a file another download completed, or one hf_xet moved, took no HTTP bytes here).
 
-It is checked on each answer huggingface_hub's HTTP client receives within the block (hubguard's event hook) and
-on each chunk of its body as it arrives, so a fetch overruns its deadline by at most one read's timeout. Not
-checked: an answer whose headers themselves trickle in (bounded by the HTTP parser's 100 KiB header limit, read
-by read), and a file in Xet storage, which hf_xet transfers outside the client.
+It is checked on each answer huggingface_hub's HTTP client receives within the block (hubguard's event hook), on
+each chunk of its body as it arrives, and after each read of the client's connections (below), so a fetch overruns
+its deadline by at most one read's timeout. The reads matter for an answer whose headers trickle in: no answer
+exists until they end, and huggingface_hub's timeouts bound each read, so a Hub that sends a byte of headers
+every few seconds would hold a request for days (the HTTP parser stops at 100 KiB of headers: with the default
+10 s read timeout, about 12 days per request). The first bytes of the file's first answer open its window too.
+The read check wraps httpcore's synchronous stream class (``httpcore2`` under huggingface_hub 2, ``httpcore``
+under 1.x), once per process, and does nothing outside a [`timed`] block; huggingface_hub 0.x (requests) has
+only the answer and chunk checks. Not checked: a file in Xet storage, which hf_xet transfers outside the client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -77,11 +84,43 @@ _CLOCK: ContextVar[DownloadClock | None] = ContextVar("vllm_lora_ext_download_cl
 def timed(clock: DownloadClock) -> Iterator[None]:
     """Within the block, hold huggingface_hub's answers in this thread (or task) to ``clock`` (one file's); the caller
     must have put `on_answer` on huggingface_hub's client (`hubguard.watch_clients`)."""
+    _watch_reads()
     token = _CLOCK.set(clock)
     try:
         yield
     finally:
         _CLOCK.reset(token)
+
+
+_WATCH_LOCK = threading.Lock()
+
+
+def _watch_reads() -> None:
+    """Check the deadline after every read of the synchronous HTTP connections of the httpcore modules loaded (see
+    the module); once per class."""
+    with _WATCH_LOCK:
+        for name in ("httpcore2._backends.sync", "httpcore._backends.sync"):
+            module = sys.modules.get(name)
+            for cls in (getattr(module, "SyncStream", None), getattr(module, "TLSinTLSStream", None)):
+                read = getattr(cls, "read", None)
+                if read is not None and getattr(read, "_vllm_lora_ext_timed", False) is not True:
+                    cls.read = _timed_read(read)
+
+
+def _timed_read(read: Any) -> Any:
+    """``read`` (a stream's), checking the deadline of the file being fetched in this context, if any, after each read
+    that returns (outside httpcore's mapping of socket errors, which would take the deadline's ``TimeoutError`` for a
+    read timeout and retry)."""
+    @functools.wraps(read)
+    def timed_read(self: Any, max_bytes: int, timeout: float | None = None) -> bytes:
+        data: bytes = read(self, max_bytes, timeout)
+        clock = _CLOCK.get()
+        if clock is not None:
+            clock.check()
+        return data
+
+    timed_read._vllm_lora_ext_timed = True  # type: ignore[attr-defined]
+    return timed_read
 
 
 def on_answer(response: Any) -> None:

@@ -17,8 +17,9 @@ So before a download (the one place is [`diskcache.download_file`]):
    names or writes anything by it (a blob, a snapshot link, a ``.no_exist`` marker, ``refs/<revision>``);
 4. `contained` refuses a returned path that is not ``snapshots/<sha>/…`` of the repo's folder (of the commit asked
    for, or named by the Hub just before) or resolves outside the cache: nothing is read from it;
-5. `check_content` refuses a downloaded file whose blob is named by a sha256 (an LFS file's ETag, the Hub's
-   ``X-Linked-Etag``) that its bytes do not have, and removes it: huggingface_hub checks only the size.
+5. `check_content` refuses a downloaded file whose blob is named by a digest that its bytes do not have (an LFS
+   file's ETag, the Hub's ``X-Linked-Etag``, is their sha256; a git file's is its git blob id, a sha1), and removes
+   it: huggingface_hub checks only the size.
 
 Each refusal is a [`HubAnswerError`] naming the header and its value, and for the operator the endpoint; a
 client is told the server's Hub answered wrongly, not where it is.
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 COMMIT_SHA = re.compile(r"[0-9a-f]{40}\Z")  # a commit (with .match): a pinned revision, a snapshot folder
 LFS_SHA256 = re.compile(r"[0-9a-f]{64}\Z")  # an LFS file's ETag: the sha256 of its bytes
+GIT_BLOB_ID = re.compile(r"[0-9a-f]{40}\Z")  # a git file's ETag: its git blob id (the sha1 of a header and its bytes)
 ETAG_BAD = re.compile(r"[/\\\x00]|^\.|\.\.")  # a separator, NUL, a leading dot or "..": not one plain file name
 
 
@@ -245,28 +247,47 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
 
 
 def check_content(path: str | os.PathLike[str], *, source: str, filename: str) -> None:
-    """Refuse the downloaded file ``path`` (a snapshot's link to its blob) if its blob is named by a sha256, as an LFS
-    file's is (by its ETag), and its bytes have another: remove the link and the blob, so that the cache serves
-    no wrong bytes, and raise [`HubAnswerError`] naming the file, the source and both digests. A blob named
-    otherwise (a git file's ETag is its git hash) or a copy instead of a link is not checked."""
+    """Refuse the downloaded file ``path`` (a snapshot's link to its blob) if its blob is named by a digest its bytes
+    do not have: a sha256 (an LFS file's ETag) or a git blob id (a git file's: the sha1 of ``b"blob <size>\\0"`` and
+    the bytes; a mirror that drops the Hub's ``X-Linked-Etag`` answers an LFS file's by its pointer's, which is
+    taken too). Remove the link and the blob, so that the cache serves no wrong bytes and a retry downloads the
+    file again, and raise [`HubAnswerError`] naming the file, the source and both digests. A blob named otherwise
+    (a mirror's own kind of ETag) or a copy instead of a link is not checked."""
     if not os.path.islink(path):
         return
     blob = os.path.join(os.path.dirname(path), os.readlink(path))  # (one link: a shared Xet blob is named otherwise)
     etag = os.path.basename(blob)
-    if not LFS_SHA256.match(etag):
+    if LFS_SHA256.match(etag):
+        kind, got = "sha256", _digest(path, hashlib.sha256())
+    elif GIT_BLOB_ID.match(etag):
+        size = os.path.getsize(path)
+        kind, got = "git blob id", _digest(path, hashlib.sha1(b"blob %d\0" % size))
+        if got != etag and etag == _lfs_pointer_id(_digest(path, hashlib.sha256()), size):
+            return
+    else:
         return
-    with open(path, "rb") as f:
-        got = hashlib.file_digest(f, "sha256").hexdigest()
     if got == etag:
         return
     for place in (path, blob):
         with contextlib.suppress(OSError):
             os.unlink(place)
-    said = (f"sent bytes of {filename!r} for {source!r} whose sha256 is {got}, not the {etag} its ETag names; the file "
-            f"was removed from the cache and nothing was read from it.")
+    said = (f"sent bytes of {filename!r} for {source!r} whose {kind} is {got}, not the {etag} its ETag names; the "
+            f"file was removed from the cache and nothing was read from it.")
     raise HubAnswerError(f"The Hub at {hub_endpoint()!r} {said} Retry; if it recurs, point HF_ENDPOINT at a Hub or "
                          f"mirror that serves the files huggingface.co does.", source=source, header="ETag", value=etag,
                          public_message=f"The Hub {said} Retry; if it recurs, tell the server's operator.")
+
+
+def _digest(path: str | os.PathLike[str], seeded: Any) -> str:
+    """The hex digest of ``seeded`` (a hashlib object, maybe fed a prefix already) over the file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: seeded).hexdigest()
+
+
+def _lfs_pointer_id(sha256: str, size: int) -> str:
+    """The git blob id of the LFS pointer file of a file with this sha256 and size (what git stores for it)."""
+    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+    return hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).hexdigest()
 
 
 def writes_inside(repo: Path, *, source: str, ref: Path | None = None) -> None:

@@ -5,6 +5,7 @@ huggingface_hub client and tests/hubserver.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from factories import hub_adapter_files
 from vllm_lora_ext import resolve_source
 
 WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
 
 
 def weights() -> bytes:
@@ -127,6 +129,33 @@ def test_a_hub_that_answers_each_resume_from_the_start_and_stalls_is_given_up_at
     assert sum(1 for m, p in hub.requests if m == "GET" and p.endswith(WEIGHTS)) >= 2  # resumed at least once
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_a_hub_that_trickles_its_headers_is_given_up_at_the_fetchs_deadline(
+        hub: Any, repo: str, stop: threading.Event, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch,
+        method: str) -> None:
+    """A Hub that sends the status line, then a byte of headers every 0.2 s: no answer exists until the headers end,
+    so only huggingface_hub's per-read timeout (5 s here) bounded it, and that never trips; the HTTP parser's 100 KiB
+    header limit would be reached after hours (days at a byte per 9 s). Whether it trickles the download's headers
+    or those of the first request for the file (the plugin's HEAD, which opens the window), the fetch is stopped
+    at about its grace, having received nothing of the file, and no blob is kept."""
+    monkeypatch.setenv("VLLM_LORA_EXT_DOWNLOAD_GRACE_S", "1")
+    monkeypatch.setenv("VLLM_LORA_EXT_DOWNLOAD_MIN_RATE", str(1 << 20))
+    hub.slow_headers[WEIGHTS] = (method, 0.2, stop)
+    began = time.monotonic()
+    err = in_thread(lambda: resolve_source(repo), 30)
+    from vllm_lora_ext.errors import HubTooSlowError
+
+    assert isinstance(err, HubTooSlowError) and err.received == 0, repr(err)
+    assert time.monotonic() - began < 8
+    assert f"'{WEIGHTS}' of 'hf:acme/a'" in str(err) and "VLLM_LORA_EXT_DOWNLOAD_MIN_RATE" in str(err), str(err)
+    blobs = isolated_hf_cache / "models--acme--a" / "blobs"
+    assert not blobs.exists() or list(blobs.iterdir()) == []
+
+    stop.set()  # the Hub answers at once again: nothing of the trickle is left in the way
+    del hub.slow_headers[WEIGHTS]
+    assert Path(resolve_source(repo).weights_path).read_bytes() == weights()
+
+
 def test_an_honest_hub_loads_within_a_tight_deadline(hub: Any, repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline grows with the bytes received: a Hub that sends at full speed loads within a short grace."""
     monkeypatch.setenv("VLLM_LORA_EXT_DOWNLOAD_GRACE_S", "0.5")
@@ -193,12 +222,51 @@ def test_weights_whose_bytes_differ_from_their_sha256_etag_are_refused_and_remov
     assert Path(resolve_source(repo).weights_path).read_bytes() == weights()
 
 
-@pytest.mark.parametrize("etag", ["0123456789abcdef0123456789abcdef01234567", "abc-123", "A" * 64])
-def test_a_file_whose_etag_is_no_sha256_is_not_refused(hub: Any, repo: str, etag: str) -> None:
-    """A git file's ETag is its git hash (40 hex digits), and a mirror may answer another kind, or upper-case hex:
-    none is a sha256 to check against, and the file loads."""
+@pytest.mark.parametrize("etag", ["abc-123", "A" * 64, "A" * 40])
+def test_a_file_whose_etag_is_no_digest_is_not_refused(hub: Any, repo: str, etag: str) -> None:
+    """A mirror may answer its own kind of ETag, or upper-case hex: none is a sha256 or git blob id to check against,
+    and the file loads."""
     hub.lies[WEIGHTS] = {"etag": etag}
     assert Path(resolve_source(repo).weights_path).read_bytes() == weights()
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_a_config_whose_bytes_differ_from_its_git_blob_id_etag_is_refused_and_removed(
+        hub: Any, repo: str, isolated_hf_cache: Path) -> None:
+    """A git file's ETag (the config's: not in LFS) is its git blob id, the sha1 of ``b"blob <size>\\0"`` and its
+    bytes. A Hub that sends other bytes of the same size was taken as it was (only a sha256 ETag was checked): the
+    config is refused as the weights are, naming both ids, and removed, so that a retry downloads it again."""
+    from vllm_lora_ext.errors import HubAnswerError
+
+    config = hub_adapter_files()[CONFIG]
+    bad = config.replace(b'"r": 4', b'"r": 8')
+    assert len(bad) == len(config) and bad != config
+    hub.lies[CONFIG] = {"body": bad}
+    with pytest.raises(HubAnswerError) as info:
+        resolve_source(repo)
+    text = str(info.value)
+    assert f"'{CONFIG}'" in text and "'hf:acme/a'" in text and git_blob_id(config) in text, text
+    assert f"git blob id is {git_blob_id(bad)}" in text and "removed from the cache" in text, text
+    assert info.value.header == "ETag" and info.value.value == git_blob_id(config)
+    folder = isolated_hf_cache / "models--acme--a"
+    assert not (folder / "blobs" / git_blob_id(config)).exists()
+    assert list(folder.glob(f"snapshots/*/{CONFIG}")) == []
+
+    hub.lies.clear()  # the Hub answers truly again: the retry downloads the config
+    assert json.loads(resolve_source(repo).config_path.read_bytes()) == json.loads(config)
+
+
+def test_an_lfs_file_named_by_its_pointers_git_blob_id_loads(hub: Any, repo: str) -> None:
+    """A mirror that drops the Hub's X-Linked-Etag answers an LFS file's ETag by the git blob id of its pointer
+    file, not of its bytes: that is the right file, and it loads."""
+    data = weights()
+    pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(data).hexdigest()}\n"
+               f"size {len(data)}\n").encode()
+    hub.lies[WEIGHTS] = {"etag": git_blob_id(pointer)}
+    assert Path(resolve_source(repo).weights_path).read_bytes() == data
 
 
 def test_a_cached_file_is_not_hashed_again(hub: Any, repo: str, isolated_hf_cache: Path) -> None:
