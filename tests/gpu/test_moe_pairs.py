@@ -166,13 +166,23 @@ def test_a_captured_pair_path_reads_the_live_rank_table_as_it_is_at_each_replay(
         assert all(torch.equal(r, e) for r, e in zip(replayed, eager)) is same, entry
 
 
+def _new_inputs(step: Any, seed: int) -> None:
+    """New activations in place (the same addresses, so a captured graph reads them): a kernel that read partials or
+    outputs left by the run before would then give that run's bits, not these inputs'."""
+    gen = torch.Generator(device=step.x.device).manual_seed(seed)
+    for t in (step.x, step.x2):  # (the Step's own scale)
+        t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype))
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_programmatic_dependent_launch_changes_no_bit_eager_or_replayed(
-        index: int, tmp_path: Path, counted: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+        index: int, tmp_path: Path, counted: list[int], monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
     """On SM90 and later the pair kernels launch with PDL (the expand reads its B beside the shrink and waits for it
-    before reading the partials). With it and without it (vLLM's ``VLLM_LORA_DISABLE_PDL``), eager and replayed 20
-    times from one CUDA graph, every output is the same bit for bit: a missing wait would show as a replay that
-    read partials before the shrink wrote them. r16 takes the expand's one pass, r32 its passes."""
+    before reading the partials). For new inputs before every run, each launch with PDL (eager, and replayed from
+    one CUDA graph) gives the bits of an eager launch without it (vLLM's ``VLLM_LORA_DISABLE_PDL``) on the same
+    inputs: a missing wait would read the partials of the run before, made from other inputs. r16 takes the
+    expand's one pass, r32 its passes."""
     from vllm.lora.ops.triton_ops.utils import supports_pdl
 
     from vllm_lora_ext.integration import kernels
@@ -180,23 +190,33 @@ def test_programmatic_dependent_launch_changes_no_bit_eager_or_replayed(
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs SM90 or later")
-    step = moe_tuner().Step(_shapes()[index], tmp_path, file_stem(torch.cuda.get_device_name()))
-    for label in step.mappings:
+    request.addfinalizer(supports_pdl.cache_clear)  # vLLM caches its answer per process: none of ours outlives us
+
+    def without_pdl(label: str) -> tuple[torch.Tensor, torch.Tensor]:
         monkeypatch.setenv("VLLM_LORA_DISABLE_PDL", "1")
-        supports_pdl.cache_clear()  # vLLM caches its answer per process
+        supports_pdl.cache_clear()
         assert not kernels._pdl()
-        plain = step.output(None, label)
+        got = step.output(None, label)
         monkeypatch.delenv("VLLM_LORA_DISABLE_PDL")
         supports_pdl.cache_clear()
         assert kernels._pdl()
+        return got
+
+    step = moe_tuner().Step(_shapes()[index], tmp_path, file_stem(torch.cuda.get_device_name()))
+    for label in step.mappings:
+        without_pdl(label)  # the inputs before: what a missing wait would read
+        _new_inputs(step, 1)
         eager = step.output(None, label)
-        assert all(torch.equal(a, b) for a, b in zip(plain, eager)), label
+        want = without_pdl(label)
+        assert all(torch.equal(a, b) for a, b in zip(eager, want)), label
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step.launch()
-        for rep in range(20):
+        for rep in range(8):
+            _new_inputs(step, 2 + rep)
+            want = without_pdl(label)
             step.y13.zero_()
             step.y2.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(step.y13.float(), eager[0]) and torch.equal(step.y2.float(), eager[1]), (label, rep)
+            assert torch.equal(step.y13.float(), want[0]) and torch.equal(step.y2.float(), want[1]), (label, rep)

@@ -199,10 +199,17 @@ def _pairs_take(named: dict[str, Any]) -> bool:
     return pointers_ready(named["lora_a_stacked"], named["lora_b_stacked"])
 
 
+@functools.cache
+def _vllm_supports_pdl() -> Callable[[], bool] | None:
+    return getattr(importlib.import_module(LORA_OP_UTILS_MODULE), "supports_pdl", None)
+
+
 def _pdl() -> bool:
     """Whether the pair kernels launch with programmatic dependent launch: where vLLM's own ``supports_pdl`` lets its
-    fused-MoE LoRA kernels (SM90 and later, not ``VLLM_LORA_DISABLE_PDL``)."""
-    return bool(importlib.import_module(LORA_OP_UTILS_MODULE).supports_pdl())
+    fused-MoE LoRA kernels (SM90 and later, not ``VLLM_LORA_DISABLE_PDL``; vLLM caches its answer per process);
+    never on a vLLM without it."""
+    check = _vllm_supports_pdl()
+    return bool(check is not None and check())
 
 
 def make_add_lora_fused_moe(original: Callable[..., Any]) -> Callable[..., Any]:
