@@ -14,6 +14,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,23 +151,51 @@ _REGEX_SYNTAX = frozenset("^$*+?{}[]\\|()")  # every regex metacharacter but '.'
 
 
 def _check_pattern_key(key: str, field_name: str, adapter: str) -> None:
-    """Refuse a pattern key PEFT's ``re.match(rf"(.*\\.)?({key})$", ...)`` cannot compile, or an over-long one."""
+    """Refuse a pattern key PEFT's ``re.match(rf"(.*\\.)?({key})$", ...)`` cannot compile, an over-long one, and one
+    the ``regex`` engine the plugin matches with (for its timeout) would read otherwise than ``re`` does
+    ([`_engines_differ`]): the plugin would then give modules another rank or alpha than PEFT trained them with."""
     why = f"is {len(key)} characters, more than {MAX_PATTERN_KEY_CHARS}" if len(key) > MAX_PATTERN_KEY_CHARS else ""
     if not why:
         try:
-            re.compile(rf"(.*\.)?({key})$")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)  # re: "possible nested set" and set operators
+                re.compile(rf"(.*\.)?({key})$")
             _matcher(key)
+        except FutureWarning as err:
+            why = (f"holds a set that re (PEFT) and the regex engine read differently ({clip(str(err))}; "
+                   f"'[[:alpha:]]' is a POSIX class to one, the characters '[:alph' to the other)")
         except (re.error, regex.error, OverflowError, RecursionError, ValueError) as err:
             why = f"is not a regular expression PEFT can compile ({clip(str(err))})"
+    if not why:
+        why = _engines_differ(key)
     if why:
         raise AdapterFormatError(f"Adapter {adapter!r}: {field_name} key {short_repr(key)} {why}. Write the module "
                                  f"name (or a simple pattern) in adapter_config.json.", adapter=adapter, key=field_name)
 
 
+_QUANTIFIER = re.compile(r"\{(?:[0-9]+|[0-9]*,[0-9]*)\}")
+
+
+def _engines_differ(key: str) -> str:
+    """Why ``regex`` would read ``key`` otherwise than ``re`` ('' if it reads it alike): a ``{`` that opens no
+    ``{m}``/``{m,n}`` repeat is a literal brace to ``re`` and, as in ``q_proj{e<=1}``, a fuzzy-match constraint to
+    ``regex`` (which then matches ``k_proj`` and ``o_proj`` too). No module name holds a brace, so such a key
+    matches nothing in PEFT."""
+    i = key.find("{")
+    while i != -1:
+        if not _QUANTIFIER.match(key, i):
+            return (f"holds a '{{' that is no {{m}} or {{m,n}} repeat: a literal brace to re (PEFT), which no module "
+                    f"name holds, and a fuzzy-match constraint to the regex engine ({short_repr(key[i:i + 12])})")
+        i = key.find("{", i + 1)
+    return ""
+
+
 @functools.lru_cache(maxsize=4096)
 def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
     """How to match ``key``: a literal tail every name it matches ends with ('' where none is certain), whether it is
-    plain (no metacharacter but ``.``, so it cannot backtrack), and its compiled ``fullmatch`` of ``(.*\\.)?(?:key)``.
+    plain (no metacharacter but ``.``, so it cannot backtrack), and the ``match`` of PEFT's own pattern,
+    ``(.*\\.)?(key)$``, compiled as written: the same groups (a back-reference or a condition names the group it
+    names in PEFT) and the same alternatives (a key holding ``)|(`` splits PEFT's pattern, and the plugin's).
 
     Plain keys use ``re``; the others ``regex``, whose match takes a timeout.
     """
@@ -174,9 +203,10 @@ def _matcher(key: str) -> tuple[str, bool, Callable[..., Any]]:
     i = len(key)
     while i and key[i - 1] not in _REGEX_SYNTAX and key[i - 1] != ".":
         i -= 1
-    certain = "|" not in key and "(?" not in key and (i == 0 or key[i - 1] != "\\")  # no alternation, flag, escape
+    certain = ("|" not in key and "(?" not in key and ")" not in key
+               and (i == 0 or key[i - 1] != "\\"))  # no alternation, flag, group, escape
     engine: Any = re if plain else regex
-    return key[i:] if certain else "", plain, engine.compile(rf"(.*\.)?(?:{key})").fullmatch
+    return key[i:] if certain else "", plain, engine.compile(rf"(.*\.)?({key})$").match
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adapter: str) -> str | None:
@@ -185,16 +215,16 @@ def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adap
     # module (many keys each just under the limit add up to no more; waits for a busy process's GIL do not count).
     spent = 0.0
     for key in patterns:
-        tail, plain, fullmatch = _matcher(key)
+        tail, plain, match = _matcher(key)
         if not module.endswith(tail):
             continue
         if plain:
-            if module == key or module.endswith("." + key) or fullmatch(module):
+            if module == key or module.endswith("." + key) or match(module):
                 return key
             continue
         t0 = time.thread_time()
         try:
-            if _cpu_bounded(fullmatch, module):
+            if _cpu_bounded(match, module):
                 return key
         except TimeoutError:
             raise _too_slow(adapter, field_name, f"key {short_repr(key)}", PATTERN_MATCH_TIMEOUT_S, module) from None
@@ -204,8 +234,8 @@ def _pattern_key(patterns: Mapping[str, Any], module: str, field_name: str, adap
     return None
 
 
-def _cpu_bounded(fullmatch: Callable[..., Any], module: str, attempts: int = 8) -> bool:
-    """``fullmatch(module)`` given PATTERN_MATCH_TIMEOUT_S of this thread's CPU time. ``regex``'s own timeout is
+def _cpu_bounded(match: Callable[..., Any], module: str, attempts: int = 8) -> bool:
+    """``match(module)`` given PATTERN_MATCH_TIMEOUT_S of this thread's CPU time. ``regex``'s own timeout is
     wall-clock, and a match that waited for the GIL (other threads of a busy server) timed out after 0.2 ms of CPU
     (6 of 3,000 beside 4 busy threads): such a timeout is tried again, up to ``attempts`` times.
 
@@ -215,11 +245,11 @@ def _cpu_bounded(fullmatch: Callable[..., Any], module: str, attempts: int = 8) 
     t0 = time.thread_time()
     for _ in range(attempts - 1):
         try:
-            return bool(fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S))
+            return bool(match(module, timeout=PATTERN_MATCH_TIMEOUT_S))
         except TimeoutError:
             if time.thread_time() - t0 >= PATTERN_MATCH_TIMEOUT_S:
                 raise
-    return bool(fullmatch(module, timeout=PATTERN_MATCH_TIMEOUT_S))
+    return bool(match(module, timeout=PATTERN_MATCH_TIMEOUT_S))
 
 
 def _too_slow(adapter: str, field_name: str, what: str, limit: float, module: str) -> AdapterFormatError:
@@ -239,6 +269,16 @@ _REJECT = (
      "Merge those modules into the base model and serve the rest as LoRA."),
     ("fan_in_fan_out", lambda v: bool(v), "fan_in_fan_out=true (Conv1D-style weights) is not supported",
      "Re-save the adapter from an nn.Linear model."),
+    # (vLLM 0.33 refuses these four too; 0.26 served them as a plain LoRA: an aLoRA on every token, not only after
+    # its invocation tokens)
+    ("alora_invocation_tokens", lambda v: bool(v), "Activated LoRA (alora_invocation_tokens) applies the adapter "
+     "only after its invocation tokens, which vLLM's LoRA layers cannot do", "Serve a plain LoRA instead."),
+    ("layer_replication", lambda v: bool(v), "layer_replication adds layers the base model does not have",
+     "Serve the adapter on a model saved with those layers, or retrain without layer_replication."),
+    ("use_qalora", lambda v: bool(v), "QALoRA (use_qalora=true) pools its input, which vLLM's LoRA layers do not",
+     "Retrain without QALoRA."),
+    ("use_bdlora", lambda v: bool(v), "block-diagonal LoRA (use_bdlora) is not supported by vLLM's LoRA kernels",
+     "Retrain without BD-LoRA."),
 )
 
 

@@ -20,7 +20,7 @@ it makes ``mix-<label>-<digest prefix>`` ([`MixSpec.lora_name`]). So the whole g
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 from vllm_lora_ext._util import clip, short_repr
@@ -29,6 +29,7 @@ from vllm_lora_ext.errors import AdapterNotFoundError, AdapterSourceError, MixEr
 from vllm_lora_ext.mixing import check_weight, parse_mix_expression, resolve_mix
 
 __all__ = ["MIX_BODY_FIELDS", "RESERVED_NAME_CHARS", "SERVER_ONLY_PREFIXES", "check_adapter_name", "check_mix_fields",
+           "check_not_base_model",
            "mix_body_fields",
            "mix_name_expression", "mix_in_model", "reserved_part", "server_only_prefix"]
 
@@ -83,6 +84,14 @@ def check_adapter_name(name: object) -> None:
         ...
         vllm_lora_ext.errors.AdapterSourceError: Adapter name 'style=0.7+domain=0.3' contains '+' and '=', which the mix grammar reserves ('a=0.7+b=0.3' asks for a mix), so requests naming it would be read as a mix. Choose a name without '+' or '=' or the prefix 'mix-', e.g. 'style-0.7_domain-0.3'.
     """
+    if isinstance(name, str) and not _utf8(name):  # a lone surrogate ("\\ud800" in a JSON body): vLLM's engine
+        # client cannot send the name to the engine (msgpack: "surrogates not allowed"), and /metrics, whose residency
+        # gauge labels adapters by name, could not encode its page
+        raise AdapterSourceError(
+            f"Adapter name {short_repr(name)} holds a lone UTF-16 surrogate ({_first_surrogate(name)}), which is no "
+            f"character and cannot be encoded as UTF-8. Choose a name of whole characters, e.g. "
+            f"{short_repr(name.encode('utf-8', 'replace').decode().replace('?', '_') or 'adapter')}.",
+            source=clip(name.encode("utf-8", "backslashreplace").decode()), part="name")
     if isinstance(name, str) and name != name.strip():  # the mix syntax in 'model' trims each name (spaces around
         # '=' and '+' are allowed): ' style' there would name 'style', another adapter, so it may not be registered
         raise AdapterSourceError(
@@ -101,6 +110,34 @@ def check_adapter_name(name: object) -> None:
            "as a mix")
     raise AdapterSourceError(f"Adapter name {short_repr(name)} {part}, {why}. Choose a name without '+' or '=' or the "
                              f"prefix {MIX_NAME_PREFIX!r}{hint}.", source=clip(name), part="name")
+
+
+def check_not_base_model(name: object, is_base_model: Callable[[str], bool]) -> None:
+    """Refuse an adapter name that is a served base model's name (``is_base_model``: vLLM's, any served alias).
+
+    vLLM 0.33 refuses it on its load route; 0.26 does not, and its adapter lookup (``_maybe_get_adapters``) looks in
+    the loaded adapters before the base model: every request naming the base model would be served the adapter.
+
+    Raises:
+        [`AdapterSourceError`]: ``part="name"``; the message says why and to choose another name.
+    """
+    if isinstance(name, str) and is_base_model(name):
+        raise AdapterSourceError(f"Adapter name {short_repr(name)} is the name of a served base model: requests "
+                                 f"naming the base model would be served this adapter. Give the adapter another "
+                                 f"name.", source=clip(name), part="name")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_surrogate(text: str) -> str:
+    at = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    return f"U+{ord(text[at]):04X} at character {at}"
 
 
 def mix_name_expression(name: str) -> str | None:

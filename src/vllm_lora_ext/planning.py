@@ -19,7 +19,8 @@ from vllm_lora_ext.formats import KeyInfo, classify_key, expert_key_splits, stri
 from vllm_lora_ext.formats.moe import MoESpec
 from vllm_lora_ext.formats.moe_plan import ExpertsPlan, plan_experts
 from vllm_lora_ext.unapplied import screen_unapplied
-from vllm_lora_ext.validation import ModuleDims, check_dense_factors, check_factor_dtypes, check_has_factors, check_ranks
+from vllm_lora_ext.validation import (ModuleDims, check_declared_ranks, check_dense_factors, check_factor_dtypes,
+                                      check_has_factors, check_ranks)
 
 __all__ = ["AdapterPlan", "KeyRouter", "ModelSpec", "PeftKeyRouter", "expert_pattern", "find_unmatched", "plan_adapter",
            "routes_experts_alike", "same_layer_block"]
@@ -243,6 +244,9 @@ def plan_adapter(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, m
     check_dense_factors(shapes, dense_keys, model.dims, module_of=module_of, adapter=name, packed=model.packed)
     plans = {prefix: plan_experts(group, model.moe[prefix], config=config, adapter=name)
              for prefix, group in moe_groups.items()}
+    served = {k: shapes[k] for k in [*dense_keys, *(k for group in moe_groups.values() for k in group)]}
+    check_declared_ranks(served, config, adapter=name)  # a 2D factor of another rank than its config's: PEFT refuses
+    # it, and served it would be scaled by the config's lora_alpha / r
     return AdapterPlan(dense_keys, module_of, plans, dropped)
 
 

@@ -45,6 +45,8 @@ _AT_EXIT: set[int] = set()
 
 
 def _label(name: str) -> str:
+    # (a lone surrogate would make every scrape of /metrics fail: prometheus_client encodes the page as UTF-8)
+    name = name.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(name) <= MAX_LABEL_CHARS:
         return name
     return f"{name[:MAX_LABEL_CHARS - 18]}...{hashlib.sha256(name.encode()).hexdigest()[:15]}"

@@ -20,8 +20,8 @@ from vllm_lora_ext.errors import AdapterFormatError, VllmLoraExtError
 from vllm_lora_ext.formats import classify_key, detect_layout, group_modules, layout_by_layer
 from vllm_lora_ext.headers import FileHeader, read_header
 from vllm_lora_ext.sources import ResolvedAdapter
-from vllm_lora_ext.validation import (check_dense_factors, check_factor_dtypes, check_has_factors, check_ranks,
-                                      not_lora_reason)
+from vllm_lora_ext.validation import (check_declared_ranks, check_dense_factors, check_factor_dtypes, check_has_factors,
+                                      check_ranks, not_lora_reason)
 
 __all__ = ["ModuleSummary", "AdapterSummary", "summarize_adapter", "load_config", "check_declared_ranks",
            "adapter_rules", "finite_rule", "run_rules", "collect_problems", "check_adapter_rules"]
@@ -87,40 +87,6 @@ def load_config(resolved: ResolvedAdapter, *, name: str = "adapter", header: Fil
         finally:
             os.close(fd)
     return infer_config(header.shapes, header.metadata, name=name)
-
-
-def check_declared_ranks(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, *,
-                         adapter: str = "adapter") -> None:
-    """Refuse 2D factors whose rank differs from the rank the config gives their module (``r``/``rank_pattern``).
-
-    PEFT refuses to load such an adapter, and vLLM would scale it by ``alpha / r`` of the config, not of the
-    tensors (``r: 4`` over rank-8 tensors doubles the delta).
-
-    Raises:
-        [`AdapterFormatError`]: names every such module, both ranks and the fix.
-
-    Example:
-        >>> from vllm_lora_ext.config import config_from_dict
-        >>> check_declared_ranks({"m.q.lora_A.weight": (8, 16)}, config_from_dict({"r": 4}), adapter="x")
-        Traceback (most recent call last):
-        ...
-        vllm_lora_ext.errors.AdapterFormatError: Adapter 'x': m.q: lora_A has rank 8 but the config gives it r 4, so vLLM would scale it by lora_alpha/4 and PEFT refuses it. Set "r" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.
-    """
-    bad = []
-    for key, shape in shapes.items():
-        info = classify_key(key)
-        if info.which != "A" or info.kind not in ("dense", "moe_2d") or len(shape) != 2:
-            continue
-        declared = config.rank_for(info.module)
-        if shape[0] != declared:
-            bad.append(f"{info.module}: lora_A has rank {shape[0]} but the config gives it r {declared}")
-    if bad:
-        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
-        first = bad[0].rsplit(" r ", 1)[-1]
-        raise AdapterFormatError(
-            f"Adapter {adapter!r}: " + "; ".join(bad[:3]) + more + f", so vLLM would scale it by lora_alpha/{first} and "
-            f"PEFT refuses it. Set \"r\" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.",
-            adapter=adapter, key="r")
 
 
 def adapter_rules(header: FileHeader, config: AdapterConfig, *, name: str = "adapter") -> list[Rule]:

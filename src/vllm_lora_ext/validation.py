@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from vllm_lora_ext.config import AdapterConfig
 
 __all__ = ["ModuleDims", "LORA_FACTOR_DTYPES", "check_factor_dtypes", "check_dense_factors", "check_ranks",
+           "check_declared_ranks",
            "check_rank_budget", "check_module_ranks", "check_finite", "check_fits_dtype", "dense_multipliers",
            "first_nonfinite", "largest_magnitude",
            "nonfinite_error"]
@@ -211,6 +212,40 @@ def check_ranks(shapes: Mapping[str, tuple[int, ...]], declared: Iterable[int], 
     if worst is not None:
         check_rank_budget(worst[0], max_rank, adapter=adapter,
                           what=f"Adapter {adapter!r} has rank {worst[0]} (module {worst[1]!r})")
+
+
+def check_declared_ranks(shapes: Mapping[str, tuple[int, ...]], config: AdapterConfig, *,
+                         adapter: str = "adapter") -> None:
+    """Refuse 2D factors whose rank differs from the rank the config gives their module (``r``/``rank_pattern``).
+
+    PEFT refuses to load such an adapter, and vLLM would scale it by ``alpha / r`` of the config, not of the
+    tensors (``r: 4`` over rank-8 tensors doubles the delta).
+
+    Raises:
+        [`AdapterFormatError`]: names every such module, both ranks and the fix.
+
+    Example:
+        >>> from vllm_lora_ext.config import config_from_dict
+        >>> check_declared_ranks({"m.q.lora_A.weight": (8, 16)}, config_from_dict({"r": 4}), adapter="x")
+        Traceback (most recent call last):
+        ...
+        vllm_lora_ext.errors.AdapterFormatError: Adapter 'x': m.q: lora_A has rank 8 but the config gives it r 4, so vLLM would scale it by lora_alpha/4 and PEFT refuses it. Set "r" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.
+    """
+    bad = []
+    for key, shape in shapes.items():
+        info = classify_key(key)
+        if info.which != "A" or info.kind not in ("dense", "moe_2d") or len(shape) != 2:
+            continue
+        declared = config.rank_for(info.module)
+        if shape[0] != declared:
+            bad.append(f"{info.module}: lora_A has rank {shape[0]} but the config gives it r {declared}")
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        first = bad[0].rsplit(" r ", 1)[-1]
+        raise AdapterFormatError(
+            f"Adapter {adapter!r}: " + "; ".join(bad[:3]) + more + f", so vLLM would scale it by lora_alpha/{first} and "
+            f"PEFT refuses it. Set \"r\" (or a rank_pattern entry) to the tensors' rank in adapter_config.json.",
+            adapter=adapter, key="r")
 
 
 def check_rank_budget(rank: int, max_rank: int, *, adapter: str, what: str, detail: str = "",

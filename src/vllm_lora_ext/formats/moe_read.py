@@ -231,7 +231,7 @@ def _role_by_expert(blk: _Block, role: str, ks: list[Key2D], loaded: Mapping[str
     b = torch.zeros(n, d_out, r, dtype=torch.float32)
     for k in ks:
         j = pos[k.expert]
-        s = blk.config.scaling_for(f"{spec.prefix}.{k.expert}.{name}", k.rank) if opts.scaled else 1.0
+        s = blk.config.scaling_for(_pattern_name(k.key_a), k.rank) if opts.scaled else 1.0
         a[j, : k.rank] = loaded[k.key_a]
         b[j, :, : k.rank] = loaded[k.key_b].float() * s
     target = opts.dtype if opts.dtype is not None else a.dtype
@@ -249,7 +249,7 @@ def _read_3d(blk: _Block, k3: Key3D) -> None:
     # model splits it into new tensors (which are).
     b_alloc = opts.alloc if k3.role != "gate_up" or spec.prefix in opts.fused_gate_up else None
     name = "gate_up_proj" if k3.role == "gate_up" else "down_proj"
-    s = blk.config.scaling_for(f"{spec.prefix}.{name}", r) if opts.scaled else 1.0
+    s = blk.config.scaling_for(_pattern_name(k3.key_a, name), r) if opts.scaled else 1.0
     b3, state = _read_3d_b(blk, k3, b_alloc, s, target)
     lying = (b3.numel() // n, n, s) if state == "lying" else None
     if state not in ("done", "lying"):
@@ -361,6 +361,22 @@ def _stack(tensors: list[torch.Tensor], alloc: Alloc | None) -> torch.Tensor:
 def _factors(ex: ExpertsLoRA) -> dict[str, torch.Tensor]:
     return {f"{ex.prefix} {role} lora_{w}": getattr(f, w.lower())
             for role in ("gate_up", "gate", "up", "down") if (f := getattr(ex, role)) is not None for w in ("A", "B")}
+
+
+def _pattern_name(key: str, parameter: str | None = None) -> str:
+    """The name PEFT matched ``rank_pattern``/``alpha_pattern`` against for the factor ``key``: its module as the file
+    names it (without ``base_model.model.``; not the running model's block, which a weights mapper or a
+    transformers-v5 block name may call otherwise), and for a fused 3D factor its experts module's ``parameter``
+    (``...experts.gate_up_proj``, PEFT's ``target_parameters`` key)."""
+    from vllm_lora_ext.formats import classify_key
+
+    info = classify_key(key)
+    if parameter is None:
+        return info.module
+    module = info.module
+    while module.endswith(".base_layer"):
+        module = module[: -len(".base_layer")]
+    return f"{module}.{parameter}"
 
 
 def _proj_name(spec: MoESpec, role: str) -> str:

@@ -347,14 +347,38 @@ def _wrap(manager: Any, lora_request: Any, built: BuiltAdapter, router: VllmKeyR
     )
     config = built.config
     if config.has_patterns:  # vLLM 0.26 gives every module the global r/alpha: apply PEFT's per-module rules
+        peft_names = peft_module_names(tensors, router)
         for module_name, weights in lora.loras.items():
             rank = int(weights.lora_a.shape[0])
-            weights.rank, weights.scaling = rank, config.scaling_for(module_name, rank)
+            weights.rank, weights.scaling = rank, config.scaling_for(peft_names.get(module_name, module_name), rank)
     for prefix, (lora_a, lora_b, need) in built.moe.items():
         lora.loras[prefix] = packed_layer(prefix, lora_a, lora_b, need)
     lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
     validate_loaded(manager._adapter_manager, lora)
     return lora
+
+
+def peft_module_names(keys: Any, router: VllmKeyRouter) -> dict[str, str]:
+    """The name PEFT matched ``rank_pattern``/``alpha_pattern`` against, by the module name vLLM gives each key.
+
+    PEFT matches the patterns against the trained model's module names: the key's, without ``base_model.model.``,
+    before the model's ``hf_to_vllm_mapper`` renames it (``model.language_model.layers.0...`` of a vision-language
+    model is vLLM's ``language_model.model.layers.0...``; vLLM 0.33 matches the same names). Empty without a mapper.
+    """
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    if router.mapper is None:
+        return {}
+    out: dict[str, str] = {}
+    for key in keys:
+        module = router.module(key)
+        if module is None or module in out:
+            continue
+        try:
+            out[module] = str(parse_fine_tuned_lora_name(key)[0])
+        except ValueError:
+            continue
+    return out
 
 
 def _count_read(built: BuiltAdapter) -> None:

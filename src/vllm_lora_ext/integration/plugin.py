@@ -175,10 +175,11 @@ PATCHES: tuple[Patch, ...] = (
           writes=(f"OpenAIServingModels.{DISK_HOLDS_ATTR}", f"OpenAIServingModels.{PINNED_NAMES_ATTR}",
                   "LoadLoRAAdapterRequest.lora_path"),
           why="resolve (download) a source in a thread and pin it before the engine sees it; refuse names the mix "
-              "grammar reserves (+, =, mix-), the operator's names, client mix: paths and paths outside "
-              "VLLM_LORA_EXT_ALLOWED_ROOTS; run vLLM's own request checks before any download or build; build a new or "
-              "replaced (load_inplace) adapter in the background before vLLM registers it; hold the hub revisions of "
-              "registered adapters in the disk cache",
+              "grammar reserves (+, =, mix-), the operator's names, a served base model's name (vLLM 0.26 took it and "
+              "served it for the base model), client mix: paths and paths outside VLLM_LORA_EXT_ALLOWED_ROOTS; run "
+              "vLLM's own request checks before any download or build; build a new or replaced (load_inplace) adapter "
+              "in the background before vLLM registers it, and clear the flag on the request it then serves (vLLM "
+              "0.26 kept it: a reload in every step); hold the hub revisions of registered adapters in the disk cache",
           delete_when="vLLM resolves sources with revisions off the engine loop and has a path allow-list"),
     Patch(SERVING_MODELS_MODULE, "OpenAIServingModels.init_static_loras", (), server_patches.make_init_static_loras,
           process="server", writes=(f"OpenAIServingModels.{DEPLOYMENT_ATTR}",),

@@ -30,12 +30,18 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     async def _load(self: Any, request: Any, base_model_name: str | None) -> Any:
         from vllm.lora.request import LoRARequest
 
+        from vllm_lora_ext.errors import AdapterSourceError
         from vllm_lora_ext.integration.build_errors import typed_load_answer
         from vllm_lora_ext.integration.leases import retire_mixes_of
         from vllm_lora_ext.integration.server import (build_failure, ensure_built, http_error, live_registry,
                                                       pre_resolve, recently_used, refuse_operator_name, sync_disk_holds)
+        from vllm_lora_ext.naming import check_not_base_model
 
         refused = refuse_operator_name(self, request.lora_name, "load over")
+        try:  # (vLLM 0.26 registered it, and served it for the base model)
+            check_not_base_model(request.lora_name, self.is_base_model)
+        except AdapterSourceError as err:
+            refused = refused or http_error(err)
         if refused is None:  # vLLM's own cheap refusals (no name or path, a base model's name, loaded already
             refused = await self._check_load_lora_adapter_request(request)  # without load_inplace): no download
         if refused is not None:
@@ -54,6 +60,9 @@ def make_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
                 return http_error(build_failure(err, name=name, source=path))
             built = time.perf_counter()
         result = await original(self, request_or_error, base_model_name)
+        registered = self.lora_requests.get(name) if isinstance(result, str) else None
+        if getattr(registered, "load_inplace", False):  # vLLM 0.26 kept the flag on the request it serves: every
+            registered.load_inplace = False  # step with the adapter reloaded it from disk (0.33 resets it too)
         if isinstance(result, str) and path:
             if built is not None:  # the engine's part: registering the built adapter and its slot copy
                 logger.info("adapter %r: registered by the engine %.3f s after its build was answered",

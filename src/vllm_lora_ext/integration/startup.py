@@ -65,12 +65,14 @@ async def register_unbuilt(serving_models: Any, request: Any) -> Any:
 
     from vllm_lora_ext.errors import AdapterFormatError, AdapterSourceError
     from vllm_lora_ext.integration.server import http_error, pre_resolve, sync_disk_holds
+    from vllm_lora_ext.naming import check_not_base_model
     from vllm_lora_ext.sources import resolve_source
     from vllm_lora_ext.summary import summarize_adapter
 
-    if serving_models.is_base_model(request.lora_name):  # vLLM's load_lora_adapter refuses it too (0.33)
-        return http_error(AdapterSourceError(f"Adapter name {request.lora_name!r} is the name of a served base "
-                                             f"model. Give the adapter another name.", source="", part="name"))
+    try:  # (as load_lora_adapter refuses it)
+        check_not_base_model(request.lora_name, serving_models.is_base_model)
+    except AdapterSourceError as err:
+        return http_error(err)
     pinned = await pre_resolve(request)
     if not hasattr(pinned, "lora_path"):
         return pinned  # an ErrorResponse
