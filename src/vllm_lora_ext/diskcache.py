@@ -6,7 +6,8 @@ Off unless ``VLLM_LORA_EXT_DISK_CACHE_BYTES`` is set (e.g. ``20GiB``). The rules
   downloaded (repo, commit, the files it placed, its last use). A revision the plugin only read from the
   cache (the user's own download, another model) is never listed, so never counted and never evicted.
   The bytes of a set of revisions are the bytes of the distinct blobs their files point at. The partial files
-  that no download is writing (a killed one's) count too: they are nobody's to evict, and never deleted.
+  that no download is writing (a killed one's) count too: they are nobody's to evict, and never deleted. A file
+  refused after its download ([`check_download`]: bytes other than its ETag names) leaves the cache and the ledger.
 - **Before a download** the Hub's checked metadata ([`hubguard`]) gives the size; if the listed revisions plus
   the new file could not fit the bound even with every unheld revision evicted, it is refused. Otherwise the least
   recently used revisions nothing holds are evicted, whole (``scan_cache_dir().delete_revisions``), as the bytes
@@ -52,13 +53,13 @@ from vllm_lora_ext import hubguard, hubrefs, metrics
 from vllm_lora_ext._util import fmt_bytes
 from vllm_lora_ext.constants import ENV_DISK_CACHE_BYTES, disk_cache_bytes
 from vllm_lora_ext.diskholds import DiskHold, cache_path, hold, locked, reserved_bytes, state_root
-from vllm_lora_ext.diskledger import (commit_of, commits_having, read_ledger, read_ref, record, repo_folder,
-                                     write_ledger, write_ref)
+from vllm_lora_ext.diskledger import (LEDGER, commit_of, commits_having, read_ledger, read_ref, record, repo_folder,
+                                     unlist, write_ledger, write_ref)
 from vllm_lora_ext.diskstate import (CachedRevision, DiskState, PruneReport, evict_revisions, list_cache,
                                     plan_eviction, prune_cache, scan_state)
-from vllm_lora_ext.errors import DiskCacheFullError
+from vllm_lora_ext.errors import DiskCacheFullError, HubAnswerError
 
-__all__ = ["CachedRevision", "PruneReport", "download_file", "list_cache", "prune_cache", "resolving"]
+__all__ = ["CachedRevision", "PruneReport", "check_download", "download_file", "list_cache", "prune_cache", "resolving"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +276,29 @@ def download_file(repo_id: str, filename: str, *, revision: str | None,
         if room is not None:
             room.hold.release()  # a failed transfer; idempotent
     return hubguard.contained(path, repo_folder(cache, repo_id), source=source, commit=named)
+
+
+def check_download(path: str | os.PathLike[str], repo_id: str, filename: str, *, source: str,
+                   cache_dir: str | os.PathLike[str] | None = None) -> None:
+    """Check a file `download_file` just got against its ETag ([`hubguard.check_content`]); a refused file, which
+    that removes from the cache, leaves the ledger too, so that the bound and ``vllm-lora cache ls`` count only what
+    is there, and a file someone else puts there later is not taken for the plugin's.
+
+    Raises:
+        [`HubAnswerError`]: the bytes are not those the ETag names; the file was removed.
+    """
+    try:
+        hubguard.check_content(path, source=source, filename=filename)
+    except HubAnswerError:
+        commit, root = commit_of(Path(path)), state_root(cache_dir)
+        if commit is not None and (root / LEDGER).exists():
+            try:
+                with locked(root):
+                    unlist(root, repo_id, commit, filename)
+            except Exception as err:  # the scan counts the bytes on disk; the refusal is what the caller sees
+                logger.warning("could not drop %s@%s:%s, refused and removed, from the disk cache ledger: %s",
+                               repo_id, commit, filename, err)
+        raise
 
 
 def _starting(named: str | None, *, by_branch: bool) -> None:

@@ -1,7 +1,7 @@
 """The disk tier's ledger: which revisions of the Hugging Face cache the plugin downloaded, and when each was last
 used (``<HF cache>/.locks/vllm_lora_ext/ledger.json``), with the cache-layout helpers that read it (a repo's folder,
-a file's commit, a branch's ref). Call the writers under [`diskholds.locked`]; [`diskcache`] holds the rules that use
-it.
+a file's commit, a branch's ref, huggingface_hub's record of a file the Hub answered 404 for). Call the writers under
+[`diskholds.locked`]; [`diskcache`] holds the rules that use it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from vllm_lora_ext.diskholds import read_state_file, write_in_place
 from vllm_lora_ext.hubguard import COMMIT_SHA
 
-__all__ = ["LEDGER", "commit_of", "commits_having", "read_ledger", "read_ref", "record", "repo_folder", "write_ledger",
-           "write_ref"]
+__all__ = ["LEDGER", "commit_of", "commits_having", "drop_missing_mark", "missing_mark", "read_ledger", "read_ref",
+           "record", "repo_folder", "unlist", "write_ledger", "write_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,38 @@ def record(root: Path, repo_id: str, commit: str, filename: str) -> bool:
     entry["last_use"] = time.time()
     write_ledger(root, entries)
     return new
+
+
+def unlist(root: Path, repo_id: str, commit: str, filename: str) -> None:
+    """Drop ``filename`` of ``repo_id@commit`` from the ledger (and the revision, once it lists no file): the file was
+    removed from the cache, so the plugin no longer placed it there. Call under `locked`."""
+    entries = read_ledger(root)
+    entry = entries.get(f"{repo_id}@{commit}")
+    if entry is None or filename not in entry["files"]:
+        return
+    entry["files"] = [f for f in entry["files"] if f != filename]
+    if not entry["files"]:
+        del entries[f"{repo_id}@{commit}"]
+    write_ledger(root, entries)
+
+
+def missing_mark(repo: Path, commit: str, filename: str) -> Path:
+    """huggingface_hub's record that the Hub answered 404 for ``filename`` at ``commit`` (an empty file in ``repo``,
+    the repo's cache folder): its cache lookup (``try_to_load_from_cache``) believes it before a cached file."""
+    return repo / ".no_exist" / commit / filename
+
+
+def drop_missing_mark(repo: Path, commit: str | None, filename: str) -> None:
+    """Remove the `missing_mark` of ``filename`` at ``commit``, where there is one: the file is cached at that commit,
+    so the record is wrong (huggingface_hub never removes one). Never through a link out of ``repo``; best effort."""
+    if commit is None or not COMMIT_SHA.match(commit):
+        return
+    mark = missing_mark(repo, commit, filename)
+    with contextlib.suppress(OSError):
+        if os.path.lexists(mark) and os.path.realpath(mark.parent).startswith(os.path.realpath(repo) + os.sep):
+            os.unlink(mark)
+            logger.info("dropped the cache's record that %s was missing at commit %s: it is cached now", filename,
+                        commit)
 
 
 def read_ref(ref: Path | None) -> str | None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import quote, urlsplit
@@ -26,12 +28,14 @@ from vllm_lora_ext import diskcache, hubdeadline, hubguard, hubrefs
 from vllm_lora_ext._progress import logging_tqdm_class
 from vllm_lora_ext.constants import MAX_LISTING_BYTES, PICKLE_SUFFIXES, SAFETENSORS_SUFFIX, hf_offline, proxy_configured
 from vllm_lora_ext.diskholds import cache_path, state_root
-from vllm_lora_ext.diskledger import commit_of
+from vllm_lora_ext.diskledger import commit_of, drop_missing_mark, missing_mark
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError
 from vllm_lora_ext.hubguard import COMMIT_SHA, hub_endpoint
 
 __all__ = ["HubClient", "HubRepo", "hub_endpoint", "hub_unreachable", "offline_message",
            "unreachable_message"]
+
+logger = logging.getLogger(__name__)
 
 
 class HubRepo(Protocol):
@@ -50,6 +54,10 @@ _LOCAL_FAULTS = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno
                            errno.EISDIR})
 _DEFINITE = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
 PROBE_SECONDS = 1.5
+
+# How a client found a file missing (`HubClient.absent`): the Hub answered 404 to it; the cache records that the Hub
+# answered 404 before (huggingface_hub's ``.no_exist`` marker), believed without asking; or that, asked again.
+ANSWERED, RECORDED, ASKED_AGAIN = "answered", "recorded", "asked again"
 
 
 def hub_unreachable() -> str | None:
@@ -151,6 +159,8 @@ class HubClient:
         self.label = label  # what the source is, in messages: "adapter source" or "base model"
         self.fetching = fetching  # the caller is 'vllm-lora fetch' (its advice is not to run it)
         self.downloaded = False  # whether any fetch had to download (a cache miss)
+        self.absent: dict[str, tuple[str, str]] = {}  # a file found missing: how (ANSWERED, ...), and why so
+        self.asked_again: set[tuple[str, str]] = set()  # (file, commit): recorded missing, asked again
 
     def _no_hub(self, filename: str, revision: str | None, reason: str | None) -> AdapterNotFoundError:
         """The error for a file that is not cached while the Hub may not be asked (``reason=None``) or does not answer."""
@@ -179,11 +189,13 @@ class HubClient:
                                       public=p)) for p in (False, True))
         return AdapterNotFoundError(message, source=raw, revision=revision, public_message=public)
 
-    def fetch(self, filename: str, revision: str | None) -> Path | None:
-        """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it."""
+    def fetch(self, filename: str, revision: str | None, *, again: bool = False) -> Path | None:
+        """Return the cached path of ``filename`` at ``revision``, or ``None`` if the repo lacks it (and in `absent`
+        how that was learned). At a commit, the cache's record that the Hub answered 404 for the file (huggingface_hub's
+        ``.no_exist`` marker) is believed without a request, unless ``again``: online, the Hub is then asked again,
+        once per file and client, and the record stays only where it answers 404 again or cannot be asked."""
         try:  # huggingface_hub's HTTP module parses HF_ENDPOINT as it is imported, and a port that is not one stops it
             from huggingface_hub import try_to_load_from_cache
-            from huggingface_hub import errors as hf_errors
         except ValueError as err:
             raise AdapterNotFoundError(
                 f"huggingface_hub cannot start with HF_ENDPOINT {hub_endpoint()!r} ({err}), so {self.label} "
@@ -198,11 +210,39 @@ class HubClient:
         except Exception:  # e.g. an unusual cache layout: hf_hub_download below decides
             cached = None
         if revision is not None and COMMIT_SHA.match(revision):
+            repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
             if isinstance(cached, str):
-                repo = diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or "")
                 return Path(hubguard.contained(cached, repo, source=self.src.raw, commit=revision))
-            if cached is not None:  # _CACHED_NO_EXIST: the hub said 404 for this commit before
-                return None
+            if cached is not None:  # _CACHED_NO_EXIST: the Hub answered 404 for it at this commit before
+                held = repo / "snapshots" / revision / filename
+                if held.is_file():  # got since by another client ('hf download'), which leaves the record
+                    drop_missing_mark(repo, revision, filename)
+                    return Path(hubguard.contained(str(held), repo, source=self.src.raw, commit=revision))
+                if not again or self.local_only or (filename, revision) in self.asked_again:
+                    self.absent[filename] = (RECORDED, "offline mode is on" if self.local_only else "")  # (why not)
+                    return None
+                return self._ask_again(filename, revision, cache_dir)
+        return self._get(filename, revision, cache_dir, cached)
+
+    def _ask_again(self, filename: str, commit: str, cache_dir: Path | None) -> Path | None:
+        """Ask the Hub again for a file the cache records as missing at ``commit`` (`fetch`); where it cannot be asked
+        (unreachable, too slow, or the repo not found now), the record stands, with a warning."""
+        self.asked_again.add((filename, commit))
+        try:
+            path = self._get(filename, commit, cache_dir, None)
+        except (AdapterNotFoundError, AdapterDownloadError) as err:
+            logger.warning("%s %r: could not ask the Hub again for %r at commit %s, which the cache records as "
+                           "missing: %s", self.label, self.src.raw, filename, commit, err)
+            self.absent[filename] = (RECORDED, f"asking failed, {type(err).__name__}: see the warning before")
+            return None
+        if path is None:
+            self.absent[filename] = (ASKED_AGAIN, "")
+        return path
+
+    def _get(self, filename: str, revision: str | None, cache_dir: Path | None, cached: object) -> Path | None:
+        """`fetch` from the Hub (or, offline, the cache), its errors mapped to ours."""
+        from huggingface_hub import errors as hf_errors
+
         if not self.local_only and not isinstance(cached, str):  # a download: not ~25 s of retries for nothing
             self._check_endpoint(filename, revision)
             reason = hub_unreachable()
@@ -212,6 +252,8 @@ class HubClient:
             path = self._download(filename, revision, cache_dir, cached)
             if not isinstance(cached, str) or Path(cached) != path:
                 self.downloaded = True
+                drop_missing_mark(diskcache.repo_folder(cache_path(cache_dir), self.src.repo_id or ""), commit_of(path),
+                                  filename)
             return path
         except AdapterDownloadError:  # the plugin's own (HubTooSlowError): said already, not wrapped again
             raise
@@ -230,6 +272,7 @@ class HubClient:
         except hf_errors.LocalEntryNotFoundError as err:
             raise self._no_hub(filename, revision, None if self.local_only else str(err)) from err
         except hf_errors.EntryNotFoundError:
+            self.absent[filename] = (ANSWERED, "")
             return None
         except (hf_errors.HfHubHTTPError, OSError, ConnectionError) as err:
             raise self._failed(filename, err, str(err).rstrip(".")) from err
@@ -247,7 +290,7 @@ class HubClient:
 
     def _download(self, filename: str, revision: str | None, cache_dir: Path | None, cached: object) -> Path:
         """``hf_hub_download`` within the disk cache bound (`diskcache.download_file`) and the file's deadline
-        (`hubdeadline`); a file not ``cached`` before is checked against its ETag (`hubguard.check_content`).
+        (`hubdeadline`); a file not ``cached`` before is checked against its ETag (`diskcache.check_download`).
         huggingface_hub moves a branch's or tag's ref to the commit the Hub names before it transfers the file:
         where the transfer then fails, the ref is put back, so that the commit of it already cached still serves
         offline, and after a success it names the commit got ([`hubrefs`]: safe beside other downloads)."""
@@ -263,7 +306,8 @@ class HubClient:
                                                     local_files_only=self.local_only,
                                                     tqdm_class=logging_tqdm_class(f"{self.src.repo_id}:{filename}")))
             if not self.local_only and (not isinstance(cached, str) or Path(cached) != path):
-                hubguard.check_content(path, source=self.src.raw, filename=filename)
+                diskcache.check_download(path, self.src.repo_id or "", filename, source=self.src.raw,
+                                         cache_dir=cache_dir)
         move.settle(commit_of(path))  # another's failure may have put it back meanwhile
         return path
 
@@ -304,6 +348,50 @@ class HubClient:
         return AdapterDownloadError(f"{what}: {detail}. {tail}", source=self.src.raw,
                                     public_message=f"{what} ({kind}). {tail}")
 
+
+    def first_found(self, names: Sequence[str], commit: str | None) -> tuple[Path, str] | None:
+        """The first of ``names`` at ``commit`` that the cache or the Hub has, with its name. Where none is found and
+        online, those the cache only recorded as missing are asked for again (`fetch`), in order: a 404 the Hub or a
+        mirror answered wrongly once does not stand for good, and a resolve that finds a file costs no request."""
+        for name in names:
+            path = self.fetch(name, commit)
+            if path is not None:
+                return path, name
+        for name in self.recorded_missing(names) if not self.local_only else []:
+            path = self.fetch(name, commit, again=True)
+            if path is not None:
+                return path, name
+        return None
+
+    def recorded_missing(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` found missing only by the cache's record of an earlier 404 (not asked again)."""
+        return [n for n in names if self.absent.get(n, ("",))[0] == RECORDED]
+
+    def absence(self, names: Sequence[str], commit: str | None, *, public: bool = False) -> str:
+        """Say how the client found ``names`` missing at ``commit`` (after `first_found`), and what to do where the
+        repo has one of them after all (``public``: for a client, without the server's cache and settings)."""
+        said = {how: [repr(n) for n in names if self.absent.get(n, ("",))[0] == how]
+                for how in (ANSWERED, ASKED_AGAIN, RECORDED)}
+        parts = [f"{text} {', '.join(said[how])}" for how, text in (
+            (ANSWERED, "the Hub answered 404 for"), (ASKED_AGAIN, "the Hub answered 404 again for"),
+            (RECORDED, "the local cache records that the Hub answered 404 before for")) if said[how]]
+        text = f"At commit {commit}, " + ("; ".join(parts) or "none was found") + "."
+        recorded = self.recorded_missing(names)
+        if recorded and public:
+            text += " It was not asked again. If the repo has the file, tell the server's operator."
+        elif recorded:
+            why = next((self.absent[n][1] for n in recorded if self.absent[n][1]), "")
+            marks = [str(missing_mark(diskcache.repo_folder(cache_path(self.cache_dir), self.src.repo_id or ""),
+                                      commit or "", n)) for n in recorded]
+            unset = " (unset HF_HUB_OFFLINE)" if self.local_only else ""
+            text += (f" It was not asked again{f' ({why})' if why else ''}. If the repo has the file, that record is "
+                     f"wrong: resolve the source once with the Hub reachable{unset}, or run 'vllm-lora fetch "
+                     f"{self.src.raw}' there, which asks again and drops the record; or delete "
+                     f"{', '.join(map(repr, marks))}.")
+        elif said[ANSWERED] or said[ASKED_AGAIN]:
+            text += (" If the repo has the file, the Hub or mirror (HF_ENDPOINT) answered wrongly; a later online "
+                     "resolve asks again.")
+        return text
 
     def weight_files(self, revision: str | None, under: str = "") -> list[str]:
         """Return the repo's weight paths, ``.safetensors`` first, then pickle files, those in folder ``under``

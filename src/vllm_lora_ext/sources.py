@@ -9,8 +9,8 @@ Grammar (everything a LoRA path may be)::
 - ``ORG/REPO`` follows the Hub's repo-id rules: one or two names of ``[A-Za-z0-9_.-]``, no ``--``/``..``,
   not starting or ending with ``-`` or ``.``, at most 96 characters.
 - ``REVISION`` is a branch, tag or commit sha (``refs/pr/N`` allowed); no ``:``, no empty, ``.`` or ``..``
-  component (``a//b`` and ``a/.`` would name the cache's ref ``a/b`` or ``a``). A 40-hex
-  sha is a *pinned* source: once cached it resolves with no HTTP request at all.
+  component (``a//b`` and ``a/.`` would name the cache's ref ``a/b`` or ``a``). A 40-hex sha is a *pinned* source:
+  once cached it resolves with no HTTP request (but see ``HubClient.first_found`` for files recorded missing).
 - ``PATH`` is relative and POSIX: no leading ``/``, no ``..``, ``\\`` or NUL, no empty component.
   Ending in ``.safetensors`` it names one weight file; ending in ``.bin``/``.pt``/``.pth``/``.ckpt``
   it names a pickle file, refused unless pickle is explicitly allowed; anything else names a
@@ -44,8 +44,7 @@ from vllm_lora_ext._util import path_kind
 from vllm_lora_ext.diskledger import commit_of
 from vllm_lora_ext.headers import may_hold_lora
 from vllm_lora_ext.errors import AdapterDownloadError, AdapterNotFoundError, AdapterSourceError, UnsafeFormatError
-from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA
-from vllm_lora_ext.hub_client import HubClient
+from vllm_lora_ext.hub_client import COMMIT_SHA as _COMMIT_SHA, HubClient
 
 __all__ = ["AdapterSource", "ResolvedAdapter", "ConfigRule", "parse_source", "resolve_source", "fetch_source"]
 
@@ -129,6 +128,7 @@ class ResolvedAdapter:
         config_path: the config file used, or ``None`` when the config is inferred.
         config_rule: which lookup rule found the config.
         commit: the resolved commit sha (hub sources only).
+        config_note: for a hub source whose config is inferred, what the Hub or the cache said of each config file.
     """
 
     source: AdapterSource
@@ -136,6 +136,7 @@ class ResolvedAdapter:
     config_path: Path | None
     config_rule: ConfigRule
     commit: str | None = None
+    config_note: str | None = None
 
     @property
     def identity(self) -> str:
@@ -363,35 +364,40 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> Reso
     else:
         base = f"{src.path_in_repo}/" if src.path_in_repo else ""
         weight_candidates = [base + ADAPTER_WEIGHTS_NAME] + ([base + n for n in PICKLE_WEIGHTS_NAMES] if pickle_ok else [])
-    fetched = ((client.fetch(c, src.revision), c) for c in weight_candidates)  # lazily: the first one found wins
-    weights, weight_name = next(((w, c) for w, c in fetched if w is not None), (None, ""))
+    weights, weight_name = client.first_found(weight_candidates, src.revision) or (None, "")
     if weights is None:
         where = f"folder {src.path_in_repo!r}" if src.path_in_repo and not src.names_file else "repo root"
         what = repr(src.path_in_repo) if src.names_file else f"{ADAPTER_WEIGHTS_NAME} in the {where}"
         found = client.weight_files(src.revision, under=(src.path_in_repo or "").rpartition("/")[0] + "/"
                                     if src.names_file else f"{src.path_in_repo}/" if src.path_in_repo else "")
         rev, listed = f"@{src.revision}" if src.revision else "", f"{found[:5]}{' and more' if len(found) > 5 else ''}"
+        recorded = not found and client.recorded_missing(weight_candidates)  # offline: the cache's record of a 404
         if found and found[0].endswith(PICKLE_SUFFIXES) and not pickle_ok:  # no .safetensors at all
             fix = (f"The repo holds only pickle weights, {listed}, which can run code when loaded: re-save them as "
                    f".safetensors, or opt in with VLLM_LORA_EXT_ALLOW_PICKLE=1 (read with weights_only=True).")
         elif found:
             fix = f"The repo holds {listed}; name one, e.g. 'hf:{src.repo_id}{rev}:{found[0]}'."
+        elif recorded:
+            fix = client.absence(weight_candidates, src.revision)
         else:
             fix = (f"The repo holds no .safetensors file at this revision (or it could not be listed); check the "
                    f"revision, e.g. 'hf:{src.repo_id}@main'.")
-        raise AdapterNotFoundError(
-            f"Adapter source {src.raw!r}: {what} not found in repo {src.repo_id!r} at revision "
-            f"{src.revision or 'main'!r}. {fix}", source=src.raw, revision=src.revision,
-        )
+        said = (f"Adapter source {src.raw!r}: {what} not found in repo {src.repo_id!r} at revision "
+                f"{src.revision or 'main'!r}.")
+        raise AdapterNotFoundError(f"{said} {fix}", source=src.raw, revision=src.revision, public_message=(
+            f"{said} {client.absence(weight_candidates, src.revision, public=True)}" if recorded else None))
     commit = commit_of(weights) or src.revision
     folder = weight_name.rsplit("/", 1)[0] + "/" if "/" in weight_name else ""
     basename = weight_name.rsplit("/", 1)[-1]
     pinned = src.with_revision(commit) if commit else src
-    for name, rule in _config_candidates(basename):
-        cfg = client.fetch(folder + name, commit)
-        if cfg is not None:
-            return ResolvedAdapter(pinned, weights, cfg, rule, commit)
-    return ResolvedAdapter(pinned, weights, None, "inferred", commit)
+    rules = {folder + name: rule for name, rule in _config_candidates(basename)}
+    cfg = client.first_found(list(rules), commit)
+    if cfg is not None:
+        return ResolvedAdapter(pinned, weights, cfg[0], rules[cfg[1]], commit)
+    note = client.absence(list(rules), commit)
+    logger.warning("adapter source %r has no config file, so its config is inferred from the weights (rank from the "
+                   "lora_A shapes, lora_alpha from the safetensors metadata): %s", src.raw, note)
+    return ResolvedAdapter(pinned, weights, None, "inferred", commit, note)
 
 
 def resolve_source(

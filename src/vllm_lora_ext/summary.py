@@ -62,6 +62,7 @@ class AdapterSummary:
     num_tensors: int
     modules: list[ModuleSummary] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    config_note: str | None = None  # a hub adapter's inferred config: what the Hub or the cache said of its files
 
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
@@ -243,5 +244,5 @@ def summarize_adapter(resolved: ResolvedAdapter, *, name: str = "adapter",
         config_path=str(resolved.config_path) if resolved.config_path else None, config_rule=resolved.config_rule,
         commit=resolved.commit, layout=detect_layout(header.tensors), layers=dict(layout_by_layer(header.tensors)),
         r=config.r, lora_alpha=config.lora_alpha, use_rslora=config.use_rslora, total_bytes=header.total_bytes,
-        num_tensors=len(header.tensors), modules=modules, problems=problems,
+        num_tensors=len(header.tensors), modules=modules, problems=problems, config_note=resolved.config_note,
     )

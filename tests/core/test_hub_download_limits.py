@@ -259,6 +259,41 @@ def test_a_config_whose_bytes_differ_from_its_git_blob_id_etag_is_refused_and_re
     assert json.loads(resolve_source(repo).config_path.read_bytes()) == json.loads(config)
 
 
+@pytest.mark.parametrize("bound", [None, "10MiB"])
+def test_a_refused_file_leaves_the_disk_cache_ledger_with_the_cache(
+        hub: Any, repo: str, isolated_hf_cache: Path, monkeypatch: pytest.MonkeyPatch, bound: str | None) -> None:
+    """The ledger lists the files the plugin placed, which the bound counts and may evict with their revision: a
+    file refused and removed (its bytes not those its ETag names) leaves it too, and a revision with no file left
+    leaves it whole. Else a file someone else puts there later (the user's own 'hf download' of the config) was
+    taken for the plugin's, and its revision evictable."""
+    from huggingface_hub import hf_hub_download
+
+    from vllm_lora_ext.diskcache import list_cache
+    from vllm_lora_ext.diskholds import state_root
+    from vllm_lora_ext.diskledger import read_ledger
+    from vllm_lora_ext.errors import HubAnswerError
+
+    if bound is not None:
+        monkeypatch.setenv("VLLM_LORA_EXT_DISK_CACHE_BYTES", bound)
+    first = hub.repo("acme/a").refs["main"]
+    hub.lies[CONFIG] = {"body": hub_adapter_files()[CONFIG].replace(b'"r": 4', b'"r": 8')}
+    with pytest.raises(HubAnswerError):
+        resolve_source(repo)
+    assert read_ledger(state_root(None))[f"acme/a@{first}"]["files"] == [WEIGHTS]
+    hub.lies.clear()
+    hf_hub_download("acme/a", CONFIG, revision=first)  # the user's own download
+    [rev] = list_cache()
+    assert (rev.commit, rev.files, rev.evictable) == (first, (WEIGHTS,), False)
+
+    other = hub_adapter_files(seed=1)[WEIGHTS]
+    second = hub.repo("acme/a").commit({WEIGHTS: other})
+    hub.lies[WEIGHTS] = {"body": other[:-1] + bytes([other[-1] ^ 0xFF])}
+    with pytest.raises(HubAnswerError):
+        resolve_source(repo)
+    assert f"acme/a@{second}" not in read_ledger(state_root(None))
+    assert [r.commit for r in list_cache()] == [first]
+
+
 def test_an_lfs_file_named_by_its_pointers_git_blob_id_loads(hub: Any, repo: str) -> None:
     """A mirror that drops the Hub's X-Linked-Etag answers an LFS file's ETag by the git blob id of its pointer
     file, not of its bytes: that is the right file, and it loads."""

@@ -65,10 +65,10 @@ def _fetch_one(args: argparse.Namespace, source: str, held: list[Any]) -> int:
         return 1
     record = {"source": source, "pinned": r.source.canonical(), "commit": r.commit,
               "weights": str(r.weights_path), "config": str(r.config_path) if r.config_path else None,
-              "config_rule": r.config_rule}
+              "config_rule": r.config_rule, "config_note": r.config_note}
     if args.json:
         print(json.dumps(record))
     else:
         print(f"{source} -> {record['pinned']}\n  weights {record['weights']}\n  config  {record['config']} "
-              f"[{record['config_rule']}]")
+              f"[{record['config_rule']}]" + (f"\n          {r.config_note}" if r.config_note else ""))
     return 0

@@ -44,6 +44,7 @@ def render(summary: AdapterSummary, *, max_rows: int | None = 40) -> str:
         f"source      {summary.source}",
         f"weights     {summary.weights_path}",
         f"config      {summary.config_path or '(none)'}  [rule: {summary.config_rule}]",
+        *([f"            {summary.config_note}"] if summary.config_note else []),
     ]
     if summary.commit:
         lines.append(f"commit      {summary.commit}")
