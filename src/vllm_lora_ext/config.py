@@ -14,7 +14,6 @@ import math
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,13 +156,8 @@ def _check_pattern_key(key: str, field_name: str, adapter: str) -> None:
     why = f"is {len(key)} characters, more than {MAX_PATTERN_KEY_CHARS}" if len(key) > MAX_PATTERN_KEY_CHARS else ""
     if not why:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", FutureWarning)  # re: "possible nested set" and set operators
-                re.compile(rf"(.*\.)?({key})$")
+            re.compile(rf"(.*\.)?({key})$")
             _matcher(key)
-        except FutureWarning as err:
-            why = (f"holds a set that re (PEFT) and the regex engine read differently ({clip(str(err))}; "
-                   f"'[[:alpha:]]' is a POSIX class to one, the characters '[:alph' to the other)")
         except (re.error, regex.error, OverflowError, RecursionError, ValueError) as err:
             why = f"is not a regular expression PEFT can compile ({clip(str(err))})"
     if not why:
@@ -177,17 +171,51 @@ _QUANTIFIER = re.compile(r"\{(?:[0-9]+|[0-9]*,[0-9]*)\}")
 
 
 def _engines_differ(key: str) -> str:
-    """Why ``regex`` would read ``key`` otherwise than ``re`` ('' if it reads it alike): a ``{`` that opens no
-    ``{m}``/``{m,n}`` repeat is a literal brace to ``re`` and, as in ``q_proj{e<=1}``, a fuzzy-match constraint to
-    ``regex`` (which then matches ``k_proj`` and ``o_proj`` too). No module name holds a brace, so such a key
-    matches nothing in PEFT."""
-    i = key.find("{")
-    while i != -1:
-        if not _QUANTIFIER.match(key, i):
+    """Why ``regex`` would read ``key`` otherwise than ``re`` ('' if it reads it alike), by a scan of its text (not
+    by ``re``'s FutureWarnings: warning filters are process state other threads change, and ``re`` warns only the
+    first time it compiles a pattern it then caches):
+
+    - outside a set, an unescaped ``{`` that opens no ``{m}``/``{m,n}`` repeat is a literal brace to ``re`` and, as
+      in ``q_proj{e<=1}``, a fuzzy-match constraint to ``regex`` (which then matches ``k_proj`` and ``o_proj``
+      too); no module name holds a brace, so such a key matches nothing in PEFT;
+    - a set that starts with ``[`` (``[[:alpha:]]`` is a POSIX class to one, the characters ``[:alph`` to the other)
+      or holds ``--``, ``&&``, ``~~`` or ``||`` (a set operation to one): where ``re`` itself warns."""
+    i, n = 0, len(key)
+    while i < n:
+        c = key[i]
+        if c == "\\":
+            i += 2
+        elif c == "{" and not _QUANTIFIER.match(key, i):
             return (f"holds a '{{' that is no {{m}} or {{m,n}} repeat: a literal brace to re (PEFT), which no module "
                     f"name holds, and a fuzzy-match constraint to the regex engine ({short_repr(key[i:i + 12])})")
-        i = key.find("{", i + 1)
+        elif c == "[":
+            i, why = _set_differs(key, i + 1)
+            if why:
+                return (f"holds a set that re (PEFT) and the regex engine read differently ({why}; '[[:alpha:]]' is "
+                        f"a POSIX class to one, the characters '[:alph' to the other)")
+        else:
+            i += 1
     return ""
+
+
+def _set_differs(key: str, i: int) -> tuple[int, str]:
+    """Scan the set of ``key`` whose ``[`` ends at ``i``: where it ends, and why the two engines may read it
+    differently ('' where they read it alike; see `_engines_differ`)."""
+    n = len(key)
+    if i < n and key[i] == "^":
+        i += 1
+    if i < n and key[i] == "[":
+        return i, f"a nested set at character {i}"
+    first = True  # a ']' first in a set is a character of it
+    while i < n:
+        c = key[i]
+        if c == "]" and not first:
+            return i + 1, ""
+        if c in "-&~|" and not first and key[i + 1:i + 2] == c:
+            return i, f"'{c}{c}', a set operation, at character {i}"
+        i += 2 if c == "\\" else 1
+        first = False
+    return i, ""
 
 
 @functools.lru_cache(maxsize=4096)

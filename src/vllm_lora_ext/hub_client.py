@@ -349,15 +349,17 @@ class HubClient:
                                     public_message=f"{what} ({kind}). {tail}")
 
 
-    def first_found(self, names: Sequence[str], commit: str | None) -> tuple[Path, str] | None:
-        """The first of ``names`` at ``commit`` that the cache or the Hub has, with its name. Where none is found and
-        online, those the cache only recorded as missing are asked for again (`fetch`), in order: a 404 the Hub or a
-        mirror answered wrongly once does not stand for good, and a resolve that finds a file costs no request."""
+    def first_found(self, names: Sequence[str], commit: str | None, *, required: bool) -> tuple[Path, str] | None:
+        """The first of ``names`` at ``commit`` that the cache or the Hub has, with its name. Where none is found,
+        online, and the caller cannot go on without one (``required``: the weights) or is 'vllm-lora fetch', those
+        the cache only recorded as missing are asked for again (`fetch`), in order: a 404 the Hub or a mirror
+        answered wrongly once does not stand for good. Otherwise (a config, which may be inferred) the record is
+        believed, so that a pinned, cached source resolves with no request; `absence` says how to clear it."""
         for name in names:
             path = self.fetch(name, commit)
             if path is not None:
                 return path, name
-        for name in self.recorded_missing(names) if not self.local_only else []:
+        for name in self.recorded_missing(names) if (required or self.fetching) and not self.local_only else []:
             path = self.fetch(name, commit, again=True)
             if path is not None:
                 return path, name
@@ -385,12 +387,11 @@ class HubClient:
                                       commit or "", n)) for n in recorded]
             unset = " (unset HF_HUB_OFFLINE)" if self.local_only else ""
             text += (f" It was not asked again{f' ({why})' if why else ''}. If the repo has the file, that record is "
-                     f"wrong: resolve the source once with the Hub reachable{unset}, or run 'vllm-lora fetch "
-                     f"{self.src.raw}' there, which asks again and drops the record; or delete "
-                     f"{', '.join(map(repr, marks))}.")
+                     f"wrong: run 'vllm-lora fetch {self.src.raw}' with the Hub reachable{unset}, which asks again "
+                     f"and drops the record; or delete {', '.join(map(repr, marks))}.")
         elif said[ANSWERED] or said[ASKED_AGAIN]:
-            text += (" If the repo has the file, the Hub or mirror (HF_ENDPOINT) answered wrongly; a later online "
-                     "resolve asks again.")
+            text += (f" If the repo has the file, the Hub or mirror (HF_ENDPOINT) answered wrongly; once it answers "
+                     f"rightly, 'vllm-lora fetch {self.src.raw}' asks again.")
         return text
 
     def weight_files(self, revision: str | None, under: str = "") -> list[str]:

@@ -249,8 +249,8 @@ def contained(path: str, repo: Path, *, source: str, commit: str | None = None) 
 def check_content(path: str | os.PathLike[str], *, source: str, filename: str) -> None:
     """Refuse the downloaded file ``path`` (a snapshot's link to its blob) if its blob is named by a digest its bytes
     do not have: a sha256 (an LFS file's ETag) or a git blob id (a git file's: the sha1 of ``b"blob <size>\\0"`` and
-    the bytes; a mirror that drops the Hub's ``X-Linked-Etag`` answers an LFS file's by its pointer's, which is
-    taken too). Remove the link and the blob, so that the cache serves no wrong bytes and a retry downloads the
+    the bytes; a mirror that drops the Hub's ``X-Linked-Etag`` answers an LFS file's by its pointer's, and some
+    mirrors a file's by the plain sha1 of its bytes: both are taken too). Remove the link and the blob, so that the cache serves no wrong bytes and a retry downloads the
     file again, and raise [`HubAnswerError`] naming the file, the source and both digests. A blob named otherwise
     (a mirror's own kind of ETag) or a copy instead of a link is not checked."""
     if not os.path.islink(path):
@@ -262,7 +262,8 @@ def check_content(path: str | os.PathLike[str], *, source: str, filename: str) -
     elif GIT_BLOB_ID.match(etag):
         size = os.path.getsize(path)
         kind, got = "git blob id", _digest(path, hashlib.sha1(b"blob %d\0" % size))
-        if got != etag and etag == _lfs_pointer_id(_digest(path, hashlib.sha256()), size):
+        if got != etag and etag in (_lfs_pointer_id(_digest(path, hashlib.sha256()), size),
+                                    _digest(path, hashlib.sha1())):  # (a mirror's sha1 of the bytes themselves)
             return
     else:
         return

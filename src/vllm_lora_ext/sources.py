@@ -364,7 +364,7 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> Reso
     else:
         base = f"{src.path_in_repo}/" if src.path_in_repo else ""
         weight_candidates = [base + ADAPTER_WEIGHTS_NAME] + ([base + n for n in PICKLE_WEIGHTS_NAMES] if pickle_ok else [])
-    weights, weight_name = client.first_found(weight_candidates, src.revision) or (None, "")
+    weights, weight_name = client.first_found(weight_candidates, src.revision, required=True) or (None, "")
     if weights is None:
         where = f"folder {src.path_in_repo!r}" if src.path_in_repo and not src.names_file else "repo root"
         what = repr(src.path_in_repo) if src.names_file else f"{ADAPTER_WEIGHTS_NAME} in the {where}"
@@ -391,7 +391,7 @@ def _resolve_hub(src: AdapterSource, pickle_ok: bool, client: HubClient) -> Reso
     basename = weight_name.rsplit("/", 1)[-1]
     pinned = src.with_revision(commit) if commit else src
     rules = {folder + name: rule for name, rule in _config_candidates(basename)}
-    cfg = client.first_found(list(rules), commit)
+    cfg = client.first_found(list(rules), commit, required=False)
     if cfg is not None:
         return ResolvedAdapter(pinned, weights, cfg[0], rules[cfg[1]], commit)
     note = client.absence(list(rules), commit)

@@ -108,3 +108,43 @@ def test_peft_features_that_change_what_the_factors_mean_are_refused(field: str,
         config_from_dict({"r": 4, "lora_alpha": 8, field: value}, name="a")
     assert fragment in str(info.value)
     config_from_dict({"r": 4, "lora_alpha": 8, field: None}, name="a")  # unset (PEFT writes null): a plain LoRA
+
+
+def test_checking_pattern_keys_on_many_threads_leaves_the_warning_filters_alone_and_refuses_after_re_cached_them(
+) -> None:
+    """(Review of r45.) The check once turned re's FutureWarning into an error inside ``warnings.catch_warnings``,
+    which is process state: threads checking configs at once left the 'error' filter installed (any later
+    FutureWarning in the process raised) or dropped it during a check (a bad key passed). And ``re`` warns only the
+    first time it compiles a pattern, so after PEFT (or anything) had compiled ``(.*\\.)?([[:alpha:]]_proj)$``, the
+    key passed. The check is now a scan of the key's text."""
+    import re
+    import sys
+    import threading
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        re.compile(r"(.*\.)?([[:alpha:]]_proj)$")  # as PEFT compiles it: re caches it, and warns no more
+    with pytest.raises(AdapterFormatError, match="read differently"):
+        config_from_dict({"r": 8, "lora_alpha": 16, "alpha_pattern": {"[[:alpha:]]_proj": 64}})
+    before = list(warnings.filters)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def check(n: int) -> None:
+            for j in range(40):
+                config_from_dict({"r": 8, "lora_alpha": 16, "alpha_pattern": {f"layers\\.{n}{j}\\.q_proj": 32}})
+
+        threads = [threading.Thread(target=check, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert warnings.filters == before
+
+
+@pytest.mark.parametrize("key", ["q_proj\\{x\\}", "[{]_proj", "[a-z]{2}_proj", "[]]x"])
+def test_braces_and_sets_both_engines_read_alike_are_accepted_as_peft_accepts_them(key: str) -> None:
+    config_from_dict({"r": 8, "lora_alpha": 16, "alpha_pattern": {key: 32}})

@@ -304,6 +304,14 @@ def test_an_lfs_file_named_by_its_pointers_git_blob_id_loads(hub: Any, repo: str
     assert Path(resolve_source(repo).weights_path).read_bytes() == data
 
 
+def test_a_file_named_by_the_plain_sha1_of_its_bytes_loads(hub: Any, repo: str) -> None:
+    """(Review of r45.) Some mirrors answer a file's ETag by the sha1 of its bytes, 40 hex digits like a git blob id:
+    that is the right file, and it loads (r45's git blob id check had refused and removed it)."""
+    data = weights()
+    hub.lies[WEIGHTS] = {"etag": hashlib.sha1(data).hexdigest()}
+    assert Path(resolve_source(repo).weights_path).read_bytes() == data
+
+
 def test_a_cached_file_is_not_hashed_again(hub: Any, repo: str, isolated_hf_cache: Path) -> None:
     """Only a download is checked: a later resolve of the same revision, which finds the file cached, reads it as
     it is (hashing gigabytes at every resolve would cost a load its time)."""

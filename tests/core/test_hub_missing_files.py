@@ -44,45 +44,55 @@ def requests_for(hub: Any, filename: str, since: int) -> list[tuple[str, str]]:
     return [r for r in hub.requests[since:] if r[1].endswith("/" + filename)]
 
 
-def test_a_config_the_hub_wrongly_answered_404_for_is_got_by_a_later_online_resolve(
+def test_a_config_the_hub_wrongly_answered_404_for_is_got_by_vllm_lora_fetch_and_then_served(
         hub: Any, commit: str, isolated_hf_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The first resolve goes on without the config, and says so (a warning, and ``config_note``); once the Hub
-    answers truly, the next resolve, pinned or by branch, asks again, gets the real config and drops the record, so
-    that offline and huggingface_hub's own cache lookup find it too."""
+    """The first resolve goes on without the config, and says so (a warning, and ``config_note``). Once the Hub
+    answers truly, a plain resolve still believes the cache's record (a pinned, cached source costs no request),
+    and says how to clear it; 'vllm-lora fetch' asks again, gets the real config and drops the record, so that every
+    later resolve, offline and huggingface_hub's own cache lookup find it."""
     wrong_404(hub, CONFIG)
     with caplog.at_level(logging.WARNING, logger="vllm_lora_ext"):
         first = resolve_source("hf:acme/a")
     assert (first.config_rule, first.commit) == ("inferred", commit)
     assert first.config_note is not None and "the Hub answered 404 for 'adapter_config.json'" in first.config_note
-    assert "a later online resolve asks again" in first.config_note
+    assert "'vllm-lora fetch hf:acme/a' asks again" in first.config_note
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("'hf:acme/a' has no config file, so its config is inferred" in w for w in warned), warned
     assert record_of(isolated_hf_cache, commit, CONFIG).is_file()
 
     hub.script.clear()  # the Hub is fixed
-    pinned = resolve_source(f"hf:acme/a@{commit}")
-    assert pinned.config_rule == CONFIG and pinned.config_note is None
-    assert json.loads(pinned.config_path.read_bytes()) == json.loads(hub_adapter_files()[CONFIG])
-    assert load_config(pinned).r == 4
+    before = hub.count()
+    believed = resolve_source(f"hf:acme/a@{commit}")
+    assert believed.config_rule == "inferred" and hub.count() == before  # no request on the pinned, cached path
+    assert f"run 'vllm-lora fetch hf:acme/a@{commit}' with the Hub reachable" in str(believed.config_note)
+    fetched = fetch_source(f"hf:acme/a@{commit}")
+    assert fetched.config_rule == CONFIG and fetched.config_note is None
+    assert json.loads(fetched.config_path.read_bytes()) == json.loads(hub_adapter_files()[CONFIG])
+    assert load_config(fetched).r == 4
     assert not record_of(isolated_hf_cache, commit, CONFIG).exists()
 
     from huggingface_hub import try_to_load_from_cache
 
-    assert try_to_load_from_cache("acme/a", CONFIG, revision=commit) == str(pinned.config_path)
+    assert try_to_load_from_cache("acme/a", CONFIG, revision=commit) == str(fetched.config_path)
     before = hub.count()
     assert resolve_source(f"hf:acme/a@{commit}").config_rule == CONFIG and hub.count() == before  # no request
 
 
-def test_a_config_missing_on_the_hub_is_asked_for_again_once_per_resolve_and_stays_inferred(
+def test_a_config_missing_on_the_hub_costs_a_resolve_no_request_and_fetch_asks_once(
         hub: Any, isolated_hf_cache: Path) -> None:
-    """An adapter that truly has no config: each online resolve of its pinned source asks the Hub once more for
-    it (one round, not one per retry), and goes on inferred, saying that the Hub answered 404 again."""
+    """An adapter that truly has no config: an online resolve of its pinned, cached source believes the cache's
+    record and makes no request; 'vllm-lora fetch' asks the Hub once more (one round, not one per retry), and goes
+    on inferred, saying that the Hub answered 404 again."""
     files = hub_adapter_files()
     sha = hub.repo("acme/a").commit({WEIGHTS: files[WEIGHTS]})
     assert resolve_source("hf:acme/a").config_rule == "inferred"
     for _ in range(2):
         since = hub.count()
-        again = resolve_source(f"hf:acme/a@{sha}")
+        plain = resolve_source(f"hf:acme/a@{sha}")
+        assert plain.config_rule == "inferred" and hub.count() == since, hub.requests[since:]
+        assert "records that the Hub answered 404 before for 'adapter_config.json'" in str(plain.config_note)
+        since = hub.count()
+        again = fetch_source(f"hf:acme/a@{sha}")
         assert again.config_rule == "inferred" and "the Hub answered 404 again for 'adapter_config.json'" in str(
             again.config_note)
         asked = requests_for(hub, CONFIG, since)
@@ -137,8 +147,8 @@ def test_a_config_another_client_got_since_the_404_is_used_offline_and_the_recor
 
 def test_where_the_hub_cannot_be_asked_again_the_record_stands_and_the_resolve_says_so(
         hub: Any, commit: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Online but the Hub unreachable: the pinned source still resolves from the cache (as before the record was
-    ever doubted), its note saying why the Hub was not asked again."""
+    """Online but the Hub unreachable: 'vllm-lora fetch' of the pinned source still resolves from the cache (as
+    before the record was ever doubted), its note saying why the Hub was not asked again."""
     import socket
 
     import huggingface_hub.constants as hc
@@ -149,7 +159,7 @@ def test_where_the_hub_cannot_be_asked_again_the_record_stands_and_the_resolve_s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setattr(hc, "ENDPOINT", f"http://127.0.0.1:{port}")  # nothing listens there
-    closed = resolve_source(f"hf:acme/a@{commit}")
+    closed = fetch_source(f"hf:acme/a@{commit}")
     assert closed.config_rule == "inferred"
     assert "not asked again (asking failed, AdapterNotFoundError: see the warning before)" in str(closed.config_note)
 
