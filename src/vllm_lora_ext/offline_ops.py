@@ -99,7 +99,8 @@ def load_base_config(value: str) -> dict[str, Any]:
 
         client = HubClient(AdapterSource(value, "hf", repo_id=repo_id, revision=revision or None), cache_dir=None,
                             token=None, local_files_only=hf_offline(), label="base model")
-        found = (client.first_found(["config.json"], revision or None) or (None, ""))[0]  # a recorded 404: asked again
+        # (required: a config.json recorded missing is asked for again, as the command cannot go on without it)
+        found = (client.first_found(["config.json"], revision or None, required=True) or (None, ""))[0]
         if found is None:
             raise AdapterNotFoundError(f"Base model {value!r} has no config.json. Name the base model's repo.",
                                        source=value)
